@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules for zerokl.v1 (see tools/gen_protos.py)."""

@@ -1,0 +1,1 @@
+"""zerokl.services: the five gRPC services (prefill, decode, trainer, weight-store, scheduler)."""

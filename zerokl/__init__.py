@@ -1,0 +1,1 @@
+"""zerokl: RL post-training and serving with train/inference KL exactly 0."""
