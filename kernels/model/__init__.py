@@ -1,1 +1,1 @@
-X='kernels/model'
+"""Models built on zerokl.kernels."""

@@ -1,0 +1,70 @@
+"""The one place where the kernel backend is chosen.
+
+`torch` runs everywhere (the embedded CPU default); `triton` is the GPU default
+and runs on CPU under TRITON_INTERPRET=1 (how CI tests it). Bits are promised
+equal within a backend, never across backends.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+__all__ = ["BACKENDS", "default_backend", "get_backend", "use_backend", "backend_module", "device_name"]
+
+BACKENDS = ("torch", "triton")
+
+_active: contextvars.ContextVar[str | None] = contextvars.ContextVar("zerokl_backend", default=None)
+
+
+def default_backend() -> str:
+    """ZEROKL_BACKEND if set, else triton on CUDA machines and torch elsewhere."""
+    name = os.environ.get("ZEROKL_BACKEND")
+    if name:
+        if name not in BACKENDS:
+            raise ValueError(f"ZEROKL_BACKEND={name!r}: expected one of {BACKENDS}")
+        return name
+    return "triton" if torch.cuda.is_available() else "torch"
+
+
+def get_backend() -> str:
+    """The backend the current context computes with."""
+    return _active.get() or default_backend()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Compute with `name` inside the block: `with use_backend("triton"): ...`."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: expected one of {BACKENDS}")
+    token = _active.set(name)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def backend_module(name: str | None = None) -> ModuleType:
+    """The module implementing the ops for `name` (default: the active backend)."""
+    name = name or get_backend()
+    if name == "torch":
+        from zerokl.kernels import torch_ops
+        return torch_ops
+    if not torch.cuda.is_available():
+        # Triton decides at decoration time whether to interpret: set it before import.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from zerokl.kernels import triton as triton_ops
+    return triton_ops
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """A short name for the device type whose bits a fingerprint covers, e.g. cpu-avx512, cuda-sm90."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda-sm{major}{minor}"
+    return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"

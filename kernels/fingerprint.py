@@ -1,0 +1,96 @@
+"""The numerics fingerprint: a hash of golden-vector outputs on the active backend.
+
+Two processes whose fingerprints agree compute the same bits for every op (and,
+once registered, the reference model forward). Services advertise it; the
+scheduler never pairs replicas whose fingerprints differ; every weight version
+records the fingerprint it was trained under.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Callable
+
+import torch
+
+from zerokl.kernels import ops
+from zerokl.kernels.backend import device_name, get_backend, use_backend
+from zerokl.kernels.sampling import SamplingParams, sample
+from zerokl.kernels.version import __version__
+
+__all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_key"]
+
+# Extra golden cases registered by layers built on the kernels (the model forward).
+_EXTRA_CASES: dict[str, Callable[[torch.device, torch.dtype], torch.Tensor]] = {}
+
+
+def register_golden_case(name: str, fn: Callable[[torch.device, torch.dtype], torch.Tensor]) -> None:
+    """Add a golden case (e.g. the tiny model's logits) to the fingerprint."""
+    _EXTRA_CASES[name] = fn
+
+
+def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Outputs of every op on fixed seeded inputs (made on CPU, moved to `device`)."""
+    dev = torch.device(device)
+
+    def x(seed, *shape, scale=1.0, dt=dtype):
+        return _inputs(seed, *shape, scale=scale).to(device=dev, dtype=dt)
+
+    idx = torch.tensor([[0, 1, 2, 3, 4, 5, -1, -1, -1], [0, 2, 4, 6, 7, 8, 9, 10, 11]], device=dev)
+    out = {
+        "linear": ops.linear(x(1, 5, 67), x(2, 33, 67, scale=0.1), x(3, 33, dt=torch.float32)),
+        "grouped_linear": ops.grouped_linear(x(4, 7, 40), x(5, 3, 24, 40, scale=0.1), [0, 2, 2, 7]),
+        "rms_norm": ops.rms_norm(x(6, 3, 96, scale=3), x(7, 96)),
+        "layer_norm": ops.layer_norm(x(8, 3, 80), x(9, 80), x(10, 80)),
+        "log_softmax": ops.log_softmax(x(11, 3, 333, scale=4)),
+        "softmax": ops.softmax(x(12, 3, 333, scale=4)),
+        "silu": ops.silu(x(13, 4, 37, scale=6)),
+        "sigmoid": ops.sigmoid(x(14, 4, 37, scale=6)),
+        "rope": ops.rope(x(15, 4, 3, 16), torch.tensor([0, 7, 900, 65000], device=dev), ops.rope_inv_freq(16, 10000.0), True),
+        "mla_attention": ops.mla_attention(x(16, 2, 4, 32), x(17, 2, 4, 8), x(18, 12, 32), x(19, 12, 8), idx, 0.125),
+        "indexer_scores": ops.indexer_scores(x(20, 2, 4, 16), x(21, 12, 16), x(22, 2, 4, dt=torch.float32), idx),
+        "moe_route": torch.cat([t.float() for t in ops.moe_route(x(23, 6, 16, dt=torch.float32), x(24, 16, dt=torch.float32), 4, 4, 2, 2.5)], 1),
+        "moe_experts": ops.moe_experts(x(25, 5, 24), torch.rand(5, 2, generator=torch.Generator().manual_seed(26)).to(dev),
+                                       torch.tensor([[0, 1], [0, 2], [3, 0], [1, 2], [0, 3]], device=dev),
+                                       x(27, 4, 20, 24, scale=0.2), x(28, 4, 20, 24, scale=0.2), x(29, 4, 24, 20, scale=0.2)),
+    }
+    params = SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4))
+    tokens, logprobs = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
+    out["sampling"] = torch.cat([tokens.float(), logprobs])
+    for name, fn in _EXTRA_CASES.items():
+        out[name] = fn(dev, dtype)
+    return out
+
+
+def _digest(t: torch.Tensor) -> str:
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() + str((t.dtype, tuple(t.shape))).encode()).hexdigest()[:16]
+
+
+def golden_digests(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, str]:
+    """Per-op digests of `golden_outputs` (so a failing golden test names the op that changed)."""
+    with torch.no_grad():
+        return {name: _digest(t) for name, t in sorted(golden_outputs(device, dtype).items())}
+
+
+def fingerprint_key(backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """The (backend, device type, dtype) a fingerprint covers, e.g. torch/cpu-avx512/float32."""
+    return f"{backend or get_backend()}/{device or device_name()}/{str(dtype).removeprefix('torch.')}"
+
+
+@functools.lru_cache(maxsize=None)
+def _fingerprint(backend: str, device: str, dtype: torch.dtype) -> str:
+    with use_backend(backend):
+        digests = golden_digests(device, dtype)
+    blob = __version__ + "".join(f"{k}={v};" for k, v in digests.items())
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def fingerprint(backend: str | None = None, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """16 hex digits identifying the bits this process computes (numerics version included)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return _fingerprint(backend or get_backend(), str(device), dtype)

@@ -1,0 +1,287 @@
+"""The public ops of the numerics library, dispatched to the active backend.
+
+Every op here is part of zerokl's numerical definition (NUMERICS.md states each
+one). Elementary ops (GEMMs, norms, softmax, RoPE, attention, indexer scores)
+come from the backend; composite ops (top-k selection, MoE routing and expert
+combine) are written once here on top of them, so both backends share the
+composite's order of operations.
+
+Autograd: the torch backend is differentiable as written. A Triton forward is
+wrapped so that its backward recomputes the same function with the torch backend
+and differentiates that: gradients are deterministic, forward bits are Triton's.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from zerokl.kernels.backend import backend_module, get_backend
+
+__all__ = [
+    "linear",
+    "grouped_linear",
+    "rms_norm",
+    "layer_norm",
+    "softmax",
+    "log_softmax",
+    "sigmoid",
+    "silu",
+    "rope",
+    "rope_inv_freq",
+    "mla_attention",
+    "indexer_scores",
+    "topk_positions",
+    "moe_route",
+    "moe_experts",
+    "swiglu_mlp",
+]
+
+
+class _RecomputeGrad(torch.autograd.Function):
+    """Forward with `fast`, backward by differentiating `slow` (same math, torch backend)."""
+
+    @staticmethod
+    def forward(ctx, fast: Callable, slow: Callable, spec: tuple, *tensors: torch.Tensor):
+        ctx.slow, ctx.spec = slow, spec
+        ctx.save_for_backward(*tensors)
+        return fast(*_merge(spec, tensors))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.slow(*_merge(ctx.spec, inputs))
+        wrt = [t for t in inputs if t.requires_grad]
+        got = iter(torch.autograd.grad(out, wrt, grads, allow_unused=True)) if wrt else iter(())
+        return (None, None, None) + tuple(next(got) if t.requires_grad else None for t in inputs)
+
+
+def _merge(spec: tuple, tensors) -> list:
+    """Rebuild the positional argument list: spec holds non-tensor args, None marks a tensor slot."""
+    it = iter(tensors)
+    return [next(it) if s is _TENSOR else s for s in spec]
+
+
+_TENSOR = object()
+
+
+def _call(name: str, *args):
+    """Run op `name` on the active backend, keeping autograd when the backend is Triton."""
+    backend = get_backend()
+    fast = getattr(backend_module(backend), name)
+    if backend == "torch":
+        return fast(*args)
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return fast(*args)
+    slow = getattr(backend_module("torch"), name)
+    spec = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
+    return _RecomputeGrad.apply(fast, slow, spec, *tensors)
+
+
+# ---------------------------------------------------------------- elementary ops
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = input @ weight.T + bias with weight [N, K]; fp32 accumulation, K order fixed by weight's shape."""
+    if input.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
+    return _call("linear", input, weight, bias)
+
+
+def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of input [M, K] times weight[g].T, weight [G, N, K] -> [M, N]."""
+    if len(offsets) != weight.shape[0] + 1 or offsets[0] != 0 or offsets[-1] != input.shape[0]:
+        raise ValueError(f"grouped_linear: offsets {offsets} do not cover {input.shape[0]} rows in {weight.shape[0]} groups")
+    return _call("grouped_linear", input, weight, list(offsets))
+
+
+def rms_norm(input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32; output in input.dtype."""
+    return _call("rms_norm", input, weight, float(eps))
+
+
+def layer_norm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm over the last dim in fp32 (the indexer's k_norm); output in input.dtype."""
+    return _call("layer_norm", input, weight, bias, float(eps))
+
+
+def softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax over the last dim, fp32 output."""
+    _last_dim_only("softmax", input, dim)
+    return _call("softmax", input)
+
+
+def log_softmax(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """log_softmax over the last dim, fp32 output."""
+    _last_dim_only("log_softmax", input, dim)
+    return _call("log_softmax", input)
+
+
+def sigmoid(input: torch.Tensor) -> torch.Tensor:
+    """Element-wise sigmoid in fp32."""
+    return _call("sigmoid", input)
+
+
+def silu(input: torch.Tensor) -> torch.Tensor:
+    """Element-wise SiLU in fp32."""
+    return _call("silu", input)
+
+
+def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    """inv_freq[i] = theta ** (-2i / dim) as fp32, computed in Python doubles (torch.pow is not
+    position-invariant on CPU, and these constants must not depend on the machine's SIMD path)."""
+    return torch.tensor([theta ** (-2.0 * i / dim) for i in range(dim // 2)], dtype=torch.float32)
+
+
+def rope(input: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = True) -> torch.Tensor:
+    """Rotary embedding of input [T, H, D] at integer positions [T]; output in input.dtype."""
+    if input.dim() != 3 or input.shape[-1] != 2 * inv_freq.numel() or positions.shape != input.shape[:1]:
+        raise ValueError(f"rope: input {tuple(input.shape)}, positions {tuple(positions.shape)}, inv_freq {inv_freq.numel()}")
+    return _call("rope", input, positions, inv_freq.to(input.device), bool(interleaved))
+
+
+def mla_attention(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    key_index: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Absorbed MLA attention; see NUMERICS.md. Shapes: q_latent [T, H, R], q_rope [T, H, P],
+    kv_latent [S, R], k_rope [S, P], key_index [T, L] (ascending slots, -1 padded) -> [T, H, R] fp32."""
+    t, h, r = q_latent.shape
+    if q_rope.shape[:2] != (t, h) or kv_latent.shape[-1] != r or k_rope.shape[-1] != q_rope.shape[-1] \
+            or key_index.shape[0] != t or kv_latent.shape[0] != k_rope.shape[0]:
+        raise ValueError("mla_attention: inconsistent shapes "
+                         f"{tuple(q_latent.shape)} {tuple(q_rope.shape)} {tuple(kv_latent.shape)} "
+                         f"{tuple(k_rope.shape)} {tuple(key_index.shape)}")
+    return _call("mla_attention", q_latent, q_rope, kv_latent, k_rope, key_index, float(scale))
+
+
+def indexer_scores(q: torch.Tensor, k_cache: torch.Tensor, head_weights: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+    """DSA lightning-indexer scores [T, L] in fp32 (-inf at padding); see NUMERICS.md."""
+    return _call("indexer_scores", q, k_cache, head_weights, key_index)
+
+
+def _last_dim_only(name: str, x: torch.Tensor, dim: int) -> None:
+    if dim not in (-1, x.dim() - 1):
+        raise ValueError(f"{name}: only the last dim is supported (got dim={dim})")
+
+
+# ---------------------------------------------------------------- composite ops
+
+def _canonical(x: torch.Tensor) -> torch.Tensor:
+    """fp32 with -0.0 turned into +0.0, so ordering never tells the two zeros apart."""
+    return x.float() + 0.0
+
+
+def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
+    """Indices that order each row by score descending, ties to the LOWER index (stable sort)."""
+    return torch.sort(_canonical(scores), dim=-1, descending=True, stable=True).indices
+
+
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest-scoring positions of each row, returned ascending.
+
+    scores [T, L] fp32 with -inf at invalid entries; positions [T, L] int64 in ascending
+    order along each row (the key list order). Ties go to the lower position; -inf entries
+    are never selected. Returns [T, min(k, L)] int64, -1 padded at the end of a row.
+    """
+    take = min(k, scores.shape[-1])
+    order = _rank_desc(scores)[:, :take]
+    chosen = positions.gather(1, order)
+    valid = scores.gather(1, order) > float("-inf")
+    big = torch.iinfo(torch.int64).max
+    chosen = torch.where(valid, chosen, torch.full_like(chosen, big))
+    chosen = torch.sort(chosen, dim=-1).values
+    return torch.where(chosen == big, torch.full_like(chosen, -1), chosen)
+
+
+def moe_route(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    route_scale: float,
+    norm_topk_prob: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid router with correction bias and group-limited top-k (DeepSeek-V3 'noaux_tc').
+
+    logits [T, E] fp32 -> (weights [T, top_k] fp32, expert_ids [T, top_k] int64), both in
+    selection-rank order. The bias steers selection only; weights come from the unbiased
+    sigmoid scores. Every tie goes to the lower group / expert index.
+    """
+    t, e = logits.shape
+    scores = sigmoid(logits.float())
+    choice = _canonical(scores.detach() + correction_bias.float())
+    if n_group > 1:
+        grouped = choice.view(t, n_group, e // n_group)
+        top2 = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
+        group_score = top2[..., 0] + top2[..., 1]                      # [T, n_group]
+        keep = _rank_desc(group_score)[:, :topk_group]
+        group_mask = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device).scatter_(1, keep, True)
+        choice = choice.masked_fill(~group_mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    expert_ids = _rank_desc(choice)[:, :top_k]
+    weights = scores.gather(1, expert_ids)
+    if norm_topk_prob:
+        weights = weights / (_sum_columns(weights) + 1e-20).unsqueeze(1)
+    return weights * route_scale, expert_ids
+
+
+def _sum_columns(x: torch.Tensor) -> torch.Tensor:
+    """Left-to-right sum over the (few) columns of x [T, k]: a fixed order on every backend."""
+    total = x[:, 0]
+    for j in range(1, x.shape[1]):
+        total = total + x[:, j]
+    return total
+
+
+def swiglu_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)); the product is formed in fp32 and rounded to x.dtype."""
+    h = (silu(linear(x, gate_proj)) * linear(x, up_proj).float()).to(x.dtype)
+    return linear(h, down_proj)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Dropless routed SwiGLU experts with a fixed-order combine.
+
+    x [T, D]; weights, expert_ids [T, k]; gate_proj/up_proj [E, I, D]; down_proj [E, D, I].
+    (token, slot) pairs are sorted by expert (stable) and run through grouped GEMMs, so an
+    expert's result for a token does not depend on how many tokens it received. The k
+    results are combined in selection-rank order in fp32. Returns [T, D] fp32.
+    """
+    t, k = expert_ids.shape
+    n_experts = gate_proj.shape[0]
+    flat = expert_ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices                       # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    offsets = [0] + list(_cumulative(counts))
+    xs = x[order // k]
+    h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(x.dtype)
+    out_sorted = grouped_linear(h, down_proj, offsets)                  # [T*k, D]
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    out = out_sorted[inverse].view(t, k, -1).float()
+    w = weights.float()
+    total = w[:, 0:1] * out[:, 0]
+    for j in range(1, k):
+        total = total + w[:, j:j + 1] * out[:, j]
+    return total
+
+
+def _cumulative(counts: list[int]):
+    running = 0
+    for c in counts:
+        running += c
+        yield running
+

@@ -1,0 +1,123 @@
+"""Sampling as part of the numerical definition.
+
+* The distribution a token is drawn from is the model's logits divided by the
+  temperature, restricted by top-k (rank by logit, ties to the lower id) and then
+  top-p (smallest prefix of that ranking whose probability reaches top_p), and
+  renormalized. `sampling_logprobs` returns log-probabilities under exactly that
+  distribution, so the trainer recomputes the number inference sampled with.
+* Greedy (temperature 0) takes the highest logit, ties to the lowest id; its
+  reported logprob is the unmodified log_softmax (a point mass would say 0).
+* Seeded sampling is Gumbel-max with uniforms from a counter-based hash keyed by
+  (seed, position, token id): never by batch slot or step, so a request draws the
+  same token wherever it sits and whatever shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerokl.kernels.ops import log_softmax, softmax
+
+__all__ = ["SamplingParams", "filtered_logprobs", "sampling_logprobs", "sample", "uniform_noise"]
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling parameters as tensors [T] (built by the engine from each request)."""
+
+    temperature: torch.Tensor  # fp32; 0 means greedy
+    top_k: torch.Tensor        # int64; 0 means off
+    top_p: torch.Tensor        # fp32; 1.0 means off
+    seed: torch.Tensor         # int64; the request's seed
+    position: torch.Tensor     # int64; absolute position of the token being sampled
+
+    @staticmethod
+    def make(n: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             position: torch.Tensor | int = 0) -> "SamplingParams":
+        """The same parameters for n rows (convenience for tests and tools)."""
+        pos = position if isinstance(position, torch.Tensor) else torch.full((n,), position, dtype=torch.int64)
+        return SamplingParams(
+            temperature=torch.full((n,), float(temperature)),
+            top_k=torch.full((n,), top_k, dtype=torch.int64),
+            top_p=torch.full((n,), float(top_p)),
+            seed=torch.full((n,), seed, dtype=torch.int64),
+            position=pos.to(torch.int64),
+        )
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32 held in int64, without ever overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (lowbias32): exact integer arithmetic, identical on every device."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniforms in (0, 1), [T, vocab] fp32, a pure function of (seed, position, token id)."""
+    seed = seed.to(torch.int64)
+    key = _hash32(_hash32((seed & _MASK32) ^ 0x9E3779B9) ^ ((seed >> 32) & _MASK32))
+    key = _hash32(key ^ (position.to(torch.int64) & _MASK32))
+    ids = torch.arange(vocab, dtype=torch.int64, device=seed.device)
+    bits = _hash32(key.unsqueeze(1) ^ _hash32(ids + 0x632BE5AB).unsqueeze(0))
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities [T, V] of the sampling distribution (-inf outside top-k/top-p).
+
+    Rows with temperature 0 get the unmodified log_softmax (see module docstring).
+    """
+    t, v = logits.shape
+    greedy = params.temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature).float()
+    z = logits.float() / temp.unsqueeze(1)
+    order = torch.sort(z + 0.0, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(v, device=z.device).expand(t, v))
+    k = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, v))
+    keep = rank < k.unsqueeze(1)
+    z = z.masked_fill(~keep, float("-inf"))
+    use_top_p = params.top_p < 1.0
+    if bool(use_top_p.any()):
+        probs_sorted = softmax(z).gather(1, order)
+        before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted       # mass strictly before each rank
+        keep_sorted = before < params.top_p.float().unsqueeze(1)
+        keep_p = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+        z = torch.where(use_top_p.unsqueeze(1), z.masked_fill(~keep_p, float("-inf")), z)
+    z = torch.where(greedy.unsqueeze(1), logits.float(), z)
+    return log_softmax(z)
+
+
+def sampling_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Logprob [T] of token_ids under each row's sampling distribution."""
+    return filtered_logprobs(logits, params).gather(1, token_ids.view(-1, 1).long()).squeeze(1)
+
+
+def _first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the row maximum, ties to the lowest index."""
+    v = x.shape[-1]
+    is_max = x == x.amax(dim=-1, keepdim=True)
+    ids = torch.arange(v, device=x.device).expand_as(x)
+    return torch.where(is_max, ids, torch.full_like(ids, v)).amin(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row: (token_ids [T] int64, logprobs [T] fp32 under the sampling distribution)."""
+    logp = filtered_logprobs(logits, params)
+    greedy = params.temperature <= 0
+    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, params.position, logits.shape[-1])))
+    drawn = _first_argmax(logp + gumbel)
+    tokens = torch.where(greedy, _first_argmax(logits.float()), drawn)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,265 @@
+"""Batch-invariance self-test: does a row's result depend on its batch?
+
+For each op, random rows are computed alone and again inside batches of random
+size, at a random position, among random neighbours (including neighbours with
+longer or shorter key lists), and the bits are compared with torch.equal. The
+same harness backs the test suite and `zerokl verify` (a user's check of new
+hardware or a new backend).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+from zerokl.kernels import ops
+from zerokl.kernels.backend import use_backend
+from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
+
+__all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "run_invariance", "format_table"]
+
+Row = tuple  # the per-row tensors of one op call
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCase:
+    """How to exercise one op: make random rows, make shared operands, collate rows, call."""
+
+    name: str
+    make_row: Callable[[torch.Generator, dict], Row]
+    make_shared: Callable[[torch.Generator, dict], tuple]
+    collate: Callable[[list[Row]], tuple]
+    call: Callable[..., torch.Tensor | tuple]
+    dims: dict  # default problem dimensions
+
+
+@dataclasses.dataclass
+class InvarianceResult:
+    op: str
+    cases: int = 0
+    mismatches: int = 0
+
+
+def _randn(g: torch.Generator, *shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _stack(rows: list[Row]) -> tuple:
+    return tuple(torch.stack([r[i] for r in rows]) for i in range(len(rows[0])))
+
+
+def _pad_index(rows: list[torch.Tensor]) -> torch.Tensor:
+    width = max(r.numel() for r in rows)
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def _key_list(g: torch.Generator, d: dict) -> torch.Tensor:
+    """A random ascending subset of cache slots, 1..max_keys long."""
+    n = int(torch.randint(1, d["max_keys"] + 1, (1,), generator=g))
+    return torch.randperm(d["slots"], generator=g)[:n].sort().values
+
+
+def _attention_rows(rows: list[Row]) -> tuple:
+    return (torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), _pad_index([r[2] for r in rows]))
+
+
+def _sampling_call(logits, temperature, top_k, top_p, seed, position):
+    params = SamplingParams(temperature, top_k, top_p, seed, position)
+    tokens, logp = sample(logits, params)
+    return torch.stack([tokens.float(), logp, sampling_logprobs(logits, (tokens + 1) % logits.shape[1], params)], 1)
+
+
+def _sampling_row(g, d):
+    v = d["vocab"]
+    logits = _randn(g, v) * 3
+    logits[int(torch.randint(0, v, (1,), generator=g))] = logits.max()   # an exact tie for greedy
+    temperature = torch.tensor([0.0, 0.7, 1.0][int(torch.randint(0, 3, (1,), generator=g))])
+    return (logits, temperature, torch.randint(0, 8, (), generator=g), torch.rand((), generator=g) * 0.5 + 0.5,
+            torch.randint(0, 2**40, (), generator=g), torch.randint(0, 4096, (), generator=g))
+
+
+def _route_call(logits, bias, d):
+    w, ids = ops.moe_route(logits, bias, d["top_k"], d["n_group"], d["topk_group"], 2.5)
+    return torch.cat([w, ids.float()], 1)
+
+
+def _experts_call(x, w, ids, gate, up, down):
+    return ops.moe_experts(x, w, ids, gate, up, down)
+
+
+def _expert_row(g, d):
+    e, k = d["experts"], d["top_k"]
+    ids = torch.randperm(e, generator=g)[:k]
+    if torch.rand((), generator=g) < 0.5:           # crowd expert 0 so group sizes vary a lot
+        ids[0] = 0 if 0 not in ids[1:] else ids[0]
+    return (_randn(g, d["hidden"], dtype=d["dtype"]), torch.rand(k, generator=g), ids)
+
+
+OP_CASES: dict[str, OpCase] = {
+    "linear": OpCase(
+        "linear",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]),),
+        lambda g, d: (_randn(g, d["n"], d["k"], dtype=d["dtype"]) * 0.1, _randn(g, d["n"])),
+        _stack,
+        lambda x, w, b: ops.linear(x, w, b),
+        {"k": 67, "n": 33, "dtype": torch.float32},
+    ),
+    "grouped_linear": OpCase(
+        "grouped_linear",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]), torch.randint(0, d["groups"], (), generator=g)),
+        lambda g, d: (_randn(g, d["groups"], d["n"], d["k"], dtype=d["dtype"]) * 0.1,),
+        _stack,
+        lambda x, grp, w: _grouped_call(x, grp, w),
+        {"k": 40, "n": 24, "groups": 3, "dtype": torch.float32},
+    ),
+    "rms_norm": OpCase(
+        "rms_norm",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]) * 3,),
+        lambda g, d: (_randn(g, d["k"]),),
+        _stack,
+        lambda x, w: ops.rms_norm(x, w, 1e-6),
+        {"k": 96, "dtype": torch.float32},
+    ),
+    "layer_norm": OpCase(
+        "layer_norm",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]) * 3 + 1,),
+        lambda g, d: (_randn(g, d["k"]), _randn(g, d["k"])),
+        _stack,
+        lambda x, w, b: ops.layer_norm(x, w, b, 1e-6),
+        {"k": 80, "dtype": torch.float32},
+    ),
+    "log_softmax": OpCase(
+        "log_softmax",
+        lambda g, d: (_randn(g, d["vocab"], dtype=d["dtype"]) * 4,),
+        lambda g, d: (),
+        _stack,
+        lambda x: torch.cat([ops.log_softmax(x), ops.softmax(x)], -1),
+        {"vocab": 333, "dtype": torch.float32},
+    ),
+    "silu_sigmoid": OpCase(
+        "silu_sigmoid",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]) * 6,),
+        lambda g, d: (),
+        _stack,
+        lambda x: torch.cat([ops.silu(x), ops.sigmoid(x)], -1),
+        {"k": 37, "dtype": torch.float32},
+    ),
+    "rope": OpCase(
+        "rope",
+        lambda g, d: (_randn(g, d["heads"], d["dim"], dtype=d["dtype"]), torch.randint(0, 100000, (), generator=g)),
+        lambda g, d: (ops.rope_inv_freq(d["dim"], 10000.0),),
+        _stack,
+        lambda x, pos, inv: torch.cat([ops.rope(x, pos, inv, True), ops.rope(x, pos, inv, False)], -1),
+        {"heads": 3, "dim": 16, "dtype": torch.float32},
+    ),
+    "mla_attention": OpCase(
+        "mla_attention",
+        lambda g, d: (_randn(g, d["heads"], d["rank"], dtype=d["dtype"]), _randn(g, d["heads"], d["rope"], dtype=d["dtype"]),
+                      _key_list(g, d)),
+        lambda g, d: (_randn(g, d["slots"], d["rank"], dtype=d["dtype"]), _randn(g, d["slots"], d["rope"], dtype=d["dtype"])),
+        _attention_rows,
+        lambda ql, qr, idx, kv, kr: ops.mla_attention(ql, qr, kv, kr, idx, 0.125),
+        {"heads": 4, "rank": 32, "rope": 8, "slots": 80, "max_keys": 50, "dtype": torch.float32},
+    ),
+    "indexer": OpCase(
+        "indexer",
+        lambda g, d: (_randn(g, d["heads"], d["dim"]), torch.rand(d["heads"], generator=g) - 0.3, _key_list(g, d)),
+        lambda g, d: (_randn(g, d["slots"], d["dim"]),),
+        _attention_rows,
+        lambda q, w, idx, k: _indexer_call(q, w, idx, k, 8),
+        {"heads": 4, "dim": 16, "slots": 70, "max_keys": 45},
+    ),
+    "moe_route": OpCase(
+        "moe_route",
+        lambda g, d: (_tied_router_logits(g, d),),
+        lambda g, d: (torch.randint(-2, 3, (d["experts"],), generator=g).float() * 0.25,),
+        _stack,
+        lambda logits, bias: _route_call(logits, bias, OP_CASES["moe_route"].dims),
+        {"experts": 16, "top_k": 4, "n_group": 4, "topk_group": 2},
+    ),
+    "moe_experts": OpCase(
+        "moe_experts",
+        _expert_row,
+        lambda g, d: (_randn(g, d["experts"], d["inter"], d["hidden"]) * 0.2, _randn(g, d["experts"], d["inter"], d["hidden"]) * 0.2,
+                      _randn(g, d["experts"], d["hidden"], d["inter"]) * 0.2),
+        _stack,
+        _experts_call,
+        {"experts": 6, "top_k": 2, "hidden": 24, "inter": 20, "dtype": torch.float32},
+    ),
+    "sampling": OpCase("sampling", _sampling_row, lambda g, d: (), _stack, _sampling_call, {"vocab": 97}),
+}
+
+
+def _grouped_call(x, group, weight):
+    order = torch.sort(group, stable=True).indices
+    counts = torch.bincount(group, minlength=weight.shape[0]).tolist()
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    out = ops.grouped_linear(x[order], weight, offsets)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return out[inverse]
+
+
+def _indexer_call(q, w, idx, k, topk):
+    scores = ops.indexer_scores(q, k, w, idx)
+    chosen = ops.topk_positions(scores, idx, topk)
+    width = idx.shape[1]
+    chosen = torch.nn.functional.pad(chosen, (0, max(0, topk - chosen.shape[1])), value=-1).float()
+    # Scores beyond a row's own keys are -inf padding: compare only the row's own width.
+    return torch.cat([scores[:, :width], chosen], 1)
+
+
+def _tied_router_logits(g, d):
+    e = d["experts"]
+    logits = torch.randint(-3, 4, (e,), generator=g).float() * 0.5  # coarse values: many exact ties
+    return logits
+
+
+def _row_slice(out, i: int, width: int | None = None) -> torch.Tensor:
+    row = out[i]
+    return row if width is None else row[..., :width]
+
+
+def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1, 3, 8, 17),
+             dims: dict | None = None, probes: int = 3) -> InvarianceResult:
+    """Compare `probes` rows alone against the same rows inside random batches."""
+    d = {**case.dims, **(dims or {})}
+    g = torch.Generator().manual_seed(seed)
+    shared = case.make_shared(g, d)
+    result = InvarianceResult(case.name)
+    # Rows are compared up to the op's own output width: attention/indexer outputs are
+    # padded to the widest neighbour, and padding is not part of the row's result.
+    width_of = (lambda r: None) if case.name != "indexer" else (lambda r: r[2].numel())
+    with use_backend(backend):
+        for _ in range(probes):
+            probe = case.make_row(g, d)
+            alone = _row_slice(case.call(*case.collate([probe]), *shared), 0, width_of(probe))
+            for size in batches:
+                rows = [case.make_row(g, d) for _ in range(size)]
+                where = int(torch.randint(0, size + 1, (1,), generator=g))
+                rows.insert(where, probe)
+                out = case.call(*case.collate(rows), *shared)
+                got = _row_slice(out, where, width_of(probe))
+                result.cases += 1
+                result.mismatches += int(not torch.equal(got, alone))
+    return result
+
+
+def run_invariance(backend: str, seed: int = 0, ops_filter: Sequence[str] | None = None) -> list[InvarianceResult]:
+    """All op checks for one backend."""
+    names = ops_filter or list(OP_CASES)
+    return [check_op(OP_CASES[n], backend, seed + i) for i, n in enumerate(names)]
+
+
+def format_table(rows: list[tuple[str, str, int, int]]) -> str:
+    """(backend, check, cases, mismatches) rows as a fixed-width table."""
+    head = f"{'backend':<8} {'check':<22} {'cases':>6} {'mismatches':>10}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{b:<8} {c:<22} {n:>6} {m:>10}" for b, c, n, m in rows]
+    return "\n".join(lines)

@@ -1,0 +1,75 @@
+"""Record golden-vector digests for this machine's backends and dtypes.
+
+    python tools/update_golden.py            # refresh tests/assets/golden/numerics.json
+
+The file pins the bits of every op per (backend, device type, dtype). When an op's
+bits change, tests/kernels/test_golden.py fails until you (1) bump
+kernels/version.py, (2) add a changelog line for the new version to NUMERICS.md,
+and (3) run this tool. It refuses to record changed bits under an unchanged
+version. GPU entries are recorded the same way on a GPU machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "assets" / "golden" / "numerics.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def current_entries(backends: list[str]) -> dict[str, dict]:
+    from zerokl.kernels import use_backend
+    from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
+    import zerokl.model  # noqa: F401  (registers the model's golden case)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for backend in backends:
+        for dname, dtype in DTYPES.items():
+            with use_backend(backend):
+                out[fingerprint_key(backend, dtype=dtype)] = {
+                    "fingerprint": fingerprint(backend, device, dtype),
+                    "digests": golden_digests(device, dtype),
+                }
+    return out
+
+
+def changelog_has(version: str) -> bool:
+    text = (ROOT / "NUMERICS.md").read_text()
+    return re.search(rf"^- \*\*{re.escape(version)}\*\*", text, re.M) is not None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="record golden-vector digests")
+    ap.add_argument("--backends", default="torch,triton")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        import os
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from zerokl.kernels.version import __version__
+    if not changelog_has(__version__):
+        print(f"NUMERICS.md has no changelog line '- **{__version__}** ...': add one first")
+        return 1
+    data = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"numerics_version": __version__, "entries": {}}
+    fresh = current_entries(args.backends.split(","))
+    if data["numerics_version"] == __version__:
+        changed = [k for k, v in fresh.items() if k in data["entries"] and data["entries"][k]["digests"] != v["digests"]]
+        if changed:
+            print(f"bits changed under unchanged numerics version {__version__} for {changed}: bump kernels/version.py")
+            return 1
+    else:
+        data = {"numerics_version": __version__, "entries": {}}   # old-version digests no longer apply
+    data["entries"].update(fresh)
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    print(f"recorded {len(fresh)} entries for numerics {__version__} in {GOLDEN.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

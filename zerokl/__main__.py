@@ -1,0 +1,5 @@
+import sys
+
+from zerokl.cli import main
+
+sys.exit(main())
