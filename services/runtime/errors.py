@@ -1,0 +1,182 @@
+"""Errors that become rich gRPC statuses.
+
+Service logic raises a :class:`ServiceError` subclass (plain Python, no gRPC
+context needed, so the same code runs behind gRPC and as a library); the
+server's error interceptor turns it into a status code, a message and
+``google.rpc.Status`` details (``BadRequest`` field violations,
+``PreconditionFailure`` violations) in the ``grpc-status-details-bin``
+trailer. Clients read the details back with :func:`status_details`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+from google.protobuf import any_pb2, message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+__all__ = [
+    "FieldViolation",
+    "PreconditionViolation",
+    "ServiceError",
+    "InvalidArgument",
+    "NotFound",
+    "AlreadyExists",
+    "FailedPrecondition",
+    "DataLoss",
+    "Unauthenticated",
+    "Unavailable",
+    "Aborted",
+    "rich_status",
+    "abort",
+    "status_details",
+    "field_violations",
+]
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One bad request field: ``field`` is a dotted path such as ``chunk.offset``."""
+
+    field: str
+    description: str
+
+
+@dataclass(frozen=True)
+class PreconditionViolation:
+    """One unmet precondition, e.g. type ``PINNED``, subject ``v3``."""
+
+    type: str
+    subject: str
+    description: str
+
+
+class ServiceError(Exception):
+    """Base of the errors a service reports to its caller as a gRPC status.
+
+    Subclasses fix the status code. ``field_violations`` becomes a
+    ``google.rpc.BadRequest`` detail and ``precondition_violations`` a
+    ``google.rpc.PreconditionFailure`` detail.
+    """
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field_violations: Sequence[FieldViolation] = (),
+        precondition_violations: Sequence[PreconditionViolation] = (),
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field_violations = tuple(field_violations)
+        self.precondition_violations = tuple(precondition_violations)
+
+    def to_status(self) -> status_pb2.Status:
+        """The ``google.rpc.Status`` this error is reported as."""
+        details: list[message.Message] = []
+        if self.field_violations:
+            details.append(error_details_pb2.BadRequest(field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in self.field_violations
+            ]))
+        if self.precondition_violations:
+            details.append(error_details_pb2.PreconditionFailure(violations=[
+                error_details_pb2.PreconditionFailure.Violation(
+                    type=v.type, subject=v.subject, description=v.description)
+                for v in self.precondition_violations
+            ]))
+        return rich_status(self.code, self.message, details)
+
+
+class InvalidArgument(ServiceError):
+    """The request is malformed (bad id, offset, size, checksum format)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    @classmethod
+    def field(cls, field: str, description: str) -> "InvalidArgument":
+        """One bad field; the message repeats the description for plain clients."""
+        return cls(f"{field}: {description}", field_violations=[FieldViolation(field, description)])
+
+
+class NotFound(ServiceError):
+    """The named entity does not exist."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServiceError):
+    """The entity the request would create exists already."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServiceError):
+    """The system is not in a state the request needs (e.g. the version is pinned)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class DataLoss(ServiceError):
+    """Stored or transferred bytes do not match their checksum."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class Unauthenticated(ServiceError):
+    """The caller presented no valid credentials."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class Unavailable(ServiceError):
+    """The server cannot serve this now (shutting down); retrying elsewhere is safe."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(ServiceError):
+    """A concurrent operation conflicted with this one; retry the whole sequence."""
+
+    code = grpc.StatusCode.ABORTED
+
+
+def rich_status(code: grpc.StatusCode, msg: str, details: Sequence[message.Message] = ()) -> status_pb2.Status:
+    """Build a ``google.rpc.Status`` with each detail packed into an ``Any``."""
+    packed = []
+    for d in details:
+        any_msg = any_pb2.Any()
+        any_msg.Pack(d)
+        packed.append(any_msg)
+    return status_pb2.Status(code=code.value[0], message=msg, details=packed)
+
+
+async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+    """End the RPC with ``error``'s code, message and details (always raises)."""
+    await context.abort_with_status(rpc_status.to_status(error.to_status()))
+
+
+def status_details(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[message.Message]:
+    """Unpack the rich-status details a failed call carried (empty when none)."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is None:
+        return []
+    out: list[message.Message] = []
+    for any_msg in status.details:
+        for cls in (error_details_pb2.BadRequest, error_details_pb2.PreconditionFailure):
+            if any_msg.Is(cls.DESCRIPTOR):
+                msg = cls()
+                any_msg.Unpack(msg)
+                out.append(msg)
+    return out
+
+
+def field_violations(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[FieldViolation]:
+    """The ``BadRequest`` field violations of a failed call, as dataclasses."""
+    return [FieldViolation(v.field, v.description)
+            for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
+            for v in d.field_violations]

@@ -1,0 +1,124 @@
+"""Prometheus metrics: one registry, the standard zerokl_ metrics, an HTTP endpoint.
+
+Names follow what inference servers expose (vLLM/SGLang: TTFT, inter-token
+latency, end-to-end latency, running/waiting, KV usage, token totals) with a
+``zerokl_`` prefix. They are defined once here and services import them, so
+the same quantity never gets two names. Every process serves one zerokl
+service, so the metrics carry no ``service`` label; Prometheus adds the
+scrape target's labels.
+"""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from zerokl.services.runtime.info import ServiceIdentity
+
+__all__ = [
+    "REGISTRY",
+    "TIME_TO_FIRST_TOKEN",
+    "INTER_TOKEN_LATENCY",
+    "E2E_REQUEST_LATENCY",
+    "REQUESTS_RUNNING",
+    "REQUESTS_WAITING",
+    "KV_CACHE_USAGE",
+    "PROMPT_TOKENS",
+    "GENERATION_TOKENS",
+    "SERVING_INFO",
+    "set_serving_info",
+    "MetricsServer",
+    "start_metrics_server",
+]
+
+# A registry of our own rather than prometheus_client's global one: only what
+# zerokl defines (plus process stats) is exported, and importing a library
+# that registers its own metrics cannot collide with ours.
+REGISTRY = CollectorRegistry(auto_describe=True)
+ProcessCollector(registry=REGISTRY)
+PlatformCollector(registry=REGISTRY)
+
+# Buckets span sub-millisecond CPU decode steps to minute-long CPU prefills.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
+                          0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+TIME_TO_FIRST_TOKEN = Histogram(
+    "zerokl_time_to_first_token_seconds", "Time from request arrival to its first generated token.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+INTER_TOKEN_LATENCY = Histogram(
+    "zerokl_inter_token_latency_seconds", "Time between consecutive generated tokens of one request.",
+    buckets=_TOKEN_LATENCY_BUCKETS, registry=REGISTRY)
+E2E_REQUEST_LATENCY = Histogram(
+    "zerokl_e2e_request_latency_seconds", "Time from request arrival to its last token.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+REQUESTS_RUNNING = Gauge(
+    "zerokl_num_requests_running", "Requests in the running batch.", registry=REGISTRY)
+REQUESTS_WAITING = Gauge(
+    "zerokl_num_requests_waiting", "Requests queued, waiting for a batch slot.", registry=REGISTRY)
+KV_CACHE_USAGE = Gauge(
+    "zerokl_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=REGISTRY)
+PROMPT_TOKENS = Counter(
+    "zerokl_prompt_tokens", "Prompt tokens processed.", registry=REGISTRY)
+GENERATION_TOKENS = Counter(
+    "zerokl_generation_tokens", "Tokens generated.", registry=REGISTRY)
+# Info-style: a constant 1 whose labels say what this process computes with,
+# so dashboards can group by fingerprint / weights version and alert when
+# replicas disagree.
+SERVING_INFO = Info(
+    "zerokl_serving", "What this process serves: service, numerics version and fingerprint, weights version.",
+    registry=REGISTRY)
+
+
+def set_serving_info(identity: "ServiceIdentity") -> None:
+    """Publish ``identity`` as the labels of ``zerokl_serving_info`` (call again after a weight swap)."""
+    SERVING_INFO.info({
+        "service": identity.service,
+        "replica_id": identity.replica_id,
+        "numerics_version": identity.numerics_version,
+        "numerics_fingerprint": identity.numerics_fingerprint,
+        "backend": identity.backend,
+        "device": identity.device,
+        "dtype": identity.dtype,
+        "weights_version": identity.weights_version,
+        "zerokl_version": identity.zerokl_version,
+    })
+
+
+class MetricsServer:
+    """A running ``/metrics`` HTTP endpoint; :meth:`close` stops it."""
+
+    def __init__(self, server: "WSGIServer", thread: threading.Thread) -> None:
+        self._server = server
+        self._thread = thread
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when started on port 0)."""
+        return int(self._server.server_address[1])
+
+    def close(self) -> None:
+        """Stop serving and join the server thread."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> MetricsServer:
+    """Serve :data:`REGISTRY` over HTTP on ``host:port`` (0 picks a free port) in a daemon thread."""
+    server, thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return MetricsServer(server, thread)
