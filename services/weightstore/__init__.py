@@ -1,0 +1,34 @@
+"""zerokl.services.weightstore: versioned model weights (safetensors shards + manifest).
+
+- :mod:`.store`: :class:`VersionStore`, the logic (atomic publish, verified
+  reads, pins, retention), usable directly without gRPC.
+- :mod:`.backends`: :class:`LocalDirBackend` and :class:`S3Backend` under it.
+- :mod:`.service` / :mod:`.server`: the ``zerokl.v1.WeightStore`` gRPC service and its command line.
+- :mod:`.client`: :class:`WeightStoreClient`, the async gRPC client.
+- :mod:`.checkpoint`: state dict <-> Hugging Face style safetensors directory.
+"""
+from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
+from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.store import (
+    GcResult,
+    ShardInfo,
+    UploadStatus,
+    VersionEntry,
+    VersionSpec,
+    VersionStore,
+    WeightsManifest,
+)
+
+__all__ = [
+    "GcResult",
+    "LocalDirBackend",
+    "S3Backend",
+    "ShardInfo",
+    "StorageBackend",
+    "UploadStatus",
+    "VersionEntry",
+    "VersionSpec",
+    "VersionStore",
+    "WeightStoreClient",
+    "WeightsManifest",
+]

@@ -1,0 +1,312 @@
+"""Object storage under the weight store: a local directory or any S3-compatible store.
+
+Backends are deliberately dumb key -> bytes stores; every rule about
+versions, uploads and pins lives once above them in
+:class:`~zerokl.services.weightstore.store.VersionStore`. What a backend
+must guarantee is that a written object appears whole or not at all (local:
+write to a temp file then ``os.replace``; S3: a PUT is atomic per object).
+
+Keys are ``/``-separated segments of ``[A-Za-z0-9][A-Za-z0-9._-]*``: no
+empty, ``.``/``..`` or hidden segments and no leading ``/``, so no key can
+escape the store's root or bucket prefix.
+"""
+from __future__ import annotations
+
+import abc
+import io
+import os
+import pathlib
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+from minio import Minio
+from minio.error import S3Error
+
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
+
+__all__ = [
+    "ObjectInfo",
+    "ObjectMissing",
+    "InvalidKey",
+    "validate_key",
+    "StorageBackend",
+    "LocalDirBackend",
+    "S3Backend",
+]
+
+_SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+class ObjectMissing(KeyError):
+    """The key holds no object."""
+
+
+class InvalidKey(ValueError):
+    """The key could name something outside the store (or is malformed)."""
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if every segment is safe, else raise :class:`InvalidKey`."""
+    if not key or len(key) > 1024 or not all(_SEGMENT.fullmatch(seg) for seg in key.split("/")):
+        raise InvalidKey(f"invalid storage key {key!r}")
+    return key
+
+
+def _validate_prefix(prefix: str) -> str:
+    if prefix and not (prefix.endswith("/") and validate_key(prefix[:-1])):
+        raise InvalidKey(f"invalid storage prefix {prefix!r} (must be '' or end in '/')")
+    return prefix
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """A stored object's key and size in bytes."""
+
+    key: str
+    size: int
+
+
+class StorageBackend(abc.ABC):
+    """Atomic-per-object key/value storage for the version store."""
+
+    @abc.abstractmethod
+    def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
+        """Store the concatenation of ``pieces`` (exactly ``size`` bytes) at ``key``, atomically.
+
+        Raises ValueError, storing nothing, if the pieces add up to another size.
+        """
+
+    @abc.abstractmethod
+    def iter_read(self, key: str, offset: int = 0, piece_size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+        """Bytes of ``key`` from ``offset`` to the end, in pieces of at most ``piece_size``.
+
+        Raises :class:`ObjectMissing` (on first iteration) when there is no such object.
+        """
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo | None:
+        """Size of the object at ``key``, None when there is none."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` ('' or ending in '/'), sorted by key."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object at ``key``; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where the data lives, for logs (never includes credentials)."""
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store ``data`` at ``key`` atomically."""
+        self.put_stream(key, [data], len(data))
+
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object at ``key``."""
+        return b"".join(self.iter_read(key))
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Remove every object under ``prefix``."""
+        for obj in self.list(prefix):
+            self.delete(obj.key)
+
+
+class LocalDirBackend(StorageBackend):
+    """Objects as files under ``root`` (the embedded, one-machine default).
+
+    A published version's files sit together in ``root/versions/<version>/``,
+    so local tools can load a checkpoint from there directly.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = pathlib.Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> pathlib.Path:
+        path = self.root / validate_key(key)
+        # Keys are validated above; resolving also refuses symlinks out of the root.
+        if not path.resolve().is_relative_to(self.root):
+            raise InvalidKey(f"storage key {key!r} resolves outside {self.root}")
+        return path
+
+    def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Same directory as the target so os.replace is a same-filesystem rename;
+        # the leading dot makes it an invalid key, so list() never shows it.
+        tmp = path.parent / f".tmp-{secrets.token_hex(8)}-{path.name}"
+        try:
+            written = 0
+            with open(tmp, "wb") as f:
+                for piece in pieces:
+                    f.write(piece)
+                    written += len(piece)
+                if written != size:
+                    raise ValueError(f"{key}: got {written} bytes, expected {size}")
+                f.flush()
+                # Durable before visible: a manifest must never outlive the shards it names.
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def iter_read(self, key: str, offset: int = 0, piece_size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise ObjectMissing(key) from None
+        with f:
+            f.seek(offset)
+            while piece := f.read(piece_size):
+                yield piece
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            return ObjectInfo(key, self._path(key).stat().st_size)
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        base = self.root / _validate_prefix(prefix) if prefix else self.root
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            for name in files:
+                key = pathlib.Path(dirpath, name).relative_to(self.root).as_posix()
+                try:
+                    validate_key(key)
+                except InvalidKey:
+                    continue  # temp files of writes in progress
+                out.append(ObjectInfo(key, pathlib.Path(dirpath, name).stat().st_size))
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Drop directories left empty so a deleted version leaves no trace.
+        parent = path.parent
+        while parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def describe(self) -> str:
+        return f"local directory {self.root}"
+
+
+class _PieceReader(io.RawIOBase):
+    """A file-like view of an iterator of byte pieces, for minio's put_object."""
+
+    def __init__(self, pieces: Iterable[bytes], size: int, key: str) -> None:
+        self._pieces = iter(pieces)
+        self._buf = bytearray()
+        self._size = size
+        self._key = key
+        self._seen = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self._buf) < n:
+            piece = next(self._pieces, None)
+            if piece is None:
+                break
+            self._seen += len(piece)
+            if self._seen > self._size:
+                raise ValueError(f"{self._key}: more than the {self._size} bytes announced")
+            self._buf += piece
+        take = len(self._buf) if n < 0 else min(n, len(self._buf))
+        out = bytes(self._buf[:take])
+        del self._buf[:take]
+        if not out and self._seen != self._size:
+            raise ValueError(f"{self._key}: got {self._seen} bytes, expected {self._size}")
+        return out
+
+
+# S3 multipart parts must be at least 5 MiB; 64 MiB keeps part count low for
+# multi-GB shards while bounding the memory one upload buffers.
+_S3_PART_SIZE = 64 * 1024 * 1024
+_S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
+
+
+class S3Backend(StorageBackend):
+    """Objects in an S3-compatible bucket (MinIO in a cluster) through the ``minio`` client.
+
+    ``prefix`` lets several stores share one bucket. The bucket is created
+    when missing.
+    """
+
+    def __init__(self, endpoint: str, bucket: str, access_key: str, secret_key: str, *,
+                 secure: bool = True, region: str | None = None, prefix: str = "") -> None:
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.prefix = _validate_prefix(prefix)
+        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region)
+        if not self._client.bucket_exists(bucket):
+            try:
+                self._client.make_bucket(bucket)
+            except S3Error as err:
+                # Another replica created it between our check and our call.
+                if err.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+    def _name(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
+        self._client.put_object(self.bucket, self._name(key), _PieceReader(pieces, size, key), size,
+                                part_size=_S3_PART_SIZE)
+
+    def iter_read(self, key: str, offset: int = 0, piece_size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
+        name = self._name(key)
+        info = self.stat(key)
+        if info is None:
+            raise ObjectMissing(key)
+        if offset >= info.size:
+            return  # S3 answers a range starting at the end with an error, not zero bytes
+        resp = self._client.get_object(self.bucket, name, offset=offset)
+        try:
+            yield from resp.stream(piece_size)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._client.stat_object(self.bucket, self._name(key))
+        except S3Error as err:
+            if err.code in _S3_MISSING:
+                return None
+            raise
+        return ObjectInfo(key, int(st.size or 0))
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        full = self.prefix + _validate_prefix(prefix)
+        out = []
+        for o in self._client.list_objects(self.bucket, prefix=full, recursive=True):
+            if o.object_name is None or o.is_dir:
+                continue
+            key = o.object_name[len(self.prefix):]
+            try:
+                out.append(ObjectInfo(validate_key(key), int(o.size or 0)))
+            except InvalidKey:
+                continue  # foreign objects sharing the bucket
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        self._client.remove_object(self.bucket, self._name(key))
+
+    def describe(self) -> str:
+        return f"s3 bucket {self.bucket} at {self.endpoint}" + (f" under {self.prefix}" if self.prefix else "")

@@ -1,0 +1,217 @@
+"""Async client of the WeightStore service.
+
+RPC failures surface as ``grpc.aio.AioRpcError`` with the server's status
+code; a fetched shard that fails its checksum on this side raises
+:class:`~zerokl.services.runtime.errors.DataLoss`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any, AsyncIterator, Mapping
+
+import grpc
+import grpc.aio
+from opentelemetry import trace
+
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto, chunk_to_proto, chunks_from_pieces
+from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
+from zerokl.services.runtime.server import create_channel
+from zerokl.services.weightstore import convert
+from zerokl.services.weightstore.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, save_state_dict
+from zerokl.services.weightstore.store import (
+    FETCHED_MANIFEST,
+    GcResult,
+    ShardFileWriter,
+    ShardStatus,
+    UploadStatus,
+    VersionEntry,
+    VersionSpec,
+    WeightsManifest,
+    file_sha256,
+)
+from zerokl.v1 import common_pb2, weights_pb2, weights_pb2_grpc
+
+__all__ = ["WeightStoreClient"]
+
+
+def _files(src: pathlib.Path) -> list[pathlib.Path]:
+    return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+class WeightStoreClient:
+    """Publish, fetch, list and watch weight versions over gRPC.
+
+    Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
+    ``credentials`` and a tracer provider, or an existing ``channel``.
+    """
+
+    def __init__(self, target: str | None = None, *, token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 tracer_provider: trace.TracerProvider | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        if (target is None) == (channel is None):
+            raise ValueError("pass exactly one of target and channel")
+        self._owns_channel = channel is None
+        self._channel = channel or create_channel(target, token=token, credentials=credentials,  # type: ignore[arg-type]
+                                                  tracer_provider=tracer_provider)
+        self._stub = weights_pb2_grpc.WeightStoreStub(self._channel)
+
+    async def close(self) -> None:
+        """Close the channel if this client opened it."""
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "WeightStoreClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def info(self) -> ServiceIdentity:
+        """The store's identity, with the newest version as its weights version."""
+        return identity_from_proto(await self._stub.Info(common_pb2.InfoRequest()))
+
+    # ---- publishing ---------------------------------------------------------
+
+    async def publish(self, source: Mapping[str, Any] | str | os.PathLike[str], version: str, *,
+                      parent_version: str = "", step: int | None = None, numerics_version: str = "",
+                      numerics_fingerprint: str = "", model_config: Mapping[str, Any] | None = None,
+                      metadata: Mapping[str, str] | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> WeightsManifest:
+        """Publish a state dict or a checkpoint directory as ``version``.
+
+        A state dict is written as a sharded safetensors checkpoint (with
+        ``model_config`` as config.json) first. For a directory, a missing
+        ``model_config`` is read from its config.json. Re-running after a
+        crash resumes the open upload of that version.
+        """
+        if isinstance(source, Mapping):
+            with tempfile.TemporaryDirectory(prefix="zerokl-publish-") as tmp:
+                await asyncio.to_thread(save_state_dict, source, tmp, config=model_config,
+                                        max_shard_bytes=max_shard_bytes)
+                return await self.publish(tmp, version, parent_version=parent_version, step=step,
+                                          numerics_version=numerics_version,
+                                          numerics_fingerprint=numerics_fingerprint,
+                                          model_config=model_config, metadata=metadata)
+        src = pathlib.Path(source)
+        if model_config is None and (src / CONFIG_FILE).exists():
+            model_config = json.loads((src / CONFIG_FILE).read_text())
+        spec = VersionSpec(parent_version, step, numerics_version, numerics_fingerprint,
+                           dict(model_config or {}), dict(metadata or {}))
+        upload = await self.begin_upload(version)
+        await self.upload_dir(upload.upload_id, src)
+        return await self.commit(upload.upload_id, [p.name for p in _files(src)], spec)
+
+    async def begin_upload(self, version: str) -> UploadStatus:
+        """Open (or re-open) the upload of ``version``."""
+        return convert.upload_status_from_proto(
+            await self._stub.BeginUpload(weights_pb2.BeginUploadRequest(version=version)))
+
+    async def upload_status(self, upload_id: str) -> UploadStatus:
+        """Per-shard bytes the server holds for an upload."""
+        return convert.upload_status_from_proto(
+            await self._stub.GetUpload(weights_pb2.GetUploadRequest(upload_id=upload_id)))
+
+    async def upload_dir(self, upload_id: str, src: str | os.PathLike[str]) -> UploadStatus:
+        """Send every file of ``src`` as a shard, each from where the server's copy ends.
+
+        Safe to call again after an interruption: complete shards are
+        skipped, partial ones continue at their ``received`` offset.
+        """
+        held = {s.name: s for s in (await self.upload_status(upload_id)).shards}
+        for path in _files(pathlib.Path(src)):
+            prior = held.get(path.name)
+            if prior is None or not prior.complete:
+                await self.put_shard(upload_id, path, 0 if prior is None else prior.received)
+        return await self.upload_status(upload_id)
+
+    async def put_shard(self, upload_id: str, path: str | os.PathLike[str], offset: int = 0) -> ShardStatus:
+        """Stream one file as a shard starting at byte ``offset`` (the server's ``received``)."""
+        path = pathlib.Path(path)
+        size = path.stat().st_size
+        sha256 = await asyncio.to_thread(file_sha256, path)
+
+        async def requests() -> AsyncIterator[weights_pb2.PutShardRequest]:
+            yield weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
+                upload_id=upload_id, name=path.name, size=size, sha256=sha256))
+            if offset == size:
+                return
+            with open(path, "rb") as f:
+                f.seek(offset)
+                pieces = iter(lambda: f.read(MAX_CHUNK_BYTES), b"")
+                for chunk in chunks_from_pieces(pieces, start=offset, total_size=size):
+                    yield weights_pb2.PutShardRequest(chunk=chunk_to_proto(chunk))
+        return convert.shard_status_from_proto(await self._stub.PutShard(requests()))
+
+    async def commit(self, upload_id: str, shards: list[str], spec: VersionSpec) -> WeightsManifest:
+        """Publish an upload whose shards are exactly ``shards``."""
+        return convert.manifest_from_proto(
+            await self._stub.Commit(convert.commit_request_to_proto(upload_id, shards, spec)))
+
+    async def abort_upload(self, upload_id: str) -> None:
+        """Drop an unpublished upload."""
+        await self._stub.AbortUpload(weights_pb2.AbortUploadRequest(upload_id=upload_id))
+
+    # ---- reading ------------------------------------------------------------
+
+    async def manifest(self, version: str) -> WeightsManifest:
+        """The manifest of ``version`` (or ``latest``)."""
+        return convert.manifest_from_proto(
+            await self._stub.GetManifest(weights_pb2.GetManifestRequest(version=version)))
+
+    async def fetch(self, version: str, dest: str | os.PathLike[str]) -> WeightsManifest:
+        """Download ``version`` (or ``latest``) into directory ``dest``, verified and resumable.
+
+        Complete files already in ``dest`` are kept, partial ones resumed;
+        each file appears under its name only after its sha256 matched, and
+        ``zerokl_manifest.json`` is written last.
+        """
+        manifest = await self.manifest(version)
+        pathlib.Path(dest).mkdir(parents=True, exist_ok=True)
+        for shard in manifest.shards:
+            writer = await asyncio.to_thread(ShardFileWriter, dest, shard)
+            if not writer.done:
+                call = self._stub.Get(weights_pb2.GetRequest(version=manifest.version, shard=shard.name,
+                                                             offset=writer.offset))
+                async for msg in call:
+                    writer.write(chunk_from_proto(msg))
+            await asyncio.to_thread(writer.finish)
+        (pathlib.Path(dest) / FETCHED_MANIFEST).write_bytes(manifest.to_json())
+        return manifest
+
+    async def list(self) -> list[VersionEntry]:
+        """Published versions, oldest first, with their pins."""
+        resp = await self._stub.List(weights_pb2.ListRequest())
+        return [convert.version_entry_from_proto(e) for e in resp.versions]
+
+    async def watch(self, include_existing: bool = False) -> AsyncIterator[WeightsManifest]:
+        """Versions as they are published (the existing ones first if asked)."""
+        async for msg in self._stub.Watch(weights_pb2.WatchRequest(include_existing=include_existing)):
+            yield convert.manifest_from_proto(msg)
+
+    # ---- deleting, pins, retention ------------------------------------------
+
+    async def delete(self, version: str) -> None:
+        """Delete an unpinned version."""
+        await self._stub.Delete(weights_pb2.DeleteRequest(version=version))
+
+    async def pin(self, version: str, owner: str) -> VersionEntry:
+        """Keep ``version`` from deletion on behalf of ``owner``."""
+        return convert.version_entry_from_proto(
+            await self._stub.Pin(weights_pb2.PinRequest(version=version, owner=owner)))
+
+    async def unpin(self, version: str, owner: str) -> VersionEntry:
+        """Release ``owner``'s pin."""
+        return convert.version_entry_from_proto(
+            await self._stub.Unpin(weights_pb2.UnpinRequest(version=version, owner=owner)))
+
+    async def gc(self, keep_last: int | None = None) -> GcResult:
+        """Garbage-collect old unpinned versions and expired uploads."""
+        req = weights_pb2.GarbageCollectRequest()
+        if keep_last is not None:
+            req.keep_last = keep_last
+        return convert.gc_result_from_proto(await self._stub.GarbageCollect(req))

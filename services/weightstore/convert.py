@@ -1,0 +1,139 @@
+"""The only conversions between weight-store dataclasses and ``zerokl.v1`` messages.
+
+One function per type and direction; nothing else in the weight store
+touches generated proto classes except the servicer and client, which call
+these at the edge.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from google.protobuf import timestamp_pb2
+
+from zerokl.services.runtime.errors import InvalidArgument
+from zerokl.services.weightstore.store import (
+    GcResult,
+    ShardInfo,
+    ShardStatus,
+    UploadStatus,
+    VersionEntry,
+    VersionSpec,
+    WeightsManifest,
+)
+from zerokl.v1 import weights_pb2
+
+__all__ = [
+    "manifest_to_proto",
+    "manifest_from_proto",
+    "upload_status_to_proto",
+    "upload_status_from_proto",
+    "shard_status_to_proto",
+    "shard_status_from_proto",
+    "version_entry_to_proto",
+    "version_entry_from_proto",
+    "gc_result_to_proto",
+    "gc_result_from_proto",
+    "commit_request_to_proto",
+    "commit_request_from_proto",
+]
+
+
+def _ts(when: dt.datetime) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(when)
+    return ts
+
+
+def _when(ts: timestamp_pb2.Timestamp) -> dt.datetime:
+    return ts.ToDatetime(tzinfo=dt.timezone.utc)
+
+
+def _config_json(config: Any) -> str:
+    return json.dumps(dict(config), sort_keys=True)
+
+
+def _config_from_json(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        config = json.loads(text)
+    except ValueError as err:
+        raise InvalidArgument.field("model_config_json", f"not JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise InvalidArgument.field("model_config_json", "must be a JSON object")
+    return config
+
+
+def manifest_to_proto(m: WeightsManifest) -> weights_pb2.WeightsManifest:
+    msg = weights_pb2.WeightsManifest(
+        version=m.version, parent_version=m.spec.parent_version,
+        numerics_version=m.spec.numerics_version, numerics_fingerprint=m.spec.numerics_fingerprint,
+        model_config_json=_config_json(m.spec.model_config),
+        shards=[weights_pb2.ShardInfo(name=s.name, size=s.size, sha256=s.sha256) for s in m.shards],
+        created_at=_ts(m.created_at), metadata=dict(m.spec.metadata))
+    if m.spec.step is not None:
+        msg.step = m.spec.step
+    return msg
+
+
+def manifest_from_proto(msg: weights_pb2.WeightsManifest) -> WeightsManifest:
+    spec = VersionSpec(msg.parent_version, msg.step if msg.HasField("step") else None, msg.numerics_version,
+                       msg.numerics_fingerprint, _config_from_json(msg.model_config_json), dict(msg.metadata))
+    return WeightsManifest(msg.version, spec, tuple(ShardInfo(s.name, s.size, s.sha256) for s in msg.shards),
+                           _when(msg.created_at))
+
+
+def shard_status_to_proto(s: ShardStatus) -> weights_pb2.ShardStatus:
+    return weights_pb2.ShardStatus(name=s.name, size=s.size, sha256=s.sha256, received=s.received,
+                                   complete=s.complete)
+
+
+def shard_status_from_proto(msg: weights_pb2.ShardStatus) -> ShardStatus:
+    return ShardStatus(msg.name, msg.size, msg.sha256, msg.received, msg.complete)
+
+
+def upload_status_to_proto(u: UploadStatus) -> weights_pb2.UploadStatus:
+    return weights_pb2.UploadStatus(upload_id=u.upload_id, version=u.version,
+                                    shards=[shard_status_to_proto(s) for s in u.shards],
+                                    created_at=_ts(u.created_at))
+
+
+def upload_status_from_proto(msg: weights_pb2.UploadStatus) -> UploadStatus:
+    return UploadStatus(msg.upload_id, msg.version, tuple(shard_status_from_proto(s) for s in msg.shards),
+                        _when(msg.created_at))
+
+
+def version_entry_to_proto(e: VersionEntry) -> weights_pb2.VersionEntry:
+    return weights_pb2.VersionEntry(manifest=manifest_to_proto(e.manifest), pinned_by=list(e.pinned_by))
+
+
+def version_entry_from_proto(msg: weights_pb2.VersionEntry) -> VersionEntry:
+    return VersionEntry(manifest_from_proto(msg.manifest), tuple(msg.pinned_by))
+
+
+def gc_result_to_proto(r: GcResult) -> weights_pb2.GarbageCollectResponse:
+    return weights_pb2.GarbageCollectResponse(deleted=list(r.deleted), kept_pinned=list(r.kept_pinned),
+                                              expired_uploads=list(r.expired_uploads))
+
+
+def gc_result_from_proto(msg: weights_pb2.GarbageCollectResponse) -> GcResult:
+    return GcResult(tuple(msg.deleted), tuple(msg.kept_pinned), tuple(msg.expired_uploads))
+
+
+def commit_request_to_proto(upload_id: str, shards: list[str], spec: VersionSpec) -> weights_pb2.CommitRequest:
+    msg = weights_pb2.CommitRequest(
+        upload_id=upload_id, shards=shards, parent_version=spec.parent_version,
+        numerics_version=spec.numerics_version, numerics_fingerprint=spec.numerics_fingerprint,
+        model_config_json=_config_json(spec.model_config), metadata=dict(spec.metadata))
+    if spec.step is not None:
+        msg.step = spec.step
+    return msg
+
+
+def commit_request_from_proto(msg: weights_pb2.CommitRequest) -> tuple[str, list[str], VersionSpec]:
+    """(upload id, shard names, spec); a malformed config is :class:`InvalidArgument`."""
+    spec = VersionSpec(msg.parent_version, msg.step if msg.HasField("step") else None, msg.numerics_version,
+                       msg.numerics_fingerprint, _config_from_json(msg.model_config_json), dict(msg.metadata))
+    return msg.upload_id, list(msg.shards), spec
