@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Callable
-
 import torch
 
 from zerokl.kernels import ops
@@ -19,15 +17,6 @@ from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.version import __version__
 
 __all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_key"]
-
-# Extra golden cases registered by layers built on the kernels (the model forward).
-_EXTRA_CASES: dict[str, Callable[[torch.device, torch.dtype], torch.Tensor]] = {}
-
-
-def register_golden_case(name: str, fn: Callable[[torch.device, torch.dtype], torch.Tensor]) -> None:
-    """Add a golden case (e.g. the tiny model's logits) to the fingerprint."""
-    _EXTRA_CASES[name] = fn
-
 
 def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
@@ -61,9 +50,17 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     params = SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4))
     tokens, logprobs = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
     out["sampling"] = torch.cat([tokens.float(), logprobs])
-    for name, fn in _EXTRA_CASES.items():
-        out[name] = fn(dev, dtype)
+    out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)
     return out
+
+
+def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The model graph is part of the definition: logits of the seeded tiny model on a prompt
+    longer than its index_topk (so the sparse path counts too)."""
+    from zerokl.model import Model, ModelConfig   # the model is built on these kernels
+    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=dtype).to(device)
+    prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)
+    return model(prompt)
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -26,7 +26,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def current_entries(backends: list[str]) -> dict[str, dict]:
     from zerokl.kernels import use_backend
     from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
-    import zerokl.model  # noqa: F401  (registers the model's golden case)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = {}
     for backend in backends:

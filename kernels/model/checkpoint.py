@@ -1,0 +1,200 @@
+"""Checkpoints in the Hugging Face glm_moe_dsa layout: config.json + safetensors shards.
+
+Parameter names are those of transformers' GlmMoeDsaForCausalLM on disk
+(model.layers.N.self_attn.q_a_proj.weight, ...indexer.wq_b.weight,
+mlp.experts.E.gate_proj.weight, mlp.gate.e_score_correction_bias, lm_head.weight), so
+checkpoints move both ways between zerokl and transformers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from zerokl.model.model import Model, ModelConfig
+
+__all__ = ["save_pretrained", "load_pretrained", "config_to_hf", "config_from_hf", "CheckpointError"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the config: the message names the tensors."""
+
+
+# ----------------------------------------------------------------------------- config.json
+
+def config_to_hf(c: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json as transformers writes it for GlmMoeDsaConfig."""
+    d = c.to_dict()
+    d.pop("rope_theta")
+    d.update(
+        architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
+        dtype=str(dtype).removeprefix("torch."),
+        mlp_layer_types=list(c.mlp_layer_types), indexer_types=list(c.indexer_types),
+        layer_types=["indexed_attention"] * c.num_hidden_layers,
+        rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
+        num_key_value_heads=c.num_attention_heads, head_dim=c.qk_rope_head_dim, qk_head_dim=c.qk_head_dim,
+        hidden_act="silu", attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+        scoring_func="sigmoid", topk_method="noaux_tc", initializer_range=0.02, use_cache=True,
+        num_nextn_predict_layers=0,
+    )
+    return d
+
+
+def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:
+    """ModelConfig (and the stored dtype) from a glm_moe_dsa config.json; unknown keys are ignored."""
+    if d.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
+        raise CheckpointError(f"model_type {d.get('model_type')!r} is not glm_moe_dsa")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default' RoPE)")
+    if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias") or d.get("mlp_bias"):
+        raise CheckpointError("only silu activations and bias-free projections are supported")
+    fields = {f for f in ModelConfig.__dataclass_fields__}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw["rope_theta"] = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+    n = d["num_hidden_layers"]
+    if "indexer_types" not in d and ("index_topk_freq" in d or "index_topk_pattern" in d):
+        kw["indexer_types"] = _indexer_types_from_pattern(d, n)
+    for key in ("mlp_layer_types", "indexer_types"):
+        if key in kw and kw[key] is not None:
+            kw[key] = tuple(kw[key])
+        else:
+            kw.pop(key, None)
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if isinstance(kw.get(key), list):
+            kw[key] = kw[key][0]        # zerokl keeps one id; a tokenizer may add more stop ids
+    dtype = _DTYPES.get(str(d.get("dtype", d.get("torch_dtype", "float32"))), torch.float32)
+    return ModelConfig(**kw), dtype
+
+
+def _indexer_types_from_pattern(d: dict, n: int) -> tuple[str, ...]:
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        return tuple({"F": "full", "S": "shared"}[ch] for ch in pattern) if isinstance(pattern, str) else tuple(pattern)
+    freq, offset = max(d.get("index_topk_freq", 1), 1), d.get("index_skip_topk_offset", 2)
+    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
+
+
+# ----------------------------------------------------------------------------- names
+
+def _to_hf(state: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """zerokl module names -> HF names (stacked experts split per expert)."""
+    out = {}
+    for name, t in state.items():
+        m = re.match(r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)$", name)
+        if m and c.mlp_layer_types[int(m.group(1))] == "sparse":
+            for e in range(t.shape[0]):
+                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+        elif name == "lm_head.weight":
+            out[name] = t
+        else:
+            out["model." + name] = t
+    return out
+
+
+def _from_hf(tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names (per-expert or fused experts) -> zerokl names; MTP layers beyond the model are dropped."""
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m.group(1)) >= c.num_hidden_layers:
+            continue    # multi-token-prediction layers (num_nextn_predict_layers): not part of this model
+        if (em := _EXPERT_KEY.match(name)):
+            layer, e, proj = int(em.group(1)), int(em.group(2)), em.group(3)
+            experts.setdefault((layer, proj), {})[e] = t
+        elif (fm := _FUSED_KEY.match(name)):
+            layer, proj = int(fm.group(1)), fm.group(2)
+            if proj == "gate_up_proj":
+                i = t.shape[1] // 2
+                out[f"layers.{layer}.mlp.gate_proj"], out[f"layers.{layer}.mlp.up_proj"] = t[:, :i], t[:, i:]
+            else:
+                out[f"layers.{layer}.mlp.down_proj"] = t
+        else:
+            out[name.removeprefix("model.")] = t
+    for (layer, proj), per in experts.items():
+        missing = [e for e in range(c.n_routed_experts) if e not in per]
+        if missing:
+            raise CheckpointError(f"missing tensors: model.layers.{layer}.mlp.experts.{missing[0]}.{proj}.weight"
+                                  + (f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""))
+        extra = sorted(set(per) - set(range(c.n_routed_experts)))
+        if extra:
+            raise CheckpointError(f"unexpected tensors: model.layers.{layer}.mlp.experts.{extra[0]}.{proj}.weight")
+        out[f"layers.{layer}.mlp.{proj}"] = torch.stack([per[e] for e in range(c.n_routed_experts)])
+    return out
+
+
+# ----------------------------------------------------------------------------- save / load
+
+def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write config.json and safetensors shards (with an index file when there is more than one)."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = _to_hf({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, model.config)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, model.dtype), indent=2) + "\n")
+    if len(shards) == 1:
+        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        out = {}
+        for fname in sorted(set(weight_map.values())):
+            out.update(load_file(str(path / fname)))
+        return out
+    if (path / SINGLE_FILE).exists():
+        return load_file(str(path / SINGLE_FILE))
+    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
+    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape."""
+    path = Path(directory)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"{path}: no config.json")
+    config, stored_dtype = config_from_hf(json.loads((path / "config.json").read_text()))
+    model = Model(config, seed=0, dtype=dtype or stored_dtype)
+    state = _from_hf(_read_tensors(path), config)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    extra = sorted(set(state) - set(want))
+    if missing or extra:
+        hf = lambda names: sorted(_to_hf({n: want.get(n, state.get(n)) for n in names}, config))  # noqa: E731
+        raise CheckpointError("checkpoint does not match config:"
+                              + (f" missing tensors: {', '.join(hf(missing)[:8])}" if missing else "")
+                              + (f" unexpected tensors: {', '.join(hf(extra)[:8])}" if extra else ""))
+    for name, t in state.items():
+        if t.shape != want[name].shape:
+            raise CheckpointError(f"tensor {sorted(_to_hf({name: t}, config))[0]} has shape {tuple(t.shape)}, "
+                                  f"expected {tuple(want[name].shape)}")
+    with torch.no_grad():
+        for name, target in want.items():
+            target.copy_(state[name].to(target.dtype))
+    return model

@@ -1,0 +1,469 @@
+"""The GLM-5-family model (glm_moe_dsa): MLA with a DSA lightning indexer and MoE, on zerokl.kernels.
+
+Part of the numerical definition: the order of these ops is versioned with the kernels.
+Reads top to bottom: config, attention batch and cache layouts, pure functions, leaf
+modules, block, model. No I/O here (see checkpoint.py) and no parallelism (applied
+from outside).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from zerokl.kernels import ops
+
+__all__ = ["ModelConfig", "AttentionBatch", "KVCache", "Model"]
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One frozen description of a GLM-5-family model (names follow the HF config.json keys)."""
+
+    vocab_size: int = 154880                 # token ids are in [0, vocab_size)
+    hidden_size: int = 6144                  # residual stream width D
+    intermediate_size: int = 12288           # dense-MLP hidden width (dense layers)
+    moe_intermediate_size: int = 2048        # per-expert hidden width I (routed and shared experts)
+    num_hidden_layers: int = 78              # decoder blocks
+    num_attention_heads: int = 64            # MLA heads H
+    q_lora_rank: int = 2048                  # query latent width (q_a_proj output)
+    kv_lora_rank: int = 512                  # KV latent width R: what the cache stores per token
+    qk_nope_head_dim: int = 192              # per-head query/key width without RoPE
+    qk_rope_head_dim: int = 64               # per-head RoPE width P (one shared rope key per token)
+    v_head_dim: int = 256                    # per-head value width
+    n_routed_experts: int = 256              # routed experts E
+    n_shared_experts: int = 1                # shared experts (fused into one MLP of width I * n_shared)
+    num_experts_per_tok: int = 8             # experts per token k
+    n_group: int = 1                         # expert groups for group-limited routing
+    topk_group: int = 1                      # groups a token may route into
+    routed_scaling_factor: float = 2.5       # route_scale applied to the normalized weights
+    norm_topk_prob: bool = True              # normalize the k routing weights to sum to 1
+    mlp_layer_types: tuple[str, ...] = ()    # per layer "dense" | "sparse"; () = derive from first_k_dense_replace
+    first_k_dense_replace: int = 3           # leading dense layers when mlp_layer_types is not given
+    indexer_types: tuple[str, ...] = ()      # per layer "full" | "shared" (reuse the previous full layer's top-k)
+    index_n_heads: int = 32                  # lightning-indexer heads Hi
+    index_head_dim: int = 128                # indexer head width (its first qk_rope_head_dim dims get RoPE)
+    index_topk: int = 2048                   # keys each query attends; <= this many keys means dense causal
+    rms_norm_eps: float = 1e-5               # block and final RMSNorm eps (latent norms use 1e-6 as GLM-5 does)
+    rope_theta: float = 1_000_000.0          # RoPE base
+    rope_interleave: bool = True             # MLA RoPE pairs (2i, 2i+1) (GLM-5) vs half-split
+    indexer_rope_interleave: bool = True     # the same for the indexer's RoPE
+    max_position_embeddings: int = 202752    # longest supported context
+    bos_token_id: int | None = 0             # prepended by the tokenizer side, not by the model
+    eos_token_id: int | None = 1             # ends generation
+    pad_token_id: int | None = None          # padding id in batched training inputs
+    tie_word_embeddings: bool = False        # GLM-5 keeps lm_head separate
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if not self.mlp_layer_types:
+            dense = min(self.first_k_dense_replace, n)
+            object.__setattr__(self, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (n - dense))
+        if not self.indexer_types:
+            object.__setattr__(self, "indexer_types", ("full",) * n)
+        object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
+        object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
+        problems = []
+        if len(self.mlp_layer_types) != n or set(self.mlp_layer_types) - {"dense", "sparse"}:
+            problems.append(f"mlp_layer_types must be {n} entries of 'dense'|'sparse'")
+        if len(self.indexer_types) != n or set(self.indexer_types) - {"full", "shared"}:
+            problems.append(f"indexer_types must be {n} entries of 'full'|'shared'")
+        elif self.indexer_types[0] == "shared":
+            problems.append("indexer_types[0] is 'shared' but no earlier layer has an indexer")
+        if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
+            problems.append("qk_rope_head_dim must be even and <= index_head_dim")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            problems.append("n_routed_experts must divide into n_group groups and topk_group <= n_group")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            problems.append("num_experts_per_tok > n_routed_experts")
+        if problems:
+            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(qk_nope + qk_rope) (GLM-5 uses default RoPE: no YaRN mscale)."""
+        return self.qk_head_dim ** -0.5
+
+    @staticmethod
+    def preset(name: str) -> "ModelConfig":
+        """'tiny' (CPU demo, ~2M params), 'small' (~200M, GPU benchmarks), 'glm5' (GLM-5's real dimensions)."""
+        try:
+            return _PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}: expected one of {sorted(_PRESETS)}") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        """sha256 of the canonical JSON (services compare it before sharing work)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_PRESETS = {
+    # Sequences of 64-256 tokens exceed index_topk = 32, so the sparse path is always exercised.
+    "tiny": ModelConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, index_n_heads=4, index_head_dim=32, index_topk=32,
+        rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    ),
+    "small": ModelConfig(
+        vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
+        num_attention_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
+        v_head_dim=64, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
+        first_k_dense_replace=1, index_n_heads=8, index_head_dim=64, index_topk=512, max_position_embeddings=8192,
+    ),
+    "glm5": ModelConfig(),
+}
+
+
+# ----------------------------------------------------------------------------- attention batch
+
+@dataclass
+class AttentionBatch:
+    """Where N new tokens sit and which keys each may attend (built by the caller, not the model).
+
+    positions:   [N] int64, absolute position of each new token in its sequence.
+    key_slots:   [N, L] int64, row n = the slots of positions 0..positions[n] of n's sequence, in
+                 position order (column j is position j), -1 padded. Slots index the key store.
+    write_slots: [N] int64, where each new token's latent/rope/indexer key is written.
+    The key store is the paged KV cache when one is given, else the new tokens themselves
+    (the training path: slots are token indices).
+    """
+
+    positions: torch.Tensor
+    key_slots: torch.Tensor
+    write_slots: torch.Tensor
+
+    @staticmethod
+    def for_sequences(batch: int, seq_len: int, device: torch.device | str = "cpu") -> "AttentionBatch":
+        """The full-sequence (training) layout: `batch` sequences of `seq_len` tokens from position 0."""
+        pos = torch.arange(seq_len, device=device)
+        positions = pos.repeat(batch)
+        base = (torch.arange(batch, device=device) * seq_len).repeat_interleave(seq_len)
+        cols = pos.view(1, -1)
+        slots = base.view(-1, 1) + cols
+        key_slots = torch.where(cols <= positions.view(-1, 1), slots, torch.full_like(slots, -1))
+        return AttentionBatch(positions, key_slots, torch.arange(batch * seq_len, device=device))
+
+
+@dataclass
+class KVCache:
+    """Paged per-layer key store: what MLA and the indexer need per token, nothing more.
+
+    latent [layers, slots, kv_lora_rank] (normalized), rope [layers, slots, qk_rope_head_dim]
+    (rotated), index_k [layers, slots, index_head_dim] (normed, rotated). slot = block * block_size
+    + offset; block tables live with the caller. Stored in the model dtype, so a token read back
+    from the cache has exactly the bits it had when computed.
+    """
+
+    latent: torch.Tensor
+    rope: torch.Tensor
+    index_k: torch.Tensor
+    block_size: int
+
+    @staticmethod
+    def allocate(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> "KVCache":
+        slots, n = num_blocks * block_size, config.num_hidden_layers
+        return KVCache(
+            torch.zeros(n, slots, config.kv_lora_rank, dtype=dtype, device=device),
+            torch.zeros(n, slots, config.qk_rope_head_dim, dtype=dtype, device=device),
+            torch.zeros(n, slots, config.index_head_dim, dtype=dtype, device=device),
+            block_size,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.latent.shape[1] // self.block_size
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+def _heads_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-head projection: x [N, H, K] times weight[h].T ([H, M, K]) -> [N, H, M]."""
+    n, h, k = x.shape
+    flat = x.transpose(0, 1).reshape(h * n, k)
+    out = ops.grouped_linear(flat, weight, [i * n for i in range(h + 1)])
+    return out.view(h, n, -1).transpose(0, 1)
+
+
+def _rope_part(x: torch.Tensor, rope_dim: int, positions: torch.Tensor, inv_freq: torch.Tensor,
+               interleaved: bool, first: bool) -> torch.Tensor:
+    """Rotate the rope_dim slice of x [N, H, D] (the first slice for the indexer, the last for MLA)."""
+    if first:
+        return torch.cat([ops.rope(x[..., :rope_dim], positions, inv_freq, interleaved), x[..., rope_dim:]], -1)
+    return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:], positions, inv_freq, interleaved)], -1)
+
+
+def _store(cache_layer: torch.Tensor | None, new: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
+    """The key store for this step: the cache with the new rows written in, or the new rows alone."""
+    if cache_layer is None:
+        return new
+    cache_layer[write_slots] = new.detach().to(cache_layer.dtype)
+    return cache_layer
+
+
+# ----------------------------------------------------------------------------- leaf modules
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Linear(nn.Module):
+    """A bias-free projection through the invariant GEMM (weight [out, in], as nn.Linear)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+
+class Indexer(nn.Module):
+    """DSA lightning indexer: picks the index_topk keys each query attends."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = c.index_n_heads, c.index_head_dim, c.qk_rope_head_dim
+        self.topk, self.interleave = c.index_topk, c.indexer_rope_interleave
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim)
+        self.wk = Linear(c.hidden_size, c.index_head_dim)
+        self.k_norm = LayerNorm(c.index_head_dim, 1e-6)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads)
+        # relu(a * s) == s * relu(a) for s > 0: both HF scales are folded into the fp32 head weights.
+        self.head_scale = (c.index_n_heads ** -0.5) * (c.index_head_dim ** -0.5)
+
+    def keys(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The one indexer key per token [N, index_head_dim] (LayerNorm, then RoPE on the first part)."""
+        k = self.k_norm(self.wk(x)).unsqueeze(1)
+        return _rope_part(k, self.rope_dim, positions, inv_freq, self.interleave, first=True).squeeze(1)
+
+    def select(self, x, q_latent, positions, inv_freq, key_store, key_slots) -> torch.Tensor:
+        """Selected key slots [N, <= index_topk] in ascending position order, -1 padded."""
+        n = x.shape[0]
+        q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)
+        q = _rope_part(q, self.rope_dim, positions, inv_freq, self.interleave, first=True)
+        w = ops.linear(x.float(), self.weights_proj.weight.float()) * self.head_scale
+        scores = ops.indexer_scores(q, key_store, w, key_slots)
+        key_pos = torch.arange(key_slots.shape[1], device=x.device).expand_as(key_slots)
+        chosen = ops.topk_positions(scores, key_pos, self.topk)                       # ascending positions
+        return torch.where(chosen >= 0, key_slots.gather(1, chosen.clamp(min=0)), chosen)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention, absorbed form on every path, over indexer-selected keys."""
+
+    def __init__(self, c: ModelConfig, has_indexer: bool):
+        super().__init__()
+        self.c = c
+        h = c.num_attention_heads
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
+        self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size)
+        self.indexer = Indexer(c) if has_indexer else None
+
+    def forward(self, x, batch: AttentionBatch, inv_freq, cache: KVCache | None, layer: int,
+                shared_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        c, n = self.c, x.shape[0]
+        h, dn, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))                               # [N, q_lora]
+        q = self.q_b_proj(q_latent).view(n, h, c.qk_head_dim)
+        q_rope = ops.rope(q[..., dn:], batch.positions, inv_freq, c.rope_interleave)   # [N, H, P]
+        kv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(kv[:, :r])                                        # [N, R]
+        k_rope = ops.rope(kv[:, None, r:], batch.positions, inv_freq, c.rope_interleave)[:, 0]
+        latent_store = _store(cache.latent[layer] if cache else None, latent, batch.write_slots)
+        rope_store = _store(cache.rope[layer] if cache else None, k_rope, batch.write_slots)
+
+        if self.indexer is not None:
+            index_store = _store(cache.index_k[layer] if cache else None,
+                                 self.indexer.keys(x, batch.positions, inv_freq), batch.write_slots)
+            if batch.key_slots.shape[1] <= c.index_topk:
+                selected = batch.key_slots        # every row has <= index_topk keys: all are selected
+            else:
+                selected = self.indexer.select(x, q_latent, batch.positions, inv_freq, index_store, batch.key_slots)
+        else:
+            selected = shared_selection
+
+        w_kv = self.kv_b_proj.weight.view(h, dn + c.v_head_dim, r)
+        q_absorbed = _heads_linear(q[..., :dn], w_kv[:, :dn].transpose(1, 2).contiguous())  # [N, H, R]
+        o_latent = ops.mla_attention(q_absorbed, q_rope, latent_store, rope_store, selected, c.softmax_scale)
+        o = _heads_linear(o_latent.to(x.dtype), w_kv[:, dn:].contiguous())                   # [N, H, v]
+        return self.o_proj(o.reshape(n, h * c.v_head_dim)), selected
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP (dense layers and the shared experts)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = Linear(dim, hidden), Linear(dim, hidden), Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+class Router(nn.Module):
+    """Sigmoid router; its weight and correction bias stay fp32 whatever the model dtype."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(c.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.c
+        logits = ops.linear(x.float(), self.weight.float())
+        return ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                             c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
+
+
+class MoE(nn.Module):
+    """Dropless routed SwiGLU experts plus the shared expert, added after the routed sum."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        e, i, d = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.gate = Router(c)
+        self.gate_proj = nn.Parameter(torch.empty(e, i, d))     # experts.E.gate_proj.weight, stacked
+        self.up_proj = nn.Parameter(torch.empty(e, i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.shared_experts = MLP(d, i * c.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        routed = ops.moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- block
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = MLAttention(c, has_indexer=c.indexer_types[layer] == "full")
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size) if c.mlp_layer_types[layer] == "dense" else MoE(c)
+
+    def forward(self, x, batch, inv_freq, cache, shared_selection):
+        attn, selected = self.self_attn(self.input_layernorm(x), batch, inv_freq, cache, self.layer, shared_selection)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), selected
+
+
+# ----------------------------------------------------------------------------- model
+
+class Model(nn.Module):
+    """A GLM-5-family causal LM whose every path (train, prefill, decode) computes the same bits.
+
+    `Model(ModelConfig.preset("tiny"), seed=0)` builds a seeded random model.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.register_buffer("inv_freq", ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta), persistent=False)
+        self.init_weights(seed)
+        self.to(dtype)
+
+    def to(self, *args, **kwargs):
+        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32."""
+        super().to(*args, **kwargs)
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.weight.data = m.weight.data.float()
+                m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+        self.inv_freq.data = self.inv_freq.data.float()
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None) -> None:
+        """Normal(0, 0.02) projections (down/out projections scaled by depth), unit norms, zero biases."""
+        g = torch.Generator().manual_seed(0 if seed is None else seed)
+        depth_scale = (2 * self.config.num_hidden_layers) ** -0.5
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
+            else:
+                std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Training path: input_ids [B, S] (each row from position 0) -> logits [B, S, V]."""
+        b, s = input_ids.shape
+        batch = AttentionBatch.for_sequences(b, s, input_ids.device)
+        return self.forward_tokens(input_ids.reshape(-1), batch).view(b, s, -1)
+
+    def forward_tokens(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache | None = None) -> torch.Tensor:
+        """Serving path and the core of every path: N new tokens [N] -> logits [N, V] in the model dtype.
+
+        With a cache, each token's latent, rope key and indexer key are written at
+        batch.write_slots and attention reads the cache; without one, the new tokens are the
+        key store. Either way each token's logits depend only on its own sequence.
+        """
+        x = self.embed_tokens(tokens)
+        selected = None
+        for block in self.layers:
+            x, selected = block(x, batch, self.inv_freq, cache, selected)
+        return self.lm_head(self.norm(x))
+
+    # Thin entry points; the I/O lives in zerokl.model.checkpoint.
+    @classmethod
+    def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Model":
+        """Load a glm_moe_dsa checkpoint (config.json + safetensors, HF parameter names)."""
+        from zerokl.model.checkpoint import load_pretrained
+        return load_pretrained(directory, dtype)
+
+    def save_pretrained(self, directory, max_shard_bytes: int = 2 * 1024**3) -> None:
+        """Write config.json + safetensors with HF parameter names (sharded with an index when large)."""
+        from zerokl.model.checkpoint import save_pretrained
+        save_pretrained(self, directory, max_shard_bytes)

@@ -1,0 +1,59 @@
+"""Paged-KV addressing: turn block tables into the AttentionBatch the model consumes.
+
+The model never sees blocks: it reads and writes slots. A sequence's block table maps
+position p to slot `table[p // block_size] * block_size + p % block_size`; key lists are
+built in position order, so where the blocks lie in memory never changes the order in
+which attention visits keys (and never changes a bit).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerokl.model.model import AttentionBatch
+
+__all__ = ["SequenceChunk", "batch_for_chunks", "BlockPool"]
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """n_new tokens of one sequence starting at position `start`, whose KV lives in `block_table`."""
+
+    block_table: tuple[int, ...]
+    start: int
+    n_new: int
+
+
+def batch_for_chunks(chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
+    """AttentionBatch for the chunks' new tokens, concatenated in the given order."""
+    width = max(ch.start + ch.n_new for ch in chunks)
+    positions, key_slots, write_slots = [], [], []
+    cols = torch.arange(width)
+    for ch in chunks:
+        end = ch.start + ch.n_new
+        if len(ch.block_table) * block_size < end:
+            raise ValueError(f"block table of {len(ch.block_table)} blocks cannot hold {end} tokens")
+        table = torch.tensor(ch.block_table, dtype=torch.int64)
+        slots = table[cols.clamp(max=end - 1) // block_size] * block_size + cols % block_size   # [width]
+        pos = torch.arange(ch.start, end)
+        positions.append(pos)
+        key_slots.append(torch.where(cols.view(1, -1) <= pos.view(-1, 1), slots.view(1, -1), torch.tensor(-1)))
+        write_slots.append(slots[ch.start:end])
+    return AttentionBatch(torch.cat(positions).to(device), torch.cat(key_slots).to(device), torch.cat(write_slots).to(device))
+
+
+class BlockPool:
+    """A free list of KV blocks (the engine adds ref-counting and prefix hashing on top)."""
+
+    def __init__(self, num_blocks: int):
+        self.free = list(range(num_blocks))
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"out of KV blocks: need {n}, have {len(self.free)}")
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+    def give(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)

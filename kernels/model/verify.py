@@ -1,0 +1,96 @@
+"""Three-path parity: full forward == chunked prefill (with prefix-cache hits) == decode, bitwise.
+
+Shared by the test suite and `zerokl verify`. A random tiny model reads random prompts
+three ways while random neighbour sequences share every batch at random positions,
+through a paged cache whose block tables are shuffled.
+"""
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+from zerokl.kernels import use_backend
+from zerokl.model.model import KVCache, Model, ModelConfig
+from zerokl.model.paging import BlockPool, SequenceChunk, batch_for_chunks
+
+__all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths"]
+
+
+class _Seq:
+    """A sequence being fed through the cache in steps of varying size."""
+
+    def __init__(self, tokens: torch.Tensor, table: list[int], start: int = 0):
+        self.tokens, self.table, self.done = tokens, table, start
+        self.logits: list[torch.Tensor] = []
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
+
+
+def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size: int = 8,
+              neighbours: int = 3, max_chunk: int = 40) -> dict[str, torch.Tensor]:
+    """Logits of `prompt` [S] by full forward, chunked prefill, prefix-cache hit, and decode."""
+    c, s, vocab = model.config, len(prompt), model.config.vocab_size
+    with torch.no_grad():
+        out = {"full": model(prompt.view(1, -1))[0]}
+        blocks_per_seq = -(-c.max_position_embeddings // block_size)
+        pool = BlockPool(blocks_per_seq * (neighbours + 3))
+        rng.shuffle(pool.free)                                # pages land anywhere in memory
+        cache = KVCache.allocate(c, len(pool.free), block_size, model.dtype)
+
+        def new_seq(tokens, shared_prefix_blocks=(), start=0):
+            need = -(-len(tokens) // block_size) - len(shared_prefix_blocks)
+            return _Seq(tokens, list(shared_prefix_blocks) + pool.take(need), start)
+
+        def run(target: _Seq, step: Callable[[], int]):
+            """Feed `target` in steps while random neighbours (prefill or decode) share each batch."""
+            others = [new_seq(torch.randint(0, vocab, (rng.randint(1, 3 * c.index_topk),))) for _ in range(neighbours)]
+            while target.left:
+                work = [(target, min(step(), target.left))]
+                work += [(o, min(rng.randint(1, max_chunk), o.left)) for o in others if o.left]
+                rng.shuffle(work)
+                chunks = [SequenceChunk(tuple(q.table), q.done, n) for q, n in work]
+                logits = model.forward_tokens(torch.cat([q.tokens[q.done:q.done + n] for q, n in work]),
+                                              batch_for_chunks(chunks, block_size), cache)
+                at = 0
+                for q, n in work:
+                    q.logits.append(logits[at:at + n])
+                    q.done, at = q.done + n, at + n
+            for o in others:
+                pool.give(o.table)
+            return torch.cat(target.logits)
+
+        prefill = new_seq(prompt)
+        out["chunked_prefill"] = run(prefill, lambda: rng.randint(1, max_chunk))
+        decode = new_seq(prompt)
+        out["decode"] = run(decode, lambda: 1)
+        # Prefix-cache hit: reuse the prefill sequence's full blocks, compute only the rest.
+        hit_blocks = rng.randint(1, max(1, (s - 1) // block_size)) if s > block_size else 0
+        hit = new_seq(prompt, prefill.table[:hit_blocks], start=hit_blocks * block_size)
+        out["prefix_hit"] = torch.cat([out["full"][: hit.done], run(hit, lambda: rng.randint(1, max_chunk))])
+    return out
+
+
+def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelConfig | None = None,
+                      dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+    """(cases, mismatching paths) over random prompts shorter and longer than index_topk."""
+    rng = random.Random(seed)
+    config = config or ModelConfig.preset("tiny")
+    cases = mismatches = 0
+    with use_backend(backend):
+        model = Model(config, seed=seed, dtype=dtype).eval()
+        for i in range(prompts):
+            s = rng.randint(2, config.index_topk) if i % 2 == 0 else rng.randint(config.index_topk + 1, 3 * config.index_topk)
+            prompt = torch.randint(0, config.vocab_size, (s,), generator=torch.Generator().manual_seed(seed * 1000 + i))
+            paths = run_paths(model, prompt, rng)
+            for name, logits in paths.items():
+                if name != "full":
+                    cases += 1
+                    mismatches += int(not torch.equal(logits, paths["full"]))
+    return cases, mismatches
+
+
+PARITY_CHECKS: dict[str, Callable[[str, int], tuple[int, int]]] = {"three_path_parity": three_path_parity}

@@ -1,0 +1,23 @@
+"""Project wiring: CI runs the README's commands; generated protos are current."""
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = [l for l in (ROOT / ".ci" / "run").read_text().splitlines() if l.startswith("pip install")]
+    assert len(ci) == 1 and ci[0] in (ROOT / "README.md").read_text()
+
+
+def test_generated_protos_are_current():
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_protos.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_verify_reports_zero_mismatches():
+    r = subprocess.run([sys.executable, "-m", "zerokl", "verify", "--backend", "torch", "--quiet"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK: zero mismatches" in r.stdout and "three_path_parity" in r.stdout
