@@ -21,7 +21,6 @@ from zerokl.services.runtime.chunks import (
     verify_chunk,
 )
 from zerokl.services.runtime.errors import (
-    Aborted,
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
@@ -30,7 +29,6 @@ from zerokl.services.runtime.errors import (
     NotFound,
     PreconditionViolation,
     ServiceError,
-    Unauthenticated,
     Unavailable,
     field_violations,
     status_details,
@@ -49,7 +47,6 @@ from zerokl.services.runtime.server import (
 from zerokl.services.runtime.tracing import configure_tracing
 
 __all__ = [
-    "Aborted",
     "AlreadyExists",
     "Chunk",
     "ChunkAssembler",
@@ -66,7 +63,6 @@ __all__ = [
     "ServiceIdentity",
     "ServiceServer",
     "TlsConfig",
-    "Unauthenticated",
     "Unavailable",
     "add_server_arguments",
     "chunk_from_proto",

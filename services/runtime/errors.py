@@ -26,9 +26,7 @@ __all__ = [
     "AlreadyExists",
     "FailedPrecondition",
     "DataLoss",
-    "Unauthenticated",
     "Unavailable",
-    "Aborted",
     "rich_status",
     "abort",
     "status_details",
@@ -127,22 +125,10 @@ class DataLoss(ServiceError):
     code = grpc.StatusCode.DATA_LOSS
 
 
-class Unauthenticated(ServiceError):
-    """The caller presented no valid credentials."""
-
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
 class Unavailable(ServiceError):
     """The server cannot serve this now (shutting down); retrying elsewhere is safe."""
 
     code = grpc.StatusCode.UNAVAILABLE
-
-
-class Aborted(ServiceError):
-    """A concurrent operation conflicted with this one; retry the whole sequence."""
-
-    code = grpc.StatusCode.ABORTED
 
 
 def rich_status(code: grpc.StatusCode, msg: str, details: Sequence[message.Message] = ()) -> status_pb2.Status:

@@ -120,32 +120,49 @@ class WeightStoreClient:
         """Send every file of ``src`` as a shard, each from where the server's copy ends.
 
         Safe to call again after an interruption: complete shards are
-        skipped, partial ones continue at their ``received`` offset.
+        skipped, partial ones continue at their last acknowledged offset.
         """
         held = {s.name: s for s in (await self.upload_status(upload_id)).shards}
         for path in _files(pathlib.Path(src)):
             prior = held.get(path.name)
             if prior is None or not prior.complete:
-                await self.put_shard(upload_id, path, 0 if prior is None else prior.received)
+                await self.put_shard(upload_id, path)
         return await self.upload_status(upload_id)
 
-    async def put_shard(self, upload_id: str, path: str | os.PathLike[str], offset: int = 0) -> ShardStatus:
-        """Stream one file as a shard starting at byte ``offset`` (the server's ``received``)."""
+    async def put_shard(self, upload_id: str, path: str | os.PathLike[str]) -> ShardStatus:
+        """Stream one file as a shard, starting where the server says its copy ends.
+
+        One chunk in flight at a time: each is sent after the previous one was
+        acknowledged as stored, so an error status arrives cleanly instead of
+        racing a pending send, and an interruption loses no acknowledged byte.
+        """
         path = pathlib.Path(path)
         size = path.stat().st_size
         sha256 = await asyncio.to_thread(file_sha256, path)
+        call = self._stub.PutShard()
+        try:
+            await call.write(weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
+                upload_id=upload_id, name=path.name, size=size, sha256=sha256)))
+            status = await self._ack(call)
+            if not status.complete:
+                with open(path, "rb") as f:
+                    f.seek(status.received)
+                    pieces = iter(lambda: f.read(MAX_CHUNK_BYTES), b"")
+                    for chunk in chunks_from_pieces(pieces, start=status.received, total_size=size):
+                        await call.write(weights_pb2.PutShardRequest(chunk=chunk_to_proto(chunk)))
+                        status = await self._ack(call)
+            await call.done_writing()
+            return convert.shard_status_from_proto(status)
+        finally:
+            call.cancel()  # no-op when finished; ends the stream if we stop early
 
-        async def requests() -> AsyncIterator[weights_pb2.PutShardRequest]:
-            yield weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
-                upload_id=upload_id, name=path.name, size=size, sha256=sha256))
-            if offset == size:
-                return
-            with open(path, "rb") as f:
-                f.seek(offset)
-                pieces = iter(lambda: f.read(MAX_CHUNK_BYTES), b"")
-                for chunk in chunks_from_pieces(pieces, start=offset, total_size=size):
-                    yield weights_pb2.PutShardRequest(chunk=chunk_to_proto(chunk))
-        return convert.shard_status_from_proto(await self._stub.PutShard(requests()))
+    @staticmethod
+    async def _ack(call: Any) -> weights_pb2.ShardStatus:
+        msg = await call.read()
+        if msg is grpc.aio.EOF:
+            await call  # raises the status that ended the stream
+            raise RuntimeError("PutShard ended without acknowledging")  # OK status without an ack
+        return msg
 
     async def commit(self, upload_id: str, shards: list[str], spec: VersionSpec) -> WeightsManifest:
         """Publish an upload whose shards are exactly ``shards``."""

@@ -67,6 +67,7 @@ def _config_from_json(text: str) -> dict[str, Any]:
 
 
 def manifest_to_proto(m: WeightsManifest) -> weights_pb2.WeightsManifest:
+    """WeightsManifest -> ``zerokl.v1.WeightsManifest``."""
     msg = weights_pb2.WeightsManifest(
         version=m.version, parent_version=m.spec.parent_version,
         numerics_version=m.spec.numerics_version, numerics_fingerprint=m.spec.numerics_fingerprint,
@@ -79,6 +80,7 @@ def manifest_to_proto(m: WeightsManifest) -> weights_pb2.WeightsManifest:
 
 
 def manifest_from_proto(msg: weights_pb2.WeightsManifest) -> WeightsManifest:
+    """``zerokl.v1.WeightsManifest`` -> WeightsManifest."""
     spec = VersionSpec(msg.parent_version, msg.step if msg.HasField("step") else None, msg.numerics_version,
                        msg.numerics_fingerprint, _config_from_json(msg.model_config_json), dict(msg.metadata))
     return WeightsManifest(msg.version, spec, tuple(ShardInfo(s.name, s.size, s.sha256) for s in msg.shards),
@@ -86,43 +88,52 @@ def manifest_from_proto(msg: weights_pb2.WeightsManifest) -> WeightsManifest:
 
 
 def shard_status_to_proto(s: ShardStatus) -> weights_pb2.ShardStatus:
+    """ShardStatus -> ``zerokl.v1.ShardStatus``."""
     return weights_pb2.ShardStatus(name=s.name, size=s.size, sha256=s.sha256, received=s.received,
                                    complete=s.complete)
 
 
 def shard_status_from_proto(msg: weights_pb2.ShardStatus) -> ShardStatus:
+    """``zerokl.v1.ShardStatus`` -> ShardStatus."""
     return ShardStatus(msg.name, msg.size, msg.sha256, msg.received, msg.complete)
 
 
 def upload_status_to_proto(u: UploadStatus) -> weights_pb2.UploadStatus:
+    """UploadStatus -> ``zerokl.v1.UploadStatus``."""
     return weights_pb2.UploadStatus(upload_id=u.upload_id, version=u.version,
                                     shards=[shard_status_to_proto(s) for s in u.shards],
                                     created_at=_ts(u.created_at))
 
 
 def upload_status_from_proto(msg: weights_pb2.UploadStatus) -> UploadStatus:
+    """``zerokl.v1.UploadStatus`` -> UploadStatus."""
     return UploadStatus(msg.upload_id, msg.version, tuple(shard_status_from_proto(s) for s in msg.shards),
                         _when(msg.created_at))
 
 
 def version_entry_to_proto(e: VersionEntry) -> weights_pb2.VersionEntry:
+    """VersionEntry -> ``zerokl.v1.VersionEntry``."""
     return weights_pb2.VersionEntry(manifest=manifest_to_proto(e.manifest), pinned_by=list(e.pinned_by))
 
 
 def version_entry_from_proto(msg: weights_pb2.VersionEntry) -> VersionEntry:
+    """``zerokl.v1.VersionEntry`` -> VersionEntry."""
     return VersionEntry(manifest_from_proto(msg.manifest), tuple(msg.pinned_by))
 
 
 def gc_result_to_proto(r: GcResult) -> weights_pb2.GarbageCollectResponse:
+    """GcResult -> ``zerokl.v1.GarbageCollectResponse``."""
     return weights_pb2.GarbageCollectResponse(deleted=list(r.deleted), kept_pinned=list(r.kept_pinned),
                                               expired_uploads=list(r.expired_uploads))
 
 
 def gc_result_from_proto(msg: weights_pb2.GarbageCollectResponse) -> GcResult:
+    """``zerokl.v1.GarbageCollectResponse`` -> GcResult."""
     return GcResult(tuple(msg.deleted), tuple(msg.kept_pinned), tuple(msg.expired_uploads))
 
 
 def commit_request_to_proto(upload_id: str, shards: list[str], spec: VersionSpec) -> weights_pb2.CommitRequest:
+    """A commit of ``shards`` of an upload with ``spec`` -> ``zerokl.v1.CommitRequest``."""
     msg = weights_pb2.CommitRequest(
         upload_id=upload_id, shards=shards, parent_version=spec.parent_version,
         numerics_version=spec.numerics_version, numerics_fingerprint=spec.numerics_fingerprint,

@@ -17,9 +17,8 @@ from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
-from zerokl.services.weightstore.service import SERVICE_NAME, VersionWatch, WeightStoreServicer
+from zerokl.services.weightstore.service import add_weight_store
 from zerokl.services.weightstore.store import VersionStore
-from zerokl.v1 import weights_pb2_grpc
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_ROOT", "build_parser", "backend_from_args", "main"]
 
@@ -74,10 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     identity = ServiceIdentity("weight-store", args.replica_id or default_replica_id("weight-store"))
 
     def setup(server: ServiceServer) -> None:
-        watch = VersionWatch(store, args.watch_poll)
-        servicer = WeightStoreServicer(store, identity, watch)
-        server.add_servicer(weights_pb2_grpc.add_WeightStoreServicer_to_server, servicer, SERVICE_NAME)
-        server.on_drain(watch.close)
+        add_weight_store(server, store, identity, args.watch_poll)
         set_serving_info(identity)
 
     def ready(server: ServiceServer, metrics: MetricsServer | None) -> None:

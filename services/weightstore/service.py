@@ -15,11 +15,12 @@ import grpc.aio
 from zerokl.services.runtime.chunks import Chunk, chunk_from_proto, chunk_to_proto
 from zerokl.services.runtime.errors import InvalidArgument, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.weightstore import convert
 from zerokl.services.weightstore.store import VersionStore, WeightsManifest
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "VersionWatch", "WeightStoreServicer"]
+__all__ = ["SERVICE_NAME", "VersionWatch", "WeightStoreServicer", "add_weight_store"]
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +45,18 @@ class VersionWatch:
         self._known: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
         self._closed = False
 
     async def subscribe(self) -> asyncio.Queue[Any]:
         """A queue that receives every version published from now on."""
         if self._closed:
             raise Unavailable("the weight store is shutting down")
-        if self._task is None:
-            # Versions that exist before the first watcher are not news.
-            self._known = {m.version for m in await asyncio.to_thread(self._store.manifests)}
-            self._task = asyncio.ensure_future(self._run())
+        async with self._starting:  # two first watchers must not start two pollers
+            if self._task is None:
+                # Versions that exist before the first watcher are not news.
+                self._known = {m.version for m in await asyncio.to_thread(self._store.manifests)}
+                self._task = asyncio.ensure_future(self._run())
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._subscribers.add(queue)
         return queue
@@ -141,17 +144,19 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         return convert.upload_status_to_proto(await asyncio.to_thread(self._store.upload_status, request.upload_id))
 
     async def PutShard(self, request_iterator: AsyncIterator[weights_pb2.PutShardRequest],
-                       context: grpc.aio.ServicerContext) -> weights_pb2.ShardStatus:
-        first = await anext(aiter(request_iterator), None)
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[weights_pb2.ShardStatus]:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidArgument.field("header", "the first PutShard message must be a ShardHeader")
         h = first.header
         writer = await asyncio.to_thread(self._store.shard_writer, h.upload_id, h.name, h.size, h.sha256)
-        async for req in request_iterator:
+        yield convert.shard_status_to_proto(writer.status())
+        async for req in requests:
             if req.WhichOneof("msg") != "chunk":
                 raise InvalidArgument.field("chunk", "only the first PutShard message may be a header")
             await asyncio.to_thread(writer.write, chunk_from_proto(req.chunk))
-        return convert.shard_status_to_proto(writer.status())
+            yield convert.shard_status_to_proto(writer.status())
 
     async def Commit(self, request: weights_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> weights_pb2.WeightsManifest:
@@ -225,3 +230,13 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
                              context: grpc.aio.ServicerContext) -> weights_pb2.GarbageCollectResponse:
         keep = request.keep_last if request.HasField("keep_last") else None
         return convert.gc_result_to_proto(await asyncio.to_thread(self._store.gc, keep))
+
+
+def add_weight_store(server: ServiceServer, store: VersionStore, identity: ServiceIdentity,
+                     watch_poll_s: float = 2.0) -> WeightStoreServicer:
+    """Serve ``store`` on ``server`` (before it starts); watches end when the server drains."""
+    watch = VersionWatch(store, watch_poll_s)
+    servicer = WeightStoreServicer(store, identity, watch)
+    server.add_servicer(weights_pb2_grpc.add_WeightStoreServicer_to_server, servicer, SERVICE_NAME)
+    server.on_drain(watch.close)
+    return servicer

@@ -51,7 +51,7 @@ class WeightStoreStub:
                 request_serializer=zerokl_dot_v1_dot_weights__pb2.GetUploadRequest.SerializeToString,
                 response_deserializer=zerokl_dot_v1_dot_weights__pb2.UploadStatus.FromString,
                 _registered_method=True)
-        self.PutShard = channel.stream_unary(
+        self.PutShard = channel.stream_stream(
                 '/zerokl.v1.WeightStore/PutShard',
                 request_serializer=zerokl_dot_v1_dot_weights__pb2.PutShardRequest.SerializeToString,
                 response_deserializer=zerokl_dot_v1_dot_weights__pb2.ShardStatus.FromString,
@@ -134,10 +134,13 @@ class WeightStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutShard(self, request_iterator, context):
-        """Client stream: one ShardHeader, then BytesChunks with contiguous offsets
-        starting at the shard's `received` (0 for a new shard). Every chunk is
-        persisted as it arrives, so a cut stream loses nothing acknowledged by a
-        later GetUpload. The shard is verified against its sha256 when its last
+        """One ShardHeader, then BytesChunks with contiguous offsets. The server
+        answers the header and every chunk with the shard's status once the
+        bytes are stored: the answer to the header says where to start
+        (`received`, 0 for a new shard), and a chunk is acknowledged only when it
+        is persisted, so after a cut stream the client resumes from the last
+        acknowledged offset. Send a chunk only after the previous one was
+        acknowledged. The shard is verified against its sha256 when its last
         byte arrives (DATA_LOSS and a reset to 0 if it does not match).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -232,7 +235,7 @@ def add_WeightStoreServicer_to_server(servicer, server):
                     request_deserializer=zerokl_dot_v1_dot_weights__pb2.GetUploadRequest.FromString,
                     response_serializer=zerokl_dot_v1_dot_weights__pb2.UploadStatus.SerializeToString,
             ),
-            'PutShard': grpc.stream_unary_rpc_method_handler(
+            'PutShard': grpc.stream_stream_rpc_method_handler(
                     servicer.PutShard,
                     request_deserializer=zerokl_dot_v1_dot_weights__pb2.PutShardRequest.FromString,
                     response_serializer=zerokl_dot_v1_dot_weights__pb2.ShardStatus.SerializeToString,
@@ -390,7 +393,7 @@ class WeightStore:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/zerokl.v1.WeightStore/PutShard',
