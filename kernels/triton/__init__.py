@@ -1,1 +1,37 @@
-X='kernels/triton'
+"""Triton backend of zerokl.kernels: batch-invariant kernels for GPUs (and CPU under TRITON_INTERPRET=1).
+
+Same signatures and semantics as kernels/torch_ops.py (the reference), plus `topk_positions`.
+Bits are promised per backend and device type: a row's result is identical alone or inside
+any batch, at any position, with any neighbours. Each module's docstring says how.
+
+On CPU these kernels run only under the Triton interpreter: set TRITON_INTERPRET=1 before this
+package is imported (triton.jit reads it when the kernels are decorated).
+"""
+from __future__ import annotations
+
+from .attention import KV_BLOCK, mla_attention
+from .elementwise import sigmoid, silu
+from .gemm import gemm_config, grouped_linear, linear
+from .indexer import indexer_scores
+from .norms import layer_norm, rms_norm
+from .reductions import log_softmax, row_sum, softmax
+from .rotary import rope
+from .topk import topk_positions
+
+__all__ = [
+    "KV_BLOCK",
+    "gemm_config",
+    "grouped_linear",
+    "indexer_scores",
+    "layer_norm",
+    "linear",
+    "log_softmax",
+    "mla_attention",
+    "rms_norm",
+    "rope",
+    "row_sum",
+    "sigmoid",
+    "silu",
+    "softmax",
+    "topk_positions",
+]

@@ -1,0 +1,214 @@
+"""Batch-invariant GEMMs: `linear` (y = x @ W.T + b) and `grouped_linear` (MoE / per-group weights).
+
+Invariance by construction:
+* Every program computes one [BLOCK_M, BLOCK_N] output tile with a fp32 accumulator and walks
+  K in BLOCK_K chunks in ascending order, one tl.dot per chunk. There is no split-K or
+  stream-K: one program owns every K step of its tile.
+* (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) come from `gemm_config(N, K, dtype)`:
+  the weight's shape and dtype only, never M. So a row meets the same tile shape, the same
+  instruction sequence and the same K order whether it is alone (M = 1) or in any batch, at
+  any position; rows of a tile never mix (a dot's row i depends only on row i of A).
+  The suite checks this for M = 1 against many M, positions and neighbours.
+* Masked loads pad with zeros (rows past M, K past the end), adding exact zeros.
+* grouped_linear builds a host-side tile table from `offsets`: a tile never spans two
+  groups, so a token's result depends only on its row and its group's weight, never on
+  how many tokens the group got (dropless MoE).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_float, check_launchable, dot_in_fp32, pow2_between, unit_last
+
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "linear"]
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+
+
+def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
+    """Tile shape for a weight [N, K] of `dtype`. A function of the weight only (never of M).
+
+    Changing BLOCK_K changes the K summation order, i.e. the numerics version; BLOCK_M and
+    BLOCK_N only regroup independent output elements.
+    """
+    if dtype == torch.float32:
+        # fp32 operands are dotted with input_precision="ieee" (no tf32 rounding).
+        return GemmConfig(64, pow2_between(n, 16, 64), pow2_between(k, 16, 32), 4, 3)
+    # bf16/fp16: 128x128x64 tiles, 8 warps (two warpgroups of wgmma on Hopper).
+    return GemmConfig(128, pow2_between(n, 16, 128), pow2_between(k, 16, 64), 8, 3)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
+    HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < M
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_rows = w_ptr + rn[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # ascending K chunks, fixed by the weight's shape
+        kk = k0 + rk
+        k_mask = kk < K
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulation, output in x.dtype."""
+    op = "linear"
+    check_float(op, "x", x)
+    check_float(op, "weight", weight, ndim=2)
+    if x.dim() < 1:
+        raise ValueError(f"{op}: x must have at least 1 dim, got a scalar")
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: x's last dim {x.shape[-1]} != weight's K {k} (weight is [N, K] = {tuple(weight.shape)})")
+    if bias is not None:
+        check_float(op, "bias", bias, ndim=1)
+        if bias.shape[0] != n:
+            raise ValueError(f"{op}: bias has {bias.shape[0]} elements, weight has N = {n}")
+    check_launchable(op, _linear_kernel, x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = unit_last(x.reshape(-1, k))
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    if k == 0:
+        y.zero_()
+        if bias is not None:
+            y += bias.float().to(x.dtype)
+        return y.reshape(*lead, n)
+    cfg = gemm_config(n, k, weight.dtype)
+    grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
+    _linear_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y,
+        m, n, k,
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
+        HAS_BIAS=bias is not None, DOT_F32=dot_in_fp32(_linear_kernel, x.dtype, weight.dtype),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.reshape(*lead, n)
+
+
+@triton.jit
+def _grouped_linear_kernel(
+    x_ptr, w_ptr, y_ptr,
+    tile_group_ptr, tile_start_ptr, tile_end_ptr,
+    N, K,
+    stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_ym,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1).to(tl.int64)
+    g = tl.load(tile_group_ptr + tile).to(tl.int64)
+    row0 = tl.load(tile_start_ptr + tile).to(tl.int64)
+    row_end = tl.load(tile_end_ptr + tile).to(tl.int64)
+    rm = row0 + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask = rm < row_end  # a tile never reads rows of the next group
+    n_mask = rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_rows = w_ptr + g * stride_wg + rn[None, :] * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_mask = kk < K
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _check_offsets(op: str, offsets, groups: int, m: int) -> list[int]:
+    try:
+        offs = [int(o) for o in offsets]
+    except TypeError as e:
+        raise ValueError(f"{op}: offsets must be a sequence of ints") from e
+    if len(offs) != groups + 1:
+        raise ValueError(f"{op}: offsets must have G + 1 = {groups + 1} entries, got {len(offs)}")
+    if offs[0] != 0 or offs[-1] != m:
+        raise ValueError(f"{op}: offsets must start at 0 and end at M = {m}, got {offs[0]}..{offs[-1]}")
+    if any(b < a for a, b in itertools.pairwise(offs)):
+        raise ValueError(f"{op}: offsets must be non-decreasing (rows sorted by group), got {offs}")
+    return offs
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [M, K] times weight[g].T ([G, N, K]) -> [M, N] in x.dtype.
+
+    A row's bits depend only on the row and its group's weight, never on how many rows share
+    the group: tiles are cut per group from the host-side table, with the same tile shape
+    (gemm_config of the per-group weight [N, K]) for every group and every M.
+    """
+    op = "grouped_linear"
+    check_float(op, "x", x, ndim=2)
+    check_float(op, "weight", weight, ndim=3)
+    g, n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"{op}: x's last dim {x.shape[1]} != weight's K {k} (weight is [G, N, K] = {tuple(weight.shape)})")
+    offs = _check_offsets(op, offsets, g, m)
+    check_launchable(op, _grouped_linear_kernel, x, weight)
+    x = unit_last(x)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    cfg = gemm_config(n, k, weight.dtype)
+    groups, starts, ends = [], [], []
+    for gi in range(g):
+        for s in range(offs[gi], offs[gi + 1], cfg.BLOCK_M):
+            groups.append(gi)
+            starts.append(s)
+            ends.append(offs[gi + 1])
+    table = torch.tensor([groups, starts, ends], dtype=torch.int32).to(x.device)
+    grid = (len(groups), triton.cdiv(n, cfg.BLOCK_N))
+    _grouped_linear_kernel[grid](
+        x, weight, y,
+        table[0], table[1], table[2],
+        n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0),
+        DOT_F32=dot_in_fp32(_grouped_linear_kernel, x.dtype, weight.dtype),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y

@@ -1,0 +1,154 @@
+"""Deterministic top-k of indexer scores: `topk_positions(scores [T, L], positions [T, L], k)`.
+
+Order: highest score first; equal scores -> the LOWER position first; -0.0 counts as +0.0;
+-inf, NaN and entries with position < 0 are never selected. The k winners are returned
+sorted ascending by position, padded with -1 at the end when fewer than k are valid.
+
+Every valid entry is packed into one int64 whose signed order IS that order:
+    key   = monotone int32 image of the canonical fp32 score (bits ^ 0x7fffffff when negative)
+    packed = (-1 - key) << 32 | position           (position must lie in [0, 2**32))
+Invalid entries become INT64_MAX. Since no two valid entries of a row pack equal (positions
+are distinct), "the k smallest packed values" is a single, well-defined set: any algorithm
+that finds it exactly (and a sort does) returns the same bits, whatever the batch, so
+batch invariance holds by construction, not by care about reduction order.
+
+Kernel: one program per (row, chunk of CHUNK entries): bitonic-sort the packed chunk ascending
+(`_sort_ascending`: compare-and-swap from min/max over size-2 axes of a hypercube view).
+If the row fits one chunk (L <= TOPK_MAX_CHUNK, or 2*next_pow2(k) if larger), that program
+finishes: keeps the first k, turns them into positions, sorts those ascending and writes.
+Longer rows run a tournament: each chunk writes its own best next_pow2(k) packed values,
+and the survivors are reduced again the same way until one chunk is left. The global
+top-k of a strict total order is always among the per-chunk top-k, so the tournament
+returns exactly what one big sort would. (A single-program sort of a whole 128k-entry
+row would not fit on-chip; the tournament keeps every sort at TOPK_MAX_CHUNK entries.)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_launchable, is_interpreted, next_pow2
+
+__all__ = ["TOPK_MAX_CHUNK", "topk_positions"]
+
+TOPK_MAX_CHUNK = 4096  # entries sorted by one program (raised to 2*next_pow2(k) for large k)
+# Compiled kernels may sort with tl.sort instead of _sort_ascending (the interpreter runs tl.sort's
+# xor-reduction in Python, ~10x slower). Sorting integers has one answer, so either gives the same bits.
+TOPK_USE_TL_SORT = True
+_INT64_MAX = 2**63 - 1
+
+
+@triton.jit
+def _indicator(N_DIMS: tl.constexpr, J: tl.constexpr):
+    """0/1 along the J-th innermost axis of a [2] * N_DIMS hypercube (broadcastable)."""
+    return tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - J - 1) + [2] + [1] * J)
+
+
+@triton.jit
+def _compare_and_swap(h, flip, I: tl.constexpr, N_DIMS: tl.constexpr):
+    """Bitonic compare-and-swap across the I-th innermost axis of the hypercube h: the left
+    slot of each pair gets the min and the right slot the max (reversed where flip is 1).
+    Built from min/max over a size-2 axis (native reductions; exact for integers)."""
+    lo = tl.min(h, axis=N_DIMS - 1 - I, keep_dims=True)
+    hi = tl.max(h, axis=N_DIMS - 1 - I, keep_dims=True)
+    take_hi = (flip ^ _indicator(N_DIMS, I)) != 0
+    return tl.where(take_hi, hi, lo)
+
+
+@triton.jit
+def _sort_ascending(x, LOG_N: tl.constexpr):
+    """Bitonic sort of a [2**LOG_N] integer tensor, ascending (LOG_N >= 1)."""
+    h = tl.reshape(x, [2] * LOG_N)
+    for stage in tl.static_range(1, LOG_N + 1):
+        if stage < LOG_N:
+            flip = _indicator(LOG_N, stage)
+        else:
+            flip = tl.zeros([1] * LOG_N, dtype=tl.int32)
+        for i in tl.static_range(stage):
+            h = _compare_and_swap(h, flip, stage - 1 - i, LOG_N)
+    return tl.reshape(h, [2**LOG_N])
+
+
+@triton.jit(do_not_specialize=["W"])
+def _topk_kernel(
+    score_ptr, pos_ptr, src_ptr, dst_ptr, out_ptr,
+    W, K, s_score, s_pos, s_src, s_dst, s_out,
+    FROM_SCORES: tl.constexpr, FINAL: tl.constexpr, CHUNK: tl.constexpr, LOG_CHUNK: tl.constexpr, KP: tl.constexpr,
+    TL_SORT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    idx = tl.arange(0, CHUNK)
+    j = chunk * CHUNK + idx
+    j_mask = j < W
+    big = tl.full((CHUNK,), 9223372036854775807, dtype=tl.int64)
+    if FROM_SCORES:
+        sc = tl.load(score_ptr + row * s_score + j, mask=j_mask, other=float("-inf")).to(tl.float32)
+        ps = tl.load(pos_ptr + row * s_pos + j, mask=j_mask, other=-1).to(tl.int64)
+        valid = (sc > float("-inf")) & (ps >= 0)  # NaN compares false: never selected
+        sc = tl.where(sc == 0.0, 0.0, sc)  # -0.0 -> +0.0
+        bits = sc.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-monotone in the score
+        desc = -1 - key  # descending score, no overflow
+        packed = (desc.to(tl.int64) << 32) | ps
+        packed = tl.where(valid, packed, big)
+    else:
+        packed = tl.load(src_ptr + row * s_src + j, mask=j_mask, other=9223372036854775807)
+    if TL_SORT:
+        ordered = tl.sort(packed)
+    else:
+        ordered = _sort_ascending(packed, LOG_CHUNK)
+    if FINAL:
+        keep = (idx < K) & (ordered != big)
+        low = ordered - ((ordered >> 32) << 32)  # the position (low 32 bits)
+        if TL_SORT:
+            chosen = tl.sort(tl.where(keep, low, big))
+        else:
+            chosen = _sort_ascending(tl.where(keep, low, big), LOG_CHUNK)
+        res = tl.where(chosen == big, -1, chosen)
+        tl.store(out_ptr + row * s_out + idx, res, mask=idx < K)
+    else:
+        tl.store(dst_ptr + row * s_dst + chunk * KP + idx, ordered, mask=idx < KP)
+
+
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Deterministic top-k positions per row, sorted ascending, -1 padded. See the module doc."""
+    op = "topk_positions"
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.dtype.is_floating_point:
+        raise ValueError(f"{op}: scores must be a 2-D float tensor [T, L]")
+    if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{op}: positions must be an int64 (or int32) tensor [T, L]")
+    if positions.shape != scores.shape:
+        raise ValueError(f"{op}: positions {tuple(positions.shape)} must match scores {tuple(scores.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{op}: k must be a non-negative int, got {k!r}")
+    check_launchable(op, _topk_kernel, scores, positions)
+    if positions.device.type != "cuda" and positions.numel() and int(positions.max()) >= 2**32:
+        raise ValueError(f"{op}: positions must be < 2**32")
+    t, l = scores.shape
+    out = torch.full((t, k), -1, dtype=torch.int64, device=scores.device)
+    if t == 0 or k == 0 or l == 0:
+        return out
+    scores = scores.float().contiguous()
+    positions = positions.contiguous()
+    kp = next_pow2(k)
+    max_chunk = max(TOPK_MAX_CHUNK, 2 * kp)
+    src = None
+    width = l
+    while True:
+        chunk = max(min(next_pow2(width), max_chunk), kp, 16)
+        n_chunks = triton.cdiv(width, chunk)
+        final = n_chunks == 1
+        dst = out if final else torch.empty((t, n_chunks * kp), dtype=torch.int64, device=scores.device)
+        src_t = src if src is not None else out  # unused pointer when FROM_SCORES
+        warps = 4 if chunk <= 1024 else 8
+        _topk_kernel[(t, n_chunks)](
+            scores, positions, src_t, dst, out,
+            width, k, scores.stride(0), positions.stride(0), src_t.stride(0), dst.stride(0), out.stride(0),
+            FROM_SCORES=src is None, FINAL=final, CHUNK=chunk, LOG_CHUNK=chunk.bit_length() - 1, KP=kp,
+            TL_SORT=TOPK_USE_TL_SORT and not is_interpreted(_topk_kernel), num_warps=warps,
+        )
+        if final:
+            return out
+        src, width = dst, n_chunks * kp
