@@ -108,6 +108,10 @@ class ModelConfig:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def replace(self, **changes) -> "ModelConfig":
+        """A copy with `changes`; per-layer type lists are re-derived when the depth changes."""
+        if "num_hidden_layers" in changes:
+            changes.setdefault("mlp_layer_types", ())
+            changes.setdefault("indexer_types", ())
         return dataclasses.replace(self, **changes)
 
 

@@ -15,7 +15,11 @@ from zerokl.kernels import use_backend
 from zerokl.model.model import KVCache, Model, ModelConfig
 from zerokl.model.paging import BlockPool, SequenceChunk, batch_for_chunks
 
-__all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths"]
+__all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths", "INTERPRETER_CONFIG"]
+
+# The Triton interpreter runs every program instance in Python: on CPU its parity check
+# uses a 2-layer tiny model with index_topk = 8 (same code paths, dense and sparse).
+INTERPRETER_CONFIG = ModelConfig.preset("tiny").replace(num_hidden_layers=2, index_topk=8, max_position_embeddings=64)
 
 
 class _Seq:
@@ -75,17 +79,20 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
 
 
 def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelConfig | None = None,
-                      dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+                      dtype: torch.dtype = torch.float32, neighbours: int = 3) -> tuple[int, int]:
     """(cases, mismatching paths) over random prompts shorter and longer than index_topk."""
     rng = random.Random(seed)
-    config = config or ModelConfig.preset("tiny")
+    if config is None:
+        interpreted = backend == "triton" and not torch.cuda.is_available()
+        config = INTERPRETER_CONFIG if interpreted else ModelConfig.preset("tiny")
+        neighbours = 1 if interpreted else neighbours
     cases = mismatches = 0
     with use_backend(backend):
         model = Model(config, seed=seed, dtype=dtype).eval()
         for i in range(prompts):
             s = rng.randint(2, config.index_topk) if i % 2 == 0 else rng.randint(config.index_topk + 1, 3 * config.index_topk)
             prompt = torch.randint(0, config.vocab_size, (s,), generator=torch.Generator().manual_seed(seed * 1000 + i))
-            paths = run_paths(model, prompt, rng)
+            paths = run_paths(model, prompt, rng, neighbours=neighbours)
             for name, logits in paths.items():
                 if name != "full":
                     cases += 1
