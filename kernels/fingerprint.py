@@ -7,6 +7,7 @@ records the fingerprint it was trained under.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import torch
@@ -47,7 +48,8 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
                                        torch.tensor([[0, 1], [0, 2], [3, 0], [1, 2], [0, 3]], device=dev),
                                        x(27, 4, 20, 24, scale=0.2), x(28, 4, 20, 24, scale=0.2), x(29, 4, 24, 20, scale=0.2)),
     }
-    params = SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4))
+    params = SamplingParams(*(t.to(dev) for t in dataclasses.astuple(
+        SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4)))))
     tokens, logprobs = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
     out["sampling"] = torch.cat([tokens.float(), logprobs])
     out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)

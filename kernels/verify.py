@@ -227,11 +227,17 @@ def _row_slice(out, i: int, width: int | None = None) -> torch.Tensor:
 
 
 def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1, 3, 8, 17),
-             dims: dict | None = None, probes: int = 3) -> InvarianceResult:
-    """Compare `probes` rows alone against the same rows inside random batches."""
+             dims: dict | None = None, probes: int = 3, device: str | None = None) -> InvarianceResult:
+    """Compare `probes` rows alone against the same rows inside random batches.
+
+    Inputs are drawn on CPU (reproducible everywhere) and moved to `device` (default:
+    CUDA when present) before each call.
+    """
     d = {**case.dims, **(dims or {})}
     g = torch.Generator().manual_seed(seed)
-    shared = case.make_shared(g, d)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    to_dev = lambda ts: tuple(t.to(device) for t in ts)  # noqa: E731
+    shared = to_dev(case.make_shared(g, d))
     result = InvarianceResult(case.name)
     # Rows are compared up to the op's own output width: attention/indexer outputs are
     # padded to the widest neighbour, and padding is not part of the row's result.
@@ -239,12 +245,12 @@ def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1,
     with use_backend(backend):
         for _ in range(probes):
             probe = case.make_row(g, d)
-            alone = _row_slice(case.call(*case.collate([probe]), *shared), 0, width_of(probe))
+            alone = _row_slice(case.call(*to_dev(case.collate([probe])), *shared), 0, width_of(probe))
             for size in batches:
                 rows = [case.make_row(g, d) for _ in range(size)]
                 where = int(torch.randint(0, size + 1, (1,), generator=g))
                 rows.insert(where, probe)
-                out = case.call(*case.collate(rows), *shared)
+                out = case.call(*to_dev(case.collate(rows)), *shared)
                 got = _row_slice(out, where, width_of(probe))
                 result.cases += 1
                 result.mismatches += int(not torch.equal(got, alone))

@@ -38,12 +38,14 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
               neighbours: int = 3, max_chunk: int = 40) -> dict[str, torch.Tensor]:
     """Logits of `prompt` [S] by full forward, chunked prefill, prefix-cache hit, and decode."""
     c, s, vocab = model.config, len(prompt), model.config.vocab_size
+    dev = model.embed_tokens.weight.device
+    prompt = prompt.to(dev)
     with torch.no_grad():
         out = {"full": model(prompt.view(1, -1))[0]}
         blocks_per_seq = -(-c.max_position_embeddings // block_size)
         pool = BlockPool(blocks_per_seq * (neighbours + 3))
         rng.shuffle(pool.free)                                # pages land anywhere in memory
-        cache = KVCache.allocate(c, len(pool.free), block_size, model.dtype)
+        cache = KVCache.allocate(c, len(pool.free), block_size, model.dtype, dev)
 
         def new_seq(tokens, shared_prefix_blocks=(), start=0):
             need = -(-len(tokens) // block_size) - len(shared_prefix_blocks)
@@ -51,14 +53,14 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
 
         def run(target: _Seq, step: Callable[[], int]):
             """Feed `target` in steps while random neighbours (prefill or decode) share each batch."""
-            others = [new_seq(torch.randint(0, vocab, (rng.randint(1, 3 * c.index_topk),))) for _ in range(neighbours)]
+            others = [new_seq(torch.randint(0, vocab, (rng.randint(1, 3 * c.index_topk),)).to(dev)) for _ in range(neighbours)]
             while target.left:
                 work = [(target, min(step(), target.left))]
                 work += [(o, min(rng.randint(1, max_chunk), o.left)) for o in others if o.left]
                 rng.shuffle(work)
                 chunks = [SequenceChunk(tuple(q.table), q.done, n) for q, n in work]
                 logits = model.forward_tokens(torch.cat([q.tokens[q.done:q.done + n] for q, n in work]),
-                                              batch_for_chunks(chunks, block_size), cache)
+                                              batch_for_chunks(chunks, block_size, dev), cache)
                 at = 0
                 for q, n in work:
                     q.logits.append(logits[at:at + n])
@@ -88,7 +90,7 @@ def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelCo
         neighbours = 1 if interpreted else neighbours
     cases = mismatches = 0
     with use_backend(backend):
-        model = Model(config, seed=seed, dtype=dtype).eval()
+        model = Model(config, seed=seed, dtype=dtype).to("cuda" if torch.cuda.is_available() else "cpu").eval()
         for i in range(prompts):
             s = rng.randint(2, config.index_topk) if i % 2 == 0 else rng.randint(config.index_topk + 1, 3 * config.index_topk)
             prompt = torch.randint(0, config.vocab_size, (s,), generator=torch.Generator().manual_seed(seed * 1000 + i))
