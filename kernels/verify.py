@@ -202,7 +202,7 @@ def _grouped_call(x, group, weight):
         offsets.append(offsets[-1] + c)
     out = ops.grouped_linear(x[order], weight, offsets)
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel())
+    inverse[order] = torch.arange(order.numel(), device=order.device)
     return out[inverse]
 
 
