@@ -11,14 +11,18 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from zerokl.model.model import Model, ModelConfig
 
-__all__ = ["save_pretrained", "load_pretrained", "config_to_hf", "config_from_hf", "CheckpointError"]
+__all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf",
+           "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES"]
 
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -135,34 +139,47 @@ def _from_hf(tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torc
 
 # ----------------------------------------------------------------------------- save / load
 
-def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = 2 * 1024**3) -> None:
-    """Write config.json and safetensors shards (with an index file when there is more than one)."""
+def save_tensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write tensors as Hugging Face writes them: one model.safetensors, or
+    model-0000K-of-0000N.safetensors shards plus model.safetensors.index.json when they
+    exceed max_shard_bytes (a single larger tensor gets a shard of its own). Tensors that
+    share storage (tied weights) are copied, since safetensors refuses aliases.
+    Returns the files written."""
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = _to_hf({k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}, model.config)
+    if not tensors:
+        raise CheckpointError("no tensors to save")
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size, storages = 0, set()
     for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+        t = tensors[name].detach().cpu().contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = tensors[name]
+        shards[-1][name] = t
         size += nbytes
-    (path / "config.json").write_text(json.dumps(config_to_hf(model.config, model.dtype), indent=2) + "\n")
     if len(shards) == 1:
         save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
-        return
-    weight_map = {}
+        return [path / SINGLE_FILE]
+    written, weight_map = [], {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata={"format": "pt"})
+        written.append(path / fname)
         weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
     (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return written + [path / INDEX_FILE]
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory (sharded with an index, or one model.safetensors)."""
+    path = Path(directory)
     if (path / INDEX_FILE).exists():
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
         out = {}
@@ -174,14 +191,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
+def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config.json and the weights under HF names (sharded with an index when large)."""
+    save_tensors(_to_hf(model.state_dict(), model.config), directory, max_shard_bytes)
+    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config, model.dtype), indent=2) + "\n")
+
+
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
     """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape."""
     path = Path(directory)
-    if not (path / "config.json").exists():
-        raise CheckpointError(f"{path}: no config.json")
-    config, stored_dtype = config_from_hf(json.loads((path / "config.json").read_text()))
+    if not (path / CONFIG_FILE).exists():
+        raise CheckpointError(f"{path}: no {CONFIG_FILE}")
+    config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
     model = Model(config, seed=0, dtype=dtype or stored_dtype)
-    state = _from_hf(_read_tensors(path), config)
+    state = _from_hf(load_tensors(path), config)
     want = model.state_dict()
     missing = sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))

@@ -21,7 +21,6 @@ from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto, ch
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
 from zerokl.services.weightstore import convert
-from zerokl.services.weightstore.checkpoint import CONFIG_FILE, DEFAULT_MAX_SHARD_BYTES, save_state_dict
 from zerokl.services.weightstore.store import (
     FETCHED_MANIFEST,
     GcResult,
@@ -81,7 +80,7 @@ class WeightStoreClient:
                       parent_version: str = "", step: int | None = None, numerics_version: str = "",
                       numerics_fingerprint: str = "", model_config: Mapping[str, Any] | None = None,
                       metadata: Mapping[str, str] | None = None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> WeightsManifest:
+                      max_shard_bytes: int = 2 * 1024**3) -> WeightsManifest:
         """Publish a state dict or a checkpoint directory as ``version``.
 
         A state dict is written as a sharded safetensors checkpoint (with
@@ -90,16 +89,19 @@ class WeightStoreClient:
         crash resumes the open upload of that version.
         """
         if isinstance(source, Mapping):
+            # torch is imported on use: the weight-store server itself never needs it.
+            from zerokl.model.checkpoint import save_tensors
             with tempfile.TemporaryDirectory(prefix="zerokl-publish-") as tmp:
-                await asyncio.to_thread(save_state_dict, source, tmp, config=model_config,
-                                        max_shard_bytes=max_shard_bytes)
+                await asyncio.to_thread(save_tensors, source, tmp, max_shard_bytes)
+                if model_config is not None:
+                    (pathlib.Path(tmp) / "config.json").write_text(json.dumps(dict(model_config), indent=2, sort_keys=True))
                 return await self.publish(tmp, version, parent_version=parent_version, step=step,
                                           numerics_version=numerics_version,
                                           numerics_fingerprint=numerics_fingerprint,
                                           model_config=model_config, metadata=metadata)
         src = pathlib.Path(source)
-        if model_config is None and (src / CONFIG_FILE).exists():
-            model_config = json.loads((src / CONFIG_FILE).read_text())
+        if model_config is None and (src / "config.json").exists():
+            model_config = json.loads((src / "config.json").read_text())
         spec = VersionSpec(parent_version, step, numerics_version, numerics_fingerprint,
                            dict(model_config or {}), dict(metadata or {}))
         upload = await self.begin_upload(version)

@@ -20,7 +20,7 @@ from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violat
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, Chunk, chunk_to_proto, make_chunk
 from zerokl.services.weightstore import VersionSpec, VersionStore, WeightStoreClient
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
-from zerokl.services.weightstore.checkpoint import load_state_dict
+from zerokl.model.checkpoint import load_tensors
 from zerokl.services.weightstore.server import backend_from_args, build_parser
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import weights_pb2, weights_pb2_grpc
@@ -69,7 +69,7 @@ def test_publish_state_dict_then_fetch_and_info(backend: StorageBackend, tmp_pat
         assert {s.name for s in manifest.shards} >= {"config.json", "model.safetensors.index.json"}
         fetched = await client.fetch("latest", tmp_path / "dst")
         assert fetched == manifest == (await client.manifest("step-0"))
-        loaded = load_state_dict(tmp_path / "dst")
+        loaded = load_tensors(tmp_path / "dst")
         assert set(loaded) == set(state)
         assert all(torch.equal(loaded[k], state[k]) and loaded[k].dtype == state[k].dtype for k in state)
         info = await client.info()
