@@ -79,25 +79,33 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
     Rows with temperature 0 get the unmodified log_softmax (see module docstring).
     """
-    t, v = logits.shape
     greedy = params.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(params.temperature), params.temperature).float()
     z = logits.float() / temp.unsqueeze(1)
+    use_top_k, use_top_p = params.top_k > 0, params.top_p < 1.0
+    # The vocab sort is skipped when no row filters: a row that keeps every token gets
+    # the same bits either way, so this saves work without changing any result.
+    if bool(use_top_k.any() or use_top_p.any()):
+        z = _top_k_top_p(z, params.top_k, params.top_p, use_top_p)
+    z = torch.where(greedy.unsqueeze(1), logits.float(), z)
+    return log_softmax(z)
+
+
+def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_p: torch.Tensor) -> torch.Tensor:
+    """Mask z [T, V] to each row's top-k by rank (ties to the lower id), then its top-p prefix."""
+    t, v = z.shape
     order = torch.sort(z + 0.0, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(v, device=z.device).expand(t, v))
-    k = torch.where(params.top_k > 0, params.top_k, torch.full_like(params.top_k, v))
-    keep = rank < k.unsqueeze(1)
-    z = z.masked_fill(~keep, float("-inf"))
-    use_top_p = params.top_p < 1.0
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v))
+    z = z.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
     if bool(use_top_p.any()):
         probs_sorted = softmax(z).gather(1, order)
-        before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted       # mass strictly before each rank
-        keep_sorted = before < params.top_p.float().unsqueeze(1)
+        before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted       # mass ranked before each token
+        keep_sorted = before < top_p.float().unsqueeze(1)
         keep_p = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
         z = torch.where(use_top_p.unsqueeze(1), z.masked_fill(~keep_p, float("-inf")), z)
-    z = torch.where(greedy.unsqueeze(1), logits.float(), z)
-    return log_softmax(z)
+    return z
 
 
 def sampling_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -78,7 +78,12 @@ def _sampling_row(g, d):
     logits = _randn(g, v) * 3
     logits[int(torch.randint(0, v, (1,), generator=g))] = logits.max()   # an exact tie for greedy
     temperature = torch.tensor([0.0, 0.7, 1.0][int(torch.randint(0, 3, (1,), generator=g))])
-    return (logits, temperature, torch.randint(0, 8, (), generator=g), torch.rand((), generator=g) * 0.5 + 0.5,
+    # A third of the rows filter nothing (top_k 0, top_p 1), so batches mix rows that
+    # need the vocab sort with rows that do not.
+    unfiltered = bool(torch.rand((), generator=g) < 1 / 3)
+    top_k = torch.tensor(0) if unfiltered else torch.randint(0, 8, (), generator=g)
+    top_p = torch.tensor(1.0) if unfiltered else torch.rand((), generator=g) * 0.5 + 0.5
+    return (logits, temperature, top_k, top_p,
             torch.randint(0, 2**40, (), generator=g), torch.randint(0, 4096, (), generator=g))
 
 
