@@ -12,6 +12,7 @@ and differentiates that: gradients are deterministic, forward bits are Triton's.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
@@ -265,7 +266,7 @@ def moe_experts(
     flat = expert_ids.reshape(-1)
     order = torch.sort(flat, stable=True).indices                       # pairs grouped by expert
     counts = torch.bincount(flat, minlength=n_experts).tolist()
-    offsets = [0] + list(_cumulative(counts))
+    offsets = [0, *itertools.accumulate(counts)]
     xs = x[order // k]
     h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(x.dtype)
     out_sorted = grouped_linear(h, down_proj, offsets)                  # [T*k, D]
@@ -277,11 +278,4 @@ def moe_experts(
     for j in range(1, k):
         total = total + w[:, j:j + 1] * out[:, j]
     return total
-
-
-def _cumulative(counts: list[int]):
-    running = 0
-    for c in counts:
-        running += c
-        yield running
 

@@ -9,6 +9,7 @@ hardware or a new backend).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable, Sequence
 
 import torch
@@ -90,10 +91,6 @@ def _sampling_row(g, d):
 def _route_call(logits, bias, d):
     w, ids = ops.moe_route(logits, bias, d["top_k"], d["n_group"], d["topk_group"], 2.5)
     return torch.cat([w, ids.float()], 1)
-
-
-def _experts_call(x, w, ids, gate, up, down):
-    return ops.moe_experts(x, w, ids, gate, up, down)
 
 
 def _expert_row(g, d):
@@ -192,7 +189,7 @@ OP_CASES: dict[str, OpCase] = {
         lambda g, d: (_randn(g, d["experts"], d["inter"], d["hidden"]) * 0.2, _randn(g, d["experts"], d["inter"], d["hidden"]) * 0.2,
                       _randn(g, d["experts"], d["hidden"], d["inter"]) * 0.2),
         _stack,
-        _experts_call,
+        ops.moe_experts,
         {"experts": 6, "top_k": 2, "hidden": 24, "inter": 20, "dtype": torch.float32},
     ),
     "sampling": OpCase("sampling", _sampling_row, lambda g, d: (), _stack, _sampling_call, {"vocab": 97}),
@@ -202,10 +199,7 @@ OP_CASES: dict[str, OpCase] = {
 def _grouped_call(x, group, weight):
     order = torch.sort(group, stable=True).indices
     counts = torch.bincount(group, minlength=weight.shape[0]).tolist()
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
-    out = ops.grouped_linear(x[order], weight, offsets)
+    out = ops.grouped_linear(x[order], weight, [0, *itertools.accumulate(counts)])
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return out[inverse]

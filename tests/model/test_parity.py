@@ -3,7 +3,6 @@
 Random prompts below and above index_topk, random chunk sizes, random neighbour
 sequences (prefilling or decoding) at random batch positions, shuffled KV pages.
 """
-import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
