@@ -186,18 +186,13 @@ def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
 def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """The k highest-scoring positions of each row, returned ascending.
 
-    scores [T, L] fp32 with -inf at invalid entries; positions [T, L] int64 in ascending
-    order along each row (the key list order). Ties go to the lower position; -inf entries
-    are never selected. Returns [T, min(k, L)] int64, -1 padded at the end of a row.
+    scores [T, L] fp32 with -inf at invalid entries; positions [T, L] int64. Ties go to the
+    lower position and -0.0 equals +0.0, so the order is total and the selected set is
+    the same on every backend; -inf and NaN scores and negative positions are never
+    selected. Returns [T, k] int64 (a width independent of L, so a row's result never
+    depends on its neighbours' lengths), -1 padded at the end of a row.
     """
-    take = min(k, scores.shape[-1])
-    order = _rank_desc(scores)[:, :take]
-    chosen = positions.gather(1, order)
-    valid = scores.gather(1, order) > float("-inf")
-    big = torch.iinfo(torch.int64).max
-    chosen = torch.where(valid, chosen, torch.full_like(chosen, big))
-    chosen = torch.sort(chosen, dim=-1).values
-    return torch.where(chosen == big, torch.full_like(chosen, -1), chosen)
+    return _call("topk_positions", scores, positions, int(k))
 
 
 def moe_route(

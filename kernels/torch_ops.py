@@ -39,6 +39,7 @@ __all__ = [
     "rope",
     "mla_attention",
     "indexer_scores",
+    "topk_positions",
 ]
 
 ROW_TILE = 16  # rows per GEMM tile: fixed, so the BLAS kernel and its K order never see M
@@ -238,3 +239,22 @@ def indexer_scores(
         out.append(score.masked_fill(~valid, float("-inf")))
     scores = torch.cat(out, dim=1) if out else q32.new_zeros(t, 0)
     return scores[:, : key_index.shape[1]]
+
+
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Deterministic top-k (see ops.topk_positions): a stable descending sort over the rows
+    pre-sorted by position, so ties fall to the lower position; then ascending positions."""
+    t, l = scores.shape
+    by_pos = torch.sort(positions, dim=-1, stable=True).indices
+    pos = positions.gather(1, by_pos)
+    s = (scores.float() + 0.0).gather(1, by_pos)                  # +0.0: -0.0 ties with +0.0
+    s = torch.where(torch.isnan(s) | (pos < 0), torch.full_like(s, float("-inf")), s)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+    chosen = pos.gather(1, order)
+    big = torch.iinfo(torch.int64).max
+    chosen = torch.where(s.gather(1, order) > float("-inf"), chosen, torch.full_like(chosen, big))
+    chosen = torch.sort(chosen, dim=-1).values
+    chosen = torch.where(chosen == big, torch.full_like(chosen, -1), chosen)
+    if chosen.shape[1] < k:                                       # fewer keys than k: pad to width k
+        chosen = torch.cat([chosen, chosen.new_full((t, k - chosen.shape[1]), -1)], dim=1)
+    return chosen

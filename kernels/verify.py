@@ -21,6 +21,7 @@ from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
 __all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "run_invariance", "format_table"]
 
 Row = tuple  # the per-row tensors of one op call
+_INDEXER_TOPK = 8  # k of the indexer case: below and above its key-list lengths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +173,7 @@ OP_CASES: dict[str, OpCase] = {
         lambda g, d: (_randn(g, d["heads"], d["dim"]), torch.rand(d["heads"], generator=g) - 0.3, _key_list(g, d)),
         lambda g, d: (_randn(g, d["slots"], d["dim"]),),
         _attention_rows,
-        lambda q, w, idx, k: _indexer_call(q, w, idx, k, 8),
+        lambda q, w, idx, k: _indexer_call(q, w, idx, k, _INDEXER_TOPK),
         {"heads": 4, "dim": 16, "slots": 70, "max_keys": 45},
     ),
     "moe_route": OpCase(
@@ -207,11 +208,9 @@ def _grouped_call(x, group, weight):
 
 def _indexer_call(q, w, idx, k, topk):
     scores = ops.indexer_scores(q, k, w, idx)
-    chosen = ops.topk_positions(scores, idx, topk)
-    width = idx.shape[1]
-    chosen = torch.nn.functional.pad(chosen, (0, max(0, topk - chosen.shape[1])), value=-1).float()
-    # Scores beyond a row's own keys are -inf padding: compare only the row's own width.
-    return torch.cat([scores[:, :width], chosen], 1)
+    chosen = ops.topk_positions(scores, idx, topk).float()
+    # Score columns beyond a row's own keys are padding; check_op compares the row's own width.
+    return torch.cat([chosen, scores], 1)
 
 
 def _tied_router_logits(g, d):
@@ -240,7 +239,7 @@ def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1,
     result = InvarianceResult(case.name)
     # Rows are compared up to the op's own output width: attention/indexer outputs are
     # padded to the widest neighbour, and padding is not part of the row's result.
-    width_of = (lambda r: None) if case.name != "indexer" else (lambda r: r[2].numel())
+    width_of = (lambda r: None) if case.name != "indexer" else (lambda r: _INDEXER_TOPK + r[2].numel())
     with use_backend(backend):
         for _ in range(probes):
             probe = case.make_row(g, d)

@@ -190,10 +190,6 @@ class KVCache:
             block_size,
         )
 
-    @property
-    def num_blocks(self) -> int:
-        return self.latent.shape[1] // self.block_size
-
 
 # ----------------------------------------------------------------------------- pure functions
 

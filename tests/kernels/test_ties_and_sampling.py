@@ -34,7 +34,7 @@ def test_indexer_topk_zero_plateau_goes_to_lower_positions(backend):
     scores = torch.tensor([[0.0, -0.0, 3.0, 0.0, 0.0, float("-inf")]])
     pos = torch.tensor([[10, 11, 12, 13, 14, -1]])
     assert K.topk_positions(scores, pos, 3).tolist() == [[10, 11, 12]]
-    assert K.topk_positions(scores, pos, 8).tolist() == [[10, 11, 12, 13, 14, -1]]
+    assert K.topk_positions(scores, pos, 8).tolist() == [[10, 11, 12, 13, 14, -1, -1, -1]]
 
 
 def test_greedy_ties_to_lowest_id():
