@@ -443,17 +443,22 @@ class Model(nn.Module):
         batch = AttentionBatch.for_sequences(b, s, input_ids.device)
         return self.forward_tokens(input_ids.reshape(-1), batch).view(b, s, -1)
 
-    def forward_tokens(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache | None = None) -> torch.Tensor:
+    def forward_tokens(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache | None = None,
+                       logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Serving path and the core of every path: N new tokens [N] -> logits [N, V] in the model dtype.
 
         With a cache, each token's latent, rope key and indexer key are written at
         batch.write_slots and attention reads the cache; without one, the new tokens are the
         key store. Either way each token's logits depend only on its own sequence.
+        logits_rows [M] picks the rows that need logits (the final norm and lm_head are
+        per-row, so the picked rows have the same bits as in the full output).
         """
         x = self.embed_tokens(tokens)
         selected = None
         for block in self.layers:
             x, selected = block(x, batch, self.inv_freq, cache, selected)
+        if logits_rows is not None:
+            x = x[logits_rows]
         return self.lm_head(self.norm(x))
 
     # Thin entry points; the I/O lives in zerokl.model.checkpoint.

@@ -1,0 +1,1 @@
+"""zerokl.services.engine: the batch-invariant inference engine (continuous batching, paged KV, prefix cache)."""

@@ -1,0 +1,214 @@
+"""The engine's outputs depend only on the request: exact equality under every perturbation
+a busy server applies (neighbours, arrival step, chunk budget, block size, prefix-cache hits,
+preemption, replicas, KV handoff), and the trainer's forward reproduces its logprobs (KL == 0)."""
+import random
+
+import pytest
+import torch
+
+from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
+from zerokl.model import Model, ModelConfig
+from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.services.engine.engine import Engine, RequestError, run_to_completion, sample_seed
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+
+CONFIG = ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(CONFIG, seed=0)
+
+
+def _prompt(rng, lo=3, hi=80):
+    return tuple(rng.randrange(3, CONFIG.vocab_size) for _ in range(rng.randint(lo, hi)))
+
+
+def _req(rid, prompt, **opts):
+    opts.setdefault("max_tokens", 12)
+    opts.setdefault("ignore_eos", True)
+    return GenerateRequest(rid, prompt, SamplingOptions(**opts))
+
+
+def _collect(outs):
+    """request_id -> sample index -> (tokens, logprobs, finish_reason)."""
+    res = {}
+    for rid, deltas in outs.items():
+        per = res.setdefault(rid, {})
+        for d in deltas:
+            toks, lps, _ = per.get(d.index, ([], [], None))
+            per[d.index] = (toks + d.token_ids, lps + d.logprobs, d.finish_reason or None)
+    return res
+
+
+def _run_alone(model, req, **cfg):
+    return _collect(run_to_completion(Engine(model, EngineConfig(**cfg)), [req]))[req.request_id]
+
+
+def _busy_run(model, target, rng, cfg, n_neighbours=6):
+    """Run `target` while neighbours arrive at random steps; return the target's result."""
+    eng = Engine(model, cfg)
+    arrivals = {rng.randint(0, 6): [] for _ in range(3)}
+    for i in range(n_neighbours):
+        r = _req(f"n{i}", _prompt(rng), temperature=rng.choice([0.0, 0.8, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                 top_k=rng.choice([0, 5]), seed=rng.randrange(1000), max_tokens=rng.randint(1, 20))
+        arrivals.setdefault(rng.randint(0, 8), []).append(r)
+    arrivals.setdefault(rng.randint(0, 4), []).append(target)
+    outs, step = {}, 0
+    while step <= max(arrivals) or eng.has_work():
+        for r in arrivals.get(step, []):
+            eng.add_request(r)
+            outs[r.request_id] = []
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        step += 1
+    return _collect(outs)[target.request_id], eng
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_output_independent_of_load_chunking_blocks_and_preemption(model, seed):
+    rng = random.Random(seed)
+    target = _req("target", _prompt(rng, 20, 90), temperature=1.0, top_p=0.95, seed=1234, max_tokens=16)
+    want = _run_alone(model, target)
+    configs = [
+        EngineConfig(max_num_batched_tokens=7, block_size=4, num_blocks=400),
+        EngineConfig(max_num_batched_tokens=64, block_size=16, num_blocks=100),
+        EngineConfig(max_num_batched_tokens=33, block_size=8, num_blocks=15),     # forces preemption
+    ]
+    preempted = 0
+    for cfg in configs:
+        got, eng = _busy_run(model, target, rng, cfg)
+        assert got == want, f"output changed under {cfg}"
+        preempted += eng.stats["preemptions"]
+    assert preempted > 0, "the small cache should have forced at least one preemption"
+
+
+def test_prefix_cache_hit_gives_the_same_output(model):
+    rng = random.Random(5)
+    prompt = _prompt(rng, 60, 60)
+    eng = Engine(model, EngineConfig(block_size=8))
+    first = _collect(run_to_completion(eng, [_req("a", prompt, temperature=0.7, seed=3)]))["a"]
+    second = run_to_completion(eng, [_req("b", prompt, temperature=0.7, seed=3)])["b"]
+    assert second[0].num_cached_tokens == 56
+    assert _collect({"b": second})["b"] == first
+
+
+def test_replicas_agree(model):
+    rng = random.Random(6)
+    req = _req("r", _prompt(rng), temperature=1.0, seed=77)
+    other = Model(CONFIG, seed=0)      # a second process would load the same weights
+    assert _run_alone(model, req) == _run_alone(other, req)
+
+
+def test_trainer_forward_reproduces_engine_logprobs_exactly(model):
+    """The point of zerokl: logprobs recomputed by the training forward equal the sampler's (KL == 0)."""
+    rng = random.Random(7)
+    reqs = [_req(f"q{i}", _prompt(rng, 5, 70), temperature=1.0, top_k=rng.choice([0, 8]),
+                 top_p=rng.choice([1.0, 0.9]), seed=i, max_tokens=20, n=2) for i in range(4)]
+    outs = _collect(run_to_completion(Engine(model, EngineConfig(max_num_batched_tokens=40)), reqs))
+    kl_terms, compared = [], 0
+    for r in reqs:
+        for index, (toks, lps, _) in outs[r.request_id].items():
+            seq = torch.tensor(list(r.prompt_ids) + toks)
+            with torch.no_grad():
+                logits = model(seq[None, :-1])[0, len(r.prompt_ids) - 1:]
+            o = r.options
+            positions = torch.arange(len(r.prompt_ids), len(seq))
+            params = SamplingParams.make(len(toks), o.temperature, o.top_k, o.top_p, sample_seed(o.seed, index), positions)
+            trainer = sampling_logprobs(logits, seq[len(r.prompt_ids):], params)
+            engine = torch.tensor(lps)
+            assert torch.equal(trainer, engine)
+            kl_terms.append(engine - trainer)
+            compared += len(toks)
+    assert compared == 4 * 2 * 20 and float(torch.cat(kl_terms).abs().sum()) == 0.0
+
+
+def test_n_samples_share_the_prompt_and_sample_zero_matches_n1(model):
+    rng = random.Random(8)
+    prompt = _prompt(rng, 30, 30)
+    many = _run_alone(model, _req("m", prompt, temperature=1.0, seed=9, n=3))
+    one = _run_alone(model, _req("o", prompt, temperature=1.0, seed=9))
+    assert many[0] == one[0]
+    assert len({tuple(v[0]) for v in many.values()}) == 3
+
+
+def test_greedy_is_argmax_of_the_training_forward(model):
+    prompt = tuple(range(3, 40))
+    toks, lps, reason = _run_alone(model, _req("g", prompt, temperature=0.0, max_tokens=8))[0]
+    seq = list(prompt)
+    for t in toks:
+        with torch.no_grad():
+            logits = model(torch.tensor([seq]))[0, -1]
+        assert t == int(torch.argmax(logits))
+        seq.append(t)
+    assert reason == "length"
+
+
+def test_stop_conditions(model):
+    prompt = tuple(range(3, 20))
+    toks, _, _ = _run_alone(model, _req("s", prompt, temperature=0.0, max_tokens=30))[0]
+    stop_at = toks[4]
+    toks2, _, reason = _run_alone(model, _req("s2", prompt, temperature=0.0, max_tokens=30,
+                                              stop_token_ids=(stop_at,)))[0]
+    assert toks2 == toks[: toks.index(stop_at) + 1] and reason == "stop"
+    tok = CountdownTokenizer()
+    eng = Engine(model, EngineConfig(), tokenizer=tok)
+    text = tok.decode([t for t in toks if t < tok.vocab_size])
+    if len(text) >= 3:
+        stop = text[1:3]
+        outs = run_to_completion(eng, [_req("t", prompt, temperature=0.0, max_tokens=30, stop=(stop,))])["t"]
+        got = "".join(d.text for d in outs)
+        assert outs[-1].finish_reason == "stop" and stop not in got and text.startswith(got)
+
+
+def test_score_matches_training_forward(model):
+    prompt = tuple(random.Random(9).randrange(3, 64) for _ in range(50))
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=13))
+    out = run_to_completion(eng, [GenerateRequest("sc", prompt, SamplingOptions(), mode="score")])["sc"]
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([prompt]))[0, :-1].float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = torch.tensor(out[-1].prompt_logprobs)
+    assert len(got) == 49
+    torch.testing.assert_close(got, want)   # accuracy vs plain torch log_softmax
+    from zerokl.kernels import log_softmax
+    with torch.no_grad():
+        exact = log_softmax(model(torch.tensor([prompt]))[0, :-1]).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert torch.equal(got, exact)
+
+
+def test_prefill_handoff_to_another_engine_is_exact(model):
+    rng = random.Random(10)
+    prompt = _prompt(rng, 40, 70)
+    req = _req("h", prompt, temperature=1.0, seed=5)
+    prefill = Engine(model, EngineConfig(max_num_batched_tokens=16))
+    out = run_to_completion(prefill, [GenerateRequest("h", prompt, mode="prefill")])["h"]
+    handoff = out[-1].handoff
+    assert handoff is not None and handoff.num_tokens == len(prompt) - 1
+    decode = Engine(model, EngineConfig(block_size=8))
+    got = _collect(run_to_completion(decode, [GenerateRequest("h", prompt, req.options, handoff=handoff)]))["h"]
+    assert got == _run_alone(model, req)
+
+
+def test_abort_frees_blocks(model):
+    eng = Engine(model, EngineConfig(num_blocks=64))
+    eng.add_request(_req("x", tuple(range(3, 60)), max_tokens=50))
+    eng.step()
+    assert eng.kv_usage() > 0
+    out = eng.abort("x")
+    assert out[0].finish_reason == "abort" and eng.kv_usage() == 0 and not eng.has_work()
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (GenerateRequest("b", ()), "prompt is empty"),
+    (GenerateRequest("b", (1, 999)), "outside the vocabulary"),
+    (GenerateRequest("b", (5,), SamplingOptions(max_tokens=0)), "max_tokens must be > 0"),
+    (GenerateRequest("b", (5,), SamplingOptions(top_p=0.0)), "top_p"),
+    (GenerateRequest("b", (5,), SamplingOptions(temperature=-1)), "temperature"),
+    (GenerateRequest("b", tuple([5] * 600)), "does not fit the context"),
+    (GenerateRequest("b", (5,), SamplingOptions(stop=("x",))), "need a tokenizer"),
+])
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, bad, msg):
+    eng = Engine(model, EngineConfig())
+    with pytest.raises(RequestError, match=msg):
+        eng.add_request(bad)
+    assert _collect(run_to_completion(eng, [_req("ok", (3, 4, 5), max_tokens=2)]))["ok"][0][2] == "length"
