@@ -1,0 +1,42 @@
+"""zerokl.services.inference: the prefill and decode services, batch-invariant serving over gRPC.
+
+- :mod:`.async_engine`: :class:`AsyncEngine`, the synchronous engine run by one
+  thread behind per-request asyncio streams, with the ``zerokl_`` metrics.
+- :mod:`.replica`: :class:`Replica`, request rules (pins, tokenizing, limits)
+  and engine outputs as client deltas.
+- :mod:`.service`, :mod:`.decode`, :mod:`.prefill`: the ``zerokl.v1``
+  Inference, Decode and Prefill servicers; :mod:`.server` their command line.
+- :mod:`.kv`: the KV handoff as exact bytes; :mod:`.convert`: the only proto
+  converters; :mod:`.types`: the dataclasses they convert.
+- :mod:`.client`: :class:`InferenceClient`, the async gRPC client.
+"""
+from zerokl.services.inference.async_engine import AsyncEngine, RequestStream
+from zerokl.services.inference.client import InferenceClient
+from zerokl.services.inference.replica import ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.inference.types import (
+    GenerateDelta,
+    GenerateResult,
+    InferenceRequest,
+    KVHeader,
+    SampleResult,
+    ScoreResult,
+    TensorLayout,
+    Usage,
+)
+
+__all__ = [
+    "AsyncEngine",
+    "GenerateDelta",
+    "GenerateResult",
+    "InferenceClient",
+    "InferenceRequest",
+    "KVHeader",
+    "ModelVocabTokenizer",
+    "Replica",
+    "RequestStream",
+    "SampleResult",
+    "ScoreResult",
+    "ServingLimits",
+    "TensorLayout",
+    "Usage",
+]

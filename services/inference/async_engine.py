@@ -1,0 +1,369 @@
+"""Drive the synchronous Engine from asyncio: one engine thread, per-request async streams.
+
+Every call into :class:`~zerokl.services.engine.engine.Engine` happens on ONE
+background thread (the engine is not thread-safe, and a forward must not block
+the event loop). The event loop talks to it through an inbox guarded by a
+condition: ``add`` and ``abort`` commands go in, the thread drains them before
+each step, and it sleeps on the condition while there is no work. Outputs go
+back with ``loop.call_soon_threadsafe`` into the :class:`RequestStream` of
+their request.
+
+A request the engine refuses (RequestError) fails only its own submit, as
+INVALID_ARGUMENT; nothing else in the batch notices. The thread also keeps the
+``zerokl_`` serving metrics: TTFT, inter-token and end-to-end latency,
+running/waiting, KV usage, prompt and generation token totals.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from zerokl.services.engine.engine import Engine, RequestError
+from zerokl.services.engine.types import GenerateRequest, SampleOutput
+from zerokl.services.inference.errors import Internal
+from zerokl.services.runtime import metrics
+from zerokl.services.runtime.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable
+
+__all__ = ["AsyncEngine", "RequestStream", "LatencyTracker", "collect"]
+
+log = logging.getLogger(__name__)
+
+_END = object()  # a stream's last item: the request is done
+
+
+class LatencyTracker:
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency.
+
+    Used by the engine thread for local generation and by the prefill relay
+    for what its client sees; ``clock`` is a monotonic clock in seconds.
+    """
+
+    def __init__(self, arrival: float | None = None) -> None:
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self._first: float | None = None
+        self._last: dict[int, float] = {}
+
+    def tokens(self, index: int, count: int, now: float | None = None) -> None:
+        """Sample ``index`` produced ``count`` tokens now."""
+        if count <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if self._first is None:
+            self._first = now
+            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+        last = self._last.get(index)
+        if last is not None:
+            # One delta usually carries one token; a larger one spreads its wait evenly.
+            for _ in range(count):
+                metrics.INTER_TOKEN_LATENCY.observe((now - last) / count)
+        self._last[index] = now
+
+    def done(self, now: float | None = None) -> None:
+        """The request finished (any reason)."""
+        now = time.monotonic() if now is None else now
+        metrics.E2E_REQUEST_LATENCY.observe(now - self.arrival)
+
+
+class RequestStream:
+    """The outputs of one submitted request, in engine order; ends when the request is done.
+
+    Iterate with ``async for``. Use as an async context manager (or call
+    :meth:`aclose`) so a consumer that stops early, or is cancelled because its
+    client went away, aborts the request in the engine.
+    """
+
+    def __init__(self, owner: "AsyncEngine", request: GenerateRequest) -> None:
+        self.request = request
+        self._owner = owner
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._ended = False     # the consumer saw the end (or an error)
+        self._detached = False  # the consumer left: drop outputs, keep only the end marker
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> SampleOutput:
+        if self._ended:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        return item
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop consuming; aborts the request if it is still running."""
+        if not self._ended:
+            self._ended = self._detached = True
+            self._owner._post_abort(self)
+
+    # Called on the event loop (via call_soon_threadsafe) by the engine thread.
+    def _put(self, items: list[Any]) -> None:
+        for item in items:
+            if item is _END or isinstance(item, BaseException):
+                self._owner._unregister(self)
+            if not self._detached:
+                self._queue.put_nowait(item)
+
+
+@dataclasses.dataclass
+class _Live:
+    """Engine-thread bookkeeping of one admitted request."""
+
+    stream: RequestStream
+    samples: int                                   # samples that must finish (n; 1 for score/prefill)
+    latency: LatencyTracker | None                 # generate mode only
+    finished: set[int] = dataclasses.field(default_factory=set)
+
+
+class AsyncEngine:
+    """An :class:`Engine` run by one background thread, with an asyncio front.
+
+    Create it, call :meth:`start` from the event loop that will use it, then
+    :meth:`submit` requests. :meth:`close` stops the thread; streams still
+    open end with UNAVAILABLE.
+    """
+
+    def __init__(self, engine: Engine, name: str = "zerokl-engine") -> None:
+        self.engine = engine
+        self._name = name
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, RequestStream] = {}       # event-loop side: request id -> open stream
+        self._live: dict[str, _Live] = {}                  # engine-thread side
+        self._stats = dict(engine.stats)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        """Start the engine thread, bound to the running event loop."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        """Stop the engine thread; requests still running end with UNAVAILABLE."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+        # Let the thread's last deliveries (the UNAVAILABLE endings) run.
+        await asyncio.sleep(0)
+
+    def in_flight(self, request_id: str) -> bool:
+        """True while a stream for ``request_id`` is open."""
+        return request_id in self._streams
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def submit(self, request: GenerateRequest) -> RequestStream:
+        """Queue ``request``; returns its stream once the engine admitted it.
+
+        Raises INVALID_ARGUMENT with the engine's message for a request it
+        refuses, ALREADY_EXISTS when the request id is in flight, UNAVAILABLE
+        once closing.
+        """
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        if self._stopping:
+            raise Unavailable("the engine is shutting down")
+        rid = request.request_id
+        if rid in self._streams:
+            raise AlreadyExists(f"request_id {rid!r} is already in flight")
+        stream = RequestStream(self, request)
+        self._streams[rid] = stream
+        admitted: asyncio.Future[None] = self._loop.create_future()
+        self._post(("add", (stream, admitted)))
+        try:
+            await admitted
+        except ServiceError:
+            self._unregister(stream)  # never admitted: nothing in the engine to abort
+            raise
+        except asyncio.CancelledError:
+            # Admission may still happen; the abort queued behind it undoes it.
+            await stream.aclose()
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; its stream ends with 'abort' outputs. False if unknown."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return False
+        self._post_abort(stream)
+        return True
+
+    def _post_abort(self, stream: RequestStream) -> None:
+        self._post(("abort", stream))
+
+    def _unregister(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+
+    def _post(self, command: tuple[str, Any]) -> None:
+        with self._cond:
+            self._inbox.append(command)
+            self._cond.notify()
+
+    def _deliver(self, stream: RequestStream, items: list[Any]) -> None:
+        """From the engine thread: hand ``items`` to ``stream`` on the event loop."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(stream._put, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not self._inbox and not self._stopping and not engine.has_work():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands, self._inbox = self._inbox, []
+            for kind, arg in commands:
+                if kind == "add":
+                    self._add(*arg)
+                else:
+                    self._abort(arg)
+            if engine.has_work():
+                try:
+                    outputs = engine.step()
+                except Exception as err:  # a bug in the engine: fail what it held, keep serving
+                    log.exception("engine step failed")
+                    self._fail_all(Internal(f"the engine failed: {type(err).__name__}: {err}"))
+                    continue
+                self._dispatch(outputs)
+            self._update_metrics()
+        self._fail_all(Unavailable("the server is shutting down"))
+
+    def _add(self, stream: RequestStream, admitted: asyncio.Future[None]) -> None:
+        request = stream.request
+        error: ServiceError | None = None
+        try:
+            self.engine.add_request(request)
+        except RequestError as err:
+            error = InvalidArgument(str(err))
+        except Exception as err:  # an engine bug must not take the thread down
+            log.exception("add_request failed")
+            error = Internal(f"the engine failed to admit the request: {type(err).__name__}: {err}")
+        if error is None:
+            generate = request.mode == "generate"
+            self._live[request.request_id] = _Live(stream, request.options.n if generate else 1,
+                                                   LatencyTracker() if generate else None)
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_resolve, admitted, error)
+        except RuntimeError:
+            pass
+
+    def _abort(self, stream: RequestStream) -> None:
+        live = self._live.get(stream.request_id)
+        if live is None or live.stream is not stream:
+            # Finished already, or never admitted: a second end marker is harmless and
+            # releases the request id of a stream whose consumer left before admission.
+            self._deliver(stream, [_END])
+            return
+        try:
+            outputs = self.engine.abort(stream.request_id)
+        except Exception:  # keep the thread alive; the request ends below either way
+            log.exception("abort failed")
+            outputs = []
+        self._dispatch(outputs, aborted=stream.request_id)
+
+    def _dispatch(self, outputs: list[SampleOutput], aborted: str | None = None) -> None:
+        now = time.monotonic()
+        by_request: dict[str, list[Any]] = defaultdict(list)
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            by_request[out.request_id].append(out)
+            if live.latency is not None:
+                live.latency.tokens(out.index, len(out.token_ids), now)
+            if out.finished:
+                live.finished.add(out.index)
+        if aborted is not None:
+            by_request.setdefault(aborted, [])
+        for rid, items in by_request.items():
+            live = self._live[rid]
+            if rid == aborted or any(o.finish_reason == "abort" for o in items):
+                # The engine reports abort only for samples that existed (an n > 1 request
+                # forks its siblings after the prompt): the others end here, too.
+                for index in range(live.samples):
+                    if index not in live.finished:
+                        items.append(SampleOutput(rid, index, [], [], True, "abort",
+                                                  num_prompt_tokens=len(live.stream.request.prompt_ids)))
+                        live.finished.add(index)
+            if len(live.finished) >= live.samples:
+                del self._live[rid]
+                if live.latency is not None:
+                    live.latency.done(now)
+                items.append(_END)
+            self._deliver(live.stream, items)
+
+    def _fail_all(self, error: ServiceError) -> None:
+        for rid, live in list(self._live.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("abort after an engine failure")
+            self._deliver(live.stream, [error])
+        self._live.clear()
+        self._update_metrics()
+
+    def _update_metrics(self) -> None:
+        e = self.engine
+        metrics.REQUESTS_RUNNING.set(e.num_running)
+        metrics.REQUESTS_WAITING.set(e.num_waiting)
+        metrics.KV_CACHE_USAGE.set(e.kv_usage())
+        stats = e.stats
+        if stats["prompt_tokens"] > self._stats["prompt_tokens"]:
+            metrics.PROMPT_TOKENS.inc(stats["prompt_tokens"] - self._stats["prompt_tokens"])
+        if stats["generation_tokens"] > self._stats["generation_tokens"]:
+            metrics.GENERATION_TOKENS.inc(stats["generation_tokens"] - self._stats["generation_tokens"])
+        self._stats = dict(stats)
+
+
+def _resolve(future: asyncio.Future[None], error: ServiceError | None) -> None:
+    if future.done():  # the submitter was cancelled meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+async def collect(stream: RequestStream) -> list[SampleOutput]:
+    """Every output of ``stream`` (a convenience for score and prefill requests)."""
+    async with stream:
+        return [out async for out in stream]

@@ -1,0 +1,164 @@
+"""The KV handoff as bytes: exact cache rows out of one replica, into another.
+
+A :class:`~zerokl.services.engine.types.KVHandoff` holds three tensors
+[layers, num_tokens, dim] (normalized latent, rotated rope key, indexer key).
+They travel as ONE blob, the tensors' raw little-endian row-major bytes back to
+back, described by a :class:`KVHeader` (layouts, total size, SHA-256) and sent
+as checksummed 4 MiB chunks. Nothing is converted on the way: the receiver
+reinterprets the same bytes as the same dtype, so the decode replica's cache
+holds the bits the prefill replica computed.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import torch
+
+from zerokl.model import ModelConfig
+from zerokl.services.engine.types import KVHandoff
+from zerokl.services.inference.types import KVHeader, TensorLayout
+from zerokl.services.runtime.chunks import ChunkAssembler, Chunk
+from zerokl.services.runtime.errors import DataLoss, FailedPrecondition, InvalidArgument, PreconditionViolation
+from zerokl.services.runtime.info import ServiceIdentity
+
+__all__ = ["KV_TENSORS", "handoff_to_blob", "expected_layouts", "check_header", "KVReceiver"]
+
+KV_TENSORS = ("latent", "rope", "index_k")
+
+# The blob is defined as little-endian; a big-endian host would have to swap,
+# and none of the supported devices is one.
+if sys.byteorder != "little":  # pragma: no cover - no such host in use
+    raise ImportError("zerokl KV handoff needs a little-endian host")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    # view(uint8) reinterprets the storage: no conversion touches a bit.
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIdentity,
+                    prompt_ids: tuple[int, ...], num_cached_tokens: int = 0,
+                    prompt_logprobs: list[float] | None = None) -> tuple[KVHeader, bytes]:
+    """The header and the blob of ``handoff`` (computed by ``identity``'s replica).
+
+    ``prompt_ids`` is the whole prompt; the handoff covers prompt[:-1].
+    """
+    parts, layouts, offset = [], [], 0
+    for name in KV_TENSORS:
+        t = getattr(handoff, name)
+        raw = _raw_bytes(t)
+        layouts.append(TensorLayout(name, _dtype_name(t.dtype), tuple(t.shape), offset, len(raw)))
+        parts.append(raw)
+        offset += len(raw)
+    blob = b"".join(parts)
+    header = KVHeader(
+        request_id=request_id, prompt_ids=tuple(prompt_ids),
+        num_tokens=handoff.num_tokens, tensors=tuple(layouts), total_bytes=len(blob),
+        sha256=hashlib.sha256(blob).digest(), weights_version=identity.weights_version,
+        numerics_fingerprint=identity.numerics_fingerprint, model_config_hash=identity.model_config_hash,
+        num_cached_tokens=num_cached_tokens,
+        prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None)
+    return header, blob
+
+
+def expected_layouts(config: ModelConfig, dtype: torch.dtype, num_tokens: int) -> tuple[TensorLayout, ...]:
+    """The only layouts a replica of ``config`` in ``dtype`` accepts for ``num_tokens`` positions."""
+    dims = {"latent": config.kv_lora_rank, "rope": config.qk_rope_head_dim, "index_k": config.index_head_dim}
+    size = torch.empty((), dtype=dtype).element_size()
+    out, offset = [], 0
+    for name in KV_TENSORS:
+        shape = (config.num_hidden_layers, num_tokens, dims[name])
+        nbytes = shape[0] * shape[1] * shape[2] * size
+        out.append(TensorLayout(name, _dtype_name(dtype), shape, offset, nbytes))
+        offset += nbytes
+    return tuple(out)
+
+
+def check_header(header: KVHeader, identity: ServiceIdentity, config: ModelConfig, dtype: torch.dtype,
+                 max_model_len: int) -> None:
+    """Refuse a header this replica cannot use, before any byte of the blob is buffered.
+
+    FAILED_PRECONDITION when the KV was computed with other weights, numerics
+    or model config (its bits would not be this replica's); INVALID_ARGUMENT
+    for a malformed header. Sizes are fixed by the model, so a verified header
+    also bounds the memory the blob may take.
+    """
+    mismatches = [
+        PreconditionViolation(kind, theirs or "(none)", f"the KV was computed with {kind} {theirs or '(none)'!r}; "
+                                                       f"this replica serves {ours!r}")
+        for kind, theirs, ours in (("WEIGHTS_VERSION", header.weights_version, identity.weights_version),
+                                   ("NUMERICS_FINGERPRINT", header.numerics_fingerprint, identity.numerics_fingerprint),
+                                   ("MODEL_CONFIG_HASH", header.model_config_hash, identity.model_config_hash))
+        if theirs != ours]
+    if mismatches:
+        raise FailedPrecondition("KV handoff from an incompatible replica: "
+                                 + "; ".join(v.description for v in mismatches), precondition_violations=mismatches)
+    n = len(header.prompt_ids)
+    if n < 1:
+        raise InvalidArgument.field("kv.prompt_token_ids", "the prompt is empty")
+    if header.num_tokens != n - 1:
+        raise InvalidArgument.field("kv.num_tokens", f"got {header.num_tokens}; the KV of a {n}-token prompt "
+                                                     f"covers prompt[:-1], {n - 1} positions")
+    if n >= max_model_len:
+        raise InvalidArgument.field("kv.prompt_token_ids",
+                                    f"prompt of {n} tokens does not fit the context of {max_model_len}")
+    want = expected_layouts(config, dtype, header.num_tokens)
+    if header.tensors != want:
+        raise InvalidArgument.field("kv.tensors", f"got {[_describe(t) for t in header.tensors]}, this model needs "
+                                                  f"{[_describe(t) for t in want]}")
+    if header.total_bytes != sum(t.nbytes for t in want):
+        raise InvalidArgument.field("kv.total_bytes", f"got {header.total_bytes}, the layouts add up to "
+                                                      f"{sum(t.nbytes for t in want)}")
+    if len(header.sha256) != 32:
+        raise InvalidArgument.field("kv.sha256", f"must be 32 bytes, got {len(header.sha256)}")
+
+
+def _describe(t: TensorLayout) -> str:
+    return f"{t.name}:{t.dtype}{list(t.shape)}@{t.offset}+{t.nbytes}"
+
+
+class KVReceiver:
+    """Assemble a blob announced by a checked header and turn it back into a KVHandoff.
+
+    Each chunk is verified on arrival (offset, size, its own SHA-256: DATA_LOSS
+    on a mismatch); the complete blob is verified against the header's SHA-256.
+    """
+
+    def __init__(self, header: KVHeader) -> None:
+        self.header = header
+        self._assembler = ChunkAssembler(total_size=header.total_bytes)
+
+    @property
+    def received(self) -> int:
+        return self._assembler.received
+
+    @property
+    def complete(self) -> bool:
+        return self._assembler.complete
+
+    def add(self, chunk: Chunk) -> None:
+        """Verify and append one chunk (INVALID_ARGUMENT / DATA_LOSS on a bad one)."""
+        if self.complete and chunk.data:
+            raise InvalidArgument.field("chunk", "the KV blob is already complete")
+        self._assembler.add(chunk)
+
+    def handoff(self) -> KVHandoff:
+        """The handoff, once complete and matching the header's SHA-256."""
+        blob = self._assembler.value()
+        if hashlib.sha256(blob).digest() != self.header.sha256:
+            raise DataLoss(f"KV blob of {len(blob)} bytes does not match the header's sha256")
+        buf = bytearray(blob)  # writable, so torch.frombuffer shares it without a warning
+        tensors = {}
+        for t in self.header.tensors:
+            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=t.offset) if t.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+            tensors[t.name] = raw.view(_DTYPES[t.dtype]).reshape(t.shape)
+        h = self.header
+        return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"])

@@ -1,0 +1,220 @@
+"""One serving replica: its engine, what it computes with, and the request rules it applies.
+
+:class:`Replica` turns a client's :class:`InferenceRequest` into an engine
+request (pins checked, text tokenized, limits applied) and the engine's
+:class:`SampleOutput` s into :class:`GenerateDelta` s stamped with the
+replica's weights version and numerics fingerprint. Both services use it: a
+decode replica to generate, a prefill replica to prefill and score.
+"""
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence
+
+from zerokl.model.tokenizer import Tokenizer
+from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
+from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
+from zerokl.services.inference.errors import Cancelled, Internal, ResourceExhausted
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage
+from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation
+from zerokl.services.runtime.info import ServiceIdentity
+
+__all__ = ["ServingLimits", "ModelVocabTokenizer", "Replica"]
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Per-request limits a replica enforces on top of the engine's own checks."""
+
+    max_n: int = 16                      # samples per request
+
+
+class ModelVocabTokenizer:
+    """A tokenizer whose ``decode`` accepts every id of the model's vocabulary.
+
+    A model's vocabulary is often larger than its tokenizer's (padded
+    embedding rows; the ``tiny`` preset has 64 ids, the countdown tokenizer
+    34). A model may sample such an id; it is returned as a token id like any
+    other and contributes no text, as an unknown special token would.
+    """
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner = inner
+        self.vocab_size, self.bos_id, self.eos_id, self.pad_id = inner.vocab_size, inner.bos_id, inner.eos_id, inner.pad_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.inner.decode([i for i in ids if 0 <= i < self.inner.vocab_size])
+
+
+class Replica:
+    """An :class:`AsyncEngine` plus the identity it serves under and its request rules."""
+
+    def __init__(self, engine: AsyncEngine, identity: ServiceIdentity, tokenizer: Tokenizer | None = None,
+                 limits: ServingLimits = ServingLimits()) -> None:
+        self.engine = engine
+        self.identity = identity
+        self.tokenizer = tokenizer
+        self.limits = limits
+        # Read-only after construction, so the event loop may read them while the engine thread runs.
+        self.model_config = engine.engine.model.config
+        self.dtype = engine.engine.model.dtype
+        self.max_model_len = engine.engine.max_model_len
+        self._block_size = engine.engine.config.block_size
+        self._num_blocks = engine.engine.config.num_blocks
+
+    # ------------------------------------------------------------------ request rules
+
+    def check_pins(self, r: InferenceRequest) -> None:
+        """FAILED_PRECONDITION when the request is pinned to weights or numerics this replica lacks."""
+        violations = [
+            PreconditionViolation(kind, want, f"pinned {kind.lower()} {want!r}, this replica serves {have!r}")
+            for kind, want, have in (("WEIGHTS_VERSION", r.weights_version, self.identity.weights_version),
+                                     ("NUMERICS_FINGERPRINT", r.numerics_fingerprint,
+                                      self.identity.numerics_fingerprint))
+            if want and want != have]
+        if violations:
+            raise FailedPrecondition("; ".join(v.description for v in violations),
+                                     precondition_violations=violations)
+
+    def prompt_ids(self, r: InferenceRequest) -> tuple[int, ...]:
+        """The prompt as token ids (text goes through the tokenizer, no special tokens added)."""
+        if r.prompt_ids is not None and r.prompt_text is not None:
+            raise InvalidArgument.field("prompt", "set only one of prompt_text and prompt_token_ids")
+        if r.prompt_ids is not None:
+            return tuple(r.prompt_ids)
+        if r.prompt_text is None:
+            raise InvalidArgument.field("prompt", "set prompt_text or prompt_token_ids")
+        if self.tokenizer is None:
+            raise InvalidArgument.field("prompt_text", "this replica has no tokenizer; send prompt_token_ids")
+        return tuple(self.tokenizer.encode(r.prompt_text))
+
+    def check_generate(self, ids: tuple[int, ...], o: SamplingOptions) -> None:
+        """Limits of a generate request the engine does not know about.
+
+        n beyond ``max_n`` is INVALID_ARGUMENT; a request whose samples could
+        not all hold their KV at once, even alone on this replica, is
+        RESOURCE_EXHAUSTED (the engine would otherwise fail while forking).
+        """
+        if o.n > self.limits.max_n:
+            raise InvalidArgument.field("sampling.n", f"n={o.n} exceeds this replica's limit of {self.limits.max_n}")
+        if not ids or o.n < 1 or o.max_tokens < 1:
+            return  # the engine names the problem
+        bs = self._block_size
+        total = min(len(ids) + o.max_tokens, self.max_model_len)
+        per_sample = -(-total // bs)
+        shared = len(ids) // bs                     # full prompt blocks the siblings share
+        need = per_sample + (o.n - 1) * (per_sample - shared)
+        if need > self._num_blocks:
+            raise ResourceExhausted(
+                f"the request needs up to {need} KV blocks of {bs} tokens ({o.n} samples of up to {total} tokens); "
+                f"this replica has {self._num_blocks}")
+
+    def check_fits_context(self, ids: tuple[int, ...]) -> None:
+        """Generation needs room for at least one new token (the prefill engine only checks <=)."""
+        if len(ids) >= self.max_model_len:
+            raise InvalidArgument.field("prompt", f"prompt of {len(ids)} tokens does not fit the context of "
+                                                  f"{self.max_model_len}")
+
+    @staticmethod
+    def new_request_id() -> str:
+        return uuid.uuid4().hex
+
+    # ------------------------------------------------------------------ serving
+
+    def delta(self, out: SampleOutput, completion_tokens: int, prompt_logprobs: list[float] | None,
+              cached_tokens: int | None = None) -> GenerateDelta:
+        """One engine output as a client delta stamped with this replica's identity."""
+        return GenerateDelta(
+            request_id=out.request_id, index=out.index, token_ids=tuple(out.token_ids),
+            logprobs=tuple(out.logprobs), text=out.text, finish_reason=out.finish_reason,
+            prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None,
+            usage=Usage(out.num_prompt_tokens, completion_tokens,
+                        out.num_cached_tokens if cached_tokens is None else cached_tokens),
+            weights_version=self.identity.weights_version,
+            numerics_fingerprint=self.identity.numerics_fingerprint)
+
+    async def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        """Generate locally (this replica's own chunked prefill)."""
+        self.check_pins(r)
+        ids = self.prompt_ids(r)
+        self.check_generate(ids, r.options)
+        request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options)
+        async for d in self.stream_deltas(await self.engine.submit(request)):
+            yield d
+
+    async def generate_from_handoff(self, r: InferenceRequest, ids: tuple[int, ...], handoff: KVHandoff | None,
+                                    prompt_logprobs: Sequence[float] | None,
+                                    cached_tokens: int) -> AsyncIterator[GenerateDelta]:
+        """Generate from prompt KV computed elsewhere (pins and header already checked).
+
+        The handed-over positions have no logits here, so prompt logprobs come
+        from the prefill replica (``prompt_logprobs``) and the engine is not
+        asked for them.
+        """
+        self.check_generate(ids, r.options)
+        if r.options.prompt_logprobs and prompt_logprobs is None:
+            raise InvalidArgument.field("kv.prompt_logprobs", "the request asks for prompt logprobs and the KV "
+                                                              "header carries none")
+        options = dataclasses.replace(r.options, prompt_logprobs=False)
+        request = GenerateRequest(r.request_id or self.new_request_id(), ids, options,
+                                  handoff=handoff if handoff is not None and handoff.num_tokens else None)
+        stream = await self.engine.submit(request)
+        injected = list(prompt_logprobs) if r.options.prompt_logprobs and prompt_logprobs is not None else None
+        async for d in self.stream_deltas(stream, injected, cached_tokens):
+            yield d
+
+    async def stream_deltas(self, stream: RequestStream, prompt_logprobs: list[float] | None = None,
+                            cached_tokens: int | None = None) -> AsyncIterator[GenerateDelta]:
+        """Deltas of a generate stream; prompt logprobs ride on the request's first delta.
+
+        ``prompt_logprobs`` replaces the engine's (a handoff); otherwise the
+        first output's are used. The first output is always sample 0's (its
+        siblings fork after it), and the siblings share the prompt, so once
+        per request is enough.
+        """
+        completion: dict[int, int] = {}
+        first = True
+        async with stream:
+            async for out in stream:
+                completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)
+                if first:
+                    plp = prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs
+                    first = False
+                else:
+                    plp = None
+                yield self.delta(out, completion[out.index], plp, cached_tokens)
+
+    async def score(self, r: InferenceRequest) -> ScoreResult:
+        """Per-token logprobs of the prompt under the request's temperature / top-k / top-p."""
+        self.check_pins(r)
+        ids = self.prompt_ids(r)
+        request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options, mode="score")
+        outputs = await collect(await self.engine.submit(request))
+        last = outputs[-1] if outputs else None
+        if last is None or last.finish_reason == "abort" or last.prompt_logprobs is None:
+            raise Cancelled(f"score request {request.request_id!r} was aborted")
+        if len(last.prompt_logprobs) != len(ids) - 1:
+            raise Internal(f"the engine returned {len(last.prompt_logprobs)} logprobs for {len(ids)} tokens")
+        return ScoreResult(request.request_id, ids, tuple(last.prompt_logprobs), self.identity.weights_version,
+                           self.identity.numerics_fingerprint)
+
+    async def prefill(self, request_id: str, ids: tuple[int, ...], options: SamplingOptions) -> SampleOutput | None:
+        """Run the prompt through the engine in prefill mode; the output carries the KV handoff.
+
+        None when the request was aborted before its KV was complete.
+        """
+        request = GenerateRequest(request_id, ids, options, mode="prefill")
+        outputs = await collect(await self.engine.submit(request))
+        last = outputs[-1] if outputs else None
+        if last is None or last.finish_reason == "abort" or last.handoff is None:
+            return None
+        return last
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request running in this replica's engine."""
+        return self.engine.abort(request_id)

@@ -1,0 +1,186 @@
+"""``zerokl serve prefill|decode`` / ``python -m zerokl.services.inference prefill|decode``.
+
+Weights come from a checkpoint directory (``--model DIR``, a glm_moe_dsa
+safetensors checkpoint) or, for demos and tests, a seeded preset (``--preset
+tiny --seed 0``: the same seed gives the same weights in every process). The
+weights version is ``--weights-version``, else the checkpoint directory's name,
+else ``preset-<name>-seed<seed>``. On start one line goes to stdout,
+``<service> listening on HOST:PORT ...``, which ``zerokl up`` and the tests read.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import pathlib
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.kernels import device_name, fingerprint, get_backend
+from zerokl.model import Model, ModelConfig
+from zerokl.model.tokenizer import Tokenizer, load_tokenizer
+from zerokl.services.engine.engine import Engine
+from zerokl.services.engine.types import EngineConfig
+from zerokl.services.inference.async_engine import AsyncEngine
+from zerokl.services.inference.client import InferenceClient
+from zerokl.services.inference.decode import add_decode_service
+from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
+from zerokl.services.inference.replica import ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
+from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
+from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
+
+__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_replica", "main"]
+
+DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to serve and the name of its weights."""
+
+    model: Model
+    weights_version: str
+    tokenizer: Tokenizer | None
+
+
+def build_parser(service: str) -> argparse.ArgumentParser:
+    """The command line of the prefill or decode service."""
+    if service not in DEFAULT_PORTS:
+        raise ValueError(f"unknown inference service {service!r}")
+    p = argparse.ArgumentParser(
+        prog=f"zerokl serve {service}",
+        description=("Read prompts (KV, Score) and hand their KV to a decode replica for Generate."
+                     if service == "prefill" else
+                     "Generate with continuous batching, from handed-over KV or the replica's own prefill."))
+    m = p.add_argument_group("model")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
+    src.add_argument("--preset", help="a seeded random model of this preset (tiny, small): for demos and tests")
+    m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
+    m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="model dtype (default: the checkpoint's, float32 for a preset)")
+    m.add_argument("--weights-version", default=None,
+                   help="weights version to report (default: the checkpoint directory's name)")
+    m.add_argument("--tokenizer", default=None,
+                   help="'countdown', or a tokenizer.json path / directory (default: the checkpoint's "
+                        "tokenizer.json if present; 'countdown' for a preset)")
+    m.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    m.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
+                        "small CPU host 1 avoids threads spinning against the server's own")
+    e = p.add_argument_group("engine")
+    e.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the paged cache")
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    e.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
+    e.add_argument("--max-num-seqs", type=int, default=64, help="running samples at most")
+    e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse full prompt blocks")
+    e.add_argument("--max-n", type=int, default=16, help="samples per request at most")
+    if service == "prefill":
+        e.add_argument("--decode", metavar="ADDR", default=None,
+                       help="host:port of the decode replica Generate hands KV to")
+        e.add_argument("--kv-chunk-bytes", type=int, default=None,
+                       help="KV chunk size sent to decode (default and maximum 4 MiB)")
+    p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
+    add_server_arguments(p, DEFAULT_PORTS[service])
+    return p
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
+    """The model, weights version and tokenizer the flags select."""
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if args.model:
+        directory = pathlib.Path(args.model).expanduser()
+        if not (directory / "config.json").exists():
+            raise SystemExit(f"--model {args.model}: no config.json there")
+        model = Model.from_pretrained(directory, dtype=dtype)
+        version = args.weights_version or directory.resolve().name
+        tok_spec = args.tokenizer or (str(directory) if (directory / "tokenizer.json").exists() else None)
+    else:
+        try:
+            config = ModelConfig.preset(args.preset)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        model = Model(config, seed=args.seed, dtype=dtype or torch.float32)
+        version = args.weights_version or f"preset-{args.preset}-seed{args.seed}"
+        tok_spec = args.tokenizer or "countdown"
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device).eval()
+    tokenizer = load_tokenizer(tok_spec) if tok_spec else None
+    return LoadedModel(model, version, tokenizer)
+
+
+def make_identity(service: str, model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
+    """What this replica computes with: numerics version and fingerprint on its backend/device/dtype."""
+    device = model.embed_tokens.weight.device
+    return ServiceIdentity(
+        service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
+        numerics_fingerprint=fingerprint(device=device, dtype=model.dtype), backend=get_backend(),
+        device=device_name(), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
+        model_config_hash=model_config_hash(model.config.to_dict()))
+
+
+def build_replica(service: str, loaded: LoadedModel, args: argparse.Namespace) -> Replica:
+    """The engine, its async driver and the replica the flags describe (the driver is not started)."""
+    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                          enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len)
+    tokenizer = ModelVocabTokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
+    engine = Engine(loaded.model, config, tokenizer)
+    identity = make_identity(service, loaded.model, loaded.weights_version, args.replica_id)
+    return Replica(AsyncEngine(engine, name=f"zerokl-{service}-engine"), identity, tokenizer,
+                   ServingLimits(max_n=args.max_n))
+
+
+def main(service: str, argv: Sequence[str] | None = None) -> int:
+    """Run the prefill or decode service until SIGTERM/SIGINT; returns the exit status."""
+    args = build_parser(service).parse_args(list(sys.argv[1:] if argv is None else argv))
+    options = options_from_args(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(args)
+    replica = build_replica(service, loaded, args)
+    chunk = MAX_CHUNK_BYTES
+    if service == "prefill":
+        chunk = args.kv_chunk_bytes or MAX_CHUNK_BYTES
+        if not 0 < chunk <= MAX_CHUNK_BYTES:
+            raise SystemExit(f"--kv-chunk-bytes must be in 1..{MAX_CHUNK_BYTES}")
+
+    async def run() -> None:
+        decode_client: InferenceClient | None = None
+
+        def setup(server: ServiceServer) -> None:
+            nonlocal decode_client
+            replica.engine.start()
+            if service == "decode":
+                add_decode_service(server, replica)
+            else:
+                if args.decode:
+                    # The hop to decode carries this server's own token: one cluster, one token.
+                    decode_client = InferenceClient(args.decode, token=options.auth_token)
+                add_prefill_service(server, PrefillRelay(replica, decode_client, chunk))
+            set_serving_info(replica.identity)
+
+        def ready(server: ServiceServer, metrics: MetricsServer | None) -> None:
+            where = f" metrics on :{metrics.port}" if metrics is not None else ""
+            to = f" decode: {args.decode}" if service == "prefill" and args.decode else ""
+            # One parseable line on stdout: `zerokl up` and the tests wait for it to learn the port.
+            print(f"{service} listening on {server.address}{where} weights: {replica.identity.weights_version} "
+                  f"fingerprint: {replica.identity.numerics_fingerprint}{to}", flush=True)
+
+        try:
+            await serve(service, setup, options, metrics_port=args.metrics_port, metrics_host=args.host,
+                        on_ready=ready)
+        finally:
+            if decode_client is not None:
+                await decode_client.close()
+            await replica.engine.close()
+
+    asyncio.run(run())
+    return 0

@@ -1,0 +1,65 @@
+"""The client-facing ``zerokl.v1.Inference`` servicer, shared by the prefill and decode services.
+
+It is a thin gRPC edge: it converts at the boundary (convert.py) and hands
+the work to a :class:`Server`-side backend: a :class:`~.replica.Replica` on a
+decode replica (local generation), a :class:`~.prefill.PrefillRelay` on a
+prefill replica (prefill here, generate on a decode replica). Errors are
+raised as :class:`ServiceError` s and become statuses in the runtime's
+interceptor; a request that fails ends only its own call.
+"""
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+import grpc.aio
+
+from zerokl.services.inference import convert
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
+from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+__all__ = ["INFERENCE_SERVICE", "InferenceBackend", "InferenceServicer"]
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+class InferenceBackend(Protocol):
+    """What the Inference servicer needs from the replica behind it."""
+
+    identity: ServiceIdentity
+
+    def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]: ...
+
+    async def score(self, r: InferenceRequest) -> ScoreResult: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """Serves ``zerokl.v1.Inference`` from an :class:`InferenceBackend`."""
+
+    def __init__(self, backend: InferenceBackend) -> None:
+        self._backend = backend
+
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        return identity_to_proto(self._backend.identity)
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        deltas = self._backend.generate(convert.request_from_proto(request))
+        try:
+            async for delta in deltas:
+                yield convert.delta_to_proto(delta)
+        finally:
+            # A cancelled call (client gone, deadline) closes the generator chain now,
+            # which aborts the request in the engine instead of at garbage collection.
+            await deltas.aclose()  # type: ignore[attr-defined]
+
+    async def Abort(self, request: inference_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.AbortResponse:
+        return inference_pb2.AbortResponse(found=self._backend.abort(request.request_id))
+
+    async def Score(self, request: inference_pb2.ScoreRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
+        result = await self._backend.score(convert.score_request_from_proto(request))
+        return convert.score_result_to_proto(result)

@@ -1,0 +1,151 @@
+"""Typed requests and results of the inference services (no protobuf here: convert.py converts).
+
+The engine's own types (:mod:`zerokl.services.engine.types`) describe what one
+replica computes; these add what crosses the wire around them: a prompt that
+may still be text, version pins, per-sample usage, the identity that computed
+a response, and the header of a KV handoff.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zerokl.services.engine.types import FinishReason, SamplingOptions
+
+__all__ = [
+    "InferenceRequest",
+    "Usage",
+    "GenerateDelta",
+    "SampleResult",
+    "GenerateResult",
+    "ScoreResult",
+    "TensorLayout",
+    "KVHeader",
+]
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """A Generate or Score request as a client states it.
+
+    Exactly one of ``prompt_ids`` and ``prompt_text`` is set (the server
+    tokenizes text). Empty pins mean "any"; an empty ``request_id`` lets the
+    server assign one.
+    """
+
+    prompt_ids: tuple[int, ...] | None = None
+    prompt_text: str | None = None
+    options: SamplingOptions = SamplingOptions()
+    request_id: str = ""
+    weights_version: str = ""
+    numerics_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0          # this sample's tokens so far
+    cached_tokens: int = 0              # prompt tokens served from a prefix cache
+
+
+@dataclass(frozen=True)
+class GenerateDelta:
+    """One streamed delta of one sample, with the identity that computed it."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str = ""
+    finish_reason: FinishReason | None = None      # "stop" | "length" | "abort"; None while running
+    prompt_logprobs: tuple[float, ...] | None = None
+    usage: Usage = Usage()
+    weights_version: str = ""
+    numerics_fingerprint: str = ""
+
+
+@dataclass
+class SampleResult:
+    """Everything one sample produced (deltas concatenated)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_logprobs: list[float] | None = None
+
+
+@dataclass
+class GenerateResult:
+    """A whole Generate stream, collected: samples in index order."""
+
+    request_id: str
+    samples: list[SampleResult]
+    usage: Usage
+    weights_version: str
+    numerics_fingerprint: str
+
+    @staticmethod
+    def collect(deltas: list[GenerateDelta]) -> "GenerateResult":
+        """Fold a stream's deltas (any interleaving of samples) into per-sample results.
+
+        Usage is summed over samples (prompt and cached tokens counted once); the
+        identity is the one every delta carried.
+        """
+        samples: dict[int, SampleResult] = {}
+        usage: dict[int, Usage] = {}
+        idents = {(d.weights_version, d.numerics_fingerprint) for d in deltas}
+        if len(idents) > 1:
+            raise ValueError(f"a stream's deltas name more than one weights version / fingerprint: {sorted(idents)}")
+        for d in deltas:
+            s = samples.setdefault(d.index, SampleResult(d.index))
+            s.token_ids.extend(d.token_ids)
+            s.logprobs.extend(d.logprobs)
+            s.text += d.text
+            if d.finish_reason is not None:
+                s.finish_reason = d.finish_reason
+            if d.prompt_logprobs is not None and s.prompt_logprobs is None:
+                s.prompt_logprobs = list(d.prompt_logprobs)
+            usage[d.index] = d.usage
+        first = next(iter(usage.values()), Usage())
+        total = Usage(first.prompt_tokens, sum(u.completion_tokens for u in usage.values()), first.cached_tokens)
+        wv, fp = next(iter(idents), ("", ""))
+        return GenerateResult(deltas[0].request_id if deltas else "", [samples[i] for i in sorted(samples)],
+                              total, wv, fp)
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]          # len(token_ids) - 1 values
+    weights_version: str = ""
+    numerics_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where one KV tensor lies in a handoff blob (little-endian, row-major)."""
+
+    name: str                            # "latent" | "rope" | "index_k"
+    dtype: str                           # torch dtype name without "torch.", e.g. "float32"
+    shape: tuple[int, ...]               # [layers, num_tokens, dim]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """What precedes a KV blob: the prompt, the blob's layout and checksum, who computed it."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    num_tokens: int
+    tensors: tuple[TensorLayout, ...]
+    total_bytes: int
+    sha256: bytes
+    weights_version: str
+    numerics_fingerprint: str
+    model_config_hash: str
+    num_cached_tokens: int = 0
+    prompt_logprobs: tuple[float, ...] | None = None

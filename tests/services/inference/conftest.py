@@ -1,0 +1,120 @@
+"""Shared setup of the inference-service tests: the tiny model, real loopback servers, offline references.
+
+Every served result is compared with the synchronous Engine run offline on a
+fresh engine holding only that request: exact token ids and exact fp32
+logprob floats.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import AsyncIterator, Iterator
+
+import pytest
+import torch
+
+from zerokl.model import Model, ModelConfig
+from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.services.engine.engine import Engine, run_to_completion
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.inference import AsyncEngine, InferenceClient, ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.inference.decode import add_decode_service
+from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
+from zerokl.services.inference.server import make_identity
+from zerokl.services.inference.types import SampleResult
+from zerokl.services.runtime import ServiceServer
+
+CONFIG = ModelConfig.preset("tiny")
+WEIGHTS = "tiny-seed0"
+TOKENIZER = ModelVocabTokenizer(CountdownTokenizer())
+
+
+@pytest.fixture(scope="session")
+def model() -> Model:
+    return Model(CONFIG, seed=0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread while these tests run (restored after).
+
+    Server, client and engine thread share two cores on CI; a second OpenMP
+    thread spinning against them made each tiny GEMM ~100x slower there. The
+    offline references run in this process under the same setting, so the
+    comparisons do not depend on it.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompt(rng: random.Random, lo: int, hi: int) -> tuple[int, ...]:
+    """Random ids of a random length; ids >= 3 avoid pad/bos/eos."""
+    return tuple(rng.randrange(3, CONFIG.vocab_size) for _ in range(rng.randint(lo, hi)))
+
+
+def offline(model: Model, ids: tuple[int, ...], options: SamplingOptions,
+            config: EngineConfig = EngineConfig()) -> list[SampleResult]:
+    """The request run alone on a fresh synchronous engine: per-sample results.
+
+    Prompt logprobs are sample 0's (the services send them once per request).
+    """
+    outs = run_to_completion(Engine(model, config, TOKENIZER), [GenerateRequest("ref", ids, options)])["ref"]
+    samples = {i: SampleResult(i) for i in range(options.n)}
+    for o in outs:
+        s = samples[o.index]
+        s.token_ids += o.token_ids
+        s.logprobs += o.logprobs
+        s.text += o.text
+        s.finish_reason = o.finish_reason or s.finish_reason
+        if o.index == 0 and o.prompt_logprobs is not None and s.prompt_logprobs is None:
+            s.prompt_logprobs = list(o.prompt_logprobs)
+    return [samples[i] for i in range(options.n)]
+
+
+def offline_score(model: Model, ids: tuple[int, ...], options: SamplingOptions = SamplingOptions()) -> list[float]:
+    outs = run_to_completion(Engine(model, EngineConfig()), [GenerateRequest("ref", ids, options, mode="score")])
+    return list(outs["ref"][-1].prompt_logprobs)
+
+
+def make_replica(model: Model, service: str, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
+                 limits: ServingLimits = ServingLimits()) -> Replica:
+    identity = make_identity(service, model, weights, f"{service}-test")
+    return Replica(AsyncEngine(Engine(model, config, TOKENIZER)), identity, TOKENIZER, limits)
+
+
+@contextlib.asynccontextmanager
+async def decode_server(model: Model, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
+                        limits: ServingLimits = ServingLimits()) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+    """A decode replica on a loopback port."""
+    replica = make_replica(model, "decode", config, weights, limits)
+    replica.engine.start()
+    server = ServiceServer("decode")
+    add_decode_service(server, replica)
+    await server.start()
+    try:
+        yield server, replica
+    finally:
+        await server.drain(0)
+        await replica.engine.close()
+
+
+@contextlib.asynccontextmanager
+async def prefill_server(model: Model, decode_address: str | None, config: EngineConfig = EngineConfig(),
+                         chunk_bytes: int = 4096, weights: str = WEIGHTS
+                         ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+    """A prefill replica on a loopback port handing KV to ``decode_address`` in small chunks."""
+    replica = make_replica(model, "prefill", config, weights)
+    replica.engine.start()
+    decode = InferenceClient(decode_address) if decode_address else None
+    server = ServiceServer("prefill")
+    add_prefill_service(server, PrefillRelay(replica, decode, chunk_bytes))
+    await server.start()
+    try:
+        yield server, replica
+    finally:
+        await server.drain(0)
+        if decode is not None:
+            await decode.close()
+        await replica.engine.close()

@@ -1,0 +1,238 @@
+"""The prefill and decode services over real loopback gRPC, against the engine run offline.
+
+Exact equality throughout: token ids, fp32 logprob floats, text and finish
+reasons of every sample, whatever else the server is doing.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import (
+    TOKENIZER,
+    WEIGHTS,
+    decode_server,
+    offline,
+    offline_score,
+    prefill_server,
+    prompt,
+)
+from zerokl.kernels import fingerprint, log_softmax
+from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
+from zerokl.services.runtime import metrics
+from zerokl.services.runtime.info import model_config_hash
+
+FP = fingerprint()
+
+
+def _req(ids=None, text=None, **opts) -> InferenceRequest:
+    opts.setdefault("ignore_eos", True)
+    return InferenceRequest(prompt_ids=ids, prompt_text=text, options=SamplingOptions(**opts))
+
+
+def _assert_same(got: GenerateResult, ids: tuple[int, ...], options: SamplingOptions, model) -> None:
+    want = offline(model, ids, options)
+    assert got.samples == want
+    assert (got.weights_version, got.numerics_fingerprint) == (WEIGHTS, FP)
+    assert got.usage.prompt_tokens == len(ids)
+    assert got.usage.completion_tokens == sum(len(s.token_ids) for s in want)
+
+
+def _metric(name: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_generate_stream_equals_the_engine_run_offline(model) -> None:
+    rng = random.Random(0)
+    greedy = _req(prompt(rng, 30, 40), temperature=0.0, max_tokens=8, prompt_logprobs=True)
+    seeded = _req(prompt(rng, 20, 30), temperature=0.8, top_p=0.9, top_k=10, seed=7, n=3, max_tokens=6)
+    text = _req(text="nums 3 4 7 target 28\n", temperature=1.0, seed=3, max_tokens=10)
+
+    async def main() -> None:
+        ttft, tokens = _metric("zerokl_time_to_first_token_seconds_count"), _metric("zerokl_generation_tokens_total")
+        async with decode_server(model) as (server, replica), InferenceClient(server.address) as client:
+            for r in (greedy, seeded):
+                deltas = [d async for d in client.generate(r)]
+                # Every response names what computed it; usage counts each sample's tokens so far.
+                assert all((d.weights_version, d.numerics_fingerprint) == (WEIGHTS, FP) for d in deltas)
+                seen: dict[int, int] = {}
+                for d in deltas:
+                    seen[d.index] = seen.get(d.index, 0) + len(d.token_ids)
+                    assert d.usage.completion_tokens == seen[d.index]
+                assert [d.prompt_logprobs is not None for d in deltas] == \
+                    [i == 0 and r.options.prompt_logprobs for i in range(len(deltas))]
+                _assert_same(GenerateResult.collect(deltas), r.prompt_ids, r.options, model)
+            got = await client.generate_all(text)
+            ids = tuple(TOKENIZER.encode(text.prompt_text))
+            _assert_same(got, ids, text.options, model)
+            assert got.samples[0].text == TOKENIZER.decode(got.samples[0].token_ids)
+            # A stop string cuts the text and ends the sample with "stop", as offline.
+            full = got.samples[0].text
+            if len(full) >= 4:
+                stop = full[2:4]
+                r = dataclasses.replace(text, options=dataclasses.replace(text.options, stop=(stop,)))
+                stopped = await client.generate_all(r)
+                _assert_same(stopped, ids, r.options, model)
+                assert stopped.samples[0].finish_reason == "stop" and stop not in stopped.samples[0].text
+            assert replica.engine.num_in_flight == 0
+        # The zerokl_ serving metrics moved with the work (one TTFT per request).
+        assert _metric("zerokl_time_to_first_token_seconds_count") >= ttft + 3
+        assert _metric("zerokl_generation_tokens_total") >= tokens + 8 + 18 + 10
+        assert _metric("zerokl_num_requests_running") == 0.0
+    asyncio.run(main())
+
+
+def test_concurrent_clients_with_random_neighbours_get_their_solo_output(model) -> None:
+    rng = random.Random(1)
+    shared = prompt(rng, 40, 40)  # neighbours share a prefix with the target: prefix-cache hits
+    target = _req(shared + prompt(rng, 5, 10), temperature=1.0, top_p=0.95, seed=1234, max_tokens=8)
+    neighbours = []
+    for i in range(10):
+        ids = shared[: rng.randint(16, 40)] + prompt(rng, 1, 20) if i % 2 else prompt(rng, 3, 60)
+        neighbours.append(_req(ids, temperature=rng.choice([0.0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                               top_k=rng.choice([0, 5]), seed=rng.randrange(1000), max_tokens=rng.randint(1, 8),
+                               n=rng.choice([1, 1, 2])))
+    requests = [target, *neighbours]
+    delays = [rng.uniform(0, 0.3) for _ in requests]
+    # A small step budget and small blocks: chunked prefill, many mixed batches.
+    busy = EngineConfig(max_num_batched_tokens=24, block_size=8, num_blocks=256)
+
+    async def main() -> None:
+        async with decode_server(model, busy) as (server, _), InferenceClient(server.address) as client:
+            async def one(r: InferenceRequest, delay: float) -> GenerateResult:
+                await asyncio.sleep(delay)
+                return await client.generate_all(r)
+            results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
+        for r, got in zip(requests, results):
+            _assert_same(got, r.prompt_ids, r.options, model)
+        assert any(got.usage.cached_tokens > 0 for got in results), "no request hit the prefix cache"
+    asyncio.run(main())
+
+
+def test_prefill_to_decode_handoff_equals_decode_alone(model) -> None:
+    rng = random.Random(2)
+    seeded = _req(prompt(rng, 40, 60), temperature=0.9, top_k=20, seed=99, n=2, max_tokens=6, prompt_logprobs=True)
+    text = _req(text="nums 1 2 3 target 6\n", temperature=0.0, max_tokens=6)
+    one_token = _req((7,), temperature=0.0, max_tokens=4)   # no KV to hand over: decode reads the prompt itself
+
+    async def main() -> None:
+        async with decode_server(model, EngineConfig(block_size=8)) as (dsrv, _), \
+                prefill_server(model, dsrv.address, EngineConfig(max_num_batched_tokens=16)) as (psrv, _), \
+                InferenceClient(psrv.address) as via_prefill, InferenceClient(dsrv.address) as direct:
+            for r in (seeded, text, one_token):
+                ids = r.prompt_ids or tuple(TOKENIZER.encode(r.prompt_text))
+                got = await via_prefill.generate_all(r)
+                _assert_same(got, ids, r.options, model)
+            # The two halves by hand: PrefillKV's exact bytes into GenerateFromKV.
+            header, blob = await via_prefill.prefill_kv(dataclasses.replace(seeded, request_id="by-hand"))
+            c = model.config
+            assert header.num_tokens == len(seeded.prompt_ids) - 1
+            assert len(blob) == header.num_tokens * c.num_hidden_layers * 4 * (
+                c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
+            deltas = [d async for d in direct.generate_from_kv(seeded, header, blob, chunk_bytes=1000)]
+            _assert_same(GenerateResult.collect(deltas), seeded.prompt_ids, seeded.options, model)
+            # Score on the prefill replica is the engine's score.
+            ids = prompt(rng, 20, 50)
+            scored = await via_prefill.score(InferenceRequest(prompt_ids=ids))
+            assert list(scored.logprobs) == offline_score(model, ids) and scored.token_ids == ids
+    asyncio.run(main())
+
+
+def test_score_equals_the_engine_and_the_training_forward(model) -> None:
+    rng = random.Random(3)
+    ids = prompt(rng, 30, 50)
+    spec = SamplingOptions(temperature=0.7, top_k=10, top_p=0.9)
+
+    async def main() -> None:
+        async with decode_server(model) as (server, _), InferenceClient(server.address) as client:
+            plain = await client.score(InferenceRequest(prompt_ids=ids))
+            filtered = await client.score(InferenceRequest(prompt_ids=ids, options=spec))
+            text = await client.score(InferenceRequest(prompt_text="nums 5 6 target 11"))
+        assert list(plain.logprobs) == offline_score(model, ids)
+        assert list(filtered.logprobs) == offline_score(model, ids, spec)
+        assert plain.logprobs != filtered.logprobs
+        # Zero KL at the model level: the trainer's full-sequence forward gives the same floats.
+        with torch.no_grad():
+            full = log_softmax(model(torch.tensor([ids]))[0, :-1]).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert torch.equal(torch.tensor(plain.logprobs), full)
+        assert text.token_ids == tuple(TOKENIZER.encode("nums 5 6 target 11"))
+        assert (plain.weights_version, plain.numerics_fingerprint) == (WEIGHTS, FP)
+    asyncio.run(main())
+
+
+def test_abort_and_cancel_mid_stream_free_the_request(model) -> None:
+    long = _req(tuple(range(3, 30)), temperature=1.0, seed=5, max_tokens=300, n=2)
+    short = _req(tuple(range(5, 25)), temperature=0.0, max_tokens=4)
+
+    async def main() -> None:
+        async with decode_server(model) as (dsrv, dec), prefill_server(model, dsrv.address) as (psrv, _), \
+                InferenceClient(dsrv.address) as direct, InferenceClient(psrv.address) as via_prefill:
+            for client, rid in ((direct, "abort-direct"), (via_prefill, "abort-relayed")):
+                deltas = []
+                async for d in client.generate(dataclasses.replace(long, request_id=rid)):
+                    deltas.append(d)
+                    if len(deltas) == 3:
+                        assert await client.abort(rid)
+                got = GenerateResult.collect(deltas)
+                assert [s.finish_reason for s in got.samples] == ["abort", "abort"]
+                assert 0 < got.usage.completion_tokens < 2 * 300
+                # Sampling is keyed by (seed, sample, position): what came before the abort is
+                # exactly the start of the solo run.
+                k = max(len(s.token_ids) for s in got.samples)
+                want = offline(model, long.prompt_ids, dataclasses.replace(long.options, max_tokens=k))
+                for s, w in zip(got.samples, want):
+                    assert (s.token_ids, s.logprobs) == (w.token_ids[:len(s.token_ids)], w.logprobs[:len(s.token_ids)])
+                assert not await client.abort(rid)
+            # A client that goes away cancels its request in the engine.
+            stream = direct.generate(dataclasses.replace(long, request_id="walks-away"))
+            await anext(stream)
+            await stream.aclose()
+            for _ in range(200):
+                if not dec.engine.in_flight("walks-away"):
+                    break
+                await asyncio.sleep(0.01)
+            assert not dec.engine.in_flight("walks-away")
+            # Still serving, with the same numbers.
+            _assert_same(await direct.generate_all(short), short.prompt_ids, short.options, model)
+            assert dec.engine.num_in_flight == 0
+    asyncio.run(main())
+
+
+def test_info_health_and_reflection(model) -> None:
+    async def main() -> None:
+        async with decode_server(model) as (dsrv, _), prefill_server(model, dsrv.address) as (psrv, _):
+            for srv, service, extra in ((dsrv, "decode", "zerokl.v1.Decode"), (psrv, "prefill", "zerokl.v1.Prefill")):
+                async with InferenceClient(srv.address) as client:
+                    info = await client.info()
+                    assert (info.service, info.weights_version, info.numerics_fingerprint) == (service, WEIGHTS, FP)
+                    assert info.model_config_hash == model_config_hash(model.config.to_dict())
+                    assert info.numerics_version and info.backend and info.device and info.dtype == "float32"
+                    health = health_pb2_grpc.HealthStub(client.channel)
+                    for name in ("", "zerokl.v1.Inference", extra):
+                        resp = await health.Check(health_pb2.HealthCheckRequest(service=name))
+                        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                    call = reflection_pb2_grpc.ServerReflectionStub(client.channel).ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    names = {s.name async for r in call for s in r.list_services_response.service}
+                    assert {"zerokl.v1.Inference", extra, "grpc.health.v1.Health"} <= names
+    asyncio.run(main())
+
+
+def test_a_prefill_replica_without_decode_still_scores_and_refuses_generate(model) -> None:
+    async def main() -> None:
+        async with prefill_server(model, None) as (psrv, _), InferenceClient(psrv.address) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate_all(_req((3, 4, 5), max_tokens=2))
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "--decode" in err.value.details()
+            assert list((await client.score(InferenceRequest(prompt_ids=(3, 4, 5)))).logprobs) == \
+                offline_score(model, (3, 4, 5))
+    asyncio.run(main())
