@@ -2,13 +2,17 @@
 
     zerokl verify [--backend torch|triton|all]   batch-invariance self-test on this machine
     zerokl info                                   numerics version and fingerprints
+    zerokl serve prefill|decode|weight-store ...  run one service (`zerokl serve decode --help`)
+    zerokl generate [PROMPT | --prompt-ids 1,2,3] stream a completion from a prefill or decode replica
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 __all__ = ["main"]
 
@@ -54,6 +58,90 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+SERVICES = ("prefill", "decode", "weight-store")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Each service owns its flags; everything after the service name is passed through.
+    if args.service == "weight-store":
+        from zerokl.services.weightstore.server import main as weight_store_main
+        return weight_store_main(args.args)
+    from zerokl.services.inference.server import main as inference_main
+    return inference_main(args.service, args.args)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from zerokl.services.engine.types import SamplingOptions
+    from zerokl.services.inference.client import InferenceClient
+    from zerokl.services.inference.types import GenerateResult, InferenceRequest
+    from zerokl.services.runtime.auth import load_auth_token
+
+    if (args.prompt is None) == (args.prompt_ids is None):
+        print("error: give a prompt text or --prompt-ids (one of them)", file=sys.stderr)
+        return 2
+    options = SamplingOptions(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop), stop_token_ids=args.stop_token_ids, n=args.n,
+        ignore_eos=args.ignore_eos, prompt_logprobs=args.prompt_logprobs)
+    request = InferenceRequest(prompt_ids=args.prompt_ids, prompt_text=args.prompt, options=options,
+                               request_id=args.request_id or "", weights_version=args.weights_version or "",
+                               numerics_fingerprint=args.numerics_fingerprint or "")
+
+    async def run() -> GenerateResult:
+        deltas = []
+        async with InferenceClient(args.server, token=load_auth_token(args.auth_token_file)) as client:
+            async for d in client.generate(request, timeout=args.timeout):
+                deltas.append(d)
+                if not args.json and args.n == 1 and d.text:
+                    print(d.text, end="", flush=True)
+        return GenerateResult.collect(deltas)
+
+    try:
+        result = asyncio.run(run())
+    except grpc.RpcError as err:
+        print(f"error: {err.code().name}: {err.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    if args.json:
+        print(json.dumps(_result_json(result)))
+        return 0
+    if args.n == 1:
+        print()
+    else:
+        for s in result.samples:
+            print(f"[{s.index}] {s.text}")
+    reasons = ",".join(str(s.finish_reason) for s in result.samples)
+    print(f"finish_reason={reasons} tokens={result.usage.completion_tokens} weights={result.weights_version} "
+          f"fingerprint={result.numerics_fingerprint}", file=sys.stderr)
+    return 0
+
+
+def _result_json(result: Any) -> dict[str, Any]:
+    """The --json object: sample 0's fields at the top level, every sample under "samples"."""
+    def sample(s: Any) -> dict[str, Any]:
+        out = {"index": s.index, "token_ids": s.token_ids, "logprobs": s.logprobs, "text": s.text,
+               "finish_reason": s.finish_reason}
+        if s.prompt_logprobs is not None:
+            out["prompt_logprobs"] = s.prompt_logprobs
+        return out
+
+    samples = [sample(s) for s in result.samples]
+    first = {k: v for k, v in samples[0].items() if k != "index"} if samples else {}
+    return {"request_id": result.request_id, **first, "samples": samples,
+            "usage": {"prompt_tokens": result.usage.prompt_tokens,
+                      "completion_tokens": result.usage.completion_tokens,
+                      "cached_tokens": result.usage.cached_tokens},
+            "weights_version": result.weights_version, "numerics_fingerprint": result.numerics_fingerprint}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zerokl", description="RL post-training and serving with train/inference KL exactly 0")
     sub = p.add_subparsers(dest="command", required=True)
@@ -65,6 +153,42 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(run=_verify)
     i = sub.add_parser("info", help="numerics version, device and fingerprint")
     i.set_defaults(run=_info)
+
+    s = sub.add_parser("serve", help="run one service: prefill, decode or weight-store",
+                       description="Run one service until SIGTERM/SIGINT. `zerokl serve SERVICE --help` lists its flags.")
+    s.add_argument("service", choices=SERVICES)
+    s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
+    s.set_defaults(run=_serve)
+
+    g = sub.add_parser(
+        "generate", help="stream a completion from a prefill or decode replica",
+        description="Stream a completion. --json prints ONE object instead: token_ids, logprobs, text, "
+                    "finish_reason (of sample 0), samples (every sample, each with index, token_ids, logprobs, "
+                    "text, finish_reason, and prompt_logprobs when asked), usage, request_id, weights_version "
+                    "and numerics_fingerprint. Logprobs are the exact fp32 values; a prompt token outside "
+                    "top-k/top-p has logprob -Infinity.")
+    g.add_argument("prompt", nargs="?", default=None, help="prompt text (encoded by the server's tokenizer)")
+    g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt token ids")
+    g.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50052"),
+                   help="host:port of a prefill or decode replica (default $ZEROKL_SERVER or %(default)s)")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_int_list, default=(), metavar="1,2")
+    g.add_argument("--n", type=int, default=1, help="samples of the prompt")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--prompt-logprobs", action="store_true", help="also return the prompt tokens' logprobs")
+    g.add_argument("--request-id", default=None)
+    g.add_argument("--weights-version", default=None, help="refuse unless the server serves this version")
+    g.add_argument("--numerics-fingerprint", default=None, help="refuse unless the server has this fingerprint")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    g.add_argument("--auth-token-file", default=None,
+                   help="bearer token file (default: $ZEROKL_AUTH_TOKEN_FILE or $ZEROKL_AUTH_TOKEN)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(run=_generate)
     return p
 
 

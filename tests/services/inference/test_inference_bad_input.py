@@ -1,0 +1,182 @@
+"""Bad input gets a clear status code, and the replica keeps serving everyone else exactly."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+
+import grpc
+import grpc.aio
+import pytest
+
+from conftest import WEIGHTS, decode_server, offline, prefill_server
+from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest, KVHeader, ServingLimits
+from zerokl.services.inference import convert
+from zerokl.services.runtime import field_violations, status_details
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, make_chunk, split_bytes
+from zerokl.v1 import inference_pb2, inference_pb2_grpc
+
+INVALID, FAILED, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                              grpc.StatusCode.RESOURCE_EXHAUSTED)
+DATA_LOSS, EXISTS = grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ALREADY_EXISTS
+
+# A small cache so that a big n x long request cannot fit (max_model_len stays the model's 512).
+CACHE = EngineConfig(num_blocks=64, block_size=16)
+LIMITS = ServingLimits(max_n=4)
+GOOD = InferenceRequest(prompt_ids=tuple(range(3, 40)), request_id="good",
+                        options=SamplingOptions(temperature=0.9, seed=11, max_tokens=60, ignore_eos=True))
+
+
+def _r(ids=(3, 4, 5), text=None, rid="", wv="", fp="", **opts) -> InferenceRequest:
+    opts.setdefault("max_tokens", 2)
+    return InferenceRequest(prompt_ids=ids, prompt_text=text, options=SamplingOptions(**opts), request_id=rid,
+                            weights_version=wv, numerics_fingerprint=fp)
+
+
+GENERATE_CASES = [
+    ("request id in flight", _r(rid="good"), EXISTS, "already in flight"),  # first: GOOD is surely running
+    ("out-of-vocabulary id", _r((3, 64)), INVALID, "outside the vocabulary"),
+    ("negative id", _r((-1, 3)), INVALID, "outside the vocabulary"),
+    ("empty prompt ids", _r(()), INVALID, "prompt is empty"),
+    ("empty prompt text", _r(None, text=""), INVALID, "prompt is empty"),
+    ("no prompt", _r(None), INVALID, "set prompt_text or prompt_token_ids"),
+    ("prompt longer than the context", _r(tuple([5] * 512)), INVALID, "does not fit the context"),
+    ("max_tokens 0", _r(max_tokens=0), INVALID, "max_tokens"),
+    ("max_tokens negative", _r(max_tokens=-3), INVALID, "max_tokens"),
+    ("top_p 0", _r(top_p=0.0), INVALID, "top_p"),
+    ("top_p above 1", _r(top_p=1.5), INVALID, "top_p"),
+    ("negative temperature", _r(temperature=-0.5), INVALID, "temperature"),
+    ("NaN temperature", _r(temperature=float("nan")), INVALID, "temperature"),
+    ("negative top_k", _r(top_k=-1), INVALID, "top_k"),
+    ("n 0", _r(n=0), INVALID, "n must be"),
+    ("n beyond the limit", _r(n=5), INVALID, "exceeds this replica's limit"),
+    ("seed beyond 2**63", _r(seed=2**63), INVALID, "seed"),
+    ("stop id outside the vocabulary", _r(stop_token_ids=(70,)), INVALID, "stop_token_ids"),
+    ("unknown pinned weights", _r(wv="v-nope"), FAILED, "v-nope"),
+    ("unknown pinned fingerprint", _r(fp="0123456789abcdef"), FAILED, "0123456789abcdef"),
+    ("n samples cannot fit the KV cache", _r(tuple(range(3, 60)) * 2, n=4, max_tokens=380), EXHAUSTED, "KV blocks"),
+]
+
+
+async def _code(coro) -> tuple[grpc.StatusCode, str, grpc.aio.AioRpcError]:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await coro
+    return err.value.code(), err.value.details(), err.value
+
+
+def _solo(r: InferenceRequest, model) -> GenerateResult:
+    return offline(model, r.prompt_ids, r.options)
+
+
+@pytest.mark.parametrize("via", ["decode", "prefill"])
+def test_bad_generate_and_score_requests_get_clear_statuses_while_others_are_served(model, via) -> None:
+    async def main() -> None:
+        async with decode_server(model, CACHE, limits=LIMITS) as (dsrv, dec), \
+                prefill_server(model, dsrv.address, CACHE) as (psrv, pre), \
+                InferenceClient(psrv.address if via == "prefill" else dsrv.address) as client:
+            pre.limits = LIMITS  # the prefill replica applies the same limit before any work
+            good = asyncio.ensure_future(client.generate_all(GOOD))
+            while not (dec.engine.in_flight("good") or pre.engine.in_flight("good")):
+                await asyncio.sleep(0.005)
+            for name, req, code, text in GENERATE_CASES:
+                got, details, err = await _code(client.generate_all(req))
+                assert (got, text in details) == (code, True), (name, got, details)
+            _, details, err = await _code(client.generate_all(_r(n=5)))
+            assert [v.field for v in field_violations(err)] == ["sampling.n"]
+            _, details, err = await _code(client.generate_all(_r(wv="v-nope")))
+            assert status_details(err), "pins are refused with PreconditionFailure details"
+            for req, text in ((_r(()), "prompt is empty"), (_r((3, 99)), "outside the vocabulary"),
+                              (_r(tuple([5] * 513)), "does not fit the context"), (_r(wv="v-nope"), "v-nope")):
+                got, details, _ = await _code(client.score(req))
+                assert got in (INVALID, FAILED) and text in details, (got, details)
+            # The request that ran through all of that is exactly its solo run, and the next one too.
+            assert (await good).samples == _solo(GOOD, model)
+            nxt = dataclasses.replace(GOOD, request_id="", options=dataclasses.replace(GOOD.options, max_tokens=3))
+            assert (await client.generate_all(nxt)).samples == _solo(nxt, model)
+    asyncio.run(main())
+
+
+def test_a_decode_replica_with_other_weights_refuses_the_prefill_replicas_kv(model) -> None:
+    async def main() -> None:
+        async with decode_server(model, weights="other-weights") as (dsrv, _), \
+                prefill_server(model, dsrv.address) as (psrv, _), InferenceClient(psrv.address) as client:
+            got, details, err = await _code(client.generate_all(_r(tuple(range(3, 30)))))
+            assert got is FAILED and "other-weights" in details and WEIGHTS in details
+            assert status_details(err), "the decode replica's PreconditionFailure details are relayed"
+            # Pinned to what decode serves: the prefill replica refuses first.
+            got, details, _ = await _code(client.generate_all(_r(wv="other-weights")))
+            assert got is FAILED and "other-weights" in details
+    asyncio.run(main())
+
+
+async def _kv_exchange(stub: inference_pb2_grpc.DecodeStub, messages: list) -> grpc.StatusCode:
+    """Send messages one at a time, each after the previous one's ack; the final status code."""
+    call = stub.GenerateFromKV()
+    try:
+        for m in messages:
+            await call.write(m)
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                await call
+        await call.done_writing()
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            pass
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as err:
+        return err.code()
+    finally:
+        call.cancel()
+
+
+def test_malformed_and_corrupted_kv_handoffs_are_refused_and_decode_keeps_serving(model) -> None:
+    request = _r(tuple(range(3, 45)), temperature=0.0, max_tokens=3, rid="kv")
+
+    async def main() -> None:
+        async with decode_server(model) as (dsrv, _), prefill_server(model, dsrv.address) as (psrv, _), \
+                InferenceClient(psrv.address) as pclient, InferenceClient(dsrv.address) as dclient:
+            header, blob = await pclient.prefill_kv(request)
+            stub = inference_pb2_grpc.DecodeStub(dclient.channel)
+
+            def head(h: KVHeader = header, r: InferenceRequest = request) -> inference_pb2.GenerateFromKVRequest:
+                return inference_pb2.GenerateFromKVRequest(header=inference_pb2.GenerateFromKVHeader(
+                    request=convert.request_to_proto(r), kv=convert.kv_header_to_proto(h)))
+
+            def chunks(data: bytes = blob, size: int = 8192) -> list:
+                return [inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(c))
+                        for c in split_bytes(data, chunk_size=size)]
+
+            flipped = bytearray(blob)
+            flipped[len(blob) // 2] ^= 1
+            lying = chunks()
+            data = bytearray(lying[2].chunk.data)
+            data[5] ^= 1
+            lying[2].chunk.data = bytes(data)  # one bit changed, the chunk's checksum kept
+            other_fp = dataclasses.replace(header, numerics_fingerprint="0000000000000000")
+            short = dataclasses.replace(header, num_tokens=header.num_tokens - 1)
+            huge = dataclasses.replace(header, total_bytes=1 << 40)
+            bad_layout = dataclasses.replace(header, tensors=(header.tensors[1], header.tensors[0], header.tensors[2]))
+            cases = [
+                ("a chunk's bytes do not match its sha256", [head(), *lying], DATA_LOSS),
+                ("the blob does not match the header's sha256", [head(), *chunks(bytes(flipped))], DATA_LOSS),
+                ("chunk before the header", chunks()[:1], INVALID),
+                ("two headers", [head(), head()], INVALID),
+                ("chunk at the wrong offset", [head(), chunks()[1]], INVALID),
+                ("stream ends before the blob", [head(), *chunks()[:2]], INVALID),
+                ("oversize chunk", [head(), inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(
+                    make_chunk(0, b"\0" * (MAX_CHUNK_BYTES + 1))))], INVALID),
+                ("KV from another fingerprint", [head(other_fp), *chunks()], FAILED),
+                ("num_tokens not len(prompt) - 1", [head(short), *chunks()], INVALID),
+                ("total size beyond the layouts", [head(huge)], INVALID),
+                ("tensors out of order", [head(bad_layout), *chunks()], INVALID),
+                ("request prompt differs from the KV's", [head(r=dataclasses.replace(request, prompt_ids=(3, 4)))],
+                 INVALID),
+            ]
+            for name, messages, code in cases:
+                assert await _kv_exchange(stub, messages) == code, name
+            # The same exchange, well formed, is the solo run: decode still serves.
+            assert await _kv_exchange(stub, [head(), *chunks()]) == grpc.StatusCode.OK
+            deltas = [d async for d in dclient.generate_from_kv(request, header, blob, chunk_bytes=5000)]
+            assert GenerateResult.collect(deltas).samples == _solo(request, model)
+            assert hashlib.sha256(blob).digest() == header.sha256
+    asyncio.run(main())

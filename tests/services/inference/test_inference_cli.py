@@ -1,0 +1,154 @@
+"""`zerokl serve prefill|decode` and `zerokl generate` as separate processes, as a user runs them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import sys
+import urllib.request
+from typing import Iterator
+
+import pytest
+
+from conftest import TOKENIZER, offline, prompt
+from zerokl.kernels import fingerprint
+from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.inference import InferenceClient, InferenceRequest
+
+MODEL_FLAGS = ["--preset", "tiny", "--seed", "0", "--port", "0", "--threads", "1"]
+IDS = tuple(range(3, 30))
+OPTIONS = SamplingOptions(temperature=0.8, top_p=0.9, seed=5, max_tokens=8, ignore_eos=True)
+GENERATE = ["--prompt-ids", ",".join(map(str, IDS)), "--temperature", "0.8", "--top-p", "0.9", "--seed", "5",
+            "--max-tokens", "8", "--ignore-eos", "--json"]
+
+
+def _serve(*args: str) -> tuple[subprocess.Popen, str, str]:
+    """Start `zerokl serve ...`; its process, its address and its listening line."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith(f"{args[0]} listening on 127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(f"{args[0]} did not start: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
+    return proc, line.split()[3], line
+
+
+def _same_numbers(result: dict) -> dict:
+    """What must not change with load, replica or path (request ids and prefix-cache hits may)."""
+    return {k: result[k] for k in ("token_ids", "logprobs", "text", "finish_reason", "samples", "weights_version",
+                                   "numerics_fingerprint")}
+
+
+def _generate(server: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerokl", "generate", "--server", server, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[dict[str, str]]:
+    decode, daddr, dline = _serve("decode", *MODEL_FLAGS, "--metrics-port", "0")
+    prefill, paddr, _ = _serve("prefill", *MODEL_FLAGS, "--decode", daddr, "--kv-chunk-bytes", "8192")
+    try:
+        yield {"decode": daddr, "prefill": paddr, "metrics": dline.split("metrics on :")[1].split()[0],
+               "decode_pid": str(decode.pid)}
+    finally:
+        for proc in (prefill, decode):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+            proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_generate_json_is_the_solo_run_alone_among_16_others_and_through_prefill(model, servers) -> None:
+    want = offline(model, IDS, OPTIONS)[0]
+    alone = _generate(servers["decode"], *GENERATE)
+    assert alone.returncode == 0, alone.stderr
+    got = json.loads(alone.stdout)
+    assert (got["token_ids"], got["logprobs"], got["text"], got["finish_reason"]) == \
+        (want.token_ids, want.logprobs, want.text, want.finish_reason)
+    assert got["weights_version"] == "preset-tiny-seed0" and got["numerics_fingerprint"] == fingerprint()
+    assert len(got["samples"]) == 1 and got["usage"]["completion_tokens"] == 8
+
+    async def busy() -> tuple[subprocess.CompletedProcess, int]:
+        # Keep 16 other requests of random lengths running for as long as the CLI runs.
+        rng = random.Random(4)
+        done = asyncio.Event()
+        finished = 0
+        async with InferenceClient(servers["decode"]) as client:
+            async def neighbour() -> None:
+                nonlocal finished
+                while not done.is_set():
+                    r = InferenceRequest(prompt_ids=prompt(rng, 3, 80), options=SamplingOptions(
+                        temperature=rng.choice([0.0, 1.0]), seed=rng.randrange(100), max_tokens=rng.randint(4, 24),
+                        ignore_eos=True))
+                    await client.generate_all(r)
+                    finished += 1
+            tasks = [asyncio.ensure_future(neighbour()) for _ in range(16)]
+            await asyncio.sleep(0.3)
+            result = await asyncio.to_thread(_generate, servers["decode"], *GENERATE)
+            done.set()
+            await asyncio.gather(*tasks)
+        return result, finished
+
+    among, finished = asyncio.run(busy())
+    assert among.returncode == 0, among.stderr
+    assert finished >= 16
+    assert _same_numbers(json.loads(among.stdout)) == _same_numbers(got)
+
+    relayed = _generate(servers["prefill"], *GENERATE)
+    assert relayed.returncode == 0, relayed.stderr
+    assert _same_numbers(json.loads(relayed.stdout)) == _same_numbers(got)
+
+    # The metrics endpoint exports the serving metrics.
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{servers['metrics']}/metrics", timeout=10).read().decode()
+    assert "zerokl_time_to_first_token_seconds_count" in scrape and "zerokl_generation_tokens_total" in scrape
+
+
+def test_generate_streams_text_and_reports_bad_input(model, servers) -> None:
+    text = "nums 2 5 target 10\n"
+    runs = [  # independent: run side by side
+        (servers["prefill"], text, "--temperature", "0", "--max-tokens", "12", "--ignore-eos"),
+        (servers["decode"], "--prompt-ids", "3,64", "--json"),
+        (servers["decode"], "--prompt-ids", "3,4", "--n", "3", "--max-tokens", "3", "--json", "--seed", "2"),
+    ]
+
+    async def all_runs() -> list[subprocess.CompletedProcess]:
+        return await asyncio.gather(*(asyncio.to_thread(_generate, *run) for run in runs))
+
+    out, bad, n = asyncio.run(all_runs())
+    assert out.returncode == 0, out.stderr
+    want = offline(model, tuple(TOKENIZER.encode(text)), SamplingOptions(temperature=0.0, max_tokens=12,
+                                                                          ignore_eos=True))[0]
+    assert out.stdout == want.text + "\n" and "finish_reason=length" in out.stderr
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "vocabulary" in bad.stderr
+    assert n.returncode == 0, n.stderr
+    samples = json.loads(n.stdout)["samples"]
+    want_n = offline(model, (3, 4), SamplingOptions(n=3, max_tokens=3, seed=2))
+    assert [(s["token_ids"], s["logprobs"]) for s in samples] == [(w.token_ids, w.logprobs) for w in want_n]
+
+
+def test_sigterm_drains_a_stream_in_flight_then_exits_cleanly(model) -> None:
+    proc, address, _ = _serve("decode", *MODEL_FLAGS)
+    try:
+        async def main() -> list[int]:
+            async with InferenceClient(address) as client:
+                r = InferenceRequest(prompt_ids=IDS, options=SamplingOptions(temperature=0.0, max_tokens=60,
+                                                                            ignore_eos=True))
+                stream = client.generate(r)
+                tokens = list((await anext(stream)).token_ids)
+                proc.send_signal(signal.SIGTERM)
+                async for d in stream:
+                    tokens += d.token_ids
+                return tokens
+        tokens = asyncio.run(main())
+        assert tokens == offline(model, IDS, SamplingOptions(temperature=0.0, max_tokens=60, ignore_eos=True))[0].token_ids
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
