@@ -14,7 +14,8 @@ from torch.nn.utils import parametrize
 from zerokl.kernels import ops
 from zerokl.model.model import Linear, Model
 
-__all__ = ["LoRA", "DEFAULT_TARGETS", "apply_lora", "merge_lora", "unmerge_lora", "lora_parameters"]
+__all__ = ["LoRA", "DEFAULT_TARGETS", "apply_lora", "merge_lora", "unmerge_lora", "lora_parameters",
+           "merged_state_dict"]
 
 DEFAULT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -69,3 +70,26 @@ def unmerge_lora(model: Model) -> None:
     for module in model.modules():
         if parametrize.is_parametrized(module, "weight"):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+
+
+@torch.no_grad()
+def merged_state_dict(model: Model) -> dict[str, torch.Tensor]:
+    """The model's state dict with every adapter baked in, without touching the model.
+
+    Each adapted weight is read through its parametrization, i.e. the exact tensor the
+    adapted forward uses. (Deep-copying a parametrized model and merging the copy is not
+    safe: the copies share the generated module class, and removing the parametrization
+    from one removes it from both.)
+    """
+    out = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        parametrized = parametrize.is_parametrized(module, "weight")
+        if parametrized:
+            out[prefix + "weight"] = module.weight.detach().clone()
+        for pname, p in module.named_parameters(recurse=False):
+            out[prefix + pname] = p.detach().clone()
+        for bname, b in module.named_buffers(recurse=False):
+            if bname not in module._non_persistent_buffers_set:
+                out[prefix + bname] = b.detach().clone()
+    return {k: v for k, v in out.items() if ".parametrizations." not in k and "lora_" not in k}

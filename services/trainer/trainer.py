@@ -1,0 +1,252 @@
+"""The trainer: SFT, DPO and GRPO/PPO-clip updates on the same forward that serving runs.
+
+Logprobs are recomputed by the model's training path and the sampling distribution of
+zerokl.kernels.sampling, so for weights version v they are bitwise the numbers the
+inference engine sampled with; the train/inference KL is reported every step as an
+exact number, and so is the count of tokens that differ (0).
+A Tinker-style low-level API (forward_logprobs, forward_backward, optim_step, state
+save/load) lets callers drive their own loop; sft_step/dpo_step/grpo_step compose it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
+from zerokl.model import Model
+from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
+from zerokl.services.trainer.losses import PPOStats, dpo_loss, group_advantages, ppo_clip_loss, sft_loss
+
+__all__ = ["TrainConfig", "Completion", "Rollout", "Trainer"]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-3                    # peak learning rate (AdamW)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0              # max global grad norm (0 = off)
+    warmup_steps: int = 0               # linear warmup from 0
+    total_steps: int = 0                # > 0: cosine decay to 10% of lr by then; 0 = constant after warmup
+    lora_rank: int = 0                  # > 0: train LoRA adapters only (zerokl.model.lora)
+    lora_alpha: float = 16.0
+    clip_eps: float = 0.2               # PPO clip range
+    kl_coef: float = 0.0                # > 0: k3 KL penalty to the frozen initial policy
+    dpo_beta: float = 0.1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A prompt and its completion, with the sampling distribution the completion was drawn from."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    temperature: float = 1.0            # 0 = greedy: logprobs are the plain log_softmax
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A sampled completion as inference reported it (behaviour logprobs) with its reward."""
+
+    sequence: Completion
+    logprobs: tuple[float, ...]
+    reward: float
+    weights_version: str = ""
+
+
+@dataclass
+class _Batch:
+    input_ids: torch.Tensor             # [B, S] padded
+    targets: torch.Tensor               # [B, T] completion tokens, padded
+    mask: torch.Tensor                  # [B, T]
+    rows: torch.Tensor                  # [Ntok] flat index into logits [B*(S), V] for each completion token
+    params: SamplingParams              # per completion token
+
+
+class Trainer:
+    """Owns a model, its optimizer and its step counter."""
+
+    def __init__(self, model: Model, config: TrainConfig = TrainConfig()):
+        self.model, self.config = model, config
+        self.reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
+        if self.reference is not None:
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+        if config.lora_rank > 0:
+            apply_lora(model, config.lora_rank, config.lora_alpha, seed=config.seed)
+            params = lora_parameters(model)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+        self.params = params
+        # foreach=False: one fixed loop over parameters (deterministic on every backend).
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay, foreach=False)
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ------------------------------------------------------------------ logprobs
+
+    def _batch(self, seqs: Sequence[Completion]) -> _Batch:
+        pad = self.model.config.pad_token_id or 0
+        full = [list(s.prompt_ids) + list(s.completion_ids) for s in seqs]
+        width = max(len(f) for f in full) - 1             # the last token is only a target
+        t = max(len(s.completion_ids) for s in seqs)
+        input_ids = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.int64)
+        targets = torch.full((len(seqs), t), pad, dtype=torch.int64)
+        mask = torch.zeros(len(seqs), t)
+        rows, temp, top_k, top_p = [], [], [], []
+        for b, (s, f) in enumerate(zip(seqs, full)):
+            input_ids[b, : len(f) - 1] = torch.tensor(f[:-1])
+            n, p = len(s.completion_ids), len(s.prompt_ids)
+            targets[b, :n] = torch.tensor(s.completion_ids)
+            mask[b, :n] = 1
+            rows += [b * input_ids.shape[1] + p - 1 + i for i in range(n)]
+            temp += [s.temperature] * n
+            top_k += [s.top_k] * n
+            top_p += [s.top_p] * n
+        n_tok = len(rows)
+        params = SamplingParams(torch.tensor(temp, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
+                                torch.tensor(top_p, dtype=torch.float32), torch.zeros(n_tok, dtype=torch.int64),
+                                torch.zeros(n_tok, dtype=torch.int64))
+        return _Batch(input_ids, targets, mask, torch.tensor(rows, dtype=torch.int64), params)
+
+    def _logprobs(self, model: Model, batch: _Batch) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the completions under their sampling distributions."""
+        logits = model(batch.input_ids)
+        flat = logits.reshape(-1, logits.shape[-1])[batch.rows]
+        targets = batch.targets[batch.mask > 0]
+        lp = sampling_logprobs(flat, targets, batch.params)
+        out = torch.zeros(batch.mask.shape, dtype=lp.dtype)
+        return out.masked_scatter(batch.mask > 0, lp)
+
+    @torch.no_grad()
+    def forward_logprobs(self, seqs: Sequence[Completion]) -> list[torch.Tensor]:
+        """Logprobs of each completion's tokens, exactly as inference computes them for these weights."""
+        batch = self._batch(seqs)
+        lp = self._logprobs(self.model, batch)
+        return [lp[b, : len(s.completion_ids)].clone() for b, s in enumerate(seqs)]
+
+    # ------------------------------------------------------------------ low-level steps
+
+    def forward_backward(self, method: str, batch_items: Sequence, **kw) -> dict:
+        """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics."""
+        start = time.perf_counter()
+        self.model.train()
+        if method == "sft":
+            batch = self._batch(batch_items)
+            loss = sft_loss(self._logprobs(self.model, batch), batch.mask)
+            metrics = {"loss": float(loss)}
+            tokens = int(batch.mask.sum())
+        elif method == "dpo":
+            metrics, loss, tokens = self._dpo(batch_items)
+        elif method == "ppo":
+            metrics, loss, tokens = self._ppo(batch_items, kw["advantages"])
+        else:
+            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+        loss.backward()
+        self.tokens_seen += tokens
+        metrics["tokens"] = tokens
+        metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+        return metrics
+
+    def _dpo(self, pairs: Sequence[tuple[Completion, Completion]]):
+        seqs = [p[0] for p in pairs] + [p[1] for p in pairs]
+        batch = self._batch(seqs)
+        policy = (self._logprobs(self.model, batch) * batch.mask).sum(1)
+        with torch.no_grad():
+            ref_model = self.reference or self._frozen_reference()
+            ref = (self._logprobs(ref_model, batch) * batch.mask).sum(1)
+        n = len(pairs)
+        loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
+        return {"loss": float(loss), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
+
+    def _frozen_reference(self) -> Model:
+        self.reference = copy.deepcopy(self.model).eval()
+        for p in self.reference.parameters():
+            p.requires_grad_(False)
+        return self.reference
+
+    def _ppo(self, rollouts: Sequence[Rollout], advantages: torch.Tensor):
+        batch = self._batch([r.sequence for r in rollouts])
+        behaviour = torch.zeros(batch.mask.shape)
+        for b, r in enumerate(rollouts):
+            behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        logprobs = self._logprobs(self.model, batch)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._logprobs(self.reference, batch)
+        loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps,
+                                    ref, self.config.kl_coef)
+        return dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, loss, stats.tokens
+
+    def lr_at(self, step: int) -> float:
+        c = self.config
+        if c.warmup_steps and step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        if c.total_steps > 0:
+            progress = min(1.0, (step - c.warmup_steps) / max(1, c.total_steps - c.warmup_steps))
+            return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        return c.lr
+
+    def optim_step(self) -> dict:
+        """Clip, step AdamW at the scheduled learning rate, zero the gradients."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
+        if self.config.grad_clip > 0 and float(norm) > self.config.grad_clip:
+            scale = self.config.grad_clip / (float(norm) + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": float(norm), "lr": lr, "step": self.step}
+
+    # ------------------------------------------------------------------ high-level steps
+
+    def sft_step(self, examples: Sequence[Completion]) -> dict:
+        return self.forward_backward("sft", examples) | self.optim_step()
+
+    def dpo_step(self, pairs: Sequence[tuple[Completion, Completion]]) -> dict:
+        return self.forward_backward("dpo", pairs) | self.optim_step()
+
+    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict:
+        """One on-policy GRPO update: group-normalized rewards, PPO-clip vs behaviour logprobs."""
+        adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size)
+        metrics = self.forward_backward("ppo", rollouts, advantages=adv)
+        metrics["reward"] = float(sum(r.reward for r in rollouts) / len(rollouts))
+        return metrics | self.optim_step()
+
+    # ------------------------------------------------------------------ weights and state
+
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        """Weights as inference serves them (LoRA merged: bitwise the adapted forward's weights)."""
+        return merged_state_dict(self.model)
+
+    def serving_model(self) -> Model:
+        """A separate Model with the serving weights (for an in-process engine)."""
+        m = Model(self.model.config, seed=0, dtype=self.model.dtype)
+        m.load_state_dict(self.serving_state_dict())
+        return m.eval()
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: model (incl. adapters), optimizer, step counters."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "step": self.step, "tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
