@@ -12,7 +12,7 @@
 """
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream
 from zerokl.services.inference.client import InferenceClient
-from zerokl.services.inference.replica import ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.inference.replica import Replica, ServingLimits
 from zerokl.services.inference.types import (
     GenerateDelta,
     GenerateResult,
@@ -31,7 +31,6 @@ __all__ = [
     "InferenceClient",
     "InferenceRequest",
     "KVHeader",
-    "ModelVocabTokenizer",
     "Replica",
     "RequestStream",
     "SampleResult",

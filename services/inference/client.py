@@ -6,8 +6,9 @@ a whole (:class:`~zerokl.services.runtime.errors.DataLoss` on a mismatch).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NoReturn
 
 import grpc
 import grpc.aio
@@ -127,11 +128,11 @@ class InferenceClient:
         """
         call = self._decode.GenerateFromKV(timeout=timeout)
         try:
-            await call.write(inference_pb2.GenerateFromKVRequest(header=inference_pb2.GenerateFromKVHeader(
+            await self._send(call, inference_pb2.GenerateFromKVRequest(header=inference_pb2.GenerateFromKVHeader(
                 request=convert.request_to_proto(request), kv=convert.kv_header_to_proto(header))))
             await self._ack(call)
             for chunk in split_bytes(blob, chunk_size=chunk_bytes):
-                await call.write(inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(chunk)))
+                await self._send(call, inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(chunk)))
                 await self._ack(call)
             await call.done_writing()
             while True:
@@ -145,11 +146,26 @@ class InferenceClient:
             call.cancel()
 
     @staticmethod
-    async def _ack(call: Any) -> int:
+    async def _raise_status(call: Any) -> NoReturn:
+        """Raise the status that ended ``call`` (a stream-stream call cannot be awaited for it)."""
+        code = await call.code()
+        if code is not grpc.StatusCode.OK:
+            raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
+                                       await call.details())
+        raise DataLoss("GenerateFromKV ended before the KV blob was acknowledged")
+
+    @classmethod
+    async def _send(cls, call: Any, msg: inference_pb2.GenerateFromKVRequest) -> None:
+        try:
+            await call.write(msg)
+        except asyncio.InvalidStateError:  # the call already ended (e.g. the replica is unreachable)
+            await cls._raise_status(call)
+
+    @classmethod
+    async def _ack(cls, call: Any) -> int:
         msg = await call.read()
         if msg is grpc.aio.EOF:
-            await call  # raises the status that ended the stream
-            raise DataLoss("GenerateFromKV ended without acknowledging")
+            await cls._raise_status(call)
         if msg.WhichOneof("msg") != "ack":
             raise DataLoss("GenerateFromKV answered before the KV blob was complete")
         return msg.ack.received

@@ -21,7 +21,7 @@ from zerokl.services.inference.types import GenerateDelta, InferenceRequest, Sco
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation
 from zerokl.services.runtime.info import ServiceIdentity
 
-__all__ = ["ServingLimits", "ModelVocabTokenizer", "Replica"]
+__all__ = ["ServingLimits", "Replica"]
 
 
 @dataclass(frozen=True)
@@ -29,26 +29,6 @@ class ServingLimits:
     """Per-request limits a replica enforces on top of the engine's own checks."""
 
     max_n: int = 16                      # samples per request
-
-
-class ModelVocabTokenizer:
-    """A tokenizer whose ``decode`` accepts every id of the model's vocabulary.
-
-    A model's vocabulary is often larger than its tokenizer's (padded
-    embedding rows; the ``tiny`` preset has 64 ids, the countdown tokenizer
-    34). A model may sample such an id; it is returned as a token id like any
-    other and contributes no text, as an unknown special token would.
-    """
-
-    def __init__(self, inner: Tokenizer) -> None:
-        self.inner = inner
-        self.vocab_size, self.bos_id, self.eos_id, self.pad_id = inner.vocab_size, inner.bos_id, inner.eos_id, inner.pad_id
-
-    def encode(self, text: str) -> list[int]:
-        return self.inner.encode(text)
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.inner.decode([i for i in ids if 0 <= i < self.inner.vocab_size])
 
 
 class Replica:

@@ -28,7 +28,7 @@ from zerokl.services.inference.async_engine import AsyncEngine
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
-from zerokl.services.inference.replica import ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.inference.replica import Replica, ServingLimits
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
@@ -131,10 +131,9 @@ def build_replica(service: str, loaded: LoadedModel, args: argparse.Namespace) -
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len)
-    tokenizer = ModelVocabTokenizer(loaded.tokenizer) if loaded.tokenizer is not None else None
-    engine = Engine(loaded.model, config, tokenizer)
+    engine = Engine(loaded.model, config, loaded.tokenizer)
     identity = make_identity(service, loaded.model, loaded.weights_version, args.replica_id)
-    return Replica(AsyncEngine(engine, name=f"zerokl-{service}-engine"), identity, tokenizer,
+    return Replica(AsyncEngine(engine, name=f"zerokl-{service}-engine"), identity, loaded.tokenizer,
                    ServingLimits(max_n=args.max_n))
 
 

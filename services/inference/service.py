@@ -1,7 +1,7 @@
 """The client-facing ``zerokl.v1.Inference`` servicer, shared by the prefill and decode services.
 
 It is a thin gRPC edge: it converts at the boundary (convert.py) and hands
-the work to a :class:`Server`-side backend: a :class:`~.replica.Replica` on a
+the work to an :class:`InferenceBackend`: a :class:`~.replica.Replica` on a
 decode replica (local generation), a :class:`~.prefill.PrefillRelay` on a
 prefill replica (prefill here, generate on a decode replica). Errors are
 raised as :class:`ServiceError` s and become statuses in the runtime's

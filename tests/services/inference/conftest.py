@@ -17,7 +17,7 @@ from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.inference import AsyncEngine, InferenceClient, ModelVocabTokenizer, Replica, ServingLimits
+from zerokl.services.inference import AsyncEngine, InferenceClient, Replica, ServingLimits
 from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.server import make_identity
@@ -26,7 +26,7 @@ from zerokl.services.runtime import ServiceServer
 
 CONFIG = ModelConfig.preset("tiny")
 WEIGHTS = "tiny-seed0"
-TOKENIZER = ModelVocabTokenizer(CountdownTokenizer())
+TOKENIZER = CountdownTokenizer()  # 34 ids: the tiny model's ids 34..63 carry no text
 
 
 @pytest.fixture(scope="session")

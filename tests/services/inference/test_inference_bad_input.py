@@ -116,9 +116,8 @@ async def _kv_exchange(stub: inference_pb2_grpc.DecodeStub, messages: list) -> g
     try:
         for m in messages:
             await call.write(m)
-            msg = await call.read()
-            if msg is grpc.aio.EOF:
-                await call
+            if await call.read() is grpc.aio.EOF:  # ended without acknowledging: its status
+                return await call.code()
         await call.done_writing()
         while (msg := await call.read()) is not grpc.aio.EOF:
             pass
