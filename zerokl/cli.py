@@ -155,7 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(run=_info)
 
     s = sub.add_parser("serve", help="run one service: prefill, decode or weight-store",
-                       description="Run one service until SIGTERM/SIGINT. `zerokl serve SERVICE --help` lists its flags.")
+                       description="Run one service until SIGTERM/SIGINT. "
+                                   "`zerokl serve SERVICE --help` lists its flags.")
     s.add_argument("service", choices=SERVICES)
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)

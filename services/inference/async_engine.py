@@ -40,7 +40,7 @@ class LatencyTracker:
     """Observes one request's TTFT, inter-token latencies and end-to-end latency.
 
     Used by the engine thread for local generation and by the prefill relay
-    for what its client sees; ``clock`` is a monotonic clock in seconds.
+    for what its client sees; times are ``time.monotonic()`` seconds.
     """
 
     def __init__(self, arrival: float | None = None) -> None:

@@ -16,7 +16,13 @@ from opentelemetry import trace
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, GenerateResult, InferenceRequest, KVHeader, ScoreResult
-from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, ChunkAssembler, chunk_from_proto, chunk_to_proto, split_bytes
+from zerokl.services.runtime.chunks import (
+    MAX_CHUNK_BYTES,
+    ChunkAssembler,
+    chunk_from_proto,
+    chunk_to_proto,
+    split_bytes,
+)
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
@@ -67,7 +73,8 @@ class InferenceClient:
         """What the replica computes with."""
         return identity_from_proto(await self._inference.Info(common_pb2.InfoRequest()))
 
-    async def generate(self, request: InferenceRequest, *, timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
+    async def generate(self, request: InferenceRequest, *,
+                       timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
         """Stream the deltas of one request (closing the iterator early cancels the call)."""
         call = self._inference.Generate(convert.request_to_proto(request), timeout=timeout)
         try:

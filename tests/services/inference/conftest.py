@@ -22,7 +22,7 @@ from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult
-from zerokl.services.runtime import ServiceServer
+from zerokl.services.runtime import ServerOptions, ServiceServer
 
 CONFIG = ModelConfig.preset("tiny")
 WEIGHTS = "tiny-seed0"
@@ -86,11 +86,12 @@ def make_replica(model: Model, service: str, config: EngineConfig = EngineConfig
 
 @contextlib.asynccontextmanager
 async def decode_server(model: Model, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
-                        limits: ServingLimits = ServingLimits()) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+                        limits: ServingLimits = ServingLimits(), options: ServerOptions = ServerOptions()
+                        ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
     """A decode replica on a loopback port."""
     replica = make_replica(model, "decode", config, weights, limits)
     replica.engine.start()
-    server = ServiceServer("decode")
+    server = ServiceServer("decode", options)
     add_decode_service(server, replica)
     await server.start()
     try:
@@ -102,13 +103,13 @@ async def decode_server(model: Model, config: EngineConfig = EngineConfig(), wei
 
 @contextlib.asynccontextmanager
 async def prefill_server(model: Model, decode_address: str | None, config: EngineConfig = EngineConfig(),
-                         chunk_bytes: int = 4096, weights: str = WEIGHTS
+                         chunk_bytes: int = 4096, weights: str = WEIGHTS, options: ServerOptions = ServerOptions()
                          ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
     """A prefill replica on a loopback port handing KV to ``decode_address`` in small chunks."""
     replica = make_replica(model, "prefill", config, weights)
     replica.engine.start()
-    decode = InferenceClient(decode_address) if decode_address else None
-    server = ServiceServer("prefill")
+    decode = InferenceClient(decode_address, tracer_provider=options.tracer_provider) if decode_address else None
+    server = ServiceServer("prefill", options)
     add_prefill_service(server, PrefillRelay(replica, decode, chunk_bytes))
     await server.start()
     try:

@@ -119,7 +119,7 @@ async def _kv_exchange(stub: inference_pb2_grpc.DecodeStub, messages: list) -> g
             if await call.read() is grpc.aio.EOF:  # ended without acknowledging: its status
                 return await call.code()
         await call.done_writing()
-        while (msg := await call.read()) is not grpc.aio.EOF:
+        while await call.read() is not grpc.aio.EOF:
             pass
         return grpc.StatusCode.OK
     except grpc.aio.AioRpcError as err:

@@ -144,7 +144,8 @@ def test_sigterm_drains_a_stream_in_flight_then_exits_cleanly(model) -> None:
                     tokens += d.token_ids
                 return tokens
         tokens = asyncio.run(main())
-        assert tokens == offline(model, IDS, SamplingOptions(temperature=0.0, max_tokens=60, ignore_eos=True))[0].token_ids
+        want = offline(model, IDS, SamplingOptions(temperature=0.0, max_tokens=60, ignore_eos=True))[0]
+        assert tokens == want.token_ids
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:

@@ -113,8 +113,8 @@ def test_concurrent_clients_with_random_neighbours_get_their_solo_output(model) 
             async def one(r: InferenceRequest, delay: float) -> GenerateResult:
                 await asyncio.sleep(delay)
                 return await client.generate_all(r)
-            results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
-        for r, got in zip(requests, results):
+            results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays, strict=True)))
+        for r, got in zip(requests, results, strict=True):
             _assert_same(got, r.prompt_ids, r.options, model)
         assert any(got.usage.cached_tokens > 0 for got in results), "no request hit the prefix cache"
     asyncio.run(main())
@@ -191,7 +191,7 @@ def test_abort_and_cancel_mid_stream_free_the_request(model) -> None:
                 # exactly the start of the solo run.
                 k = max(len(s.token_ids) for s in got.samples)
                 want = offline(model, long.prompt_ids, dataclasses.replace(long.options, max_tokens=k))
-                for s, w in zip(got.samples, want):
+                for s, w in zip(got.samples, want, strict=True):
                     assert (s.token_ids, s.logprobs) == (w.token_ids[:len(s.token_ids)], w.logprobs[:len(s.token_ids)])
                 assert not await client.abort(rid)
             # A client that goes away cancels its request in the engine.
@@ -249,3 +249,37 @@ def test_a_prefill_replica_without_a_reachable_decode_replica(model) -> None:
                 assert pre.engine.num_in_flight == 0
     asyncio.run(main())
 
+
+
+def test_one_trace_spans_the_client_the_prefill_replica_and_the_kv_handoff_to_decode(model) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    from zerokl.services.runtime import ServerOptions
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    opts = ServerOptions(tracer_provider=provider)
+
+    async def main() -> None:
+        async with decode_server(model, options=opts) as (dsrv, _), \
+                prefill_server(model, dsrv.address, options=opts) as (psrv, _), \
+                InferenceClient(psrv.address, tracer_provider=provider) as client:
+            with provider.get_tracer("test").start_as_current_span("user-request") as root:
+                await client.generate_all(_req((3, 4, 5, 6), temperature=0.0, max_tokens=2))
+            for _ in range(200):  # client spans end in a callback just after their call
+                if len(exporter.get_finished_spans()) >= 5:
+                    break
+                await asyncio.sleep(0.01)
+        spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
+        generate = spans[("zerokl.v1.Inference/Generate", SpanKind.SERVER)]
+        hop_out = spans[("zerokl.v1.Decode/GenerateFromKV", SpanKind.CLIENT)]
+        hop_in = spans[("zerokl.v1.Decode/GenerateFromKV", SpanKind.SERVER)]
+        trace_id = root.get_span_context().trace_id
+        assert {s.context.trace_id for s in (generate, hop_out, hop_in)} == {trace_id}
+        assert hop_in.parent.span_id == hop_out.context.span_id
+        assert hop_out.parent.span_id == generate.context.span_id
+    asyncio.run(main())
