@@ -153,3 +153,25 @@ def test_sigterm_drains_a_stream_in_flight_then_exits_cleanly(model) -> None:
             proc.wait()
         proc.stdout.close()  # type: ignore[union-attr]
         proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_model_flags_load_a_checkpoint_directory_or_a_seeded_preset(model, tmp_path) -> None:
+    import torch
+
+    from zerokl.services.inference.server import build_parser, load_model
+
+    model.save_pretrained(tmp_path / "step-7")
+    parser = build_parser("decode")
+    loaded = load_model(parser.parse_args(["--model", str(tmp_path / "step-7")]))
+    assert loaded.weights_version == "step-7" and loaded.tokenizer is None  # no tokenizer.json there
+    want, got = model.state_dict(), loaded.model.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    renamed = load_model(parser.parse_args(["--model", str(tmp_path / "step-7"), "--weights-version", "v7",
+                                            "--tokenizer", "countdown"]))
+    assert renamed.weights_version == "v7" and renamed.tokenizer is not None
+    preset = load_model(parser.parse_args(["--preset", "tiny", "--seed", "0"]))
+    assert preset.weights_version == "preset-tiny-seed0"
+    assert all(torch.equal(preset.model.state_dict()[k], want[k]) for k in want)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--preset", "tiny", "--model", str(tmp_path)])  # one source of weights
+    assert build_parser("prefill").parse_args(["--preset", "tiny", "--decode", "h:1"]).decode == "h:1"
