@@ -384,8 +384,15 @@ class Engine:
         n = s.opts.n
         if n == 1 or s.num_output > 0 or len(self._by_request.get(s.request.request_id, [])) > 1:
             return [s]
-        family = [s]
         bs = self.config.block_size
+        need = n - 1 if s.num_computed % bs else 0          # a private partial block per sibling
+        while self.blocks.num_free < need:
+            newer = [q for q in self.running + self.waiting if q is not s and q.blocks and q.arrival > s.arrival]
+            if not newer:                                   # wait: recompute the prompt when memory frees
+                self._preempt(s)
+                return []
+            self._preempt(max(newer, key=lambda q: q.arrival))
+        family = [s]
         for i in range(1, n):
             child = _Sample(s.request, i, list(s.token_ids), self._next_arrival(), forked=True, state=_State.RUNNING,
                             num_computed=s.num_computed, num_cached=s.num_cached, num_registered=s.num_registered)
@@ -394,19 +401,15 @@ class Engine:
                 self.blocks.share(b)
             child.blocks = list(s.blocks[:full])
             if s.num_computed % bs:
-                new = self.blocks.allocate(1)
-                if new is None:
-                    self.blocks.release(child.blocks)
-                    break                           # out of memory: fewer siblings now, retried below
+                new = self.blocks.allocate(1)           # reserved above: cannot fail
                 src = slice(s.blocks[full] * bs, s.blocks[full] * bs + bs)
                 dst = slice(new[0] * bs, new[0] * bs + bs)
                 for t in (self.cache.latent, self.cache.rope, self.cache.index_k):
                     t[:, dst] = t[:, src]
                 child.blocks.append(new[0])
+            child.sent_prompt_logprobs = True       # the request's prompt logprobs travel with sample 0
             self.running.append(child)
             family.append(child)
-        if len(family) < n:
-            raise RuntimeError("KV cache too small to fork n samples: raise num_blocks")
         self._by_request[s.request.request_id] = family
         return family
 

@@ -212,3 +212,24 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, bad, msg):
     with pytest.raises(RequestError, match=msg):
         eng.add_request(bad)
     assert _collect(run_to_completion(eng, [_req("ok", (3, 4, 5), max_tokens=2)]))["ok"][0][2] == "length"
+
+
+def test_forking_under_memory_pressure_preempts_instead_of_failing(model):
+    """n > 1 needs a private partial block per sibling: when the cache is full the engine
+    preempts newer work (or waits), and every output still equals its solo run."""
+    eng = Engine(model, EngineConfig(num_blocks=12, block_size=4))
+    long = _req("long", tuple(range(3, 33)), temperature=0.0, max_tokens=16)
+    fork = _req("fork", (5, 6, 7, 8, 9, 10), temperature=1.0, seed=4, n=4, max_tokens=6)
+    eng.add_request(long)
+    outs = {"long": [], "fork": []}
+    for step in range(40):
+        if step == 4:
+            eng.add_request(fork)
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        if not eng.has_work():
+            break
+    got = _collect(outs)
+    assert got["long"] == _run_alone(model, long)
+    assert got["fork"] == _run_alone(model, fork, num_blocks=12, block_size=4)
+    assert len(got["fork"]) == 4
