@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import asyncio
 import json
 import os
@@ -58,16 +59,20 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVICES = ("prefill", "decode", "weight-store")
+# service name -> module whose main(argv) runs it (imported on use: each pulls its own deps)
+SERVICES = {
+    "prefill": "zerokl.services.inference.server:prefill_main",
+    "decode": "zerokl.services.inference.server:decode_main",
+    "weight-store": "zerokl.services.weightstore.server:main",
+    "trainer": "zerokl.services.trainer.server:main",
+    "scheduler": "zerokl.services.scheduler.server:main",
+}
 
 
 def _serve(args: argparse.Namespace) -> int:
     # Each service owns its flags; everything after the service name is passed through.
-    if args.service == "weight-store":
-        from zerokl.services.weightstore.server import main as weight_store_main
-        return weight_store_main(args.args)
-    from zerokl.services.inference.server import main as inference_main
-    return inference_main(args.service, args.args)
+    module, func = SERVICES[args.service].split(":")
+    return getattr(importlib.import_module(module), func)(args.args)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -154,10 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="numerics version, device and fingerprint")
     i.set_defaults(run=_info)
 
-    s = sub.add_parser("serve", help="run one service: prefill, decode or weight-store",
+    s = sub.add_parser("serve", help="run one service: " + ", ".join(SERVICES),
                        description="Run one service until SIGTERM/SIGINT. "
                                    "`zerokl serve SERVICE --help` lists its flags.")
-    s.add_argument("service", choices=SERVICES)
+    s.add_argument("service", choices=sorted(SERVICES))
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)
 

@@ -34,7 +34,8 @@ from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, mo
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
 
-__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_replica", "main"]
+__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_replica", "main",
+           "prefill_main", "decode_main"]
 
 DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -183,3 +184,13 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
 
     asyncio.run(run())
     return 0
+
+
+def prefill_main(argv: Sequence[str] | None = None) -> int:
+    """`zerokl serve prefill ...`"""
+    return main("prefill", argv)
+
+
+def decode_main(argv: Sequence[str] | None = None) -> int:
+    """`zerokl serve decode ...`"""
+    return main("decode", argv)
