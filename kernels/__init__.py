@@ -5,9 +5,10 @@ row (never on batch size, neighbours or position in the batch); NUMERICS.md stat
 the contract op by op. Pick the backend with `use_backend("torch" | "triton")` or
 ZEROKL_BACKEND; the default is triton on CUDA and torch elsewhere.
 """
-from zerokl.kernels.backend import BACKENDS, default_backend, device_name, get_backend, use_backend
+from zerokl.kernels.backend import BACKENDS, INVARIANT_BACKENDS, default_backend, device_name, get_backend, use_backend
 from zerokl.kernels.fingerprint import fingerprint, fingerprint_key
 from zerokl.kernels.ops import (
+    REDUCTION_SPLITS,
     grouped_linear,
     indexer_scores,
     layer_norm,
@@ -22,6 +23,7 @@ from zerokl.kernels.ops import (
     sigmoid,
     silu,
     softmax,
+    split_linear,
     swiglu_mlp,
     topk_positions,
 )
@@ -31,13 +33,16 @@ from zerokl.kernels.version import __version__
 __all__ = [
     "__version__",
     "BACKENDS",
+    "INVARIANT_BACKENDS",
     "default_backend",
     "device_name",
     "get_backend",
     "use_backend",
     "fingerprint",
     "fingerprint_key",
+    "REDUCTION_SPLITS",
     "linear",
+    "split_linear",
     "grouped_linear",
     "rms_norm",
     "layer_norm",

@@ -33,6 +33,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     idx = torch.tensor([[0, 1, 2, 3, 4, 5, -1, -1, -1], [0, 2, 4, 6, 7, 8, 9, 10, 11]], device=dev)
     out = {
         "linear": ops.linear(x(1, 5, 67), x(2, 33, 67, scale=0.1), x(3, 33, dt=torch.float32)),
+        "split_linear": ops.split_linear(x(32, 5, 96), x(33, 33, 96, scale=0.1), x(34, 33, dt=torch.float32)),
         "grouped_linear": ops.grouped_linear(x(4, 7, 40), x(5, 3, 24, 40, scale=0.1), [0, 2, 2, 7]),
         "rms_norm": ops.rms_norm(x(6, 3, 96, scale=3), x(7, 96)),
         "layer_norm": ops.layer_norm(x(8, 3, 80), x(9, 80), x(10, 80)),

@@ -13,6 +13,7 @@ and differentiates that: gradients are deterministic, forward bits are Triton's.
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Callable
 
 import torch
@@ -20,7 +21,12 @@ import torch
 from zerokl.kernels.backend import backend_module, get_backend
 
 __all__ = [
+    "REDUCTION_SPLITS",
     "linear",
+    "split_linear",
+    "split_partial",
+    "split_combine",
+    "tree_sum",
     "grouped_linear",
     "rms_norm",
     "layer_norm",
@@ -35,8 +41,17 @@ __all__ = [
     "topk_positions",
     "moe_route",
     "moe_experts",
+    "moe_expert_outputs",
+    "moe_combine",
+    "swiglu",
     "swiglu_mlp",
 ]
+
+# Row-parallel projections (attention o_proj, MLP down_proj) reduce over K in this many
+# equal contiguous segments, each summed in fp32 and joined by a fixed pairwise tree
+# (split_linear). A numerics constant: changing it changes bits. Tensor parallelism
+# over a row-parallel layer works for any power-of-two TP degree that divides it.
+REDUCTION_SPLITS = 4
 
 
 class _RecomputeGrad(torch.autograd.Function):
@@ -72,7 +87,9 @@ def _call(name: str, *args):
     backend = get_backend()
     fast = getattr(backend_module(backend), name)
     if backend == "torch":
-        return fast(*args)
+        return _single_threaded(fast, args)
+    if backend == "stock":
+        return fast(*args)                    # plain torch: differentiable as it is
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return fast(*args)
@@ -81,13 +98,106 @@ def _call(name: str, *args):
     return _RecomputeGrad.apply(fast, slow, spec, *tensors)
 
 
+_ONE_THREAD = threading.RLock()
+
+
+def _single_threaded(fn: Callable, args: tuple):
+    """Run a torch-backend op on one CPU thread.
+
+    MKL splits a GEMM's work by the thread count, which changes the bits (measured: the
+    tiny model's fp32 logits differ between 1 and 2 threads). One thread makes the bits
+    independent of the machine's core count, and small tile GEMMs are faster that way.
+    The lock keeps concurrent callers from restoring the count under each other.
+    """
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return fn(*args)
+    with _ONE_THREAD:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------- elementary ops
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = input @ weight.T + bias with weight [N, K]; fp32 accumulation, K order fixed by weight's shape."""
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = input @ weight.T + bias with weight [N, K]; fp32 accumulation, K order fixed by weight's K.
+
+    The result is rounded to out_dtype (default input.dtype); out_dtype=torch.float32 returns
+    the fp32 accumulator itself. An output column's bits never depend on M or N, so a column
+    shard of the weight computes exactly the matching columns (column parallelism).
+    """
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
-    return _call("linear", input, weight, bias)
+    if out_dtype not in (None, input.dtype, torch.float32):
+        raise ValueError(f"linear: out_dtype must be input's dtype or torch.float32, got {out_dtype}")
+    if out_dtype is None or out_dtype == input.dtype:
+        return _call("linear", input, weight, bias)
+    return _call("linear", input, weight, bias, out_dtype)
+
+
+def _check_splits(splits: int) -> None:
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+
+
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Fixed pairwise tree: adjacent pairs summed level by level, ((p0+p1)+(p2+p3)) for four.
+
+    For a power-of-two count, the sum over a contiguous aligned half is a subtree, so
+    tree_sum([tree_sum(a), tree_sum(b)]) == tree_sum(a + b) bit for bit: what lets each
+    tensor-parallel rank pre-reduce its own segments.
+    """
+    parts = list(parts)
+    if not parts:
+        raise ValueError("tree_sum of nothing")
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """fp32 tree sum of `splits` segment products: K is cut into `splits` equal contiguous
+    segments, each `linear(..., out_dtype=float32)` (no rounding), joined by tree_sum.
+
+    A tensor-parallel rank calls this on its own K shard with splits = REDUCTION_SPLITS / tp.
+    """
+    _check_splits(splits)
+    k = input.shape[-1]
+    if k % splits:
+        raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
+    if weight.shape[-1] != k:
+        raise ValueError(f"split_linear: input has K={k} but weight is {tuple(weight.shape)}")
+    seg = k // splits
+    # Contiguous copies (a copy never changes bits): every rank, and the single device, call
+    # linear on identically laid-out segments.
+    return tree_sum([linear(input[..., i:i + seg].contiguous(), weight[:, i:i + seg].contiguous(),
+                            out_dtype=torch.float32)
+                     for i in range(0, k, seg)])
+
+
+def split_combine(partials: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Join fp32 partials (rank order) with tree_sum, add the bias, round to `dtype`."""
+    total = tree_sum(partials)
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(dtype)
+
+
+def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 splits: int = REDUCTION_SPLITS) -> torch.Tensor:
+    """linear with the canonical split-tree K reduction of row-parallel layers.
+
+    K is cut into `splits` equal contiguous segments; each segment's product is accumulated
+    in fp32 (linear's own fixed order) and kept in fp32; the partials are summed by a fixed
+    pairwise tree ((p0+p1)+(p2+p3)); the bias is added after; the result is rounded to
+    input.dtype. A TP rank holding 1/tp of K computes its subtree and the ranks' subtrees
+    are joined by the same tree, so any tp dividing `splits` gives these exact bits.
+    """
+    return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
 
 
 def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
@@ -235,10 +345,15 @@ def _sum_columns(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def swiglu(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU hidden state silu(gate(x)) * up(x), formed in fp32 and rounded to x.dtype
+    (element-wise per hidden unit, so a column shard of gate/up gives the matching units)."""
+    return (silu(linear(x, gate_proj)) * linear(x, up_proj).float()).to(x.dtype)
+
+
 def swiglu_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)); the product is formed in fp32 and rounded to x.dtype."""
-    h = (silu(linear(x, gate_proj)) * linear(x, up_proj).float()).to(x.dtype)
-    return linear(h, down_proj)
+    """down(swiglu(x)); down_proj is row-parallel under TP, so it uses split_linear."""
+    return split_linear(swiglu(x, gate_proj, up_proj), down_proj)
 
 
 def moe_experts(
@@ -257,20 +372,45 @@ def moe_experts(
     results are combined in selection-rank order in fp32. Returns [T, D] fp32.
     """
     t, k = expert_ids.shape
-    n_experts = gate_proj.shape[0]
-    flat = expert_ids.reshape(-1)
-    order = torch.sort(flat, stable=True).indices                       # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    _, outputs = moe_expert_outputs(x, expert_ids, gate_proj, up_proj, down_proj)
+    return moe_combine(weights, outputs.view(t, k, -1))         # every pair is here, in (token, slot) order
+
+
+def moe_expert_outputs(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    first_expert: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert outputs of the (token, slot) pairs routed to the experts held here.
+
+    gate_proj/up_proj [E_here, I, D] and down_proj [E_here, D, I] are experts first_expert ..
+    first_expert + E_here - 1: all of them on one device, an expert-parallel rank's share
+    under TP. Returns (pairs [P] int64, outputs [P, D] in x.dtype): the flat pair indices
+    t * k + slot in ascending order, and their outputs. Pairs are stably sorted by expert
+    and run through grouped GEMMs, so a pair's result depends only on its token and its
+    expert's weights (never on how many tokens the expert or the rank received).
+    """
+    n_here = gate_proj.shape[0]
+    flat = expert_ids.reshape(-1) - first_expert
+    pairs = torch.nonzero((flat >= 0) & (flat < n_here)).squeeze(1)     # ascending (token, slot) pairs
+    local = flat[pairs]
+    by_expert = torch.sort(local, stable=True).indices                  # pairs grouped by expert
+    counts = torch.bincount(local, minlength=n_here).tolist()
     offsets = [0, *itertools.accumulate(counts)]
-    xs = x[order // k]
+    xs = x[pairs[by_expert] // expert_ids.shape[1]]
     h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(x.dtype)
-    out_sorted = grouped_linear(h, down_proj, offsets)                  # [T*k, D]
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    out = out_sorted[inverse].view(t, k, -1).float()
+    out_sorted = grouped_linear(h, down_proj, offsets)                  # [P, D], expert order
+    return pairs, torch.zeros_like(out_sorted).index_copy(0, by_expert, out_sorted)   # back to pair order
+
+
+def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """sum_j w[:, j] * y[:, j] in fp32, left to right in selection-rank order. [T, k], [T, k, D] -> [T, D]."""
+    out = outputs.float()
     w = weights.float()
     total = w[:, 0:1] * out[:, 0]
-    for j in range(1, k):
+    for j in range(1, out.shape[1]):
         total = total + w[:, j:j + 1] * out[:, j]
     return total
-

@@ -12,7 +12,10 @@ depend only on the row they compute (see NUMERICS.md):
 * `_tile_mm`: GEMMs evaluated on fixed-shape row tiles, [ROW_TILE, K] @ [K, N],
   one torch.mm per tile. The shape never depends on M, so neither does the K order.
   Every dot product and every row sum goes through it (a row sum is a GEMM
-  against a ones column).
+  against a ones column). `linear` also cuts the weight into fixed COL_TILE-column
+  tiles (zero-padded), so every torch.mm it issues is [ROW_TILE, K] @ [K, COL_TILE]:
+  a column's bits never depend on N either, which is what lets tensor parallelism
+  shard a weight by output columns (MKL's K order does depend on N for K >= 1024).
 * Correctly rounded element-wise arithmetic (+ - * / sqrt, max) and the
   transcendentals checked position-invariant by `zerokl verify` (exp, log,
   cos, sin); sigmoid/silu are composed from exp and division.
@@ -26,6 +29,7 @@ import torch
 
 __all__ = [
     "ROW_TILE",
+    "COL_TILE",
     "KV_BLOCK",
     "linear",
     "grouped_linear",
@@ -43,6 +47,7 @@ __all__ = [
 ]
 
 ROW_TILE = 16  # rows per GEMM tile: fixed, so the BLAS kernel and its K order never see M
+COL_TILE = 128  # weight rows (output columns) per linear tile: fixed, so the K order never sees N
 KV_BLOCK = 16  # keys per online-softmax step in attention and per indexer scoring step
 
 
@@ -63,13 +68,36 @@ def _tile_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat(tiles)[:m] if tiles else a32.new_zeros(0, n)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulate, output in x.dtype."""
+def _tile_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ weight.T ([N, K]) in fp32 on fixed [ROW_TILE, K] @ [K, COL_TILE] tiles.
+
+    The weight is zero-padded to a multiple of COL_TILE rows; every torch.mm has one
+    shape for a given K, so an output element's bits depend only on its row of `a`,
+    its row of `weight` and K: never on M, N or where the column sits (a column
+    shard of the weight gives exactly the matching columns of the full product).
+    """
+    (m, k), n = a.shape, weight.shape[0]
+    a32, w32 = a.float(), weight.float()
+    if m % ROW_TILE:                          # pad rows once here rather than in every column tile
+        a32 = torch.cat([a32, a32.new_zeros(-m % ROW_TILE, k)])
+    if n % COL_TILE:
+        w32 = torch.cat([w32, w32.new_zeros(-n % COL_TILE, k)])
+    cols = [_tile_mm(a32, w32[j:j + COL_TILE].t()) for j in range(0, w32.shape[0], COL_TILE)]
+    return torch.cat(cols, 1)[:m, :n] if cols else a32.new_zeros((m, 0))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulate.
+
+    Output in out_dtype (default x.dtype): out_dtype=torch.float32 returns the fp32
+    accumulator unrounded (the partials of ops.split_linear).
+    """
     lead = x.shape[:-1]
-    out = _tile_mm(x.reshape(-1, x.shape[-1]), weight.t())
+    out = _tile_linear(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*lead, weight.shape[0])
+    return out.to(out_dtype or x.dtype).reshape(*lead, weight.shape[0])
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:

@@ -18,7 +18,8 @@ from zerokl.kernels import ops
 from zerokl.kernels.backend import use_backend
 from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
 
-__all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "run_invariance", "format_table"]
+__all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "run_invariance", "SHARD_CHECKS", "check_sharding",
+           "format_table"]
 
 Row = tuple  # the per-row tensors of one op call
 _INDEXER_TOPK = 8  # k of the indexer case: below and above its key-list lengths
@@ -193,6 +194,14 @@ OP_CASES: dict[str, OpCase] = {
         ops.moe_experts,
         {"experts": 6, "top_k": 2, "hidden": 24, "inter": 20, "dtype": torch.float32},
     ),
+    "split_linear": OpCase(
+        "split_linear",
+        lambda g, d: (_randn(g, d["k"], dtype=d["dtype"]),),
+        lambda g, d: (_randn(g, d["n"], d["k"], dtype=d["dtype"]) * 0.1, _randn(g, d["n"])),
+        _stack,
+        lambda x, w, b: ops.split_linear(x, w, b),
+        {"k": 96, "n": 33, "dtype": torch.float32},
+    ),
     "sampling": OpCase("sampling", _sampling_row, lambda g, d: (), _stack, _sampling_call, {"vocab": 97}),
 }
 
@@ -259,6 +268,90 @@ def run_invariance(backend: str, seed: int = 0, ops_filter: Sequence[str] | None
     """All op checks for one backend."""
     names = ops_filter or list(OP_CASES)
     return [check_op(OP_CASES[n], backend, seed + i) for i, n in enumerate(names)]
+
+
+# ---------------------------------------------------------------- sharding (tensor parallelism)
+#
+# A tensor-parallel rank computes an op on a shard of a weight (some output columns, some
+# heads, some experts, some K segments). Each check computes the full op once and every
+# shard of it for TP degrees 2 and 4, and compares the shards with the matching slices of
+# the full result by torch.equal (split_linear: the ranks' partials joined by the tree).
+
+def _r(g: torch.Generator, d: dict, *shape, dtype=None) -> torch.Tensor:
+    return _randn(g, *shape, dtype=dtype or d["dtype"]).to(d["device"])
+
+
+def _shard_linear_columns(g, d, tp):
+    x = _r(g, d, d["m"], d["k"])
+    w, b = _r(g, d, d["n"] * tp, d["k"]) * 0.1, _r(g, d, d["n"] * tp, dtype=torch.float32)
+    full, n = ops.linear(x, w, b), d["n"]
+    ok = [torch.equal(ops.linear(x, w[r * n:(r + 1) * n], b[r * n:(r + 1) * n]), full[:, r * n:(r + 1) * n])
+          for r in range(tp)]
+    return ok + [torch.equal(ops.linear(x, w[1:2], b[1:2]), full[:, 1:2])]    # a one-column shard, off any tile edge
+
+
+def _shard_split_linear(g, d, tp):
+    k = d["k"] // ops.REDUCTION_SPLITS * ops.REDUCTION_SPLITS or ops.REDUCTION_SPLITS
+    x, w = _r(g, d, d["m"], k), _r(g, d, d["n"], k) * 0.1
+    b, kr = _r(g, d, d["n"], dtype=torch.float32), k // tp
+    parts = [ops.split_partial(x[:, r * kr:(r + 1) * kr], w[:, r * kr:(r + 1) * kr], ops.REDUCTION_SPLITS // tp)
+             for r in range(tp)]
+    return [torch.equal(ops.split_combine(parts, b, x.dtype), ops.split_linear(x, w, b))]
+
+
+def _shard_attention_heads(g, d, tp):
+    h, t = d["heads"] * tp, d["m"]
+    ql, qr = _r(g, d, t, h, d["rank"]), _r(g, d, t, h, 8)
+    kv, kr = _r(g, d, 60, d["rank"]), _r(g, d, 60, 8)
+    idx = _pad_index([_key_list(g, {"slots": 60, "max_keys": 50}) for _ in range(t)]).to(d["device"])
+    full, hs = ops.mla_attention(ql, qr, kv, kr, idx, 0.125), d["heads"]
+    return [torch.equal(ops.mla_attention(ql[:, r * hs:(r + 1) * hs], qr[:, r * hs:(r + 1) * hs], kv, kr, idx, 0.125),
+                        full[:, r * hs:(r + 1) * hs]) for r in range(tp)]
+
+
+def _shard_experts(g, d, tp):
+    e, k, dim, inter = d["heads"] * tp, 2, d["hidden"], d["inter"]
+    x = _r(g, d, d["m"], dim)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(d["m"])]).to(d["device"])
+    gate, up = _r(g, d, e, inter, dim) * 0.2, _r(g, d, e, inter, dim) * 0.2
+    down = _r(g, d, e, dim, inter) * 0.2
+    pairs, full = ops.moe_expert_outputs(x, ids, gate, up, down)
+    ok, el = [], d["heads"]
+    for r in range(tp):
+        sl = slice(r * el, (r + 1) * el)
+        mine, out = ops.moe_expert_outputs(x, ids, gate[sl], up[sl], down[sl], first_expert=r * el)
+        owned = (ids.reshape(-1) // el == r)
+        ok.append(torch.equal(mine, torch.nonzero(owned).squeeze(1)) and torch.equal(out, full[owned[pairs]]))
+    return ok
+
+
+SHARD_CHECKS: dict[str, Callable] = {
+    "linear_columns": _shard_linear_columns,
+    "split_linear_ranks": _shard_split_linear,
+    "mla_attention_heads": _shard_attention_heads,
+    "experts": _shard_experts,
+}
+# m rows; linear K and per-rank N; heads (and experts) per rank; latent rank; expert hidden/inter.
+SHARD_DIMS = {"m": 5, "k": 67, "n": 24, "heads": 2, "rank": 32, "hidden": 24, "inter": 20, "dtype": torch.float32}
+
+
+def check_sharding(backend: str, seed: int, dims: dict | None = None, degrees: Sequence[int] = (2, 4),
+                   device: str | None = None) -> list[InvarianceResult]:
+    """Every op a tensor-parallel rank runs on a shard, compared with the slice of the full op.
+
+    Inputs are drawn on CPU from `seed` and computed on `device` (default CUDA when present).
+    """
+    d = {**SHARD_DIMS, **(dims or {}), "device": device or ("cuda" if torch.cuda.is_available() else "cpu")}
+    results = []
+    with use_backend(backend):
+        for i, (name, check) in enumerate(SHARD_CHECKS.items()):
+            result = InvarianceResult(name)
+            for tp in degrees:
+                oks = check(torch.Generator().manual_seed(seed * 1000 + i * 10 + tp), d, tp)
+                result.cases += len(oks)
+                result.mismatches += sum(not ok for ok in oks)
+            results.append(result)
+    return results
 
 
 def format_table(rows: list[tuple[str, str, int, int]]) -> str:

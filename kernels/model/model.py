@@ -2,8 +2,9 @@
 
 Part of the numerical definition: the order of these ops is versioned with the kernels.
 Reads top to bottom: config, attention batch and cache layouts, pure functions, leaf
-modules, block, model. No I/O here (see checkpoint.py) and no parallelism (applied
-from outside).
+modules, block, model. No I/O here (see checkpoint.py) and no parallelism: tensor
+parallelism is applied from outside (parallel.py); the model only fixes the orders it
+reproduces (split-tree row-parallel projections, per-instance head count).
 """
 from __future__ import annotations
 
@@ -251,6 +252,14 @@ class Linear(nn.Module):
         return ops.linear(x, self.weight)
 
 
+class SplitLinear(Linear):
+    """A row-parallel projection (attention o_proj): the canonical split-tree K reduction
+    (ops.split_linear), so a tensor-parallel run joins the ranks' partials in this order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.split_linear(x, self.weight)
+
+
 class Indexer(nn.Module):
     """DSA lightning indexer: picks the index_topk keys each query attends."""
 
@@ -288,20 +297,22 @@ class MLAttention(nn.Module):
     def __init__(self, c: ModelConfig, has_indexer: bool):
         super().__init__()
         self.c = c
-        h = c.num_attention_heads
+        # Heads computed here: all of them, or this rank's share once tensor parallelism
+        # (zerokl.model.parallel) has sharded q_b_proj / kv_b_proj / o_proj by heads.
+        self.n_heads = h = c.num_attention_heads
         self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
         self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, 1e-6)
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
-        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size)
+        self.o_proj = SplitLinear(h * c.v_head_dim, c.hidden_size)
         self.indexer = Indexer(c) if has_indexer else None
 
     def forward(self, x, batch: AttentionBatch, inv_freq, cache: KVCache | None, layer: int,
                 shared_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         c, n = self.c, x.shape[0]
-        h, dn, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        h, dn, r = self.n_heads, c.qk_nope_head_dim, c.kv_lora_rank
         q_latent = self.q_a_layernorm(self.q_a_proj(x))                               # [N, q_lora]
         q = self.q_b_proj(q_latent).view(n, h, c.qk_head_dim)
         q_rope = ops.rope(q[..., dn:], batch.positions, inv_freq, c.rope_interleave)   # [N, H, P]
@@ -329,7 +340,7 @@ class MLAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared experts)."""
+    """SwiGLU MLP (dense layers and the shared experts); down_proj is row-parallel: split-tree K order."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()

@@ -11,11 +11,11 @@ from typing import Callable
 
 import torch
 
-from zerokl.kernels import use_backend
+from zerokl.kernels import ops, use_backend
 from zerokl.model.model import KVCache, Model, ModelConfig
 from zerokl.model.paging import BlockPool, SequenceChunk, batch_for_chunks
 
-__all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths", "INTERPRETER_CONFIG"]
+__all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths", "INTERPRETER_CONFIG", "sharded_outputs"]
 
 # The Triton interpreter runs every program instance in Python: on CPU its parity check
 # uses a 2-layer tiny model with index_topk = 8 (same code paths, dense and sparse).
@@ -40,6 +40,7 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
     c, s, vocab = model.config, len(prompt), model.config.vocab_size
     dev = model.embed_tokens.weight.device
     prompt = prompt.to(dev)
+    gen = torch.Generator().manual_seed(rng.randrange(2**63))   # neighbours' tokens: a function of rng only
     with torch.no_grad():
         out = {"full": model(prompt.view(1, -1))[0]}
         blocks_per_seq = -(-c.max_position_embeddings // block_size)
@@ -53,7 +54,8 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
 
         def run(target: _Seq, step: Callable[[], int]):
             """Feed `target` in steps while random neighbours (prefill or decode) share each batch."""
-            others = [new_seq(torch.randint(0, vocab, (rng.randint(1, 3 * c.index_topk),)).to(dev)) for _ in range(neighbours)]
+            others = [new_seq(torch.randint(0, vocab, (rng.randint(1, 3 * c.index_topk),), generator=gen).to(dev))
+                      for _ in range(neighbours)]
             while target.left:
                 work = [(target, min(step(), target.left))]
                 work += [(o, min(rng.randint(1, max_chunk), o.left)) for o in others if o.left]
@@ -100,6 +102,33 @@ def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelCo
                     cases += 1
                     mismatches += int(not torch.equal(logits, paths["full"]))
     return cases, mismatches
+
+
+def sharded_outputs(model: Model, seed: int, prompts: int = 2, batch: tuple[int, int] = (3, 50),
+                    neighbours: int = 2) -> dict[str, torch.Tensor]:
+    """Logits and logprobs of a fixed workload, for comparing TP degrees bit for bit.
+
+    The workload is a function of `seed` only (every rank of a TP group must run the same
+    batches): a trainer-style full forward of a [B, S] batch, then `prompts` prompts (below
+    and above index_topk) through run_paths: full forward, chunked prefill, prefix-cache hit
+    and decode, each among random neighbour sequences. Works on a plain model (TP = 1) and
+    on one sharded by zerokl.model.parallel.apply_tensor_parallel (identical on every rank).
+    """
+    c = model.config
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    dev = model.embed_tokens.weight.device
+    out = {}
+    with torch.no_grad():
+        ids = torch.randint(0, c.vocab_size, batch, generator=gen).to(dev)
+        out["batch/full"] = model(ids)
+        for i in range(prompts):
+            s = rng.randint(2, c.index_topk) if i % 2 == 0 else rng.randint(c.index_topk + 1, 3 * c.index_topk)
+            prompt = torch.randint(0, c.vocab_size, (s,), generator=gen)
+            for name, logits in run_paths(model, prompt, rng, neighbours=neighbours).items():
+                out[f"prompt{i}/{name}"] = logits
+        out.update({f"{k}/logprobs": ops.log_softmax(v) for k, v in list(out.items())})
+    return out
 
 
 PARITY_CHECKS: dict[str, Callable[[str, int], tuple[int, int]]] = {"three_path_parity": three_path_parity}

@@ -38,16 +38,19 @@ class GemmConfig:
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
-    """Tile shape for a weight [N, K] of `dtype`. A function of the weight only (never of M).
+    """Tile shape for a weight [N, K] of `dtype`: a function of K and the dtype only (never M or N).
 
-    Changing BLOCK_K changes the K summation order, i.e. the numerics version; BLOCK_M and
-    BLOCK_N only regroup independent output elements.
+    Changing BLOCK_K changes the K summation order, i.e. the numerics version. BLOCK_N is
+    fixed too (not shrunk for small N), so a column's result never depends on how many
+    columns the weight has: a column shard of a weight (tensor parallelism) computes the
+    matching columns of the full product with the same tile shape. `n` is kept in the
+    signature for callers; it does not influence the choice.
     """
     if dtype == torch.float32:
         # fp32 operands are dotted with input_precision="ieee" (no tf32 rounding).
-        return GemmConfig(64, pow2_between(n, 16, 64), pow2_between(k, 16, 32), 4, 3)
+        return GemmConfig(64, 64, pow2_between(k, 16, 32), 4, 3)
     # bf16/fp16: 128x128x64 tiles, 8 warps (two warpgroups of wgmma on Hopper).
-    return GemmConfig(128, pow2_between(n, 16, 128), pow2_between(k, 16, 64), 8, 3)
+    return GemmConfig(128, 128, pow2_between(k, 16, 64), 8, 3)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -83,8 +86,13 @@ def _linear_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulation, output in x.dtype."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulation.
+
+    Output in out_dtype (default x.dtype); torch.float32 stores the accumulator unrounded
+    (the partials of ops.split_linear). Only the final store's dtype changes.
+    """
     op = "linear"
     check_float(op, "x", x)
     check_float(op, "weight", weight, ndim=2)
@@ -101,13 +109,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lead = x.shape[:-1]
     x2 = unit_last(x.reshape(-1, k))
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"{op}: out_dtype must be x's dtype or float32, got {out_dtype}")
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
     if k == 0:
         y.zero_()
         if bias is not None:
-            y += bias.float().to(x.dtype)
+            y += bias.float().to(out_dtype)
         return y.reshape(*lead, n)
     cfg = gemm_config(n, k, weight.dtype)
     grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))

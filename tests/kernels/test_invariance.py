@@ -11,6 +11,8 @@ BACKENDS = ["torch", "triton"]
 DIMS = {
     "linear": st.fixed_dictionaries({"k": st.integers(1, 300), "n": st.integers(1, 70),
                                      "dtype": st.sampled_from([torch.float32, torch.bfloat16])}),
+    "split_linear": st.fixed_dictionaries({"k": st.integers(1, 80).map(lambda q: 4 * q), "n": st.integers(1, 70),
+                                           "dtype": st.sampled_from([torch.float32, torch.bfloat16])}),
     "grouped_linear": st.fixed_dictionaries({"k": st.integers(1, 90), "n": st.integers(1, 40), "groups": st.integers(1, 5),
                                              "dtype": st.sampled_from([torch.float32, torch.bfloat16])}),
     "rms_norm": st.fixed_dictionaries({"k": st.integers(1, 700), "dtype": st.sampled_from([torch.float32, torch.bfloat16])}),
@@ -49,7 +51,7 @@ def test_row_alone_equals_row_in_any_batch(op, backend):
 
 def test_every_public_op_has_an_invariance_case():
     import zerokl.kernels as k
-    covered = {"linear", "grouped_linear", "rms_norm", "layer_norm", "log_softmax", "softmax", "silu", "sigmoid", "rope",
+    covered = {"linear", "split_linear", "grouped_linear", "rms_norm", "layer_norm", "log_softmax", "softmax", "silu", "sigmoid", "rope",
                "rope_inv_freq", "mla_attention", "indexer_scores", "topk_positions", "moe_route", "moe_experts",
                "swiglu_mlp", "SamplingParams", "filtered_logprobs", "sampling_logprobs", "sample"}
     ops = {n for n in k.__all__ if callable(getattr(k, n)) and n not in
