@@ -2,7 +2,8 @@
 
 `torch` runs everywhere (the embedded CPU default); `triton` is the GPU default
 and runs on CPU under TRITON_INTERPRET=1 (how CI tests it). Bits are promised
-equal within a backend, never across backends.
+equal within a backend, never across backends. `stock` is plain non-invariant torch:
+the baseline for benchmarks and the mismatched arm of experiments, never a default.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["BACKENDS", "default_backend", "get_backend", "use_backend", "backend_module", "device_name"]
+__all__ = ["BACKENDS", "INVARIANT_BACKENDS", "default_backend", "get_backend", "use_backend", "backend_module", "device_name"]
 
-BACKENDS = ("torch", "triton")
+INVARIANT_BACKENDS = ("torch", "triton")   # the ones with a fingerprint and the guarantee
+BACKENDS = INVARIANT_BACKENDS + ("stock",)
 
 _active: contextvars.ContextVar[str | None] = contextvars.ContextVar("zerokl_backend", default=None)
 
@@ -54,6 +56,9 @@ def backend_module(name: str | None = None) -> ModuleType:
     if name == "torch":
         from zerokl.kernels import torch_ops
         return torch_ops
+    if name == "stock":
+        from zerokl.kernels import stock_ops
+        return stock_ops
     if not torch.cuda.is_available():
         # Triton decides at decoration time whether to interpret: set it before import.
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -24,10 +24,10 @@ def _verify(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from tqdm import tqdm
 
-    from zerokl.kernels import BACKENDS, device_name, fingerprint, __version__
+    from zerokl.kernels import INVARIANT_BACKENDS, device_name, fingerprint, __version__
     from zerokl.kernels.verify import OP_CASES, check_op, format_table
 
-    backends = list(BACKENDS) if args.backend == "all" else [args.backend]
+    backends = list(INVARIANT_BACKENDS) if args.backend == "all" else [args.backend]
     checks = [(b, name) for b in backends for name in OP_CASES]
     parity = []
     if not args.ops_only:
