@@ -1,0 +1,260 @@
+"""Tensor parallelism applied from outside the model, with the same bits at every TP degree.
+
+    model = Model(config, seed=0)                 # or Model.from_pretrained(...)
+    apply_tensor_parallel(model, group)          # shards weights in place, swaps in parallel modules
+    logits = model.forward_tokens(tokens, batch, cache)   # identical on every rank, == TP=1 bits
+
+Every rank runs the same tokens (the batch, the KV cache layout and the sampling are
+replicated); only weights and the work they imply are split. What is split and how its
+result is joined (NUMERICS.md, "Tensor parallelism"):
+
+* column-parallel (no reduction crosses ranks, so nothing to reorder): q_b_proj and
+  kv_b_proj by attention heads (MLAttention runs on its local heads), the dense/shared
+  MLP's gate_proj and up_proj by hidden units, lm_head by vocabulary (logits all-gathered,
+  so log_softmax and sampling see the full row exactly as on one device). A column's
+  bits never depend on how many columns a weight has (kernels: fixed column tiles).
+* row-parallel (o_proj, dense and shared-expert down_proj): the single-device op is
+  ops.split_linear, whose K reduction is REDUCTION_SPLITS segments joined by a fixed
+  pairwise tree. A rank holds REDUCTION_SPLITS / tp aligned segments, reduces them to its
+  subtree (ops.split_partial), the fp32 subtrees are all-gathered and joined by the same
+  tree (ops.split_combine): the same additions in the same order as on one device.
+* expert-parallel (routed experts): rank r holds experts [r E/tp, (r+1) E/tp). The router
+  is replicated, so every rank knows every (token, slot) pair's owner; each rank runs its
+  pairs, the outputs are all-gathered (packed, owner order) and each slot takes its
+  owner's value (a select, no arithmetic), then the single-device fixed-order combine.
+* replicated: embeddings, norms, q_a/kv_a projections, the indexer, the router, the KV
+  cache (MLA's latent is shared by all heads, so every rank keeps the full cache).
+
+`mode="all_reduce"` is the conventional layout joined by plain `dist.all_reduce` sums (the
+Megatron/vLLM way): it exists as the baseline the tests and benchmarks compare against;
+its bits depend on the TP degree and the collective's algorithm.
+
+Forward only: prefill, decode and the trainer's logprob forward. Backward through the
+sharded model raises (see docs/tensor-parallel.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from zerokl.kernels import ops
+from zerokl.kernels.ops import REDUCTION_SPLITS
+from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
+
+__all__ = ["MODES", "COLUMN_ALIGN", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+           "ExpertParallelMoE", "supported_tp_degrees"]
+
+MODES = ("exact", "all_reduce")
+# Vocabulary shards start at multiples of this many rows: the GEMM column tile of both
+# backends (torch COL_TILE; Triton's bf16 BLOCK_N), so every logit sits at the same
+# position of the same tile shape as on one device (the CPU backend does not need it;
+# GPU tensor cores are not promised position-blind).
+COLUMN_ALIGN = 128
+
+
+# ----------------------------------------------------------------------------- collectives
+
+class _NoBackward(torch.autograd.Function):
+    """Marks a collective's output: backward through tensor-parallel layers is not implemented."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("backward through a tensor-parallel zerokl model is not implemented "
+                                  "(forward only: prefill, decode, logprob recomputation)")
+
+
+def _no_backward(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    return _NoBackward.apply(t) if torch.is_grad_enabled() and any(i.requires_grad for i in inputs) else t
+
+
+def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's `t` (same shape everywhere), in rank order. Moves bytes only."""
+    t = t.detach().contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+# ----------------------------------------------------------------------------- parallel modules
+
+class ColumnParallelLinear(nn.Module):
+    """y = x @ W.T with W split by output rows; every rank gets the full y (all-gather).
+
+    weight: this rank's rows, zero-padded to the common shard height (ceil(N / tp) rounded
+    up to COLUMN_ALIGN); `out_features` trims the padding after the gather. Used for
+    lm_head (the vocabulary).
+    """
+
+    def __init__(self, weight: torch.Tensor, out_features: int, group):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.out_features, self.group = out_features, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = ops.linear(x, self.weight)
+        return _no_backward(torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features], x)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x @ W.T with W split by input columns (this rank's K shard); every rank gets the full y.
+
+    exact: this rank's split-tree subtree in fp32, all-gathered, joined by the single-device
+    tree, rounded once: bitwise ops.split_linear on one device. all_reduce: the rank's
+    rounded partial product summed by dist.all_reduce (order up to the collective).
+    """
+
+    def __init__(self, weight: torch.Tensor, group, mode: str = "exact"):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.group, self.mode = group, mode
+        self.splits = REDUCTION_SPLITS // dist.get_world_size(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "all_reduce":
+            return _no_backward(_all_reduce(ops.linear(x, self.weight), self.group), x)
+        part = ops.split_partial(x, self.weight, self.splits)                    # fp32 [.., N]
+        return _no_backward(ops.split_combine(_all_gather(part, self.group), None, x.dtype), x)
+
+
+class ParallelMLP(nn.Module):
+    """SwiGLU MLP with gate/up column-parallel and down row-parallel (same hidden-unit shard)."""
+
+    def __init__(self, mlp: MLP, rank: int, tp: int, group, mode: str):
+        super().__init__()
+        hidden = mlp.gate_proj.weight.shape[0]
+        lo, hi = rank * hidden // tp, (rank + 1) * hidden // tp
+        self.gate_proj, self.up_proj = _linear_rows(mlp.gate_proj, lo, hi), _linear_rows(mlp.up_proj, lo, hi)
+        self.down_proj = RowParallelLinear(mlp.down_proj.weight.detach()[:, lo:hi].clone(), group, mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight))
+
+
+class ExpertParallelMoE(nn.Module):
+    """Routed experts split across ranks, router and shared expert as on one device (the
+    shared expert's MLP itself tensor-parallel)."""
+
+    def __init__(self, moe: MoE, rank: int, tp: int, group, mode: str):
+        super().__init__()
+        n_experts = moe.gate_proj.shape[0]
+        self.n_local, self.rank, self.group, self.mode = n_experts // tp, rank, group, mode
+        self.first = rank * self.n_local
+        sl = slice(self.first, self.first + self.n_local)
+        self.gate = moe.gate                                                        # replicated router
+        self.gate_proj = nn.Parameter(moe.gate_proj.detach()[sl].clone(), requires_grad=False)
+        self.up_proj = nn.Parameter(moe.up_proj.detach()[sl].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(moe.down_proj.detach()[sl].clone(), requires_grad=False)
+        self.shared_experts = ParallelMLP(moe.shared_experts, rank, tp, group, mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        t, k = ids.shape
+        pairs, y = ops.moe_expert_outputs(x, ids, self.gate_proj, self.up_proj, self.down_proj, self.first)
+        if self.mode == "all_reduce":
+            # Conventional EP: each rank combines its own slots, the ranks' sums are all-reduced.
+            mine = torch.zeros(t * k, x.shape[1], dtype=y.dtype, device=x.device).index_copy(0, pairs, y)
+            owned = (ids // self.n_local == self.rank).to(weights.dtype)
+            routed = _all_reduce(ops.moe_combine(weights * owned, mine.view(t, k, -1)), self.group)
+        else:
+            routed = ops.moe_combine(weights, self._exchange(ids, y).view(t, k, -1))
+        routed = _no_backward(routed, x)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+    def _exchange(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """All ranks' expert outputs in (token, slot) order [T*k, D]: each slot takes its owner's
+        value. Owners and counts follow from the replicated routing, so only outputs travel:
+        each rank sends its pairs packed (padded to the largest rank's count)."""
+        owner = ids.reshape(-1) // self.n_local
+        counts = torch.bincount(owner, minlength=dist.get_world_size(self.group)).tolist()
+        width = max(counts)
+        packed = torch.cat([y, y.new_zeros(width - y.shape[0], y.shape[1])]) if width > y.shape[0] else y
+        out = y.new_empty(owner.numel(), y.shape[1])
+        for r, got in enumerate(_all_gather(packed, self.group)):
+            out[owner == r] = got[:counts[r]]        # rank r's pairs, ascending: the order it packed them
+        return out
+
+
+# ----------------------------------------------------------------------------- the transform
+
+def supported_tp_degrees() -> tuple[int, ...]:
+    """TP degrees whose row-parallel layers reproduce the single-device split tree."""
+    return tuple(2 ** i for i in range(REDUCTION_SPLITS.bit_length()) if REDUCTION_SPLITS % 2 ** i == 0)
+
+
+def _linear_rows(module: Linear, lo: int, hi: int) -> Linear:
+    out = Linear(module.weight.shape[1], hi - lo)
+    out.weight = nn.Parameter(module.weight.detach()[lo:hi].clone(), requires_grad=False)
+    return out
+
+
+def _check(model: Model, tp: int, mode: str) -> None:
+    c = model.config
+    problems = []
+    if mode not in MODES:
+        problems.append(f"mode must be one of {MODES}, got {mode!r}")
+    if tp not in supported_tp_degrees():
+        problems.append(f"TP degree {tp} does not divide REDUCTION_SPLITS = {REDUCTION_SPLITS} "
+                        f"(supported: {supported_tp_degrees()})")
+    if c.num_attention_heads % tp:
+        problems.append(f"num_attention_heads = {c.num_attention_heads} is not divisible by TP = {tp}")
+    if c.n_routed_experts % tp:
+        problems.append(f"n_routed_experts = {c.n_routed_experts} is not divisible by TP = {tp}")
+    for name, k in [("num_attention_heads * v_head_dim", c.num_attention_heads * c.v_head_dim),
+                    ("intermediate_size", c.intermediate_size),
+                    ("moe_intermediate_size * n_shared_experts", c.moe_intermediate_size * c.n_shared_experts)]:
+        if k % REDUCTION_SPLITS:
+            problems.append(f"{name} = {k} is not divisible into REDUCTION_SPLITS = {REDUCTION_SPLITS} segments")
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        problems.append("the model has parametrizations (LoRA): merge them before sharding")
+    if getattr(model, "tp_size", 1) != 1:
+        problems.append("the model is already tensor-parallel")
+    if problems:
+        raise ValueError("apply_tensor_parallel: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: Model, group=None, mode: str = "exact") -> Model:
+    """Shard `model` in place over the ranks of `group` (default: the world) and return it.
+
+    Every rank must hold the same full weights before the call (same seed or checkpoint).
+    mode "exact" (default) gives each rank the single-device bits; "all_reduce" is the
+    conventional plain-sum layout, kept as a baseline.
+    """
+    group = group if group is not None else dist.group.WORLD
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check(model, tp, mode)
+    c = model.config
+    h_local = c.num_attention_heads // tp
+    for block in model.layers:
+        attn: MLAttention = block.self_attn
+        heads = slice(rank * h_local, (rank + 1) * h_local)
+        q_rows = c.qk_head_dim
+        attn.q_b_proj = _linear_rows(attn.q_b_proj, heads.start * q_rows, heads.stop * q_rows)
+        kv_rows = c.qk_nope_head_dim + c.v_head_dim
+        attn.kv_b_proj = _linear_rows(attn.kv_b_proj, heads.start * kv_rows, heads.stop * kv_rows)
+        o_cols = slice(heads.start * c.v_head_dim, heads.stop * c.v_head_dim)
+        attn.o_proj = RowParallelLinear(attn.o_proj.weight.detach()[:, o_cols].clone(), group, mode)
+        attn.n_heads = h_local
+        if isinstance(block.mlp, MoE):
+            block.mlp = ExpertParallelMoE(block.mlp, rank, tp, group, mode)
+        else:
+            block.mlp = ParallelMLP(block.mlp, rank, tp, group, mode)
+    vocab = model.lm_head.weight.shape[0]
+    rows = -(-vocab // (tp * COLUMN_ALIGN)) * COLUMN_ALIGN          # ceil(V / tp), rounded up to the tile
+    w = model.lm_head.weight.detach()[rank * rows:(rank + 1) * rows]
+    w = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if w.shape[0] < rows else w.clone()
+    model.lm_head = ColumnParallelLinear(w, vocab, group)
+    model.tp_group, model.tp_size, model.tp_rank = group, tp, rank
+    return model
