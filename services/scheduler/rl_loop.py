@@ -1,0 +1,220 @@
+"""The on-policy RL loop, independent of transport.
+
+    sample prompts -> generate n per prompt on weights version v -> rewards
+    -> trainer update -> publish v+1 -> inference switches to v+1 -> next step
+
+The loop talks to two ports: a `RolloutPort` (inference: generate on a pinned version)
+and a `TrainerPort` (update, publish). In-process ports serve tests and the embedded
+demo; gRPC ports put the same loop in front of the five services. Every step records
+the exact train/inference KL, the number of tokens whose logprobs differ, clip
+fraction, reward and throughput.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+from zerokl.services.trainer.trainer import Completion, Rollout
+
+__all__ = ["RLConfig", "StepRecord", "RolloutPort", "TrainerPort", "Task", "run_rl", "StaleRolloutError"]
+
+
+class StaleRolloutError(RuntimeError):
+    """A rollout was sampled under a weights version the update does not accept."""
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    steps: int = 30                      # RL updates
+    prompts_per_step: int = 8            # distinct prompts per update
+    group_size: int = 8                  # samples per prompt (GRPO group)
+    max_tokens: int = 24                 # sampled tokens per completion
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0                        # prompt order and sampling seeds
+    max_staleness: int = 0               # accept rollouts this many versions old (0 = strictly on-policy)
+    eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
+    eval_prompts: int = 32
+
+
+@dataclass
+class StepRecord:
+    """One RL step, as metrics.jsonl records it."""
+
+    step: int
+    weights_version: str
+    reward: float
+    kl: float
+    mismatched_tokens: int
+    clip_fraction: float
+    ratio_min: float
+    ratio_max: float
+    loss: float
+    grad_norm: float
+    tokens: int
+    tokens_per_s: float
+    rollout_s: float
+    train_s: float
+    stale_rollouts: int = 0
+    test_accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What inference returned for one sample."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    weights_version: str
+
+
+class RolloutPort(Protocol):
+    def generate(self, prompts: Sequence[tuple[int, ...]], n: int, max_tokens: int, temperature: float,
+                 top_p: float, seed: int, weights_version: str) -> list[list[Sampled]]: ...
+
+
+class TrainerPort(Protocol):
+    @property
+    def weights_version(self) -> str: ...
+    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict: ...
+    def publish(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task: prompts as token ids, and a reward for (problem, completion text)."""
+
+    train: Sequence
+    test: Sequence
+    encode_prompt: Callable[[object], tuple[int, ...]]
+    reward: Callable[[str, object], float]
+
+
+def _version_index(v: str) -> int:
+    return int(v.rsplit("-", 1)[-1]) if v.rsplit("-", 1)[-1].isdigit() else 0
+
+
+def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config: RLConfig,
+           on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    """Run `config.steps` on-policy GRPO steps; returns one record per step."""
+    rng = random.Random(config.seed)
+    records = []
+    for step in range(config.steps):
+        version = trainer.weights_version
+        problems = rng.sample(list(task.train), config.prompts_per_step)
+        t0 = time.perf_counter()
+        groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
+                                        config.max_tokens, config.temperature, config.top_p,
+                                        seed=config.seed * 1_000_003 + step, weights_version=version)
+        rollout_s = time.perf_counter() - t0
+        batch, stale = [], 0
+        for problem, group in zip(problems, groups):
+            for s in group:
+                lag = _version_index(version) - _version_index(s.weights_version)
+                if s.weights_version != version:
+                    if lag > config.max_staleness or lag < 0:
+                        raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version}")
+                    stale += 1
+                seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
+                batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
+        t1 = time.perf_counter()
+        m = trainer.grpo_step(batch, config.group_size)
+        new_version = trainer.publish()
+        train_s = time.perf_counter() - t1
+        record = StepRecord(
+            step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
+            mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
+            ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
+            tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
+            train_s=train_s, stale_rollouts=stale,
+        )
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            record.test_accuracy = evaluate(task, rollouts_port, new_version, config)
+        records.append(record)
+        if on_step:
+            on_step(record)
+    return records
+
+
+def evaluate(task: Task, port: RolloutPort, version: str, config: RLConfig) -> float:
+    """Greedy accuracy (reward == 1.0) on the first eval_prompts test problems."""
+    problems = list(task.test)[: config.eval_prompts]
+    groups = port.generate([task.encode_prompt(p) for p in problems], 1, config.max_tokens, 0.0, 1.0, 0, version)
+    return sum(task.reward(g[0].text, p) == 1.0 for p, g in zip(problems, groups)) / max(1, len(problems))
+
+
+def as_dict(record: StepRecord) -> dict:
+    return dataclasses.asdict(record)
+
+
+# ----------------------------------------------------------------------------- in-process ports
+
+class LocalTrainerPort:
+    """The Trainer in this process; publishing keeps the serving weights in memory by version."""
+
+    def __init__(self, trainer, run: str = "run"):
+        self.trainer, self.run = trainer, run
+        self.versions: dict[str, dict] = {}
+        self._version = f"{run}-00000"
+        self.versions[self._version] = trainer.serving_state_dict()
+
+    @property
+    def weights_version(self) -> str:
+        return self._version
+
+    def grpo_step(self, rollouts, group_size):
+        return self.trainer.grpo_step(rollouts, group_size)
+
+    def publish(self) -> str:
+        self._version = f"{self.run}-{self.trainer.step:05d}"
+        self.versions[self._version] = self.trainer.serving_state_dict()
+        return self._version
+
+
+class LocalEnginePort:
+    """An in-process Engine that loads each pinned weights version from a LocalTrainerPort.
+
+    `backend` picks the kernels inference computes with: the trainer's own backend gives
+    KL == 0; "stock" is the mismatched arm of the experiment.
+    """
+
+    def __init__(self, trainer_port: LocalTrainerPort, tokenizer, engine_config=None, backend: str | None = None):
+        from zerokl.services.engine.types import EngineConfig
+        self.trainer_port, self.tokenizer = trainer_port, tokenizer
+        self.engine_config = engine_config or EngineConfig(max_num_batched_tokens=512, num_blocks=2048)
+        self.backend = backend
+        self._model, self._loaded = None, ""
+
+    def _model_for(self, version: str):
+        from zerokl.model import Model
+        if version != self._loaded:
+            cfg = self.trainer_port.trainer.model.config
+            model = Model(cfg, seed=0, dtype=self.trainer_port.trainer.model.dtype)
+            model.load_state_dict(self.trainer_port.versions[version])
+            self._model, self._loaded = model.eval(), version
+        return self._model
+
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
+        from zerokl.kernels import use_backend
+        from zerokl.kernels.backend import get_backend
+        from zerokl.services.engine.engine import Engine, run_to_completion
+        from zerokl.services.engine.types import GenerateRequest, SamplingOptions
+        opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
+        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=seed + i)) for i, p in enumerate(prompts)]
+        with use_backend(self.backend or get_backend()):
+            engine = Engine(self._model_for(weights_version), self.engine_config, tokenizer=self.tokenizer)
+            outs = run_to_completion(engine, reqs)
+        groups = []
+        for r in reqs:
+            per: dict[int, list] = {}
+            for d in outs[r.request_id]:
+                toks, lps, text = per.get(d.index, ([], [], ""))
+                per[d.index] = [toks + d.token_ids, lps + d.logprobs, text + d.text]
+            groups.append([Sampled(r.prompt_ids, tuple(per[i][0]), tuple(per[i][1]), per[i][2], weights_version)
+                           for i in range(n)])
+        return groups
