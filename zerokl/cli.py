@@ -166,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)
 
+    from zerokl import demo
+    d = sub.add_parser("demo", help="SFT + GRPO on countdown with exact zero KL; writes a report")
+    demo.add_arguments(d)
+    d.set_defaults(run=demo.run)
+
     g = sub.add_parser(
         "generate", help="stream a completion from a prefill or decode replica",
         description="Stream a completion. --json prints ONE object instead: token_ids, logprobs, text, "
