@@ -45,7 +45,8 @@ def test_sharding_check_detects_n_dependent_gemm(monkeypatch):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_split_linear_is_linear_up_to_rounding_and_validates(backend):
     g = torch.Generator().manual_seed(3)
-    x, w, b = torch.randn(6, 64, generator=g), torch.randn(10, 64, generator=g), torch.randn(10, generator=g)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, b = (t.to(dev) for t in (torch.randn(6, 64, generator=g), torch.randn(10, 64, generator=g), torch.randn(10, generator=g)))
     with use_backend(backend):
         torch.testing.assert_close(ops.split_linear(x, w, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
         assert ops.linear(x.bfloat16(), w.bfloat16(), out_dtype=torch.float32).dtype == torch.float32
