@@ -1,0 +1,129 @@
+"""``zerokl serve scheduler``: the front door over a static fleet of prefill/decode replicas.
+
+    zerokl serve scheduler --decode 127.0.0.1:50052,127.0.0.1:50062 --prefill 127.0.0.1:50051 --port 50050
+
+Replicas come from ``--decode``/``--prefill`` (repeatable, comma-separated)
+and/or a YAML ``--replicas FILE``. On start one line goes to stdout,
+``scheduler listening on HOST:PORT ...``, which ``zerokl up`` and the tests
+read. Health stays NOT_SERVING until a decode replica of the current pin is
+healthy.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from typing import Sequence
+
+from zerokl.services.runtime.auth import TlsConfig
+from zerokl.services.runtime.metrics import start_metrics_server
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args
+from zerokl.services.runtime.tracing import configure_tracing
+from zerokl.services.scheduler.registry import ReplicaSource, Registry, StaticSource, load_static_config, parse_addresses
+from zerokl.services.scheduler.router import Pin, Policy
+from zerokl.services.scheduler.service import Scheduler, SchedulerConfig
+
+__all__ = ["DEFAULT_PORT", "build_parser", "sources_from_args", "config_from_args", "main"]
+
+DEFAULT_PORT = 50050
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The scheduler's command line."""
+    p = argparse.ArgumentParser(
+        prog="zerokl serve scheduler",
+        description="Route Generate/Score/Abort to prefill and decode replicas that compute the same bits, "
+                    "retrying on another replica when one fails.")
+    f = p.add_argument_group("fleet")
+    f.add_argument("--decode", action="append", metavar="ADDR[,ADDR]", default=[],
+                   help="decode replica host:port (repeatable or comma-separated)")
+    f.add_argument("--prefill", action="append", metavar="ADDR[,ADDR]", default=[],
+                   help="prefill replica host:port (repeatable or comma-separated); with prefill replicas the "
+                        "prompt's KV is computed there and handed to a decode replica")
+    f.add_argument("--replicas", metavar="FILE", default=None,
+                   help="YAML file with 'decode' and 'prefill' address lists (added to the flags)")
+    f.add_argument("--poll-interval", type=float, default=1.0, help="seconds between health/Info polls")
+    f.add_argument("--poll-timeout", type=float, default=2.0, help="deadline of one health/Info poll")
+    f.add_argument("--replica-ca", default=None,
+                   help="PEM CA to verify replicas with (TLS to replicas; with --tls-cert/--tls-key the scheduler "
+                        "presents its own certificate for mTLS)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--pin-weights-version", default="",
+                   help="serve requests that pin no weights version with this one (default: the one every "
+                        "healthy replica agrees on)")
+    r.add_argument("--pin-fingerprint", default="",
+                   help="serve requests that pin no numerics fingerprint with this one (default: the one every "
+                        "healthy replica agrees on)")
+    r.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LEAST_LOADED.value)
+    r.add_argument("--max-attempts", type=int, default=3, help="replicas one request may fail on before UNAVAILABLE")
+    r.add_argument("--route-wait", type=float, default=5.0,
+                   help="seconds a request waits for a healthy replica of its pin before failing")
+    p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
+    add_server_arguments(p, DEFAULT_PORT)
+    return p
+
+
+def sources_from_args(args: argparse.Namespace) -> list[ReplicaSource]:
+    """The replica sources the flags name (flags first, then the file)."""
+    sources: list[ReplicaSource] = []
+    decode, prefill = parse_addresses(args.decode), parse_addresses(args.prefill)
+    try:
+        if decode or prefill:
+            sources.append(StaticSource.from_addresses(decode, prefill, name="flags"))
+        if args.replicas:
+            sources.append(load_static_config(args.replicas))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"zerokl serve scheduler: {err}") from None
+    if not sources:
+        raise SystemExit("zerokl serve scheduler: name at least one decode replica (--decode ADDR or --replicas FILE)")
+    return sources
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    """Routing settings from the flags."""
+    if args.max_attempts < 1:
+        raise SystemExit("--max-attempts must be >= 1")
+    return SchedulerConfig(pin=Pin(args.pin_weights_version, args.pin_fingerprint), policy=Policy(args.policy),
+                           max_attempts=args.max_attempts, route_wait_s=args.route_wait)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the scheduler until SIGTERM/SIGINT; returns the exit status."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    options = options_from_args(args)
+    sources = sources_from_args(args)
+    config = config_from_args(args)
+    credentials = None
+    if args.replica_ca:
+        credentials = TlsConfig.channel_credentials(args.replica_ca, args.tls_cert, args.tls_key)
+
+    async def run() -> None:
+        provider = configure_tracing("scheduler")
+        server = ServiceServer("scheduler", dataclasses.replace(options, tracer_provider=provider))
+        # The hop to replicas carries the scheduler's own token: one cluster, one token.
+        registry = Registry(sources, poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
+                            token=options.auth_token, credentials=credentials, tracer_provider=provider)
+        scheduler = Scheduler(registry, config, args.replica_id)
+        scheduler.attach(server)
+        metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
+        try:
+            await scheduler.start()
+            await server.start()
+            # start() reports SERVING; correct it before anyone is told where we listen.
+            await scheduler.sync_health()
+            where = f" metrics on :{metrics.port}" if metrics is not None else ""
+            fleet = " ".join(f"{role}: {','.join(v.address for v in scheduler.replicas() if v.role == role)}"
+                             for role in ("decode", "prefill") if any(v.role == role for v in scheduler.replicas()))
+            # One parseable line on stdout: `zerokl up` and the tests wait for it to learn the port.
+            print(f"scheduler listening on {server.address}{where} {fleet}", flush=True)
+            await server.serve_until_signal()
+        finally:
+            await scheduler.close()
+            if metrics is not None:
+                metrics.close()
+            if provider is not None:
+                provider.shutdown()
+
+    asyncio.run(run())
+    return 0

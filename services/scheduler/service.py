@@ -1,0 +1,517 @@
+"""The scheduler's client-facing ``zerokl.v1.Inference``: one front door over the prefill/decode fleet.
+
+Clients call the scheduler exactly as they would call a replica (same
+Generate/Abort/Score/Info messages). For each request the scheduler
+
+1. resolves the request's :class:`~.router.Pin` (its own pins, else the
+   scheduler's configured pin, else what the healthy fleet agrees on; a mixed
+   fleet is refused with FAILED_PRECONDITION naming the replicas),
+2. with prefill replicas available, fetches the prompt's KV from one
+   (``Prefill.PrefillKV``) and hands it to a decode replica
+   (``Decode.GenerateFromKV``); otherwise the decode replica prefills itself,
+3. relays the decode stream, sending the replica the resolved pin so that a
+   replica whose identity changed since the last poll refuses instead of
+   computing other numbers,
+4. on UNAVAILABLE (or a replica ending the request with ABORT nobody asked
+   for, as a shutting-down replica does) re-runs the request on another
+   replica of the same pin: the replayed prefix is checked against what the
+   client already has (:class:`~.replay.StreamLedger`) and only the rest is
+   forwarded, so the client sees one uninterrupted, identical stream.
+
+Errors other than UNAVAILABLE pass through with the replica's code and
+details. Health is NOT_SERVING until a decode replica matching the current
+pin is healthy.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import uuid
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Iterator, TypeVar
+
+import grpc
+import grpc.aio
+from opentelemetry import trace
+
+from zerokl.services.inference import convert
+from zerokl.services.inference.async_engine import LatencyTracker
+from zerokl.services.inference.client import InferenceClient
+from zerokl.services.inference.errors import RelayedError
+from zerokl.services.inference.service import INFERENCE_SERVICE
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
+from zerokl.services.runtime import metrics as runtime_metrics
+from zerokl.services.runtime.errors import AlreadyExists, DataLoss, ServiceError, Unavailable
+from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
+from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.scheduler import metrics
+from zerokl.services.scheduler.registry import ReplicaEndpoint, ReplicaView, Registry
+from zerokl.services.scheduler.replay import StreamLedger
+from zerokl.services.scheduler.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
+from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerServicer", "add_scheduler_service"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler routes.
+
+    ``pin`` applies to requests that do not pin a field themselves.
+    ``max_attempts`` bounds the replicas one request may fail on before
+    UNAVAILABLE. ``route_wait_s`` is how long a request waits for a healthy
+    replica of its pin to appear (a replica restarting, weights loading)
+    before it fails.
+    """
+
+    pin: Pin = Pin()
+    policy: Policy = Policy.LEAST_LOADED
+    max_attempts: int = 3
+    route_wait_s: float = 5.0
+    abort_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+
+
+@dataclass
+class _Flight:
+    """A Generate in flight: where it runs now, and whether the client aborted it."""
+
+    request_id: str
+    cut: asyncio.Event = field(default_factory=asyncio.Event)   # stop reading upstream now
+    aborted: bool = False
+    endpoint: ReplicaEndpoint | None = None
+    client: InferenceClient | None = None
+
+
+class _Attempt(Exception):
+    """One attempt failed in a way another replica may not (the reason names the replica)."""
+
+    def __init__(self, view: ReplicaView, reason: str) -> None:
+        super().__init__(f"{view.describe()}: {reason}")
+        self.view = view
+        self.reason = reason
+
+
+class Scheduler:
+    """Routes Generate/Score/Abort over the replicas of a :class:`Registry`.
+
+    Use in process (tests) or behind :class:`SchedulerServicer`. Call
+    :meth:`start` before serving and :meth:`close` after.
+    """
+
+    def __init__(self, registry: Registry, config: SchedulerConfig = SchedulerConfig(),
+                 replica_id: str | None = None) -> None:
+        self.registry = registry
+        self.config = config
+        self.router = Router(config.policy)
+        self.replica_id = replica_id or default_replica_id("scheduler")
+        self._flights: dict[str, _Flight] = {}
+        self._server: ServiceServer | None = None
+        self._health_dirty = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+        self._published: ServiceIdentity | None = None
+        registry.add_listener(self._on_fleet_change)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Start following and polling the fleet (one poll done on return)."""
+        await self.registry.start()
+        self._health_task = asyncio.ensure_future(self._health_loop())
+        self._on_fleet_change()
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._health_task
+        await self.registry.close()
+
+    def attach(self, server: ServiceServer) -> None:
+        """Serve ``zerokl.v1.Inference`` on ``server`` (before it starts) and drive its health."""
+        self._server = server
+        server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, SchedulerServicer(self),
+                            INFERENCE_SERVICE)
+
+    async def sync_health(self) -> bool:
+        """Report SERVING iff a healthy decode replica matches the current pin; returns that."""
+        serving = self.default_pin() is not None
+        if self._server is not None:
+            await self._server.set_serving(serving)
+        return serving
+
+    # ------------------------------------------------------------------ what it serves
+
+    def default_pin(self) -> Pin | None:
+        """The pin of a request that pins nothing, when one resolves and a decode replica serves it."""
+        views = self.registry.views()
+        try:
+            pin = resolve_pin(views, Pin(), self.config.pin)
+        except ServiceError:
+            return None
+        return pin if self.router.candidates(views, "decode", pin) else None
+
+    @property
+    def identity(self) -> ServiceIdentity:
+        """The scheduler's Info: the numbers an unpinned request gets now (empty while there are none)."""
+        base = ServiceIdentity("scheduler", self.replica_id, weights_version=self.config.pin.weights_version,
+                               numerics_fingerprint=self.config.pin.numerics_fingerprint)
+        pin = self.default_pin()
+        if pin is None:
+            return base
+        ref = self.router.candidates(self.registry.views(), "decode", pin)[0].identity
+        assert ref is not None
+        return dataclasses.replace(ref, service="scheduler", replica_id=self.replica_id,
+                                   zerokl_version=base.zerokl_version)
+
+    def replicas(self) -> list[ReplicaView]:
+        """The fleet as the scheduler sees it now."""
+        return self.registry.views()
+
+    def flight_replica(self, request_id: str) -> ReplicaEndpoint | None:
+        """Where a Generate in flight runs now (None if not in flight or between replicas)."""
+        flight = self._flights.get(request_id)
+        return flight.endpoint if flight is not None else None
+
+    # ------------------------------------------------------------------ Generate
+
+    async def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        """Stream ``r``'s deltas from the fleet (see the module docstring)."""
+        code = grpc.StatusCode.OK
+        inner = self._generate(r)
+        try:
+            async for delta in inner:
+                yield delta
+        except ServiceError as err:
+            code = err.code
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            await inner.aclose()
+            metrics.REQUESTS.labels("Generate", code.name).inc()
+
+    async def _generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        rid = r.request_id or uuid.uuid4().hex
+        if rid in self._flights:
+            raise AlreadyExists(f"request_id {rid!r} is already in flight")
+        flight = self._flights[rid] = _Flight(rid)
+        runtime_metrics.REQUESTS_RUNNING.inc()
+        try:
+            pin = await self._resolve(r, ("decode",))
+            # Every hop carries the complete pin: a replica that changed since the last poll refuses.
+            request = dataclasses.replace(r, request_id=rid, weights_version=pin.weights_version,
+                                          numerics_fingerprint=pin.numerics_fingerprint)
+            async with aclosing(self._run(flight, request, pin)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            runtime_metrics.REQUESTS_RUNNING.dec()
+            del self._flights[rid]
+
+    async def _run(self, flight: _Flight, request: InferenceRequest, pin: Pin) -> AsyncIterator[GenerateDelta]:
+        ledger = StreamLedger(flight.request_id, request.options.n, pin)
+        latency = LatencyTracker()
+        failures: list[str] = []
+        failed: set[tuple[str, str]] = set()
+        kv: tuple[KVHeader, bytes] | None = None
+        prompt_tokens = len(request.prompt_ids or ())
+        while not ledger.done:
+            if flight.aborted:
+                for delta in ledger.finish_unfinished("abort", prompt_tokens):
+                    yield delta
+                break
+            if len(failures) >= self.config.max_attempts:
+                raise Unavailable(f"request {flight.request_id!r} failed on {len(failures)} replicas: "
+                                  + "; ".join(failures))
+            try:
+                if kv is None:
+                    prefill = self._choose("prefill", pin, failed)
+                    if prefill is not None:
+                        kv = await self._prefill(flight, prefill, request)
+                        if kv is None:
+                            continue  # aborted while prefilling
+                        prompt_tokens = len(kv[0].prompt_ids)
+                decode = await self._choose_waiting("decode", pin, failed)
+                if decode is None:
+                    raise NoReplica(f"no healthy decode replica serves {pin.describe()}"
+                                    + (f" (failed: {'; '.join(failures)})" if failures else ""))
+                ledger.begin_attempt(decode.describe())
+                async with aclosing(self._decode(flight, decode, request, kv, ledger)) as deltas:
+                    async for delta in deltas:
+                        latency.tokens(delta.index, len(delta.token_ids))
+                        yield delta
+                if not ledger.done and not flight.aborted:
+                    raise _Attempt(decode, "the stream ended before every sample finished")
+            except _Attempt as failure:
+                view = failure.view
+                failures.append(str(failure))
+                failed.add(view.endpoint.key)
+                self.registry.report_failure(view.endpoint, failure.reason)
+                metrics.RETRIES.labels(view.role).inc()
+                trace.get_current_span().add_event("zerokl.scheduler.retry", {
+                    "replica": view.address, "role": view.role, "reason": failure.reason,
+                    "tokens_sent": ledger.sent_tokens})
+                log.warning("request %s: %s; retrying elsewhere (%d tokens already sent)", flight.request_id,
+                            failure, ledger.sent_tokens)
+        latency.done()
+
+    async def _prefill(self, flight: _Flight, view: ReplicaView,
+                       request: InferenceRequest) -> tuple[KVHeader, bytes] | None:
+        """The prompt's KV from a prefill replica; None when the request was aborted meanwhile."""
+        with self._on(flight, view) as client:
+            try:
+                return await _unless_cut(client.prefill_kv(request), flight.cut)
+            except grpc.aio.AioRpcError as err:
+                if flight.aborted:
+                    return None
+                if err.code() is grpc.StatusCode.UNAVAILABLE:
+                    raise _Attempt(view, f"{err.code().name}: {err.details()}") from None
+                raise RelayedError(err, view.describe()) from None
+
+    async def _decode(self, flight: _Flight, view: ReplicaView, request: InferenceRequest,
+                      kv: tuple[KVHeader, bytes] | None, ledger: StreamLedger) -> AsyncIterator[GenerateDelta]:
+        """One attempt on a decode replica: its deltas with the replayed prefix removed."""
+        with self._on(flight, view) as client:
+            if kv is None:
+                stream = client.generate(request)
+            else:
+                header, blob = kv
+                # The decode replica reads the prompt from the KV header; the request must not restate it as text.
+                stream = client.generate_from_kv(
+                    dataclasses.replace(request, prompt_ids=header.prompt_ids, prompt_text=None), header, blob)
+            stopped = ""
+            try:
+                async with aclosing(_until_cut(stream, flight.cut)) as upstream:
+                    async for delta in upstream:
+                        if delta.finish_reason == "abort" and not flight.aborted:
+                            # Nobody asked: the replica is shutting down. Keep its tokens, retry the rest.
+                            stopped = "it ended the request with ABORT (shutting down?)"
+                            delta = dataclasses.replace(delta, finish_reason=None)
+                        try:
+                            out = ledger.accept(delta)
+                        except DataLoss:
+                            metrics.REPLAY_MISMATCHES.inc()
+                            raise
+                        if out is not None:
+                            yield out
+            except grpc.aio.AioRpcError as err:
+                if flight.aborted:
+                    return
+                if err.code() is grpc.StatusCode.UNAVAILABLE:
+                    raise _Attempt(view, f"{err.code().name}: {err.details()}") from None
+                raise RelayedError(err, view.describe()) from None
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+            if stopped and not ledger.done:
+                raise _Attempt(view, stopped)
+
+    @contextlib.contextmanager
+    def _on(self, flight: _Flight, view: ReplicaView) -> Iterator[InferenceClient]:
+        """``flight`` runs on ``view`` for the duration: leased in the registry and reachable by Abort."""
+        with self.registry.lease(view.endpoint) as client:
+            flight.endpoint, flight.client = view.endpoint, client
+            metrics.ROUTED.labels(view.role, view.address).inc()
+            trace.get_current_span().add_event("zerokl.scheduler.route", {"replica": view.address, "role": view.role})
+            try:
+                yield client
+            finally:
+                flight.endpoint = flight.client = None
+
+    # ------------------------------------------------------------------ Abort / Score
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a Generate in flight through this scheduler; False if there is none by that id."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return False
+        flight.aborted = True
+        client, endpoint = flight.client, flight.endpoint
+        found = False
+        if client is not None:
+            try:
+                found = await asyncio.wait_for(client.abort(request_id), self.config.abort_timeout_s)
+            except (grpc.aio.AioRpcError, asyncio.TimeoutError) as err:
+                log.warning("abort of %s on %s failed: %s", request_id, endpoint, err)
+        if not found:
+            # Not (yet, or no longer) on the replica: stop relaying ourselves; its call is cancelled.
+            flight.cut.set()
+        return True
+
+    async def score(self, r: InferenceRequest) -> ScoreResult:
+        """Per-token logprobs from a prefill replica (the prompt-reading path), else a decode replica."""
+        code = grpc.StatusCode.OK
+        try:
+            return await self._score(r)
+        except ServiceError as err:
+            code = err.code
+            raise
+        finally:
+            metrics.REQUESTS.labels("Score", code.name).inc()
+
+    async def _score(self, r: InferenceRequest) -> ScoreResult:
+        pin = await self._resolve(r, ("prefill", "decode"))
+        request = dataclasses.replace(r, weights_version=pin.weights_version,
+                                      numerics_fingerprint=pin.numerics_fingerprint)
+        failures: list[str] = []
+        failed: set[tuple[str, str]] = set()
+        while len(failures) < self.config.max_attempts:
+            view = self._choose("prefill", pin, failed) or await self._choose_waiting("decode", pin, failed)
+            if view is None:
+                break
+            with self.registry.lease(view.endpoint) as client:
+                metrics.ROUTED.labels(view.role, view.address).inc()
+                try:
+                    return await client.score(request)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise RelayedError(err, view.describe()) from None
+                    reason = f"{err.code().name}: {err.details()}"
+            failures.append(f"{view.describe()}: {reason}")
+            failed.add(view.endpoint.key)
+            self.registry.report_failure(view.endpoint, reason)
+            metrics.RETRIES.labels(view.role).inc()
+        raise NoReplica(f"no replica could score the request under {pin.describe()}"
+                        + (f": {'; '.join(failures)}" if failures else ""))
+
+    # ------------------------------------------------------------------ routing helpers
+
+    async def _resolve(self, r: InferenceRequest, roles: tuple[str, ...]) -> Pin:
+        """The request's complete pin, waiting up to ``route_wait_s`` for a replica of one of ``roles``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.route_wait_s
+        while True:
+            views = self.registry.views()
+            try:
+                pin = resolve_pin(views, Pin(r.weights_version, r.numerics_fingerprint), self.config.pin)
+                if any(self.router.candidates(views, role, pin) for role in roles):
+                    return pin
+                raise NoReplica(f"no healthy {' or '.join(roles)} replica serves {pin.describe()}")
+            except (NoReplica, UnservedPin):
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise
+                await self.registry.wait_changed(remaining)
+
+    def _choose(self, role: str, pin: Pin, failed: set[tuple[str, str]]) -> ReplicaView | None:
+        return self.router.choose(self.registry.views(), role, pin, avoid=lambda v: v.endpoint.key in failed)
+
+    async def _choose_waiting(self, role: str, pin: Pin, failed: set[tuple[str, str]]) -> ReplicaView | None:
+        """:meth:`_choose`, waiting up to ``route_wait_s`` for a candidate to become healthy."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.route_wait_s
+        while (view := self._choose(role, pin, failed)) is None:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return None
+            await self.registry.wait_changed(remaining)
+        return view
+
+    # ------------------------------------------------------------------ fleet changes
+
+    def _on_fleet_change(self) -> None:
+        self._health_dirty.set()
+
+    async def _health_loop(self) -> None:
+        """One task applies fleet changes to health, gauges and serving info, in order."""
+        while True:
+            await self._health_dirty.wait()
+            self._health_dirty.clear()
+            try:
+                await self.sync_health()
+                self._publish()
+            except Exception:  # noqa: BLE001 - health reporting must outlive one bad update
+                log.exception("updating the scheduler's health failed")
+
+    def _publish(self) -> None:
+        views = self.registry.views()
+        pin = self.default_pin()
+        counts = {(role, state): 0 for role in ("prefill", "decode")
+                  for state in ("serving", "other_pin", "unhealthy")}
+        for v in views:
+            state = "unhealthy" if not v.healthy else "serving" if pin and pin.admits(v.identity) else "other_pin"
+            counts[(v.role, state)] += 1
+        for (role, state), count in counts.items():
+            metrics.REPLICAS.labels(role, state).set(count)
+        identity = self.identity
+        if identity != self._published:
+            runtime_metrics.set_serving_info(identity)
+            self._published = identity
+
+
+async def _unless_cut(awaitable: Awaitable[T], cut: asyncio.Event) -> T | None:
+    """``awaitable``'s result, or None if ``cut`` is set first (the awaitable is then cancelled)."""
+    task = asyncio.ensure_future(awaitable)
+    stopper = asyncio.ensure_future(cut.wait())
+    try:
+        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        return None
+    finally:
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await task
+
+
+async def _until_cut(stream: AsyncIterator[T], cut: asyncio.Event) -> AsyncIterator[T]:
+    """Items of ``stream`` until it ends or ``cut`` is set (checked while waiting for each item)."""
+    it = aiter(stream)
+    while True:
+        try:
+            item = await _unless_cut(anext(it), cut)
+        except StopAsyncIteration:
+            return
+        if item is None:  # cut (a stream never yields None)
+            return
+        yield item
+
+
+class SchedulerServicer(inference_pb2_grpc.InferenceServicer):
+    """Serves ``zerokl.v1.Inference`` from a :class:`Scheduler`: the same API as a replica's."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        return identity_to_proto(self._scheduler.identity)
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        deltas = self._scheduler.generate(convert.request_from_proto(request))
+        try:
+            async for delta in deltas:
+                yield convert.delta_to_proto(delta)
+        finally:
+            # A cancelled call (client gone, deadline) closes the chain now: the replica's call is cancelled too.
+            await deltas.aclose()  # type: ignore[attr-defined]
+
+    async def Abort(self, request: inference_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.AbortResponse:
+        return inference_pb2.AbortResponse(found=await self._scheduler.abort(request.request_id))
+
+    async def Score(self, request: inference_pb2.ScoreRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
+        result = await self._scheduler.score(convert.score_request_from_proto(request))
+        return convert.score_result_to_proto(result)
+
+
+def add_scheduler_service(server: ServiceServer, scheduler: Scheduler) -> None:
+    """Serve ``scheduler`` as ``zerokl.v1.Inference`` on ``server`` (before the server starts)."""
+    scheduler.attach(server)
