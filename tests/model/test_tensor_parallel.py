@@ -124,11 +124,12 @@ def test_split_linear_partials_join_to_the_single_device_bits():
     """The algebra the ranks rely on, in one process, on both backends: each rank's fp32
     subtree over its K shard, joined by the same tree, is split_linear's exact result."""
     g = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for backend in ("torch", "triton"):
         for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(7, 96, generator=g).to(dtype)
-            w = (torch.randn(40, 96, generator=g) * 0.1).to(dtype)
-            b = torch.randn(40, generator=g)
+            x = torch.randn(7, 96, generator=g).to(dev, dtype)
+            w = (torch.randn(40, 96, generator=g) * 0.1).to(dev, dtype)
+            b = torch.randn(40, generator=g).to(dev)
             with use_backend(backend):
                 one = ops.split_linear(x, w, b)
                 assert one.dtype == dtype
