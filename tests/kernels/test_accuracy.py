@@ -11,7 +11,7 @@ TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 
 
 def _g(seed):
-    return torch.Generator().manual_seed(seed)
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
 
 
 def close(got, want, dtype):
@@ -21,7 +21,9 @@ def close(got, want, dtype):
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    with K.use_backend(request.param):
+    # Triton kernels take CUDA tensors on a GPU machine (the gpu tier) and interpret on CPU.
+    device = "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
+    with K.use_backend(request.param), torch.device(device):
         yield request.param
 
 

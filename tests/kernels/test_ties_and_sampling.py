@@ -10,7 +10,9 @@ BACKENDS = ["torch", "triton"]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    with K.use_backend(request.param):
+    # Triton kernels take CUDA tensors on a GPU machine (the gpu tier) and interpret on CPU.
+    device = "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
+    with K.use_backend(request.param), torch.device(device):
         yield request.param
 
 

@@ -117,9 +117,9 @@ def test_shared_indexer_layers_have_no_indexer_weights(tmp_path):
         TINY.replace(indexer_types=("shared", "full", "full", "full"))
 
 
-def _grads(seed):
-    m = _model(seed)
-    ids = _ids(2, 60, seed=1)
+def _grads(seed, device="cpu"):
+    m = _model(seed).to(device)
+    ids = _ids(2, 60, seed=1).to(device)
     loss = torch.nn.functional.cross_entropy(m(ids[:, :-1]).flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
     return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
@@ -128,8 +128,9 @@ def _grads(seed):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_is_deterministic(backend):
     from zerokl.kernels import use_backend
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     with use_backend(backend):
-        a, b = _grads(4), _grads(4)
+        a, b = _grads(4, device), _grads(4, device)
     assert a.keys() == b.keys() and len(a) > 20
     assert all(torch.equal(a[n], b[n]) for n in a)
 
