@@ -1,0 +1,421 @@
+"""Trainer checkpoints as weight-store versions, and the stores they go to.
+
+A version the trainer publishes is one directory of files (the weight store's
+shards), committed atomically with its manifest written last:
+
+- ``config.json`` + ``model.safetensors`` (sharded with an index when large):
+  the serving weights, LoRA merged, in the glm_moe_dsa layout. This is all a
+  serving replica reads (``Model.from_pretrained`` ignores the other files).
+- ``trainer-state.safetensors`` + ``trainer-state.json`` (absent when
+  published ``weights_only``): everything else needed to continue the job
+  bit for bit: the training model's own state dict (base weights and LoRA
+  adapters), AdamW's moments and step counts, the frozen KL/DPO reference,
+  the step counters, the TrainConfig and the version lineage.
+
+Why the state rides in the same version instead of a separate "state" entry:
+the weights and the state they resume with are committed by one manifest, so
+a resume point is never half-published; and every version in the store stays
+a loadable model, so a replica watching the store never sees a non-model
+version. The cost is that a replica fetching the whole version also fetches
+the optimizer state; it needs only ``config.json`` and ``model*``.
+
+The manifest's metadata carries ``zerokl.run`` (the job) and
+``zerokl.trainer_state`` (``full`` or ``none``); a restarted trainer resumes
+from the newest ``full`` version of its run (:func:`find_resume_point`). All
+files are written deterministically (sorted keys, no timestamps), so
+publishing the same state twice gives the same sha256 per shard, which is how
+a repeated SaveWeights is recognized as already done.
+
+Stores: :class:`LocalWeights` uses a :class:`VersionStore` directly (the
+embedded default, no weight-store process needed); :class:`RemoteWeights`
+goes through a weight-store service over gRPC. Both raise
+:class:`ServiceError` s, so the trainer reports a store's NOT_FOUND as
+NOT_FOUND whichever store it uses.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+
+import grpc
+import grpc.aio
+import torch
+from safetensors.torch import load_file, save_file
+
+from zerokl.model import Model
+from zerokl.model.checkpoint import CheckpointError
+from zerokl.model.lora import merged_state_dict
+from zerokl.services.runtime.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
+
+__all__ = [
+    "STATE_TENSORS",
+    "STATE_JSON",
+    "STATE_FORMAT",
+    "META_RUN",
+    "META_STATE",
+    "MAX_LINEAGE",
+    "LineageEntry",
+    "TrainerCheckpoint",
+    "default_version",
+    "write_checkpoint",
+    "read_checkpoint",
+    "has_trainer_state",
+    "load_serving_model",
+    "config_to_json",
+    "config_from_json",
+    "WeightsRepo",
+    "LocalWeights",
+    "RemoteWeights",
+    "find_resume_point",
+    "publish_checkpoint",
+]
+
+STATE_TENSORS = "trainer-state.safetensors"
+STATE_JSON = "trainer-state.json"
+STATE_FORMAT = "zerokl.trainer-state/1"
+META_RUN = "zerokl.run"
+META_STATE = "zerokl.trainer_state"     # "full": a resume point; "none": serving weights only
+# Versions remembered for staleness checks: a rollout older than this many
+# publishes is refused whatever max_staleness says.
+MAX_LINEAGE = 64
+
+
+@dataclass(frozen=True)
+class LineageEntry:
+    """The trainer's weights were ``version`` when it had taken ``step`` optimizer steps."""
+
+    version: str
+    step: int
+
+
+def default_version(run: str, step: int) -> str:
+    """The version SaveWeights publishes when none is named: ``<run>-step000012``."""
+    return f"{run}-step{step:06d}"
+
+
+# ----------------------------------------------------------------------------- TrainConfig <-> JSON
+
+def config_to_json(config: TrainConfig) -> dict[str, Any]:
+    """TrainConfig as a JSON object (betas as a list)."""
+    d = dataclasses.asdict(config)
+    d["betas"] = list(config.betas)
+    return d
+
+
+def config_from_json(d: Mapping[str, Any]) -> TrainConfig:
+    """TrainConfig from :func:`config_to_json`'s form; unknown keys are an error (a newer format)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    extra = sorted(set(d) - known)
+    if extra:
+        raise DataLoss(f"trainer state has unknown TrainConfig fields {extra}")
+    kw = dict(d)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    return TrainConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- files
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    # safetensors refuses tensors that share storage (tied weights, views); a
+    # private contiguous copy of each is always safe.
+    return t.detach().cpu().contiguous().clone()
+
+
+def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,
+                     lineage: Sequence[LineageEntry], weights_only: bool = False) -> None:
+    """Write the serving checkpoint and (unless ``weights_only``) the trainer state into ``directory``."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    trainer.serving_model().save_pretrained(path)
+    if weights_only:
+        return
+    # Full fine-tuning: the serving weights ARE the training model, so they are
+    # not stored twice. LoRA: the base weights and adapters (not the merged sum).
+    lora = trainer.config.lora_rank > 0
+    tensors = {f"model/{k}": _plain(v) for k, v in trainer.model.state_dict().items()} if lora else {}
+    opt = trainer.optimizer.state_dict()
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in opt["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{index}/{key}"] = _plain(value)
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    if trainer.reference is not None:
+        # Merged: a plain model with these weights computes the parametrized reference's bits.
+        tensors.update({f"reference/{k}": _plain(v) for k, v in merged_state_dict(trainer.reference).items()})
+    save_file(tensors, str(path / STATE_TENSORS), metadata={"format": STATE_FORMAT})
+    doc = {
+        "format": STATE_FORMAT,
+        "run": run,
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "config": config_to_json(trainer.config),
+        "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
+        "has_reference": trainer.reference is not None,
+        "model_in_state": lora,
+        "lineage": [[e.version, e.step] for e in lineage[-MAX_LINEAGE:]],
+    }
+    (path / STATE_JSON).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+def has_trainer_state(directory: str | os.PathLike[str]) -> bool:
+    """Whether a checkpoint directory carries a resume point."""
+    path = pathlib.Path(directory)
+    return (path / STATE_JSON).exists() and (path / STATE_TENSORS).exists()
+
+
+def load_serving_model(directory: str | os.PathLike[str]) -> Model:
+    """The serving weights of a checkpoint directory (:class:`FailedPrecondition` if it is not one)."""
+    try:
+        return Model.from_pretrained(directory)
+    except (CheckpointError, KeyError, ValueError, OSError) as err:
+        raise FailedPrecondition(f"{pathlib.Path(directory).name} is not a loadable glm_moe_dsa checkpoint: "
+                                 f"{err}") from None
+
+
+@dataclass
+class TrainerCheckpoint:
+    """A trainer rebuilt from a checkpoint directory, and what it remembers."""
+
+    trainer: Trainer
+    run: str
+    lineage: list[LineageEntry]
+
+
+def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
+                    config: TrainConfig, run: str = "") -> TrainerCheckpoint:
+    """A trainer from a checkpoint directory.
+
+    ``restore_state``: the exact trainer that wrote it (its TrainConfig, adapters,
+    optimizer, reference, counters and lineage; ``config`` is ignored). Otherwise
+    the serving weights become the base of a fresh trainer with ``config`` at
+    step 0, and the lineage starts empty (the caller names the base).
+    """
+    path = pathlib.Path(directory)
+    if not restore_state:
+        return TrainerCheckpoint(Trainer(load_serving_model(path), config), run, [])
+    if not has_trainer_state(path):
+        raise FailedPrecondition(f"{path.name} has no trainer state (published weights_only, or not by a trainer)")
+    try:
+        doc = json.loads((path / STATE_JSON).read_text())
+        if doc.get("format") != STATE_FORMAT:
+            raise DataLoss(f"{path.name}: unknown trainer-state format {doc.get('format')!r}")
+        tensors = load_file(str(path / STATE_TENSORS))
+    except (ValueError, KeyError, OSError) as err:
+        raise DataLoss(f"{path.name}: unreadable trainer state: {err}") from None
+    train_config = config_from_json(doc["config"])
+    # The trainer's own construction on the serving weights (LoRA adapters
+    # registered exactly as at the start of the job), then every trained
+    # tensor overwritten from the state.
+    model = load_serving_model(path)
+    model_config, dtype = model.config, model.dtype
+    trainer = Trainer(model, train_config)
+    if doc.get("model_in_state"):
+        model_state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    else:
+        model_state = trainer.model.state_dict()
+    opt_state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer/"):
+            _, index, name = key.split("/", 2)
+            opt_state.setdefault(int(index), {})[name] = value
+    for index, scalars in doc["optimizer"]["scalars"].items():
+        opt_state.setdefault(int(index), {}).update(scalars)
+    groups = doc["optimizer"]["param_groups"]
+    for g in groups:
+        if "betas" in g:
+            g["betas"] = tuple(g["betas"])
+    try:
+        trainer.load_state_dict({"model": model_state, "optimizer": {"state": opt_state, "param_groups": groups},
+                                 "step": int(doc["step"]), "tokens_seen": int(doc["tokens_seen"])})
+    except (RuntimeError, ValueError, KeyError) as err:
+        raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
+    if doc.get("has_reference"):
+        reference = Model(model_config, seed=0, dtype=dtype)
+        reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
+                                   if k.startswith("reference/")})
+        for p in reference.parameters():
+            p.requires_grad_(False)
+        trainer.reference = reference.eval()
+    lineage = [LineageEntry(str(v), int(s)) for v, s in doc["lineage"]]
+    return TrainerCheckpoint(trainer, str(doc.get("run", run)), lineage)
+
+
+def _local_shards(directory: pathlib.Path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(directory.iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name != FETCHED_MANIFEST}
+
+
+# ----------------------------------------------------------------------------- stores
+
+class WeightsRepo(Protocol):
+    """Where versions go: a local VersionStore or a weight-store service. Errors are ServiceErrors."""
+
+    def describe(self) -> str: ...
+
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest: ...
+
+    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest: ...
+
+    async def manifest(self, version: str) -> WeightsManifest: ...
+
+    async def manifests(self) -> list[WeightsManifest]: ...
+
+    async def abort_open_upload(self, version: str) -> None: ...
+
+    async def pin(self, version: str, owner: str) -> None: ...
+
+    async def unpin(self, version: str, owner: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalWeights:
+    """A :class:`VersionStore` used in-process (its blocking I/O runs in worker threads)."""
+
+    def __init__(self, store: VersionStore) -> None:
+        self.store = store
+
+    def describe(self) -> str:
+        return self.store.backend.describe()
+
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
+        return await asyncio.to_thread(self.store.publish_dir, src, version, spec)
+
+    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
+        return await asyncio.to_thread(self.store.fetch, version, dest)
+
+    async def manifest(self, version: str) -> WeightsManifest:
+        return await asyncio.to_thread(self.store.get_manifest, version)
+
+    async def manifests(self) -> list[WeightsManifest]:
+        return await asyncio.to_thread(self.store.manifests)
+
+    async def abort_open_upload(self, version: str) -> None:
+        upload = await asyncio.to_thread(self.store.begin_upload, version)
+        await asyncio.to_thread(self.store.abort_upload, upload.upload_id)
+
+    async def pin(self, version: str, owner: str) -> None:
+        await asyncio.to_thread(self.store.pin, version, owner)
+
+    async def unpin(self, version: str, owner: str) -> None:
+        await asyncio.to_thread(self.store.unpin, version, owner)
+
+    async def close(self) -> None:
+        return None
+
+
+_T = TypeVar("_T")
+
+# A weight store's status, re-raised as the same status from the trainer.
+_BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.DATA_LOSS: DataLoss,
+}
+
+
+class RemoteWeights:
+    """A weight-store service over gRPC, through ``channel`` (closed by :meth:`close`)."""
+
+    def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
+        self.channel = channel
+        self.client = WeightStoreClient(channel=channel)
+        self.target = target
+
+    def describe(self) -> str:
+        return f"weight-store {self.target}"
+
+    async def _call(self, fn: Callable[[], Awaitable[_T]]) -> _T:
+        try:
+            return await fn()
+        except grpc.aio.AioRpcError as err:
+            # Anything but the statuses above (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
+            # means the store cannot be used now; the trainer's caller may retry.
+            cls = _BY_CODE.get(err.code(), Unavailable)
+            raise cls(f"weight store {self.target}: {err.details()}") from None
+
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
+        return await self._call(lambda: self.client.publish(
+            src, version, parent_version=spec.parent_version, step=spec.step,
+            numerics_version=spec.numerics_version, numerics_fingerprint=spec.numerics_fingerprint,
+            model_config=spec.model_config, metadata=spec.metadata))
+
+    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
+        return await self._call(lambda: self.client.fetch(version, dest))
+
+    async def manifest(self, version: str) -> WeightsManifest:
+        return await self._call(lambda: self.client.manifest(version))
+
+    async def manifests(self) -> list[WeightsManifest]:
+        return [e.manifest for e in await self._call(self.client.list)]
+
+    async def abort_open_upload(self, version: str) -> None:
+        upload = await self._call(lambda: self.client.begin_upload(version))
+        await self._call(lambda: self.client.abort_upload(upload.upload_id))
+
+    async def pin(self, version: str, owner: str) -> None:
+        await self._call(lambda: self.client.pin(version, owner))
+
+    async def unpin(self, version: str, owner: str) -> None:
+        await self._call(lambda: self.client.unpin(version, owner))
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def find_resume_point(repo: WeightsRepo, run: str) -> WeightsManifest | None:
+    """The newest version of ``run`` that carries trainer state (None: the run has not published one)."""
+    points = [m for m in await repo.manifests()
+              if m.spec.metadata.get(META_RUN) == run and m.spec.metadata.get(META_STATE) == "full"]
+    return points[-1] if points else None  # manifests() is oldest first
+
+
+async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
+                             spec: VersionSpec) -> tuple[WeightsManifest, bool]:
+    """Publish ``src`` as ``version``; (manifest, created).
+
+    A version that exists already with exactly these files (same names and
+    sha256) is the same checkpoint published before (a retried SaveWeights, or
+    one repeated after a restart): its manifest is returned with created False.
+    Other contents: :class:`AlreadyExists`. An open upload of the version left
+    by a crashed trainer is dropped and the publish starts over.
+    """
+    try:
+        existing = await repo.manifest(version)
+    except NotFound:
+        existing = None
+    if existing is not None:
+        ours = await asyncio.to_thread(_local_shards, src)
+        theirs = {s.name: s.sha256 for s in existing.shards}
+        if ours == theirs:
+            return existing, False
+        raise AlreadyExists(f"version {version} is already published with other contents; "
+                            "name another version")
+    try:
+        return await repo.publish_dir(src, version, spec), True
+    except FailedPrecondition:
+        # An upload of this version was left open with other bytes (a trainer
+        # that crashed while publishing, then did not redo the same step).
+        await repo.abort_open_upload(version)
+        return await repo.publish_dir(src, version, spec), True

@@ -1,0 +1,135 @@
+"""Async client of the trainer service: the Tinker-style low-level API over gRPC.
+
+Methods mirror the RPCs and take the trainer's own dataclasses
+(:class:`Completion`, :class:`Rollout`), so a loop written against the
+in-process :class:`~zerokl.services.trainer.trainer.Trainer` moves to the
+service unchanged in shape. RPC failures surface as ``grpc.aio.AioRpcError``
+with the server's status code (rich details via
+:func:`zerokl.services.runtime.errors.field_violations`).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import grpc
+import grpc.aio
+import torch
+from opentelemetry import trace
+
+from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
+from zerokl.services.runtime.server import create_channel
+from zerokl.services.trainer import convert
+from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.services.trainer.types import (
+    DPOBatch,
+    ForwardBackwardResult,
+    OptimResult,
+    PPOBatch,
+    SFTBatch,
+    TrainBatch,
+    TrainerState,
+)
+from zerokl.services.weightstore.store import WeightsManifest
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+__all__ = ["TrainerClient"]
+
+
+class TrainerClient:
+    """ForwardLogprobs, ForwardBackward, OptimStep, SaveWeights, LoadWeights and GetState against one trainer.
+
+    Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
+    ``credentials`` and a tracer provider, or an existing ``channel``.
+    """
+
+    def __init__(self, target: str | None = None, *, token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 tracer_provider: trace.TracerProvider | None = None,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        if (target is None) == (channel is None):
+            raise ValueError("pass exactly one of target and channel")
+        self.target = target
+        self._owns_channel = channel is None
+        self._channel = channel or create_channel(
+            target, token=token, credentials=credentials, tracer_provider=tracer_provider)  # type: ignore[arg-type]
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        return self._channel
+
+    async def close(self) -> None:
+        """Close the channel if this client opened it."""
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> "TrainerClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def info(self) -> ServiceIdentity:
+        """What the trainer computes with; weights_version is the last published or loaded version."""
+        return identity_from_proto(await self._stub.Info(common_pb2.InfoRequest()))
+
+    async def forward_logprobs(self, completions: Sequence[Completion], *,
+                               timeout: float | None = None) -> list[torch.Tensor]:
+        """Per-token fp32 logprobs of each completion (bitwise :meth:`Trainer.forward_logprobs`)."""
+        msg = trainer_pb2.ForwardLogprobsRequest(completions=[convert.completion_to_proto(c) for c in completions])
+        return convert.logprobs_from_proto(await self._stub.ForwardLogprobs(msg, timeout=timeout))
+
+    async def forward_backward(self, method: str, items: Sequence[Any], *, group_size: int | None = None,
+                               advantages: Sequence[float] | None = None, max_staleness: int | None = None,
+                               timeout: float | None = None) -> ForwardBackwardResult:
+        """Accumulate one objective's gradients, as :meth:`Trainer.forward_backward` does.
+
+        ``method`` 'sft' takes Completions, 'dpo' (chosen, rejected) pairs,
+        'ppo' Rollouts with ``group_size`` (GRPO advantages from the rewards) or
+        explicit ``advantages``; ``max_staleness`` admits rollouts from older weights.
+        """
+        batch: TrainBatch
+        if method == "sft":
+            batch = SFTBatch(tuple(items))
+        elif method == "dpo":
+            batch = DPOBatch(tuple((c, r) for c, r in items))
+        elif method == "ppo":
+            batch = PPOBatch(tuple(items), group_size, None if advantages is None else tuple(advantages),
+                             max_staleness)
+        else:
+            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+        return await self.forward_backward_batch(batch, timeout=timeout)
+
+    async def forward_backward_batch(self, batch: TrainBatch, *,
+                                     timeout: float | None = None) -> ForwardBackwardResult:
+        """ForwardBackward on an :class:`SFTBatch`, :class:`DPOBatch` or :class:`PPOBatch`."""
+        return convert.forward_backward_result_from_proto(
+            await self._stub.ForwardBackward(convert.batch_to_proto(batch), timeout=timeout))
+
+    async def optim_step(self, *, timeout: float | None = None) -> OptimResult:
+        """Apply the accumulated gradients."""
+        return convert.optim_result_from_proto(
+            await self._stub.OptimStep(trainer_pb2.OptimStepRequest(), timeout=timeout))
+
+    async def grpo_step(self, rollouts: Sequence[Rollout], group_size: int, *, max_staleness: int | None = None,
+                        timeout: float | None = None) -> tuple[ForwardBackwardResult, OptimResult]:
+        """ForwardBackward('ppo') then OptimStep: :meth:`Trainer.grpo_step` over the wire."""
+        fb = await self.forward_backward("ppo", rollouts, group_size=group_size, max_staleness=max_staleness,
+                                         timeout=timeout)
+        return fb, await self.optim_step(timeout=timeout)
+
+    async def save_weights(self, version: str = "", *, metadata: Mapping[str, str] | None = None,
+                           weights_only: bool = False, timeout: float | None = None) -> tuple[WeightsManifest, bool]:
+        """Publish the current weights (and trainer state) as a version; (manifest, created)."""
+        msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
+        return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
+
+    async def load_weights(self, version: str, *, restore_state: bool = False,
+                           timeout: float | None = None) -> TrainerState:
+        """Switch to a published version (with its trainer state when ``restore_state``)."""
+        msg = trainer_pb2.LoadWeightsRequest(version=version, restore_state=restore_state)
+        return convert.state_from_proto(await self._stub.LoadWeights(msg, timeout=timeout))
+
+    async def get_state(self, *, timeout: float | None = None) -> TrainerState:
+        """Step, weights version, counters and configuration."""
+        return convert.state_from_proto(await self._stub.GetState(trainer_pb2.GetStateRequest(), timeout=timeout))

@@ -1,0 +1,212 @@
+"""The only conversions between trainer dataclasses and ``zerokl.v1`` trainer messages.
+
+One function per type and direction; the servicer and the client call these at
+the edge and nothing else touches generated classes. Absent optional fields
+take the dataclass defaults (:class:`Completion`), so a default has one home.
+Logprobs are fp32 and travel as proto ``float`` (exact); every other number
+travels as ``double`` (exact for fp32 values and Python floats alike), so a
+round trip gives back equal dataclasses and bit-identical tensors.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig
+from zerokl.services.trainer.types import (
+    DPOBatch,
+    ForwardBackwardResult,
+    OptimResult,
+    PPOBatch,
+    PPOMetrics,
+    SFTBatch,
+    TrainBatch,
+    TrainerState,
+)
+from zerokl.services.weightstore.convert import manifest_from_proto, manifest_to_proto
+from zerokl.services.weightstore.store import WeightsManifest
+from zerokl.v1 import trainer_pb2
+
+__all__ = [
+    "completion_to_proto",
+    "completion_from_proto",
+    "rollout_to_proto",
+    "rollout_from_proto",
+    "logprobs_to_proto",
+    "logprobs_from_proto",
+    "batch_to_proto",
+    "batch_from_proto",
+    "forward_backward_result_to_proto",
+    "forward_backward_result_from_proto",
+    "optim_result_to_proto",
+    "optim_result_from_proto",
+    "save_result_to_proto",
+    "save_result_from_proto",
+    "train_config_to_proto",
+    "train_config_from_proto",
+    "state_to_proto",
+    "state_from_proto",
+]
+
+_DEFAULT = Completion((), ())
+
+
+def completion_to_proto(c: Completion) -> trainer_pb2.Completion:
+    """Completion -> ``zerokl.v1.Completion`` (sampling fields always set explicitly)."""
+    return trainer_pb2.Completion(prompt_ids=list(c.prompt_ids), completion_ids=list(c.completion_ids),
+                                  temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+
+
+def completion_from_proto(msg: trainer_pb2.Completion) -> Completion:
+    """``zerokl.v1.Completion`` -> Completion; absent sampling fields take Completion's defaults.
+
+    Values are not validated here: the service validates (one place, one message).
+    """
+    def get(name: str):  # noqa: ANN202 - a field of any type
+        return getattr(msg, name) if msg.HasField(name) else getattr(_DEFAULT, name)
+
+    return Completion(tuple(msg.prompt_ids), tuple(msg.completion_ids), get("temperature"), get("top_k"),
+                      get("top_p"))
+
+
+def rollout_to_proto(r: Rollout) -> trainer_pb2.Rollout:
+    """Rollout -> ``zerokl.v1.Rollout``."""
+    return trainer_pb2.Rollout(completion=completion_to_proto(r.sequence), logprobs=list(r.logprobs),
+                               reward=r.reward, weights_version=r.weights_version)
+
+
+def rollout_from_proto(msg: trainer_pb2.Rollout) -> Rollout:
+    """``zerokl.v1.Rollout`` -> Rollout."""
+    return Rollout(completion_from_proto(msg.completion), tuple(msg.logprobs), msg.reward, msg.weights_version)
+
+
+def logprobs_to_proto(logprobs: Sequence[torch.Tensor]) -> trainer_pb2.ForwardLogprobsResponse:
+    """Per-completion fp32 logprob tensors -> ``zerokl.v1.ForwardLogprobsResponse``."""
+    return trainer_pb2.ForwardLogprobsResponse(logprobs=[
+        trainer_pb2.TokenLogprobs(values=lp.to(torch.float32).tolist()) for lp in logprobs])
+
+
+def logprobs_from_proto(msg: trainer_pb2.ForwardLogprobsResponse) -> list[torch.Tensor]:
+    """``zerokl.v1.ForwardLogprobsResponse`` -> one fp32 tensor per completion (bitwise the server's)."""
+    return [torch.tensor(list(t.values), dtype=torch.float32) for t in msg.logprobs]
+
+
+def batch_to_proto(batch: TrainBatch) -> trainer_pb2.ForwardBackwardRequest:
+    """SFTBatch | DPOBatch | PPOBatch -> ``zerokl.v1.ForwardBackwardRequest`` (the batch's type is the method)."""
+    if isinstance(batch, SFTBatch):
+        return trainer_pb2.ForwardBackwardRequest(sft=trainer_pb2.SFTBatch(
+            completions=[completion_to_proto(c) for c in batch.completions]))
+    if isinstance(batch, DPOBatch):
+        return trainer_pb2.ForwardBackwardRequest(dpo=trainer_pb2.DPOBatch(pairs=[
+            trainer_pb2.PreferencePair(chosen=completion_to_proto(c), rejected=completion_to_proto(r))
+            for c, r in batch.pairs]))
+    if isinstance(batch, PPOBatch):
+        ppo = trainer_pb2.PPOBatch(rollouts=[rollout_to_proto(r) for r in batch.rollouts],
+                                   advantages=list(batch.advantages or ()))
+        if batch.group_size is not None:
+            ppo.group_size = batch.group_size
+        if batch.max_staleness is not None:
+            ppo.max_staleness = batch.max_staleness
+        return trainer_pb2.ForwardBackwardRequest(ppo=ppo)
+    raise TypeError(f"not a training batch: {type(batch).__name__}")
+
+
+def batch_from_proto(msg: trainer_pb2.ForwardBackwardRequest) -> TrainBatch | None:
+    """``zerokl.v1.ForwardBackwardRequest`` -> its batch; None when no batch (no known method) is set."""
+    which = msg.WhichOneof("batch")
+    if which == "sft":
+        return SFTBatch(tuple(completion_from_proto(c) for c in msg.sft.completions))
+    if which == "dpo":
+        return DPOBatch(tuple((completion_from_proto(p.chosen), completion_from_proto(p.rejected))
+                              for p in msg.dpo.pairs))
+    if which == "ppo":
+        p = msg.ppo
+        return PPOBatch(
+            rollouts=tuple(rollout_from_proto(r) for r in p.rollouts),
+            group_size=p.group_size if p.HasField("group_size") else None,
+            # An empty list means "none given": a batch of rollouts always has at least one advantage.
+            advantages=tuple(p.advantages) if len(p.advantages) else None,
+            max_staleness=p.max_staleness if p.HasField("max_staleness") else None)
+    return None
+
+
+def forward_backward_result_to_proto(r: ForwardBackwardResult) -> trainer_pb2.ForwardBackwardResponse:
+    """ForwardBackwardResult -> ``zerokl.v1.ForwardBackwardResponse``."""
+    msg = trainer_pb2.ForwardBackwardResponse(
+        method=r.method, loss=r.loss, tokens=r.tokens, tokens_per_s=r.tokens_per_s, metrics=dict(r.metrics),
+        step=r.step, accumulated_batches=r.accumulated_batches)
+    if r.ppo is not None:
+        p = r.ppo
+        msg.ppo.CopyFrom(trainer_pb2.PPOMetrics(
+            kl=p.kl, mismatched_tokens=p.mismatched_tokens, clip_fraction=p.clip_fraction, ratio_min=p.ratio_min,
+            ratio_max=p.ratio_max, kl_reference=p.kl_reference, reward_mean=p.reward_mean,
+            stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness))
+    return msg
+
+
+def forward_backward_result_from_proto(msg: trainer_pb2.ForwardBackwardResponse) -> ForwardBackwardResult:
+    """``zerokl.v1.ForwardBackwardResponse`` -> ForwardBackwardResult."""
+    ppo = None
+    if msg.HasField("ppo"):
+        p = msg.ppo
+        ppo = PPOMetrics(kl=p.kl, mismatched_tokens=p.mismatched_tokens, clip_fraction=p.clip_fraction,
+                         ratio_min=p.ratio_min, ratio_max=p.ratio_max, kl_reference=p.kl_reference,
+                         reward_mean=p.reward_mean, stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness)
+    return ForwardBackwardResult(method=msg.method, loss=msg.loss, tokens=msg.tokens, tokens_per_s=msg.tokens_per_s,
+                                 step=msg.step, accumulated_batches=msg.accumulated_batches, ppo=ppo,
+                                 metrics=dict(msg.metrics))
+
+
+def optim_result_to_proto(r: OptimResult) -> trainer_pb2.OptimStepResponse:
+    """OptimResult -> ``zerokl.v1.OptimStepResponse``."""
+    return trainer_pb2.OptimStepResponse(grad_norm=r.grad_norm, lr=r.lr, step=r.step)
+
+
+def optim_result_from_proto(msg: trainer_pb2.OptimStepResponse) -> OptimResult:
+    """``zerokl.v1.OptimStepResponse`` -> OptimResult."""
+    return OptimResult(grad_norm=msg.grad_norm, lr=msg.lr, step=msg.step)
+
+
+def save_result_to_proto(manifest: WeightsManifest, created: bool) -> trainer_pb2.SaveWeightsResponse:
+    """(manifest, created) -> ``zerokl.v1.SaveWeightsResponse``."""
+    return trainer_pb2.SaveWeightsResponse(manifest=manifest_to_proto(manifest), created=created)
+
+
+def save_result_from_proto(msg: trainer_pb2.SaveWeightsResponse) -> tuple[WeightsManifest, bool]:
+    """``zerokl.v1.SaveWeightsResponse`` -> (manifest, created)."""
+    return manifest_from_proto(msg.manifest), msg.created
+
+
+def train_config_to_proto(c: TrainConfig) -> trainer_pb2.TrainConfig:
+    """TrainConfig -> ``zerokl.v1.TrainConfig``."""
+    return trainer_pb2.TrainConfig(
+        lr=c.lr, weight_decay=c.weight_decay, beta1=c.betas[0], beta2=c.betas[1], grad_clip=c.grad_clip,
+        warmup_steps=c.warmup_steps, total_steps=c.total_steps, lora_rank=c.lora_rank, lora_alpha=c.lora_alpha,
+        clip_eps=c.clip_eps, kl_coef=c.kl_coef, dpo_beta=c.dpo_beta, seed=c.seed)
+
+
+def train_config_from_proto(msg: trainer_pb2.TrainConfig) -> TrainConfig:
+    """``zerokl.v1.TrainConfig`` -> TrainConfig."""
+    return TrainConfig(
+        lr=msg.lr, weight_decay=msg.weight_decay, betas=(msg.beta1, msg.beta2), grad_clip=msg.grad_clip,
+        warmup_steps=msg.warmup_steps, total_steps=msg.total_steps, lora_rank=msg.lora_rank,
+        lora_alpha=msg.lora_alpha, clip_eps=msg.clip_eps, kl_coef=msg.kl_coef, dpo_beta=msg.dpo_beta, seed=msg.seed)
+
+
+def state_to_proto(s: TrainerState) -> trainer_pb2.TrainerState:
+    """TrainerState -> ``zerokl.v1.TrainerState``."""
+    return trainer_pb2.TrainerState(
+        run=s.run, step=s.step, weights_version=s.weights_version, weights_step=s.weights_step,
+        tokens_seen=s.tokens_seen, accumulated_batches=s.accumulated_batches, config=train_config_to_proto(s.config),
+        model_config_json=s.model_config_json, numerics_version=s.numerics_version,
+        numerics_fingerprint=s.numerics_fingerprint)
+
+
+def state_from_proto(msg: trainer_pb2.TrainerState) -> TrainerState:
+    """``zerokl.v1.TrainerState`` -> TrainerState."""
+    return TrainerState(
+        run=msg.run, step=msg.step, weights_version=msg.weights_version, weights_step=msg.weights_step,
+        tokens_seen=msg.tokens_seen, accumulated_batches=msg.accumulated_batches,
+        config=train_config_from_proto(msg.config), model_config_json=msg.model_config_json,
+        numerics_version=msg.numerics_version, numerics_fingerprint=msg.numerics_fingerprint)

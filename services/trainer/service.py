@@ -1,0 +1,541 @@
+"""The trainer service: :class:`TrainerService` (the logic) and the ``zerokl.v1.Trainer`` servicer.
+
+:class:`TrainerService` owns one :class:`Trainer`, the store its checkpoints go
+to, and the lineage of weight versions it has been (for staleness checks). It
+takes and returns plain dataclasses and raises :class:`ServiceError` s, so it
+runs the same behind gRPC and in-process; :class:`TrainerServicer` is a thin
+edge that converts at the boundary (convert.py).
+
+Concurrency: every operation runs as its own task under one lock, in arrival
+order, and its tensor work runs on one dedicated thread (the event loop stays
+free for health checks and Info). The task is shielded from the RPC: a client
+that cancels or times out does not interrupt a half-done update, so the
+trainer's state always matches what was computed (GetState tells such a
+client where things stand).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import pathlib
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+
+import grpc.aio
+import torch
+from prometheus_client import Counter, Gauge
+
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.model.checkpoint import config_to_hf
+from zerokl.services.runtime.errors import (
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    PreconditionViolation,
+)
+from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
+from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.trainer import convert
+from zerokl.services.trainer.checkpointing import (
+    MAX_LINEAGE,
+    META_RUN,
+    META_STATE,
+    LineageEntry,
+    WeightsRepo,
+    default_version,
+    publish_checkpoint,
+    read_checkpoint,
+    write_checkpoint,
+)
+from zerokl.services.trainer.losses import group_advantages
+from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+from zerokl.services.trainer.types import (
+    DPOBatch,
+    ForwardBackwardResult,
+    OptimResult,
+    PPOBatch,
+    PPOMetrics,
+    SFTBatch,
+    TrainBatch,
+    TrainerState,
+)
+from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+__all__ = [
+    "TRAINER_SERVICE",
+    "TrainerLimits",
+    "TrainerService",
+    "TrainerServicer",
+    "add_trainer_service",
+    "pin_owner",
+]
+
+log = logging.getLogger(__name__)
+
+TRAINER_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+_MAX_REPORTED = 16          # violations listed in one status; the rest are counted
+
+# Trainer metrics (zerokl_ prefix, in the runtime's registry next to the serving ones).
+STEP = Gauge("zerokl_trainer_step", "Optimizer steps taken.", registry=REGISTRY)
+TOKENS = Counter("zerokl_trainer_tokens", "Completion tokens trained on (ForwardBackward).", registry=REGISTRY)
+TOKENS_PER_S = Gauge("zerokl_trainer_tokens_per_second", "Throughput of the last ForwardBackward.",
+                     registry=REGISTRY)
+KL = Gauge("zerokl_trainer_train_inference_kl",
+           "Exact mean KL between behaviour and trainer logprobs of the last PPO batch (0 when aligned).",
+           registry=REGISTRY)
+MISMATCHED = Counter("zerokl_trainer_mismatched_tokens",
+                     "Rollout tokens whose trainer logprob differed from the behaviour logprob.", registry=REGISTRY)
+CLIP_FRACTION = Gauge("zerokl_trainer_clip_fraction", "PPO clip fraction of the last PPO batch.",
+                      registry=REGISTRY)
+STALE_ROLLOUTS = Counter("zerokl_trainer_stale_rollouts",
+                         "Rollouts from older weights admitted by an explicit max_staleness.", registry=REGISTRY)
+
+_T = TypeVar("_T")
+
+
+def pin_owner(run: str) -> str:
+    """Who pins the run's latest resume point in the weight store (so retention never deletes it)."""
+    return f"trainer.{run}"
+
+
+@dataclass(frozen=True)
+class TrainerLimits:
+    """Request limits on top of the model's own (vocabulary, context length)."""
+
+    max_batch_tokens: int = 262_144     # prompt + completion ids over one request's sequences
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _completion_violations(c: Completion, where: str, vocab: int, max_len: int) -> list[FieldViolation]:
+    out = []
+    for name, ids in (("prompt_ids", c.prompt_ids), ("completion_ids", c.completion_ids)):
+        if not ids:
+            # The first completion token needs a context position; an empty
+            # completion has nothing to train on.
+            out.append(FieldViolation(f"{where}.{name}", "must hold at least one token id"))
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            out.append(FieldViolation(f"{where}.{name}",
+                                      f"ids {bad[:4]} are outside the vocabulary [0, {vocab})"))
+    if len(c.prompt_ids) + len(c.completion_ids) > max_len:
+        out.append(FieldViolation(where, f"{len(c.prompt_ids) + len(c.completion_ids)} tokens exceed the "
+                                         f"model's context length {max_len}"))
+    if not (math.isfinite(c.temperature) and c.temperature >= 0):
+        out.append(FieldViolation(f"{where}.temperature", f"{c.temperature} is not a finite value >= 0"))
+    if c.top_k < 0:
+        out.append(FieldViolation(f"{where}.top_k", f"{c.top_k} is negative (0 turns top-k off)"))
+    if not 0 < c.top_p <= 1:
+        out.append(FieldViolation(f"{where}.top_p", f"{c.top_p} is not in (0, 1]"))
+    return out
+
+
+def _raise_if(violations: Sequence[FieldViolation]) -> None:
+    if not violations:
+        return
+    shown = violations[:_MAX_REPORTED]
+    more = f" (and {len(violations) - len(shown)} more)" if len(violations) > len(shown) else ""
+    raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in shown) + more,
+                          field_violations=shown)
+
+
+def _is_version_name(name: str) -> bool:
+    try:
+        validate_version(name)
+    except InvalidArgument:
+        return False
+    return True
+
+
+def _tokens(seqs: Sequence[Completion]) -> int:
+    return sum(len(c.prompt_ids) + len(c.completion_ids) for c in seqs)
+
+
+# ----------------------------------------------------------------------------- the service logic
+
+class TrainerService:
+    """One trainer behind an RPC-shaped async API (see the module docstring for concurrency).
+
+    ``lineage`` lists the weight versions the trainer's weights have been, with
+    the step at which they were; its last entry names the current base
+    (:attr:`TrainerState.weights_version`). ``identity`` is what Info reports.
+    """
+
+    def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
+                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits()) -> None:
+        if not lineage:
+            raise ValueError("lineage must name the version the trainer starts from")
+        self.repo = repo
+        self.run = run
+        self.limits = limits
+        self._trainer = trainer
+        self._lineage = list(lineage)[-MAX_LINEAGE:]
+        self._identity = identity
+        self._pinned: str | None = None     # the resume point this trainer pins in the store
+        self._accumulated = 0
+        self._lock = asyncio.Lock()
+        # One thread for every tensor operation: the model is used by one
+        # thread at a time, always the same, in arrival order.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokl-trainer")
+        self._server: ServiceServer | None = None
+        STEP.set(trainer.step)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @property
+    def identity(self) -> ServiceIdentity:
+        return self._identity
+
+    @property
+    def trainer(self) -> Trainer:
+        """The current trainer (replaced by LoadWeights; use between calls only)."""
+        return self._trainer
+
+    def attach(self, server: ServiceServer) -> None:
+        """Report NOT_SERVING on ``server`` while weights are swapped."""
+        self._server = server
+
+    async def close(self) -> None:
+        """Wait for queued work, stop the compute thread and close the store."""
+        async with self._lock:
+            self._executor.shutdown(wait=True)
+        await self.repo.close()
+
+    async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
+        async def locked() -> _T:
+            async with self._lock:
+                return await work()
+        task = asyncio.ensure_future(locked())
+        # Retrieved here so a task whose caller went away never logs "exception never retrieved".
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
+
+    async def _compute(self, fn: Callable[..., _T], *args: Any, **kw: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args, **kw))
+
+    def _check_completions(self, seqs: Sequence[tuple[str, Completion]]) -> list[FieldViolation]:
+        config = self._trainer.model.config
+        out = []
+        for where, c in seqs:
+            out += _completion_violations(c, where, config.vocab_size, config.max_position_embeddings)
+        total = _tokens([c for _, c in seqs])
+        if total > self.limits.max_batch_tokens:
+            out.append(FieldViolation("batch", f"{total} tokens exceed this trainer's limit of "
+                                               f"{self.limits.max_batch_tokens} per request"))
+        return out
+
+    # ------------------------------------------------------------------ RPCs
+
+    async def forward_logprobs(self, completions: Sequence[Completion]) -> list[torch.Tensor]:
+        """Per-token fp32 logprobs of each completion under its sampling distribution."""
+        if not completions:
+            raise InvalidArgument.field("completions", "empty batch")
+
+        async def work() -> list[torch.Tensor]:
+            # Checked under the lock: a queued LoadWeights may change the vocabulary.
+            _raise_if(self._check_completions([(f"completions[{i}]", c) for i, c in enumerate(completions)]))
+            return await self._compute(self._trainer.forward_logprobs, list(completions))
+        return await self._exclusive(work)
+
+    async def forward_backward(self, batch: TrainBatch | None) -> ForwardBackwardResult:
+        """Accumulate the gradients of one objective; the method is the batch's type."""
+        if not isinstance(batch, (SFTBatch, DPOBatch, PPOBatch)):
+            raise InvalidArgument.field("batch", "set one of sft, dpo, ppo (unknown or missing method)")
+
+        async def work() -> ForwardBackwardResult:
+            # Checked under the lock: a queued LoadWeights may change the vocabulary.
+            self._check_batch(batch)
+            staleness = self._staleness(batch) if isinstance(batch, PPOBatch) else []
+            result = await self._compute(self._forward_backward, batch, staleness)
+            self._accumulated += 1
+            result = dataclasses.replace(result, accumulated_batches=self._accumulated)
+            TOKENS.inc(result.tokens)
+            TOKENS_PER_S.set(result.tokens_per_s)
+            if result.ppo is not None:
+                KL.set(result.ppo.kl)
+                MISMATCHED.inc(result.ppo.mismatched_tokens)
+                CLIP_FRACTION.set(result.ppo.clip_fraction)
+                STALE_ROLLOUTS.inc(result.ppo.stale_rollouts)
+            return result
+        return await self._exclusive(work)
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        if isinstance(batch, SFTBatch):
+            if not batch.completions:
+                raise InvalidArgument.field("sft.completions", "empty batch")
+            _raise_if(self._check_completions([(f"sft.completions[{i}]", c)
+                                               for i, c in enumerate(batch.completions)]))
+        elif isinstance(batch, DPOBatch):
+            if not batch.pairs:
+                raise InvalidArgument.field("dpo.pairs", "empty batch")
+            _raise_if(self._check_completions([(f"dpo.pairs[{i}].{side}", c) for i, pair in enumerate(batch.pairs)
+                                               for side, c in zip(("chosen", "rejected"), pair, strict=True)]))
+        else:
+            self._check_ppo(batch)
+
+    def _check_ppo(self, batch: PPOBatch) -> None:
+        rollouts = batch.rollouts
+        if not rollouts:
+            raise InvalidArgument.field("ppo.rollouts", "empty batch")
+        out = self._check_completions([(f"ppo.rollouts[{i}].completion", r.sequence) for i, r in enumerate(rollouts)])
+        for i, r in enumerate(rollouts):
+            where = f"ppo.rollouts[{i}]"
+            if len(r.logprobs) != len(r.sequence.completion_ids):
+                out.append(FieldViolation(f"{where}.logprobs", f"{len(r.logprobs)} logprobs for "
+                                                               f"{len(r.sequence.completion_ids)} completion ids"))
+            elif not all(math.isfinite(x) for x in r.logprobs):
+                out.append(FieldViolation(f"{where}.logprobs", "must be finite (a sampled token has p > 0)"))
+            if not math.isfinite(r.reward):
+                out.append(FieldViolation(f"{where}.reward", f"{r.reward} is not finite"))
+            if not r.weights_version:
+                out.append(FieldViolation(f"{where}.weights_version",
+                                          "required: the weights version the rollout was sampled under"))
+        n = len(rollouts)
+        if batch.advantages is not None:
+            if batch.group_size is not None:
+                out.append(FieldViolation("ppo.group_size", "give either group_size (GRPO) or advantages, not both"))
+            if len(batch.advantages) != n:
+                out.append(FieldViolation("ppo.advantages", f"{len(batch.advantages)} advantages for {n} rollouts"))
+            elif not all(math.isfinite(a) for a in batch.advantages):
+                out.append(FieldViolation("ppo.advantages", "must be finite"))
+        elif batch.group_size is None or batch.group_size <= 0:
+            out.append(FieldViolation("ppo.group_size", "required (> 0) unless advantages are given"))
+        elif n % batch.group_size:
+            out.append(FieldViolation("ppo.group_size", f"{batch.group_size} does not divide the {n} rollouts "
+                                                        "into whole groups"))
+        _raise_if(out)
+
+    def _staleness(self, batch: PPOBatch) -> list[int]:
+        """Per rollout, how many optimizer steps its weights are behind the trainer's.
+
+        FAILED_PRECONDITION for a version that is not an ancestor of the
+        current weights, or one staler than the batch admits (none unless it
+        sets max_staleness).
+        """
+        step = self._trainer.step
+        at = {e.version: e.step for e in self._lineage}     # later entries win
+        allowed = batch.max_staleness or 0
+        out: list[int] = []
+        bad: dict[str, list[int]] = {}
+        for i, r in enumerate(batch.rollouts):
+            lag = step - at[r.weights_version] if r.weights_version in at else None
+            out.append(-1 if lag is None else lag)
+            if lag is None or lag > allowed:
+                bad.setdefault(r.weights_version, []).append(i)
+        if not bad:
+            return out
+        current = self._lineage[-1]
+        violations = []
+        for version, rows in bad.items():
+            if version not in at:
+                violations.append(PreconditionViolation(
+                    "UNKNOWN_WEIGHTS_VERSION", version,
+                    f"rollouts {rows[:8]} were sampled under {version}, which is not among the weights this "
+                    f"trainer has had since {self._lineage[0].version}"))
+            else:
+                lag = step - at[version]
+                violations.append(PreconditionViolation(
+                    "STALE_WEIGHTS_VERSION", version,
+                    f"rollouts {rows[:8]} were sampled under {version}, {lag} optimizer step(s) behind the "
+                    f"trainer (step {step}); max_staleness is {allowed}"))
+        where = (f"{current.version}" if current.step == step
+                 else f"{current.version} + {step - current.step} step(s), unpublished")
+        raise FailedPrecondition(
+            f"{sum(len(r) for r in bad.values())} of {len(batch.rollouts)} rollouts are off-policy: the trainer's "
+            f"weights are {where}; sample under them, or set max_staleness to admit older rollouts. "
+            + "; ".join(v.description for v in violations),
+            precondition_violations=violations)
+
+    def _forward_backward(self, batch: TrainBatch, staleness: list[int]) -> ForwardBackwardResult:
+        """The tensor work of one ForwardBackward (on the compute thread)."""
+        trainer = self._trainer
+        ppo = None
+        if isinstance(batch, SFTBatch):
+            m = trainer.forward_backward("sft", list(batch.completions))
+        elif isinstance(batch, DPOBatch):
+            m = trainer.forward_backward("dpo", list(batch.pairs))
+        else:
+            rollouts: list[Rollout] = list(batch.rollouts)
+            if batch.advantages is not None:
+                advantages = torch.tensor(batch.advantages, dtype=torch.float32)
+            else:
+                # Exactly Trainer.grpo_step's advantages, so the two paths give the same bits.
+                advantages = group_advantages(torch.tensor([r.reward for r in rollouts]), batch.group_size or 1)
+            m = trainer.forward_backward("ppo", rollouts, advantages=advantages)
+            reward = float(sum(r.reward for r in rollouts) / len(rollouts))
+            stale = sum(1 for s in staleness if s > 0)
+            worst = max(staleness, default=0)
+            m |= {"reward": reward, "stale_rollouts": stale, "max_staleness": worst}
+            ppo = PPOMetrics(kl=m["kl"], mismatched_tokens=int(m["mismatched_tokens"]),
+                             clip_fraction=m["clip_fraction"], ratio_min=m["ratio_min"], ratio_max=m["ratio_max"],
+                             kl_reference=m["kl_reference"], reward_mean=reward, stale_rollouts=stale,
+                             max_staleness=worst)
+        return ForwardBackwardResult(
+            method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
+            step=trainer.step, accumulated_batches=0, ppo=ppo, metrics={k: float(v) for k, v in m.items()})
+
+    async def optim_step(self) -> OptimResult:
+        """Apply the accumulated gradients (FAILED_PRECONDITION when there are none)."""
+        async def work() -> OptimResult:
+            if self._accumulated == 0:
+                raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
+            m = await self._compute(self._trainer.optim_step)
+            self._accumulated = 0
+            STEP.set(m["step"])
+            return OptimResult(grad_norm=float(m["grad_norm"]), lr=float(m["lr"]), step=int(m["step"]))
+        return await self._exclusive(work)
+
+    async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
+                           weights_only: bool = False) -> tuple[WeightsManifest, bool]:
+        """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
+
+        Returns (manifest, created); created is False when the same checkpoint
+        was already published under that name (a retry).
+        """
+        metadata = dict(metadata or {})
+        reserved = sorted(k for k in metadata if k.startswith("zerokl."))
+        if reserved:
+            raise InvalidArgument.field("metadata", f"keys {reserved} are reserved (prefix 'zerokl.')")
+
+        async def work() -> tuple[WeightsManifest, bool]:
+            trainer = self._trainer
+            if self._accumulated and not weights_only:
+                raise FailedPrecondition(
+                    f"{self._accumulated} ForwardBackward batch(es) are accumulated but not applied: a resume point "
+                    "is a step boundary (call OptimStep first, or publish weights_only)")
+            name = version or default_version(self.run, trainer.step)
+            validate_version(name, "version")
+            entry = LineageEntry(name, trainer.step)
+            # A repeat of the save that made the current base writes the same files (same lineage).
+            repeat = self._lineage[-1] == entry
+            lineage = self._lineage if repeat else [*self._lineage, entry]
+            parent = lineage[-2].version if len(lineage) > 1 else ""
+            if not _is_version_name(parent):
+                parent = ""     # e.g. an --init directory whose name is no valid version id
+            spec = VersionSpec(
+                parent_version=parent, step=trainer.step, numerics_version=self._identity.numerics_version,
+                numerics_fingerprint=self._identity.numerics_fingerprint,
+                model_config=config_to_hf(trainer.model.config, trainer.model.dtype),
+                metadata={**metadata, META_RUN: self.run, META_STATE: "none" if weights_only else "full"})
+            with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
+                await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
+                                    weights_only=weights_only)
+                manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+            self._lineage = lineage[-MAX_LINEAGE:]
+            self._set_identity(self._identity.with_weights(name))
+            if not weights_only:
+                await self.pin_resume_point(name)
+            return manifest, created
+        return await self._exclusive(work)
+
+    async def pin_resume_point(self, version: str) -> None:
+        """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
+
+        Best effort: a failure is logged, not raised (the version is already
+        published; a pin is housekeeping).
+        """
+        owner = pin_owner(self.run)
+        try:
+            await self.repo.pin(version, owner)     # idempotent
+            if self._pinned not in (None, version):
+                await self.repo.unpin(self._pinned, owner)
+        except Exception as err:  # noqa: BLE001 - a pin is housekeeping; report it, keep training
+            log.warning("trainer: could not move the pin of run %s to %s: %s", self.run, version, err)
+            return
+        self._pinned = version
+
+    async def load_weights(self, version: str, restore_state: bool = False) -> TrainerState:
+        """Switch to a published version (``latest`` names the newest); pending gradients are dropped."""
+        if not version:
+            raise InvalidArgument.field("version", "required (a version id, or 'latest')")
+
+        async def work() -> TrainerState:
+            swapping = self._server.not_serving() if self._server is not None else contextlib.nullcontext()
+            async with swapping:
+                with tempfile.TemporaryDirectory(prefix="zerokl-trainer-load-") as tmp:
+                    manifest = await self.repo.fetch(version, pathlib.Path(tmp))
+                    ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
+                                               config=self._trainer.config, run=self.run)
+            trainer = ckpt.trainer
+            lineage = ckpt.lineage if restore_state else []
+            if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
+                lineage.append(LineageEntry(manifest.version, trainer.step))
+            self._trainer, self._lineage, self._accumulated = trainer, lineage[-MAX_LINEAGE:], 0
+            model = trainer.model
+            self._set_identity(self._identity.with_weights(manifest.version, model_config=model.config.to_dict()))
+            STEP.set(trainer.step)
+            return self._state()
+        return await self._exclusive(work)
+
+    async def state(self) -> TrainerState:
+        """Step, weights version and configuration (after any queued work)."""
+        async def work() -> TrainerState:
+            return self._state()
+        return await self._exclusive(work)
+
+    def _state(self) -> TrainerState:
+        t, base = self._trainer, self._lineage[-1]
+        return TrainerState(
+            run=self.run, step=t.step, weights_version=base.version, weights_step=base.step,
+            tokens_seen=t.tokens_seen, accumulated_batches=self._accumulated, config=t.config,
+            model_config_json=json.dumps(config_to_hf(t.model.config, t.model.dtype), sort_keys=True),
+            numerics_version=numerics_version, numerics_fingerprint=self._identity.numerics_fingerprint)
+
+    def _set_identity(self, identity: ServiceIdentity) -> None:
+        self._identity = identity
+        set_serving_info(identity)
+
+
+# ----------------------------------------------------------------------------- gRPC edge
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
+    """Serves ``zerokl.v1.Trainer`` from a :class:`TrainerService`."""
+
+    def __init__(self, service: TrainerService) -> None:
+        self._service = service
+
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        return identity_to_proto(self._service.identity)
+
+    async def ForwardLogprobs(self, request: trainer_pb2.ForwardLogprobsRequest,
+                              context: grpc.aio.ServicerContext) -> trainer_pb2.ForwardLogprobsResponse:
+        completions = [convert.completion_from_proto(c) for c in request.completions]
+        return convert.logprobs_to_proto(await self._service.forward_logprobs(completions))
+
+    async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest,
+                              context: grpc.aio.ServicerContext) -> trainer_pb2.ForwardBackwardResponse:
+        result = await self._service.forward_backward(convert.batch_from_proto(request))
+        return convert.forward_backward_result_to_proto(result)
+
+    async def OptimStep(self, request: trainer_pb2.OptimStepRequest,
+                        context: grpc.aio.ServicerContext) -> trainer_pb2.OptimStepResponse:
+        return convert.optim_result_to_proto(await self._service.optim_step())
+
+    async def SaveWeights(self, request: trainer_pb2.SaveWeightsRequest,
+                          context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
+        manifest, created = await self._service.save_weights(request.version, dict(request.metadata),
+                                                             request.weights_only)
+        return convert.save_result_to_proto(manifest, created)
+
+    async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
+                          context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
+        return convert.state_to_proto(await self._service.load_weights(request.version, request.restore_state))
+
+    async def GetState(self, request: trainer_pb2.GetStateRequest,
+                       context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
+        return convert.state_to_proto(await self._service.state())
+
+
+def add_trainer_service(server: ServiceServer, service: TrainerService) -> None:
+    """Register ``zerokl.v1.Trainer`` on ``server`` (which reports NOT_SERVING during LoadWeights)."""
+    service.attach(server)
+    server.add_servicer(trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(service), TRAINER_SERVICE)
