@@ -1,0 +1,250 @@
+"""``zerokl serve trainer`` / ``python -m zerokl.services.trainer``.
+
+Checkpoints go to a weight store: a local directory used in-process
+(``--weights-dir``, the embedded default, ``$ZEROKL_WEIGHTS_DIR`` or
+``~/.zerokl/weights``) or a weight-store service (``--weight-store ADDR``).
+
+On start the trainer RESUMES: if its run (``--run``) has published a version
+with trainer state, it continues from the newest one (weights, adapters,
+optimizer, step, lineage and the run's TrainConfig; hyperparameter flags that
+differ are reported and ignored), so a restarted trainer neither loses nor
+repeats a step. Otherwise it starts from ``--init``:
+
+- ``preset:NAME[:seedN]``: a seeded random model of a preset; its weights
+  version is ``preset-NAME-seedN``, the name an inference replica started with
+  ``--preset NAME --seed N`` reports, so rollouts from such a replica are on-policy;
+- a checkpoint directory (config.json + safetensors): version = its name;
+- otherwise a version in the weight store (or ``latest``).
+
+On start one line goes to stdout, ``trainer listening on HOST:PORT ...``,
+which ``zerokl up`` and the tests read.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.kernels import device_name, fingerprint, get_backend
+from zerokl.model import Model, ModelConfig
+from zerokl.services.runtime.errors import InvalidArgument
+from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
+from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, create_channel, options_from_args, serve
+from zerokl.services.trainer.checkpointing import (
+    LineageEntry,
+    LocalWeights,
+    RemoteWeights,
+    WeightsRepo,
+    find_resume_point,
+    load_serving_model,
+    read_checkpoint,
+)
+from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.weightstore.backends import LocalDirBackend
+from zerokl.services.weightstore.store import VersionStore, validate_name
+
+__all__ = ["DEFAULT_PORT", "DEFAULT_INIT", "build_parser", "train_config_from_args", "open_repo", "start_trainer",
+           "make_identity", "main"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 50053
+DEFAULT_INIT = "preset:tiny:seed0"
+_PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The trainer's command line."""
+    p = argparse.ArgumentParser(prog="zerokl serve trainer",
+                                description="SFT, DPO and GRPO/PPO-clip on the serving forward, over gRPC.")
+    j = p.add_argument_group("job")
+    j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
+                   help="name of the job; versions are published as <run>-step<N> and a restart resumes the "
+                        "run's newest one (default $ZEROKL_RUN or %(default)s)")
+    j.add_argument("--init", default=DEFAULT_INIT,
+                   help="starting weights when the run has nothing to resume: preset:NAME[:seedN], a checkpoint "
+                        "directory, or a weight-store version (default %(default)s)")
+    s = p.add_argument_group("weight store")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--weight-store", metavar="ADDR", help="host:port of a weight-store service")
+    where.add_argument("--weights-dir", metavar="DIR", default=None,
+                       help="local version directory used in-process (default $ZEROKL_WEIGHTS_DIR or "
+                            "~/.zerokl/weights)")
+    s.add_argument("--weight-store-wait", type=float, default=30.0,
+                   help="seconds to wait for the weight-store service to answer at start (default %(default)s)")
+    t = p.add_argument_group("training (a resumed run keeps its own)")
+    d = TrainConfig()
+    t.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"))
+    t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm, 0 = off")
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    t.add_argument("--total-steps", type=int, default=d.total_steps,
+                   help="> 0: cosine decay to 10%% of lr by this step; 0: constant after warmup")
+    t.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train LoRA adapters only")
+    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
+    t.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO clip range")
+    t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
+    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta)
+    t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
+    p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
+                   help="prompt + completion ids per request at most (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
+                        "small CPU host 1 avoids threads spinning against the server's own")
+    p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
+    add_server_arguments(p, DEFAULT_PORT)
+    return p
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the flags describe."""
+    return TrainConfig(lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
+                       warmup_steps=args.warmup_steps, total_steps=args.total_steps, lora_rank=args.lora_rank,
+                       lora_alpha=args.lora_alpha, clip_eps=args.clip_eps, kl_coef=args.kl_coef,
+                       dpo_beta=args.dpo_beta, seed=args.seed)
+
+
+async def open_repo(args: argparse.Namespace) -> WeightsRepo:
+    """The store the flags select; a remote one must answer within --weight-store-wait."""
+    if args.weight_store:
+        channel = create_channel(args.weight_store, token=_token(args))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), args.weight_store_wait)
+        except asyncio.TimeoutError:
+            await channel.close()
+            raise SystemExit(f"--weight-store {args.weight_store}: no answer within "
+                             f"{args.weight_store_wait}s") from None
+        return RemoteWeights(channel, args.weight_store)
+    from zerokl.services.weightstore.server import DEFAULT_ROOT
+    return LocalWeights(VersionStore(LocalDirBackend(args.weights_dir or DEFAULT_ROOT)))
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    # The hop to the weight store carries this server's own token: one cluster, one token.
+    from zerokl.services.runtime.auth import load_auth_token
+    return load_auth_token(args.auth_token_file)
+
+
+def make_identity(model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
+    """What this trainer computes with (the same fields an inference replica reports)."""
+    device = model.embed_tokens.weight.device
+    return ServiceIdentity(
+        service="trainer", replica_id=replica_id or default_replica_id("trainer"), numerics_version=numerics_version,
+        numerics_fingerprint=fingerprint(device=device, dtype=model.dtype), backend=get_backend(),
+        device=device_name(), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
+        model_config_hash=model_config_hash(model.config.to_dict()))
+
+
+@dataclass
+class Started:
+    """A trainer ready to serve: how it got its weights, for the listening line and logs."""
+
+    service: TrainerService
+    resumed_from: str | None
+
+
+async def _init_model(spec: str, repo: WeightsRepo) -> tuple[Model, str]:
+    """The starting model of --init and the version name it is known by."""
+    m = _PRESET.fullmatch(spec)
+    if m:
+        seed = int(m.group(2) or 0)
+        try:
+            config = ModelConfig.preset(m.group(1))
+        except ValueError as err:
+            raise SystemExit(f"--init {spec}: {err}") from None
+        return Model(config, seed=seed), f"preset-{m.group(1)}-seed{seed}"
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SystemExit(f"--init {spec}: no config.json in that directory")
+        return await asyncio.to_thread(load_serving_model, path), path.resolve().name
+    with tempfile.TemporaryDirectory(prefix="zerokl-trainer-init-") as tmp:
+        manifest = await repo.fetch(spec, pathlib.Path(tmp))
+        return await asyncio.to_thread(load_serving_model, tmp), manifest.version
+
+
+async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
+    """Resume the run from its newest resume point, or start it from --init."""
+    config = train_config_from_args(args)
+    limits = TrainerLimits(max_batch_tokens=args.max_batch_tokens)
+    point = await find_resume_point(repo, args.run)
+    if point is not None:
+        with tempfile.TemporaryDirectory(prefix="zerokl-trainer-resume-") as tmp:
+            manifest = await repo.fetch(point.version, pathlib.Path(tmp))
+            ckpt = await asyncio.to_thread(read_checkpoint, tmp, restore_state=True, config=config, run=args.run)
+        trainer = ckpt.trainer
+        differ = [f.name for f in dataclasses.fields(TrainConfig)
+                  if getattr(trainer.config, f.name) != getattr(config, f.name)]
+        if differ:
+            print(f"trainer: resuming run {args.run} with its own config; ignoring flags that differ: "
+                  f"{', '.join(differ)}", file=sys.stderr, flush=True)
+        lineage = ckpt.lineage
+        if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
+            lineage.append(LineageEntry(manifest.version, trainer.step))
+        identity = make_identity(trainer.model, manifest.version, args.replica_id)
+        service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits)
+        # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
+        await service.pin_resume_point(manifest.version)
+        return Started(service, manifest.version)
+    model, version = await _init_model(args.init, repo)
+    trainer = await asyncio.to_thread(Trainer, model, config)
+    identity = make_identity(model, version, args.replica_id)
+    service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,
+                             limits=limits)
+    return Started(service, None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the trainer until SIGTERM/SIGINT; returns the exit status."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    options = options_from_args(args)
+    try:
+        validate_name(args.run, "--run")
+    except InvalidArgument as err:
+        raise SystemExit(str(err)) from None
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    async def run() -> None:
+        repo = await open_repo(args)
+        try:
+            started = await start_trainer(args, repo)
+        except BaseException:
+            await repo.close()
+            raise
+        service = started.service
+
+        def setup(server: ServiceServer) -> None:
+            add_trainer_service(server, service)
+            set_serving_info(service.identity)
+
+        def ready(server: ServiceServer, metrics: MetricsServer | None) -> None:
+            where = f" metrics on :{metrics.port}" if metrics is not None else ""
+            how = f"resumed from {started.resumed_from}" if started.resumed_from else f"init {args.init}"
+            # One parseable line on stdout: `zerokl up` and the tests wait for it to learn the port.
+            print(f"trainer listening on {server.address}{where} run: {args.run} step: {service.trainer.step} "
+                  f"weights: {service.identity.weights_version} fingerprint: "
+                  f"{service.identity.numerics_fingerprint} ({how}; store: {repo.describe()})", flush=True)
+
+        try:
+            await serve("trainer", setup, options, metrics_port=args.metrics_port, metrics_host=args.host,
+                        on_ready=ready)
+        finally:
+            await service.close()
+
+    asyncio.run(run())
+    return 0
