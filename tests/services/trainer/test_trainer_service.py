@@ -1,0 +1,470 @@
+"""The trainer service over real loopback gRPC: exact parity with the in-process Trainer, checkpoints
+as weight-store versions, resume after SIGKILL (bitwise), staleness, bad input.
+
+Every parity claim is exact: torch.equal on fp32 logprobs and weights, == on the metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import urllib.request
+from typing import AsyncIterator, Awaitable, Iterator, Sequence
+
+import grpc
+import grpc.aio
+import pytest
+import torch
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.kernels import fingerprint
+from zerokl.model import Model, ModelConfig
+from zerokl.model.checkpoint import config_to_hf
+from zerokl.services.engine.engine import Engine, run_to_completion
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details
+from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
+from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
+from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.types import PPOBatch
+from zerokl.services.weightstore import LocalDirBackend, VersionStore
+from zerokl.services.weightstore.service import add_weight_store
+from zerokl.v1 import trainer_pb2, trainer_pb2_grpc
+
+TINY = ModelConfig.preset("tiny")
+INIT = "preset-tiny-seed0"                  # the weights version of --init preset:tiny:seed0
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+FAILED = grpc.StatusCode.FAILED_PRECONDITION
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _prompts(k: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(3, 64) for _ in range(rng.randint(4, 30))) for _ in range(k)]
+
+
+def _sft_data(seed: int = 0) -> list[Completion]:
+    return [Completion(p, (7, 8, 9, 10, 11)) for p in _prompts(4, seed)]
+
+
+def _flags(config: TrainConfig) -> list[str]:
+    """Command-line flags giving ``config`` (the fields these tests vary)."""
+    return ["--lr", repr(config.lr), "--warmup-steps", str(config.warmup_steps), "--total-steps",
+            str(config.total_steps), "--lora-rank", str(config.lora_rank), "--kl-coef", repr(config.kl_coef),
+            "--dpo-beta", repr(config.dpo_beta)]
+
+
+def _reference(config: TrainConfig) -> Trainer:
+    """The in-process trainer the service must match (--init preset:tiny:seed0)."""
+    return Trainer(Model(TINY, seed=0), config)
+
+
+def _engine_rollouts(trainer: Trainer, prompts: Sequence[tuple[int, ...]], version: str, n: int = 4,
+                     seed: int = 0, top_p: float = 0.9) -> list[Rollout]:
+    """Sample with the inference engine on the trainer's serving weights: real behaviour logprobs.
+
+    The reward is the fraction of ids below 16 (a quarter of the vocabulary), so
+    rewards differ within a group and the advantages are not all zero.
+    With a KL reference use top_p 1: a sampled token outside the reference's own
+    nucleus has reference logprob -inf, and the k3 penalty is then inf on both sides.
+    """
+    engine = Engine(trainer.serving_model(), EngineConfig(max_num_batched_tokens=64))
+    opts = SamplingOptions(temperature=1.0, top_p=top_p, max_tokens=6, n=n, seed=seed, ignore_eos=True)
+    requests = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(prompts)]
+    outs = run_to_completion(engine, requests)
+    rollouts = []
+    for r in requests:
+        per: dict[int, tuple[list[int], list[float]]] = {}
+        for d in outs[r.request_id]:
+            toks, lps = per.get(d.index, ([], []))
+            per[d.index] = (toks + list(d.token_ids), lps + list(d.logprobs))
+        for i in range(n):
+            toks, lps = per[i]
+            rollouts.append(Rollout(Completion(r.prompt_ids, tuple(toks), 1.0, 0, top_p), tuple(lps),
+                                    sum(t < 16 for t in toks) / len(toks), version))
+    assert len({r.reward for r in rollouts}) > 1
+
+    return rollouts
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), name
+
+
+@contextlib.asynccontextmanager
+async def trainer_server(store: pathlib.Path | str, *flags: str) -> AsyncIterator[tuple[TrainerClient, TrainerService]]:
+    """The trainer as `zerokl serve trainer` builds it (same flags, same start-up), on a loopback port.
+
+    ``store``: a local version directory (a path), or a weight-store service's address (a string).
+    """
+    where = ["--weights-dir", str(store)] if isinstance(store, pathlib.Path) else ["--weight-store", store]
+    args = build_parser().parse_args([*where, "--port", "0", *flags])
+    repo = await open_repo(args)
+    service = (await start_trainer(args, repo)).service
+    server = ServiceServer("trainer")
+    add_trainer_service(server, service)
+    await server.start()
+    try:
+        async with TrainerClient(server.address) as client:
+            yield client, service
+    finally:
+        await server.drain(0)
+        await service.close()
+
+
+async def _status(call: Awaitable[object]) -> grpc.aio.AioRpcError:
+    try:
+        await call
+    except grpc.aio.AioRpcError as err:
+        return err
+    raise AssertionError("the call succeeded")
+
+
+def _fields(err: grpc.aio.AioRpcError) -> list[str]:
+    return [v.field for v in field_violations(err)]
+
+
+def _preconditions(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    return [(v.type, v.subject) for d in status_details(err) if isinstance(d, error_details_pb2.PreconditionFailure)
+            for v in d.violations]
+
+
+# ----------------------------------------------------------------------------- parity
+
+def test_forward_logprobs_over_grpc_are_bitwise_the_trainers(tmp_path: pathlib.Path) -> None:
+    reference = _reference(TrainConfig())
+    prompts = _prompts(5, 1)
+    completions = [Completion(prompts[0], (5, 9, 33)),                         # defaults: temperature 1
+                   Completion(prompts[1], (3, 4, 5, 6), temperature=0.0),      # greedy: plain log-softmax
+                   Completion(prompts[2], (40, 41), temperature=0.7, top_p=0.9),
+                   Completion(prompts[3], (12,), temperature=1.3, top_k=5),
+                   Completion(prompts[4], tuple(range(3, 40)), temperature=0.5, top_k=8, top_p=0.8)]
+    want = reference.forward_logprobs(completions)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w") as (client, _):
+            got = await client.forward_logprobs(completions)
+            alone = [(await client.forward_logprobs([c]))[0] for c in completions[::2]]
+            info = await client.info()
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == torch.float32 and torch.equal(g, w)
+        for g, w in zip(alone, want[::2], strict=True):  # batch neighbours do not change the bits
+            assert torch.equal(g, w)
+        assert (info.service, info.weights_version, info.numerics_fingerprint) == ("trainer", INIT, fingerprint())
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_sft_dpo_grpo_steps_over_grpc_give_bitwise_the_in_process_weights(tmp_path: pathlib.Path, lora: int) -> None:
+    config = TrainConfig(lr=3e-3, warmup_steps=1, total_steps=5, lora_rank=lora, kl_coef=0.05 if lora else 0.0)
+    reference = _reference(config)
+    sft = _sft_data(2)
+    pairs = [(Completion(p, (7, 7, 7)), Completion(p, (9, 9, 9))) for p in _prompts(3, 3)]
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config)) as (client, service):
+            # SFT, then DPO: ForwardBackward + OptimStep over the wire vs the in-process steps.
+            for method, items, step_fn in (("sft", sft, reference.sft_step), ("dpo", pairs, reference.dpo_step)):
+                fb = await client.forward_backward(method, items)
+                opt = await client.optim_step()
+                want = step_fn(items)
+                assert (fb.method, fb.loss, fb.tokens, opt.grad_norm, opt.lr, opt.step) == \
+                    (method, want["loss"], want["tokens"], want["grad_norm"], want["lr"], want["step"])
+            # GRPO on real engine rollouts of the current (published) weights: KL exactly 0.
+            manifest, created = await client.save_weights()
+            assert created and manifest.version == "default-step000002"
+            rollouts = _engine_rollouts(reference, _prompts(2, 5), manifest.version, top_p=1.0 if lora else 0.9)
+            fb, opt = await client.grpo_step(rollouts, group_size=4)
+            want = reference.grpo_step(rollouts, group_size=4)
+            assert fb.ppo is not None
+            assert (fb.ppo.kl, fb.ppo.mismatched_tokens, fb.ppo.clip_fraction, fb.ppo.ratio_min, fb.ppo.ratio_max) \
+                == (0.0, 0, 0.0, 1.0, 1.0)
+            assert math.isfinite(fb.loss)
+            assert (fb.loss, fb.ppo.kl_reference, fb.ppo.reward_mean, fb.tokens) == \
+                (want["loss"], want["kl_reference"], want["reward"], want["tokens"])
+            assert (fb.ppo.stale_rollouts, fb.ppo.max_staleness, fb.metrics["kl"]) == (0, 0, 0.0)
+            assert (opt.grad_norm, opt.step) == (want["grad_norm"], want["step"])
+            _assert_same_weights(service.trainer.model.state_dict(), reference.model.state_dict())
+            # What the next version serves is bitwise the in-process trainer's serving weights.
+            manifest, _ = await client.save_weights()
+            served = Model.from_pretrained(tmp_path / "w" / "versions" / manifest.version)
+            _assert_same_weights(served.state_dict(), reference.serving_state_dict())
+    asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def test_save_weights_publishes_a_version_with_manifest_and_state(tmp_path: pathlib.Path) -> None:
+    config = TrainConfig(lr=3e-3, lora_rank=4)
+    reference = _reference(config)
+    data = _sft_data(5)
+    reference.sft_step(data)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config), "--run", "job") as (client, _):
+            await client.forward_backward("sft", data)
+            err = await _status(client.save_weights())     # gradients pending: not a step boundary
+            assert err.code() is FAILED and "OptimStep" in (err.details() or "")
+            await client.optim_step()
+            manifest, created = await client.save_weights(metadata={"note": "first"})
+            assert created and manifest.version == "job-step000001"
+            spec = manifest.spec
+            assert (spec.parent_version, spec.step, spec.numerics_version, spec.numerics_fingerprint) == \
+                (INIT, 1, numerics_version, fingerprint())
+            assert spec.model_config == config_to_hf(TINY, torch.float32)
+            assert spec.metadata == {"note": "first", "zerokl.run": "job", "zerokl.trainer_state": "full"}
+            assert {s.name for s in manifest.shards} == {"config.json", "model.safetensors", STATE_JSON, STATE_TENSORS}
+            version_dir = tmp_path / "w" / "versions" / manifest.version
+            assert json.loads((version_dir / STATE_JSON).read_text())["lineage"] == [[INIT, 0], ["job-step000001", 1]]
+            _assert_same_weights(Model.from_pretrained(version_dir).state_dict(), reference.serving_state_dict())
+            assert (await client.info()).weights_version == "job-step000001"
+            # The same checkpoint again (a retried call): the existing version, byte for byte.
+            again, created = await client.save_weights()
+            assert (again, created) == (manifest, False)
+            # A serving-only version: no trainer state, its parent is the previous version.
+            light, _ = await client.save_weights("job-light", weights_only=True)
+            assert light.spec.parent_version == "job-step000001"
+            assert {s.name for s in light.shards} == {"config.json", "model.safetensors"}
+            err = await _status(client.load_weights("job-light", restore_state=True))
+            assert err.code() is FAILED and "no trainer state" in (err.details() or "")
+            assert (await _status(client.save_weights(metadata={"zerokl.run": "x"}))).code() is INVALID
+            # LoadWeights restores the state exactly; without state, the weights become a fresh base.
+            await client.forward_backward("sft", data)
+            await client.optim_step()
+            state = await client.load_weights("job-step000001", restore_state=True)
+            assert (state.step, state.weights_version, state.weights_step, state.accumulated_batches) == \
+                (1, "job-step000001", 1, 0)
+            assert state.config == config
+            step2 = await client.forward_backward("sft", data), await client.optim_step()
+            want = reference.sft_step(data)
+            assert (step2[0].loss, step2[1].grad_norm) == (want["loss"], want["grad_norm"])
+            fresh = await client.load_weights("job-light")
+            assert (fresh.step, fresh.weights_version, fresh.tokens_seen) == (0, "job-light", 0)
+            assert (await _status(client.load_weights("no-such-version"))).code() is grpc.StatusCode.NOT_FOUND
+
+        # A new trainer started from a published version (--init VERSION) serves exactly its weights.
+        async with trainer_server(tmp_path / "w", "--run", "other", "--init", "job-step000001") as (client, svc):
+            state = await client.get_state()
+            assert (state.run, state.step, state.weights_version) == ("other", 0, "job-step000001")
+            _assert_same_weights(svc.trainer.serving_state_dict(), Model.from_pretrained(version_dir).state_dict())
+    asyncio.run(main())
+
+
+def test_checkpoints_through_a_weight_store_service_pinned_against_retention(tmp_path: pathlib.Path) -> None:
+    data = _sft_data(3)
+    probe = [Completion(p, (9, 10, 11)) for p in _prompts(3, 11)]
+
+    async def main() -> None:
+        store = VersionStore(LocalDirBackend(tmp_path / "store"), keep_last=1)
+        weight_store = ServiceServer("weight-store")
+        add_weight_store(weight_store, store, ServiceIdentity("weight-store", "ws-test"), watch_poll_s=0.2)
+        await weight_store.start()
+        try:
+            async with trainer_server(weight_store.address, "--run", "remote") as (client, _):
+                for _ in range(2):
+                    await client.forward_backward("sft", data)
+                    await client.optim_step()
+                    await client.save_weights()
+                want = await client.forward_logprobs(probe)
+                # Newer than the resume point: with keep_last=1 retention deletes every older unpinned version.
+                await client.save_weights("remote-light", weights_only=True)
+            assert [m.version for m in store.manifests()] == ["remote-step000002", "remote-light"]
+            assert store.pins("remote-step000002") == ("trainer.remote",)
+            async with trainer_server(weight_store.address, "--run", "remote") as (client, _):
+                state = await client.get_state()
+                assert (state.step, state.weights_version) == (2, "remote-step000002")
+                for got, w in zip(await client.forward_logprobs(probe), want, strict=True):
+                    assert torch.equal(got, w)
+                err = await _status(client.load_weights("remote-step000001"))  # deleted by retention
+                assert err.code() is grpc.StatusCode.NOT_FOUND
+        finally:
+            await weight_store.drain(0)
+    asyncio.run(main())
+
+
+def _start(weights_dir: pathlib.Path, config: TrainConfig, module: Sequence[str],
+           *extra: str) -> tuple[subprocess.Popen, str, str]:
+    """A trainer process; (process, address, its listening line)."""
+    proc = subprocess.Popen([sys.executable, "-m", *module, "--weights-dir", str(weights_dir), "--run", "job",
+                             "--port", "0", "--threads", "1", *_flags(config), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("trainer listening on 127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(f"trainer did not start: {line!r} {proc.stderr.read()}")  # type: ignore[union-attr]
+    return proc, line.split()[3], line
+
+
+@contextlib.contextmanager
+def _reaped(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_a_killed_trainer_resumes_at_its_last_version_and_continues_bitwise(tmp_path: pathlib.Path) -> None:
+    """SIGKILL after publishing step 2 (and mid-way into step 3): the restarted process resumes at step 2 and
+    its step 3 is bitwise the uninterrupted run's, LoRA adapters, AdamW moments, LR schedule and KL reference
+    included."""
+    config = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=6, lora_rank=4, kl_coef=0.05)
+    reference = _reference(config)                      # the uninterrupted run
+    data = _sft_data(6)
+    weights = tmp_path / "w"
+
+    async def before_kill(address: str) -> None:
+        async with TrainerClient(address) as client:
+            await client.forward_backward("sft", data)
+            await client.optim_step()
+            assert (await client.save_weights())[0].version == "job-step000001"
+            reference.sft_step(data)
+            rollouts = _engine_rollouts(reference, _prompts(2, 7), "job-step000001", seed=1, top_p=1.0)
+            await client.grpo_step(rollouts, group_size=4)
+            await client.save_weights()
+            reference.grpo_step(rollouts, group_size=4)
+            await client.forward_backward("sft", data)  # step 3 under way, never applied
+
+    async def after_restart(address: str) -> None:
+        async with TrainerClient(address) as client:
+            state = await client.get_state()
+            assert (state.step, state.weights_version, state.accumulated_batches, state.config) == \
+                (2, "job-step000002", 0, config)
+            rollouts = _engine_rollouts(reference, _prompts(2, 8), "job-step000002", seed=2, top_p=1.0)
+            for got, want in zip(await client.forward_logprobs([r.sequence for r in rollouts]),
+                                 reference.forward_logprobs([r.sequence for r in rollouts]), strict=True):
+                assert torch.equal(got, want)           # identical weights after the restart
+            fb, opt = await client.grpo_step(rollouts, group_size=4)
+            want = reference.grpo_step(rollouts, group_size=4)
+            assert fb.ppo is not None and (fb.ppo.kl, fb.ppo.mismatched_tokens) == (0.0, 0)
+            assert 0.0 < fb.ppo.kl_reference < math.inf     # the restored reference is in use
+            assert (fb.loss, fb.ppo.kl_reference, opt.grad_norm, opt.lr, opt.step) == \
+                (want["loss"], want["kl_reference"], want["grad_norm"], want["lr"], 3)
+            manifest, _ = await client.save_weights()
+            assert (manifest.version, manifest.spec.parent_version) == ("job-step000003", "job-step000002")
+
+    first, address, _ = _start(weights, config, ["zerokl", "serve", "trainer"])
+    with _reaped(first):
+        asyncio.run(before_kill(address))
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    proc, address, line = _start(weights, config, ["zerokl.services.trainer"], "--metrics-port", "0")
+    with _reaped(proc):
+        assert " step: 2 " in line and "resumed from job-step000002" in line
+        asyncio.run(after_restart(address))
+        port = line.split("metrics on :")[1].split()[0]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "zerokl_trainer_step 3.0" in metrics and "zerokl_trainer_train_inference_kl 0.0" in metrics
+        assert 'service="trainer"' in metrics and 'weights_version="job-step000003"' in metrics
+        proc.send_signal(signal.SIGTERM)                # drains and exits cleanly
+        assert proc.wait(timeout=30) == 0
+    served = Model.from_pretrained(weights / "versions" / "job-step000003")
+    _assert_same_weights(served.state_dict(), reference.serving_state_dict())
+
+
+# ----------------------------------------------------------------------------- staleness and bad input
+
+def test_rollouts_from_other_weights_are_refused_unless_max_staleness_admits_them(tmp_path: pathlib.Path) -> None:
+    reference = _reference(TrainConfig())
+    rollouts = _engine_rollouts(reference, _prompts(1, 9), INIT)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w") as (client, _):
+            await client.forward_backward("sft", _sft_data())
+            await client.optim_step()                       # the weights are now one step past INIT
+            err = await _status(client.forward_backward("ppo", rollouts, group_size=4))
+            assert err.code() is FAILED and _preconditions(err) == [("STALE_WEIGHTS_VERSION", INIT)]
+            assert "max_staleness" in (err.details() or "")
+            err = await _status(client.forward_backward("ppo", rollouts, group_size=4, max_staleness=0))
+            assert err.code() is FAILED
+            foreign = [Rollout(r.sequence, r.logprobs, r.reward, "someone-elses-v9") for r in rollouts]
+            err = await _status(client.forward_backward("ppo", foreign, group_size=4, max_staleness=5))
+            assert err.code() is FAILED and _preconditions(err) == [("UNKNOWN_WEIGHTS_VERSION", "someone-elses-v9")]
+            assert (await client.get_state()).accumulated_batches == 0   # refused calls accumulate nothing
+            fb = await client.forward_backward("ppo", rollouts, group_size=4, max_staleness=1)
+            assert fb.ppo is not None and (fb.ppo.stale_rollouts, fb.ppo.max_staleness) == (4, 1)
+            assert fb.ppo.mismatched_tokens > 0 and fb.ppo.kl != 0.0     # off-policy by one step: measured
+            await client.optim_step()
+            manifest, _ = await client.save_weights()
+            fresh = [Rollout(r.sequence, r.logprobs, r.reward, manifest.version) for r in rollouts]
+            fb = await client.forward_backward("ppo", fresh, group_size=4)
+            assert fb.ppo is not None and (fb.ppo.stale_rollouts, fb.ppo.max_staleness) == (0, 0)
+    asyncio.run(main())
+
+
+def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: pathlib.Path) -> None:
+    good = Completion((5, 6, 7), (8, 9))
+    rollout = Rollout(good, (-1.0, -2.0), 1.0, INIT)
+
+    def ppo(*rs: Rollout, **kw: object) -> PPOBatch:
+        return PPOBatch(tuple(rs), **kw)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w") as (client, _):
+            stub = trainer_pb2_grpc.TrainerStub(client.channel)
+            logprob_cases = [
+                ([], "completions"),
+                ([Completion((5, 64), (8,))], "completions[0].prompt_ids"),
+                ([good, Completion((5,), (8, -1))], "completions[1].completion_ids"),
+                ([Completion((5,), ())], "completions[0].completion_ids"),
+                ([Completion((), (8,))], "completions[0].prompt_ids"),
+                ([Completion((5,), (8,), top_p=0.0)], "completions[0].top_p"),
+                ([Completion((5,), (8,), temperature=-1.0)], "completions[0].temperature"),
+                ([Completion((5,), (8,), top_k=-2)], "completions[0].top_k"),
+                ([Completion(tuple([5] * 500), tuple([6] * 20))], "completions[0]"),
+            ]
+            for completions, field in logprob_cases:
+                err = await _status(client.forward_logprobs(completions))
+                assert (err.code(), field in _fields(err)) == (INVALID, True), (field, err.details())
+            batch_cases = [
+                (ppo(rollout, rollout, rollout, rollout, group_size=3), "ppo.group_size"),
+                (ppo(rollout, rollout), "ppo.group_size"),
+                (ppo(rollout, group_size=0), "ppo.group_size"),
+                (ppo(Rollout(good, (-1.0,), 1.0, INIT), group_size=1), "ppo.rollouts[0].logprobs"),
+                (ppo(Rollout(good, (-1.0, float("nan")), 1.0, INIT), group_size=1), "ppo.rollouts[0].logprobs"),
+                (ppo(Rollout(good, (-1.0, -2.0), 1.0, ""), group_size=1), "ppo.rollouts[0].weights_version"),
+                (ppo(rollout, rollout, advantages=(1.0,)), "ppo.advantages"),
+                (ppo(rollout, group_size=1, advantages=(1.0,)), "ppo.group_size"),
+                (ppo(), "ppo.rollouts"),
+            ]
+            for batch, field in batch_cases:
+                err = await _status(client.forward_backward_batch(batch))
+                assert (err.code(), field in _fields(err)) == (INVALID, True), (field, err.details())
+            bad_pair = (good, Completion((5,), (99,)))
+            for method, items, field in (("sft", [], "sft.completions"), ("dpo", [], "dpo.pairs"),
+                                         ("dpo", [bad_pair], "dpo.pairs[0].rejected.completion_ids")):
+                err = await _status(client.forward_backward(method, items))
+                assert (err.code(), field in _fields(err)) == (INVALID, True), (field, err.details())
+            # No batch set: what a server sees from a client using a method it does not know.
+            err = await _status(stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest()))
+            assert err.code() is INVALID and _fields(err) == ["batch"]
+            assert (await _status(client.optim_step())).code() is FAILED           # nothing accumulated
+            assert (await _status(client.save_weights("../escape"))).code() is INVALID
+            assert (await _status(client.load_weights(""))).code() is INVALID
+            assert (await _status(client.load_weights("nope"))).code() is grpc.StatusCode.NOT_FOUND
+            # Nothing of the above changed the trainer, and it still serves.
+            state = await client.get_state()
+            assert (state.step, state.accumulated_batches, state.tokens_seen, state.weights_version) == (0, 0, 0, INIT)
+            [lp] = await client.forward_logprobs([good])
+            assert torch.equal(lp, _reference(TrainConfig()).forward_logprobs([good])[0])
+            health = await health_pb2_grpc.HealthStub(client.channel).Check(
+                health_pb2.HealthCheckRequest(service=TRAINER_SERVICE))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    asyncio.run(main())
