@@ -3,6 +3,7 @@
     zerokl verify [--backend torch|triton|all]   batch-invariance self-test on this machine
     zerokl info                                   numerics version and fingerprints
     zerokl serve prefill|decode|weight-store ...  run one service (`zerokl serve decode --help`)
+    zerokl up [--workdir DIR]                     every service on loopback until Ctrl-C
     zerokl generate [PROMPT | --prompt-ids 1,2,3] stream a completion from a prefill or decode replica
 """
 from __future__ import annotations
@@ -73,6 +74,11 @@ def _serve(args: argparse.Namespace) -> int:
     # Each service owns its flags; everything after the service name is passed through.
     module, func = SERVICES[args.service].split(":")
     return getattr(importlib.import_module(module), func)(args.args)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from zerokl.services.scheduler.up import run
+    return asyncio.run(run(args))
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -165,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("service", choices=sorted(SERVICES))
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)
+
+    from zerokl.services.scheduler import up
+    u = sub.add_parser("up", help="run every service on loopback (weight store, replicas, trainer, scheduler)",
+                       description="Start the weight store (publishing the model as version 1 when it is empty), "
+                                   "decode and prefill replicas, the trainer and the scheduler as child processes "
+                                   "on loopback; print where each listens; stop them all on Ctrl-C/SIGTERM.")
+    up.add_arguments(u)
+    u.set_defaults(run=_up)
 
     from zerokl import demo
     d = sub.add_parser("demo", help="SFT + GRPO on countdown with exact zero KL; writes a report")

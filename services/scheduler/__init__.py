@@ -12,17 +12,22 @@
 - :mod:`.up`: ``zerokl up``, every service on loopback as child processes.
 - :mod:`.rl_loop`: the on-policy RL loop.
 """
-from zerokl.services.scheduler.registry import (
-    ReplicaEndpoint,
-    ReplicaSource,
-    ReplicaView,
-    Registry,
-    StaticSource,
-    load_static_config,
-)
-from zerokl.services.scheduler.replay import StreamLedger
-from zerokl.services.scheduler.router import MixedFleet, NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
-from zerokl.services.scheduler.service import Scheduler, SchedulerConfig, SchedulerServicer, add_scheduler_service
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Where each public name lives. Imported on first use: `zerokl up` and the RL loop import
+# submodules of this package and should not pay for the routing stack (gRPC stubs, torch).
+_EXPORTS = {
+    "ReplicaEndpoint": "registry", "ReplicaSource": "registry", "ReplicaView": "registry", "Registry": "registry",
+    "StaticSource": "registry", "load_static_config": "registry",
+    "StreamLedger": "replay",
+    "MixedFleet": "router", "NoReplica": "router", "Pin": "router", "Policy": "router", "Router": "router",
+    "UnservedPin": "router", "resolve_pin": "router",
+    "Scheduler": "service", "SchedulerConfig": "service", "SchedulerServicer": "service",
+    "add_scheduler_service": "service",
+}
 
 __all__ = [
     "MixedFleet",
@@ -44,3 +49,10 @@ __all__ = [
     "load_static_config",
     "resolve_pin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

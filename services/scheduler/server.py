@@ -20,7 +20,13 @@ from zerokl.services.runtime.auth import TlsConfig
 from zerokl.services.runtime.metrics import start_metrics_server
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args
 from zerokl.services.runtime.tracing import configure_tracing
-from zerokl.services.scheduler.registry import ReplicaSource, Registry, StaticSource, load_static_config, parse_addresses
+from zerokl.services.scheduler.registry import (
+    ReplicaSource,
+    Registry,
+    StaticSource,
+    load_static_config,
+    parse_addresses,
+)
 from zerokl.services.scheduler.router import Pin, Policy
 from zerokl.services.scheduler.service import Scheduler, SchedulerConfig
 

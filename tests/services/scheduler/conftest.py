@@ -31,6 +31,8 @@ CONFIG = ModelConfig.preset("tiny")
 # What `zerokl serve decode --preset tiny --seed 0` reports, so in-process and subprocess replicas agree.
 WEIGHTS = "preset-tiny-seed0"
 TOKENIZER = CountdownTokenizer()
+# Tests fail fast when a replica is missing instead of waiting the default 5 s for one to appear.
+QUICK = SchedulerConfig(route_wait_s=2.0)
 
 
 @pytest.fixture(scope="session")
@@ -70,12 +72,13 @@ def numbers(samples: Sequence[SampleResult]) -> list[tuple]:
 
 @contextlib.asynccontextmanager
 async def replica_server(model: Model, service: str = "decode", weights: str = WEIGHTS,
-                         decode_address: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+                         decode_address: str | None = None, options: ServerOptions = ServerOptions()
+                         ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
     """An in-process decode (or prefill) replica on a loopback port."""
     identity = make_identity(service, model, weights, f"{service}-{weights}-{model.dtype}")
     replica = Replica(AsyncEngine(Engine(model, EngineConfig(), TOKENIZER)), identity, TOKENIZER)
     replica.engine.start()
-    server = ServiceServer(service, ServerOptions())
+    server = ServiceServer(service, options)
     relay_client = None
     if service == "decode":
         add_decode_service(server, replica)
@@ -94,14 +97,16 @@ async def replica_server(model: Model, service: str = "decode", weights: str = W
 
 @contextlib.asynccontextmanager
 async def scheduler_server(decode: Sequence[str], prefill: Sequence[str] = (),
-                           config: SchedulerConfig = SchedulerConfig(route_wait_s=2.0),
-                           poll_interval_s: float = 0.2) -> AsyncIterator[tuple[ServiceServer, Scheduler]]:
+                           config: SchedulerConfig = QUICK,
+                           poll_interval_s: float = 0.2, options: ServerOptions = ServerOptions()
+                           ) -> AsyncIterator[tuple[ServiceServer, Scheduler]]:
     """A scheduler over a static fleet on a loopback port (health already synced)."""
     source = StaticSource([*(ReplicaEndpoint("decode", a) for a in decode),
                            *(ReplicaEndpoint("prefill", a) for a in prefill)])
-    scheduler = Scheduler(Registry([source], poll_interval_s=poll_interval_s, poll_timeout_s=2.0), config,
-                          replica_id="scheduler-test")
-    server = ServiceServer("scheduler", ServerOptions())
+    registry = Registry([source], poll_interval_s=poll_interval_s, poll_timeout_s=2.0,
+                        tracer_provider=options.tracer_provider)
+    scheduler = Scheduler(registry, config, replica_id="scheduler-test")
+    server = ServiceServer("scheduler", options)
     scheduler.attach(server)
     await scheduler.start()
     await server.start()

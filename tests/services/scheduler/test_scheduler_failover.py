@@ -1,4 +1,4 @@
-"""A decode replica killed mid-stream: the scheduler finishes the request elsewhere with identical bits, or refuses to splice."""
+"""A decode replica killed mid-stream: the request finishes elsewhere with identical bits, never spliced."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +9,17 @@ import grpc
 import grpc.aio
 import pytest
 
-from conftest import WEIGHTS, numbers, offline, replica_server, routed, scheduler_server, serve_decode, stop, wait_listening
+from conftest import (
+    WEIGHTS,
+    numbers,
+    offline,
+    replica_server,
+    routed,
+    scheduler_server,
+    serve_decode,
+    stop,
+    wait_listening,
+)
 from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest

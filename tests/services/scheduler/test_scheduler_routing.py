@@ -233,3 +233,40 @@ def test_bad_input_gets_the_replicas_status_and_the_scheduler_keeps_serving(mode
 
 
 CONFIG_VOCAB = TOKENIZER.vocab_size + 1000  # outside the tiny model's vocabulary too
+
+
+def test_one_trace_spans_the_client_the_scheduler_and_the_prefill_to_decode_handoff(model: Model) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind
+
+    from zerokl.services.runtime import ServerOptions
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    opts = ServerOptions(tracer_provider=provider)
+
+    async def main() -> int:
+        async with replica_server(model, options=opts) as (decode, _), \
+                replica_server(model, "prefill", options=opts) as (prefill, _), \
+                scheduler_server([decode.address], [prefill.address], options=opts) as (server, _), \
+                InferenceClient(server.address, tracer_provider=provider) as client:
+            with provider.get_tracer("test").start_as_current_span("user-request") as root:
+                await client.generate_all(InferenceRequest((3, 4, 5, 6), options=SamplingOptions(max_tokens=2)))
+            for _ in range(200):  # client spans end in a callback just after their call
+                names = {(s.name, s.kind) for s in exporter.get_finished_spans()}
+                if ("zerokl.v1.Inference/Generate", SpanKind.CLIENT) in names:
+                    break
+                await asyncio.sleep(0.01)
+        return root.get_span_context().trace_id
+
+    trace_id = asyncio.run(main())
+    spans = {(s.name, s.kind): s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id}
+    front = spans[("zerokl.v1.Inference/Generate", SpanKind.SERVER)]
+    assert front.parent.span_id == spans[("zerokl.v1.Inference/Generate", SpanKind.CLIENT)].context.span_id
+    for hop in ("zerokl.v1.Prefill/PrefillKV", "zerokl.v1.Decode/GenerateFromKV"):
+        out, into = spans[(hop, SpanKind.CLIENT)], spans[(hop, SpanKind.SERVER)]
+        assert out.parent.span_id == front.context.span_id and into.parent.span_id == out.context.span_id
+    assert [e.attributes["role"] for e in front.events if e.name == "zerokl.scheduler.route"] == ["prefill", "decode"]

@@ -1,0 +1,132 @@
+"""`zerokl up` and `zerokl serve scheduler` as a user runs them: separate processes, real ports, signals."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import numbers, offline
+from zerokl.kernels import fingerprint
+from zerokl.model import Model
+from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.inference.types import SampleResult
+from zerokl.services.scheduler.registry import load_static_config
+from zerokl.services.scheduler.server import build_parser, sources_from_args
+
+IDS = tuple(range(3, 25))
+OPTIONS = SamplingOptions(temperature=0.7, top_k=20, seed=3, max_tokens=8, ignore_eos=True)
+GENERATE = ["--prompt-ids", ",".join(map(str, IDS)), "--temperature", "0.7", "--top-k", "20", "--seed", "3",
+            "--max-tokens", "8", "--ignore-eos", "--json"]
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """``proc``'s stdout lines, read by a thread (None at EOF) so waiting for one can time out."""
+    out: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            out.put(line)
+        out.put(None)
+    threading.Thread(target=read, daemon=True).start()
+    return out
+
+
+def _read_until(lines: queue.Queue, marker: str, timeout_s: float) -> list[str]:
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not any(marker in line for line in seen):
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        if line is None:
+            raise AssertionError("the process ended early:\n" + "".join(seen))
+        seen.append(line)
+    return seen
+
+
+def _generate(server: str) -> dict:
+    run = subprocess.run([sys.executable, "-m", "zerokl", "generate", "--server", server, *GENERATE],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def _as_samples(result: dict) -> list[SampleResult]:
+    return [SampleResult(s["index"], s["token_ids"], s["logprobs"], s["text"], s["finish_reason"],
+                         s.get("prompt_logprobs")) for s in result["samples"]]
+
+
+def test_zerokl_up_serves_a_generate_through_the_scheduler_and_stops_everything_on_sigterm(
+        model: Model, tmp_path) -> None:
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                             "--threads", "1", "--grace", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = _lines(proc)
+    try:
+        out = "".join(_read_until(lines, "zerokl generate --server", 180))
+        assert "publishing the tiny preset (seed 0) as version 1" in out
+        state = json.loads((workdir / "up.json").read_text())
+        services = {s["name"]: s for s in state["services"]}
+        trainer = ["trainer"] if "trainer" in services else []
+        assert trainer or "not starting the trainer" in out
+        assert list(services) == ["weight-store", "decode-0", "prefill-0", *trainer, "scheduler"]
+        for name, s in services.items():
+            assert s["status"] == "SERVING" and f"{name} " in out and s["address"] in out
+            assert (workdir / "logs" / f"{name}.log").exists()
+            if name != "weight-store":
+                assert (s["weights_version"], s["numerics_fingerprint"]) == ("1", fingerprint()), name
+
+        via_scheduler = _generate(services["scheduler"]["address"])
+        direct = _generate(services["decode-0"]["address"])
+        # Version 1 is the tiny preset, seed 0, published, fetched and loaded: the same bits as built here.
+        want = numbers(offline(model, IDS, OPTIONS))
+        assert numbers(_as_samples(via_scheduler)) == numbers(_as_samples(direct)) == want
+        assert (via_scheduler["weights_version"], via_scheduler["numerics_fingerprint"]) == ("1", fingerprint())
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+        rest = []
+        while (line := lines.get(timeout=10)) is not None:
+            rest.append(line)
+        assert "zerokl up: stopped\n" in rest, rest
+        for s in services.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(s["pid"], 0)
+        assert not (workdir / "up.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+def test_scheduler_flags_and_replica_file(tmp_path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--decode", "127.0.0.1:1,127.0.0.1:2", "--decode", "127.0.0.1:3",
+                              "--prefill", "127.0.0.1:4", "--pin-weights-version", "v1"])
+    [flags] = sources_from_args(args)
+    assert [(e.role, e.address) for e in flags.endpoints] == [
+        ("decode", "127.0.0.1:1"), ("decode", "127.0.0.1:2"), ("decode", "127.0.0.1:3"), ("prefill", "127.0.0.1:4")]
+
+    good = tmp_path / "fleet.yaml"
+    good.write_text("decode: [127.0.0.1:5, '127.0.0.1:6']\nprefill: 127.0.0.1:7\n")
+    assert [(e.role, e.address) for e in load_static_config(good).endpoints] == [
+        ("decode", "127.0.0.1:5"), ("decode", "127.0.0.1:6"), ("prefill", "127.0.0.1:7")]
+    for text, words in (("decoder: [127.0.0.1:5]\n", "unknown keys"), ("decode: [localhost]\n", "not host:port"),
+                        ("decode: [127.0.0.1:5, 127.0.0.1:5]\n", "listed twice")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match=words):
+            sources_from_args(parser.parse_args(["--replicas", str(bad)]))
+    with pytest.raises(SystemExit, match="at least one decode replica"):
+        sources_from_args(parser.parse_args([]))
+    run = subprocess.run([sys.executable, "-m", "zerokl", "serve", "scheduler", "--decode", "nowhere"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "not host:port" in run.stderr
