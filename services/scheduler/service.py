@@ -35,6 +35,7 @@ from typing import AsyncIterator, Awaitable, Iterator, TypeVar
 
 import grpc
 import grpc.aio
+from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from zerokl.services.inference import convert
@@ -44,7 +45,7 @@ from zerokl.services.inference.errors import RelayedError
 from zerokl.services.inference.service import INFERENCE_SERVICE
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
 from zerokl.services.runtime import metrics as runtime_metrics
-from zerokl.services.runtime.errors import AlreadyExists, DataLoss, ServiceError, Unavailable
+from zerokl.services.runtime.errors import AlreadyExists, DataLoss, ServiceError, Unavailable, status_details
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.scheduler import metrics
@@ -100,6 +101,29 @@ class _Attempt(Exception):
         super().__init__(f"{view.describe()}: {reason}")
         self.view = view
         self.reason = reason
+
+
+# What a replica refuses a pinned request for when it no longer serves what its last poll said
+# (a weight swap between polls): another replica of the pin can serve it.
+_STALE_VIOLATIONS = frozenset({"WEIGHTS_VERSION", "NUMERICS_FINGERPRINT", "MODEL_CONFIG_HASH"})
+
+
+def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception:
+    """A replica's error as a retryable :class:`_Attempt`, or as the status to relay to the client.
+
+    Retryable: UNAVAILABLE (gone, draining), and FAILED_PRECONDITION about the
+    pin itself, since requests are only routed to replicas whose polled
+    identity matches: the refusal means the poll is stale, not the request bad.
+    """
+    code = err.code()
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return _Attempt(view, f"{code.name}: {err.details()}")
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        kinds = {v.type for d in status_details(err) if isinstance(d, error_details_pb2.PreconditionFailure)
+                 for v in d.violations}
+        if kinds and kinds <= _STALE_VIOLATIONS:
+            return _Attempt(view, f"it no longer serves the pin its last poll showed: {err.details()}")
+    return RelayedError(err, view.describe())
 
 
 class Scheduler:
@@ -279,9 +303,7 @@ class Scheduler:
             except grpc.aio.AioRpcError as err:
                 if flight.aborted:
                     return None
-                if err.code() is grpc.StatusCode.UNAVAILABLE:
-                    raise _Attempt(view, f"{err.code().name}: {err.details()}") from None
-                raise RelayedError(err, view.describe()) from None
+                raise _attempt_or_relay(view, err) from None
 
     async def _decode(self, flight: _Flight, view: ReplicaView, request: InferenceRequest,
                       kv: tuple[KVHeader, bytes] | None, ledger: StreamLedger) -> AsyncIterator[GenerateDelta]:
@@ -312,9 +334,7 @@ class Scheduler:
             except grpc.aio.AioRpcError as err:
                 if flight.aborted:
                     return
-                if err.code() is grpc.StatusCode.UNAVAILABLE:
-                    raise _Attempt(view, f"{err.code().name}: {err.details()}") from None
-                raise RelayedError(err, view.describe()) from None
+                raise _attempt_or_relay(view, err) from None
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             if stopped and not ledger.done:
@@ -378,9 +398,10 @@ class Scheduler:
                 try:
                     return await client.score(request)
                 except grpc.aio.AioRpcError as err:
-                    if err.code() is not grpc.StatusCode.UNAVAILABLE:
-                        raise RelayedError(err, view.describe()) from None
-                    reason = f"{err.code().name}: {err.details()}"
+                    failure = _attempt_or_relay(view, err)
+                    if not isinstance(failure, _Attempt):
+                        raise failure from None
+                    reason = failure.reason
             failures.append(f"{view.describe()}: {reason}")
             failed.add(view.endpoint.key)
             self.registry.report_failure(view.endpoint, reason)
