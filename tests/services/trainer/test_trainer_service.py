@@ -206,6 +206,35 @@ def test_sft_dpo_grpo_steps_over_grpc_give_bitwise_the_in_process_weights(tmp_pa
     asyncio.run(main())
 
 
+def test_calls_run_one_at_a_time_in_arrival_order_and_a_timed_out_call_still_completes(tmp_path: pathlib.Path) -> None:
+    """A client whose deadline passes does not interrupt an update half-way: the work it queued runs, in order,
+    and GetState shows it. Gradients accumulate in arrival order (the sum order decides the bits)."""
+    slow = [Completion(tuple([5] * 250), tuple([7] * 50)) for _ in range(3)]     # about a second of work
+    small = _sft_data(4)
+    reference = _reference(TrainConfig())
+    logprobs_before = reference.forward_logprobs(small)
+    reference.forward_backward("sft", slow)
+    reference.forward_backward("sft", small)
+    want = reference.optim_step()
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w") as (client, _):
+            first = asyncio.ensure_future(client.forward_backward("sft", slow))
+            await asyncio.sleep(0.05)
+            logprobs = asyncio.ensure_future(client.forward_logprobs(small))
+            await asyncio.sleep(0.05)
+            err = await _status(client.forward_backward("sft", small, timeout=0.3))
+            assert err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            assert (await first).accumulated_batches == 1
+            for got, w in zip(await logprobs, logprobs_before, strict=True):    # ran before any step
+                assert torch.equal(got, w)
+            state = await client.get_state()
+            assert (state.accumulated_batches, state.tokens_seen) == (2, 3 * 50 + 4 * 5)
+            opt = await client.optim_step()
+            assert (opt.grad_norm, opt.step) == (want["grad_norm"], 1)
+    asyncio.run(main())
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def test_save_weights_publishes_a_version_with_manifest_and_state(tmp_path: pathlib.Path) -> None:
