@@ -196,7 +196,7 @@ async def _prepare_weights(args: argparse.Namespace, store: Child,
     from zerokl.services.weightstore.client import WeightStoreClient
 
     async with WeightStoreClient(store.address) as client:
-        versions = [e.version for e in await client.list()]
+        versions = [e.manifest.version for e in await client.list()]
         if not versions:
             version = args.weights_version or "1"
             print(f"zerokl up: the weight store is empty; publishing {_source_name(args)} as version {version}",
@@ -378,6 +378,9 @@ async def run(args: argparse.Namespace) -> int:
                 await asyncio.wait_for(stop.wait(), 0.5)
     except UpError as err:
         print(f"zerokl up: {err}", file=sys.stderr)
+        status = 1
+    except grpc.aio.AioRpcError as err:  # the weight store refused to publish or fetch
+        print(f"zerokl up: weight store {store.address}: {err.code().name}: {err.details()}", file=sys.stderr)
         status = 1
     except _Stopped:
         pass

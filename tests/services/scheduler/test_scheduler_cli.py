@@ -61,7 +61,7 @@ def _as_samples(result: dict) -> list[SampleResult]:
                          s.get("prompt_logprobs")) for s in result["samples"]]
 
 
-def test_zerokl_up_serves_a_generate_through_the_scheduler_and_stops_everything_on_sigterm(
+def test_zerokl_up_serves_through_the_scheduler_and_stops_everything_on_sigterm_or_a_dead_service(
         model: Model, tmp_path) -> None:
     workdir = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
@@ -100,11 +100,35 @@ def test_zerokl_up_serves_a_generate_through_the_scheduler_and_stops_everything_
                 os.kill(s["pid"], 0)
         assert not (workdir / "up.json").exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()  # type: ignore[union-attr]
-        proc.stderr.close()  # type: ignore[union-attr]
+        _reap(proc)
+
+    # Again on the same workdir: nothing to publish, version 1 is served; a service that dies stops everything.
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                             "--threads", "1", "--no-trainer", "--prefill-replicas", "0", "--grace", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines = _lines(proc)
+    try:
+        out = "".join(_read_until(lines, "zerokl generate --server", 180))
+        assert "publishing" not in out and "not starting the trainer (--no-trainer)" in out
+        services = {s["name"]: s for s in json.loads((workdir / "up.json").read_text())["services"]}
+        assert list(services) == ["weight-store", "decode-0", "scheduler"]
+        assert services["scheduler"]["weights_version"] == "1"
+        os.kill(services["decode-0"]["pid"], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert "decode-0 exited with status -9; stopping everything" in proc.stderr.read()  # type: ignore[union-attr]
+        for s in services.values():
+            with pytest.raises(ProcessLookupError):
+                os.kill(s["pid"], 0)
+    finally:
+        _reap(proc)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()  # type: ignore[union-attr]
+    proc.stderr.close()  # type: ignore[union-attr]
 
 
 def test_scheduler_flags_and_replica_file(tmp_path) -> None:
