@@ -4,8 +4,11 @@ Addresses come from pluggable :class:`ReplicaSource` s: :class:`StaticSource`
 (flags or a YAML file, the one-machine default) today, a Kubernetes
 EndpointSlice watcher later. A source only says *where* replicas are; the
 registry finds out *what* they compute by polling each one: grpc.health.v1
-``Check`` plus the ``Info`` RPC (numerics version and fingerprint, weights
-version, model config hash, service). The router reads immutable
+``Check`` every period, and the ``Info`` RPC (numerics version and
+fingerprint, weights version, model config hash, service) whenever a replica
+(re)enters SERVING (a weight swap passes through NOT_SERVING) and at a slower
+period besides. Polls go over an untraced channel: probes every second would
+bury the traces of real requests. The router reads immutable
 :class:`ReplicaView` snapshots; nothing here decides which replica serves a
 request.
 
@@ -19,7 +22,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import pathlib
 import time
 from dataclasses import dataclass
@@ -33,6 +38,7 @@ from opentelemetry import trace
 
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
+from zerokl.services.runtime.server import create_channel
 from zerokl.v1 import common_pb2, inference_pb2_grpc
 
 __all__ = [
@@ -183,13 +189,14 @@ class _Replica:
     """The registry's mutable record of one replica (views are copied out of it)."""
 
     endpoint: ReplicaEndpoint
-    client: InferenceClient
+    client: InferenceClient                # requests (traced)
+    probe: grpc.aio.Channel                # health and Info polls (untraced)
     identity: ServiceIdentity | None = None
     serving: bool = False
     reason: str = "not polled yet"
     in_flight: int = 0
     routed: int = 0
-    checked_at: float | None = None
+    info_at: float = -math.inf             # when Info was last read
     retired: bool = False                  # dropped by its source; closed when in_flight reaches 0
 
     @property
@@ -209,7 +216,7 @@ class Registry:
     """
 
     def __init__(self, sources: Sequence[ReplicaSource], *, poll_interval_s: float = 1.0,
-                 poll_timeout_s: float = 2.0, token: str | None = None,
+                 poll_timeout_s: float = 2.0, info_interval_s: float = 30.0, token: str | None = None,
                  credentials: grpc.ChannelCredentials | None = None,
                  tracer_provider: trace.TracerProvider | None = None) -> None:
         if not sources:
@@ -217,6 +224,7 @@ class Registry:
         self.sources = tuple(sources)
         self.poll_interval_s = poll_interval_s
         self.poll_timeout_s = poll_timeout_s
+        self.info_interval_s = info_interval_s
         self._token = token
         self._credentials = credentials
         self._tracer_provider = tracer_provider
@@ -251,7 +259,7 @@ class Registry:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-        await asyncio.gather(*(r.client.close() for r in self._replicas.values()), return_exceptions=True)
+        await asyncio.gather(*(self._close(r) for r in self._replicas.values()), return_exceptions=True)
         self._replicas.clear()
 
     # ------------------------------------------------------------------ reading
@@ -327,34 +335,45 @@ class Registry:
 
     async def _poll(self, replica: _Replica) -> None:
         timeout = self.poll_timeout_s
-        channel = replica.client.channel
+        was_serving = replica.serving
         try:
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            info = await inference_pb2_grpc.InferenceStub(channel).Info(common_pb2.InfoRequest(), timeout=timeout)
+            health = await health_pb2_grpc.HealthStub(replica.probe).Check(health_pb2.HealthCheckRequest(),
+                                                                           timeout=timeout)
+            serving = health.status == health_pb2.HealthCheckResponse.SERVING
+            now = time.monotonic()
+            if replica.identity is None or (serving and (not was_serving or now - replica.info_at
+                                                         >= self.info_interval_s)):
+                info = await inference_pb2_grpc.InferenceStub(replica.probe).Info(common_pb2.InfoRequest(),
+                                                                                   timeout=timeout)
+                self._set_identity(replica, identity_from_proto(info))
+                replica.info_at = now
         except grpc.aio.AioRpcError as err:
             replica.serving = False
             replica.reason = f"unreachable: {err.code().name}: {err.details()}"
             # A channel that failed to connect backs off exponentially (up to minutes) and
-            # fails calls fast meanwhile; a fresh one reconnects at once when the replica
-            # is back. Only when idle: closing it would cancel calls in flight.
+            # fails calls fast meanwhile; fresh ones reconnect at once when the replica is
+            # back. Only when idle: closing the request channel would cancel calls in flight.
             if err.code() is grpc.StatusCode.UNAVAILABLE and replica.in_flight == 0:
-                old, replica.client = replica.client, self._connect(replica.endpoint)
-                await old.close()
+                old = dataclasses.replace(replica)
+                replica.client, replica.probe = self._connect(replica.endpoint)
+                await self._close(old)
+            return
+        replica.serving = serving
+        assert replica.identity is not None
+        if replica.identity.service != replica.endpoint.role:
+            replica.reason = (f"registered as a {replica.endpoint.role} replica but its Info says "
+                              f"{replica.identity.service!r}")
+        elif not serving:
+            replica.reason = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
         else:
-            identity = identity_from_proto(info)
-            if replica.identity is not None and replica.identity != identity:
-                log.info("%s %s now serves weights %s fingerprint %s", replica.endpoint.role,
-                         replica.endpoint.address, identity.weights_version, identity.numerics_fingerprint)
-            replica.identity = identity
-            replica.serving = health.status == health_pb2.HealthCheckResponse.SERVING
-            if identity.service != replica.endpoint.role:
-                replica.reason = (f"registered as a {replica.endpoint.role} replica but its Info says "
-                                  f"{identity.service!r}")
-            elif not replica.serving:
-                replica.reason = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
-            else:
-                replica.reason = ""
-        replica.checked_at = time.monotonic()
+            replica.reason = ""
+
+    @staticmethod
+    def _set_identity(replica: _Replica, identity: ServiceIdentity) -> None:
+        if replica.identity is not None and replica.identity != identity:
+            log.info("%s %s now serves weights %s fingerprint %s", replica.endpoint.role, replica.endpoint.address,
+                     identity.weights_version, identity.numerics_fingerprint)
+        replica.identity = identity
 
     # ------------------------------------------------------------------ sources
 
@@ -394,18 +413,27 @@ class Registry:
                     replica.endpoint = endpoint
                 continue
             # New, or back while its retired record still drains (that one closes when its leases end).
-            self._replicas[key] = _Replica(endpoint, self._connect(endpoint))
+            self._replicas[key] = _Replica(endpoint, *self._connect(endpoint))
             log.info("%s %s joined the fleet", *key)
         self._notify()
 
     def _forget(self, replica: _Replica) -> None:
         if self._replicas.get(replica.endpoint.key) is replica:
             del self._replicas[replica.endpoint.key]
-        asyncio.ensure_future(replica.client.close())
+        asyncio.ensure_future(self._close(replica))
 
-    def _connect(self, endpoint: ReplicaEndpoint) -> InferenceClient:
-        return InferenceClient(endpoint.address, token=self._token, credentials=self._credentials,
-                               tracer_provider=self._tracer_provider)
+    def _connect(self, endpoint: ReplicaEndpoint) -> tuple[InferenceClient, grpc.aio.Channel]:
+        """The request client (traced, in the caller's trace) and the probe channel (never traced)."""
+        client = InferenceClient(endpoint.address, token=self._token, credentials=self._credentials,
+                                 tracer_provider=self._tracer_provider)
+        probe = create_channel(endpoint.address, token=self._token, credentials=self._credentials,
+                               tracer_provider=trace.NoOpTracerProvider())
+        return client, probe
+
+    @staticmethod
+    async def _close(replica: _Replica) -> None:
+        await replica.client.close()
+        await replica.probe.close()
 
     def _notify(self) -> None:
         event, self._changed = self._changed, asyncio.Event()

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML file with 'decode' and 'prefill' address lists (added to the flags)")
     f.add_argument("--poll-interval", type=float, default=1.0, help="seconds between health/Info polls")
     f.add_argument("--poll-timeout", type=float, default=2.0, help="deadline of one health/Info poll")
+    f.add_argument("--info-interval", type=float, default=30.0,
+                   help="seconds between Info reads of a replica that stays SERVING (it is read again whenever "
+                        "one returns to SERVING, as after a weight swap)")
     f.add_argument("--replica-ca", default=None,
                    help="PEM CA to verify replicas with (TLS to replicas; with --tls-cert/--tls-key the scheduler "
                         "presents its own certificate for mTLS)")
@@ -109,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = ServiceServer("scheduler", dataclasses.replace(options, tracer_provider=provider))
         # The hop to replicas carries the scheduler's own token: one cluster, one token.
         registry = Registry(sources, poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
+                            info_interval_s=args.info_interval,
                             token=options.auth_token, credentials=credentials, tracer_provider=provider)
         scheduler = Scheduler(registry, config, args.replica_id)
         scheduler.attach(server)
