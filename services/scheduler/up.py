@@ -100,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
     s.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads of each compute service (default: torch's choice; 1 suits a "
-                        "small CPU host running several services)")
+                   help="torch intra-op threads of each compute service (default: the CPU cores shared out "
+                        "among the replicas and the trainer; threads spinning against each other on a small "
+                        "host make every step many times slower, and the bits do not depend on it)")
     s.add_argument("--startup-timeout", type=float, default=300.0,
                    help="seconds to wait for every service to report SERVING")
     s.add_argument("--grace", type=float, default=10.0,
@@ -241,7 +242,9 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
           model_dir: pathlib.Path) -> list[Child]:
     """Every service after the weight store, with its flags and port."""
     logs = workdir / "logs"
-    threads = ["--threads", str(args.threads)] if args.threads else []
+    trainer = not args.no_trainer and importlib.util.find_spec(TRAINER_MODULE) is not None
+    compute = args.decode_replicas + args.prefill_replicas + int(trainer)
+    threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
     model = ["--model", str(model_dir), "--weights-version", version, *threads]
     if not (model_dir / "tokenizer.json").exists():
         model += ["--tokenizer", "countdown"]  # the presets speak countdown
@@ -258,7 +261,7 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
         p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, "--decode", decode[i % len(decode)].address,
                    *grace]
         children.append(p)
-    if not args.no_trainer and importlib.util.find_spec(TRAINER_MODULE) is not None:
+    if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         t.flags = ["--weight-store", store.address, "--init", version, *threads, "--port", str(t.port),
                    "--replica-id", "trainer", *grace]

@@ -8,6 +8,7 @@ from typing import Iterator
 import grpc
 import grpc.aio
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import (
     WEIGHTS,
@@ -100,6 +101,9 @@ def test_a_retry_whose_replay_differs_fails_with_data_loss_instead_of_splicing(m
                         tokens += d.token_ids
             # With the victim dead and no other decode replica: a clean UNAVAILABLE, no hang.
             async with scheduler_server([victim_address], config=SchedulerConfig(route_wait_s=0.3)) as (server, _):
+                async with grpc.aio.insecure_channel(server.address) as channel:
+                    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
                 async with InferenceClient(server.address) as client:
                     with pytest.raises(grpc.aio.AioRpcError) as gone:
                         await client.generate_all(InferenceRequest(ids, options=options), timeout=30)
