@@ -271,6 +271,8 @@ class Scheduler:
                             continue  # aborted while prefilling
                         prompt_tokens = len(kv[0].prompt_ids)
                 decode = await self._choose_waiting("decode", pin, failed)
+                if flight.aborted:
+                    continue  # aborted while waiting for a replica
                 if decode is None:
                     raise NoReplica(f"no healthy decode replica serves {pin.describe()}"
                                     + (f" (failed: {'; '.join(failures)})" if failures else ""))
