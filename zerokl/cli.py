@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_arguments(u)
     u.set_defaults(run=_up)
 
+    st = sub.add_parser("status", help="health, address, fingerprint and weights version of `zerokl up`'s services")
+    st.add_argument("--workdir", default=os.environ.get("ZEROKL_UP_DIR", "~/.zerokl/up"))
+    st.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    st.set_defaults(run=lambda a: importlib.import_module("zerokl.services.scheduler.up").status(a.workdir, a.json))
+
     from zerokl import demo
     d = sub.add_parser("demo", help="SFT + GRPO on countdown with exact zero KL; writes a report")
     demo.add_arguments(d)
@@ -194,8 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "top-k/top-p has logprob -Infinity.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (encoded by the server's tokenizer)")
     g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt token ids")
-    g.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50052"),
-                   help="host:port of a prefill or decode replica (default $ZEROKL_SERVER or %(default)s)")
+    g.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50050"),
+                   help="host:port of the scheduler (as `zerokl up` starts it) or of a replica "
+                        "(default $ZEROKL_SERVER or %(default)s)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -424,3 +424,56 @@ async def _until(awaitable: object, stop: asyncio.Event):  # noqa: ANN202 - the 
 def main(argv: Sequence[str] | None = None) -> int:
     """``zerokl up`` as a function (the CLI calls :func:`run` with its own parsed flags)."""
     return asyncio.run(run(build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))))
+
+
+# ----------------------------------------------------------------------------- zerokl status
+
+async def _probe(entry: dict) -> dict:
+    """Live health and identity of one service listed in up.json."""
+    row = {"name": entry["name"], "service": entry["service"], "address": entry["address"],
+           "health": "UNREACHABLE", "weights_version": "", "numerics_fingerprint": "", "numerics_version": ""}
+    async with grpc.aio.insecure_channel(entry["address"]) as channel:
+        try:
+            resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            row["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        except grpc.aio.AioRpcError:
+            return row
+        ident = await _info(channel, entry["service"])
+        if ident is not None:
+            row.update(weights_version=ident.weights_version, numerics_fingerprint=ident.numerics_fingerprint,
+                       numerics_version=ident.numerics_version)
+    return row
+
+
+def status(workdir: str, as_json: bool = False) -> int:
+    """`zerokl status`: each service's health, address, fingerprint and weights version.
+
+    Exit status 0 only when every service is SERVING and the compute services agree on one
+    numerics fingerprint and one weights version.
+    """
+    path = pathlib.Path(os.path.expanduser(workdir)) / "up.json"
+    if not path.exists():
+        print(f"no running `zerokl up` found ({path} does not exist)", file=sys.stderr)
+        return 1
+    entries = json.loads(path.read_text())["services"]
+    rows = asyncio.run(_gather_probes(entries))
+    compute = [r for r in rows if r["service"] != "weight-store"]
+    fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
+    versions = sorted({r["weights_version"] for r in compute})
+    healthy = all(r["health"] == "SERVING" for r in rows)
+    ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
+    if as_json:
+        print(json.dumps({"ok": ok, "fingerprints": fingerprints, "weights_versions": versions, "services": rows}, indent=2))
+    else:
+        table = [("SERVICE", "ADDRESS", "HEALTH", "WEIGHTS", "FINGERPRINT")]
+        table += [(r["name"], r["address"], r["health"], r["weights_version"] or "-", r["numerics_fingerprint"] or "-")
+                  for r in rows]
+        widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+        print("\n".join("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in table))
+        print(f"{'OK' if ok else 'NOT OK'}: {sum(r['health'] == 'SERVING' for r in rows)}/{len(rows)} serving, "
+              f"fingerprints {fingerprints or ['-']}, weights versions {versions or ['-']}")
+    return 0 if ok else 1
+
+
+async def _gather_probes(entries: list[dict]) -> list[dict]:
+    return list(await asyncio.gather(*(_probe(e) for e in entries)))

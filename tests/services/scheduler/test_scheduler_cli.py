@@ -89,8 +89,21 @@ def test_zerokl_up_serves_through_the_scheduler_and_stops_everything_on_sigterm_
         assert numbers(_as_samples(via_scheduler)) == numbers(_as_samples(direct)) == want
         assert (via_scheduler["weights_version"], via_scheduler["numerics_fingerprint"]) == ("1", fingerprint())
 
+        status = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["ok"] and report["fingerprints"] == [fingerprint()] and report["weights_versions"] == ["1"]
+        assert [r["health"] for r in report["services"]] == ["SERVING"] * len(services)
+        table = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir)],
+                               capture_output=True, text=True, timeout=60)
+        assert table.returncode == 0 and f"OK: {len(services)}/{len(services)} serving" in table.stdout
+
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
+        status_after = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir)],
+                                      capture_output=True, text=True, timeout=60)
+        assert status_after.returncode == 1
         rest = []
         while (line := lines.get(timeout=10)) is not None:
             rest.append(line)
