@@ -1,7 +1,7 @@
 """Typed requests and outputs of the inference engine (no protobuf here: services convert)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -12,7 +12,6 @@ from typing import Any, AsyncIterator, NoReturn
 
 import grpc
 import grpc.aio
-from opentelemetry import trace
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, GenerateResult, InferenceRequest, KVHeader, ScoreResult
@@ -25,47 +24,24 @@ from zerokl.services.runtime.chunks import (
 )
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
-from zerokl.services.runtime.server import create_channel
+from zerokl.services.runtime.client import ServiceClient
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["InferenceClient"]
 
 
-class InferenceClient:
+class InferenceClient(ServiceClient):
     """Generate, score, abort and hand KV over, against one replica.
 
     Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
     ``credentials`` and a tracer provider, or an existing ``channel``.
     """
 
-    def __init__(self, target: str | None = None, *, token: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 tracer_provider: trace.TracerProvider | None = None,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        if (target is None) == (channel is None):
-            raise ValueError("pass exactly one of target and channel")
-        self.target = target
-        self._owns_channel = channel is None
-        self._channel = channel or create_channel(target, token=token, credentials=credentials,  # type: ignore[arg-type]
-                                                  tracer_provider=tracer_provider)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._inference = inference_pb2_grpc.InferenceStub(self._channel)
         self._prefill = inference_pb2_grpc.PrefillStub(self._channel)
         self._decode = inference_pb2_grpc.DecodeStub(self._channel)
-
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        return self._channel
-
-    async def close(self) -> None:
-        """Close the channel if this client opened it."""
-        if self._owns_channel:
-            await self._channel.close()
-
-    async def __aenter__(self) -> "InferenceClient":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
     # ---- Inference ------------------------------------------------------------
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-import grpc
-import grpc.aio
 import torch
-from opentelemetry import trace
 
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
-from zerokl.services.runtime.server import create_channel
+from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.trainer import Completion, Rollout
 from zerokl.services.trainer.types import (
@@ -35,39 +32,16 @@ from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 __all__ = ["TrainerClient"]
 
 
-class TrainerClient:
+class TrainerClient(ServiceClient):
     """ForwardLogprobs, ForwardBackward, OptimStep, SaveWeights, LoadWeights and GetState against one trainer.
 
     Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
     ``credentials`` and a tracer provider, or an existing ``channel``.
     """
 
-    def __init__(self, target: str | None = None, *, token: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 tracer_provider: trace.TracerProvider | None = None,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        if (target is None) == (channel is None):
-            raise ValueError("pass exactly one of target and channel")
-        self.target = target
-        self._owns_channel = channel is None
-        self._channel = channel or create_channel(
-            target, token=token, credentials=credentials, tracer_provider=tracer_provider)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
-
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        return self._channel
-
-    async def close(self) -> None:
-        """Close the channel if this client opened it."""
-        if self._owns_channel:
-            await self._channel.close()
-
-    async def __aenter__(self) -> "TrainerClient":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
     async def info(self) -> ServiceIdentity:
         """What the trainer computes with; weights_version is the last published or loaded version."""

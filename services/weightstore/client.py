@@ -15,11 +15,10 @@ from typing import Any, AsyncIterator, Mapping
 
 import grpc
 import grpc.aio
-from opentelemetry import trace
 
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto, chunk_to_proto, chunks_from_pieces
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
-from zerokl.services.runtime.server import create_channel
+from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.weightstore import convert
 from zerokl.services.weightstore.store import (
     FETCHED_MANIFEST,
@@ -41,34 +40,16 @@ def _files(src: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-class WeightStoreClient:
+class WeightStoreClient(ServiceClient):
     """Publish, fetch, list and watch weight versions over gRPC.
 
     Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
     ``credentials`` and a tracer provider, or an existing ``channel``.
     """
 
-    def __init__(self, target: str | None = None, *, token: str | None = None,
-                 credentials: grpc.ChannelCredentials | None = None,
-                 tracer_provider: trace.TracerProvider | None = None,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        if (target is None) == (channel is None):
-            raise ValueError("pass exactly one of target and channel")
-        self._owns_channel = channel is None
-        self._channel = channel or create_channel(target, token=token, credentials=credentials,  # type: ignore[arg-type]
-                                                  tracer_provider=tracer_provider)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._stub = weights_pb2_grpc.WeightStoreStub(self._channel)
-
-    async def close(self) -> None:
-        """Close the channel if this client opened it."""
-        if self._owns_channel:
-            await self._channel.close()
-
-    async def __aenter__(self) -> "WeightStoreClient":
-        return self
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
 
     async def info(self) -> ServiceIdentity:
         """The store's identity, with the newest version as its weights version."""
