@@ -21,7 +21,7 @@ import torch
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.model import Model
 from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
-from zerokl.services.trainer.losses import PPOStats, dpo_loss, group_advantages, ppo_clip_loss, sft_loss
+from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
 __all__ = ["TrainConfig", "Completion", "Rollout", "Trainer"]
 
