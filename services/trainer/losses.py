@@ -59,12 +59,14 @@ class PPOStats:
 
 def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor | None = None,
-                  kl_coef: float = 0.0) -> tuple[torch.Tensor, PPOStats]:
+                  kl_coef: float = 0.0, kl_policy_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, PPOStats]:
     """PPO-clip with the importance ratio against the logprobs inference sampled with.
 
     logprobs, behaviour_logprobs, mask [B, T]; advantages [B] (one per sequence).
     Token-level mean over every counted token of the batch. With zerokl's aligned
     numerics the first step after sampling has ratio exactly 1 on every token.
+    The KL penalty uses kl_policy_logprobs (the policy under the reference's
+    distribution family, e.g. without top-p) when given, else logprobs.
     """
     mask = mask.float()
     log_ratio = logprobs - behaviour_logprobs
@@ -75,7 +77,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     loss = -_masked_mean(torch.minimum(unclipped, clipped), mask)
     kl_ref = torch.zeros(())
     if ref_logprobs is not None and kl_coef > 0:
-        d = ref_logprobs - logprobs
+        d = ref_logprobs - (logprobs if kl_policy_logprobs is None else kl_policy_logprobs)
         kl_ref = _masked_mean(torch.exp(d) - d - 1.0, mask)          # k3 estimator, >= 0
         loss = loss + kl_coef * kl_ref
     with torch.no_grad():

@@ -119,14 +119,20 @@ class Trainer:
                                 torch.zeros(n_tok, dtype=torch.int64))
         return _Batch(input_ids, targets, mask, torch.tensor(rows, dtype=torch.int64), params)
 
-    def _logprobs(self, model: Model, batch: _Batch) -> torch.Tensor:
-        """Per-token logprobs [B, T] of the completions under their sampling distributions."""
+    def _logprobs(self, model: Model, batch: _Batch, params: SamplingParams | None = None,
+                  logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the completions under their sampling distributions
+        (or `params`), from `logits` [Ntok, V] when already computed."""
+        if logits is None:
+            logits = self._token_logits(model, batch)
+        lp = sampling_logprobs(logits, batch.targets[batch.mask > 0], params or batch.params)
+        return torch.zeros(batch.mask.shape, dtype=lp.dtype).masked_scatter(batch.mask > 0, lp)
+
+    @staticmethod
+    def _token_logits(model: Model, batch: _Batch) -> torch.Tensor:
+        """Logits [Ntok, V] at the positions that predict each completion token."""
         logits = model(batch.input_ids)
-        flat = logits.reshape(-1, logits.shape[-1])[batch.rows]
-        targets = batch.targets[batch.mask > 0]
-        lp = sampling_logprobs(flat, targets, batch.params)
-        out = torch.zeros(batch.mask.shape, dtype=lp.dtype)
-        return out.masked_scatter(batch.mask > 0, lp)
+        return logits.reshape(-1, logits.shape[-1])[batch.rows]
 
     @torch.no_grad()
     def forward_logprobs(self, seqs: Sequence[Completion]) -> list[torch.Tensor]:
@@ -180,13 +186,19 @@ class Trainer:
         behaviour = torch.zeros(batch.mask.shape)
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-        logprobs = self._logprobs(self.model, batch)
-        ref = None
+        logits = self._token_logits(self.model, batch)
+        logprobs = self._logprobs(self.model, batch, logits=logits)
+        ref = policy_full = None
         if self.reference is not None:
+            # The KL penalty compares full (temperature-only) distributions: under top-k/top-p
+            # the reference may give a sampled token probability 0 and the penalty infinity.
+            full = dataclasses.replace(batch.params, top_k=torch.zeros_like(batch.params.top_k),
+                                       top_p=torch.ones_like(batch.params.top_p))
+            policy_full = self._logprobs(self.model, batch, full, logits)
             with torch.no_grad():
-                ref = self._logprobs(self.reference, batch)
+                ref = self._logprobs(self.reference, batch, full)
         loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps,
-                                    ref, self.config.kl_coef)
+                                    ref, self.config.kl_coef, policy_full)
         return dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, loss, stats.tokens
 
     def lr_at(self, step: int) -> float:

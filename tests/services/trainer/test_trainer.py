@@ -105,3 +105,13 @@ def test_training_is_deterministic_and_resumes_exactly():
         assert torch.equal(x, y), name
         assert torch.equal(x, z), name
     assert resumed.step == 5
+
+
+def test_kl_penalty_to_reference_is_finite_under_top_p():
+    """The reference may give a top-p-sampled token probability 0; the penalty compares full distributions."""
+    trainer = Trainer(Model(TINY, seed=6), TrainConfig(lr=3e-3, kl_coef=0.1))
+    for step in range(2):
+        rollouts = _rollouts(trainer, _prompts(2, step), lambda t: float(t[0] % 2), top_p=0.5, seed=step)
+        m = trainer.grpo_step(rollouts, group_size=4)
+        assert m["kl"] == 0.0 and 0.0 <= m["kl_reference"] < float("inf") and m["loss"] == m["loss"]
+    assert m["kl_reference"] > 0.0          # the policy has moved away from the reference
