@@ -73,6 +73,45 @@ class _RecomputeGrad(torch.autograd.Function):
         return (None, None, None) + tuple(next(got) if t.requires_grad else None for t in inputs)
 
 
+def _grad_backend(tensors) -> str:
+    """The backend whose autograd gives a Triton op's backward: the torch backend on CPU
+    (one thread, deterministic); plain torch ("stock") on CUDA, where the torch backend's
+    16-row tiles would cost thousands of launches. Both are deterministic for a given batch;
+    gradients are not promised batch-invariant (NUMERICS.md)."""
+    return "stock" if any(t.device.type == "cuda" for t in tensors) else "torch"
+
+
+class _LinearGrad(torch.autograd.Function):
+    """Triton linear forward; backward by the two GEMMs of y = x W^T + b (no recompute).
+
+    grad_x = g @ W and grad_W = g^T @ x in the operands' dtype with fp32 accumulation (what
+    plain torch autograd computes), grad_b = column sums of g in fp32, through torch.mm
+    (deterministic per shape). CUDA only; on CPU linear keeps the torch-backend recompute.
+    """
+
+    @staticmethod
+    def forward(ctx, fast, x, weight, bias=None, out_dtype=None):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return fast(x, weight, bias) if out_dtype is None else fast(x, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        k = x.shape[-1]
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, k)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[1]:
+            gx = (g2.to(weight.dtype) @ weight).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[2]:
+            gw = (g2.t().to(x.dtype) @ x2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            gb = g2.float().sum(0).to(ctx.bias_dtype)
+        return None, gx, gw, gb, None
+
+
 def _merge(spec: tuple, tensors) -> list:
     """Rebuild the positional argument list: spec holds non-tensor args, None marks a tensor slot."""
     it = iter(tensors)
@@ -93,7 +132,9 @@ def _call(name: str, *args):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return fast(*args)
-    slow = getattr(backend_module("torch"), name)
+    if name == "linear" and any(t.device.type == "cuda" for t in tensors):
+        return _LinearGrad.apply(fast, *args)
+    slow = getattr(backend_module(_grad_backend(tensors)), name)
     spec = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     return _RecomputeGrad.apply(fast, slow, spec, *tensors)
 

@@ -43,7 +43,7 @@ from zerokl.kernels import ops
 from zerokl.kernels.ops import REDUCTION_SPLITS
 from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
 
-__all__ = ["MODES", "COLUMN_ALIGN", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+__all__ = ["MODES", "JOINS", "COLUMN_ALIGN", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ExpertParallelMoE", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
@@ -107,6 +107,44 @@ class ColumnParallelLinear(nn.Module):
         return _no_backward(torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features], x)
 
 
+JOINS = ("auto", "gather", "all_reduce_fp32", "reduce_scatter")
+
+
+def row_parallel_join(part: torch.Tensor, group, dtype: torch.dtype, how: str = "auto") -> torch.Tensor:
+    """Join the ranks' fp32 split-tree subtrees into split_linear's bits, rounded to `dtype`.
+
+    gather: all-gather the subtrees, every rank finishes the tree (any supported degree).
+    With two ranks the last tree level is ONE fp32 addition p01 + p23 per element, and IEEE
+    addition is commutative, so a sum-collective computes it exactly whatever its algorithm:
+    all_reduce_fp32 (one collective, 2x the bytes of a bf16 all_reduce) or reduce_scatter
+    (fp32 reduce-scatter, round, bf16 all-gather: 1.5x the bytes, two collectives). "auto"
+    is all_reduce_fp32 at two ranks and gather otherwise. With more than two ranks a
+    collective would sum in its own order, so only gather is exact there.
+    """
+    tp = dist.get_world_size(group)
+    if how == "auto":
+        how = "all_reduce_fp32" if tp == 2 else "gather"
+    if how == "gather" or tp == 1:
+        return ops.split_combine(_all_gather(part, group), None, dtype)
+    if tp != 2:
+        raise ValueError(f"row_parallel_join: {how!r} is exact only with 2 ranks (got {tp})")
+    part = part.detach().float().contiguous()
+    if how == "all_reduce_fp32":
+        t = part.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t.to(dtype)
+    if how == "reduce_scatter":
+        flat = part.view(-1)
+        if flat.numel() % 2:
+            return row_parallel_join(part, group, dtype, "all_reduce_fp32")
+        half = torch.empty(flat.numel() // 2, dtype=torch.float32, device=part.device)
+        dist.reduce_scatter_tensor(half, flat, op=dist.ReduceOp.SUM, group=group)
+        out = torch.empty(flat.numel(), dtype=dtype, device=part.device)
+        dist.all_gather_into_tensor(out, half.to(dtype), group=group)
+        return out.view(part.shape)
+    raise ValueError(f"row_parallel_join: unknown join {how!r}; expected one of {JOINS}")
+
+
 class RowParallelLinear(nn.Module):
     """y = x @ W.T with W split by input columns (this rank's K shard); every rank gets the full y.
 
@@ -125,7 +163,7 @@ class RowParallelLinear(nn.Module):
         if self.mode == "all_reduce":
             return _no_backward(_all_reduce(ops.linear(x, self.weight), self.group), x)
         part = ops.split_partial(x, self.weight, self.splits)                    # fp32 [.., N]
-        return _no_backward(ops.split_combine(_all_gather(part, self.group), None, x.dtype), x)
+        return _no_backward(row_parallel_join(part, self.group, x.dtype), x)
 
 
 class ParallelMLP(nn.Module):

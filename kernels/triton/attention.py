@@ -100,6 +100,8 @@ def mla_attention(
     k_rope: torch.Tensor,
     key_index: torch.Tensor,
     scale: float,
+    block_h: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA attention. q_latent [T, H, R], q_rope [T, H, P], kv_latent [S, R], k_rope [S, P],
     key_index [T, L] (cache slots in ascending position order, -1 padded). Returns [T, H, R] fp32.
@@ -137,14 +139,15 @@ def mla_attention(
     kv_latent, k_rope, key_index = kv_latent.contiguous(), k_rope.contiguous(), key_index.contiguous()
     nblk = blocks_to_visit(key_index, KV_BLOCK)
     block_r = max(16, next_pow2(r))
-    grid = (t, triton.cdiv(h, ATTN_BLOCK_H))
+    bh = block_h or ATTN_BLOCK_H
+    grid = (t, triton.cdiv(h, bh))
     _mla_attention_kernel[grid](
         q_latent, q_rope, kv_latent, k_rope, key_index, nblk, out,
         t, h, r, p, key_index.shape[1], float(scale),
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_latent.stride(0), k_rope.stride(0), key_index.stride(0), out.stride(0), out.stride(1),
         DOT_F32=dot_in_fp32(_mla_attention_kernel, q_latent.dtype),
-        BLOCK_H=ATTN_BLOCK_H, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(p)), KV_BLOCK=KV_BLOCK,
-        num_warps=8 if block_r >= 256 else 4, num_stages=2,
+        BLOCK_H=bh, BLOCK_R=block_r, BLOCK_P=max(16, next_pow2(p)), KV_BLOCK=KV_BLOCK,
+        num_warps=num_warps or (8 if block_r >= 256 else 4), num_stages=2,
     )
     return out

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ._common import check_float, check_launchable, dot_in_fp32, pow2_between, unit_last
 
-__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "linear"]
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class GemmConfig:
     BLOCK_K: int
     num_warps: int
     num_stages: int
+    GROUP_M: int = 8
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -53,6 +54,30 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
     return GemmConfig(128, 128, pow2_between(k, 16, 64), 8, 3)
 
 
+# Tile configs used on CUDA, by M bucket: (max M, {(N, K) or None: GemmConfig}). Every entry
+# keeps the canonical per-element arithmetic (see launch_config); filled from
+# tools/bench/bench_linear.py --sweep on the H200.
+_CUDA_BUCKETS: list[tuple[int, dict]] = []
+
+
+def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
+    """The tile config one launch uses.
+
+    Interpreted (CPU) launches always use gemm_config(n, k, dtype): numpy's block matmul
+    makes the bits depend on the tile. Compiled CUDA launches may pick a faster config by M
+    from _CUDA_BUCKETS; only configs whose per-element bits equal the canonical config's are
+    allowed there (tests/kernels/test_triton_kernels.py::test_gemm_configs_bit_identical_on_gpu
+    checks every entry on the GPU).
+    """
+    canonical = gemm_config(n, k, dtype)
+    if device.type != "cuda" or dtype == torch.float32:
+        return canonical
+    for max_m, table in _CUDA_BUCKETS:
+        if m <= max_m:
+            return table.get((n, k)) or table.get(None) or canonical
+    return canonical
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -60,9 +85,18 @@ def _linear_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1).to(tl.int64)
+    # Grouped program order (GROUP_M row tiles share a column band in L2). The order in
+    # which programs run never enters a tile's arithmetic.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = (first_m + (pid % per_group) % rows_in_group).to(tl.int64)
+    pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -71,11 +105,15 @@ def _linear_kernel(
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_rows = w_ptr + rn[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending K chunks, fixed by the weight's shape
+    for k0 in range(0, K, BLOCK_K):  # ascending K chunks
         kk = k0 + rk
-        k_mask = kk < K
-        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = kk < K
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -87,7 +125,7 @@ def _linear_kernel(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulation.
 
     Output in out_dtype (default x.dtype); torch.float32 stores the accumulator unrounded
@@ -120,14 +158,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if bias is not None:
             y += bias.float().to(out_dtype)
         return y.reshape(*lead, n)
-    cfg = gemm_config(n, k, weight.dtype)
-    grid = (triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N))
+    cfg = config or launch_config(m, n, k, weight.dtype, x.device)
+    grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     _linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, y,
         m, n, k,
         x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
         HAS_BIAS=bias is not None, DOT_F32=dot_in_fp32(_linear_kernel, x.dtype, weight.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M, EVEN_K=k % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.reshape(*lead, n)
@@ -140,7 +179,7 @@ def _grouped_linear_kernel(
     N, K,
     stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_ym,
     DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1).to(tl.int64)
@@ -157,9 +196,13 @@ def _grouped_linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        k_mask = kk < K
-        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if EVEN_K:
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = kk < K
+            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -182,7 +225,8 @@ def _check_offsets(op: str, offsets, groups: int, m: int) -> list[int]:
     return offs
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
+                   config: GemmConfig | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [M, K] times weight[g].T ([G, N, K]) -> [M, N] in x.dtype.
 
     A row's bits depend only on the row and its group's weight, never on how many rows share
@@ -204,7 +248,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) ->
         return y
     if k == 0:
         return y.zero_()
-    cfg = gemm_config(n, k, weight.dtype)
+    busy = sum(1 for a, b in itertools.pairwise(offs) if b > a)
+    cfg = config or launch_config(-(-m // max(busy, 1)), n, k, weight.dtype, x.device)
     groups, starts, ends = [], [], []
     for gi in range(g):
         for s in range(offs[gi], offs[gi + 1], cfg.BLOCK_M):
@@ -219,7 +264,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) ->
         n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0),
         DOT_F32=dot_in_fp32(_grouped_linear_kernel, x.dtype, weight.dtype),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=k % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work (issue 8 / 10), logs and JSON under $OUT.
+#   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh explore|final
+# Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
+set -u
+MODE=${1:-final}
+FINAL_OUT=${OUT:-/tmp/zerokl-out}
+OUT=/tmp/zerokl-work
+rm -rf "$OUT"; mkdir -p "$OUT" "$FINAL_OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || cat "$OUT/install.log"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+G1=$(( NGPU > 1 ? 1 : 0 ))
+if [ "$MODE" = explore ]; then
+  ( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 tools/bench/bench_linear.py --sweep --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=$G1 timeout 150 python3 tools/bench/bench_attn_moe.py --sweep --json "$OUT/attn.json" > "$OUT/attn.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
+  wait
+  [ "$NGPU" -gt 1 ] && timeout 170 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/tp" > "$OUT/tp.log" 2>&1
+else
+  mkdir -p "$OUT/bench"
+  ( CUDA_VISIBLE_DEVICES=0 timeout 150 python3 tools/bench/bench_linear.py --out "$OUT/bench" > "$OUT/linear.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_attn_moe.py --out "$OUT/bench" > "$OUT/attn.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_e2e.py --out "$OUT/bench" > "$OUT/e2e.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=$G1 timeout 60 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1;
+    cp tests/assets/golden/numerics.json "$OUT/bench/numerics.json" ) &
+  wait
+  [ "$NGPU" -gt 1 ] && timeout 170 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/bench" > "$OUT/tp.log" 2>&1
+fi
+for f in "$OUT"/*.log; do echo "=== $f"; cat "$f"; done > "$FINAL_OUT/run.log"
+tar -C "$OUT" -cf "$FINAL_OUT/results.tar" .
+for f in "$OUT"/*.log; do echo "=== $f"; tail -n 40 "$f"; done
