@@ -212,12 +212,28 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
         raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
     if weight.shape[-1] != k:
         raise ValueError(f"split_linear: input has K={k} but weight is {tuple(weight.shape)}")
+    fused = _fused_split(input, weight)
+    if fused is not None:
+        return fused(input, weight, splits)
     seg = k // splits
-    # Contiguous copies (a copy never changes bits): every rank, and the single device, call
-    # linear on identically laid-out segments.
-    return tree_sum([linear(input[..., i:i + seg].contiguous(), weight[:, i:i + seg].contiguous(),
-                            out_dtype=torch.float32)
+    # Contiguous copies on the torch backend (a copy never changes bits): every rank, and the
+    # single device, call linear on identically laid-out segments. Triton kernels read any
+    # strides with the same loads, so they take views.
+    lay = (lambda t: t) if get_backend() == "triton" else (lambda t: t.contiguous())
+    return tree_sum([linear(lay(input[..., i:i + seg]), lay(weight[:, i:i + seg]), out_dtype=torch.float32)
                      for i in range(0, k, seg)])
+
+
+def _fused_split(input: torch.Tensor, weight: torch.Tensor):
+    """The Triton backend's two-launch split_partial when no gradient is needed (the same bits
+    as the per-segment composite: each segment is linear's K order, then the same tree)."""
+    if get_backend() != "triton" or _needs_grad(input, weight):
+        return None
+    return backend_module("triton").split_partial
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def split_combine(partials: list[torch.Tensor], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -238,6 +254,14 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     input.dtype. A TP rank holding 1/tp of K computes its subtree and the ranks' subtrees
     are joined by the same tree, so any tp dividing `splits` gives these exact bits.
     """
+    if bias is None:
+        fused = _fused_split(input, weight)
+        if fused is not None:
+            _check_splits(splits)
+            if input.shape[-1] % splits or weight.shape[-1] != input.shape[-1]:
+                raise ValueError(f"split_linear: K={input.shape[-1]} (weight {tuple(weight.shape)}) is not divisible "
+                                 f"into {splits} equal segments")
+            return fused(input, weight, splits, input.dtype)      # tree and rounding in one pass
     return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
 
 

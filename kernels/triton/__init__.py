@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .attention import KV_BLOCK, mla_attention
 from .elementwise import sigmoid, silu
-from .gemm import gemm_config, grouped_linear, linear
+from .gemm import gemm_config, grouped_linear, linear, split_partial
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
 from .reductions import log_softmax, row_sum, softmax
@@ -33,5 +33,6 @@ __all__ = [
     "sigmoid",
     "silu",
     "softmax",
+    "split_partial",
     "topk_positions",
 ]

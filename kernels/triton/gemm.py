@@ -16,6 +16,7 @@ Invariance by construction:
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -23,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_launchable, dot_in_fp32, pow2_between, unit_last
+from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, pow2_between, unit_last
 
-__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear"]
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     GROUP_M: int = 8
+    TMA: bool = False        # persistent TMA kernel (compiled CUDA, bf16/fp16 only)
+    FLATTEN: bool = False    # TMA kernel: software-pipeline across tiles
 
 
 def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
@@ -57,7 +60,14 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 # Tile configs used on CUDA, by M bucket: (max M, {(N, K) or None: GemmConfig}). Every entry
 # keeps the canonical per-element arithmetic (see launch_config); filled from
 # tools/bench/bench_linear.py --sweep on the H200.
-_CUDA_BUCKETS: list[tuple[int, dict]] = []
+# Measured on an H200 (docs/perf.md): small M is bound by how many programs stream the weight
+# (N / BLOCK_N of them), so decode sizes take 16 x 32 tiles (with 128-deep K chunks, 5 stages);
+# large M takes the persistent TMA kernel.
+_CUDA_BUCKETS: list[tuple[int, dict]] = [
+    (64, {None: GemmConfig(16, 32, 128, 2, 5)}),
+    (256, {None: GemmConfig(64, 64, 64, 4, 4)}),
+    (1024, {None: GemmConfig(128, 128, 64, 8, 4)}),
+]
 
 
 def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> GemmConfig:
@@ -74,7 +84,12 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
         return canonical
     for max_m, table in _CUDA_BUCKETS:
         if m <= max_m:
-            return table.get((n, k)) or table.get(None) or canonical
+            cfg = table.get((n, k)) or table.get(None) or canonical
+            if k % cfg.BLOCK_K:
+                # A ragged K keeps the canonical chunking, so the zero-padded tail of the last
+                # chunk is the same run of exact-zero products as the canonical config's.
+                cfg = dataclasses.replace(cfg, BLOCK_K=canonical.BLOCK_K)
+            return cfg
     return canonical
 
 
@@ -82,11 +97,17 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
     M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_ys,
     HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
 ):
+    # program_id(1) is the K segment (split_partial): segment s reads K columns
+    # [s K, (s + 1) K) and writes its own fp32 plane y + s * stride_ys. Plain linear: one segment.
+    seg = tl.program_id(1).to(tl.int64)
+    x_ptr += seg * K * stride_xk
+    w_ptr += seg * K * stride_wk
+    y_ptr += seg * stride_ys
     # Grouped program order (GROUP_M row tiles share a column band in L2). The order in
     # which programs run never enters a tile's arithmetic.
     pid = tl.program_id(0)
@@ -159,17 +180,172 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             y += bias.float().to(out_dtype)
         return y.reshape(*lead, n)
     cfg = config or launch_config(m, n, k, weight.dtype, x.device)
+    if _tma_ok(x2, weight, y, cfg):
+        _linear_tma(x2, weight, bias, y, cfg)
+        return y.reshape(*lead, n)
     grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)
     _linear_kernel[grid](
         x2, weight, bias if bias is not None else weight, y,
         m, n, k,
-        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
+        x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0), 0,
         HAS_BIAS=bias is not None, DOT_F32=dot_in_fp32(_linear_kernel, x.dtype, weight.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
         GROUP_M=cfg.GROUP_M, EVEN_K=k % cfg.BLOCK_K == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.reshape(*lead, n)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_kernel(
+    x_desc, w_desc, y_desc, b_ptr,
+    M, N, K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """Persistent Hopper variant of _linear_kernel (compiled CUDA only): tiles loaded by the
+    tensor-memory accelerator (zero padding past M, N, K), NUM_SMS programs walking the tiles
+    in grouped order. The per-tile arithmetic is the same chain of tl.dot into one fp32
+    accumulator over ascending K chunks, so an element's bits are _linear_kernel's (checked on
+    the GPU by the tests and by every bench run)."""
+    start = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_m * num_n
+    per_group = GROUP_M * num_n
+    for tile in tl.range(start, num_tiles, NUM_SMS, flatten=FLATTEN):
+        first_m = (tile // per_group) * GROUP_M
+        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % rows_in_group
+        pid_n = (tile % per_group) // rows_in_group
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([off_m, ki * BLOCK_K])
+            b = w_desc.load([off_n, ki * BLOCK_K])
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _tma_ok(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: GemmConfig) -> bool:
+    if not cfg.TMA or x2.device.type != "cuda" or is_interpreted(_linear_kernel):
+        return False
+    if x2.dtype != weight.dtype or x2.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if y.dtype != x2.dtype:
+        return False
+    for t in (x2, weight, y):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _linear_tma(x2, weight, bias, y, cfg: GemmConfig) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = x2.shape
+    n = weight.shape[0]
+    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+    if dev not in _NUM_SMS:
+        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = _NUM_SMS[dev]
+    xd = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
+    wd = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
+    yd = TensorDescriptor(y, [m, n], [y.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_N])
+    tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+    _linear_tma_kernel[(min(sms, tiles),)](
+        xd, wd, yd, bias if bias is not None else weight,
+        m, n, k,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        GROUP_M=cfg.GROUP_M, NUM_SMS=sms, FLATTEN=cfg.FLATTEN,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@triton.jit
+def _tree_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
+    """y = tree_sum of the S fp32 planes p[s] (adjacent pairs, level by level), rounded to y's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    p0 = tl.load(p_ptr + i, mask=mask, other=0.0)
+    if S == 1:
+        t = p0
+    else:
+        p1 = tl.load(p_ptr + MN + i, mask=mask, other=0.0)
+        if S == 2:
+            t = p0 + p1
+        else:
+            p2 = tl.load(p_ptr + 2 * MN + i, mask=mask, other=0.0)
+            p3 = tl.load(p_ptr + 3 * MN + i, mask=mask, other=0.0)
+            if S == 4:
+                t = (p0 + p1) + (p2 + p3)
+            else:
+                p4 = tl.load(p_ptr + 4 * MN + i, mask=mask, other=0.0)
+                p5 = tl.load(p_ptr + 5 * MN + i, mask=mask, other=0.0)
+                p6 = tl.load(p_ptr + 6 * MN + i, mask=mask, other=0.0)
+                p7 = tl.load(p_ptr + 7 * MN + i, mask=mask, other=0.0)
+                t = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
+    if RNE_BF16:
+        # fp32 -> bf16 round-to-nearest-even by integer arithmetic (torch's .to(bfloat16) rule on
+        # every device; the interpreter's own cast truncates). NaN stays NaN.
+        u = t.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        tl.store(y_ptr + i, tl.where(t != t, t.to(tl.bfloat16), r), mask=mask)
+    else:
+        tl.store(y_ptr + i, t.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def split_partial(x: torch.Tensor, weight: torch.Tensor, splits: int,
+                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ops.split_partial in two launches: every K segment's fp32 product in one GEMM launch
+    (segment = a grid axis; each segment is exactly `linear(x_seg, w_seg, out_dtype=fp32)`,
+    same tile config rule, same K order), then the fixed pairwise tree over the segments,
+    rounded to out_dtype (fp32: the rank's subtree; x.dtype: split_linear without bias).
+    splits in {1, 2, 4, 8}."""
+    op = "split_partial"
+    check_float(op, "x", x)
+    check_float(op, "weight", weight, ndim=2)
+    n, k = weight.shape
+    if splits not in (1, 2, 4, 8) or k % splits or x.shape[-1] != k:
+        raise ValueError(f"{op}: K = {k} (x {tuple(x.shape)}) must split into {splits} in (1, 2, 4, 8) equal segments")
+    check_launchable(op, _linear_kernel, x, weight)
+    lead = x.shape[:-1]
+    x2 = unit_last(x.reshape(-1, k))
+    m, seg = x2.shape[0], k // splits
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y.reshape(*lead, n)
+    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    if seg == 0:
+        parts.zero_()
+    else:
+        cfg = launch_config(m, n, seg, weight.dtype, x.device)
+        grid = (triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N), splits)
+        _linear_kernel[grid](
+            x2, weight, weight, parts,
+            m, n, seg,
+            x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), parts.stride(1), parts.stride(0),
+            HAS_BIAS=False, DOT_F32=dot_in_fp32(_linear_kernel, x.dtype, weight.dtype),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+            GROUP_M=cfg.GROUP_M, EVEN_K=seg % cfg.BLOCK_K == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    block = 1024
+    direct = out_dtype in (torch.float32, torch.bfloat16)      # fp16: fp32 tree, then torch's cast
+    tree = y if direct else torch.empty((m, n), dtype=torch.float32, device=x.device)
+    _tree_kernel[(triton.cdiv(m * n, block),)](parts, tree, m * n, S=splits, BLOCK=block,
+                                               RNE_BF16=out_dtype == torch.bfloat16)
+    return (y if direct else tree.to(out_dtype)).reshape(*lead, n)
 
 
 @triton.jit

@@ -46,9 +46,11 @@ def candidates():
     small = [C(bm, bn, bk, 4, st) for bm in (16, 64) for bn in (16, 32, 64) for bk in (64, 128) for st in (4,)]
     small += [C(64, 32, 256, 4, 3), C(64, 64, 128, 4, 6), C(16, 32, 128, 2, 5)]
     mid = [C(64, 64, 64, 4, 4), C(64, 128, 64, 4, 4), C(128, 64, 64, 4, 4), C(128, 128, 64, 8, 4), C(64, 256, 64, 8, 3)]
-    big = [C(128, 256, 64, 8, 3), C(256, 128, 64, 8, 3), C(128, 128, 64, 8, 4), C(128, 128, 64, 4, 4),
-           C(128, 128, 128, 8, 3), C(128, 128, 32, 8, 4), C(128, 256, 64, 8, 4)]
-    return small, mid, big
+    big = [C(128, 256, 64, 8, 3), C(256, 128, 64, 8, 3), C(128, 128, 64, 8, 3), C(128, 128, 64, 8, 4)]
+    tma = [C(bm, bn, 64, 8, st, TMA=True, FLATTEN=fl) for bm, bn in ((128, 256), (256, 128), (128, 128))
+           for st in (3, 4) for fl in (False, True)]
+    tma += [C(128, 128, 64, 4, 4, TMA=True), C(128, 256, 64, 8, 4, GROUP_M=16, TMA=True)]
+    return small, mid, big + tma
 
 
 def main() -> int:
@@ -56,6 +58,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="folder for bench-linear-<device>.md/.png/.json")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-min-m", type=int, default=1, help="sweep only M >= this")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_linear needs a CUDA GPU")
@@ -91,9 +94,9 @@ def main() -> int:
             print(f"N={n:5d} K={k:5d} M={m:5d}  zerokl {t_ours*1e6:9.1f} us  cuBLAS {t_cub*1e6:9.1f} us  "
                   f"ratio {t_cub/t_ours:5.2f}  invariant {inv}  cuBLAS invariant {cub_inv}  cfg {tuple(cfg.__dict__.values())}",
                   flush=True)
-            if not args.sweep:
+            if not args.sweep or m < args.sweep_min_m:
                 continue
-            pool = small if m <= 64 else mid + big if m <= 512 else big + mid[3:]
+            pool = small if m <= 64 else mid + big if m <= 512 else big + mid[3:4]
             for c in pool:
                 try:
                     y = G.linear(xm, w, config=c)

@@ -49,25 +49,29 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "triton" if DEV == "cuda" else "torch"
 
 
-def cuda_time(fn, iters: int = 50) -> float:
-    """Median seconds of fn over iters, CUDA events, ranks aligned by a barrier before each call."""
+def cuda_time(fn, iters: int = 30, rounds: int = 5) -> float:
+    """Seconds per call of fn in steady state: `rounds` timings of `iters` back-to-back calls
+    (the ranks meet in each collective, so host skew enters only the first call), median,
+    then the slowest rank's figure."""
     for _ in range(5):
         fn()
     ts = []
-    for _ in range(iters if DEV == "cuda" else 3):
+    for _ in range(rounds):
         dist.barrier()
         if DEV == "cpu":
             t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+            for _ in range(3):
+                fn()
+            ts.append((time.perf_counter() - t0) / 3)
             continue
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(iters):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3)
+        ts.append(a.elapsed_time(b) * 1e-3 / iters)
     t = torch.tensor([statistics.median(ts)], device=DEV)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()

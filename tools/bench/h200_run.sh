@@ -12,7 +12,13 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 G1=$(( NGPU > 1 ? 1 : 0 ))
-if [ "$MODE" = explore ]; then
+if [ "$MODE" = explore2 ]; then
+  ( CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/bench/bench_linear.py --sweep --sweep-min-m 128 --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_configs.py > "$OUT/gputests.log" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=$G1 timeout 240 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
+  wait
+  [ "$NGPU" -gt 1 ] && timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --skip equality --out "$OUT/tp" > "$OUT/tp.log" 2>&1
+elif [ "$MODE" = explore ]; then
   ( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 tools/bench/bench_linear.py --sweep --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1 ) &
   ( CUDA_VISIBLE_DEVICES=$G1 timeout 150 python3 tools/bench/bench_attn_moe.py --sweep --json "$OUT/attn.json" > "$OUT/attn.log" 2>&1;
     CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
@@ -23,7 +29,7 @@ else
   ( CUDA_VISIBLE_DEVICES=0 timeout 150 python3 tools/bench/bench_linear.py --out "$OUT/bench" > "$OUT/linear.log" 2>&1;
     CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
   ( CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_attn_moe.py --out "$OUT/bench" > "$OUT/attn.log" 2>&1;
-    CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_e2e.py --out "$OUT/bench" > "$OUT/e2e.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=$G1 timeout 240 python3 tools/bench/bench_e2e.py --out "$OUT/bench" > "$OUT/e2e.log" 2>&1;
     CUDA_VISIBLE_DEVICES=$G1 timeout 60 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1;
     cp tests/assets/golden/numerics.json "$OUT/bench/numerics.json" ) &
   wait
