@@ -40,10 +40,11 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from zerokl.kernels import ops
+from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.ops import REDUCTION_SPLITS
 from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
 
-__all__ = ["MODES", "JOINS", "COLUMN_ALIGN", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+__all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ExpertParallelMoE", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
@@ -107,28 +108,40 @@ class ColumnParallelLinear(nn.Module):
         return _no_backward(torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features], x)
 
 
-JOINS = ("auto", "gather", "all_reduce_fp32", "reduce_scatter")
+JOINS = ("gather", "all_reduce_fp32", "reduce_scatter", "gather_list")
+DEFAULT_JOIN = "gather"
 
 
-def row_parallel_join(part: torch.Tensor, group, dtype: torch.dtype, how: str = "auto") -> torch.Tensor:
+def _tree_round(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """split_combine over the leading dim of fp32 [tp, ...] (rank order), rounded to dtype: one
+    Triton launch on CUDA, torch adds elsewhere (the same IEEE additions in the same tree)."""
+    if parts.device.type == "cuda" and get_backend() == "triton":
+        return backend_module("triton").tree_combine(parts, dtype)
+    return ops.split_combine(list(parts.unbind(0)), None, dtype)
+
+
+def row_parallel_join(part: torch.Tensor, group, dtype: torch.dtype, how: str | None = None) -> torch.Tensor:
     """Join the ranks' fp32 split-tree subtrees into split_linear's bits, rounded to `dtype`.
 
-    gather: all-gather the subtrees, every rank finishes the tree (any supported degree).
-    With two ranks the last tree level is ONE fp32 addition p01 + p23 per element, and IEEE
-    addition is commutative, so a sum-collective computes it exactly whatever its algorithm:
-    all_reduce_fp32 (one collective, 2x the bytes of a bf16 all_reduce) or reduce_scatter
-    (fp32 reduce-scatter, round, bf16 all-gather: 1.5x the bytes, two collectives). "auto"
-    is all_reduce_fp32 at two ranks and gather otherwise. With more than two ranks a
-    collective would sum in its own order, so only gather is exact there.
+    gather (default): one all_gather_into_tensor of the fp32 subtrees, then every rank finishes
+    the fixed tree and rounds in one pass; exact for any supported degree. gather_list: the
+    same through a list all_gather and torch adds (the first implementation). With two ranks
+    the last tree level is ONE fp32 addition p01 + p23 per element and IEEE addition is
+    commutative, so a sum-collective computes it exactly whatever its algorithm:
+    all_reduce_fp32 (one collective) or reduce_scatter (fp32 reduce-scatter, round, bf16
+    all-gather). With more ranks a collective sums in its own order: only the gathers are exact.
     """
     tp = dist.get_world_size(group)
-    if how == "auto":
-        how = "all_reduce_fp32" if tp == 2 else "gather"
-    if how == "gather" or tp == 1:
+    how = how or DEFAULT_JOIN
+    part = part.detach().float().contiguous()
+    if how == "gather_list" or tp == 1:
         return ops.split_combine(_all_gather(part, group), None, dtype)
+    if how == "gather":
+        buf = torch.empty(tp * part.numel(), dtype=torch.float32, device=part.device)
+        dist.all_gather_into_tensor(buf, part.view(-1), group=group)         # rank r's subtree at [r]
+        return _tree_round(buf.view(tp, *part.shape), dtype)
     if tp != 2:
         raise ValueError(f"row_parallel_join: {how!r} is exact only with 2 ranks (got {tp})")
-    part = part.detach().float().contiguous()
     if how == "all_reduce_fp32":
         t = part.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -157,13 +170,14 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.group, self.mode = group, mode
+        self.join: str | None = None          # row_parallel_join's `how` (None: DEFAULT_JOIN)
         self.splits = REDUCTION_SPLITS // dist.get_world_size(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "all_reduce":
             return _no_backward(_all_reduce(ops.linear(x, self.weight), self.group), x)
         part = ops.split_partial(x, self.weight, self.splits)                    # fp32 [.., N]
-        return _no_backward(row_parallel_join(part, self.group, x.dtype), x)
+        return _no_backward(row_parallel_join(part, self.group, x.dtype, self.join), x)
 
 
 class ParallelMLP(nn.Module):

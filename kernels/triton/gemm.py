@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, pow2_between, unit_last
 
-__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial"]
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial", "tree_combine"]
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 _CUDA_BUCKETS: list[tuple[int, dict]] = [
     (64, {None: GemmConfig(16, 32, 128, 2, 5)}),
     (256, {None: GemmConfig(64, 64, 64, 4, 4)}),
-    (1024, {None: GemmConfig(128, 128, 64, 8, 4)}),
+    (1024, {None: GemmConfig(128, 128, 64, 4, 4, TMA=True)}),
+    (1 << 62, {None: GemmConfig(128, 256, 64, 8, 3, TMA=True)}),
 ]
 
 
@@ -303,6 +304,21 @@ def _tree_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, RNE_BF1
         tl.store(y_ptr + i, tl.where(t != t, t.to(tl.bfloat16), r), mask=mask)
     else:
         tl.store(y_ptr + i, t.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """tree_sum over the leading dim of fp32 `parts` [S, ...] (S in 1, 2, 4, 8), rounded to
+    out_dtype as torch rounds (fp32 / bf16 in the kernel; other dtypes via torch's cast)."""
+    s = parts.shape[0]
+    if s not in (1, 2, 4, 8) or parts.dtype != torch.float32:
+        raise ValueError(f"tree_combine: need fp32 [S, ...] with S in (1, 2, 4, 8), got {parts.dtype} {tuple(parts.shape)}")
+    parts = parts.contiguous()
+    direct = out_dtype in (torch.float32, torch.bfloat16)
+    y = torch.empty(parts.shape[1:], dtype=out_dtype if direct else torch.float32, device=parts.device)
+    mn = y.numel()
+    if mn:
+        _tree_kernel[(triton.cdiv(mn, 1024),)](parts, y, mn, S=s, BLOCK=1024, RNE_BF16=out_dtype == torch.bfloat16)
+    return y if direct else y.to(out_dtype)
 
 
 def split_partial(x: torch.Tensor, weight: torch.Tensor, splits: int,

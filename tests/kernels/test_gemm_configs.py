@@ -73,7 +73,7 @@ def test_grouped_linear_configs_bit_identical_on_gpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_split_partial_is_the_composite(dtype):
+def test_fused_split_partial_triton_is_the_composite(dtype):
     """The Triton backend's two-launch split_partial/split_linear (one GEMM launch over all K
     segments, one tree launch) gives the per-segment composite's bits (linear per segment in
     fp32, tree_sum, torch's rounding)."""

@@ -119,9 +119,11 @@ def bench_trainer(model, args) -> dict:
 
     times = {"triton": [], "stock": []}
     for b in ("triton", "stock"):
+        t0 = time.perf_counter()
         with K.use_backend(b):
             step()
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        print(f"  trainer warm-up {b}: {time.perf_counter() - t0:.1f} s", flush=True)
     for _ in range(args.repeats):
         for b in ("triton", "stock"):
             with K.use_backend(b):
@@ -164,10 +166,13 @@ def main() -> int:
     print(stamp, flush=True)
     res = {"stamp": stamp}
     skip = set(args.skip.split(","))
-    if "decode" not in skip:
-        res["decode"] = bench_decode(model, args)
+    t0 = time.perf_counter()
     if "trainer" not in skip:
         res["trainer"] = bench_trainer(model, args)
+        print(f"  trainer part took {time.perf_counter() - t0:.0f} s", flush=True)
+    if "decode" not in skip:
+        res["decode"] = bench_decode(model, args)
+        print(f"  decode part took {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

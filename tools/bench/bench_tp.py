@@ -89,7 +89,7 @@ def tp_groups(tp: int):
 
 
 def bench_join(ms, n: int, k: int) -> list[dict]:
-    from zerokl.model.parallel import row_parallel_join
+    from zerokl.model.parallel import DEFAULT_JOIN, row_parallel_join
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world
     group = dist.group.WORLD
@@ -114,7 +114,7 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
             return t
 
         joins = {"plain_all_reduce_bf16": plain}
-        for how in ("gather", "all_reduce_fp32", "reduce_scatter"):
+        for how in ("gather", "gather_list", "all_reduce_fp32", "reduce_scatter"):
             if how == "all_reduce_fp32" and tp > 2:
                 continue
             if how == "reduce_scatter" and (tp > 2 or (m * n) % tp):
@@ -138,8 +138,11 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
 
         res["layer_plain_us"] = cuda_time(layer_plain) * 1e6
         res["layer_exact_us"] = cuda_time(layer_exact) * 1e6
-        res["default_join"] = "all_reduce_fp32" if tp == 2 else "gather"
-        res["join_ratio"] = res[f"{res['default_join']}_us"] / res["plain_all_reduce_bf16_us"]
+        res["default_join"] = DEFAULT_JOIN
+        res["join_ratio"] = res[f"{DEFAULT_JOIN}_us"] / res["plain_all_reduce_bf16_us"]
+        exact = [j for j in joins if j != "plain_all_reduce_bf16" and res[f"{j}_equal_1gpu"]]
+        res["best_exact_join"] = min(exact, key=lambda j: res[f"{j}_us"])
+        res["best_join_ratio"] = res[f"{res['best_exact_join']}_us"] / res["plain_all_reduce_bf16_us"]
         res["layer_ratio"] = res["layer_exact_us"] / res["layer_plain_us"]
         rows.append(res)
         log(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()))
@@ -188,8 +191,13 @@ def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
     from zerokl.model.parallel import apply_tensor_parallel
     cfg = ModelConfig.preset(PRESET)
     models = {}
-    for mode in ("exact", "all_reduce"):
-        models[mode] = apply_tensor_parallel(Model(cfg, seed=0, dtype=torch.bfloat16).to(DEV).eval(), mode=mode)
+    arms = [("exact", None), ("all_reduce", None)] + ([("exact", "all_reduce_fp32")] if dist.get_world_size() == 2 else [])
+    for mode, join in arms:
+        m = apply_tensor_parallel(Model(cfg, seed=0, dtype=torch.bfloat16).to(DEV).eval(), mode=mode)
+        for mod in m.modules():
+            if hasattr(mod, "join"):
+                mod.join = join
+        models[mode + (f"+{join}" if join else "")] = m
     reqs = make_requests(batch, max_tokens, cfg.vocab_size)
     for mode in models:
         run_engine(models[mode], reqs[:4], BACKEND, 2048)
@@ -201,11 +209,12 @@ def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
             dt, n, _, o = run_engine(model, reqs, BACKEND, 2048)
             rates[mode].append(n / dt)
             toks[mode] = o
+    same = all(toks[m] == toks["exact"] for m in toks if m.startswith("exact"))
     med = {m: statistics.median(v) for m, v in rates.items()}
     res = {"batch": batch, "max_tokens": max_tokens, "decode_tok_s": med, "all": rates,
-           "ratio": med["exact"] / med["all_reduce"]}
-    log(f"decode TP={dist.get_world_size()} batch {batch}: exact {med['exact']:.0f} tok/s, plain all_reduce "
-        f"{med['all_reduce']:.0f} tok/s, ratio {res['ratio']:.3f}")
+           "ratio": med["exact"] / med["all_reduce"], "exact_joins_same_tokens": same}
+    log(f"decode TP={dist.get_world_size()} batch {batch}: " + ", ".join(f"{m} {v:.0f} tok/s" for m, v in med.items())
+        + f"; exact/plain {res['ratio']:.3f}; exact joins give the same tokens+logprobs: {same}")
     return res
 
 
@@ -267,8 +276,9 @@ def main() -> int:
             fig, ax = plt.subplots(figsize=(6, 3.4))
             ms = [r["M"] for r in res["join"]]
             for key, lab in (("plain_all_reduce_bf16_us", "plain bf16 all_reduce (differs from 1 GPU)"),
+                             ("gather_us", "exact: fp32 all_gather_into_tensor + tree kernel"),
+                             ("gather_list_us", "exact: fp32 list all_gather + torch adds"),
                              ("all_reduce_fp32_us", "exact: fp32 all_reduce (2 ranks)"),
-                             ("gather_us", "exact: fp32 all_gather + tree"),
                              ("reduce_scatter_us", "exact: fp32 reduce_scatter + bf16 all_gather")):
                 if key in res["join"][0]:
                     ax.plot(ms, [r[key] for r in res["join"]], marker="o", label=lab)
