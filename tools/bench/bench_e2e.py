@@ -143,6 +143,30 @@ def bench_trainer(model, args) -> dict:
     return res
 
 
+def profile_trainer(model, args) -> None:
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(3, model.config.vocab_size, (args.train_batch, args.train_seq + 1), device="cuda", generator=g)
+    model.train()
+    for b in ("triton", "stock"):
+        with K.use_backend(b):
+            for prof_it in range(2):
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    t0 = time.perf_counter()
+                    logits = model(ids[:, :-1])
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])
+                    (-lp.mean()).backward()
+                    torch.cuda.synchronize()
+                    t2 = time.perf_counter()
+                for p in model.parameters():
+                    p.grad = None
+            print(f"== {b}: forward {t1 - t0:.2f} s, loss+backward {t2 - t1:.2f} s", flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=60), flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -154,6 +178,7 @@ def main() -> int:
     ap.add_argument("--train-seq", type=int, default=512)
     ap.add_argument("--train-steps", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: decode,trainer")
+    ap.add_argument("--profile", action="store_true", help="profile one trainer step per arm (top ops) and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -166,6 +191,9 @@ def main() -> int:
     print(stamp, flush=True)
     res = {"stamp": stamp}
     skip = set(args.skip.split(","))
+    if args.profile:
+        profile_trainer(model, args)
+        return 0
     t0 = time.perf_counter()
     if "trainer" not in skip:
         res["trainer"] = bench_trainer(model, args)

@@ -138,8 +138,8 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
 
         res["layer_plain_us"] = cuda_time(layer_plain) * 1e6
         res["layer_exact_us"] = cuda_time(layer_exact) * 1e6
-        res["default_join"] = DEFAULT_JOIN
-        res["join_ratio"] = res[f"{DEFAULT_JOIN}_us"] / res["plain_all_reduce_bf16_us"]
+        res["default_join"] = DEFAULT_JOIN if DEFAULT_JOIN != "auto" else ("all_reduce_fp32" if tp == 2 else "gather")
+        res["join_ratio"] = res[f"{res['default_join']}_us"] / res["plain_all_reduce_bf16_us"]
         exact = [j for j in joins if j != "plain_all_reduce_bf16" and res[f"{j}_equal_1gpu"]]
         res["best_exact_join"] = min(exact, key=lambda j: res[f"{j}_us"])
         res["best_join_ratio"] = res[f"{res['best_exact_join']}_us"] / res["plain_all_reduce_bf16_us"]
@@ -191,7 +191,7 @@ def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
     from zerokl.model.parallel import apply_tensor_parallel
     cfg = ModelConfig.preset(PRESET)
     models = {}
-    arms = [("exact", None), ("all_reduce", None)] + ([("exact", "all_reduce_fp32")] if dist.get_world_size() == 2 else [])
+    arms = [("exact", None), ("all_reduce", None)] + ([("exact", "gather")] if dist.get_world_size() == 2 else [])
     for mode, join in arms:
         m = apply_tensor_parallel(Model(cfg, seed=0, dtype=torch.bfloat16).to(DEV).eval(), mode=mode)
         for mod in m.modules():

@@ -18,6 +18,13 @@ if [ "$MODE" = explore2 ]; then
   ( CUDA_VISIBLE_DEVICES=$G1 timeout 240 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
   wait
   [ "$NGPU" -gt 1 ] && timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --skip equality --out "$OUT/tp" > "$OUT/tp.log" 2>&1
+elif [ "$MODE" = rest ]; then
+  # what the final run's time limits cut: the GPU test tier, e2e decode, a trainer profile, TP decode
+  ( CUDA_VISIBLE_DEVICES=0 timeout 210 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
+  ( CUDA_VISIBLE_DEVICES=$G1 timeout 130 python3 tools/bench/bench_e2e.py --skip trainer --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1;
+    CUDA_VISIBLE_DEVICES=$G1 timeout 70 python3 tools/bench/bench_e2e.py --profile --train-batch 2 > "$OUT/profile.log" 2>&1 ) &
+  wait
+  [ "$NGPU" -gt 1 ] && timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --skip join,equality --repeats 5 --out "$OUT/tp" > "$OUT/tp.log" 2>&1
 elif [ "$MODE" = explore ]; then
   ( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 tools/bench/bench_linear.py --sweep --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1 ) &
   ( CUDA_VISIBLE_DEVICES=$G1 timeout 150 python3 tools/bench/bench_attn_moe.py --sweep --json "$OUT/attn.json" > "$OUT/attn.log" 2>&1;
