@@ -3,7 +3,8 @@
     zerokl serve scheduler --decode 127.0.0.1:50052,127.0.0.1:50062 --prefill 127.0.0.1:50051 --port 50050
 
 Replicas come from ``--decode``/``--prefill`` (repeatable, comma-separated)
-and/or a YAML ``--replicas FILE``. On start one line goes to stdout,
+and/or a YAML ``--replicas FILE``, and in Kubernetes from the EndpointSlices of
+the ``--kube-decode-service``/``--kube-prefill-service`` Services. On start one line goes to stdout,
 ``scheduler listening on HOST:PORT ...``, which ``zerokl up`` and the tests
 read. Health stays NOT_SERVING until a decode replica of the current pin is
 healthy.
@@ -49,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt's KV is computed there and handed to a decode replica")
     f.add_argument("--replicas", metavar="FILE", default=None,
                    help="YAML file with 'decode' and 'prefill' address lists (added to the flags)")
+    f.add_argument("--kube-decode-service", metavar="NAME", default=None,
+                   help="in Kubernetes: follow the EndpointSlices of this decode Service (a ReplicaSource next to "
+                        "the flags; needs get/list/watch on endpointslices)")
+    f.add_argument("--kube-prefill-service", metavar="NAME", default=None,
+                   help="in Kubernetes: follow the EndpointSlices of this prefill Service")
+    f.add_argument("--kube-namespace", default=None,
+                   help="namespace of those Services (default: this pod's, else 'default')")
+    f.add_argument("--kube-port-name", default="grpc", help="the Services' gRPC port name (default %(default)s)")
     f.add_argument("--poll-interval", type=float, default=1.0, help="seconds between health/Info polls")
     f.add_argument("--poll-timeout", type=float, default=2.0, help="deadline of one health/Info poll")
     f.add_argument("--info-interval", type=float, default=30.0,
@@ -82,10 +91,17 @@ def sources_from_args(args: argparse.Namespace) -> list[ReplicaSource]:
             sources.append(StaticSource.from_addresses(decode, prefill, name="flags"))
         if args.replicas:
             sources.append(load_static_config(args.replicas))
+        if args.kube_decode_service or args.kube_prefill_service:
+            from zerokl.services.scheduler.kube import EndpointSliceSource, in_cluster_namespace
+            services = {role: name for role, name in (("decode", args.kube_decode_service),
+                                                      ("prefill", args.kube_prefill_service)) if name}
+            sources.append(EndpointSliceSource(args.kube_namespace or in_cluster_namespace(), services,
+                                               port_name=args.kube_port_name))
     except (OSError, ValueError) as err:
         raise SystemExit(f"zerokl serve scheduler: {err}") from None
     if not sources:
-        raise SystemExit("zerokl serve scheduler: name at least one decode replica (--decode ADDR or --replicas FILE)")
+        raise SystemExit("zerokl serve scheduler: name at least one decode replica (--decode ADDR, --replicas FILE "
+                         "or --kube-decode-service NAME)")
     return sources
 
 

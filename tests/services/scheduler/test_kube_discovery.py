@@ -202,3 +202,13 @@ def test_a_rolling_upgrade_that_mixes_fingerprints_is_refused_by_the_scheduler(m
 def test_a_source_routes_only_prefill_and_decode() -> None:
     with pytest.raises(ValueError, match="roles must be among"):
         EndpointSliceSource(NS, {"trainer": "r1-zerokl-trainer"})
+
+
+def test_the_scheduler_flags_select_the_kubernetes_source() -> None:
+    from zerokl.services.scheduler.server import build_parser, sources_from_args
+
+    args = build_parser().parse_args(["--kube-decode-service", "r1-zerokl-decode", "--kube-prefill-service",
+                                      "r1-zerokl-prefill", "--kube-namespace", NS])
+    [source] = sources_from_args(args)
+    assert isinstance(source, EndpointSliceSource)
+    assert (source.namespace, source.services, source.port_name) == (NS, SERVICES, "grpc")
