@@ -78,6 +78,11 @@ class BlockManager:
             self.by_hash[block_hash] = block
             self.hash_of[block] = block_hash
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the KV was computed with weights that are gone)."""
+        self.by_hash.clear()
+        self.hash_of.clear()
+
     def release(self, blocks: Sequence[int]) -> None:
         for b in blocks:
             self.ref[b] -= 1

@@ -162,6 +162,26 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._ready)
 
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Replace the model's weights in place (same config); only between requests.
+
+        Every cached prefix is forgotten: its KV was computed with the old weights.
+        Raises RuntimeError while requests are in the engine, and the model's own
+        error for missing, unexpected or misshapen tensors (nothing is changed then).
+        """
+        if self.has_work():
+            raise RuntimeError("load_weights with requests in the engine")
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        wrong = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+        if missing or unexpected or wrong:
+            raise ValueError(f"weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                             f"wrong shape {wrong[:3]}")
+        with torch.no_grad():
+            for k, t in own.items():
+                t.copy_(state_dict[k])
+        self.blocks.reset_prefix_cache()
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -9,7 +9,14 @@ back with ``loop.call_soon_threadsafe`` into the :class:`RequestStream` of
 their request.
 
 A request the engine refuses (RequestError) fails only its own submit, as
-INVALID_ARGUMENT; nothing else in the batch notices. The thread also keeps the
+INVALID_ARGUMENT; nothing else in the batch notices.
+
+Weights swap between requests (:meth:`AsyncEngine.load_weights`): the swap
+waits on the engine thread until the requests already admitted have finished,
+holds back the ones that arrive meanwhile, replaces the weights and only then
+admits them. A request pinned to a weights version is checked against the
+version the engine holds *when it is admitted*, and every stream records that
+version, so an output is never stamped with weights that did not compute it. The thread also keeps the
 ``zerokl_`` serving metrics: TTFT, inter-token and end-to-end latency,
 running/waiting, KV usage, prompt and generation token totals.
 """
@@ -27,7 +34,14 @@ from zerokl.services.engine.engine import Engine, RequestError
 from zerokl.services.engine.types import GenerateRequest, SampleOutput
 from zerokl.services.inference.errors import Internal
 from zerokl.services.runtime import metrics
-from zerokl.services.runtime.errors import AlreadyExists, InvalidArgument, ServiceError, Unavailable
+from zerokl.services.runtime.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    PreconditionViolation,
+    ServiceError,
+    Unavailable,
+)
 
 __all__ = ["AsyncEngine", "RequestStream", "LatencyTracker", "collect"]
 
@@ -77,8 +91,10 @@ class RequestStream:
     client went away, aborts the request in the engine.
     """
 
-    def __init__(self, owner: "AsyncEngine", request: GenerateRequest) -> None:
+    def __init__(self, owner: "AsyncEngine", request: GenerateRequest, pinned_version: str = "") -> None:
         self.request = request
+        self.pinned_version = pinned_version   # "" = any; else admission requires this weights version
+        self.weights_version = ""              # the version that computes this request (set at admission)
         self._owner = owner
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._ended = False     # the consumer saw the end (or an error)
@@ -142,8 +158,11 @@ class AsyncEngine:
     open end with UNAVAILABLE.
     """
 
-    def __init__(self, engine: Engine, name: str = "zerokl-engine") -> None:
+    def __init__(self, engine: Engine, name: str = "zerokl-engine", weights_version: str = "") -> None:
         self.engine = engine
+        self.weights_version = weights_version   # written by the engine thread only (at a swap)
+        self._swap: tuple[dict, str, asyncio.Future[None]] | None = None   # engine thread: pending swap
+        self._held: list[tuple[RequestStream, asyncio.Future[None]]] = []  # adds waiting for the swap
         self._name = name
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
@@ -182,12 +201,13 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def submit(self, request: GenerateRequest) -> RequestStream:
+    async def submit(self, request: GenerateRequest, pinned_version: str = "") -> RequestStream:
         """Queue ``request``; returns its stream once the engine admitted it.
 
         Raises INVALID_ARGUMENT with the engine's message for a request it
         refuses, ALREADY_EXISTS when the request id is in flight, UNAVAILABLE
-        once closing.
+        once closing, FAILED_PRECONDITION when ``pinned_version`` is set and
+        the engine holds other weights at admission.
         """
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
@@ -196,7 +216,7 @@ class AsyncEngine:
         rid = request.request_id
         if rid in self._streams:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
-        stream = RequestStream(self, request)
+        stream = RequestStream(self, request, pinned_version)
         self._streams[rid] = stream
         admitted: asyncio.Future[None] = self._loop.create_future()
         self._post(("add", (stream, admitted)))
@@ -210,6 +230,21 @@ class AsyncEngine:
             await stream.aclose()
             raise
         return stream
+
+    async def load_weights(self, state_dict: dict, version: str) -> None:
+        """Swap the engine's weights to ``version`` once the admitted requests are done.
+
+        Requests submitted meanwhile wait and are admitted after the swap. Raises
+        the engine's error (weights that do not fit the model: nothing changed)
+        and UNAVAILABLE once closing.
+        """
+        if self._loop is None:
+            raise RuntimeError("AsyncEngine.start() was not called")
+        if self._stopping:
+            raise Unavailable("the engine is shutting down")
+        done: asyncio.Future[None] = self._loop.create_future()
+        self._post(("swap", (state_dict, version, done)))
+        await done
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; its stream ends with 'abort' outputs. False if unknown."""
@@ -245,16 +280,26 @@ class AsyncEngine:
         engine = self.engine
         while True:
             with self._cond:
-                while not self._inbox and not self._stopping and not engine.has_work():
+                while not self._inbox and not self._stopping and not engine.has_work() and self._swap is None:
                     self._cond.wait()
                 if self._stopping:
                     break
                 commands, self._inbox = self._inbox, []
             for kind, arg in commands:
                 if kind == "add":
-                    self._add(*arg)
+                    if self._swap is not None:
+                        self._held.append(arg)
+                    else:
+                        self._add(*arg)
+                elif kind == "swap":
+                    if self._swap is not None:  # a second swap before the first ran: the first is moot
+                        self._resolve(self._swap[2], None)
+                    self._swap = arg
                 else:
                     self._abort(arg)
+            if self._swap is not None and not engine.has_work():
+                self._run_swap()
+                continue
             if engine.has_work():
                 try:
                     outputs = engine.step()
@@ -265,12 +310,50 @@ class AsyncEngine:
                 self._dispatch(outputs)
             self._update_metrics()
         self._fail_all(Unavailable("the server is shutting down"))
+        closing = Unavailable("the server is shutting down")
+        if self._swap is not None:
+            self._resolve(self._swap[2], closing)
+        for _, admitted in self._held:
+            self._resolve(admitted, closing)
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(_resolve, future, error)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    def _run_swap(self) -> None:
+        assert self._swap is not None
+        state_dict, version, done = self._swap
+        self._swap = None
+        error: BaseException | None = None
+        try:
+            self.engine.load_weights(state_dict)
+            self.weights_version = version
+            log.info("now serving weights %s", version)
+        except Exception as err:  # weights that do not fit: the old ones keep serving
+            error = FailedPrecondition(f"cannot load weights {version!r}: {err}")
+        self._resolve(done, error)
+        held, self._held = self._held, []
+        for stream, admitted in held:
+            if not stream._detached:  # its submitter left while it waited: nothing to admit
+                self._add(stream, admitted)
 
     def _add(self, stream: RequestStream, admitted: asyncio.Future[None]) -> None:
         request = stream.request
         error: ServiceError | None = None
         try:
+            if stream.pinned_version and stream.pinned_version != self.weights_version:
+                raise FailedPrecondition(
+                    f"pinned weights_version {stream.pinned_version!r}, this replica serves {self.weights_version!r}",
+                    precondition_violations=[PreconditionViolation(
+                        "WEIGHTS_VERSION", stream.pinned_version,
+                        f"this replica serves {self.weights_version!r}")])
+            stream.weights_version = self.weights_version
             self.engine.add_request(request)
+        except ServiceError as err:
+            error = err
         except RequestError as err:
             error = InvalidArgument(str(err))
         except Exception as err:  # an engine bug must not take the thread down
@@ -280,11 +363,7 @@ class AsyncEngine:
             generate = request.mode == "generate"
             self._live[request.request_id] = _Live(stream, request.options.n if generate else 1,
                                                    LatencyTracker() if generate else None)
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(_resolve, admitted, error)
-        except RuntimeError:
-            pass
+        self._resolve(admitted, error)
 
     def _abort(self, stream: RequestStream) -> None:
         live = self._live.get(stream.request_id)
@@ -354,7 +433,7 @@ class AsyncEngine:
         self._stats = dict(stats)
 
 
-def _resolve(future: asyncio.Future[None], error: ServiceError | None) -> None:
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
     if future.done():  # the submitter was cancelled meanwhile
         return
     if error is None:

@@ -49,6 +49,11 @@ class InferenceClient(ServiceClient):
         """What the replica computes with."""
         return identity_from_proto(await self._inference.Info(common_pb2.InfoRequest()))
 
+    async def switch_weights(self, version: str, *, timeout: float | None = None) -> ServiceIdentity:
+        """Make the replica (or, on the scheduler, the whole fleet) serve weight-store ``version``."""
+        return identity_from_proto(await self._inference.SwitchWeights(
+            inference_pb2.SwitchWeightsRequest(version=version), timeout=timeout))
+
     async def generate(self, request: InferenceRequest, *,
                        timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
         """Stream the deltas of one request (closing the iterator early cancels the call)."""

@@ -71,7 +71,7 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
                 handoff = receiver.handoff()  # DATA_LOSS before the last ack if the blob's sha256 differs
             yield _ack(receiver.received)
         deltas = replica.generate_from_handoff(r, header.prompt_ids, handoff, header.prompt_logprobs,
-                                               header.num_cached_tokens)
+                                               header.num_cached_tokens, header.weights_version)
         try:
             async for delta in deltas:
                 yield inference_pb2.GenerateFromKVResponse(response=convert.delta_to_proto(delta))
@@ -79,8 +79,11 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
             await deltas.aclose()  # type: ignore[attr-defined]
 
 
-def add_decode_service(server: ServiceServer, replica: Replica) -> None:
-    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Decode`` from ``replica`` (before the server starts)."""
-    server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(replica),
-                        INFERENCE_SERVICE)
+def add_decode_service(server: ServiceServer, replica: Replica, switch_weights=None) -> None:  # noqa: ANN001
+    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Decode`` from ``replica`` (before the server starts).
+
+    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights.
+    """
+    server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
+                        InferenceServicer(replica, switch_weights), INFERENCE_SERVICE)
     server.add_servicer(inference_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(replica), DECODE_SERVICE)

@@ -74,11 +74,13 @@ class PrefillRelay:
             replica.check_fits_context(ids)
             replica.check_generate(ids, r.options)
         rid = r.request_id or replica.new_request_id()
-        out = await replica.prefill(rid, ids, r.options)
-        if out is None:
+        prefilled = await replica.prefill(rid, ids, r.options, r.weights_version)
+        if prefilled is None:
             return None
+        out, version = prefilled
         assert out.handoff is not None
-        return handoff_to_blob(out.handoff, request_id=rid, identity=replica.identity, prompt_ids=ids,
+        identity = dataclasses.replace(replica.identity, weights_version=version)
+        return handoff_to_blob(out.handoff, request_id=rid, identity=identity, prompt_ids=ids,
                                num_cached_tokens=out.num_cached_tokens,
                                prompt_logprobs=out.prompt_logprobs if r.options.prompt_logprobs else None)
 
@@ -180,8 +182,12 @@ class PrefillServicer(inference_pb2_grpc.PrefillServicer):
             yield inference_pb2.PrefillKVResponse(chunk=chunk_to_proto(chunk))
 
 
-def add_prefill_service(server: ServiceServer, relay: PrefillRelay) -> None:
-    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Prefill`` from ``relay`` (before the server starts)."""
-    server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(relay),
-                        INFERENCE_SERVICE)
+def add_prefill_service(server: ServiceServer, relay: PrefillRelay,
+                        switch_weights=None) -> None:  # noqa: ANN001
+    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Prefill`` from ``relay`` (before the server starts).
+
+    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights.
+    """
+    server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
+                        InferenceServicer(relay, switch_weights), INFERENCE_SERVICE)
     server.add_servicer(inference_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(relay), PREFILL_SERVICE)

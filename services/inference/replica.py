@@ -37,7 +37,8 @@ class Replica:
     def __init__(self, engine: AsyncEngine, identity: ServiceIdentity, tokenizer: Tokenizer | None = None,
                  limits: ServingLimits = ServingLimits()) -> None:
         self.engine = engine
-        self.identity = identity
+        self._identity = identity
+        engine.weights_version = identity.weights_version
         self.tokenizer = tokenizer
         self.limits = limits
         # Read-only after construction, so the event loop may read them while the engine thread runs.
@@ -46,6 +47,16 @@ class Replica:
         self.max_model_len = engine.engine.max_model_len
         self._block_size = engine.engine.config.block_size
         self._num_blocks = engine.engine.config.num_blocks
+
+    @property
+    def identity(self) -> ServiceIdentity:
+        """What this replica computes with now (the weights version changes at a swap)."""
+        return dataclasses.replace(self._identity, weights_version=self.engine.weights_version)
+
+    async def load_weights(self, state_dict: dict, version: str) -> ServiceIdentity:
+        """Serve ``version`` from now on: waits for admitted requests, then swaps (see AsyncEngine)."""
+        await self.engine.load_weights(state_dict, version)
+        return self.identity
 
     # ------------------------------------------------------------------ request rules
 
@@ -107,16 +118,16 @@ class Replica:
     # ------------------------------------------------------------------ serving
 
     def delta(self, out: SampleOutput, completion_tokens: int, prompt_logprobs: list[float] | None,
-              cached_tokens: int | None = None) -> GenerateDelta:
-        """One engine output as a client delta stamped with this replica's identity."""
+              cached_tokens: int | None = None, weights_version: str | None = None) -> GenerateDelta:
+        """One engine output as a client delta stamped with the weights that computed it."""
         return GenerateDelta(
             request_id=out.request_id, index=out.index, token_ids=tuple(out.token_ids),
             logprobs=tuple(out.logprobs), text=out.text, finish_reason=out.finish_reason,
             prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None,
             usage=Usage(out.num_prompt_tokens, completion_tokens,
                         out.num_cached_tokens if cached_tokens is None else cached_tokens),
-            weights_version=self.identity.weights_version,
-            numerics_fingerprint=self.identity.numerics_fingerprint)
+            weights_version=self.identity.weights_version if weights_version is None else weights_version,
+            numerics_fingerprint=self._identity.numerics_fingerprint)
 
     async def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
         """Generate locally (this replica's own chunked prefill)."""
@@ -124,12 +135,12 @@ class Replica:
         ids = self.prompt_ids(r)
         self.check_generate(ids, r.options)
         request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options)
-        async for d in self.stream_deltas(await self.engine.submit(request)):
+        async for d in self.stream_deltas(await self.engine.submit(request, r.weights_version)):
             yield d
 
     async def generate_from_handoff(self, r: InferenceRequest, ids: tuple[int, ...], handoff: KVHandoff | None,
                                     prompt_logprobs: Sequence[float] | None,
-                                    cached_tokens: int) -> AsyncIterator[GenerateDelta]:
+                                    cached_tokens: int, kv_weights_version: str) -> AsyncIterator[GenerateDelta]:
         """Generate from prompt KV computed elsewhere (pins and header already checked).
 
         The handed-over positions have no logits here, so prompt logprobs come
@@ -143,7 +154,8 @@ class Replica:
         options = dataclasses.replace(r.options, prompt_logprobs=False)
         request = GenerateRequest(r.request_id or self.new_request_id(), ids, options,
                                   handoff=handoff if handoff is not None and handoff.num_tokens else None)
-        stream = await self.engine.submit(request)
+        # Admitted only while this replica still holds the weights that computed the KV.
+        stream = await self.engine.submit(request, kv_weights_version)
         injected = list(prompt_logprobs) if r.options.prompt_logprobs and prompt_logprobs is not None else None
         async for d in self.stream_deltas(stream, injected, cached_tokens):
             yield d
@@ -167,33 +179,37 @@ class Replica:
                     first = False
                 else:
                     plp = None
-                yield self.delta(out, completion[out.index], plp, cached_tokens)
+                yield self.delta(out, completion[out.index], plp, cached_tokens, stream.weights_version)
 
     async def score(self, r: InferenceRequest) -> ScoreResult:
         """Per-token logprobs of the prompt under the request's temperature / top-k / top-p."""
         self.check_pins(r)
         ids = self.prompt_ids(r)
         request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options, mode="score")
-        outputs = await collect(await self.engine.submit(request))
+        stream = await self.engine.submit(request, r.weights_version)
+        outputs = await collect(stream)
         last = outputs[-1] if outputs else None
         if last is None or last.finish_reason == "abort" or last.prompt_logprobs is None:
             raise Cancelled(f"score request {request.request_id!r} was aborted")
         if len(last.prompt_logprobs) != len(ids) - 1:
             raise Internal(f"the engine returned {len(last.prompt_logprobs)} logprobs for {len(ids)} tokens")
-        return ScoreResult(request.request_id, ids, tuple(last.prompt_logprobs), self.identity.weights_version,
-                           self.identity.numerics_fingerprint)
+        return ScoreResult(request.request_id, ids, tuple(last.prompt_logprobs), stream.weights_version,
+                           self._identity.numerics_fingerprint)
 
-    async def prefill(self, request_id: str, ids: tuple[int, ...], options: SamplingOptions) -> SampleOutput | None:
-        """Run the prompt through the engine in prefill mode; the output carries the KV handoff.
+    async def prefill(self, request_id: str, ids: tuple[int, ...], options: SamplingOptions,
+                      pinned_version: str = "") -> tuple[SampleOutput, str] | None:
+        """Run the prompt through the engine in prefill mode: the output carrying the KV handoff,
+        and the weights version that computed it.
 
         None when the request was aborted before its KV was complete.
         """
         request = GenerateRequest(request_id, ids, options, mode="prefill")
-        outputs = await collect(await self.engine.submit(request))
+        stream = await self.engine.submit(request, pinned_version)
+        outputs = await collect(stream)
         last = outputs[-1] if outputs else None
         if last is None or last.finish_reason == "abort" or last.handoff is None:
             return None
-        return last
+        return last, stream.weights_version
 
     def abort(self, request_id: str) -> bool:
         """Abort a request running in this replica's engine."""

@@ -29,10 +29,12 @@ from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits
+from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
+from zerokl.services.weightstore.client import WeightStoreClient
 
 __all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_replica", "main",
            "prefill_main", "decode_main"]
@@ -71,6 +73,10 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     m.add_argument("--tokenizer", default=None,
                    help="'countdown', or a tokenizer.json path / directory (default: the checkpoint's "
                         "tokenizer.json if present; 'countdown' for a preset)")
+    m.add_argument("--weight-store", metavar="ADDR", default=None,
+                   help="weight-store address; enables SwitchWeights (serve another version without a restart)")
+    m.add_argument("--weights-cache", metavar="DIR", default=None,
+                   help="where switched-to versions are fetched (default: a temporary directory)")
     m.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
@@ -154,17 +160,23 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
 
     async def run() -> None:
         decode_client: InferenceClient | None = None
+        switcher: WeightSwitcher | None = None
 
         def setup(server: ServiceServer) -> None:
-            nonlocal decode_client
+            nonlocal decode_client, switcher
             replica.engine.start()
+            switch = None
+            if args.weight_store:
+                store = WeightStoreClient(args.weight_store, token=options.auth_token)
+                switcher = WeightSwitcher(replica, store, args.weights_cache, server.not_serving)
+                switch = switcher.switch
             if service == "decode":
-                add_decode_service(server, replica)
+                add_decode_service(server, replica, switch)
             else:
                 if args.decode:
                     # The hop to decode carries this server's own token: one cluster, one token.
                     decode_client = InferenceClient(args.decode, token=options.auth_token)
-                add_prefill_service(server, PrefillRelay(replica, decode_client, chunk))
+                add_prefill_service(server, PrefillRelay(replica, decode_client, chunk), switch)
             set_serving_info(replica.identity)
 
         def ready(server: ServiceServer, metrics: MetricsServer | None) -> None:
@@ -180,6 +192,10 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
         finally:
             if decode_client is not None:
                 await decode_client.close()
+            if switcher is not None:
+                await switcher.close()
+                if switcher.store is not None:
+                    await switcher.store.close()
             await replica.engine.close()
 
     asyncio.run(run())

@@ -9,12 +9,13 @@ interceptor; a request that fails ends only its own call.
 """
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc.aio
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
+from zerokl.services.runtime.errors import FailedPrecondition
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -38,8 +39,10 @@ class InferenceBackend(Protocol):
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """Serves ``zerokl.v1.Inference`` from an :class:`InferenceBackend`."""
 
-    def __init__(self, backend: InferenceBackend) -> None:
+    def __init__(self, backend: InferenceBackend,
+                 switch_weights: Callable[[str], Awaitable[ServiceIdentity]] | None = None) -> None:
         self._backend = backend
+        self._switch_weights = switch_weights
 
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
         return identity_to_proto(self._backend.identity)
@@ -63,3 +66,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
         result = await self._backend.score(convert.score_request_from_proto(request))
         return convert.score_result_to_proto(result)
+
+    async def SwitchWeights(self, request: inference_pb2.SwitchWeightsRequest,
+                            context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        if self._switch_weights is None:
+            raise FailedPrecondition("this replica has no weight store configured (--weight-store)")
+        return identity_to_proto(await self._switch_weights(request.version))

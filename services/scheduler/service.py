@@ -45,7 +45,15 @@ from zerokl.services.inference.errors import RelayedError
 from zerokl.services.inference.service import INFERENCE_SERVICE
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
 from zerokl.services.runtime import metrics as runtime_metrics
-from zerokl.services.runtime.errors import AlreadyExists, DataLoss, ServiceError, Unavailable, status_details
+from zerokl.services.runtime.errors import (
+    AlreadyExists,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceError,
+    Unavailable,
+    status_details,
+)
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.scheduler import metrics
@@ -411,6 +419,43 @@ class Scheduler:
         raise NoReplica(f"no replica could score the request under {pin.describe()}"
                         + (f": {'; '.join(failures)}" if failures else ""))
 
+    # ------------------------------------------------------------------ weights
+
+    async def switch_weights(self, version: str) -> ServiceIdentity:
+        """Switch every replica to weight-store ``version`` (or ``latest``), concurrently.
+
+        Each replica lets the requests it admitted finish on the old weights
+        first. Returns the scheduler's identity once the registry has seen
+        every replica serve the new version. A replica that fails the switch
+        fails the call (its error is relayed); the others keep the new version,
+        and requests pinned to the old one stop finding replicas, which is the
+        point of a step boundary. A configured weights pin follows the switch.
+        """
+        views = self.registry.views()
+        if not views:
+            raise NoReplica("no replica is registered")
+
+        async def one(view: ReplicaView) -> ServiceIdentity:
+            with self.registry.lease(view.endpoint) as client:
+                try:
+                    return await client.switch_weights(version)
+                except grpc.aio.AioRpcError as err:
+                    failure = _attempt_or_relay(view, err)
+                    raise (failure if not isinstance(failure, _Attempt)
+                           else Unavailable(f"{view.describe()}: {failure.reason}")) from None
+
+        identities = await asyncio.gather(*(one(v) for v in views))
+        served = {i.weights_version for i in identities}
+        if len(served) != 1:  # "latest" moved while the replicas resolved it
+            raise FailedPrecondition(f"replicas switched to different versions {sorted(served)}; switch to a "
+                                     "version id, not 'latest', while publishing")
+        (new,) = served
+        if self.config.pin.weights_version:
+            self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
+                                                                                   weights_version=new))
+        await self.registry.refresh()
+        return self.identity
+
     # ------------------------------------------------------------------ routing helpers
 
     async def _resolve(self, r: InferenceRequest, roles: tuple[str, ...]) -> Pin:
@@ -533,6 +578,12 @@ class SchedulerServicer(inference_pb2_grpc.InferenceServicer):
                     context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
         result = await self._scheduler.score(convert.score_request_from_proto(request))
         return convert.score_result_to_proto(result)
+
+    async def SwitchWeights(self, request: inference_pb2.SwitchWeightsRequest,
+                            context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        if not request.version:
+            raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
+        return identity_to_proto(await self._scheduler.switch_weights(request.version))
 
 
 def add_scheduler_service(server: ServiceServer, scheduler: Scheduler) -> None:

@@ -36,6 +36,11 @@ from zerokl.v1 import common_pb2, weights_pb2, weights_pb2_grpc
 __all__ = ["WeightStoreClient"]
 
 
+def is_serving_file(name: str) -> bool:
+    """Whether a replica needs this checkpoint file: config, tokenizer and model weights."""
+    return name in ("config.json", "tokenizer.json") or name.startswith("model")
+
+
 def _files(src: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
 
@@ -163,16 +168,20 @@ class WeightStoreClient(ServiceClient):
         return convert.manifest_from_proto(
             await self._stub.GetManifest(weights_pb2.GetManifestRequest(version=version)))
 
-    async def fetch(self, version: str, dest: str | os.PathLike[str]) -> WeightsManifest:
+    async def fetch(self, version: str, dest: str | os.PathLike[str], *,
+                    serving_only: bool = False) -> WeightsManifest:
         """Download ``version`` (or ``latest``) into directory ``dest``, verified and resumable.
 
         Complete files already in ``dest`` are kept, partial ones resumed;
         each file appears under its name only after its sha256 matched, and
-        ``zerokl_manifest.json`` is written last.
+        ``zerokl_manifest.json`` is written last. ``serving_only`` skips what
+        an inference replica never reads (a trainer's optimizer state).
         """
         manifest = await self.manifest(version)
         pathlib.Path(dest).mkdir(parents=True, exist_ok=True)
         for shard in manifest.shards:
+            if serving_only and not is_serving_file(shard.name):
+                continue
             writer = await asyncio.to_thread(ShardFileWriter, dest, shard)
             if not writer.done:
                 call = self._stub.Get(weights_pb2.GetRequest(version=manifest.version, shard=shard.name,

@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=zerokl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=zerokl_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.SwitchWeights = channel.unary_unary(
+                '/zerokl.v1.Inference/SwitchWeights',
+                request_serializer=zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.SerializeToString,
+                response_deserializer=zerokl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -96,6 +101,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchWeights(self, request, context):
+        """Serve another weight-store version from now on (the RL loop's step
+        boundary). The replica fetches the serving files, reports NOT_SERVING,
+        lets the requests it already admitted finish on the old weights, swaps,
+        and answers with its new Info. Requests arriving meanwhile wait and run
+        on the new weights; one pinned to the old version is then refused with
+        FAILED_PRECONDITION. On the scheduler it switches every replica.
+        Errors: NOT_FOUND (no such version), FAILED_PRECONDITION (no weight store
+        configured, or the version's model config or numerics differ from what
+        this replica computes with), INVALID_ARGUMENT (empty version).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +138,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=zerokl_dot_v1_dot_inference__pb2.ScoreRequest.FromString,
                     response_serializer=zerokl_dot_v1_dot_inference__pb2.ScoreResponse.SerializeToString,
+            ),
+            'SwitchWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchWeights,
+                    request_deserializer=zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.FromString,
+                    response_serializer=zerokl_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +253,33 @@ class Inference:
             '/zerokl.v1.Inference/Score',
             zerokl_dot_v1_dot_inference__pb2.ScoreRequest.SerializeToString,
             zerokl_dot_v1_dot_inference__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zerokl.v1.Inference/SwitchWeights',
+            zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.SerializeToString,
+            zerokl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
             options,
             channel_credentials,
             insecure,
