@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 __all__ = [
+    "DEMO_PROBLEMS",
     "FORMAT_SCORE",
     "MAX_EXPR_CHARS",
     "TEST_PERCENT",
@@ -48,6 +49,9 @@ FORMAT_SCORE = 0.1  # TinyZero's score for a present-but-wrong answer
 # A real answer is ~20 chars; the cap bounds parse time, recursion depth and value size.
 MAX_EXPR_CHARS = 128
 TEST_PERCENT = 10  # share of the problem space (by hash bucket) held out as the test split
+# The distribution `zerokl demo`, `zerokl experiment countdown` and the shipped SFT checkpoint
+# use: three numbers keep answers short enough for a 2M-parameter model to learn on a CPU.
+DEMO_PROBLEMS = {"num_range": (1, 25), "target_range": (1, 100), "n_numbers": (3, 3)}
 
 
 @dataclass(frozen=True)
