@@ -1,0 +1,241 @@
+"""helm/zerokl renders with a real Helm engine, validates against Kubernetes schemas, rejects bad values.
+
+The engine is Helm v4's Go SDK bound in-process by helm-python-sdk (its
+wheel ships ``libhelm_c``); the schemas are kubernetes-validate's (shipped
+in its wheel, offline). Both come with ``pip install -e ".[test]"``; a
+missing one fails these tests at import, it never skips them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+import zerokl.kernels
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "zerokl"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+# Kubernetes minor the rendered objects are validated against (the chart's kubeVersion floor is 1.27:
+# native gRPC probes are GA there); strict: unknown fields are errors.
+KUBE_VERSION = "1.30"
+# Kinds whose schema is a CRD's, not Kubernetes': checked by hand below.
+CRD_KINDS = {"ServiceMonitor"}
+ROLES = ("scheduler", "prefill", "decode", "trainer", "weight-store")
+
+
+def _load_tool() -> Any:
+    spec = importlib.util.spec_from_file_location("render_k8s", ROOT / "tools" / "render_k8s.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render_k8s = _load_tool()
+
+
+def _render(values: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    return list(render_k8s.objects(render_k8s.render(values)))
+
+
+def _by(objs: list[tuple[str, dict[str, Any]]], kind: str, name: str) -> dict[str, Any]:
+    [obj] = [o for _, o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    return obj
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_engine_is_a_real_helm() -> None:
+    assert helm.helm_sdk_version().startswith("v4."), helm.helm_sdk_version()
+    report = helm.lint(str(CHART), strict=True)
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report.get("errors", [])
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("values_file", [None, *VALUES_FILES], ids=lambda f: f.name if f else "defaults")
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(values_file: pathlib.Path | None) -> None:
+    values = yaml.safe_load(values_file.read_text()) if values_file else None
+    objs = _render(values)
+    kinds = {o["kind"] for _, o in objs}
+    assert {"ConfigMap", "Deployment", "Service", "Role", "RoleBinding", "ServiceAccount"} <= kinds, kinds
+    for path, obj in objs:
+        if obj["kind"] in CRD_KINDS:
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1" and obj["spec"]["endpoints"], path
+            continue
+        try:
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:  # name the object, not only the field
+            raise AssertionError(f"{path}: {obj['kind']} {obj['metadata']['name']}: {err}") from None
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "zerokl", path
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm", path
+
+
+def test_the_defaults_deploy_every_service_with_native_grpc_probes_on_its_port() -> None:
+    objs = _render()
+    config = _by(objs, "ConfigMap", "zerokl")
+    assert config["data"]["ZEROKL_NUMERICS_VERSION"] == zerokl.kernels.__version__
+    workloads = {"scheduler": ("Deployment", 50050), "prefill": ("Deployment", 50051),
+                 "decode": ("Deployment", 50052), "trainer": ("StatefulSet", 50053),
+                 "weight-store": ("Deployment", 50055)}
+    for role, (kind, port) in workloads.items():
+        obj = _by(objs, kind, f"zerokl-{role}")
+        pod = obj["spec"]["template"]
+        c = _container(obj)
+        assert c["command"][:3] == ["zerokl", "serve", role] or c["command"][0] == "sh", (role, c["command"])
+        assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in c["ports"], role
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["grpc"] == {"port": port}, (role, probe)
+        assert f"--port={port}" in c["args"] and "--host=0.0.0.0" in c["args"], role
+        assert pod["metadata"]["labels"]["zerokl.dev/numerics-version"] == zerokl.kernels.__version__
+        assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+        # Only the scheduler reads the Kubernetes API.
+        assert pod["spec"].get("automountServiceAccountToken", True) is (role == "scheduler"), role
+    sched = _container(_by(objs, "Deployment", "zerokl-scheduler"))
+    assert "--kube-decode-service=zerokl-decode" in sched["args"]
+    assert "--kube-prefill-service=zerokl-prefill" in sched["args"]
+    for role in ("prefill", "decode"):
+        svc = _by(objs, "Service", f"zerokl-{role}")
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["name"] == "grpc"
+    trainer = _container(_by(objs, "StatefulSet", "zerokl-trainer"))
+    assert "--init=preset:tiny:seed0" in trainer["args"]   # the replicas' weights: rollouts are on-policy
+
+
+def test_the_scheduler_gets_read_only_endpointslice_access_and_nothing_more() -> None:
+    objs = _render()
+    role = _by(objs, "Role", "zerokl-scheduler")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = _by(objs, "RoleBinding", "zerokl-scheduler")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "zerokl", "namespace": "zerokl"}]
+    sched = _by(objs, "Deployment", "zerokl-scheduler")["spec"]["template"]["spec"]
+    assert sched["serviceAccountName"] == "zerokl"
+    assert [o["kind"] for _, o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")] == []
+
+
+def _ingress_components(policy: dict[str, Any]) -> set[str]:
+    grpc_rule = policy["spec"]["ingress"][0]
+    return {peer["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component", "*")
+            for peer in grpc_rule["from"] if "podSelector" in peer}
+
+
+def test_network_policies_follow_the_services_traffic() -> None:
+    objs = _render()
+    policies = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in objs if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {*ROLES, "minio"}
+    # Only the scheduler reaches the trainer; the weight store also takes the trainer's publishes.
+    assert _ingress_components(policies["trainer"]) == {"scheduler"}
+    assert _ingress_components(policies["weight-store"]) == {"scheduler", "trainer"}
+    assert _ingress_components(policies["prefill"]) == {"scheduler"}
+    assert _ingress_components(policies["decode"]) == {"scheduler"}
+    assert _ingress_components(policies["minio"]) == {"weight-store"}
+    # Clients (any pod of the namespace by default) and the helm test pod reach the scheduler.
+    assert _ingress_components(policies["scheduler"]) == {"*", "test"}
+    # The scheduler may reach the API server (discovery); replicas may not reach anything but DNS.
+    sched_egress = policies["scheduler"]["spec"]["egress"]
+    assert {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]} in sched_egress
+    assert all(rule["ports"][0]["port"] == 53 for rule in policies["decode"]["spec"]["egress"])
+
+    # Weights fetched from the store: prefill/decode may call it. Jaeger: every pod may send it spans.
+    fetched = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in _render(
+        {"model": {"source": "weightStore"}, "tracing": {"jaeger": {"enabled": True}}}) if o["kind"] == "NetworkPolicy"}
+    assert _ingress_components(fetched["weight-store"]) == {"scheduler", "trainer", "prefill", "decode"}
+    for role in ROLES:
+        to = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+              for rule in fetched[role]["spec"]["egress"] for peer in rule.get("to", []) if "podSelector" in peer]
+        assert "jaeger" in to, role
+    otlp = _render({"tracing": {"otlpEndpoint": "http://collector.observability:4317"}})
+    env = {e["name"]: e.get("value") for e in _container(_by(otlp, "Deployment", "zerokl-decode"))["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.observability:4317"
+    assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true"
+
+
+def test_minio_credentials_come_from_a_secret_never_from_values() -> None:
+    objs = _render()
+    secret = _by(objs, "Secret", "zerokl-minio")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert set(secret["data"]) == {"rootUser", "rootPassword"}
+    again = _by(_render(), "Secret", "zerokl-minio")
+    assert again["data"]["rootPassword"] != secret["data"]["rootPassword"]   # generated, not a constant
+    store = _container(_by(objs, "Deployment", "zerokl-weight-store"))
+    env = {e["name"]: e for e in store["env"]}
+    assert env["ZEROKL_S3_SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "zerokl-minio", "key": "rootPassword"}
+    assert "--s3-endpoint=zerokl-minio:9000" in store["args"] and "--s3-bucket=zerokl-weights" in store["args"]
+    own = _render({"minio": {"existingSecret": "my-minio"}})
+    assert not [o for _, o in own if o["kind"] == "Secret"]
+    minio = _container(_by(own, "StatefulSet", "zerokl-minio"))
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in minio["env"]} == {"my-minio"}
+
+
+def test_tensor_parallel_sets_gpus_and_the_torch_distributed_environment() -> None:
+    objs = _render({"decode": {"tensorParallel": 2}, "prefill": {"gpus": 1}})
+    decode = _container(_by(objs, "Deployment", "zerokl-decode"))
+    env = {e["name"]: e.get("value") for e in decode["env"]}
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"], env["ZEROKL_TENSOR_PARALLEL"]) == (
+        "2", "2", "localhost", "2")
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in decode["volumeMounts"]
+    prefill = _container(_by(objs, "Deployment", "zerokl-prefill"))
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in _container(_by(_render(), "Deployment", "zerokl-decode"))["resources"]["limits"]
+
+
+BAD_VALUES = [
+    ({"decode": {"replicas": 0}}, "/decode/replicas"),
+    ({"prefill": {"tensorParallel": 3}}, "/prefill/tensorParallel"),
+    ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
+    ({"minio": {"rootPassword": "hunter2"}}, "/minio/rootPassword"),
+    ({"externalS3": {"secretKey": "hunter2"}}, "secretKey"),
+    ({"weightStore": {"storage": "s3"}}, "/externalS3"),
+    ({"weightStore": {"storage": "nfs"}}, "/weightStore/storage"),
+    ({"weightStore": {"storage": "pvc", "replicas": 2}}, "/weightStore/replicas"),
+    ({"model": {"source": "huggingface"}}, "/model/source"),
+    ({"model": {"dtype": "float16"}}, "/model/dtype"),
+    ({"numerics": {"version": "latest"}}, "/numerics/version"),
+    ({"ports": {"decode": 70000}}, "/ports/decode"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"scheduler": {"extraArgs": ["rm -rf"]}}, "/scheduler/extraArgs"),
+    ({"decode": {"resources": {"limits": {"memory": "lots"}}}}, "/decode/resources"),
+    ({"tracing": {"otlpEndpoint": "collector:4317"}}, "/tracing/otlpEndpoint"),
+    ({"helmTest": {"promptIds": "5, six"}}, "/helmTest/promptIds"),
+    ({"decode": {"replica": 2}}, "replica"),
+    ({"typo": True}, "typo"),
+]
+
+
+@pytest.mark.parametrize(("values", "where"), BAD_VALUES, ids=[w for _, w in BAD_VALUES])
+def test_values_schema_rejects_bad_values(values: dict[str, Any], where: str) -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        with pytest.raises(helm.HelmValuesError, match=where.replace("/", ".")):
+            chart.validate_schema(values)
+        with pytest.raises(helm.HelmValuesError):   # helm install/template refuse them too
+            chart.render(values, name="zerokl", namespace="zerokl")
+
+
+def test_the_ci_values_files_and_the_defaults_pass_the_schema() -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema({})
+        for f in VALUES_FILES:
+            chart.validate_schema(yaml.safe_load(f.read_text()) or {})
+    assert len(VALUES_FILES) >= 4
+
+
+def test_k8s_manifests_are_current() -> None:
+    want = render_k8s.plain_files()
+    k8s = ROOT / "k8s"
+    have = {str(f.relative_to(k8s)): f.read_text() for f in k8s.rglob("*")
+            if f.is_file() and f.name != "minio-credentials.env"}
+    stale = sorted(name for name in set(want) | set(have) if want.get(name) != have.get(name))
+    assert not stale, f"k8s/ is not what the chart renders ({stale}); run: python tools/render_k8s.py"
+    kustomization = yaml.safe_load(have["kustomization.yaml"])
+    assert sorted(kustomization["resources"]) == sorted(n for n in have if n.startswith("manifests/"))
+    plain = [o for name in kustomization["resources"] for o in yaml.safe_load_all(have[name]) if o]
+    assert not [o for o in plain if o["kind"] == "Secret" or o["kind"] == "Pod"]  # no random creds, no test hook
+    for obj in plain:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
