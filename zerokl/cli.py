@@ -5,6 +5,7 @@
     zerokl serve prefill|decode|weight-store ...  run one service (`zerokl serve decode --help`)
     zerokl up [--workdir DIR]                     every service on loopback until Ctrl-C
     zerokl generate [PROMPT | --prompt-ids 1,2,3] stream a completion from a prefill or decode replica
+    zerokl doctor --kube [--namespace N] [--release R]  a Kubernetes release's replicas agree on their numbers
 """
 from __future__ import annotations
 
@@ -184,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--workdir", default=os.environ.get("ZEROKL_UP_DIR", "~/.zerokl/up"))
     st.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     st.set_defaults(run=lambda a: importlib.import_module("zerokl.services.scheduler.up").status(a.workdir, a.json))
+
+    from zerokl import doctor
+    dr = sub.add_parser("doctor", help="check that every replica of a Kubernetes release reports the same numerics "
+                                       "fingerprint and weights version",
+                        description="List a release's pods (kubeconfig or in-cluster), ask each for its Info over "
+                                    "gRPC, print a table; exit 1 naming any pod that differs from the majority.")
+    doctor.add_arguments(dr)
+    dr.set_defaults(run=doctor.run)
 
     from zerokl import demo
     d = sub.add_parser("demo", help="SFT + GRPO on countdown with exact zero KL; writes a report")

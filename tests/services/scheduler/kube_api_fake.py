@@ -24,11 +24,12 @@ from typing import Any
 
 import yaml
 
-__all__ = ["FakeKubeAPI", "endpoint_slice", "pod"]
+__all__ = ["FakeKubeAPI", "config_map", "endpoint_slice", "pod"]
 
 _SLICES = "/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
 _PODS = "/api/v1/namespaces/{ns}/pods"
-_KINDS = {"endpointslices": ("EndpointSliceList", "discovery.k8s.io/v1"), "pods": ("PodList", "v1")}
+_KINDS = {"endpointslices": ("EndpointSliceList", "discovery.k8s.io/v1"), "pods": ("PodList", "v1"),
+          "configmaps": ("ConfigMapList", "v1")}
 
 
 def endpoint_slice(name: str, service: str, endpoints: list[tuple[str, str, bool]], port: int,
@@ -55,6 +56,12 @@ def pod(name: str, labels: dict[str, str], ip: str, grpc_port: int, phase: str =
             "spec": {"containers": [{"name": "zerokl", "image": "zerokl:test",
                                      "ports": [{"name": "grpc", "containerPort": grpc_port}]}]},
             "status": status}
+
+
+def config_map(name: str, labels: dict[str, str], data: dict[str, str], namespace: str = "zerokl") -> dict[str, Any]:
+    """A ConfigMap with string data."""
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels}, "data": data}
 
 
 def _matches(labels: dict[str, str], selector: str) -> bool:
