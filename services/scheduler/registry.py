@@ -315,10 +315,14 @@ class Registry:
 
     # ------------------------------------------------------------------ polling
 
-    async def refresh(self) -> None:
-        """Poll every replica now (health and Info, concurrently)."""
+    async def refresh(self, read_info: bool = False) -> None:
+        """Poll every replica now (health, and Info when due or ``read_info``; concurrently).
+
+        ``read_info`` after a fleet-wide weight switch: a swap can pass through
+        NOT_SERVING between two polls, unseen.
+        """
         replicas = [r for r in self._replicas.values() if not r.retired]
-        await asyncio.gather(*(self._poll(r) for r in replicas))
+        await asyncio.gather(*(self._poll(r, read_info) for r in replicas))
         self._notify()
 
     async def _poll_loop(self) -> None:
@@ -333,7 +337,7 @@ class Registry:
             except Exception:  # noqa: BLE001 - one bad round must not end polling for good
                 log.exception("replica poll failed")
 
-    async def _poll(self, replica: _Replica) -> None:
+    async def _poll(self, replica: _Replica, read_info: bool = False) -> None:
         timeout = self.poll_timeout_s
         was_serving = replica.serving
         try:
@@ -341,7 +345,7 @@ class Registry:
                                                                            timeout=timeout)
             serving = health.status == health_pb2.HealthCheckResponse.SERVING
             now = time.monotonic()
-            if replica.identity is None or (serving and (not was_serving or now - replica.info_at
+            if replica.identity is None or (serving and (read_info or not was_serving or now - replica.info_at
                                                          >= self.info_interval_s)):
                 info = await inference_pb2_grpc.InferenceStub(replica.probe).Info(common_pb2.InfoRequest(),
                                                                                    timeout=timeout)

@@ -18,6 +18,7 @@ import sys
 from typing import Sequence
 
 from zerokl.services.runtime.auth import TlsConfig
+from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.runtime.metrics import start_metrics_server
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args
 from zerokl.services.runtime.tracing import configure_tracing
@@ -28,6 +29,8 @@ from zerokl.services.scheduler.registry import (
     load_static_config,
     parse_addresses,
 )
+from zerokl.services.scheduler.jobs import JobManager
+from zerokl.services.scheduler.jobs_service import add_jobs_service
 from zerokl.services.scheduler.router import Pin, Policy
 from zerokl.services.scheduler.service import Scheduler, SchedulerConfig
 
@@ -66,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--replica-ca", default=None,
                    help="PEM CA to verify replicas with (TLS to replicas; with --tls-cert/--tls-key the scheduler "
                         "presents its own certificate for mTLS)")
+    j = p.add_argument_group("jobs")
+    j.add_argument("--trainer", metavar="ADDR", default=None,
+                   help="trainer address: enables the Jobs API (SFT, DPO and RL jobs run there, and the fleet "
+                        "switches to every version they publish)")
     r = p.add_argument_group("routing")
     r.add_argument("--pin-weights-version", default="",
                    help="serve requests that pin no weights version with this one (default: the one every "
@@ -132,9 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                             token=options.auth_token, credentials=credentials, tracer_provider=provider)
         scheduler = Scheduler(registry, config, args.replica_id)
         scheduler.attach(server)
+        trainer = TrainerClient(args.trainer, token=options.auth_token) if args.trainer else None
+        jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights)
+        add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:
             await scheduler.start()
+            await jobs.start()
             await server.start()
             # start() reports SERVING; correct it before anyone is told where we listen.
             await scheduler.sync_health()
@@ -145,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"scheduler listening on {server.address}{where} {fleet}", flush=True)
             await server.serve_until_signal()
         finally:
+            await jobs.close()
+            if trainer is not None:
+                await trainer.close()
             await scheduler.close()
             if metrics is not None:
                 metrics.close()

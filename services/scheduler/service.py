@@ -453,7 +453,7 @@ class Scheduler:
         if self.config.pin.weights_version:
             self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
                                                                                    weights_version=new))
-        await self.registry.refresh()
+        await self.registry.refresh(read_info=True)
         return self.identity
 
     # ------------------------------------------------------------------ routing helpers

@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-replicas", type=int, default=1)
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    s.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of each compute service (default: the CPU cores shared out "
                         "among the replicas and the trainer; threads spinning against each other on a small "
@@ -245,7 +247,8 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     trainer = not args.no_trainer and importlib.util.find_spec(TRAINER_MODULE) is not None
     compute = args.decode_replicas + args.prefill_replicas + int(trainer)
     threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
-    model = ["--model", str(model_dir), "--weights-version", version, *threads]
+    # Replicas fetch from the store what they switch to (SwitchWeights: RL steps, jobs).
+    model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address, *threads]
     if not (model_dir / "tokenizer.json").exists():
         model += ["--tokenizer", "countdown"]  # the presets speak countdown
     grace = ["--grace", str(args.grace)]
@@ -264,12 +267,14 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         t.flags = ["--weight-store", store.address, "--init", version, *threads, "--port", str(t.port),
-                   "--replica-id", "trainer", *grace]
+                   "--replica-id", "trainer", *grace, *args.trainer_flag]
         children.append(t)
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
                "--replica-id", "scheduler", *grace]
+    if trainer:
+        s.flags += ["--trainer", t.address]
     if args.prefill_replicas:
         s.flags += ["--prefill", ",".join(c.address for c in children if c.service == "prefill")]
     children.append(s)
