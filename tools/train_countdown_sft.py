@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from zerokl.demo import countdown_config, countdown_data, demonstration_batch, greedy_accuracy
+from zerokl.tasks.setup import countdown_config, countdown_data, demonstration_batch, greedy_accuracy
 from zerokl.kernels import __version__, fingerprint
 from zerokl.model import Model
 from zerokl.services.trainer.trainer import TrainConfig, Trainer

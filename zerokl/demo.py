@@ -1,71 +1,38 @@
-"""`zerokl demo`: a tiny GLM-5-family model learns countdown with GRPO, KL exactly 0 at every step.
+"""`zerokl demo`: a tiny GLM-5-family model learns countdown with GRPO through the five services.
 
-Phases (each with a progress bar):
-1. SFT warm start on solver demonstrations (or --init-from a checkpoint directory).
-2. On-policy GRPO: generate n samples per prompt on weights version v, reward them,
-   update, publish v+1, sample from v+1. Every step prints reward, the exact
-   train/inference KL, mismatched tokens, clip fraction and tokens/s; greedy test
-   accuracy every few steps.
-3. A report in --out: report.md, metrics.jsonl (one object per RL step) and PNG plots.
+Phases (each with a progress bar or step lines):
+1. Start the five services on loopback (`zerokl up` as a child process): the weight
+   store publishes the starting checkpoint, prefill and decode replicas serve it,
+   the trainer loads it, the scheduler fronts them and runs jobs.
+2. Warm start: the SFT checkpoint shipped in zerokl/assets/countdown-sft (made by
+   tools/train_countdown_sft.py), or, with --sft-steps N, an SFT job through the
+   scheduler from the seeded `tiny` model.
+3. An RL job through the scheduler: n samples per prompt generated on weights
+   version v (every request pinned to v), rewards, a GRPO/PPO-clip update on the
+   trainer, publish v+1 to the weight store, every replica switches to v+1, next
+   step. Each step prints reward, the exact train/inference KL, mismatched tokens,
+   clip fraction and tokens/s; greedy test accuracy every few steps.
+4. A report in --out: report.md, metrics.jsonl (one object per RL step) and PNG plots.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import pathlib
-import random
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 
-import torch
 from tqdm import tqdm
 
-__all__ = ["add_arguments", "countdown_config", "countdown_data", "demonstration_batch", "greedy_accuracy",
-           "main", "run", "write_report"]
+__all__ = ["SFT_CHECKPOINT", "add_arguments", "main", "run", "write_report"]
 
-MAX_TOKENS = 24  # sampled tokens per completion: "<answer>" + a 3-number expression + "</answer>" fits
-
-
-def countdown_config(tok):  # noqa: ANN001, ANN201 - a CountdownTokenizer -> ModelConfig
-    """The `tiny` model with the countdown vocabulary."""
-    from zerokl.model import ModelConfig
-    return ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
-                                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-
-
-def countdown_data(seed: int = 0, n_train: int = 20000, n_test: int = 200):  # noqa: ANN201
-    """(train problems, test problems, tokenizer) of the demo's countdown distribution."""
-    from zerokl.model.tokenizer import CountdownTokenizer
-    from zerokl.tasks.countdown import DEMO_PROBLEMS, generate_problems
-    train = generate_problems(n_train, seed=seed, **DEMO_PROBLEMS)
-    test = generate_problems(n_test, seed=seed + 1, split="test", **DEMO_PROBLEMS)
-    return train, test, CountdownTokenizer()
-
-
-def encode_prompt(problem, tok) -> tuple[int, ...]:  # noqa: ANN001
-    from zerokl.tasks.countdown import format_prompt
-    return tuple([tok.bos_id] + tok.encode(format_prompt(problem)))
-
-
-def demonstration_batch(problems, tok) -> list:  # noqa: ANN001
-    """SFT completions: the solver's answer, then eos."""
-    from zerokl.services.trainer.trainer import Completion
-    from zerokl.tasks.countdown import format_demonstration
-    return [Completion(encode_prompt(p, tok), tuple(tok.encode(format_demonstration(p)) + [tok.eos_id]))
-            for p in problems]
-
-
-def greedy_accuracy(model, problems, tok) -> float:  # noqa: ANN001
-    """Share of `problems` whose greedy completion earns reward 1.0 (offline engine)."""
-    from zerokl.services.engine.engine import Engine, run_to_completion
-    from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-    from zerokl.tasks.countdown import reward
-    opts = SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS)
-    reqs = [GenerateRequest(str(i), encode_prompt(p, tok), opts) for i, p in enumerate(problems)]
-    outs = run_to_completion(Engine(model.eval(), EngineConfig(max_num_batched_tokens=1024, num_blocks=1024),
-                                    tokenizer=tok), reqs)
-    texts = ["".join(o.text for o in outs[r.request_id]) for r in reqs]
-    return sum(reward(t, p) == 1.0 for t, p in zip(texts, problems)) / max(1, len(problems))
-
+#: The warm start `zerokl demo` ships with (tools/train_countdown_sft.py writes it).
+SFT_CHECKPOINT = pathlib.Path(__file__).resolve().parent / "assets" / "countdown-sft"
 
 def _plot(records: list[dict], out: pathlib.Path, title: str) -> list[str]:
     import matplotlib
@@ -114,18 +81,24 @@ def write_report(records: list[dict], out: pathlib.Path, header: dict) -> None:
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by `zerokl demo` and `python -m zerokl.demo`)."""
     ap.add_argument("--out", default="runs/demo", help="report folder")
-    ap.add_argument("--sft-steps", type=int, default=150)
-    ap.add_argument("--sft-batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--lr", type=float, default=5e-4, help="the trainer's learning rate")
+    ap.add_argument("--eval-every", type=int, default=5, help="greedy test accuracy every N steps")
+    ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lora-rank", type=int, default=0)
-    ap.add_argument("--backend", default=None, help="inference kernels: default = the trainer's; 'stock' = mismatched arm")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sft-steps", type=int, default=0,
+                    help="> 0: warm start by an SFT job of N steps from the seeded tiny model instead of the "
+                         "shipped checkpoint")
+    ap.add_argument("--sft-batch", type=int, default=32)
+    ap.add_argument("--train-problems", type=int, default=20000)
+    ap.add_argument("--lora-rank", type=int, default=0, help="> 0: the trainer trains LoRA adapters only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,55 +107,123 @@ def main(argv: list[str] | None = None) -> int:
     return run(ap.parse_args(argv))
 
 
+class _Cluster:
+    """`zerokl up` as a child process, torn down on exit."""
+
+    def __init__(self, workdir: pathlib.Path, up_flags: list[str]) -> None:
+        self.workdir = workdir
+        self.log = open(workdir / "up.log", "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                                      *up_flags], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        state = self.workdir / "up.json"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"zerokl up exited ({self.proc.returncode}):\n"
+                                 f"{(self.workdir / 'up.log').read_text()[-3000:]}")
+            if state.exists():
+                services = json.loads(state.read_text())["services"]
+                if all(s["status"] == "SERVING" for s in services):
+                    return {s["name"]: s for s in services}
+            time.sleep(0.25)
+        raise SystemExit(f"the services did not come up in {timeout_s:.0f}s; see {self.workdir / 'up.log'}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def _step_line(step: int, m: dict, version: str) -> str:
+    acc = f" test_acc {m['test_accuracy']:.2f}" if "test_accuracy" in m else ""
+    return (f"step {step:3d} {version} reward {m['reward']:.3f} kl {m['kl']!r} mismatched "
+            f"{int(m['mismatched_tokens'])} clip {m['clip_fraction']:.3f} tok/s {m['tokens_per_s']:.0f}{acc}")
+
+
+async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
+    from zerokl.services.scheduler.jobs import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+    from zerokl.services.scheduler.jobs_service import JobsClient
+
+    task = CountdownTask(seed=args.seed, train_problems=args.train_problems)
+    records: list[dict] = []
+    async with JobsClient(scheduler) as jobs:
+        if args.sft_steps:
+            job = await jobs.submit(SFTJobSpec(args.sft_steps, countdown=task, batch_size=args.sft_batch,
+                                               seed=args.seed), "countdown SFT warm start")
+            bar = tqdm(total=args.sft_steps, desc="SFT job", unit="step")
+            async for ev in jobs.watch(job.job_id):
+                if ev.step is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{ev.metrics['loss']:.3f}")
+                if ev.status.state.done and ev.status.state is not JobState.SUCCEEDED:
+                    raise SystemExit(f"the SFT job {ev.status.state.value}: {ev.status.error}")
+            bar.close()
+        spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
+                         seed=args.seed, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
+        job = await jobs.submit(spec, "countdown GRPO")
+        bar = tqdm(total=args.steps, desc="GRPO job", unit="step")
+        async for ev in jobs.watch(job.job_id):
+            if ev.step is not None:
+                m = ev.metrics
+                tqdm.write(_step_line(ev.step, m, ev.weights_version))
+                bar.update(1)
+                records.append({"step": ev.step, "weights_version": ev.weights_version,
+                                **{k: (int(v) if k in ("mismatched_tokens", "tokens", "stale_rollouts") else v)
+                                   for k, v in m.items()}})
+            if ev.status.state.done and ev.status.state is not JobState.SUCCEEDED:
+                raise SystemExit(f"the RL job {ev.status.state.value}: {ev.status.error}")
+        bar.close()
+    return records
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo with parsed flags."""
-    torch.set_num_threads(args.threads)
-
     from zerokl.kernels import __version__, fingerprint
-    from zerokl.model import Model, ModelConfig
-    from zerokl.model.tokenizer import CountdownTokenizer
-    from zerokl.services.scheduler.rl_loop import LocalEnginePort, LocalTrainerPort, RLConfig, Task, as_dict, run_rl
-    from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
-    from zerokl.tasks.countdown import format_demonstration, format_prompt, generate_problems, reward
 
-    tok = CountdownTokenizer()
     t0 = time.perf_counter()
-    print("generating countdown problems ...", flush=True)
-    train = generate_problems(600, seed=args.seed)
-    test = generate_problems(64, seed=args.seed + 1, split="test")
-    encode = lambda p: tuple([tok.bos_id] + tok.encode(format_prompt(p)))  # noqa: E731
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
-                                             eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
-    trainer = Trainer(Model(cfg, seed=args.seed), TrainConfig(lr=3e-3, warmup_steps=10, total_steps=args.sft_steps))
-    rng = random.Random(args.seed)
-    for _ in (bar := tqdm(range(args.sft_steps), desc="SFT warm start", unit="step")):
-        batch = [Completion(encode(p), tuple(tok.encode(format_demonstration(p)) + [tok.eos_id]))
-                 for p in rng.sample(train, args.sft_batch)]
-        bar.set_postfix(loss=f"{trainer.sft_step(batch)['loss']:.3f}")
-    # RL: a fresh optimizer state for the policy-gradient phase (LoRA on top when asked).
-    rl_trainer = Trainer(trainer.serving_model().train(), TrainConfig(lr=1e-3, lora_rank=args.lora_rank, seed=args.seed))
-    trainer_port = LocalTrainerPort(rl_trainer, run="countdown")
-    engine_port = LocalEnginePort(trainer_port, tok, backend=args.backend)
-    task = Task(train, test, encode, reward)
-    config = RLConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, max_tokens=24,
-                      seed=args.seed, eval_every=5, eval_prompts=32)
-    bar = tqdm(total=args.steps, desc="GRPO", unit="step")
-
-    def on_step(r):
-        acc = "" if r.test_accuracy is None else f" test_acc {r.test_accuracy:.2f}"
-        tqdm.write(f"step {r.step:3d} {r.weights_version} reward {r.reward:.3f} kl {r.kl!r} mismatched "
-                   f"{r.mismatched_tokens} clip {r.clip_fraction:.3f} tok/s {r.tokens_per_s:.0f}{acc}")
-        bar.update(1)
-
-    records = [as_dict(r) for r in run_rl(task, engine_port, trainer_port, config, on_step)]
-    bar.close()
     out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.sft_steps:
+        start = ["--preset", "tiny", "--seed", str(args.seed)]
+        origin = f"seeded tiny model + SFT job of {args.sft_steps} steps"
+    else:
+        if not (SFT_CHECKPOINT / "model.safetensors").exists():
+            raise SystemExit(f"no SFT checkpoint at {SFT_CHECKPOINT}: run tools/train_countdown_sft.py, or pass "
+                             "--sft-steps N")
+        start = ["--model", str(SFT_CHECKPOINT)]
+        made = json.loads((SFT_CHECKPOINT / "sft.json").read_text())
+        origin = f"shipped SFT checkpoint ({made['steps']} steps; reproduce: `{made['command']}`)"
+    trainer_flags = [f"--trainer-flag=--lr={args.lr}", "--trainer-flag=--run=countdown",
+                     f"--trainer-flag=--lora-rank={args.lora_rank}", f"--trainer-flag=--seed={args.seed}"]
+    with tempfile.TemporaryDirectory(prefix="zerokl-demo-") as tmp:
+        print(f"starting the five services on loopback ({origin}) ...", flush=True)
+        cluster = _Cluster(pathlib.Path(tmp), [*start, "--threads", "1", *trainer_flags])
+        try:
+            services = cluster.wait_ready()
+            for name, s in services.items():
+                print(f"  {name:13s} {s['address']:21s} weights {s['weights_version'] or '-':6s} "
+                      f"fingerprint {s['numerics_fingerprint'] or '-'}", flush=True)
+            records = asyncio.run(_run_jobs(services["scheduler"]["address"], args))
+        finally:
+            cluster.stop()
+    wall = time.perf_counter() - t0
     write_report(records, out, {
-        "title": "zerokl countdown GRPO (tiny model, CPU)",
+        "title": "zerokl countdown GRPO through the five services (tiny model, CPU)",
         "numerics": f"{__version__} fingerprint {fingerprint()}",
-        "inference kernels": args.backend or "same as trainer",
-        "SFT steps": args.sft_steps, "GRPO steps": args.steps,
-        "samples per step": args.prompts * args.group, "wall time (s)": f"{time.perf_counter() - t0:.0f}",
+        "start": origin, "GRPO steps": args.steps, "samples per step": args.prompts * args.group,
+        "learning rate": args.lr, "wall time (s)": f"{wall:.0f}",
     })
-    print(f"report: {out / 'report.md'}")
-    return 0
+    kl_zero = all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in records)
+    print(f"KL exactly 0 at every step: {'yes' if kl_zero else 'NO'}; wall time {wall:.0f}s; report: "
+          f"{out / 'report.md'}", flush=True)
+    return 0 if kl_zero else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

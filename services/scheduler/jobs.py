@@ -318,7 +318,7 @@ class JobManager:
             self._run_supervised(job, job.spec, trainer)
 
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
-        from zerokl.demo import countdown_data, encode_prompt
+        from zerokl.tasks.setup import countdown_data, encode_prompt
         from zerokl.tasks.countdown import reward
         train, test, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
                                           spec.countdown.test_problems)
@@ -339,7 +339,7 @@ class JobManager:
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
             if spec.countdown is not None:
-                from zerokl.demo import countdown_data, demonstration_batch
+                from zerokl.tasks.setup import countdown_data, demonstration_batch
                 train, _, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
                                                spec.countdown.test_problems)
                 data: Sequence[Any] = demonstration_batch(train, tok)

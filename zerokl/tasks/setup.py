@@ -1,0 +1,54 @@
+"""Countdown as the demo, the experiment, the scheduler's jobs and the SFT recipe set it up.
+
+The `tiny` model with the countdown vocabulary, the demo's problem distribution
+(:data:`~zerokl.tasks.countdown.DEMO_PROBLEMS`), prompt encoding, SFT
+demonstrations and greedy test accuracy, in one place.
+"""
+from __future__ import annotations
+
+__all__ = ["MAX_TOKENS", "countdown_config", "countdown_data", "demonstration_batch", "encode_prompt",
+           "greedy_accuracy"]
+
+MAX_TOKENS = 24  # sampled tokens per completion: "<answer>" + a 3-number expression + "</answer>" fits
+
+
+def countdown_config(tok):  # noqa: ANN001, ANN201 - a CountdownTokenizer -> ModelConfig
+    """The `tiny` model with the countdown vocabulary."""
+    from zerokl.model import ModelConfig
+    return ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+
+
+def countdown_data(seed: int = 0, n_train: int = 20000, n_test: int = 200):  # noqa: ANN201
+    """(train problems, test problems, tokenizer) of the demo's countdown distribution."""
+    from zerokl.model.tokenizer import CountdownTokenizer
+    from zerokl.tasks.countdown import DEMO_PROBLEMS, generate_problems
+    train = generate_problems(n_train, seed=seed, **DEMO_PROBLEMS)
+    test = generate_problems(n_test, seed=seed + 1, split="test", **DEMO_PROBLEMS)
+    return train, test, CountdownTokenizer()
+
+
+def encode_prompt(problem, tok) -> tuple[int, ...]:  # noqa: ANN001
+    from zerokl.tasks.countdown import format_prompt
+    return tuple([tok.bos_id] + tok.encode(format_prompt(problem)))
+
+
+def demonstration_batch(problems, tok) -> list:  # noqa: ANN001
+    """SFT completions: the solver's answer, then eos."""
+    from zerokl.services.trainer.trainer import Completion
+    from zerokl.tasks.countdown import format_demonstration
+    return [Completion(encode_prompt(p, tok), tuple(tok.encode(format_demonstration(p)) + [tok.eos_id]))
+            for p in problems]
+
+
+def greedy_accuracy(model, problems, tok) -> float:  # noqa: ANN001
+    """Share of `problems` whose greedy completion earns reward 1.0 (offline engine)."""
+    from zerokl.services.engine.engine import Engine, run_to_completion
+    from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+    from zerokl.tasks.countdown import reward
+    opts = SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS)
+    reqs = [GenerateRequest(str(i), encode_prompt(p, tok), opts) for i, p in enumerate(problems)]
+    outs = run_to_completion(Engine(model.eval(), EngineConfig(max_num_batched_tokens=1024, num_blocks=1024),
+                                    tokenizer=tok), reqs)
+    texts = ["".join(o.text for o in outs[r.request_id]) for r in reqs]
+    return sum(reward(t, p) == 1.0 for t, p in zip(texts, problems)) / max(1, len(problems))
