@@ -194,10 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(dr)
     dr.set_defaults(run=doctor.run)
 
-    from zerokl import demo
-    d = sub.add_parser("demo", help="SFT + GRPO on countdown with exact zero KL; writes a report")
+    from zerokl import demo, experiment
+    d = sub.add_parser("demo", help="GRPO on countdown through the five services with exact zero KL; writes a report")
     demo.add_arguments(d)
     d.set_defaults(run=demo.run)
+    e = sub.add_parser("experiment", help="the same RL run with zerokl numerics and with mismatched inference",
+                       description=experiment.__doc__.splitlines()[0])
+    experiment.add_arguments(e)
+    e.set_defaults(run=experiment.run)
 
     g = sub.add_parser(
         "generate", help="stream a completion from a prefill or decode replica",

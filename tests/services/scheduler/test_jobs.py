@@ -1,0 +1,165 @@
+"""The scheduler's Jobs API against the five real services (`zerokl up` on loopback).
+
+SFT, DPO and RL jobs run on the trainer, publish weight-store versions and switch
+the replicas at each step boundary; RL rollouts are generated through the
+scheduler pinned to the version being updated, so the trainer's recomputed
+logprobs equal the behaviour logprobs: KL == 0.0 and 0 mismatched tokens at every
+step. Bad specs get clear statuses and the service keeps serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import grpc.aio
+import pytest
+
+from zerokl.services.inference import InferenceClient
+from zerokl.services.scheduler.jobs import (
+    CountdownTask,
+    DPOJobSpec,
+    JobState,
+    RLJobSpec,
+    SFTJobSpec,
+)
+from zerokl.services.scheduler.jobs_service import JobsClient
+from zerokl.services.trainer.trainer import Completion
+from zerokl.v1 import jobs_pb2, jobs_pb2_grpc
+
+pytestmark = pytest.mark.timeout(600)
+
+TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):  # noqa: ANN001, ANN201
+    """`zerokl up` (weight store, decode, prefill, trainer, scheduler); yields the scheduler's address."""
+    workdir = tmp_path_factory.mktemp("jobs-up")
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                             "--threads", "1", "--grace", "2", "--trainer-flag=--lr=3e-3",
+                             "--trainer-flag=--run=jobs"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, "zerokl up exited"
+            state = workdir / "up.json"
+            if state.exists():
+                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
+                if all(s["status"] == "SERVING" for s in services.values()):
+                    break
+            assert time.monotonic() < deadline, "the services did not come up"
+            time.sleep(0.25)
+        yield services["scheduler"]["address"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+async def _events(client: JobsClient, job_id: str) -> list:
+    return [ev async for ev in client.watch(job_id)]
+
+
+def _steps(events: list) -> list:
+    return [ev for ev in events if ev.step is not None]
+
+
+def test_rl_job_has_exactly_zero_kl_and_switches_the_fleet_every_step(cluster: str) -> None:
+    async def main() -> None:
+        async with JobsClient(cluster) as jobs:
+            spec = RLJobSpec(steps=3, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=12, seed=1,
+                             eval_every=3, eval_prompts=4)
+            job = await jobs.submit(spec, "rl-test")
+            assert job.state is JobState.QUEUED and job.total_steps == 3
+            events = await _events(jobs, job.job_id)
+            assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+            steps = _steps(events)
+            assert [ev.step for ev in steps] == [1, 2, 3]
+            for ev in steps:
+                assert ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0
+                assert ev.metrics["tokens"] > 0 and ev.metrics["tokens_per_s"] > 0
+            assert "test_accuracy" in steps[-1].metrics
+            versions = [ev.weights_version for ev in steps]
+            assert len(set(versions)) == 3  # one published version per step
+            # The fleet serves the last one: an unpinned Generate through the scheduler runs on it.
+            async with InferenceClient(cluster) as inference:
+                assert (await inference.info()).weights_version == versions[-1]
+            # A watcher that comes late replays every step.
+            assert [ev.step for ev in _steps(await _events(jobs, job.job_id))] == [1, 2, 3]
+    asyncio.run(main())
+
+
+def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
+    prompts = [(1, 5 + i, 7, 9) for i in range(8)]
+    examples = tuple(Completion(p, (20, 21, 22, 2)) for p in prompts)
+    pairs = tuple((Completion(p, (20, 21, 2)), Completion(p, (25, 26, 2))) for p in prompts)
+
+    async def main() -> None:
+        async with JobsClient(cluster) as jobs:
+            sft = await jobs.submit(SFTJobSpec(steps=6, examples=examples, batch_size=4, publish_every=3), "sft")
+            dpo = await jobs.submit(DPOJobSpec(steps=6, pairs=pairs, batch_size=4), "dpo")  # queued behind sft
+            sft_events, dpo_events = await asyncio.gather(_events(jobs, sft.job_id), _events(jobs, dpo.job_id))
+            for events in (sft_events, dpo_events):
+                assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+                losses = [ev.metrics["loss"] for ev in _steps(events)]
+                assert len(losses) == 6 and losses[-1] < losses[0], losses
+            sft_versions = [ev.weights_version for ev in _steps(sft_events)]
+            assert sft_versions[2] != sft_versions[1] and sft_versions[5] != sft_versions[4]  # published at 3 and 6
+            assert "preference_accuracy" in _steps(dpo_events)[-1].metrics
+            listed = await jobs.list()
+            assert [s.job_id for s in listed][-2:] == [sft.job_id, dpo.job_id]
+    asyncio.run(main())
+
+
+def test_cancel_stops_a_running_job_at_a_step_boundary(cluster: str) -> None:
+    async def main() -> None:
+        async with JobsClient(cluster) as jobs:
+            job = await jobs.submit(RLJobSpec(steps=50, countdown=TASK, prompts_per_step=2, group_size=2,
+                                              max_tokens=8, eval_every=0), "long")
+            async for ev in jobs.watch(job.job_id):
+                if ev.step == 1:
+                    cancelled = await jobs.cancel(job.job_id)
+                    assert not cancelled.state.done or cancelled.state is JobState.CANCELLED
+                last = ev
+            assert last.status.state is JobState.CANCELLED and last.status.step < 50
+            queued_then_cancelled = await jobs.submit(SFTJobSpec(steps=1, countdown=TASK, batch_size=2), "x")
+            await jobs.cancel(queued_then_cancelled.job_id)
+            ok = await jobs.submit(SFTJobSpec(steps=1, countdown=TASK, batch_size=2), "after")
+            events = await _events(jobs, ok.job_id)
+            assert events[-1].status.state is JobState.SUCCEEDED
+    asyncio.run(main())
+
+
+def test_bad_jobs_are_refused_clearly_and_the_scheduler_keeps_serving(cluster: str) -> None:
+    bad = [
+        (RLJobSpec(steps=0, countdown=TASK), "steps"),
+        (RLJobSpec(steps=1, countdown=TASK, group_size=1), "group_size"),
+        (RLJobSpec(steps=1, countdown=TASK, top_p=1.5), "temperature"),
+        (SFTJobSpec(steps=1, examples=(Completion((1, 2), (3,)),), batch_size=4), "batch_size"),
+        (DPOJobSpec(steps=1, pairs=()), "batch_size"),
+        (RLJobSpec(steps=1, countdown=CountdownTask(train_problems=10**6)), "countdown"),
+    ]
+
+    async def main() -> None:
+        async with JobsClient(cluster) as jobs:
+            for spec, field in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await jobs.submit(spec)
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), \
+                    err.value.details()
+            stub = jobs_pb2_grpc.JobsStub(jobs.channel)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SubmitJob(jobs_pb2.JobSpec(name="no kind"))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            for call in (jobs.cancel("nope"), _events(jobs, "nope")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() is grpc.StatusCode.NOT_FOUND
+            ok = await jobs.submit(SFTJobSpec(steps=1, countdown=TASK, batch_size=2))
+            assert (await _events(jobs, ok.job_id))[-1].status.state is JobState.SUCCEEDED
+    asyncio.run(main())
