@@ -150,7 +150,7 @@ class Trainer:
         if method == "sft":
             batch = self._batch(batch_items)
             loss = sft_loss(self._logprobs(self.model, batch), batch.mask)
-            metrics = {"loss": float(loss)}
+            metrics = {"loss": float(loss.detach())}
             tokens = int(batch.mask.sum())
         elif method == "dpo":
             metrics, loss, tokens = self._dpo(batch_items)
