@@ -198,6 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="GRPO on countdown through the five services with exact zero KL; writes a report")
     demo.add_arguments(d)
     d.set_defaults(run=demo.run)
+    from zerokl import jobs_cli
+    j = sub.add_parser("jobs", help="submit, follow, list and cancel SFT/RL jobs on the scheduler",
+                       description=jobs_cli.__doc__.splitlines()[0])
+    jobs_cli.add_arguments(j)
+    j.set_defaults(run=jobs_cli.run)
     e = sub.add_parser("experiment", help="the same RL run with zerokl numerics and with mismatched inference",
                        description=experiment.__doc__.splitlines()[0])
     experiment.add_arguments(e)

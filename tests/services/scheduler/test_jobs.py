@@ -165,6 +165,23 @@ def test_bad_jobs_are_refused_clearly_and_the_scheduler_keeps_serving(cluster: s
     asyncio.run(main())
 
 
+def test_the_jobs_command_line(cluster: str) -> None:
+    def zerokl(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zerokl", "jobs", "--server", cluster, *argv],
+                              capture_output=True, text=True, timeout=300)
+
+    r = zerokl("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()[1:]]
+    assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
+    assert events[-1]["state"] == "succeeded"
+    job_id = events[-1]["job_id"]
+    listed = zerokl("list")
+    assert job_id in listed.stdout and "succeeded" in listed.stdout
+    missing = zerokl("watch", "no-such-job")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
+
+
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path) -> None:
     """SIGKILL the trainer mid-SFT-job and start it again on the same port: the job waits, continues from
     the trainer's newest published step, and the final weights equal (torch.equal) an uninterrupted

@@ -1,0 +1,102 @@
+"""`zerokl jobs`: submit, follow, list and cancel training jobs on a scheduler.
+
+    zerokl jobs submit rl --steps 30          # GRPO on countdown; follows the job until it ends
+    zerokl jobs submit sft --steps 200        # SFT on countdown demonstrations
+    zerokl jobs list
+    zerokl jobs watch JOB_ID [--json]         # replays past steps, then live ones
+    zerokl jobs cancel JOB_ID
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50050"),
+                   help="the scheduler (default $ZEROKL_SERVER or %(default)s)")
+    sub = p.add_subparsers(dest="action", required=True)
+    s = sub.add_parser("submit", help="queue a job on countdown and follow it")
+    s.add_argument("kind", choices=["rl", "sft"])
+    s.add_argument("--steps", type=int, required=True)
+    s.add_argument("--name", default="")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--batch-size", type=int, default=32, help="sft: completions per step")
+    s.add_argument("--prompts", type=int, default=8, help="rl: prompts per step")
+    s.add_argument("--group", type=int, default=8, help="rl: samples per prompt")
+    s.add_argument("--eval-every", type=int, default=5, help="rl: greedy test accuracy every N steps")
+    s.add_argument("--detach", action="store_true", help="print the job id and return")
+    s.add_argument("--json", action="store_true", help="one JSON object per event")
+    sub.add_parser("list", help="every job, in submission order")
+    w = sub.add_parser("watch", help="the job's steps (past ones first) until it ends")
+    w.add_argument("job_id")
+    w.add_argument("--json", action="store_true", help="one JSON object per event")
+    c = sub.add_parser("cancel", help="stop a job at its next step boundary")
+    c.add_argument("job_id")
+
+
+def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
+    d = {"job_id": ev.status.job_id, "state": ev.status.state.value, "step": ev.step,
+         "weights_version": ev.weights_version or ev.status.weights_version}
+    if ev.step is not None:
+        d["metrics"] = ev.metrics
+    if ev.status.error:
+        d["error"] = ev.status.error
+    return d
+
+
+async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
+    from zerokl.services.scheduler.jobs import JobState
+    last = None
+    async for ev in client.watch(job_id):
+        last = ev
+        if as_json:
+            print(json.dumps(_event_dict(ev)), flush=True)
+        elif ev.step is not None:
+            shown = " ".join(f"{k} {v!r}" if k == "kl" else f"{k} {v:.4g}" for k, v in ev.metrics.items())
+            print(f"step {ev.step}/{ev.status.total_steps} {ev.weights_version} {shown}", flush=True)
+        else:
+            print(f"job {job_id} {ev.status.state.value}" + (f": {ev.status.error}" if ev.status.error else ""),
+                  flush=True)
+    return 0 if last is not None and last.status.state is JobState.SUCCEEDED else 1
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from zerokl.services.scheduler.jobs import CountdownTask, RLJobSpec, SFTJobSpec
+    from zerokl.services.scheduler.jobs_service import JobsClient
+
+    async with JobsClient(args.server) as client:
+        if args.action == "list":
+            for s in await client.list():
+                print(f"{s.job_id}  {s.kind:3s}  {s.state.value:9s}  {s.step}/{s.total_steps}  "
+                      f"{s.weights_version or '-'}  {s.name}" + (f"  error: {s.error}" if s.error else ""))
+            return 0
+        if args.action == "cancel":
+            s = await client.cancel(args.job_id)
+            print(f"job {s.job_id} {s.state.value} at step {s.step}")
+            return 0
+        if args.action == "watch":
+            return await _watch(client, args.job_id, args.json)
+        task = CountdownTask(seed=args.seed)
+        if args.kind == "rl":
+            spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
+                             seed=args.seed, eval_every=args.eval_every)
+        else:
+            spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed)
+        status = await client.submit(spec, args.name)
+        print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps)", flush=True)
+        return 0 if args.detach else await _watch(client, status.job_id, args.json)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `zerokl jobs ...` with parsed flags; gRPC errors print their status and exit 1."""
+    import grpc.aio
+    try:
+        return asyncio.run(_main(args))
+    except grpc.aio.AioRpcError as err:
+        print(f"zerokl jobs: {err.code().name}: {err.details()}")
+        return 1
