@@ -100,6 +100,10 @@ def test_the_defaults_deploy_every_service_with_native_grpc_probes_on_its_port()
     sched = _container(_by(objs, "Deployment", "zerokl-scheduler"))
     assert "--kube-decode-service=zerokl-decode" in sched["args"]
     assert "--kube-prefill-service=zerokl-prefill" in sched["args"]
+    assert "--trainer=zerokl-trainer:50053" in sched["args"]   # the Jobs API
+    for role in ("prefill", "decode"):                         # SwitchWeights fetches from the store
+        assert "--weight-store=$(ZEROKL_WEIGHT_STORE)" in _container(_by(objs, "Deployment", f"zerokl-{role}"))["args"]
+    assert config["data"]["ZEROKL_WEIGHT_STORE"] == "zerokl-weight-store:50055"
     for role in ("prefill", "decode"):
         svc = _by(objs, "Service", f"zerokl-{role}")
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["ports"][0]["name"] == "grpc"
@@ -119,36 +123,52 @@ def test_the_scheduler_gets_read_only_endpointslice_access_and_nothing_more() ->
     assert [o["kind"] for _, o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")] == []
 
 
+def _peer_name(peer: dict[str, Any]) -> str:
+    labels = peer.get("podSelector", {}).get("matchLabels", {})
+    if "zerokl.dev/operator" in labels:
+        return "operator"
+    return labels.get("app.kubernetes.io/component", "*")
+
+
 def _ingress_components(policy: dict[str, Any]) -> set[str]:
     grpc_rule = policy["spec"]["ingress"][0]
-    return {peer["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/component", "*")
-            for peer in grpc_rule["from"] if "podSelector" in peer}
+    return {_peer_name(peer) for peer in grpc_rule["from"] if "podSelector" in peer}
 
 
 def test_network_policies_follow_the_services_traffic() -> None:
     objs = _render()
     policies = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in objs if o["kind"] == "NetworkPolicy"}
     assert set(policies) == {*ROLES, "minio"}
-    # Only the scheduler reaches the trainer; the weight store also takes the trainer's publishes.
-    assert _ingress_components(policies["trainer"]) == {"scheduler"}
-    assert _ingress_components(policies["weight-store"]) == {"scheduler", "trainer"}
-    assert _ingress_components(policies["prefill"]) == {"scheduler"}
-    assert _ingress_components(policies["decode"]) == {"scheduler"}
+    # Only the scheduler reaches the trainer, prefill and decode; the weight store takes the trainer's
+    # publishes and the replicas' fetches (start-up and SwitchWeights); the scheduler never calls it.
+    # Operators' pods (zerokl doctor) may read every pod's Info.
+    assert _ingress_components(policies["trainer"]) == {"scheduler", "operator"}
+    assert _ingress_components(policies["prefill"]) == {"scheduler", "operator"}
+    assert _ingress_components(policies["decode"]) == {"scheduler", "operator"}
+    assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "operator"}
     assert _ingress_components(policies["minio"]) == {"weight-store"}
     # Clients (any pod of the namespace by default) and the helm test pod reach the scheduler.
-    assert _ingress_components(policies["scheduler"]) == {"*", "test"}
-    # The scheduler may reach the API server (discovery); replicas may not reach anything but DNS.
+    assert _ingress_components(policies["scheduler"]) == {"*", "test", "operator"}
+
+    def egress_to(role: str) -> set[str]:
+        return {_peer_name(peer) for rule in policies[role]["spec"]["egress"] for peer in rule.get("to", [])
+                if "podSelector" in peer}
+
+    assert egress_to("scheduler") == {"prefill", "decode", "trainer"}
+    assert egress_to("prefill") == egress_to("decode") == egress_to("trainer") == {"weight-store"}
+    assert egress_to("weight-store") == {"minio"}
+    # The scheduler may reach the API server (discovery); nobody else gets a port-only rule.
     sched_egress = policies["scheduler"]["spec"]["egress"]
     assert {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]} in sched_egress
-    assert all(rule["ports"][0]["port"] == 53 for rule in policies["decode"]["spec"]["egress"])
+    for role in ("prefill", "decode", "trainer", "weight-store"):
+        assert all("to" in rule for rule in policies[role]["spec"]["egress"]), role
 
-    # Weights fetched from the store: prefill/decode may call it. Jaeger: every pod may send it spans.
-    fetched = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in _render(
-        {"model": {"source": "weightStore"}, "tracing": {"jaeger": {"enabled": True}}}) if o["kind"] == "NetworkPolicy"}
-    assert _ingress_components(fetched["weight-store"]) == {"scheduler", "trainer", "prefill", "decode"}
+    # Jaeger: every pod may send it spans.
+    traced = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in _render(
+        {"tracing": {"jaeger": {"enabled": True}}}) if o["kind"] == "NetworkPolicy"}
     for role in ROLES:
         to = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
-              for rule in fetched[role]["spec"]["egress"] for peer in rule.get("to", []) if "podSelector" in peer]
+              for rule in traced[role]["spec"]["egress"] for peer in rule.get("to", []) if "podSelector" in peer]
         assert "jaeger" in to, role
     otlp = _render({"tracing": {"otlpEndpoint": "http://collector.observability:4317"}})
     env = {e["name"]: e.get("value") for e in _container(_by(otlp, "Deployment", "zerokl-decode"))["env"]}
