@@ -289,7 +289,7 @@ def test_every_container_command_line_is_accepted_by_its_service(values_file: pa
             continue  # MinIO, Jaeger: not ours
         c = _container(obj)
         env = {**config, **{e["name"]: e["value"] for e in c.get("env", []) if "value" in e}}
-        args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in c["args"]]
+        args = [re.sub(r"\$\((\w+)\)", lambda m, env=env: env[m.group(1)], a) for a in c["args"]]
         if c["command"][0] == "sh":   # weights fetched by the init container: the wrapper adds these two
             assert 'zerokl serve ' + component in c["command"][2]
             args = ["--model", "/weights/model", "--weights-version", "v1", *args]
