@@ -204,6 +204,9 @@ def test_tensor_parallel_sets_gpus_and_the_torch_distributed_environment() -> No
     prefill = _container(_by(objs, "Deployment", "zerokl-prefill"))
     assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert "nvidia.com/gpu" not in _container(_by(_render(), "Deployment", "zerokl-decode"))["resources"]["limits"]
+    notes = render_k8s.render({"decode": {"tensorParallel": 2}})["zerokl/templates/NOTES.txt"]
+    assert "decode.tensorParallel=2 reserves that many GPUs" in notes and "does not shard" in notes
+    assert "does not shard" not in render_k8s.render()["zerokl/templates/NOTES.txt"]
 
 
 BAD_VALUES = [
