@@ -4,11 +4,16 @@ Invariance by construction:
 * Every program computes one [BLOCK_M, BLOCK_N] output tile with a fp32 accumulator and walks
   K in BLOCK_K chunks in ascending order, one tl.dot per chunk. There is no split-K or
   stream-K: one program owns every K step of its tile.
-* (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) come from `gemm_config(N, K, dtype)`:
-  the weight's shape and dtype only, never M. So a row meets the same tile shape, the same
-  instruction sequence and the same K order whether it is alone (M = 1) or in any batch, at
-  any position; rows of a tile never mix (a dot's row i depends only on row i of A).
-  The suite checks this for M = 1 against many M, positions and neighbours.
+* Interpreted launches (CPU) take (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from
+  `gemm_config(N, K, dtype)`: the weight's shape and dtype only, never M. So a row meets the
+  same tile shape and the same K order whether it is alone (M = 1) or in any batch, at any
+  position; rows of a tile never mix (a dot's row i depends only on row i of A).
+* Compiled CUDA launches pick a config by M (`launch_config`, `_CUDA_BUCKETS`, the persistent
+  TMA kernel for large M). That is invariant because on sm90 an element's bits do not depend
+  on the config at all: tl.dot chains k16 MMA steps into one fp32 accumulator in ascending K
+  order whatever the tile, warps, stages, MMA flavour or load path (measured over 42 configs,
+  asserted by tests/kernels/test_gemm_configs.py; NUMERICS.md). fp32 keeps the canonical one.
+  The suite checks M = 1 against many M, positions and neighbours on every path.
 * Masked loads pad with zeros (rows past M, K past the end), adding exact zeros.
 * grouped_linear builds a host-side tile table from `offsets`: a tile never spans two
   groups, so a token's result depends only on its row and its group's weight, never on
