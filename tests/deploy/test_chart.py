@@ -90,8 +90,13 @@ def test_the_defaults_deploy_every_service_with_native_grpc_probes_on_its_port()
         c = _container(obj)
         assert c["command"][:3] == ["zerokl", "serve", role] or c["command"][0] == "sh", (role, c["command"])
         assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in c["ports"], role
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"] == {"port": port}, (role, probe)
+        assert c["readinessProbe"]["grpc"] == {"port": port}, role
+        for probe in ("startupProbe", "livenessProbe"):
+            # The scheduler's health is the fleet's (NOT_SERVING without a decode replica): restarting
+            # it would not help, so only its readiness follows grpc.health.v1.
+            want = {"tcpSocket": {"port": port}} if role == "scheduler" else {"grpc": {"port": port}}
+            assert {k: c[probe][k] for k in want} == want and len(set(c[probe]) & {"grpc", "tcpSocket"}) == 1, \
+                (role, probe)
         assert f"--port={port}" in c["args"] and "--host=0.0.0.0" in c["args"], role
         assert pod["metadata"]["labels"]["zerokl.dev/numerics-version"] == zerokl.kernels.__version__
         assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"

@@ -120,10 +120,14 @@ prometheus.io/path: /metrics
 {{- end -}}
 
 {{/* gRPC-native probes on grpc.health.v1 (kubelet >= 1.27). A weight swap reports NOT_SERVING
-     for a moment: readiness drops the pod from its Service, liveness tolerates it. */}}
+     for a moment: readiness drops the pod from its Service, liveness tolerates it. With
+     "fleetHealth" (the scheduler, whose health reports whether the *fleet* can serve: no decode
+     replica or a mixed fleet is NOT_SERVING) startup and liveness only check that the process
+     accepts connections: restarting it would not bring a replica back. */}}
 {{- define "zerokl.probes" -}}
+{{- $check := ternary (dict "tcpSocket" (dict "port" .port)) (dict "grpc" (dict "port" .port)) (default false .fleetHealth) -}}
 startupProbe:
-  grpc: {port: {{ .port }}}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 5
   failureThreshold: 120
 readinessProbe:
@@ -131,7 +135,7 @@ readinessProbe:
   periodSeconds: 5
   failureThreshold: 2
 livenessProbe:
-  grpc: {port: {{ .port }}}
+  {{- toYaml $check | nindent 2 }}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6
