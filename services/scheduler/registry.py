@@ -232,6 +232,7 @@ class Registry:
         self._source_sets: dict[str, tuple[ReplicaEndpoint, ...]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._wake = asyncio.Event()
+        self._closing = False
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[], None]] = []
         self._first_sets: dict[str, asyncio.Event] = {s.name: asyncio.Event() for s in self.sources}
@@ -255,6 +256,10 @@ class Registry:
 
     async def close(self) -> None:
         """Stop polling and following sources; close every channel."""
+        # The flag as well as the cancel: Python 3.11's wait_for can swallow a cancellation that
+        # arrives as its inner wait completes, and the poll loop would then run on forever.
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -326,11 +331,13 @@ class Registry:
         self._notify()
 
     async def _poll_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
             except asyncio.TimeoutError:
                 pass
+            if self._closing:
+                return
             self._wake.clear()
             try:
                 await self.refresh()

@@ -77,8 +77,9 @@ def test_a_replica_whose_weights_changed_since_the_last_poll_refuses_and_the_req
         async with replica_server(model) as (swapped, replica), replica_server(model) as (steady, _), \
                 scheduler_server([swapped.address, steady.address], poll_interval_s=30.0,
                                  config=SchedulerConfig(policy=Policy.ROUND_ROBIN)) as (server, scheduler):
-            # What a weight swap does to a replica's Info; the scheduler's last poll still shows the old version.
-            replica.identity = replica.identity.with_weights("next")
+            # What a weight swap does to a replica (the engine now holds "next"); the scheduler's last poll still
+            # shows the old version, so the pinned request is refused at admission and moves on.
+            replica.engine.weights_version = "next"
             async with InferenceClient(server.address) as client:
                 got = await client.generate_all(InferenceRequest(ids, options=options))
             assert numbers(got.samples) == numbers(offline(model, ids, options))
