@@ -173,7 +173,7 @@ class Trainer:
             ref = (self._logprobs(ref_model, batch) * batch.mask).sum(1)
         n = len(pairs)
         loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
-        return {"loss": float(loss), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
+        return {"loss": float(loss.detach()), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
 
     def _frozen_reference(self) -> Model:
         self.reference = copy.deepcopy(self.model).eval()
