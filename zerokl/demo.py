@@ -87,9 +87,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by `zerokl demo` and `python -m zerokl.demo`)."""
     ap.add_argument("--out", default="runs/demo", help="report folder")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per GRPO step")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step")
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
-    ap.add_argument("--lr", type=float, default=5e-4, help="the trainer's learning rate")
+    ap.add_argument("--lr", type=float, default=1e-4, help="the trainer's learning rate")
     ap.add_argument("--eval-every", type=int, default=5, help="greedy test accuracy every N steps")
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)

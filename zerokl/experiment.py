@@ -31,10 +31,10 @@ ARMS = {"zerokl": None, "mismatch": "stock"}
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("task", choices=["countdown"], help="the experiment to run")
     ap.add_argument("--out", default="runs/experiment", help="report folder")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
