@@ -1,4 +1,4 @@
-"""`zerokl demo`: a tiny GLM-5-family model learns countdown with GRPO through the five services.
+"""`zerokl demo`: a tiny GLM-5-family model runs GRPO on countdown through the five services.
 
 Phases (each with a progress bar or step lines):
 1. Start the five services on loopback (`zerokl up` as a child process): the weight
