@@ -264,9 +264,8 @@ class JobManager:
             if job.state.done:
                 yield JobEvent(job.status())
                 return
-            job.changed.clear()
-            if seen == len(job.events) and not job.state.done:
-                await job.changed.wait()
+            job.changed.clear()  # nothing new since the drain above: events arrive on this loop only
+            await job.changed.wait()
 
     # ---- running --------------------------------------------------------------
 
@@ -446,11 +445,9 @@ class _TrainerSession:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE or attempt >= 3:
                     raise
                 log.warning("trainer unavailable (%s); waiting for it to come back", err.details())
-                state = self._wait_for_trainer()
-                if state.weights_version != self.weights_version and state.accumulated_batches == 0:
+                served = self.weights_version
+                if self.recover().weights_version != served:
                     # The interrupted step was published before the trainer went away.
-                    self.weights_version = state.weights_version
-                    self._call(self.manager._switch(state.weights_version))
                     return dict(self._last, resumed=1.0)
                 # Otherwise the trainer resumed from the version we serve: redo the step.
         raise AssertionError("unreachable")

@@ -22,7 +22,9 @@ from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult
+from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime import ServerOptions, ServiceServer
+from zerokl.services.weightstore.client import WeightStoreClient
 
 CONFIG = ModelConfig.preset("tiny")
 WEIGHTS = "tiny-seed0"
@@ -86,36 +88,54 @@ def make_replica(model: Model, service: str, config: EngineConfig = EngineConfig
 
 @contextlib.asynccontextmanager
 async def decode_server(model: Model, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
-                        limits: ServingLimits = ServingLimits(), options: ServerOptions = ServerOptions()
-                        ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
-    """A decode replica on a loopback port."""
+                        limits: ServingLimits = ServingLimits(), options: ServerOptions = ServerOptions(),
+                        weight_store: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+    """A decode replica on a loopback port (serving SwitchWeights from ``weight_store`` when given)."""
     replica = make_replica(model, "decode", config, weights, limits)
     replica.engine.start()
     server = ServiceServer("decode", options)
-    add_decode_service(server, replica)
-    await server.start()
+    async with _switcher(replica, server, weight_store) as switch:
+        add_decode_service(server, replica, switch)
+        await server.start()
+        try:
+            yield server, replica
+        finally:
+            await server.drain(0)
+            await replica.engine.close()
+
+
+@contextlib.asynccontextmanager
+async def _switcher(replica: Replica, server: ServiceServer, weight_store: str | None):  # noqa: ANN202
+    """The SwitchWeights handler of ``replica`` against ``weight_store`` (None: no handler)."""
+    if weight_store is None:
+        yield None
+        return
+    store = WeightStoreClient(weight_store)
+    switcher = WeightSwitcher(replica, store, not_serving=server.not_serving)
     try:
-        yield server, replica
+        yield switcher.switch
     finally:
-        await server.drain(0)
-        await replica.engine.close()
+        await switcher.close()
+        await store.close()
 
 
 @contextlib.asynccontextmanager
 async def prefill_server(model: Model, decode_address: str | None, config: EngineConfig = EngineConfig(),
-                         chunk_bytes: int = 4096, weights: str = WEIGHTS, options: ServerOptions = ServerOptions()
-                         ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
-    """A prefill replica on a loopback port handing KV to ``decode_address`` in small chunks."""
+                         chunk_bytes: int = 4096, weights: str = WEIGHTS, options: ServerOptions = ServerOptions(),
+                         weight_store: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+    """A prefill replica on a loopback port handing KV to ``decode_address`` in small chunks
+    (serving SwitchWeights from ``weight_store`` when given)."""
     replica = make_replica(model, "prefill", config, weights)
     replica.engine.start()
     decode = InferenceClient(decode_address, tracer_provider=options.tracer_provider) if decode_address else None
     server = ServiceServer("prefill", options)
-    add_prefill_service(server, PrefillRelay(replica, decode, chunk_bytes))
-    await server.start()
-    try:
-        yield server, replica
-    finally:
-        await server.drain(0)
-        if decode is not None:
-            await decode.close()
-        await replica.engine.close()
+    async with _switcher(replica, server, weight_store) as switch:
+        add_prefill_service(server, PrefillRelay(replica, decode, chunk_bytes), switch)
+        await server.start()
+        try:
+            yield server, replica
+        finally:
+            await server.drain(0)
+            if decode is not None:
+                await decode.close()
+            await replica.engine.close()

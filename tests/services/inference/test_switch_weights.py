@@ -23,7 +23,6 @@ from zerokl.model import Model, ModelConfig
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
-from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.weightstore.backends import LocalDirBackend
@@ -31,7 +30,7 @@ from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.services.weightstore.store import VersionStore
 
-from conftest import CONFIG, TOKENIZER, make_replica, offline, offline_score
+from conftest import CONFIG, TOKENIZER, decode_server, make_replica, offline, offline_score, prefill_server
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -46,30 +45,6 @@ async def weight_store(root: pathlib.Path) -> AsyncIterator[str]:
         yield server.address
     finally:
         await server.drain(0)
-
-
-@contextlib.asynccontextmanager
-async def switchable(model: Model, service: str, store_address: str):  # noqa: ANN201
-    """A replica on weights v1 that serves SwitchWeights from the store."""
-    from zerokl.services.inference.decode import add_decode_service
-    from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
-    replica = make_replica(model, service, weights="v1")
-    replica.engine.start()
-    server = ServiceServer(service)
-    store = WeightStoreClient(store_address)
-    switcher = WeightSwitcher(replica, store, not_serving=server.not_serving)
-    if service == "decode":
-        add_decode_service(server, replica, switcher.switch)
-    else:
-        add_prefill_service(server, PrefillRelay(replica, None), switcher.switch)
-    await server.start()
-    try:
-        yield server, replica
-    finally:
-        await server.drain(0)
-        await replica.engine.close()
-        await switcher.close()
-        await store.close()
 
 
 async def _generate(client: InferenceClient, ids: tuple[int, ...], options: SamplingOptions,
@@ -98,7 +73,7 @@ async def _switch_is_bit_exact(tmp_path: pathlib.Path) -> None:
             v2_dir = tmp_path / "v2"
             v2.save_pretrained(v2_dir)
             await store.publish(v2_dir, "v2", parent_version="v1", numerics_version=numerics_version)
-        async with switchable(Model(CONFIG, seed=0), "decode", store_address) as (server, replica):
+        async with decode_server(Model(CONFIG, seed=0), weights="v1", weight_store=store_address) as (server, replica):
             client = InferenceClient(server.address)
             try:
                 before = await _generate(client, ids, short, pin="v1")
@@ -183,7 +158,7 @@ async def _bad_switches(tmp_path: pathlib.Path) -> None:
             await store.publish(tmp_path / "other", "other-config", numerics_version=numerics_version)
             Model(CONFIG, seed=2).save_pretrained(tmp_path / "alien")
             await store.publish(tmp_path / "alien", "alien-numerics", numerics_fingerprint="0" * 16)
-        async with switchable(Model(CONFIG, seed=0), "prefill", store_address) as (server, replica):
+        async with prefill_server(Model(CONFIG, seed=0), None, weights="v1", weight_store=store_address) as (server, replica):
             client = InferenceClient(server.address)
             try:
                 for version, code in (("", grpc.StatusCode.INVALID_ARGUMENT),
