@@ -11,9 +11,11 @@ that transition).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import shutil
 import tempfile
+from contextlib import AbstractAsyncContextManager
 from typing import Callable
 
 import grpc.aio
@@ -32,8 +34,8 @@ __all__ = ["WeightSwitcher"]
 class WeightSwitcher:
     """Loads weight-store versions into one replica, one switch at a time."""
 
-    def __init__(self, replica: Replica, store: WeightStoreClient | None, cache_dir: str | None = None,
-                 not_serving: Callable[[], object] | None = None) -> None:
+    def __init__(self, replica: Replica, store: WeightStoreClient, cache_dir: str | None = None,
+                 not_serving: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
         self.replica = replica
         self.store = store
         self._own_cache = cache_dir is None
@@ -45,8 +47,6 @@ class WeightSwitcher:
         """Serve ``version`` (or ``latest``) from now on; returns the replica's new identity."""
         if not version:
             raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
-        if self.store is None:
-            raise FailedPrecondition("this replica has no weight store configured (--weight-store)")
         async with self._lock:
             try:
                 return await self._switch(version)
@@ -54,7 +54,6 @@ class WeightSwitcher:
                 raise RelayedError(err, f"weight store {self.store.target}") from None
 
     async def _switch(self, version: str) -> ServiceIdentity:
-        assert self.store is not None
         manifest = await self.store.manifest(version)
         if manifest.version == self.replica.identity.weights_version:
             return self.replica.identity
@@ -67,19 +66,12 @@ class WeightSwitcher:
                 f"version {manifest.version!r} has another model config than this replica serves",
                 precondition_violations=[PreconditionViolation("MODEL_CONFIG", manifest.version,
                                                                "differs from the replica's model config")])
-        state = model.state_dict()
-        await self._swap(state, manifest.version)
+        async with self._not_serving() if self._not_serving else contextlib.nullcontext():
+            await self.replica.load_weights(model.state_dict(), manifest.version)
         await asyncio.to_thread(shutil.rmtree, dest, True)  # the weights live in the engine now
         identity = self.replica.identity
         set_serving_info(identity)
         return identity
-
-    async def _swap(self, state: dict, version: str) -> None:
-        if self._not_serving is None:
-            await self.replica.load_weights(state, version)
-            return
-        async with self._not_serving():  # type: ignore[attr-defined]
-            await self.replica.load_weights(state, version)
 
     def _check_spec(self, version: str, fingerprint: str) -> None:
         ours = self.replica.identity.numerics_fingerprint
