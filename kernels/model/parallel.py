@@ -34,6 +34,8 @@ sharded model raises (see docs/tensor-parallel.md).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -44,7 +46,7 @@ from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.ops import REDUCTION_SPLITS
 from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
 
-__all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+__all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ExpertParallelMoE", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
@@ -108,8 +110,8 @@ class ColumnParallelLinear(nn.Module):
         return _no_backward(torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features], x)
 
 
-JOINS = ("auto", "gather", "all_reduce_fp32", "reduce_scatter", "gather_list")
-DEFAULT_JOIN = "auto"      # all_reduce_fp32 at two ranks (fastest exact join measured on 2 H200s), else gather
+JOINS = ("auto", "p2p", "gather", "all_reduce_fp32", "reduce_scatter", "gather_list")
+DEFAULT_JOIN = "auto"      # p2p where every GPU of the group maps its peers; else all_reduce_fp32 at 2 ranks, else gather
 
 
 def _tree_round(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -120,24 +122,118 @@ def _tree_round(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return ops.split_combine(list(parts.unbind(0)), None, dtype)
 
 
+class _PeerJoin:
+    """The exact join over GPU peer memory (torch symmetric memory; no NVLink multicast).
+
+    Each rank copies its fp32 subtree into its slot of a symmetric buffer, one barrier kernel
+    tells every rank that all subtrees are written, then ONE tree kernel reads the tp planes
+    where they lie (peer GPUs' memory mapped into this one) and writes the rounded result: the
+    single-device tree, exact at any supported degree, in 3 launches and no NCCL call (NCCL's
+    small-message latency is what made the other joins cost 1.3x and more; docs/perf.md).
+
+    Two slots alternate, so one barrier per join is enough: a rank writes slot s again only
+    after the next join's barrier, which every peer reaches only after its read of slot s.
+    Buffers grow (collectively: every rank joins the same shapes) and are kept while the
+    process lives, since a peer may still read a retired one.
+    """
+
+    SLOTS = 2
+
+    def __init__(self, group):
+        self.group, self.tp = group, dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.capacity, self.step = 0, 0
+        self.buffers: list = []                   # (symmetric tensor, handle), newest last
+
+    def _grow(self, numel: int, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        with warnings.catch_warnings():                # needed by older torch, deprecated by newer
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(self.group.group_name)
+        cap = max(1 << 16, 1 << (numel - 1).bit_length())
+        buf = symm_mem.empty(self.SLOTS * cap, dtype=torch.float32, device=device)
+        handle = symm_mem.rendezvous(buf, self.group)
+        # The buffer sits at the same offset in every rank's allocation (symmetric); the handle
+        # lists the allocations' base addresses as mapped here, rank order.
+        offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64) + offset
+        self.tables = [(ptrs + slot * cap * 4).to(device) for slot in range(self.SLOTS)]   # byte addresses
+        self.buffers.append((buf, handle))
+        self.capacity = cap
+
+    def __call__(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        n = part.numel()
+        if n > self.capacity:
+            self._grow(n, part.device)
+        buf, handle = self.buffers[-1]
+        slot = self.step % self.SLOTS
+        self.step += 1
+        buf[slot * self.capacity: slot * self.capacity + n].copy_(part.reshape(-1))
+        handle.barrier(channel=0)
+        return backend_module("triton").tree_combine_planes(self.tables[slot], tuple(part.shape), dtype)
+
+
+_PEER_JOINS: dict[str, _PeerJoin | None] = {}
+
+
+def _peer_join(group) -> _PeerJoin | None:
+    """The group's _PeerJoin, or None where its GPUs cannot map each other (decided once, by
+    all ranks together, so every rank picks the same join)."""
+    key = group.group_name
+    if key not in _PEER_JOINS:
+        ok = torch.cuda.is_available() and get_backend() == "triton"
+        try:
+            from torch.distributed import _symmetric_memory  # noqa: F401
+        except ImportError:
+            ok = False
+        devices = torch.full((dist.get_world_size(group),), -1, dtype=torch.int64,
+                             device=torch.cuda.current_device() if ok else "cpu")
+        if ok:
+            mine = torch.tensor([torch.cuda.current_device()], dtype=torch.int64, device=devices.device)
+            dist.all_gather_into_tensor(devices, mine, group=group)
+            here = torch.cuda.current_device()
+            ok = all(d == here or torch.cuda.can_device_access_peer(here, d) for d in devices.tolist())
+            flag = torch.tensor([int(ok)], device=devices.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            ok = bool(flag.item())
+        _PEER_JOINS[key] = _PeerJoin(group) if ok else None
+    return _PEER_JOINS[key]
+
+
+def p2p_join_available(group) -> bool:
+    """Whether row_parallel_join's p2p join runs on `group` (collective on first use per group)."""
+    return _peer_join(group) is not None
+
+
 def row_parallel_join(part: torch.Tensor, group, dtype: torch.dtype, how: str | None = None) -> torch.Tensor:
     """Join the ranks' fp32 split-tree subtrees into split_linear's bits, rounded to `dtype`.
 
-    auto (default): all_reduce_fp32 with two ranks, gather otherwise.
-    gather: one all_gather_into_tensor of the fp32 subtrees, then every rank finishes
-    the fixed tree and rounds in one pass; exact for any supported degree. gather_list: the
-    same through a list all_gather and torch adds (the first implementation). With two ranks
-    the last tree level is ONE fp32 addition p01 + p23 per element and IEEE addition is
-    commutative, so a sum-collective computes it exactly whatever its algorithm:
-    all_reduce_fp32 (one collective) or reduce_scatter (fp32 reduce-scatter, round, bf16
-    all-gather). With more ranks a collective sums in its own order: only the gathers are exact.
+    auto (default): p2p where the group's GPUs map each other's memory, else all_reduce_fp32
+    with two ranks, else gather. p2p: every rank reads the peers' subtrees in place and runs
+    the tree (_PeerJoin). gather: one all_gather_into_tensor of the fp32 subtrees, then every
+    rank finishes the fixed tree and rounds in one pass. gather_list: the same through a list
+    all_gather and torch adds (the first implementation). All three are exact at any
+    supported degree. With two ranks the last tree level is ONE fp32 addition p01 + p23 per
+    element and IEEE addition is commutative, so a sum-collective computes it exactly
+    whatever its algorithm: all_reduce_fp32 (one collective) or reduce_scatter (fp32
+    reduce-scatter, round, bf16 all-gather). With more ranks a collective sums in its own
+    order: only the gathers and p2p are exact.
     """
     tp = dist.get_world_size(group)
     how = how or DEFAULT_JOIN
-    if how == "auto":
-        how = "all_reduce_fp32" if tp == 2 else "gather"
     part = part.detach().float().contiguous()
-    if how == "gather_list" or tp == 1:
+    if tp == 1:
+        return ops.split_combine([part], None, dtype)
+    if how in ("auto", "p2p") and part.device.type == "cuda":
+        peer = _peer_join(group)
+        if peer is not None:
+            return peer(part, dtype)
+        if how == "p2p":
+            raise RuntimeError("row_parallel_join: p2p needs CUDA GPUs that map each other's memory "
+                               "(torch.cuda.can_device_access_peer) and the triton backend")
+    if how in ("auto", "p2p"):
+        how = "all_reduce_fp32" if tp == 2 else "gather"
+    if how == "gather_list":
         return ops.split_combine(_all_gather(part, group), None, dtype)
     if how == "gather":
         buf = torch.empty(tp * part.numel(), dtype=torch.float32, device=part.device)
@@ -173,7 +269,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.group, self.mode = group, mode
-        self.join: str | None = None          # row_parallel_join's `how` (None: DEFAULT_JOIN)
+        self.join = DEFAULT_JOIN              # row_parallel_join's `how` (apply_tensor_parallel sets it)
         self.splits = REDUCTION_SPLITS // dist.get_world_size(group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,13 +376,17 @@ def _check(model: Model, tp: int, mode: str) -> None:
 
 
 @torch.no_grad()
-def apply_tensor_parallel(model: Model, group=None, mode: str = "exact") -> Model:
+def apply_tensor_parallel(model: Model, group=None, mode: str = "exact", join: str = DEFAULT_JOIN) -> Model:
     """Shard `model` in place over the ranks of `group` (default: the world) and return it.
 
     Every rank must hold the same full weights before the call (same seed or checkpoint).
     mode "exact" (default) gives each rank the single-device bits; "all_reduce" is the
-    conventional plain-sum layout, kept as a baseline.
+    conventional plain-sum layout, kept as a baseline. `join` picks how the exact layout's
+    row-parallel layers join the ranks' subtrees (row_parallel_join; every choice gives the
+    same bits, they differ in speed and in what the GPUs must support).
     """
+    if join not in JOINS:
+        raise ValueError(f"apply_tensor_parallel: join must be one of {JOINS}, got {join!r}")
     group = group if group is not None else dist.group.WORLD
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     _check(model, tp, mode)
@@ -311,5 +411,8 @@ def apply_tensor_parallel(model: Model, group=None, mode: str = "exact") -> Mode
     w = model.lm_head.weight.detach()[rank * rows:(rank + 1) * rows]
     w = torch.cat([w, w.new_zeros(rows - w.shape[0], w.shape[1])]) if w.shape[0] < rows else w.clone()
     model.lm_head = ColumnParallelLinear(w, vocab, group)
+    for module in model.modules():
+        if isinstance(module, RowParallelLinear):
+            module.join = join
     model.tp_group, model.tp_size, model.tp_rank = group, tp, rank
     return model

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .attention import KV_BLOCK, mla_attention
 from .elementwise import sigmoid, silu
-from .gemm import gemm_config, grouped_linear, linear, split_partial, tree_combine
+from .gemm import gemm_config, grouped_linear, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
 from .reductions import log_softmax, row_sum, softmax
@@ -36,4 +36,5 @@ __all__ = [
     "split_partial",
     "topk_positions",
     "tree_combine",
+    "tree_combine_planes",
 ]

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, pow2_between, unit_last
 
-__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial", "tree_combine"]
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial", "tree_combine", "tree_combine_planes"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +68,11 @@ def gemm_config(n: int, k: int, dtype: torch.dtype) -> GemmConfig:
 # Measured on an H200 (docs/perf.md): small M is bound by how many programs stream the weight
 # (N / BLOCK_N of them), so decode sizes take 16 x 32 tiles (with 128-deep K chunks, 5 stages);
 # large M takes the persistent TMA kernel.
+_TMA_128 = GemmConfig(128, 128, 64, 4, 4, TMA=True)   # also the narrow tail of wave_split
 _CUDA_BUCKETS: list[tuple[int, dict]] = [
     (64, {None: GemmConfig(16, 32, 128, 2, 5)}),
     (256, {None: GemmConfig(64, 64, 64, 4, 4)}),
-    (1024, {None: GemmConfig(128, 128, 64, 4, 4, TMA=True)}),
+    (1024, {None: _TMA_128}),
     (1 << 62, {None: GemmConfig(128, 256, 64, 8, 3, TMA=True)}),
 ]
 
@@ -255,14 +256,48 @@ def _tma_ok(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: GemmCo
     return True
 
 
+def wave_split(m: int, n: int, cfg: GemmConfig, sms: int, tail: GemmConfig) -> int:
+    """Columns [0, n0) of a persistent launch keep cfg's tiles and [n0, n) take `tail`'s
+    narrower tiles; returns n0 (n: no split).
+
+    A persistent launch of T tiles on `sms` programs takes ceil(T / sms) tile-times: at M = 2048,
+    N = 7168 the 16 x 28 = 448 tiles of 128x256 are 3.4 waves, so the 4th wave runs 40% full.
+    Cutting the columns so the wide part fills whole waves and the rest runs as one wave of
+    half-width tiles saves most of that wave. Bits are unchanged: on sm90 an element's value
+    does not depend on its tile (module docstring), so both launches give the canonical bits.
+    Cost model: a tail tile counts 0.6 of a wide one (it streams the same K at half the width,
+    and is less efficient); a split must save 8%.
+    """
+    if tail.BLOCK_M != cfg.BLOCK_M or 2 * tail.BLOCK_N != cfg.BLOCK_N:
+        return n
+    num_m, num_n = triton.cdiv(m, cfg.BLOCK_M), triton.cdiv(n, cfg.BLOCK_N)
+    if num_n < 2:
+        return n
+    def cost(c: int) -> float:            # tile-times of c wide column tiles + the tail
+        narrow = triton.cdiv(n - c * cfg.BLOCK_N, tail.BLOCK_N)
+        return triton.cdiv(num_m * c, sms) + 0.6 * triton.cdiv(num_m * narrow, sms)
+    c = min(range(1, num_n), key=cost)
+    return c * cfg.BLOCK_N if cost(c) < 0.92 * triton.cdiv(num_m * num_n, sms) else n
+
+
 def _linear_tma(x2, weight, bias, y, cfg: GemmConfig) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
     m, k = x2.shape
     n = weight.shape[0]
     dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     if dev not in _NUM_SMS:
         _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     sms = _NUM_SMS[dev]
+    tail = _TMA_128
+    n0 = wave_split(m, n, cfg, sms, tail)
+    _linear_tma_launch(x2, weight[:n0], None if bias is None else bias[:n0], y[:, :n0], cfg, sms)
+    if n0 < n:
+        _linear_tma_launch(x2, weight[n0:], None if bias is None else bias[n0:], y[:, n0:], tail, sms)
+
+
+def _linear_tma_launch(x2, weight, bias, y, cfg: GemmConfig, sms: int) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    m, k = x2.shape
+    n = weight.shape[0]
     xd = TensorDescriptor(x2, [m, k], [x2.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_K])
     wd = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.BLOCK_N, cfg.BLOCK_K])
     yd = TensorDescriptor(y, [m, n], [y.stride(0), 1], [cfg.BLOCK_M, cfg.BLOCK_N])
@@ -278,27 +313,38 @@ def _linear_tma(x2, weight, bias, y, cfg: GemmConfig) -> None:
 
 
 @triton.jit
-def _tree_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, RNE_BF16: tl.constexpr):
-    """y = tree_sum of the S fp32 planes p[s] (adjacent pairs, level by level), rounded to y's dtype."""
+def _plane(p_ptr, s: tl.constexpr, MN, TABLE: tl.constexpr):
+    """Start of fp32 plane s: p + s * MN (one contiguous [S, MN] tensor), or, with TABLE, the
+    address held in p[s] (an int64 table of plane addresses, e.g. peers' symmetric memory)."""
+    if TABLE:
+        return tl.load(p_ptr + s).to(tl.pointer_type(tl.float32))
+    else:
+        return p_ptr + s * MN
+
+
+@triton.jit
+def _tree_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, RNE_BF16: tl.constexpr,
+                 TABLE: tl.constexpr):
+    """y = tree_sum of the S fp32 planes (adjacent pairs, level by level), rounded to y's dtype."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
-    p0 = tl.load(p_ptr + i, mask=mask, other=0.0)
+    p0 = tl.load(_plane(p_ptr, 0, MN, TABLE) + i, mask=mask, other=0.0)
     if S == 1:
         t = p0
     else:
-        p1 = tl.load(p_ptr + MN + i, mask=mask, other=0.0)
+        p1 = tl.load(_plane(p_ptr, 1, MN, TABLE) + i, mask=mask, other=0.0)
         if S == 2:
             t = p0 + p1
         else:
-            p2 = tl.load(p_ptr + 2 * MN + i, mask=mask, other=0.0)
-            p3 = tl.load(p_ptr + 3 * MN + i, mask=mask, other=0.0)
+            p2 = tl.load(_plane(p_ptr, 2, MN, TABLE) + i, mask=mask, other=0.0)
+            p3 = tl.load(_plane(p_ptr, 3, MN, TABLE) + i, mask=mask, other=0.0)
             if S == 4:
                 t = (p0 + p1) + (p2 + p3)
             else:
-                p4 = tl.load(p_ptr + 4 * MN + i, mask=mask, other=0.0)
-                p5 = tl.load(p_ptr + 5 * MN + i, mask=mask, other=0.0)
-                p6 = tl.load(p_ptr + 6 * MN + i, mask=mask, other=0.0)
-                p7 = tl.load(p_ptr + 7 * MN + i, mask=mask, other=0.0)
+                p4 = tl.load(_plane(p_ptr, 4, MN, TABLE) + i, mask=mask, other=0.0)
+                p5 = tl.load(_plane(p_ptr, 5, MN, TABLE) + i, mask=mask, other=0.0)
+                p6 = tl.load(_plane(p_ptr, 6, MN, TABLE) + i, mask=mask, other=0.0)
+                p7 = tl.load(_plane(p_ptr, 7, MN, TABLE) + i, mask=mask, other=0.0)
                 t = ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7))
     if RNE_BF16:
         # fp32 -> bf16 round-to-nearest-even by integer arithmetic (torch's .to(bfloat16) rule on
@@ -311,19 +357,37 @@ def _tree_kernel(p_ptr, y_ptr, MN, S: tl.constexpr, BLOCK: tl.constexpr, RNE_BF1
         tl.store(y_ptr + i, t.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _tree_launch(planes: torch.Tensor, s: int, shape, out_dtype: torch.dtype, device, table: bool) -> torch.Tensor:
+    if s not in (1, 2, 4, 8):
+        raise ValueError(f"tree_combine: the tree joins 1, 2, 4 or 8 planes, got {s}")
+    direct = out_dtype in (torch.float32, torch.bfloat16)
+    y = torch.empty(shape, dtype=out_dtype if direct else torch.float32, device=device)
+    mn = y.numel()
+    if mn:
+        _tree_kernel[(triton.cdiv(mn, 1024),)](planes, y, mn, S=s, BLOCK=1024,
+                                               RNE_BF16=out_dtype == torch.bfloat16, TABLE=table)
+    return y if direct else y.to(out_dtype)
+
+
 def tree_combine(parts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """tree_sum over the leading dim of fp32 `parts` [S, ...] (S in 1, 2, 4, 8), rounded to
     out_dtype as torch rounds (fp32 / bf16 in the kernel; other dtypes via torch's cast)."""
-    s = parts.shape[0]
-    if s not in (1, 2, 4, 8) or parts.dtype != torch.float32:
-        raise ValueError(f"tree_combine: need fp32 [S, ...] with S in (1, 2, 4, 8), got {parts.dtype} {tuple(parts.shape)}")
-    parts = parts.contiguous()
-    direct = out_dtype in (torch.float32, torch.bfloat16)
-    y = torch.empty(parts.shape[1:], dtype=out_dtype if direct else torch.float32, device=parts.device)
-    mn = y.numel()
-    if mn:
-        _tree_kernel[(triton.cdiv(mn, 1024),)](parts, y, mn, S=s, BLOCK=1024, RNE_BF16=out_dtype == torch.bfloat16)
-    return y if direct else y.to(out_dtype)
+    if parts.dtype != torch.float32 or parts.dim() < 1:
+        raise ValueError(f"tree_combine: need fp32 [S, ...], got {parts.dtype} {tuple(parts.shape)}")
+    return _tree_launch(parts.contiguous(), parts.shape[0], parts.shape[1:], out_dtype, parts.device, table=False)
+
+
+def tree_combine_planes(plane_ptrs: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """tree_combine over S fp32 planes given by address: `plane_ptrs` is an int64 tensor [S] on
+    the output's device holding each plane's address (rank order), each plane holds
+    prod(shape) contiguous fp32 values. The planes may live in other GPUs' memory mapped into
+    this one (torch symmetric memory): the tensor-parallel join reads its peers' subtrees
+    where they lie, in the same tree as tree_combine. The caller keeps the planes alive and
+    written before the launch (stream order, or a barrier for peers)."""
+    if plane_ptrs.dtype != torch.int64 or plane_ptrs.dim() != 1:
+        raise ValueError(f"tree_combine_planes: plane_ptrs must be int64 [S], got {plane_ptrs.dtype} "
+                         f"{tuple(plane_ptrs.shape)}")
+    return _tree_launch(plane_ptrs, plane_ptrs.shape[0], tuple(shape), out_dtype, plane_ptrs.device, table=True)
 
 
 def split_partial(x: torch.Tensor, weight: torch.Tensor, splits: int,
@@ -365,7 +429,7 @@ def split_partial(x: torch.Tensor, weight: torch.Tensor, splits: int,
     direct = out_dtype in (torch.float32, torch.bfloat16)      # fp16: fp32 tree, then torch's cast
     tree = y if direct else torch.empty((m, n), dtype=torch.float32, device=x.device)
     _tree_kernel[(triton.cdiv(m * n, block),)](parts, tree, m * n, S=splits, BLOCK=block,
-                                               RNE_BF16=out_dtype == torch.bfloat16)
+                                               RNE_BF16=out_dtype == torch.bfloat16, TABLE=False)
     return (y if direct else tree.to(out_dtype)).reshape(*lead, n)
 
 

@@ -91,3 +91,60 @@ def test_fused_split_partial_triton_is_the_composite(dtype):
         # with a gradient the composite runs (and agrees)
         xg = x.clone().requires_grad_(True)
         assert torch.equal(ops.split_linear(xg, w).detach(), ops.split_linear(x, w))
+
+
+@pytest.mark.parametrize("s", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_combine_planes_reads_planes_by_address(s, dtype):
+    """The tensor-parallel p2p join's kernel: S fp32 planes found through a table of addresses
+    (separate allocations, as peers' buffers are) give split_combine's bits, as the contiguous
+    tree_combine does; and the table's order is the tree's order (swapping planes changes bits)."""
+    g = torch.Generator().manual_seed(s)
+    # magnitudes spread over 1e-3..1e3 so the tree's order shows in the rounding
+    planes = [(torch.randn(5, 33, generator=g) * 10.0 ** torch.randint(-3, 4, (5, 33), generator=g)).to(DEV)
+              for _ in range(s)]
+    want = ops.split_combine(planes, None, dtype)
+    table = torch.tensor([p.data_ptr() for p in planes], dtype=torch.int64, device=DEV)
+    got = gemm.tree_combine_planes(table, (5, 33), dtype)
+    assert got.dtype == dtype and got.shape == (5, 33)
+    assert torch.equal(got, want)
+    assert torch.equal(gemm.tree_combine(torch.stack(planes), dtype), want)
+    if s >= 4:
+        swapped = torch.tensor([planes[i].data_ptr() for i in (0, 2, 1, *range(3, s))], dtype=torch.int64, device=DEV)
+        assert not torch.equal(gemm.tree_combine_planes(swapped, (5, 33), torch.float32),
+                               ops.split_combine(planes, None, torch.float32))
+
+
+def test_wave_split_fills_whole_waves():
+    """The persistent kernel's column split (a plan, no GPU needed): where the last wave of wide
+    tiles would run mostly empty, the wide part becomes whole waves and the rest narrow tiles;
+    where the waves are already full, nothing is split."""
+    wide, narrow, sms = gemm._CUDA_BUCKETS[-1][1][None], gemm._TMA_128, 132
+    # 7168 x 2048 at M = 2048: 16 x 28 = 448 wide tiles = 3.4 waves -> 16 x 24 = 384 (3 waves)
+    # plus 16 x 8 = 128 narrow tiles (one wave)
+    assert gemm.wave_split(2048, 7168, wide, sms, narrow) == 24 * 256
+    for m, n in [(2048, 4096), (2048, 2048), (8192, 7168), (8192, 4096), (100, 7168)]:
+        assert gemm.wave_split(m, n, wide, sms, narrow) == n, (m, n)
+    for m in range(1025, 20000, 997):
+        for n in (1536, 2048, 4096, 6144, 7168):
+            n0 = gemm.wave_split(m, n, wide, sms, narrow)
+            assert n0 == n or (0 < n0 < n and n0 % wide.BLOCK_N == 0), (m, n, n0)
+    # only a narrow tile of the same height and half the width qualifies
+    assert gemm.wave_split(2048, 7168, wide, sms, gemm.GemmConfig(64, 128, 64, 4, 4, TMA=True)) == 7168
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_wave_split_launches_keep_the_bits_on_gpu():
+    """linear at a shape that takes the two-launch wave split equals the canonical config, row by
+    row, alone and in the batch."""
+    n, k, m = 7168, 2048, 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * 0.05
+    b = torch.randn(n, device="cuda", generator=g)
+    assert gemm.wave_split(m, n, gemm.launch_config(m, n, k, torch.bfloat16, x.device), 132, gemm._TMA_128) < n
+    canonical = gemm.gemm_config(n, k, torch.bfloat16)
+    assert torch.equal(gemm.linear(x, w).view(torch.int16), gemm.linear(x, w, config=canonical).view(torch.int16))
+    assert torch.equal(gemm.linear(x, w, b).view(torch.int16), gemm.linear(x, w, b, config=canonical).view(torch.int16))
+    assert torch.equal(gemm.linear(x[77:78], w).view(torch.int16), gemm.linear(x, w)[77:78].view(torch.int16))

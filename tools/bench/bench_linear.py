@@ -120,13 +120,23 @@ def main() -> int:
             t_ours = bench([lambda wi=wi: G.linear(xm, wi) for wi in ws], calls)
             t_cub = bench([lambda wi=wi: torch.mm(xm, wi.T) for wi in ws], calls)
             cfg = G.launch_config(m, n, k, dtype, dev)
+            split = G.wave_split(m, n, cfg, torch.cuda.get_device_properties(dev).multi_processor_count, G._TMA_128) \
+                if cfg.TMA else n
+            unsplit_us = None
+            if split < n:          # the same launch without the column split, side by side
+                planner, G.wave_split = G.wave_split, (lambda m, n, *_: n)
+                try:
+                    unsplit_us = bench([lambda wi=wi: G.linear(xm, wi) for wi in ws], calls) * 1e6
+                finally:
+                    G.wave_split = planner
             row = {"N": n, "K": k, "M": m, "calls_per_graph": calls, "weight_copies": len(ws), "zerokl_us": t_ours * 1e6, "cublas_us": t_cub * 1e6,
                    "throughput_ratio": t_cub / t_ours, "zerokl_invariant": inv, "cublas_invariant": cub_inv,
-                   "zerokl_tflops": 2 * m * n * k / t_ours / 1e12, "config": cfg.__dict__}
+                   "zerokl_tflops": 2 * m * n * k / t_ours / 1e12, "config": cfg.__dict__,
+                   "wave_split_n0": split, "unsplit_us": unsplit_us}
             results["grid"].append(row)
             print(f"N={n:5d} K={k:5d} M={m:5d}  zerokl {t_ours*1e6:9.1f} us  cuBLAS {t_cub*1e6:9.1f} us  "
-                  f"ratio {t_cub/t_ours:5.2f}  invariant {inv}  cuBLAS invariant {cub_inv}  cfg {tuple(cfg.__dict__.values())}",
-                  flush=True)
+                  f"ratio {t_cub/t_ours:5.2f}  invariant {inv}  cuBLAS invariant {cub_inv}  cfg {tuple(cfg.__dict__.values())}"
+                  + (f"  wave split at N={split} (unsplit {unsplit_us:.1f} us)" if unsplit_us else ""), flush=True)
             if not args.sweep or m < args.sweep_min_m:
                 continue
             pool = small if m <= 64 else mid + big if m <= 512 else big + mid[3:4]

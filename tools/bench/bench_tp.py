@@ -9,7 +9,8 @@ NVSHMEM_DISABLE_NVLS=1 unless they are set).
 1. Row-parallel bf16 linear (K = 7168, N = 4096) at several M: the cross-GPU join of the
    exact layout (each candidate checked torch.equal against the one-GPU ops.split_linear)
    timed against a plain bf16 all_reduce of the rounded partial products (the conventional
-   join, whose bits are checked too). Times are medians of CUDA-event timings of the join
+   join, whose bits are checked too) and, for information, torch symmetric memory's plain bf16
+   one-shot sum (the p2p join's transport without the exactness). Times are medians of CUDA-event timings of the join
    alone, and of the whole layer, measured in the same run.
 2. The `small` model (bf16, Triton backend, index_topk cut to 64 so the sparse indexer runs):
    full forward, chunked prefill, prefix-cache hit and decode logits and logprobs at every
@@ -89,7 +90,7 @@ def tp_groups(tp: int):
 
 
 def bench_join(ms, n: int, k: int) -> list[dict]:
-    from zerokl.model.parallel import DEFAULT_JOIN, row_parallel_join
+    from zerokl.model.parallel import p2p_join_available, row_parallel_join
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world
     group = dist.group.WORLD
@@ -114,7 +115,12 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
             return t
 
         joins = {"plain_all_reduce_bf16": plain}
-        for how in ("gather", "gather_list", "all_reduce_fp32", "reduce_scatter"):
+        one_shot = _plain_one_shot(plain_part, group)
+        if one_shot is not None:
+            joins["plain_one_shot_bf16"] = one_shot
+        for how in ("p2p", "gather", "gather_list", "all_reduce_fp32", "reduce_scatter"):
+            if how == "p2p" and (DEV != "cuda" or not p2p_join_available(group)):
+                continue
             if how == "all_reduce_fp32" and tp > 2:
                 continue
             if how == "reduce_scatter" and (tp > 2 or (m * n) % tp):
@@ -138,9 +144,11 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
 
         res["layer_plain_us"] = cuda_time(layer_plain) * 1e6
         res["layer_exact_us"] = cuda_time(layer_exact) * 1e6
-        res["default_join"] = DEFAULT_JOIN if DEFAULT_JOIN != "auto" else ("all_reduce_fp32" if tp == 2 else "gather")
+        res["default_join"] = "p2p" if "p2p" in joins else ("all_reduce_fp32" if tp == 2 else "gather")
         res["join_ratio"] = res[f"{res['default_join']}_us"] / res["plain_all_reduce_bf16_us"]
-        exact = [j for j in joins if j != "plain_all_reduce_bf16" and res[f"{j}_equal_1gpu"]]
+        if "plain_one_shot_bf16" in joins:
+            res["join_ratio_vs_one_shot"] = res[f"{res['default_join']}_us"] / res["plain_one_shot_bf16_us"]
+        exact = [j for j in joins if not j.startswith("plain") and res[f"{j}_equal_1gpu"]]
         res["best_exact_join"] = min(exact, key=lambda j: res[f"{j}_us"])
         res["best_join_ratio"] = res[f"{res['best_exact_join']}_us"] / res["plain_all_reduce_bf16_us"]
         res["layer_ratio"] = res["layer_exact_us"] / res["layer_plain_us"]
@@ -149,7 +157,29 @@ def bench_join(ms, n: int, k: int) -> list[dict]:
     return rows
 
 
+def _plain_one_shot(t: torch.Tensor, group):
+    """The plain bf16 sum over the same transport as the p2p join (torch symmetric memory's
+    one-shot all-reduce: each rank reads its peers' bf16 partials and adds them), for
+    information: the fastest non-invariant join on the machine at small sizes. None where
+    torch lacks it or the GPUs cannot map each other."""
+    if DEV != "cuda" or not hasattr(torch.ops, "symm_mem") or not hasattr(torch.ops.symm_mem, "one_shot_all_reduce"):
+        return None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+        buf = symm_mem.empty(t.numel(), dtype=t.dtype, device=t.device)
+        symm_mem.rendezvous(buf, group)
+    except Exception as e:  # noqa: BLE001 - reported, the bench goes on without this arm
+        log(f"no symmetric-memory one-shot all_reduce: {e}")
+        return None
+
+    def run():
+        buf.copy_(t.view(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group.group_name).view(t.shape)
+    return run
+
+
 PRESET = "small"
+JOIN = "auto"     # --join: the exact layout's join in the equality and decode runs
 
 
 def small_config(topk: int):
@@ -172,7 +202,7 @@ def equality(degrees, seed: int, topk: int) -> dict:
             group = tp_groups(tp)
             for mode in ("exact", "all_reduce"):
                 model = Model(cfg, seed=seed, dtype=torch.bfloat16).to(DEV).eval()
-                apply_tensor_parallel(model, group, mode=mode)
+                apply_tensor_parallel(model, group, mode=mode, join=JOIN)
                 got = sharded_outputs(model, seed, prompts=2)
                 differ = sorted(k for k in ref if not torch.equal(got[k], ref[k]))
                 ok = torch.tensor([0 if differ else 1], device=DEV)
@@ -191,13 +221,10 @@ def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
     from zerokl.model.parallel import apply_tensor_parallel
     cfg = ModelConfig.preset(PRESET)
     models = {}
-    arms = [("exact", None), ("all_reduce", None)] + ([("exact", "gather")] if dist.get_world_size() == 2 else [])
+    arms = [("exact", None), ("all_reduce", None)] + ([("exact", "all_reduce_fp32")] if dist.get_world_size() == 2 else [])
     for mode, join in arms:
-        m = apply_tensor_parallel(Model(cfg, seed=0, dtype=torch.bfloat16).to(DEV).eval(), mode=mode)
-        for mod in m.modules():
-            if hasattr(mod, "join"):
-                mod.join = join
-        models[mode + (f"+{join}" if join else "")] = m
+        models[mode + (f"+{join}" if join else "")] = apply_tensor_parallel(
+            Model(cfg, seed=0, dtype=torch.bfloat16).to(DEV).eval(), mode=mode, join=join or JOIN)
     reqs = make_requests(batch, max_tokens, cfg.vocab_size)
     for mode in models:
         run_engine(models[mode], reqs[:4], BACKEND, 2048)
@@ -229,10 +256,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip", default="", help="comma list: join,equality,decode")
     ap.add_argument("--preset", default="small", help="model preset for equality and decode (tiny for a CPU smoke run)")
+    ap.add_argument("--join", default="auto", help="the exact layout's join for equality and decode (row_parallel_join)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    global PRESET
-    PRESET = args.preset
+    global PRESET, JOIN
+    PRESET, JOIN = args.preset, args.join
     rank = int(os.environ.get("RANK", 0))
     if DEV == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -243,7 +271,9 @@ def main() -> int:
     import bench_e2e
     sys.modules["tools_bench_e2e"] = bench_e2e
     world = dist.get_world_size()
-    from zerokl.model.parallel import supported_tp_degrees
+    from zerokl.model.parallel import JOINS, supported_tp_degrees
+    if JOIN not in JOINS:
+        ap.error(f"--join must be one of {JOINS}")
     degrees = [d for d in supported_tp_degrees() if d <= world and world % d == 0]
     stamp = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
              "world": world,
@@ -276,6 +306,8 @@ def main() -> int:
             fig, ax = plt.subplots(figsize=(6, 3.4))
             ms = [r["M"] for r in res["join"]]
             for key, lab in (("plain_all_reduce_bf16_us", "plain bf16 all_reduce (differs from 1 GPU)"),
+                             ("plain_one_shot_bf16_us", "plain bf16 one-shot p2p sum (differs)"),
+                             ("p2p_us", "exact: p2p, peers' fp32 subtrees read in place + tree kernel"),
                              ("gather_us", "exact: fp32 all_gather_into_tensor + tree kernel"),
                              ("gather_list_us", "exact: fp32 list all_gather + torch adds"),
                              ("all_reduce_fp32_us", "exact: fp32 all_reduce (2 ranks)"),
