@@ -15,15 +15,14 @@ G1=$(( NGPU > 1 ? 1 : 0 ))
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
 if [ "$MODE" = p2p ]; then
   # issue 8's linear grid (wave split side by side with the unsplit launch) and the GPU test tier,
-  # then issue 10's TP bench with the p2p join; if the p2p join fails, again with the NCCL join
+  # then issue 10's TP bench (the default join is p2p where the GPUs map each other)
   mkdir -p "$OUT/bench"
   ( CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_configs.py > "$OUT/gemmtests.log" 2>&1;
     CUDA_VISIBLE_DEVICES=0 timeout 170 python3 tools/bench/bench_linear.py --out "$OUT/bench" > "$OUT/linear.log" 2>&1 ) &
   ( CUDA_VISIBLE_DEVICES=$G1 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
   wait
   if [ "$NGPU" -gt 1 ]; then
-    timeout 200 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/bench" > "$OUT/tp.log" 2>&1 ||
-      timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --join all_reduce_fp32 --skip decode --out "$OUT/tp-nccl" > "$OUT/tp-nccl.log" 2>&1
+    timeout 220 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/bench" > "$OUT/tp.log" 2>&1
   fi
 elif [ "$MODE" = explore2 ]; then
   ( CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/bench/bench_linear.py --sweep --sweep-min-m 128 --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1;
