@@ -126,10 +126,12 @@ class _PeerJoin:
     """The exact join over GPU peer memory (torch symmetric memory; no NVLink multicast).
 
     Each rank copies its fp32 subtree into its slot of a symmetric buffer, one barrier kernel
-    tells every rank that all subtrees are written, then ONE tree kernel reads the tp planes
-    where they lie (peer GPUs' memory mapped into this one) and writes the rounded result: the
-    single-device tree, exact at any supported degree, in 3 launches and no NCCL call (NCCL's
-    small-message latency is what made the other joins cost 1.3x and more; docs/perf.md).
+    tells every rank that all subtrees are written, then every rank reads the tp subtrees
+    where they lie (peer GPUs' memory mapped into this one) and finishes the single-device
+    tree: at two ranks one fp32 addition rounded on store (`torch.add(p0, p1, out=bf16)`,
+    torch's rounding), from four on the Triton tree kernel over the planes' addresses. Exact
+    at any supported degree, 3 launches, no NCCL call: at these sizes a join is all latency,
+    and NCCL's is what made the collective joins cost 1.3x and more (docs/perf.md).
 
     Two slots alternate, so one barrier per join is enough: a rank writes slot s again only
     after the next join's barrier, which every peer reaches only after its read of slot s.
@@ -141,9 +143,9 @@ class _PeerJoin:
 
     def __init__(self, group):
         self.group, self.tp = group, dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.capacity, self.step = 0, 0
         self.buffers: list = []                   # (symmetric tensor, handle), newest last
+        self.views: dict[tuple[int, int], tuple] = {}   # (slot, numel) -> (rank-order planes, address table)
 
     def _grow(self, numel: int, device: torch.device) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -153,24 +155,37 @@ class _PeerJoin:
         cap = max(1 << 16, 1 << (numel - 1).bit_length())
         buf = symm_mem.empty(self.SLOTS * cap, dtype=torch.float32, device=device)
         handle = symm_mem.rendezvous(buf, self.group)
-        # The buffer sits at the same offset in every rank's allocation (symmetric); the handle
-        # lists the allocations' base addresses as mapped here, rank order.
-        offset = buf.data_ptr() - handle.buffer_ptrs[handle.rank]
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64) + offset
-        self.tables = [(ptrs + slot * cap * 4).to(device) for slot in range(self.SLOTS)]   # byte addresses
+        if handle.get_buffer(handle.rank, (1,), torch.float32, 0).data_ptr() != buf.data_ptr():
+            raise RuntimeError("symmetric memory: get_buffer does not address this rank's buffer")
         self.buffers.append((buf, handle))
-        self.capacity = cap
+        self.capacity, self.views = cap, {}
+
+    def _planes(self, slot: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every rank's slot-`slot` plane of n fp32 values as tensors on this GPU (rank order),
+        and their addresses as an int64 tensor there (for the tree kernel)."""
+        key = (slot, n)
+        if key not in self.views:
+            buf, handle = self.buffers[-1]
+            planes = [handle.get_buffer(r, (n,), torch.float32, slot * self.capacity) for r in range(self.tp)]
+            table = torch.tensor([p.data_ptr() for p in planes], dtype=torch.int64).to(buf.device)
+            self.views[key] = planes, table
+        return self.views[key]
 
     def __call__(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n = part.numel()
         if n > self.capacity:
             self._grow(n, part.device)
-        buf, handle = self.buffers[-1]
+        _, handle = self.buffers[-1]
         slot = self.step % self.SLOTS
         self.step += 1
-        buf[slot * self.capacity: slot * self.capacity + n].copy_(part.reshape(-1))
+        planes, table = self._planes(slot, n)
+        planes[handle.rank].copy_(part.view(-1))
         handle.barrier(channel=0)
-        return backend_module("triton").tree_combine_planes(self.tables[slot], tuple(part.shape), dtype)
+        if self.tp == 2:       # the tree's one level; the add computes in fp32 and rounds on store
+            out = torch.empty(part.shape, dtype=dtype, device=part.device)
+            torch.add(planes[0], planes[1], out=out.view(-1))
+            return out
+        return backend_module("triton").tree_combine_planes(table, tuple(part.shape), dtype)
 
 
 _PEER_JOINS: dict[str, _PeerJoin | None] = {}
