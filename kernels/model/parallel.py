@@ -173,6 +173,8 @@ class _PeerJoin:
 
     def __call__(self, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         n = part.numel()
+        if n == 0:
+            return torch.empty(part.shape, dtype=dtype, device=part.device)
         if n > self.capacity:
             self._grow(n, part.device)
         _, handle = self.buffers[-1]
@@ -201,14 +203,12 @@ def _peer_join(group) -> _PeerJoin | None:
             from torch.distributed import _symmetric_memory  # noqa: F401
         except ImportError:
             ok = False
-        devices = torch.full((dist.get_world_size(group),), -1, dtype=torch.int64,
-                             device=torch.cuda.current_device() if ok else "cpu")
-        if ok:
-            mine = torch.tensor([torch.cuda.current_device()], dtype=torch.int64, device=devices.device)
-            dist.all_gather_into_tensor(devices, mine, group=group)
+        if ok:      # every rank's GPU index, then each checks it can map all of them
             here = torch.cuda.current_device()
+            devices = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=here)
+            dist.all_gather_into_tensor(devices, torch.tensor([here], dtype=torch.int64, device=here), group=group)
             ok = all(d == here or torch.cuda.can_device_access_peer(here, d) for d in devices.tolist())
-            flag = torch.tensor([int(ok)], device=devices.device)
+            flag = torch.tensor([int(ok)], device=here)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             ok = bool(flag.item())
         _PEER_JOINS[key] = _PeerJoin(group) if ok else None
