@@ -20,6 +20,7 @@ from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServic
 from zerokl.services.runtime.chunks import chunk_from_proto
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["DECODE_SERVICE", "DecodeServicer", "add_decode_service"]
@@ -56,6 +57,7 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
         check_header(header, replica.identity, replica.model_config, replica.dtype, replica.max_model_len)
         replica.check_generate(header.prompt_ids, r.options)
         r = dataclasses.replace(r, request_id=r.request_id or header.request_id)
+        tag_request(r.request_id)
         receiver = KVReceiver(header)
         yield _ack(0)
         handoff = None

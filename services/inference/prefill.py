@@ -30,6 +30,7 @@ from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, spli
 from zerokl.services.runtime.errors import AlreadyExists, FailedPrecondition
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 
 __all__ = ["PREFILL_SERVICE", "PrefillRelay", "PrefillServicer", "add_prefill_service"]
@@ -173,6 +174,7 @@ class PrefillServicer(inference_pb2_grpc.PrefillServicer):
     async def PrefillKV(self, request: inference_pb2.PrefillKVRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.PrefillKVResponse]:
         r = convert.request_from_proto(request.request)
+        tag_request(r.request_id)
         prefilled = await self._relay.prefill(r, generating=False)
         if prefilled is None:
             raise Cancelled(f"request {r.request_id!r} was aborted during prefill")

@@ -17,6 +17,7 @@ from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
 from zerokl.services.runtime.errors import FailedPrecondition
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["INFERENCE_SERVICE", "InferenceBackend", "InferenceServicer"]
@@ -49,6 +50,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        tag_request(request.request_id)
         deltas = self._backend.generate(convert.request_from_proto(request))
         try:
             async for delta in deltas:

@@ -30,7 +30,9 @@ from zerokl.services.runtime.interceptors import ClientInterceptor, with_metadat
 
 __all__ = [
     "OTLP_ENDPOINT_ENVS",
+    "REQUEST_ID_ATTRIBUTE",
     "configure_tracing",
+    "tag_request",
     "TracingServerInterceptor",
     "TracingClientInterceptor",
 ]
@@ -63,6 +65,16 @@ def configure_tracing(service_name: str, *, environ: Mapping[str, str] | None = 
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
+
+
+REQUEST_ID_ATTRIBUTE = "zerokl.request_id"
+
+
+def tag_request(request_id: str) -> None:
+    """Put the request id on the current span (the handler's SERVER span), so Jaeger finds
+    every hop of one request by tag: the scheduler and each replica tag theirs."""
+    if request_id:
+        trace.get_current_span().set_attribute(REQUEST_ID_ATTRIBUTE, request_id)
 
 
 def _tracer(provider: trace.TracerProvider | None) -> trace.Tracer:

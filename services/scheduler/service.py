@@ -56,6 +56,7 @@ from zerokl.services.runtime.errors import (
 )
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
 from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.runtime.tracing import tag_request
 from zerokl.services.scheduler import metrics
 from zerokl.services.scheduler.registry import ReplicaEndpoint, ReplicaView, Registry
 from zerokl.services.scheduler.replay import StreamLedger
@@ -239,6 +240,7 @@ class Scheduler:
 
     async def _generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
         rid = r.request_id or uuid.uuid4().hex
+        tag_request(rid)
         if rid in self._flights:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
         flight = self._flights[rid] = _Flight(rid)

@@ -270,3 +270,8 @@ def test_one_trace_spans_the_client_the_scheduler_and_the_prefill_to_decode_hand
         out, into = spans[(hop, SpanKind.CLIENT)], spans[(hop, SpanKind.SERVER)]
         assert out.parent.span_id == front.context.span_id and into.parent.span_id == out.context.span_id
     assert [e.attributes["role"] for e in front.events if e.name == "zerokl.scheduler.route"] == ["prefill", "decode"]
+    # one request id, assigned by the scheduler, tags its span and every replica's
+    rid = front.attributes["zerokl.request_id"]
+    assert len(rid) == 32
+    for hop in ("zerokl.v1.Prefill/PrefillKV", "zerokl.v1.Decode/GenerateFromKV"):
+        assert spans[(hop, SpanKind.SERVER)].attributes["zerokl.request_id"] == rid
