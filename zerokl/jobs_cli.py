@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompts", type=int, default=8, help="rl: prompts per step")
     s.add_argument("--group", type=int, default=8, help="rl: samples per prompt")
     s.add_argument("--eval-every", type=int, default=5, help="rl: greedy test accuracy every N steps")
+    s.add_argument("--lr", type=float, default=0.0, help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
     s.add_argument("--json", action="store_true", help="one JSON object per event")
     sub.add_parser("list", help="every job, in submission order")
@@ -84,9 +85,10 @@ async def _main(args: argparse.Namespace) -> int:
         task = CountdownTask(seed=args.seed)
         if args.kind == "rl":
             spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
-                             seed=args.seed, eval_every=args.eval_every)
+                             seed=args.seed, eval_every=args.eval_every, learning_rate=args.lr)
         else:
-            spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed)
+            spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed,
+                              learning_rate=args.lr)
         status = await client.submit(spec, args.name)
         print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps)", flush=True)
         return 0 if args.detach else await _watch(client, status.job_id, args.json)

@@ -24,6 +24,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -67,6 +68,7 @@ class SFTJobSpec:
     batch_size: int = 32
     publish_every: int = 0                          # 0: publish only at the end
     seed: int = 0
+    learning_rate: float = 0.0                      # > 0: every step's lr; 0: the trainer's schedule
     kind = "sft"
 
 
@@ -77,6 +79,7 @@ class DPOJobSpec:
     batch_size: int = 8
     publish_every: int = 0
     seed: int = 0
+    learning_rate: float = 0.0
     kind = "dpo"
 
 
@@ -93,6 +96,7 @@ class RLJobSpec:
     max_staleness: int = 0
     eval_every: int = 5
     eval_prompts: int = 32
+    learning_rate: float = 0.0
     kind = "rl"
 
 
@@ -103,6 +107,8 @@ def validate(spec: JobSpec) -> None:
     """INVALID_ARGUMENT naming the first bad field of ``spec``."""
     if spec.steps <= 0:
         raise InvalidArgument.field(f"{spec.kind}.steps", "must be > 0")
+    if not (math.isfinite(spec.learning_rate) and spec.learning_rate >= 0.0):
+        raise InvalidArgument.field("learning_rate", "must be finite and >= 0 (0: the trainer's schedule)")
     if isinstance(spec, SFTJobSpec):
         if spec.batch_size <= 0:
             raise InvalidArgument.field("sft.batch_size", "must be > 0")
@@ -470,12 +476,13 @@ class _TrainerSession:
         max_staleness = self.job.spec.max_staleness if isinstance(self.job.spec, RLJobSpec) else 0
 
         def work() -> dict[str, Any]:
-            fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None))
+            fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
+                                                       lr=self.job.spec.learning_rate or None))
             assert fb.ppo is not None
             self._last = {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
                           "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
                           "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
-                          "tokens": fb.tokens}
+                          "lr": opt.lr, "tokens": fb.tokens}
             self._publish_now()
             return self._last
         return self._unit(work)
@@ -493,7 +500,7 @@ class _TrainerSession:
     def supervised_step(self, method: str, batch: Sequence[Any]) -> dict[str, float]:
         t0 = time.perf_counter()
         fb = self._call(self.client.forward_backward(method, batch))
-        opt = self._call(self.client.optim_step())
+        opt = self._call(self.client.optim_step(lr=self.job.spec.learning_rate or None))
         metrics = {"loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens,
                    "tokens_per_s": fb.tokens / max(time.perf_counter() - t0, 1e-9),
                    **{k: v for k, v in fb.metrics.items() if k not in ("loss", "tokens", "tokens_per_s")}}

@@ -55,19 +55,20 @@ def spec_to_proto(spec: JobSpec, name: str = "") -> jobs_pb2.JobSpec:
             sft.countdown.CopyFrom(_countdown_to_proto(spec.countdown))
         else:
             sft.examples.CopyFrom(trainer_pb2.SFTBatch(completions=[completion_to_proto(c) for c in spec.examples]))
-        return jobs_pb2.JobSpec(name=name, sft=sft)
+        return jobs_pb2.JobSpec(name=name, sft=sft, learning_rate=spec.learning_rate)
     if isinstance(spec, DPOJobSpec):
         pairs = trainer_pb2.DPOBatch(pairs=[trainer_pb2.PreferencePair(chosen=completion_to_proto(c),
                                                                        rejected=completion_to_proto(r))
                                             for c, r in spec.pairs])
         return jobs_pb2.JobSpec(name=name, dpo=jobs_pb2.DPOJob(pairs=pairs, steps=spec.steps,
                                                                batch_size=spec.batch_size,
-                                                               publish_every=spec.publish_every, seed=spec.seed))
+                                                               publish_every=spec.publish_every, seed=spec.seed),
+                                learning_rate=spec.learning_rate)
     rl = jobs_pb2.RLJob(countdown=_countdown_to_proto(spec.countdown), steps=spec.steps,
                         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
                         max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts)
-    return jobs_pb2.JobSpec(name=name, rl=rl)
+    return jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate)
 
 
 def spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
@@ -78,11 +79,13 @@ def spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
         d = SFTJobSpec(steps=1)
         countdown = _countdown_from_proto(m.countdown) if m.WhichOneof("data") == "countdown" else None
         examples = tuple(completion_from_proto(c) for c in m.examples.completions)
-        return SFTJobSpec(m.steps, countdown, examples, m.batch_size or d.batch_size, m.publish_every, m.seed)
+        return SFTJobSpec(m.steps, countdown, examples, m.batch_size or d.batch_size, m.publish_every, m.seed,
+                          msg.learning_rate)
     if kind == "dpo":
         m = msg.dpo
         pairs = tuple((completion_from_proto(p.chosen), completion_from_proto(p.rejected)) for p in m.pairs.pairs)
-        return DPOJobSpec(m.steps, pairs, m.batch_size or DPOJobSpec(1, ()).batch_size, m.publish_every, m.seed)
+        return DPOJobSpec(m.steps, pairs, m.batch_size or DPOJobSpec(1, ()).batch_size, m.publish_every, m.seed,
+                          msg.learning_rate)
     if kind == "rl":
         m = msg.rl
         d = RLJobSpec(steps=1)
@@ -92,7 +95,7 @@ def spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
             max_tokens=m.max_tokens or d.max_tokens,
             temperature=m.temperature if m.HasField("temperature") else d.temperature,
             top_p=m.top_p if m.HasField("top_p") else d.top_p, seed=m.seed, max_staleness=m.max_staleness,
-            eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts)
+            eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate)
     raise InvalidArgument.field("job", "set one of sft, dpo, rl")
 
 

@@ -54,6 +54,7 @@ class StepRecord:
     ratio_max: float
     loss: float
     grad_norm: float
+    lr: float                   # the learning rate the step used
     tokens: int
     tokens_per_s: float
     rollout_s: float
@@ -130,7 +131,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
             mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
             ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
-            tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
+            lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
             train_s=train_s, stale_rollouts=stale,
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:

@@ -80,17 +80,18 @@ class TrainerClient(ServiceClient):
         return convert.forward_backward_result_from_proto(
             await self._stub.ForwardBackward(convert.batch_to_proto(batch), timeout=timeout))
 
-    async def optim_step(self, *, timeout: float | None = None) -> OptimResult:
-        """Apply the accumulated gradients."""
+    async def optim_step(self, *, lr: float | None = None, timeout: float | None = None) -> OptimResult:
+        """Apply the accumulated gradients at `lr` (None: the trainer's schedule)."""
         return convert.optim_result_from_proto(
-            await self._stub.OptimStep(trainer_pb2.OptimStepRequest(), timeout=timeout))
+            await self._stub.OptimStep(trainer_pb2.OptimStepRequest(lr=lr or 0.0), timeout=timeout))
 
     async def grpo_step(self, rollouts: Sequence[Rollout], group_size: int, *, max_staleness: int | None = None,
+                        lr: float | None = None,
                         timeout: float | None = None) -> tuple[ForwardBackwardResult, OptimResult]:
         """ForwardBackward('ppo') then OptimStep: :meth:`Trainer.grpo_step` over the wire."""
         fb = await self.forward_backward("ppo", rollouts, group_size=group_size, max_staleness=max_staleness,
                                          timeout=timeout)
-        return fb, await self.optim_step(timeout=timeout)
+        return fb, await self.optim_step(lr=lr, timeout=timeout)
 
     async def save_weights(self, version: str = "", *, metadata: Mapping[str, str] | None = None,
                            weights_only: bool = False, timeout: float | None = None) -> tuple[WeightsManifest, bool]:

@@ -383,12 +383,16 @@ class TrainerService:
             method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
             step=trainer.step, accumulated_batches=0, ppo=ppo, metrics={k: float(v) for k, v in m.items()})
 
-    async def optim_step(self) -> OptimResult:
-        """Apply the accumulated gradients (FAILED_PRECONDITION when there are none)."""
+    async def optim_step(self, lr: float | None = None) -> OptimResult:
+        """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
+        FAILED_PRECONDITION when there are none, INVALID_ARGUMENT for a bad `lr`."""
+        if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
+            raise InvalidArgument.field("lr", f"must be finite and >= 0 (0: the trainer's schedule), got {lr}")
+
         async def work() -> OptimResult:
             if self._accumulated == 0:
                 raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
-            m = await self._compute(self._trainer.optim_step)
+            m = await self._compute(self._trainer.optim_step, lr or None)
             self._accumulated = 0
             STEP.set(m["step"])
             return OptimResult(grad_norm=float(m["grad_norm"]), lr=float(m["lr"]), step=int(m["step"]))
@@ -518,7 +522,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest,
                         context: grpc.aio.ServicerContext) -> trainer_pb2.OptimStepResponse:
-        return convert.optim_result_to_proto(await self._service.optim_step())
+        return convert.optim_result_to_proto(await self._service.optim_step(request.lr))
 
     async def SaveWeights(self, request: trainer_pb2.SaveWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:

@@ -210,15 +210,15 @@ class Trainer:
             return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         return c.lr
 
-    def optim_step(self) -> dict:
-        """Clip, step AdamW at the scheduled learning rate, zero the gradients."""
+    def optim_step(self, lr: float | None = None) -> dict:
+        """Clip, step AdamW at `lr` (default: the scheduled learning rate), zero the gradients."""
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
         if self.config.grad_clip > 0 and float(norm) > self.config.grad_clip:
             scale = self.config.grad_clip / (float(norm) + 1e-6)
             for g in grads:
                 g.mul_(scale)
-        lr = self.lr_at(self.step)
+        lr = lr or self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -90,16 +90,18 @@ class RLJob(_message.Message):
     def __init__(self, countdown: _Optional[_Union[CountdownTask, _Mapping]] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "sft", "dpo", "rl")
+    __slots__ = ("name", "sft", "dpo", "rl", "learning_rate")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
     RL_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     sft: SFTJob
     dpo: DPOJob
     rl: RLJob
-    def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ...) -> None: ...
+    learning_rate: float
+    def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s")

@@ -144,8 +144,10 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, method: _Optional[str] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., ppo: _Optional[_Union[PPOMetrics, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., accumulated_batches: _Optional[int] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("lr",)
+    LR_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    def __init__(self, lr: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("grad_norm", "lr", "step")

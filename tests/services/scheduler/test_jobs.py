@@ -102,7 +102,8 @@ def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
     async def main() -> None:
         async with JobsClient(cluster) as jobs:
             sft = await jobs.submit(SFTJobSpec(steps=6, examples=examples, batch_size=4, publish_every=3), "sft")
-            dpo = await jobs.submit(DPOJobSpec(steps=6, pairs=pairs, batch_size=4), "dpo")  # queued behind sft
+            dpo = await jobs.submit(DPOJobSpec(steps=6, pairs=pairs, batch_size=4, learning_rate=2e-3),
+                                    "dpo")  # queued behind sft
             sft_events, dpo_events = await asyncio.gather(_events(jobs, sft.job_id), _events(jobs, dpo.job_id))
             for events in (sft_events, dpo_events):
                 assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
@@ -111,6 +112,9 @@ def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
             sft_versions = [ev.weights_version for ev in _steps(sft_events)]
             assert sft_versions[2] != sft_versions[1] and sft_versions[5] != sft_versions[4]  # published at 3 and 6
             assert "preference_accuracy" in _steps(dpo_events)[-1].metrics
+            # the DPO job's own learning rate at every step; SFT's follows the trainer's schedule
+            assert [ev.metrics["lr"] for ev in _steps(dpo_events)] == [2e-3] * 6
+            assert 2e-3 not in [ev.metrics["lr"] for ev in _steps(sft_events)]
             listed = await jobs.list()
             assert [s.job_id for s in listed][-2:] == [sft.job_id, dpo.job_id]
     asyncio.run(main())
@@ -143,6 +147,8 @@ def test_bad_jobs_are_refused_clearly_and_the_scheduler_keeps_serving(cluster: s
         (SFTJobSpec(steps=1, examples=(Completion((1, 2), (3,)),), batch_size=4), "batch_size"),
         (DPOJobSpec(steps=1, pairs=()), "batch_size"),
         (RLJobSpec(steps=1, countdown=CountdownTask(train_problems=10**6)), "countdown"),
+        (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, learning_rate=-1e-4), "learning_rate"),
+        (RLJobSpec(steps=1, countdown=TASK, learning_rate=float("nan")), "learning_rate"),
     ]
 
     async def main() -> None:

@@ -177,13 +177,15 @@ def test_sft_dpo_grpo_steps_over_grpc_give_bitwise_the_in_process_weights(tmp_pa
 
     async def main() -> None:
         async with trainer_server(tmp_path / "w", *_flags(config)) as (client, service):
-            # SFT, then DPO: ForwardBackward + OptimStep over the wire vs the in-process steps.
-            for method, items, step_fn in (("sft", sft, reference.sft_step), ("dpo", pairs, reference.dpo_step)):
+            # SFT, then DPO: ForwardBackward + OptimStep over the wire vs the in-process steps; the
+            # DPO step overrides the schedule's learning rate (OptimStepRequest.lr).
+            for method, items, lr in (("sft", sft, None), ("dpo", pairs, 1e-3)):
                 fb = await client.forward_backward(method, items)
-                opt = await client.optim_step()
-                want = step_fn(items)
+                opt = await client.optim_step(lr=lr)
+                want = reference.forward_backward(method, items) | reference.optim_step(lr)
                 assert (fb.method, fb.loss, fb.tokens, opt.grad_norm, opt.lr, opt.step) == \
                     (method, want["loss"], want["tokens"], want["grad_norm"], want["lr"], want["step"])
+                assert opt.lr == (lr or reference.lr_at(opt.step - 1))
             # GRPO on real engine rollouts of the current (published) weights: KL exactly 0.
             manifest, created = await client.save_weights()
             assert created and manifest.version == "default-step000002"
@@ -485,6 +487,9 @@ def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: p
             err = await _status(stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest()))
             assert err.code() is INVALID and _fields(err) == ["batch"]
             assert (await _status(client.optim_step())).code() is FAILED           # nothing accumulated
+            for lr in (-1e-3, float("nan"), float("inf")):
+                err = await _status(client.optim_step(lr=lr))
+                assert (err.code(), _fields(err)) == (INVALID, ["lr"]), err.details()
             assert (await _status(client.save_weights("../escape"))).code() is INVALID
             assert (await _status(client.load_weights(""))).code() is INVALID
             assert (await _status(client.load_weights("nope"))).code() is grpc.StatusCode.NOT_FOUND
