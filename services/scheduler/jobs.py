@@ -359,7 +359,7 @@ class JobManager:
             # A step's batch depends only on (seed, step): a step redone after a trainer restart sees the same data.
             batch = random.Random(f"{spec.seed}:{step}").sample(data, spec.batch_size)
             try:
-                m = trainer.supervised_step(spec.kind, batch)
+                m = trainer.supervised_step(spec.kind, batch, first=step == 0)
                 step += 1
                 if step == spec.steps or (spec.publish_every and step % spec.publish_every == 0):
                     trainer.publish_supervised()
@@ -497,9 +497,10 @@ class _TrainerSession:
 
     # ---- SFT / DPO (the job loop handles UNAVAILABLE: state only survives a restart when published) ----
 
-    def supervised_step(self, method: str, batch: Sequence[Any]) -> dict[str, float]:
+    def supervised_step(self, method: str, batch: Sequence[Any], first: bool = False) -> dict[str, float]:
+        """One step; a DPO job's first step freezes its reference (the weights it starts from)."""
         t0 = time.perf_counter()
-        fb = self._call(self.client.forward_backward(method, batch))
+        fb = self._call(self.client.forward_backward(method, batch, reset_reference=first and method == "dpo"))
         opt = self._call(self.client.optim_step(lr=self.job.spec.learning_rate or None))
         metrics = {"loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens,
                    "tokens_per_s": fb.tokens / max(time.perf_counter() - t0, 1e-9),

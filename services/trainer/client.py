@@ -55,10 +55,12 @@ class TrainerClient(ServiceClient):
 
     async def forward_backward(self, method: str, items: Sequence[Any], *, group_size: int | None = None,
                                advantages: Sequence[float] | None = None, max_staleness: int | None = None,
+                               reset_reference: bool = False,
                                timeout: float | None = None) -> ForwardBackwardResult:
         """Accumulate one objective's gradients, as :meth:`Trainer.forward_backward` does.
 
-        ``method`` 'sft' takes Completions, 'dpo' (chosen, rejected) pairs,
+        ``method`` 'sft' takes Completions, 'dpo' (chosen, rejected) pairs
+        (``reset_reference``: freeze the current weights as DPO's reference first),
         'ppo' Rollouts with ``group_size`` (GRPO advantages from the rewards) or
         explicit ``advantages``; ``max_staleness`` admits rollouts from older weights.
         """
@@ -66,7 +68,7 @@ class TrainerClient(ServiceClient):
         if method == "sft":
             batch = SFTBatch(tuple(items))
         elif method == "dpo":
-            batch = DPOBatch(tuple((c, r) for c, r in items))
+            batch = DPOBatch(tuple((c, r) for c, r in items), reset_reference)
         elif method == "ppo":
             batch = PPOBatch(tuple(items), group_size, None if advantages is None else tuple(advantages),
                              max_staleness)

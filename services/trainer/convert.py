@@ -100,7 +100,7 @@ def batch_to_proto(batch: TrainBatch) -> trainer_pb2.ForwardBackwardRequest:
     if isinstance(batch, DPOBatch):
         return trainer_pb2.ForwardBackwardRequest(dpo=trainer_pb2.DPOBatch(pairs=[
             trainer_pb2.PreferencePair(chosen=completion_to_proto(c), rejected=completion_to_proto(r))
-            for c, r in batch.pairs]))
+            for c, r in batch.pairs], reset_reference=batch.reset_reference))
     if isinstance(batch, PPOBatch):
         ppo = trainer_pb2.PPOBatch(rollouts=[rollout_to_proto(r) for r in batch.rollouts],
                                    advantages=list(batch.advantages or ()))
@@ -119,7 +119,7 @@ def batch_from_proto(msg: trainer_pb2.ForwardBackwardRequest) -> TrainBatch | No
         return SFTBatch(tuple(completion_from_proto(c) for c in msg.sft.completions))
     if which == "dpo":
         return DPOBatch(tuple((completion_from_proto(p.chosen), completion_from_proto(p.rejected))
-                              for p in msg.dpo.pairs))
+                              for p in msg.dpo.pairs), msg.dpo.reset_reference)
     if which == "ppo":
         p = msg.ppo
         return PPOBatch(

@@ -362,6 +362,8 @@ class TrainerService:
         if isinstance(batch, SFTBatch):
             m = trainer.forward_backward("sft", list(batch.completions))
         elif isinstance(batch, DPOBatch):
+            if batch.reset_reference:
+                trainer.freeze_reference()
             m = trainer.forward_backward("dpo", list(batch.pairs))
         else:
             rollouts: list[Rollout] = list(batch.rollouts)

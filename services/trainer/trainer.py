@@ -169,13 +169,14 @@ class Trainer:
         batch = self._batch(seqs)
         policy = (self._logprobs(self.model, batch) * batch.mask).sum(1)
         with torch.no_grad():
-            ref_model = self.reference or self._frozen_reference()
+            ref_model = self.reference or self.freeze_reference()
             ref = (self._logprobs(ref_model, batch) * batch.mask).sum(1)
         n = len(pairs)
         loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
         return {"loss": float(loss.detach()), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
 
-    def _frozen_reference(self) -> Model:
+    def freeze_reference(self) -> Model:
+        """Make a frozen copy of the current weights the reference (DPO's, and PPO's KL penalty's)."""
         self.reference = copy.deepcopy(self.model).eval()
         for p in self.reference.parameters():
             p.requires_grad_(False)

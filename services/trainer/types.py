@@ -40,6 +40,7 @@ class DPOBatch:
     """(chosen, rejected) pairs, scored against the frozen reference."""
 
     pairs: tuple[tuple[Completion, Completion], ...]
+    reset_reference: bool = False       # freeze the current weights as the reference first
     method = "dpo"
 
 

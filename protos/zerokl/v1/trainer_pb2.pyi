@@ -67,10 +67,12 @@ class PreferencePair(_message.Message):
     def __init__(self, chosen: _Optional[_Union[Completion, _Mapping]] = ..., rejected: _Optional[_Union[Completion, _Mapping]] = ...) -> None: ...
 
 class DPOBatch(_message.Message):
-    __slots__ = ("pairs",)
+    __slots__ = ("pairs", "reset_reference")
     PAIRS_FIELD_NUMBER: _ClassVar[int]
+    RESET_REFERENCE_FIELD_NUMBER: _ClassVar[int]
     pairs: _containers.RepeatedCompositeFieldContainer[PreferencePair]
-    def __init__(self, pairs: _Optional[_Iterable[_Union[PreferencePair, _Mapping]]] = ...) -> None: ...
+    reset_reference: bool
+    def __init__(self, pairs: _Optional[_Iterable[_Union[PreferencePair, _Mapping]]] = ..., reset_reference: _Optional[bool] = ...) -> None: ...
 
 class PPOBatch(_message.Message):
     __slots__ = ("rollouts", "group_size", "advantages", "max_staleness")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import time
 import grpc
 import grpc.aio
 import pytest
+import torch
 
 from zerokl.services.inference import InferenceClient
 from zerokl.services.scheduler.jobs import (
@@ -104,7 +106,9 @@ def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
             sft = await jobs.submit(SFTJobSpec(steps=6, examples=examples, batch_size=4, publish_every=3), "sft")
             dpo = await jobs.submit(DPOJobSpec(steps=6, pairs=pairs, batch_size=4, learning_rate=2e-3),
                                     "dpo")  # queued behind sft
-            sft_events, dpo_events = await asyncio.gather(_events(jobs, sft.job_id), _events(jobs, dpo.job_id))
+            dpo2 = await jobs.submit(DPOJobSpec(steps=1, pairs=pairs, batch_size=4), "dpo again")
+            sft_events, dpo_events, dpo2_events = await asyncio.gather(
+                _events(jobs, sft.job_id), _events(jobs, dpo.job_id), _events(jobs, dpo2.job_id))
             for events in (sft_events, dpo_events):
                 assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
                 losses = [ev.metrics["loss"] for ev in _steps(events)]
@@ -115,8 +119,13 @@ def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
             # the DPO job's own learning rate at every step; SFT's follows the trainer's schedule
             assert [ev.metrics["lr"] for ev in _steps(dpo_events)] == [2e-3] * 6
             assert 2e-3 not in [ev.metrics["lr"] for ev in _steps(sft_events)]
+            # Each DPO job's reference is the weights it starts from, so its first loss is exactly
+            # -log sigmoid(0) = log 2, also for a job after another DPO job has moved the weights.
+            log2 = float(torch.tensor(math.log(2.0)))
+            assert _steps(dpo_events)[0].metrics["loss"] == log2
+            assert _steps(dpo2_events)[0].metrics["loss"] == log2, _steps(dpo2_events)[0].metrics
             listed = await jobs.list()
-            assert [s.job_id for s in listed][-2:] == [sft.job_id, dpo.job_id]
+            assert [s.job_id for s in listed][-3:] == [sft.job_id, dpo.job_id, dpo2.job_id]
     asyncio.run(main())
 
 
