@@ -8,6 +8,7 @@ a response, and the header of a KV handoff.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from zerokl.services.engine.types import FinishReason, SamplingOptions
 
@@ -16,6 +17,7 @@ __all__ = [
     "Usage",
     "GenerateDelta",
     "SampleResult",
+    "fold_samples",
     "GenerateResult",
     "ScoreResult",
     "TensorLayout",
@@ -75,6 +77,26 @@ class SampleResult:
     prompt_logprobs: list[float] | None = None
 
 
+def fold_samples(pieces: Iterable) -> dict[int, SampleResult]:
+    """Concatenate per-sample pieces, in any interleaving, into one SampleResult per index.
+
+    A piece is anything with index, token_ids, logprobs, text, finish_reason and
+    prompt_logprobs: a stream's GenerateDelta or an engine's SampleOutput. Prompt logprobs
+    are the first piece's that has them (they are sent once per request).
+    """
+    samples: dict[int, SampleResult] = {}
+    for p in pieces:
+        s = samples.setdefault(p.index, SampleResult(p.index))
+        s.token_ids.extend(p.token_ids)
+        s.logprobs.extend(p.logprobs)
+        s.text += p.text
+        if p.finish_reason is not None:
+            s.finish_reason = p.finish_reason
+        if p.prompt_logprobs is not None and s.prompt_logprobs is None:
+            s.prompt_logprobs = list(p.prompt_logprobs)
+    return samples
+
+
 @dataclass
 class GenerateResult:
     """A whole Generate stream, collected: samples in index order."""
@@ -92,21 +114,11 @@ class GenerateResult:
         Usage is summed over samples (prompt and cached tokens counted once); the
         identity is the one every delta carried.
         """
-        samples: dict[int, SampleResult] = {}
-        usage: dict[int, Usage] = {}
         idents = {(d.weights_version, d.numerics_fingerprint) for d in deltas}
         if len(idents) > 1:
             raise ValueError(f"a stream's deltas name more than one weights version / fingerprint: {sorted(idents)}")
-        for d in deltas:
-            s = samples.setdefault(d.index, SampleResult(d.index))
-            s.token_ids.extend(d.token_ids)
-            s.logprobs.extend(d.logprobs)
-            s.text += d.text
-            if d.finish_reason is not None:
-                s.finish_reason = d.finish_reason
-            if d.prompt_logprobs is not None and s.prompt_logprobs is None:
-                s.prompt_logprobs = list(d.prompt_logprobs)
-            usage[d.index] = d.usage
+        samples = fold_samples(deltas)
+        usage = {d.index: d.usage for d in deltas}
         first = next(iter(usage.values()), Usage())
         total = Usage(first.prompt_tokens, sum(u.completion_tokens for u in usage.values()), first.cached_tokens)
         wv, fp = next(iter(idents), ("", ""))

@@ -23,7 +23,7 @@ from zerokl.services.inference import AsyncEngine, InferenceClient, Replica
 from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.server import make_identity
-from zerokl.services.inference.types import SampleResult
+from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.runtime import ServerOptions, ServiceServer
 from zerokl.services.scheduler import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
 
@@ -53,16 +53,11 @@ def prompt(rng: random.Random, lo: int, hi: int) -> tuple[int, ...]:
 def offline(model: Model, ids: tuple[int, ...], options: SamplingOptions) -> list[SampleResult]:
     """The request run alone on a fresh synchronous engine: per-sample results (prompt logprobs on sample 0)."""
     outs = run_to_completion(Engine(model, EngineConfig(), TOKENIZER), [GenerateRequest("ref", ids, options)])["ref"]
-    samples = {i: SampleResult(i) for i in range(options.n)}
-    for o in outs:
-        s = samples[o.index]
-        s.token_ids += o.token_ids
-        s.logprobs += o.logprobs
-        s.text += o.text
-        s.finish_reason = o.finish_reason or s.finish_reason
-        if o.index == 0 and o.prompt_logprobs is not None and s.prompt_logprobs is None:
-            s.prompt_logprobs = list(o.prompt_logprobs)
-    return [samples[i] for i in range(options.n)]
+    samples = fold_samples(outs)
+    for s in samples.values():
+        if s.index:
+            s.prompt_logprobs = None
+    return [samples.get(i, SampleResult(i)) for i in range(options.n)]
 
 
 def numbers(samples: Sequence[SampleResult]) -> list[tuple]:
