@@ -14,13 +14,15 @@ import asyncio
 import pathlib
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
 from zerokl.model import Model, ModelConfig
+from zerokl.model.parallel import apply_tensor_parallel, supported_tp_degrees
 from zerokl.model.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig
@@ -29,6 +31,12 @@ from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.decode import add_decode_service
 from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits
+from zerokl.services.inference.tensor_parallel import (
+    LockstepEngine,
+    TensorParallelGroup,
+    follow,
+    start_tensor_parallel,
+)
 from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
@@ -36,7 +44,7 @@ from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
 from zerokl.services.weightstore.client import WeightStoreClient
 
-__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_replica", "main",
+__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_engine", "build_replica", "main",
            "prefill_main", "decode_main"]
 
 DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
@@ -78,6 +86,10 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     m.add_argument("--weights-cache", metavar="DIR", default=None,
                    help="where switched-to versions are fetched (default: a temporary directory)")
     m.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    m.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree (1, 2, 4): this process serves and spawns N-1 followers, one "
+                        "GPU each; outputs equal a --tp 1 replica's bit for bit. SwitchWeights is refused "
+                        "(FAILED_PRECONDITION) on such a replica for now (default %(default)s)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
                         "small CPU host 1 avoids threads spinning against the server's own")
@@ -133,25 +145,46 @@ def make_identity(service: str, model: Model, weights_version: str, replica_id: 
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
-def build_replica(service: str, loaded: LoadedModel, args: argparse.Namespace) -> Replica:
-    """The engine, its async driver and the replica the flags describe (the driver is not started)."""
+def build_engine(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
+    """The engine the flags describe."""
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                           enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len)
-    engine = Engine(loaded.model, config, loaded.tokenizer)
+    return Engine(loaded.model, config, loaded.tokenizer)
+
+
+def build_replica(service: str, loaded: LoadedModel, args: argparse.Namespace, engine: Any = None) -> Replica:
+    """The engine (default: build_engine's), its async driver and the replica the flags describe
+    (the driver is not started)."""
     identity = make_identity(service, loaded.model, loaded.weights_version, args.replica_id)
-    return Replica(AsyncEngine(engine, name=f"zerokl-{service}-engine"), identity, loaded.tokenizer,
-                   ServingLimits(max_n=args.max_n))
+    return Replica(AsyncEngine(engine or build_engine(loaded, args), name=f"zerokl-{service}-engine"), identity,
+                   loaded.tokenizer, ServingLimits(max_n=args.max_n))
 
 
 def main(service: str, argv: Sequence[str] | None = None) -> int:
     """Run the prefill or decode service until SIGTERM/SIGINT; returns the exit status."""
-    args = build_parser(service).parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(service)
+    args = parser.parse_args(argv)
     options = options_from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    tp: TensorParallelGroup | None = None
+    lockstep: LockstepEngine | None = None
+    if args.tp != 1:
+        if args.tp not in supported_tp_degrees():
+            parser.error(f"--tp must be one of {supported_tp_degrees()}")
+        tp = start_tensor_parallel(args.tp, service, argv, args.device)
+        args.device = str(tp.device)
     loaded = load_model(args)
-    replica = build_replica(service, loaded, args)
+    if tp is not None:
+        apply_tensor_parallel(loaded.model, tp.compute)
+        if tp.rank > 0:                           # a follower: no server, the engine in lockstep
+            follow(build_engine(loaded, args), tp)
+            dist.destroy_process_group()
+            return 0
+        lockstep = LockstepEngine(build_engine(loaded, args), tp)
+    replica = build_replica(service, loaded, args, lockstep)
     chunk = MAX_CHUNK_BYTES
     if service == "prefill":
         chunk = args.kv_chunk_bytes or MAX_CHUNK_BYTES
@@ -197,6 +230,9 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
                 if switcher.store is not None:
                     await switcher.store.close()
             await replica.engine.close()
+            if lockstep is not None and tp is not None:
+                lockstep.stop()
+                tp.close()
 
     asyncio.run(run())
     return 0

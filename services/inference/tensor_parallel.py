@@ -1,0 +1,141 @@
+"""Tensor-parallel replicas: one serving process and tp - 1 followers running the same engine in lockstep.
+
+`zerokl serve decode --tp 2 ...` starts rank 0, which serves gRPC, and spawns the followers
+(the same command with ZEROKL_TP_RANK set). Every rank loads the same weights, shards them
+with `apply_tensor_parallel` (the exact layout: every rank computes the single-device bits)
+and builds the same Engine. Rank 0's engine is wrapped in a `LockstepEngine`: each call that
+changes engine state (add_request, abort, step) is broadcast to the followers before it runs,
+and they apply it to their own engine. The engine is deterministic (admission counters, seeded
+sampling, no clocks in scheduling), so every rank schedules the same batch at every step and
+the sharded forward's collectives line up; the followers' outputs are discarded.
+
+What a request gets is what a TP = 1 replica gives it (the same numerics fingerprint: a TP = 2
+replica joins a fleet of TP = 1 replicas). Weight switching (SwitchWeights) is not supported on
+tensor-parallel replicas yet: reloading would need every rank to re-shard the new weights.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerokl.services.engine.engine import Engine, RequestError
+
+__all__ = ["ENV_RANK", "ENV_PORT", "LockstepEngine", "TensorParallelGroup", "follow", "start_tensor_parallel"]
+
+ENV_RANK = "ZEROKL_TP_RANK"      # set on followers: their rank (1 .. tp-1)
+ENV_PORT = "ZEROKL_TP_PORT"      # rank 0's rendezvous port on 127.0.0.1
+
+
+class TensorParallelGroup:
+    """This process's place in a replica's TP group: the compute group (NCCL on GPUs, gloo on
+    CPUs) that the sharded model's collectives use, and a gloo group for engine calls."""
+
+    def __init__(self, tp: int, rank: int, port: int, device: torch.device, followers: list[subprocess.Popen]):
+        self.tp, self.rank, self.device, self.followers = tp, rank, device, followers
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+        self.compute = dist.group.WORLD
+        self.control = dist.new_group(backend="gloo")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Rank 0: wait for the followers (after LockstepEngine.stop), then end the group."""
+        for p in self.followers:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        dist.destroy_process_group()
+
+
+def start_tensor_parallel(tp: int, service: str, argv: Sequence[str], device: str | None) -> TensorParallelGroup:
+    """Join (a follower: ZEROKL_TP_RANK set) or start (rank 0: spawn the followers) a TP group.
+
+    Followers run `python -m zerokl.services.inference <service> <argv>` with the rank in their
+    environment; on GPUs rank r uses cuda:r of what this process sees.
+    """
+    rank = int(os.environ.get(ENV_RANK, "0"))
+    followers: list[subprocess.Popen] = []
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for r in range(1, tp):
+            env = dict(os.environ, **{ENV_RANK: str(r), ENV_PORT: str(port)})
+            followers.append(subprocess.Popen([sys.executable, "-m", "zerokl.services.inference", service, *argv],
+                                              env=env, stdin=subprocess.DEVNULL))
+    else:
+        port = int(os.environ[ENV_PORT])
+        _exit_with_parent()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+    return TensorParallelGroup(tp, rank, port, dev, followers)
+
+
+def _exit_with_parent() -> None:
+    """A follower ends when rank 0 (its parent) is gone, killed or not: an idle server sends
+    nothing for hours, so a collective timeout cannot tell."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="zerokl-tp-parent-watch", daemon=True).start()
+
+
+class LockstepEngine:
+    """Rank 0's view of a TP replica's engines: the Engine's interface; every state-changing
+    call is broadcast to the followers (in call order, from the engine thread) before it runs
+    here. Reads (has_work, config, model, stats, ...) go to the local engine."""
+
+    def __init__(self, engine: Engine, group: TensorParallelGroup):
+        self.engine, self.group = engine, group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def _send(self, *call: Any) -> None:
+        dist.broadcast_object_list([call], src=0, group=self.group.control)
+
+    def add_request(self, request: Any) -> None:
+        self._send("add_request", request)
+        return self.engine.add_request(request)
+
+    def abort(self, request_id: str) -> list:
+        self._send("abort", request_id)
+        return self.engine.abort(request_id)
+
+    def step(self) -> list:
+        self._send("step")
+        return self.engine.step()
+
+    def load_weights(self, state_dict: dict) -> None:
+        raise RuntimeError("switching weights is not supported on a tensor-parallel replica yet")
+
+    def stop(self) -> None:
+        """Tell the followers to exit (after the engine thread has stopped)."""
+        self._send("stop")
+
+
+def follow(engine: Engine, group: TensorParallelGroup) -> None:
+    """A follower's life: apply rank 0's engine calls in order until it says stop."""
+    while True:
+        box: list = [None]
+        dist.broadcast_object_list(box, src=0, group=group.control)
+        name, *args = box[0]
+        if name == "stop":
+            return
+        try:
+            getattr(engine, name)(*args)
+        except RequestError:
+            pass      # rank 0's engine refused the same request; it tells the client
