@@ -46,7 +46,7 @@ from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.ops import REDUCTION_SPLITS
 from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
 
-__all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
+__all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "shard_state_dict", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ExpertParallelMoE", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
@@ -388,6 +388,17 @@ def _check(model: Model, tp: int, mode: str) -> None:
         problems.append("the model is already tensor-parallel")
     if problems:
         raise ValueError("apply_tensor_parallel: " + "; ".join(problems))
+
+
+@torch.no_grad()
+def shard_state_dict(state_dict: dict[str, torch.Tensor], config, group=None, dtype: torch.dtype = torch.float32,
+                     mode: str = "exact") -> dict[str, torch.Tensor]:
+    """A full (single-device) state dict cut into this rank's shards: the state dict of a model
+    holding these weights after apply_tensor_parallel (the same keys and shapes), for loading
+    new weights into an already-sharded model. Builds the full model once (memory: one copy)."""
+    model = Model(config, seed=0, dtype=dtype)
+    model.load_state_dict(state_dict)
+    return apply_tensor_parallel(model, group, mode).state_dict()
 
 
 @torch.no_grad()

@@ -88,8 +88,7 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     m.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     m.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree (1, 2, 4): this process serves and spawns N-1 followers, one "
-                        "GPU each; outputs equal a --tp 1 replica's bit for bit. SwitchWeights is refused "
-                        "(FAILED_PRECONDITION) on such a replica for now (default %(default)s)")
+                        "GPU each; outputs equal a --tp 1 replica's bit for bit (default %(default)s)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
                         "small CPU host 1 avoids threads spinning against the server's own")

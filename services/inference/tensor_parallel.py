@@ -10,8 +10,9 @@ sampling, no clocks in scheduling), so every rank schedules the same batch at ev
 the sharded forward's collectives line up; the followers' outputs are discarded.
 
 What a request gets is what a TP = 1 replica gives it (the same numerics fingerprint: a TP = 2
-replica joins a fleet of TP = 1 replicas). Weight switching (SwitchWeights) is not supported on
-tensor-parallel replicas yet: reloading would need every rank to re-shard the new weights.
+replica joins a fleet of TP = 1 replicas). SwitchWeights works as on one process: rank 0 fetches
+the version, its full tensors are broadcast to the followers, and every rank loads its own shards
+(`shard_state_dict`) between steps.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from zerokl.model.parallel import shard_state_dict
 from zerokl.services.engine.engine import Engine, RequestError
 
 __all__ = ["ENV_RANK", "ENV_PORT", "LockstepEngine", "TensorParallelGroup", "follow", "start_tensor_parallel"]
@@ -120,7 +122,10 @@ class LockstepEngine:
         return self.engine.step()
 
     def load_weights(self, state_dict: dict) -> None:
-        raise RuntimeError("switching weights is not supported on a tensor-parallel replica yet")
+        """Every rank loads its shards of the full `state_dict` (sent to the followers first)."""
+        self._send("load_weights")
+        _broadcast_state_dict(state_dict, self.group)
+        _load_shards(self.engine, state_dict, self.group)
 
     def stop(self) -> None:
         """Tell the followers to exit (after the engine thread has stopped)."""
@@ -136,6 +141,31 @@ def follow(engine: Engine, group: TensorParallelGroup) -> None:
         if name == "stop":
             return
         try:
-            getattr(engine, name)(*args)
-        except RequestError:
-            pass      # rank 0's engine refused the same request; it tells the client
+            if name == "load_weights":
+                _load_shards(engine, _broadcast_state_dict(None, group), group)
+            else:
+                getattr(engine, name)(*args)
+        except (RequestError, ValueError, RuntimeError):
+            pass      # rank 0's engine refused the same call (same state, same check); it tells the client
+
+
+def _broadcast_state_dict(state_dict: dict | None, group: TensorParallelGroup) -> dict:
+    """Rank 0 sends `state_dict` (None on followers) to every rank: names, shapes and dtypes as
+    one object, then each tensor's bytes (any dtype travels as uint8 over gloo)."""
+    meta = [[(k, tuple(t.shape), t.dtype) for k, t in state_dict.items()] if state_dict is not None else None]
+    dist.broadcast_object_list(meta, src=0, group=group.control)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        if state_dict is not None:
+            t = state_dict[name].detach().to("cpu").contiguous()
+            raw = t.view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+        else:
+            raw = torch.empty(torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size(), dtype=torch.uint8)
+        dist.broadcast(raw, src=0, group=group.control)
+        out[name] = state_dict[name] if state_dict is not None else raw.view(dtype).view(shape)
+    return out
+
+
+def _load_shards(engine: Engine, state_dict: dict, group: TensorParallelGroup) -> None:
+    model = engine.model
+    engine.load_weights(shard_state_dict(state_dict, model.config, group.compute, model.dtype))
