@@ -16,6 +16,7 @@ the version, its full tensors are broadcast to the followers, and every rank loa
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -32,6 +33,8 @@ from zerokl.services.engine.engine import Engine, RequestError
 
 __all__ = ["ENV_RANK", "ENV_PORT", "LockstepEngine", "TensorParallelGroup", "follow", "start_tensor_parallel"]
 
+log = logging.getLogger(__name__)
+
 ENV_RANK = "ZEROKL_TP_RANK"      # set on followers: their rank (1 .. tp-1)
 ENV_PORT = "ZEROKL_TP_PORT"      # rank 0's rendezvous port on 127.0.0.1
 
@@ -42,13 +45,28 @@ class TensorParallelGroup:
 
     def __init__(self, tp: int, rank: int, port: int, device: torch.device, followers: list[subprocess.Popen]):
         self.tp, self.rank, self.device, self.followers = tp, rank, device, followers
+        self.closing = False                      # rank 0: followers may exit now
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo")
 
+    def watch_followers(self) -> None:
+        """Rank 0: exit the process if a follower dies while serving (its shard is gone; a
+        supervisor restarts the whole replica)."""
+        def watch() -> None:
+            while not self.closing:
+                for p in self.followers:
+                    if p.poll() is not None and not self.closing:
+                        log.error("tensor-parallel follower pid %d exited with %s; stopping the replica",
+                                  p.pid, p.returncode)
+                        os._exit(1)
+                time.sleep(0.5)
+        threading.Thread(target=watch, name="zerokl-tp-follower-watch", daemon=True).start()
+
     def close(self, timeout: float = 10.0) -> None:
         """Rank 0: wait for the followers (after LockstepEngine.stop), then end the group."""
+        self.closing = True
         for p in self.followers:
             try:
                 p.wait(timeout=timeout)
@@ -80,7 +98,10 @@ def start_tensor_parallel(tp: int, service: str, argv: Sequence[str], device: st
     if dev.type == "cuda":
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
-    return TensorParallelGroup(tp, rank, port, dev, followers)
+    group = TensorParallelGroup(tp, rank, port, dev, followers)
+    if followers:
+        group.watch_followers()
+    return group
 
 
 def _exit_with_parent() -> None:
@@ -129,6 +150,7 @@ class LockstepEngine:
 
     def stop(self) -> None:
         """Tell the followers to exit (after the engine thread has stopped)."""
+        self.group.closing = True
         self._send("stop")
 
 
@@ -145,8 +167,10 @@ def follow(engine: Engine, group: TensorParallelGroup) -> None:
                 _load_shards(engine, _broadcast_state_dict(None, group), group)
             else:
                 getattr(engine, name)(*args)
-        except (RequestError, ValueError, RuntimeError):
-            pass      # rank 0's engine refused the same call (same state, same check); it tells the client
+        except RequestError:
+            pass      # rank 0's engine refused the same request (same state, same check); it tells the client
+        except Exception:  # noqa: BLE001 - as rank 0's engine thread does: the same failure there, keep in step
+            log.exception("engine call %s failed on rank %d", name, group.rank)
 
 
 def _broadcast_state_dict(state_dict: dict | None, group: TensorParallelGroup) -> dict:

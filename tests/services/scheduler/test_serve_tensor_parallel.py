@@ -4,6 +4,7 @@ and switches to a weight-store version as a one-process replica does."""
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import random
 import signal
@@ -95,6 +96,19 @@ def test_a_tp2_replica_switches_weights_bit_exactly(model: Model, model_seed1: M
         if proc is not None:
             stop(proc)
         stop(store)
+
+
+def test_a_tp_replica_exits_when_a_follower_dies() -> None:
+    """A replica missing a shard cannot serve: rank 0 exits non-zero for its supervisor to restart it."""
+    proc = serve_decode("--tp", "2")
+    try:
+        wait_listening(proc)
+        children = pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1, children
+        os.kill(int(children[0]), signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        stop(proc)
 
 
 def test_tp_flags_are_checked() -> None:
