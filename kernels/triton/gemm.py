@@ -9,7 +9,7 @@ Invariance by construction:
   same tile shape and the same K order whether it is alone (M = 1) or in any batch, at any
   position; rows of a tile never mix (a dot's row i depends only on row i of A).
 * Compiled CUDA launches pick a config by M (`launch_config`, `_CUDA_BUCKETS`, the persistent
-  TMA kernel for large M). That is invariant because on sm90 an element's bits do not depend
+  TMA kernel for large M, whose columns `wave_split` may cut between two tile widths). That is invariant because on sm90 an element's bits do not depend
   on the config at all: tl.dot chains k16 MMA steps into one fp32 accumulator in ascending K
   order whatever the tile, warps, stages, MMA flavour or load path (measured over 42 configs,
   asserted by tests/kernels/test_gemm_configs.py; NUMERICS.md). fp32 keeps the canonical one.
