@@ -99,6 +99,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-replicas", type=int, default=1)
     s.add_argument("--prefill-replicas", type=int, default=1)
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    s.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `zerokl serve prefill|decode` flag for every replica, e.g. --replica-flag=--tp=2 "
+                        "(repeatable)")
     s.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
     s.add_argument("--threads", type=int, default=None,
@@ -256,13 +259,13 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     decode = [Child(f"decode-{i}", "decode", _free_port(), [], logs / f"decode-{i}.log")
               for i in range(args.decode_replicas)]
     for d in decode:
-        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *grace]
+        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *grace, *args.replica_flag]
     children += decode
     for i in range(args.prefill_replicas):
         p = Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
         # Its own Generate relays to a decode replica; through the scheduler it only serves PrefillKV and Score.
         p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, "--decode", decode[i % len(decode)].address,
-                   *grace]
+                   *grace, *args.replica_flag]
         children.append(p)
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import queue
 import signal
 import subprocess
@@ -115,9 +116,11 @@ def test_zerokl_up_serves_through_the_scheduler_and_stops_everything_on_sigterm_
     finally:
         _reap(proc)
 
-    # Again on the same workdir: nothing to publish, version 1 is served; a service that dies stops everything.
+    # Again on the same workdir, the decode replica tensor-parallel (--replica-flag=--tp=2): nothing to
+    # publish, version 1 is served with the same bits; a service that dies stops everything, its follower too.
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--no-trainer", "--prefill-replicas", "0", "--grace", "2"],
+                             "--threads", "1", "--no-trainer", "--prefill-replicas", "0", "--grace", "2",
+                             "--replica-flag=--tp=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = _lines(proc)
     try:
@@ -126,12 +129,21 @@ def test_zerokl_up_serves_through_the_scheduler_and_stops_everything_on_sigterm_
         services = {s["name"]: s for s in json.loads((workdir / "up.json").read_text())["services"]}
         assert list(services) == ["weight-store", "decode-0", "scheduler"]
         assert services["scheduler"]["weights_version"] == "1"
-        os.kill(services["decode-0"]["pid"], signal.SIGKILL)
+        assert numbers(_as_samples(_generate(services["scheduler"]["address"]))) == want
+        pid = services["decode-0"]["pid"]
+        [follower] = map(int, pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+        os.kill(pid, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert "decode-0 exited with status -9; stopping everything" in proc.stderr.read()  # type: ignore[union-attr]
-        for s in services.values():
-            with pytest.raises(ProcessLookupError):
-                os.kill(s["pid"], 0)
+        for p in [*(s["pid"] for s in services.values()), follower]:
+            for _ in range(40):        # the follower notices its parent is gone within a second
+                try:
+                    os.kill(p, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.25)
+            else:
+                raise AssertionError(f"pid {p} still running")
     finally:
         _reap(proc)
 
