@@ -160,14 +160,15 @@ class _PeerJoin:
         self.buffers.append((buf, handle))
         self.capacity, self.views = cap, {}
 
-    def _planes(self, slot: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _planes(self, slot: int, n: int) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Every rank's slot-`slot` plane of n fp32 values as tensors on this GPU (rank order),
-        and their addresses as an int64 tensor there (for the tree kernel)."""
+        and from four ranks their addresses as an int64 tensor there (for the tree kernel)."""
         key = (slot, n)
         if key not in self.views:
             buf, handle = self.buffers[-1]
             planes = [handle.get_buffer(r, (n,), torch.float32, slot * self.capacity) for r in range(self.tp)]
-            table = torch.tensor([p.data_ptr() for p in planes], dtype=torch.int64).to(buf.device)
+            table = None if self.tp == 2 else \
+                torch.tensor([p.data_ptr() for p in planes], dtype=torch.int64).to(buf.device)
             self.views[key] = planes, table
         return self.views[key]
 
@@ -395,9 +396,10 @@ def shard_state_dict(state_dict: dict[str, torch.Tensor], config, group=None, dt
                      mode: str = "exact") -> dict[str, torch.Tensor]:
     """A full (single-device) state dict cut into this rank's shards: the state dict of a model
     holding these weights after apply_tensor_parallel (the same keys and shapes), for loading
-    new weights into an already-sharded model. Builds the full model once (memory: one copy)."""
-    model = Model(config, seed=0, dtype=dtype)
-    model.load_state_dict(state_dict)
+    new weights into an already-sharded model. The full model wraps `state_dict`'s own tensors."""
+    with torch.device("meta"):              # no initialization: every tensor comes from state_dict
+        model = Model(config, seed=0, dtype=dtype)
+    model.load_state_dict(state_dict, assign=True)
     return apply_tensor_parallel(model, group, mode).state_dict()
 
 

@@ -16,8 +16,9 @@ waits on the engine thread until the requests already admitted have finished,
 holds back the ones that arrive meanwhile, replaces the weights and only then
 admits them. A request pinned to a weights version is checked against the
 version the engine holds *when it is admitted*, and every stream records that
-version, so an output is never stamped with weights that did not compute it. The thread also keeps the
-``zerokl_`` serving metrics: TTFT, inter-token and end-to-end latency,
+version, so an output is never stamped with weights that did not compute it.
+
+The thread also keeps the ``zerokl_`` serving metrics: TTFT, inter-token and end-to-end latency,
 running/waiting, KV usage, prompt and generation token totals.
 """
 from __future__ import annotations
@@ -309,8 +310,8 @@ class AsyncEngine:
                     continue
                 self._dispatch(outputs)
             self._update_metrics()
-        self._fail_all(Unavailable("the server is shutting down"))
         closing = Unavailable("the server is shutting down")
+        self._fail_all(closing)
         if self._swap is not None:
             self._resolve(self._swap[2], closing)
         for _, admitted in self._held:

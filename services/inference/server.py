@@ -226,12 +226,11 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
                 await decode_client.close()
             if switcher is not None:
                 await switcher.close()
-                if switcher.store is not None:
-                    await switcher.store.close()
+                await switcher.store.close()
             await replica.engine.close()
-            if lockstep is not None and tp is not None:
+            if lockstep is not None:
                 lockstep.stop()
-                tp.close()
+                lockstep.group.close()
 
     asyncio.run(run())
     return 0

@@ -299,7 +299,7 @@ class JobManager:
                 log.exception("job %s failed", job.job_id)
                 self._finish(job, JobState.FAILED, _describe(err))
 
-    def _call(self, job: _Job, coro: Awaitable[T]) -> T:
+    def _call(self, coro: Awaitable[T]) -> T:
         """From the job's thread: run ``coro`` on the event loop and wait for it."""
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
@@ -362,7 +362,7 @@ class JobManager:
                 m = trainer.supervised_step(spec.kind, batch, first=step == 0)
                 step += 1
                 if step == spec.steps or (spec.publish_every and step % spec.publish_every == 0):
-                    trainer.publish_supervised()
+                    trainer.publish_now()
             except grpc.aio.AioRpcError as err:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -398,7 +398,7 @@ class _FleetRollouts:
         async def all_prompts() -> list[GenerateResult]:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
-        results = self.manager._call(self.job, all_prompts())
+        results = self.manager._call(all_prompts())
         return [[Sampled(tuple(p), tuple(s.token_ids), tuple(s.logprobs), s.text, r.weights_version)
                  for s in r.samples] for p, r in zip(prompts, results, strict=True)]
 
@@ -420,7 +420,7 @@ class _TrainerSession:
         self._last: dict[str, Any] = {}
 
     def _call(self, coro: Awaitable[T]) -> T:
-        return self.manager._call(self.job, coro)
+        return self.manager._call(coro)
 
     def start(self) -> str:
         """Publish the trainer's current weights (a no-op when already published) and serve them."""
@@ -483,14 +483,15 @@ class _TrainerSession:
                           "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
                           "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
                           "lr": opt.lr, "tokens": fb.tokens}
-            self._publish_now()
+            self.publish_now()
             return self._last
         return self._unit(work)
 
     def publish(self) -> str:
         return self.weights_version  # grpo_step published as part of its unit
 
-    def _publish_now(self) -> None:
+    def publish_now(self) -> None:
+        """SaveWeights, then switch the fleet to the new version."""
         manifest, _ = self._call(self.client.save_weights())
         self._call(self.manager._switch(manifest.version))
         self.weights_version = manifest.version
@@ -506,7 +507,4 @@ class _TrainerSession:
                    "tokens_per_s": fb.tokens / max(time.perf_counter() - t0, 1e-9),
                    **{k: v for k, v in fb.metrics.items() if k not in ("loss", "tokens", "tokens_per_s")}}
         return {k: float(v) for k, v in metrics.items()}
-
-    def publish_supervised(self) -> None:
-        self._publish_now()
 
