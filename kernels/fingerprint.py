@@ -14,13 +14,15 @@ import torch
 
 from zerokl.kernels import ops
 from zerokl.kernels.backend import device_name, get_backend, use_backend
+from zerokl.kernels.portable import standard_normal, uniform
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.version import __version__
 
 __all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_key"]
 
 def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+    """Seeded inputs, the same on every machine (portable.standard_normal)."""
+    return standard_normal(shape, torch.Generator().manual_seed(seed)) * scale
 
 
 def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -45,7 +47,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
         "mla_attention": ops.mla_attention(x(16, 2, 4, 32), x(17, 2, 4, 8), x(18, 12, 32), x(19, 12, 8), idx, 0.125),
         "indexer_scores": ops.indexer_scores(x(20, 2, 4, 16), x(21, 12, 16), x(22, 2, 4, dt=torch.float32), idx),
         "moe_route": torch.cat([t.float() for t in ops.moe_route(x(23, 6, 16, dt=torch.float32), x(24, 16, dt=torch.float32), 4, 4, 2, 2.5)], 1),
-        "moe_experts": ops.moe_experts(x(25, 5, 24), torch.rand(5, 2, generator=torch.Generator().manual_seed(26)).to(dev),
+        "moe_experts": ops.moe_experts(x(25, 5, 24), uniform((5, 2), torch.Generator().manual_seed(26)).to(dev),
                                        torch.tensor([[0, 1], [0, 2], [3, 0], [1, 2], [0, 3]], device=dev),
                                        x(27, 4, 20, 24, scale=0.2), x(28, 4, 20, 24, scale=0.2), x(29, 4, 24, 20, scale=0.2)),
     }
@@ -62,7 +64,7 @@ def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor
     longer than its index_topk (so the sparse path counts too)."""
     from zerokl.model import Model, ModelConfig   # the model is built on these kernels
     model = Model(ModelConfig.preset("tiny"), seed=0, dtype=dtype).to(device)
-    prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)
+    prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)   # integers: portable
     return model(prompt)
 
 
@@ -78,8 +80,10 @@ def golden_digests(device: torch.device | str = "cpu", dtype: torch.dtype = torc
 
 
 def fingerprint_key(backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32) -> str:
-    """The (backend, device type, dtype) a fingerprint covers, e.g. torch/cpu-avx512/float32."""
-    return f"{backend or get_backend()}/{device or device_name()}/{str(dtype).removeprefix('torch.')}"
+    """The (backend, device type, dtype) a fingerprint covers, e.g. torch/cpu/float32 or
+    triton/cuda-sm90/bfloat16; the device part names what determines the bits (device_name)."""
+    backend = backend or get_backend()
+    return f"{backend}/{device or device_name(backend=backend)}/{str(dtype).removeprefix('torch.')}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -145,9 +145,9 @@ _ONE_THREAD = threading.RLock()
 def _single_threaded(fn: Callable, args: tuple):
     """Run a torch-backend op on one CPU thread.
 
-    MKL splits a GEMM's work by the thread count, which changes the bits (measured: the
-    tiny model's fp32 logits differ between 1 and 2 threads). One thread makes the bits
-    independent of the machine's core count, and small tile GEMMs are faster that way.
+    The forward's bits do not need it (every sum is exact, kernels/portable.py), but its
+    gradients go through plain torch GEMMs and sums, whose bits follow MKL's thread split:
+    one thread keeps a training step's gradients independent of the machine's core count.
     The lock keeps concurrent callers from restoring the count under each other.
     """
     if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
@@ -216,11 +216,9 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
     if fused is not None:
         return fused(input, weight, splits)
     seg = k // splits
-    # Contiguous copies on the torch backend (a copy never changes bits): every rank, and the
-    # single device, call linear on identically laid-out segments. Triton kernels read any
-    # strides with the same loads, so they take views.
-    lay = (lambda t: t) if get_backend() == "triton" else (lambda t: t.contiguous())
-    return tree_sum([linear(lay(input[..., i:i + seg]), lay(weight[:, i:i + seg]), out_dtype=torch.float32)
+    # Views, not copies: neither backend's bits depend on the layout (the torch backend's sums
+    # are exact; Triton kernels read any strides with the same loads).
+    return tree_sum([linear(input[..., i:i + seg], weight[:, i:i + seg], out_dtype=torch.float32)
                      for i in range(0, k, seg)])
 
 
@@ -305,9 +303,13 @@ def silu(input: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    """inv_freq[i] = theta ** (-2i / dim) as fp32, computed in Python doubles (torch.pow is not
-    position-invariant on CPU, and these constants must not depend on the machine's SIMD path)."""
-    return torch.tensor([theta ** (-2.0 * i / dim) for i in range(dim // 2)], dtype=torch.float32)
+    """inv_freq[i] = theta ** (-2i / dim) as fp32: exp(-(2i/dim) ln theta) evaluated in float64 from
+    IEEE basic operations (kernels/portable.py) and rounded once, so these constants are the same on
+    every machine (libm's and torch's pow are dispatched by ISA)."""
+    from zerokl.kernels.portable import exp64, log64
+    ln_theta = log64(torch.tensor([float(theta)], dtype=torch.float64))
+    exponents = torch.tensor([-2.0 * i / dim for i in range(dim // 2)], dtype=torch.float64)
+    return exp64(exponents * ln_theta).to(torch.float32)
 
 
 def rope(input: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool = True) -> torch.Tensor:

@@ -1,35 +1,31 @@
-"""Batch-invariant implementations in plain torch (the `torch` backend).
+"""Batch-invariant, machine-portable implementations in plain torch (the `torch` backend).
 
-Plain torch ops are not batch-invariant on CPU: `x[i:i+1] @ w` differs in the
-last bits from row i of `x @ w` because BLAS picks its blocking (and so its sum
-order) from M. Some element-wise kernels differ too: sigmoid, silu and pow give
-different bits for an element in the SIMD body than in the scalar tail of a
-loop, so the bits depend on where the element sits in the tensor.
+Plain torch ops are neither batch-invariant nor portable on CPU: `x[i:i+1] @ w` differs in
+the last bits from row i of `x @ w` because BLAS picks its blocking (and so its sum order)
+from M, and the same torch build gives different bits on different CPUs (MKL's kernels are
+chosen by vendor and ISA; ATen's exp/log/sin/cos and vectorized sums follow the ISA).
 
-Everything here is therefore built from three kinds of pieces whose bits
-depend only on the row they compute (see NUMERICS.md):
+Everything here is built from kernels/portable.py, whose results are the same on every
+machine (see NUMERICS.md):
 
-* `_tile_mm`: GEMMs evaluated on fixed-shape row tiles, [ROW_TILE, K] @ [K, N],
-  one torch.mm per tile. The shape never depends on M, so neither does the K order.
-  Every dot product and every row sum goes through it (a row sum is a GEMM
-  against a ones column). `linear` also cuts the weight into fixed COL_TILE-column
-  tiles (zero-padded), so every torch.mm it issues is [ROW_TILE, K] @ [K, COL_TILE]:
-  a column's bits never depend on N either, which is what lets tensor parallelism
-  shard a weight by output columns (MKL's K order does depend on N for K >= 1024).
-* Correctly rounded element-wise arithmetic (+ - * / sqrt, max) and the
-  transcendentals checked position-invariant by `zerokl verify` (exp, log,
-  cos, sin); sigmoid/silu are composed from exp and division.
-* Order-free selections (max, stable sorts with explicit tie-breaks).
+* every dot product and row sum is an exact contraction (`portable.contract`,
+  `portable.row_sum`): float64 GEMMs over integer-valued slices of the operands that
+  perform no rounding at all, so no blocking, batch size, column shard, thread count or
+  BLAS library can change a bit; the result is rounded once to fp32;
+* transcendentals (exp, log, sigmoid, silu, cos, sin) are float64 polynomials of IEEE
+  basic operations, rounded once to fp32;
+* the rest is correctly rounded element-wise arithmetic (+ - * / sqrt, max) and order-free
+  selections (max, stable sorts with explicit tie-breaks).
 
-All functions take fp32 or bf16 inputs and accumulate in fp32.
+All functions take fp32 or bf16 inputs and accumulate in fp32 or better.
 """
 from __future__ import annotations
 
 import torch
 
+from zerokl.kernels import portable
+
 __all__ = [
-    "ROW_TILE",
-    "COL_TILE",
     "KV_BLOCK",
     "linear",
     "grouped_linear",
@@ -46,55 +42,19 @@ __all__ = [
     "topk_positions",
 ]
 
-ROW_TILE = 16  # rows per GEMM tile: fixed, so the BLAS kernel and its K order never see M
-COL_TILE = 128  # weight rows (output columns) per linear tile: fixed, so the K order never sees N
 KV_BLOCK = 16  # keys per online-softmax step in attention and per indexer scoring step
-
-
-def _tile_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] @ [K, N] in fp32 with each row's bits independent of M and of its neighbours.
-
-    Pads M up to a multiple of ROW_TILE and runs one torch.mm per [ROW_TILE, K] tile,
-    so BLAS always sees the same GEMM shape. (A single bmm over the tiles is NOT safe:
-    batched GEMM on CPU changes its sum order with the batch count, e.g. for N = 1.)
-    """
-    m, k = a.shape
-    n = b.shape[1]
-    a32, b32 = a.float(), b.float()
-    pad = -m % ROW_TILE
-    if pad:
-        a32 = torch.cat([a32, a32.new_zeros(pad, k)])
-    tiles = [torch.mm(a32[i:i + ROW_TILE], b32) for i in range(0, m + pad, ROW_TILE)]
-    return torch.cat(tiles)[:m] if tiles else a32.new_zeros(0, n)
-
-
-def _tile_linear(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ weight.T ([N, K]) in fp32 on fixed [ROW_TILE, K] @ [K, COL_TILE] tiles.
-
-    The weight is zero-padded to a multiple of COL_TILE rows; every torch.mm has one
-    shape for a given K, so an output element's bits depend only on its row of `a`,
-    its row of `weight` and K: never on M, N or where the column sits (a column
-    shard of the weight gives exactly the matching columns of the full product).
-    """
-    (m, k), n = a.shape, weight.shape[0]
-    a32, w32 = a.float(), weight.float()
-    if m % ROW_TILE:                          # pad rows once here rather than in every column tile
-        a32 = torch.cat([a32, a32.new_zeros(-m % ROW_TILE, k)])
-    if n % COL_TILE:
-        w32 = torch.cat([w32, w32.new_zeros(-n % COL_TILE, k)])
-    cols = [_tile_mm(a32, w32[j:j + COL_TILE].t()) for j in range(0, w32.shape[0], COL_TILE)]
-    return torch.cat(cols, 1)[:m, :n] if cols else a32.new_zeros((m, 0))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; fp32 accumulate.
+    """y = x @ weight.T (+ bias); x [..., K], weight [N, K]; exact sum rounded to fp32.
 
     Output in out_dtype (default x.dtype): out_dtype=torch.float32 returns the fp32
-    accumulator unrounded (the partials of ops.split_linear).
+    accumulator unrounded (the partials of ops.split_linear). An element's bits depend only on
+    its row of x and its row of weight: never on M, N or where the column sits.
     """
     lead = x.shape[:-1]
-    out = _tile_linear(x.reshape(-1, x.shape[-1]), weight)
+    out = portable.contract(x.reshape(-1, x.shape[-1]), weight, b_is_weight=True)
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype).reshape(*lead, weight.shape[0])
@@ -106,15 +66,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) ->
     A row's result depends only on the row and its group's weight, never on how
     many rows share the group (dropless MoE, per-head projections).
     """
-    parts = [linear(x[offsets[g]:offsets[g + 1]], weight[g]) for g in range(weight.shape[0])]
-    return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[1]))
+    return portable.contract_grouped(x, weight, offsets).to(x.dtype)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim in fp32 with a fixed order (a GEMM against a ones column)."""
-    k = x.shape[-1]
-    ones = torch.ones(k, 1, dtype=torch.float32, device=x.device)
-    return _tile_mm(x.reshape(-1, k), ones).reshape(x.shape[:-1])
+    """Sum over the last dim in fp32, exactly summed (portable.row_sum)."""
+    return portable.row_sum(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -140,25 +97,24 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim in fp32: x - max - log(sum(exp(x - max)))."""
     x32 = x.float()
     shifted = x32 - x32.amax(dim=-1, keepdim=True)
-    return shifted - torch.log(row_sum(torch.exp(shifted))).unsqueeze(-1)
+    return shifted - portable.log(row_sum(portable.exp(shifted))).unsqueeze(-1)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim in fp32."""
     x32 = x.float()
-    e = torch.exp(x32 - x32.amax(dim=-1, keepdim=True))
+    e = portable.exp(x32 - x32.amax(dim=-1, keepdim=True))
     return e / row_sum(e).unsqueeze(-1)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + exp(-x)) in fp32 from correctly rounded pieces (torch.sigmoid is not position-invariant)."""
-    return 1.0 / (1.0 + torch.exp(-x.float()))
+    """1 / (1 + exp(-x)) in fp32, rounded once from float64 (portable.sigmoid)."""
+    return portable.sigmoid(x.float())
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x) in fp32."""
-    x32 = x.float()
-    return x32 * sigmoid(x32)
+    """x * sigmoid(x) in fp32, rounded once from float64 (portable.silu)."""
+    return portable.silu(x.float())
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -166,9 +122,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inter
 
     interleaved: pairs are (x[2i], x[2i+1]) (DeepSeek/GLM checkpoints), else (x[i], x[i+D/2]).
     """
-    angles = positions.float().unsqueeze(-1) * inv_freq.float()  # [T, D/2]
-    cos = torch.cos(angles).unsqueeze(1)
-    sin = torch.sin(angles).unsqueeze(1)
+    angles = positions.float().unsqueeze(-1) * inv_freq.float()  # [T, D/2], rounded to fp32
+    cos, sin = portable.cos_sin(angles)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     x32 = x.float()
     if interleaved:
         x1, x2 = x32[..., 0::2], x32[..., 1::2]
@@ -183,23 +139,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inter
     return out.to(x.dtype)
 
 
-def _gather_block(cache: torch.Tensor, index: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows cache[index[:, start:start+KV_BLOCK]] as fp32 [T, KV_BLOCK, D] and a validity mask [T, KV_BLOCK]."""
-    block = index[:, start:start + KV_BLOCK]
-    if block.shape[1] < KV_BLOCK:
-        block = torch.nn.functional.pad(block, (0, KV_BLOCK - block.shape[1]), value=-1)
-    valid = block >= 0
-    return cache[block.clamp(min=0)].float(), valid
+# Gathered key elements per query chunk (T_chunk x L x width): bounds the memory of a long
+# prompt's attention. Queries are independent, so the chunking never changes a bit.
+_CHUNK_ELEMENTS = 1 << 22
 
 
-def _per_query_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """Per-query products [T, X, D] x [T, Y, D] -> [T, X, Y], summing over D.
-
-    Each query has its own right operand (its own keys), so this cannot be one tiled
-    GEMM; batched GEMM is not invariant to T on CPU either. The product is materialized
-    with D innermost and contiguous and reduced with sum(-1), whose per-output order
-    depends only on D (checked by the invariance suite)."""
-    return (a.unsqueeze(2) * b_t.unsqueeze(1)).sum(-1)
+def _query_step(keys: int, width: int) -> int:
+    """Queries per chunk when each gathers `keys` keys of `width` elements."""
+    return max(1, _CHUNK_ELEMENTS // max(1, keys * width))
 
 
 def mla_attention(
@@ -217,34 +164,47 @@ def mla_attention(
     key_index [T, L] int64 slots into the cache in ascending position order, -1 padded.
     Returns the latent output [T, H, R] in fp32 (to be projected by W_UV).
 
-    Keys are visited in KV_BLOCK blocks from the start of each query's list; a
-    block without valid keys leaves the state untouched, so padding to a longer L
-    (a longer neighbour) changes nothing.
+    Keys are visited in KV_BLOCK blocks from the start of each query's list with one
+    online-softmax merge per block; a block without valid keys leaves the state untouched,
+    so padding to a longer L (a longer neighbour) changes nothing.
     """
     t, h, r = q_latent.shape
-    ql = q_latent.float()
-    qr = q_rope.float()
-    dev = q_latent.device
-    m = torch.full((t, h), float("-inf"), device=dev)
-    l = torch.zeros(t, h, device=dev)
-    acc = torch.zeros(t, h, r, device=dev)
-    for start in range(0, key_index.shape[1], KV_BLOCK):
-        kv, valid = _gather_block(kv_latent, key_index, start)    # [T, B, R]
-        kr, _ = _gather_block(k_rope, key_index, start)           # [T, B, P]
-        s = _per_query_mm(ql, kv) + _per_query_mm(qr, kr)                        # [T, H, B]
-        s = (s * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
-        any_valid = valid.any(dim=1)                               # [T]
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        m_safe = torch.where(any_valid.unsqueeze(1), m_new, torch.zeros_like(m_new))
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe.unsqueeze(-1))
-        # One GEMM gives both P @ V and the row sum of P (a ones column appended to V).
-        kv_ext = torch.cat([kv, torch.ones(t, KV_BLOCK, 1, device=dev)], dim=-1)
-        pv = _per_query_mm(p, kv_ext.transpose(1, 2))                 # [T, H, R + 1]
-        keep = any_valid.view(t, 1)
-        l = torch.where(keep, l * alpha + pv[..., r], l)
-        acc = torch.where(keep.unsqueeze(-1), acc * alpha.unsqueeze(-1) + pv[..., :r], acc)
-        m = torch.where(keep, m_new, m)
+    pad = -key_index.shape[1] % KV_BLOCK
+    index = torch.nn.functional.pad(key_index, (0, pad), value=-1) if pad else key_index
+    if t == 0 or index.shape[1] == 0:                                # no query, or no key: 0 / 0 as before
+        return torch.full((t, h, r), float("nan"), device=q_latent.device)
+    n = _query_step(index.shape[1], r + q_rope.shape[-1] + 1)
+    return torch.cat([_mla_chunk(q_latent[i:i + n], q_rope[i:i + n], kv_latent, k_rope, index[i:i + n], scale)
+                      for i in range(0, t, n)])
+
+
+def _mla_chunk(q_latent, q_rope, kv_latent, k_rope, index, scale):
+    """mla_attention for a chunk of queries; index [T, nb * KV_BLOCK]."""
+    t, h, r = q_latent.shape
+    nb = index.shape[1] // KV_BLOCK
+    valid = index >= 0                                               # [T, Lp]
+    slots = index.clamp(min=0)
+    # Each score is one exact contraction, so scoring all keys at once gives every block's bits.
+    s = portable.contract_gathered(q_latent.float(), kv_latent, slots) \
+        + portable.contract_gathered(q_rope.float(), k_rope, slots)  # [T, H, Lp]
+    s = (s * scale).masked_fill(~valid.unsqueeze(1), float("-inf")).view(t, h, nb, KV_BLOCK)
+    block_valid = valid.view(t, nb, KV_BLOCK).any(-1)                # [T, nb]
+    m_after = torch.cummax(s.amax(-1), dim=-1).values               # [T, H, nb]: the running max after each block
+    m_safe = torch.where(block_valid.unsqueeze(1), m_after, torch.zeros_like(m_after))
+    p = portable.exp(s - m_safe.unsqueeze(-1))                       # [T, H, nb, B]
+    m_before = torch.cat([torch.full_like(m_after[..., :1], float("-inf")), m_after[..., :-1]], dim=-1)
+    alpha = portable.exp(m_before - m_safe)                          # [T, H, nb]
+    # One contraction per block gives both P @ V and the row sum of P (a ones column on V).
+    kv = kv_latent[slots].float()                                    # [T, Lp, R]
+    kv_ext = torch.cat([kv, torch.ones(t, nb * KV_BLOCK, 1, device=kv.device)], dim=-1)
+    pv = portable.contract(p.transpose(1, 2), kv_ext.view(t, nb, KV_BLOCK, r + 1).transpose(-1, -2))  # [T, nb, H, R+1]
+    l = torch.zeros(t, h, device=kv.device)
+    acc = torch.zeros(t, h, r, device=kv.device)
+    for j in range(nb):                                              # the merge, block by block in key order
+        keep = block_valid[:, j].view(t, 1)
+        a = alpha[..., j]
+        l = torch.where(keep, l * a + pv[:, j, :, r], l)
+        acc = torch.where(keep.unsqueeze(-1), acc * a.unsqueeze(-1) + pv[:, j, :, :r], acc)
     return acc / l.unsqueeze(-1)
 
 
@@ -254,19 +214,18 @@ def indexer_scores(
     """Lightning-indexer scores in fp32: score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[key_index[t, j]]).
 
     q [T, Hi, D], k_cache [S, D], head_weights [T, Hi] (already scaled), key_index [T, L]
-    (-1 padded). Returns [T, L] with -inf where key_index < 0.
+    (-1 padded). Returns [T, L] with -inf where key_index < 0. Both sums are exact
+    contractions, so a key's score depends only on its query and its key.
     """
-    t, hi, _ = q.shape
-    q32 = q.float()
-    w = head_weights.float().unsqueeze(1)                          # [T, 1, Hi]
+    t, hi, d = q.shape
+    step = _query_step(key_index.shape[1], d + hi)
     out = []
-    for start in range(0, key_index.shape[1], KV_BLOCK):
-        k, valid = _gather_block(k_cache, key_index, start)       # [T, B, D]
-        s = torch.relu(_per_query_mm(q32, k))                         # [T, Hi, B]
-        score = _per_query_mm(w, s.transpose(1, 2)).squeeze(1)        # [T, B]
-        out.append(score.masked_fill(~valid, float("-inf")))
-    scores = torch.cat(out, dim=1) if out else q32.new_zeros(t, 0)
-    return scores[:, : key_index.shape[1]]
+    for i in range(0, t, step):
+        index = key_index[i:i + step]
+        s = torch.relu(portable.contract_gathered(q[i:i + step].float(), k_cache, index.clamp(min=0)))  # [T, Hi, L]
+        score = portable.contract(head_weights[i:i + step].float().unsqueeze(1), s.transpose(1, 2)).squeeze(1)
+        out.append(score.masked_fill(index < 0, float("-inf")))
+    return torch.cat(out) if out else q.new_zeros((0, key_index.shape[1]), dtype=torch.float32)
 
 
 def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

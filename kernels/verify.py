@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import pathlib
 from typing import Callable, Sequence
 
 import torch
@@ -18,8 +20,8 @@ from zerokl.kernels import ops
 from zerokl.kernels.backend import use_backend
 from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
 
-__all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "run_invariance", "SHARD_CHECKS", "check_sharding",
-           "format_table"]
+__all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "GOLDEN_TABLE", "GoldenCheck", "check_golden",
+           "SHARD_CHECKS", "check_sharding", "format_table"]
 
 Row = tuple  # the per-row tensors of one op call
 _INDEXER_TOPK = 8  # k of the indexer case: below and above its key-list lengths
@@ -264,10 +266,45 @@ def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1,
     return result
 
 
-def run_invariance(backend: str, seed: int = 0, ops_filter: Sequence[str] | None = None) -> list[InvarianceResult]:
-    """All op checks for one backend."""
-    names = ops_filter or list(OP_CASES)
-    return [check_op(OP_CASES[n], backend, seed + i) for i, n in enumerate(names)]
+# ---------------------------------------------------------------- golden vectors
+#
+# The golden table (tests/assets/golden/numerics.json in the source tree) records each op's
+# digest per fingerprint key. `zerokl verify` says whether this machine's key has a recorded
+# entry and whether its bits match it; a key with no entry is reported, not failed.
+
+GOLDEN_TABLE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "assets" / "golden" / "numerics.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GoldenCheck:
+    key: str                 # the fingerprint key checked, e.g. torch/cpu/float32
+    fingerprint: str
+    recorded: bool           # the golden table has an entry for this key (and numerics version)
+    changed: tuple = ()      # ops whose digests differ from the recorded ones
+
+    def describe(self) -> str:
+        if not self.recorded:
+            where = GOLDEN_TABLE if GOLDEN_TABLE.exists() else "(no golden table in this install)"
+            return f"{self.key}  fingerprint {self.fingerprint}  golden: none recorded for this key {where}"
+        verdict = "matches" if not self.changed else f"DIFFERS in {', '.join(self.changed)}"
+        return f"{self.key}  fingerprint {self.fingerprint}  golden: {verdict}"
+
+
+def check_golden(backend: str, dtype: torch.dtype = torch.float32) -> GoldenCheck:
+    """Compare this machine's golden digests for `backend` with the recorded table."""
+    from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
+    from zerokl.kernels.version import __version__
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    key = fingerprint_key(backend, dtype=dtype)
+    table = json.loads(GOLDEN_TABLE.read_text()) if GOLDEN_TABLE.exists() else {}
+    entry = table.get("entries", {}).get(key) if table.get("numerics_version") == __version__ else None
+    fp = fingerprint(backend, device, dtype)
+    if entry is None:
+        return GoldenCheck(key, fp, recorded=False)
+    with use_backend(backend):
+        got = golden_digests(device, dtype)
+    want = entry["digests"]
+    return GoldenCheck(key, fp, True, tuple(sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))))
 
 
 # ---------------------------------------------------------------- sharding (tensor parallelism)

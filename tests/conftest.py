@@ -31,3 +31,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
+    """A pairwise fp32 tree over the last dim by explicit slice additions (IEEE, any machine)."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = torch.cat([x, torch.zeros_like(x[..., :1])], dim=-1)
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+@pytest.fixture
+def shape_dependent_contract(monkeypatch):
+    """Install, in place of the torch backend's exact contraction, an fp32 contraction whose
+    K order depends on the operand shapes: a negative control that is batch- (or shard-)
+    dependent on EVERY machine, not by a BLAS accident. `install(flip)` with
+    flip(a, b) -> bool: the K terms are rotated by one place (other pairs in the tree) when it is true."""
+    from zerokl.kernels import portable
+
+    def install(flip):
+        def contract(a, b, b_is_weight=False):
+            products = a.float().unsqueeze(-2) * b.float().unsqueeze(-3)        # [..., M, N, K]
+            return _tree_sum_last(products.roll(1, -1) if flip(a, b) else products)
+        monkeypatch.setattr(portable, "contract", contract)
+    return install

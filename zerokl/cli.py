@@ -26,8 +26,8 @@ def _verify(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from tqdm import tqdm
 
-    from zerokl.kernels import INVARIANT_BACKENDS, device_name, fingerprint, __version__
-    from zerokl.kernels.verify import OP_CASES, check_op, format_table
+    from zerokl.kernels import INVARIANT_BACKENDS, __version__
+    from zerokl.kernels.verify import OP_CASES, check_golden, check_op, format_table
 
     backends = list(INVARIANT_BACKENDS) if args.backend == "all" else [args.backend]
     checks = [(b, name) for b in backends for name in OP_CASES]
@@ -43,12 +43,14 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             cases, mismatches = PARITY_CHECKS[name](backend, args.seed)
             rows.append((backend, name, cases, mismatches))
-    print(f"zerokl numerics {__version__} on {device_name()}")
+    print(f"zerokl numerics {__version__}")
     print(format_table(rows))
     bad = sum(m for *_, m in rows)
-    for b in backends:
-        print(f"fingerprint[{b}] = {fingerprint(b)}")
-    print("OK: zero mismatches" if bad == 0 else f"FAIL: {bad} mismatching rows")
+    goldens = [check_golden(b) for b in backends]
+    for g in goldens:
+        print(g.describe())
+    bad += sum(len(g.changed) for g in goldens)
+    print("OK: zero mismatches" if bad == 0 else f"FAIL: {bad} mismatching rows or golden ops")
     return 0 if bad == 0 else 1
 
 

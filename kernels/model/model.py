@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zerokl.kernels import ops
+from zerokl.kernels.portable import standard_normal
 
 __all__ = ["ModelConfig", "AttentionBatch", "KVCache", "Model"]
 
@@ -436,7 +437,10 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None) -> None:
-        """Normal(0, 0.02) projections (down/out projections scaled by depth), unit norms, zero biases."""
+        """Normal(0, 0.02) projections (down/out projections scaled by depth), unit norms, zero biases.
+
+        The draws come from kernels/portable.standard_normal, so a seeded model has the same
+        weights on every machine (torch.randn's CPU kernel follows the ISA)."""
         g = torch.Generator().manual_seed(0 if seed is None else seed)
         depth_scale = (2 * self.config.num_hidden_layers) ** -0.5
         for name, p in self.named_parameters():
@@ -446,7 +450,7 @@ class Model(nn.Module):
                 p.zero_()
             else:
                 std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+                p.copy_(standard_normal(tuple(p.shape), g) * std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training path: input_ids [B, S] (each row from position 0) -> logits [B, S, V]."""

@@ -50,10 +50,10 @@ __all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available
            "ExpertParallelMoE", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
-# Vocabulary shards start at multiples of this many rows: the GEMM column tile of both
-# backends (torch COL_TILE; Triton's bf16 BLOCK_N), so every logit sits at the same
-# position of the same tile shape as on one device (the CPU backend does not need it;
-# GPU tensor cores are not promised position-blind).
+# Vocabulary shards start at multiples of this many rows: Triton's bf16 GEMM column tile
+# (BLOCK_N), so every logit sits at the same position of the same tile shape as on one
+# device (GPU tensor cores are not promised position-blind; the torch backend's sums are
+# exact and need no alignment).
 COLUMN_ALIGN = 128
 
 

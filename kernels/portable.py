@@ -1,0 +1,371 @@
+"""Portable CPU arithmetic for the torch backend: the same bits on every machine.
+
+Plain torch on a CPU is not one machine but several. Measured (NUMERICS.md, "Why plain
+torch is not enough"): MKL's sgemm picks its micro-kernel, K blocking and thread split by
+CPU vendor and ISA, so the same `torch.mm` gives different bits on an Intel and an AMD
+AVX-512 CPU; ATen's exp/log/sin/cos run SLEEF vector code whose implementation follows
+`ATEN_CPU_CAPABILITY` (AVX2 vs AVX-512) and libm in loop tails; its vectorized `sum` adds
+in lanes whose width follows the ISA. Only IEEE-754's basic operations (+, -, *, /, sqrt,
+conversions, comparisons) are correctly rounded everywhere, and they are what this module
+is built from:
+
+* **Exact contractions** (`contract`, `row_sum`). Each operand row is split into two
+  integer-valued float64 slices, `x = (H + L * 2^-b) * 2^(e-b)` with `|H|, |L| <= 2^b`, where
+  `2^e` bounds the row's largest magnitude (bits below `2^(e-2b)` are rounded off: at most
+  2^-41 of the row maximum, far below fp32 rounding). Every product of two slices is an
+  integer of at most 2^2b and any sum of K of them stays within 2^53, so the
+  float64 GEMM of two slices is EXACT: no rounding happens, so the result does not depend
+  on the summation order, the blocking, the thread count, FMA or the BLAS library. The three
+  slice products are then combined by fixed element-wise operations and rounded once to
+  fp32. A row's result depends only on its own values: batch size, neighbours, column
+  shards and thread count cannot change it.
+* **Transcendentals** (`exp`, `log`, `sigmoid`, `silu`, `cos_sin`) evaluated in float64 by
+  exact range reduction (Cody-Waite with split constants) and fixed polynomials (Horner, one
+  rounding per operation, no fused multiply-add), then rounded once to fp32. Accurate to
+  well under one fp32 ulp; deterministic everywhere because every step is a basic operation.
+
+Inputs are fp32, bf16 or fp64 CPU tensors; NaN and inf propagate as IEEE says (a
+non-finite input to a contraction gives NaN in the outputs that read it). Gradients
+(`torch.autograd`) are the textbook derivatives through plain torch: deterministic on one
+machine, not promised portable (NUMERICS.md).
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["contract", "contract_grouped", "contract_gathered", "row_sum", "exp", "log", "sigmoid", "silu", "cos_sin", "exp64", "log64", "slice_bits", "uniform",
+           "standard_normal"]
+
+# ----------------------------------------------------------------------------- exact slicing
+
+_MANT = 53   # float64 significand bits: every partial sum of slice products must stay below 2^53
+
+
+def slice_bits(k: int, terms: int = 2) -> int:
+    """Bits per slice so that k products of `terms` slices' integers sum exactly in float64.
+
+    terms=2 (a contraction, products of two b-bit integers): k * 2^(2b) <= 2^53.
+    terms=1 (a row sum of b-bit integers): k * 2^b <= 2^53. Capped so that two slices never
+    exceed float64's own precision.
+    """
+    need = max(k - 1, 0).bit_length()                 # ceil(log2 k)
+    return min((_MANT - need) // terms, 26 if terms == 2 else 52)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """2.0 ** e as float64 for integer e in [-1022, 1023], built from the exponent bits (exact)."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _slices(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split rows (last dim) of x into integer-valued float64 slices H, L and a row exponent e
+    (int64 [..., 1]): x ~= (H + L * 2^-bits) * 2^(e - bits), |H| <= 2^bits, |L| <= 2^(bits-1).
+    Every step is exact (frexp, scaling by a power of two, rounding to an integer, an exact
+    remainder); 2^e bounds the row's largest magnitude (e = 0 for a zero row)."""
+    x = x.detach()
+    if x.shape[-1] == 0:
+        empty = x.to(torch.float64)
+        return empty, empty, torch.zeros(*x.shape[:-1], 1, dtype=torch.int64, device=x.device)
+    lo_val, hi_val = torch.aminmax(x, dim=-1, keepdim=True)
+    amax = torch.maximum(hi_val, -lo_val).to(torch.float64)
+    e = torch.frexp(amax).exponent.to(torch.int64).clamp_(-900, 900)   # inf/NaN rows: NaN out anyway
+    scaled = torch.mul(x, _pow2(bits - e))                   # float64, |scaled| < 2^bits, exact (power of two)
+    hi = torch.round(scaled)                                 # |hi| <= 2^bits
+    lo = scaled.sub_(hi).mul_(float(2 ** bits)).round_()     # the remainder (exact, |.| <= 1/2): next b bits
+    return hi, lo, e
+
+
+# Slices of tensors that are used again unchanged (weights, and views of them such as one
+# expert's or one K segment's): keyed by the base tensor, then by the view's geometry, valid
+# while the version counter (shared by a base and its views, bumped by every in-place update
+# such as an optimizer step) is the one recorded. Entries die with their base tensor.
+_SLICE_CACHE = WeakIdKeyDictionary()
+_SLICE_CACHE_LOCK = threading.Lock()
+
+
+def _weight_slices(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_slices` of a weight, cached: a decode step re-reads every weight."""
+    base = w._base if w._base is not None else w
+    view = (bits, w.dtype, tuple(w.shape), w.stride(), w.storage_offset())
+    with _SLICE_CACHE_LOCK:
+        entries = _SLICE_CACHE.get(base)
+        hit = entries.get(view) if entries is not None else None
+    if hit is not None and hit[0] == w._version:
+        return hit[1]
+    value = _slices(w, bits)
+    with _SLICE_CACHE_LOCK:
+        entries = _SLICE_CACHE.setdefault(base, {})
+        if any(version != w._version for version, _ in entries.values()):
+            entries.clear()                                  # the base changed: drop stale views
+        entries[view] = (w._version, value)
+    return value
+
+
+def _combine(hh: torch.Tensor, cross: torch.Tensor, ae: torch.Tensor, be: torch.Tensor, bits: int) -> torch.Tensor:
+    """Join the exact slice products into fp32: (hh + cross * 2^-b) * 2^(ea-b) * 2^(eb-b).
+    ae [..., M, 1], be [..., N, 1] are the rows' exponents; every scaling is exact."""
+    scale = _pow2(ae - bits) * _pow2(be - bits).transpose(-1, -2)
+    return cross.mul_(float(2.0 ** -bits)).add_(hh).mul_(scale).to(torch.float32)
+
+
+def _contract_exact(a: torch.Tensor, b: torch.Tensor, cache_b: bool = False) -> torch.Tensor:
+    """fp32 a @ b^T over the last dim, exactly summed: a [..., M, K], b [..., N, K] -> [..., M, N]."""
+    bits = slice_bits(a.shape[-1], terms=2)
+    ah, al, ae = _slices(a, bits)
+    bh, bl, be = _weight_slices(b, bits) if cache_b else _slices(b, bits)
+    bh_t, bl_t = bh.transpose(-1, -2), bl.transpose(-1, -2)
+    hh = torch.matmul(ah, bh_t)                              # exact integers <= 2^53
+    cross = torch.matmul(ah, bl_t) + torch.matmul(al, bh_t)  # each exact; their sum rounds once
+    return _combine(hh, cross, ae, be, bits)
+
+
+class _Contract(torch.autograd.Function):
+    """Exact forward; backward is the textbook pair of GEMMs in plain torch."""
+
+    @staticmethod
+    def forward(ctx, a, b, cache_b):
+        ctx.save_for_backward(a, b)
+        return _contract_exact(a, b, cache_b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = torch.matmul(g, b.float()).to(a.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = torch.matmul(g.transpose(-1, -2), a.float()).to(b.dtype)
+        return ga, gb, None
+
+
+def contract(a: torch.Tensor, b: torch.Tensor, b_is_weight: bool = False) -> torch.Tensor:
+    """a @ b^T over the shared last dim in fp32, identical bits on every machine.
+
+    a [..., M, K], b [..., N, K] (leading dims broadcast as in torch.matmul) -> [..., M, N].
+    An output element depends only on its row of a and its row of b (see module docstring).
+    b_is_weight: b is reused unchanged across calls (a weight), so its slices are cached.
+    """
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"contract: K differs: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _Contract.apply(a, b, b_is_weight)
+    return _contract_exact(a, b, b_is_weight)
+
+
+def contract_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [M, K] contracted with weight[g] [N, K] -> [M, N] fp32.
+
+    The same bits as `contract` per group (a row's slices depend only on the row); x is
+    sliced once for all groups and the weights' slices are cached.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        parts = [contract(x[offsets[g]:offsets[g + 1]], weight[g], b_is_weight=True) for g in range(weight.shape[0])]
+        return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[1]), dtype=torch.float32)
+    bits = slice_bits(x.shape[-1], terms=2)
+    xh, xl, xe = _slices(x, bits)
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+    for g in range(weight.shape[0]):
+        lo, hi = offsets[g], offsets[g + 1]
+        if hi == lo:
+            continue
+        wh, wl, we = _weight_slices(weight[g], bits)
+        ah, al = xh[lo:hi], xl[lo:hi]
+        cross = torch.matmul(ah, wl.t()) + torch.matmul(al, wh.t())
+        out[lo:hi] = _combine(torch.matmul(ah, wh.t()), cross, xe[lo:hi], we, bits)
+    return out
+
+
+def _exact_from_slices(a: torch.Tensor, bits: int, bh: torch.Tensor, bl: torch.Tensor, be: torch.Tensor) -> torch.Tensor:
+    """contract(a, b) given b's slices (rows over the last dim): [..., M, K] x [..., N, K] -> [..., M, N]."""
+    ah, al, ae = _slices(a, bits)
+    bh_t, bl_t = bh.transpose(-1, -2), bl.transpose(-1, -2)
+    cross = torch.matmul(ah, bl_t) + torch.matmul(al, bh_t)
+    return _combine(torch.matmul(ah, bh_t), cross, ae, be, bits)
+
+
+def contract_gathered(a: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """contract(a, table[index]): a [T, X, D], table [S, D], index [T, L] (valid rows) -> [T, X, L].
+
+    The same bits as gathering first (a row's slices depend only on the row); each table
+    row is sliced once however many queries read it (a causal prefix is read by every later
+    query of its sequence).
+    """
+    if torch.is_grad_enabled() and (a.requires_grad or table.requires_grad):
+        return contract(a, table[index])
+    bits = slice_bits(a.shape[-1], terms=2)
+    rows, inverse = torch.unique(index.reshape(-1), return_inverse=True)
+    th, tl, te = _slices(table[rows], bits)
+    shape = (*index.shape, -1)
+    return _exact_from_slices(a, bits, th[inverse].view(shape), tl[inverse].view(shape), te[inverse].view(shape))
+
+
+class _RowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        if ctx is not None:
+            ctx.shape = x.shape
+        bits = slice_bits(x.shape[-1], terms=1)
+        hi, lo, e = _slices(x, bits)
+        total = hi.sum(-1, keepdim=True) + lo.sum(-1, keepdim=True) * float(2.0 ** -bits)   # exact sums
+        return (total * _pow2(e - bits)).squeeze(-1).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.unsqueeze(-1).expand(ctx.shape)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim in fp32, exactly summed in float64 slices (any order gives these bits)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RowSum.apply(x)
+    return _RowSum.forward(None, x)
+
+
+# ----------------------------------------------------------------------------- transcendentals
+
+_LN2_HI = 6.93147180369123816490e-01    # ln 2 with 21 trailing zero bits: n * _LN2_HI is exact
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e+00
+_EXP_TAYLOR = [1.0 / math.factorial(i) for i in range(13, -1, -1)]    # degree 13, |r| <= ln2/2
+
+
+def _horner(coeffs: list[float], r: torch.Tensor) -> torch.Tensor:
+    acc = torch.full_like(r, coeffs[0])
+    for c in coeffs[1:]:
+        acc = acc * r + c                                    # two roundings: no FMA in torch's mul/add
+    return acc
+
+
+def exp64(x: torch.Tensor) -> torch.Tensor:
+    """e^x in float64 from basic operations (x float64). Overflows to inf above ~200 and
+    underflows to 0 below ~-200, far outside what fp32 results can hold."""
+    nan = torch.isnan(x)
+    xc = torch.where(nan, torch.zeros_like(x), x).clamp(-200.0, 200.0)
+    n = torch.round(xc * _INV_LN2)                          # |n| <= 289: 2^n is a normal float64
+    r = (xc - n * _LN2_HI) - n * _LN2_LO                     # |r| <= ln2/2, Cody-Waite (n * _LN2_HI exact)
+    out = _horner(_EXP_TAYLOR, r) * _pow2(n)                 # times a power of two: exact
+    out = torch.where(x > 200.0, torch.full_like(x, math.inf), torch.where(x < -200.0, torch.zeros_like(x), out))
+    return torch.where(nan, x, out)
+
+
+_SQRT2 = math.sqrt(2.0)
+_ATANH_SERIES = [1.0 / (2 * i + 1) for i in range(12, -1, -1)]         # 2 atanh(f) = 2 f sum s^i / (2i+1)
+
+
+def log64(x: torch.Tensor) -> torch.Tensor:
+    """ln x in float64 from basic operations (x float64, normal or zero). ln 0 = -inf, ln of a
+    negative number NaN, ln inf = inf."""
+    pos = (x > 0) & torch.isfinite(x)
+    xs = torch.where(pos, x, torch.ones_like(x))
+    e = ((xs.view(torch.int64) >> 52) & 0x7FF) - 1023       # xs = m * 2^e, m in [1, 2)
+    m = xs * _pow2(-e)
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)                         # m in [sqrt2/2, sqrt2]: |f| <= 0.1716
+    e = (e + big.to(torch.int64)).to(torch.float64)
+    f = (m - 1.0) / (m + 1.0)
+    log_m = 2.0 * f * _horner(_ATANH_SERIES, f * f)
+    out = e * _LN2_HI + (e * _LN2_LO + log_m)
+    out = torch.where(x == 0, torch.full_like(x, -math.inf), out)
+    out = torch.where(x == math.inf, x, out)
+    return torch.where((x < 0) | torch.isnan(x), torch.full_like(x, math.nan), out)
+
+
+class _Pointwise(torch.autograd.Function):
+    """An fp32 element-wise op with a portable forward and a textbook derivative."""
+
+    @staticmethod
+    def forward(ctx, x, fn, derivative):
+        out = fn(x.detach().to(torch.float64)).to(torch.float32)
+        ctx.save_for_backward(x, out)
+        ctx.derivative = derivative
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, out = ctx.saved_tensors
+        return g * ctx.derivative(x.float(), out), None, None
+
+
+def _pointwise(x: torch.Tensor, fn, derivative) -> torch.Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _Pointwise.apply(x, fn, derivative)
+    return fn(x.to(torch.float64)).to(torch.float32)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """e^x in fp32, rounded once from a float64 evaluation."""
+    return _pointwise(x, exp64, lambda x, out: out)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """ln x in fp32, rounded once from a float64 evaluation."""
+    return _pointwise(x, log64, lambda x, out: 1.0 / x)
+
+
+def _sigmoid64(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + exp64(-x))
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + e^-x) in fp32, rounded once from float64."""
+    return _pointwise(x, _sigmoid64, lambda x, out: out * (1.0 - out))
+
+
+def _silu_derivative(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x / (1 + e^-x) in fp32, rounded once from float64."""
+    return _pointwise(x, lambda x64: x64 * _sigmoid64(x64), _silu_derivative)
+
+
+_PIO2_1 = 1.57079632673412561417e+00    # pi/2 in three parts of 33 bits (fdlibm): k * part exact for k < 2^20
+_PIO2_2 = 6.07710050650619224932e-11
+_PIO2_3 = 2.02226624879595063154e-21
+_TWO_OVER_PI = 6.36619772367581382433e-01
+_SIN_TAYLOR = [(-1) ** i / math.factorial(2 * i + 1) for i in range(9, -1, -1)]   # sin r = r * P(r^2)
+_COS_TAYLOR = [(-1) ** i / math.factorial(2 * i) for i in range(9, -1, -1)]       # cos r = Q(r^2)
+
+
+def cos_sin(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of fp32 angles, each rounded once to fp32 from a float64 evaluation.
+
+    Range reduction by the nearest multiple of pi/2 with a three-part constant is exact for
+    |angle| < 2^20 * pi/2 (RoPE angles are position * inv_freq <= position); beyond that the
+    bits stay deterministic but lose accuracy.
+    """
+    a = angle.to(torch.float64)
+    k = torch.round(a * _TWO_OVER_PI)
+    r = ((a - k * _PIO2_1) - k * _PIO2_2) - k * _PIO2_3      # |r| <= pi/4
+    r2 = r * r
+    s = r * _horner(_SIN_TAYLOR, r2)
+    c = _horner(_COS_TAYLOR, r2)
+    q = torch.remainder(k.to(torch.int64), 4)                # quadrant
+    cos = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    sin = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    return cos.to(torch.float32), sin.to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- seeded random tensors
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Uniforms in (0, 1) as fp32, from 24-bit integers (torch.randint draws integers serially
+    from the generator; torch.rand/randn use ISA-dependent vector code on CPUs)."""
+    k = torch.randint(0, 1 << 24, shape, generator=generator, dtype=torch.int64)
+    return ((k.to(torch.float64) + 0.5) * 2.0 ** -24).to(torch.float32)
+
+
+def standard_normal(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Approximately standard-normal fp32 samples, the same on every machine: the centred sum of
+    four uniforms scaled to unit variance (Irwin-Hall; bounded by +-2 sqrt(3), ample for seeded
+    weights and test inputs). Only additions and one multiplication, each correctly rounded."""
+    n = math.prod(shape)
+    u = uniform((4, n), generator).to(torch.float64)
+    total = ((u[0] + u[1]) + (u[2] + u[3])) - 2.0
+    return (total * math.sqrt(3.0)).to(torch.float32).view(shape)
