@@ -199,15 +199,15 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
             replica.engine.start()
             switch = None
             if args.weight_store:
-                store = WeightStoreClient(args.weight_store, token=options.auth_token)
+                store = WeightStoreClient(args.weight_store, token=options.auth.peer_token)
                 switcher = WeightSwitcher(replica, store, args.weights_cache, server.not_serving)
                 switch = switcher.switch
             if service == "decode":
                 add_decode_service(server, replica, switch)
             else:
                 if args.decode:
-                    # The hop to decode carries this server's own token: one cluster, one token.
-                    decode_client = InferenceClient(args.decode, token=options.auth_token)
+                    # The hop to decode carries the peer token: only a peer's KV may enter decode's prefix cache.
+                    decode_client = InferenceClient(args.decode, token=options.auth.peer_token)
                 add_prefill_service(server, PrefillRelay(replica, decode_client, chunk), switch)
             set_serving_info(replica.identity)
 

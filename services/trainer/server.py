@@ -134,9 +134,9 @@ async def open_repo(args: argparse.Namespace) -> WeightsRepo:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    # The hop to the weight store carries this server's own token: one cluster, one token.
-    from zerokl.services.runtime.auth import load_auth_token
-    return load_auth_token(args.auth_token_file)
+    # The hop to the weight store carries the peer token: publishing weights is an internal RPC.
+    from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
+    return load_auth_token(args.peer_token_file, env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)
 
 
 def make_identity(model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
