@@ -37,6 +37,7 @@ __all__ = [
     "serve",
     "add_server_arguments",
     "options_from_args",
+    "peer_credentials",
     "create_channel",
 ]
 
@@ -254,6 +255,9 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     g.add_argument("--tls-cert", help="PEM certificate (enables TLS together with --tls-key)")
     g.add_argument("--tls-key", help="PEM private key")
     g.add_argument("--tls-client-ca", help="PEM CA; clients must present a certificate it signed (mTLS)")
+    g.add_argument("--peer-ca", help="PEM CA of the other zerokl services: this service's own calls to them "
+                                      "(weight store, decode, trainer) go over TLS verified with it, presenting "
+                                      "--tls-cert/--tls-key for mTLS (default: plaintext)")
     g.add_argument("--auth-token-file", help="the client token: clients present 'authorization: Bearer <token>' "
                                               "(default: $ZEROKL_AUTH_TOKEN_FILE or $ZEROKL_AUTH_TOKEN; no token "
                                               "of any role: no auth)")
@@ -277,6 +281,13 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
         raise SystemExit(f"auth: {err}") from None
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
                          grace_s=args.grace, drain_delay_s=args.drain_delay, tls=tls, auth=auth)
+
+
+def peer_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials for this service's calls to other zerokl services (None: plaintext), from --peer-ca."""
+    if not args.peer_ca:
+        return None
+    return TlsConfig.channel_credentials(args.peer_ca, args.tls_cert, args.tls_key)
 
 
 def create_channel(target: str, *, token: str | None = None,

@@ -20,7 +20,7 @@ from typing import Sequence
 from zerokl.services.runtime.auth import TlsConfig
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.runtime.metrics import start_metrics_server
-from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, peer_credentials
 from zerokl.services.runtime.tracing import configure_tracing
 from zerokl.services.scheduler.registry import (
     ReplicaSource,
@@ -126,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = options_from_args(args)
     sources = sources_from_args(args)
     config = config_from_args(args)
-    credentials = None
+    peers = peer_credentials(args)
+    credentials = peers
     if args.replica_ca:
         credentials = TlsConfig.channel_credentials(args.replica_ca, args.tls_cert, args.tls_key)
 
@@ -139,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             token=options.auth.peer_token, credentials=credentials, tracer_provider=provider)
         scheduler = Scheduler(registry, config, args.replica_id)
         scheduler.attach(server)
-        trainer = TrainerClient(args.trainer, token=options.auth.peer_token) if args.trainer else None
+        trainer = TrainerClient(args.trainer, token=options.auth.peer_token, credentials=peers) if args.trainer else None
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
