@@ -15,8 +15,8 @@
    of services, addresses, weights versions and fingerprints and a
    ``zerokl generate`` line to try, and writes the same to ``WORKDIR/up.json``;
 4. supervises: a child that dies is restarted on the same port with
-   exponential backoff (a replica at the version the rest of the fleet serves
-   now); meanwhile the scheduler routes around it and ``up.json`` (so ``zerokl
+   exponential backoff (a replica at the weights version the fleet serves
+   now, which may be newer than the one it started with); meanwhile the scheduler routes around it and ``up.json`` (so ``zerokl
    status``) names it DOWN or RESTARTING, with its restart count and last exit
    status, until it is SERVING again;
 5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
@@ -59,7 +59,8 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from zerokl.services.runtime.auth import OPERATOR_TOKEN_ENV, PEER_TOKEN_ENV, AuthConfig, TlsConfig, load_auth_token
+from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FILE_ENV, PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV,
+                                          AuthConfig, TlsConfig, load_auth_token)
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
 from zerokl.v1 import common_pb2
@@ -77,6 +78,8 @@ _STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
+# How often the supervisor reads the weights version the scheduler routes to (a replica restarts at it).
+_FLEET_POLL_S = 2.0
 
 
 @dataclass
@@ -122,7 +125,7 @@ class UpSecurity:
         """The security flags of every `zerokl serve` child."""
         flags = [f for flag, path in self.token_files for f in (flag, str(path))]
         if self.tls_cert:
-            flags += ["--tls-cert", self.tls_cert, "--tls-key", self.tls_key or "", "--peer-ca", self.tls_ca or ""]
+            flags += ["--tls-cert", self.tls_cert, "--tls-key", str(self.tls_key), "--peer-ca", str(self.tls_ca)]
         return flags
 
     def credentials(self) -> grpc.ChannelCredentials | None:
@@ -141,11 +144,11 @@ class UpSecurity:
 def _security(args: argparse.Namespace, workdir: pathlib.Path) -> UpSecurity:
     """Tokens from the flags or the environment (peer and operator generated when auth is on), written to
     ``WORKDIR/secrets``; TLS files checked."""
-    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_cert and not args.tls_ca):
+    if len({bool(args.tls_cert), bool(args.tls_key), bool(args.tls_ca)}) != 1:
         raise SystemExit("zerokl up: --tls-cert, --tls-key and --tls-ca go together")
     client = args.auth_token or load_auth_token()
-    peer = args.peer_token or load_auth_token(env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_ENV + "_FILE")
-    operator = args.operator_token or load_auth_token(env=OPERATOR_TOKEN_ENV, file_env=OPERATOR_TOKEN_ENV + "_FILE")
+    peer = args.peer_token or load_auth_token(env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)
+    operator = args.operator_token or load_auth_token(env=OPERATOR_TOKEN_ENV, file_env=OPERATOR_TOKEN_FILE_ENV)
     if client or peer or operator:
         peer = peer or secrets.token_urlsafe(32)
         operator = operator or secrets.token_urlsafe(32)
@@ -154,17 +157,18 @@ def _security(args: argparse.Namespace, workdir: pathlib.Path) -> UpSecurity:
     except ValueError as err:
         raise SystemExit(f"zerokl up: {err}") from None
     files = []
-    if auth.enabled:
-        folder = workdir / "secrets"
+    folder = workdir / "secrets"
+    for flag, role, token in (("--auth-token-file", "client", client), ("--peer-token-file", "peer", peer),
+                              ("--operator-token-file", "operator", operator)):
+        path = folder / f"{role}.token"
+        if not token:
+            path.unlink(missing_ok=True)   # a token of an earlier run must not look current
+            continue
         folder.mkdir(mode=0o700, exist_ok=True)
-        for flag, role, token in (("--auth-token-file", "client", client), ("--peer-token-file", "peer", peer),
-                                  ("--operator-token-file", "operator", operator)):
-            if token:
-                path = folder / f"{role}.token"
-                path.touch(mode=0o600)
-                path.chmod(0o600)      # before the secret is written, not after
-                path.write_text(token + "\n")
-                files.append((flag, path))
+        path.touch(mode=0o600)
+        path.chmod(0o600)                  # before the secret is written, not after
+        path.write_text(token + "\n")
+        files.append((flag, path))
     tls = [str(pathlib.Path(f).expanduser().resolve()) if f else None for f in (args.tls_cert, args.tls_key, args.tls_ca)]
     return UpSecurity(auth, tuple(files), *tls)
 
@@ -403,10 +407,11 @@ def _table(children: Sequence[Child]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def _write_state(workdir: pathlib.Path, children: Sequence[Child], security: UpSecurity) -> None:
+def _write_state(workdir: pathlib.Path, children: Sequence[Child], security: UpSecurity,
+                 fleet_version: str) -> None:
     """``up.json``: where each service listens and what the supervisor knows of it (for ``zerokl status``,
     ``zerokl generate`` and scripts); rewritten at every change."""
-    state = {"pid": os.getpid(), "auth": security.auth.enabled,
+    state = {"pid": os.getpid(), "weights_version": fleet_version, "auth": security.auth.enabled,
              "client_token_file": security.token_file("--auth-token-file"),
              "operator_token_file": security.token_file("--operator-token-file"),
              "tls_ca": security.tls_ca if security.tls_cert else None, "services": [
@@ -457,19 +462,28 @@ def _stop(children: Sequence[Child], timeout_s: float) -> bool:
 class _Supervisor:
     """Restarts children that die, with backoff, and keeps ``up.json`` current.
 
-    A replica comes back at the weights version its healthy siblings serve now
-    (the fleet may have switched since it started: a replica at another version
-    would make a mixed fleet, which the scheduler refuses to route).
+    A replica comes back at the weights version the fleet serves: the one the
+    scheduler routes unpinned requests to, read every few seconds (jobs switch
+    the fleet to the versions they publish; a replica back at its first version
+    would roll the cluster back, or make a mixed fleet the scheduler refuses).
     """
 
     def __init__(self, args: argparse.Namespace, workdir: pathlib.Path, children: list[Child], store: Child,
-                 security: UpSecurity) -> None:
+                 security: UpSecurity, fleet_version: str) -> None:
         self.args, self.workdir, self.children, self.store, self.security = args, workdir, children, store, security
+        self.scheduler = next(c for c in children if c.service == "scheduler")
+        self.fleet_version = fleet_version
+        self._fleet_read_at = 0.0
 
     async def tick(self) -> None:
-        """Notice deaths, start restarts that are due, record what changed."""
+        """Notice deaths, start restarts that are due, follow the fleet's version, record what changed."""
         now = time.monotonic()
         changed = False
+        if now - self._fleet_read_at >= _FLEET_POLL_S:
+            self._fleet_read_at = now
+            version = await self._scheduler_version()
+            if version and version != self.fleet_version:
+                self.fleet_version, changed = version, True
         for c in self.children:
             if c.restarting is not None:
                 if not c.restarting.done():
@@ -498,7 +512,15 @@ class _Supervisor:
                 c.restarting = asyncio.ensure_future(self._restart(c))
                 changed = True
         if changed:
-            _write_state(self.workdir, self.children, self.security)
+            _write_state(self.workdir, self.children, self.security, self.fleet_version)
+
+    async def _scheduler_version(self) -> str:
+        """The version the scheduler serves now ("" while it cannot say: no healthy decode replica, or down)."""
+        if self.scheduler.status != "SERVING":
+            return ""
+        async with self.security.channel(self.scheduler.address) as channel:
+            ident = await _info(channel, "scheduler")
+        return ident.weights_version if ident is not None else ""
 
     async def _restart(self, c: Child) -> None:
         c.status = "RESTARTING"
@@ -506,28 +528,19 @@ class _Supervisor:
         if c.service in ("prefill", "decode"):
             await self._follow_fleet_version(c)
         _launch(c)
-        _write_state(self.workdir, self.children, self.security)
+        _write_state(self.workdir, self.children, self.security, self.fleet_version)
         await _wait_serving(c, time.monotonic() + self.args.startup_timeout, self.security)
 
     async def _follow_fleet_version(self, c: Child) -> None:
-        """Point the replica's --model/--weights-version at what its serving siblings serve now."""
-        siblings = [s for s in self.children if s is not c and s.service in ("prefill", "decode")
-                    and s.status == "SERVING"]
-        versions = set()
-        for s in siblings:
-            async with self.security.channel(s.address) as channel:
-                ident = await _info(channel, s.service)
-            if ident is not None:
-                versions.add(ident.weights_version)
-        current = c.flags[c.flags.index("--weights-version") + 1]
-        if len(versions) != 1 or versions == {current}:
-            return  # no agreement to follow (or nothing changed): it comes back as it was
-        [version] = versions
+        """Point the replica's --model/--weights-version at the version the fleet serves now."""
+        version = await self._scheduler_version() or self.fleet_version
+        if not version or version == c.flags[c.flags.index("--weights-version") + 1]:
+            return
         from zerokl.services.weightstore.client import WeightStoreClient
         dest = self.workdir / "models" / version
         async with self.security.channel(self.store.address) as channel, \
                 WeightStoreClient(channel=channel) as client:
-            await client.fetch(version, dest)
+            await client.fetch(version, dest)   # resumable; complete, verified files are kept
         c.flags[c.flags.index("--model") + 1] = str(dest)
         c.flags[c.flags.index("--weights-version") + 1] = version
         print(f"zerokl up: {c.name} comes back at weights version {version} (the fleet's)", flush=True)
@@ -574,7 +587,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"zerokl up: not starting the trainer ({why})", flush=True)
         # What never came up is not restarted: its log says why, and a restart would fail the same way.
         supervised = [c for c in children if c.status == "SERVING"]
-        _write_state(workdir, children, security)
+        _write_state(workdir, children, security, version)
         scheduler = children[-1]
         print(f"zerokl up: {len(children)} services on loopback in {time.monotonic() - started:.1f}s "
               f"(workdir {workdir}, logs in {workdir / 'logs'})", flush=True)
@@ -584,7 +597,7 @@ async def run(args: argparse.Namespace) -> int:
                   f"jobs and internal RPCs)", flush=True)
         print(f"try:\n  zerokl generate --server {scheduler.address} {shlex.quote(_EXAMPLE_PROMPT)} "
               f"--max-tokens 16\nCtrl-C stops all services.", flush=True)
-        supervisor = _Supervisor(args, workdir, supervised, store, security)
+        supervisor = _Supervisor(args, workdir, supervised, store, security, version)
         while not stop.is_set():
             await supervisor.tick()
             with contextlib.suppress(asyncio.TimeoutError):

@@ -2,9 +2,10 @@
 
 Every service of the cluster requires a token over TLS: a Generate without a
 token is UNAUTHENTICATED, the client token serves it (with the usual bits),
-internal RPCs (SwitchWeights, weight-store Delete, SubmitJob) refuse the client
-token with PERMISSION_DENIED and accept the operator token, and no token ever
-appears on a child's command line.
+internal RPCs (SwitchWeights, weight-store writes and Delete, SubmitJob) refuse
+the client token with PERMISSION_DENIED and accept the operator token, and no
+token ever appears on a child's command line. A replica that dies after the
+fleet switched versions comes back at the fleet's version, not its first one.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import grpc
@@ -28,6 +30,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.kernels import fingerprint
 from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
@@ -76,7 +80,13 @@ def _wait_state(proc: subprocess.Popen, workdir: pathlib.Path, timeout_s: float 
     return {s["name"]: s for s in json.loads((workdir / "up.json").read_text())["services"]}
 
 
-def test_zerokl_up_with_tokens_and_tls(model: Model, tmp_path: pathlib.Path) -> None:
+def _status(workdir: pathlib.Path, env: dict[str, str]) -> tuple[int, dict]:
+    run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
+                         capture_output=True, text=True, timeout=60, env=env)
+    return run.returncode, json.loads(run.stdout)
+
+
+def test_zerokl_up_with_tokens_and_tls(model: Model, model_seed1: Model, tmp_path: pathlib.Path) -> None:
     pki = _pki(tmp_path)
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROKL_")}
@@ -96,6 +106,9 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, tmp_path: pathlib.Path) -> 
         tls = TlsConfig.channel_credentials(pki["ca"])
         request = InferenceRequest(prompt_ids=IDS, options=OPTIONS)
         want = numbers(offline(model, IDS, OPTIONS))
+        want_v2 = numbers(offline(model_seed1, IDS, OPTIONS))
+        checkpoint = tmp_path / "seed1"
+        model_seed1.save_pretrained(checkpoint)
 
         async def main() -> None:
             async with InferenceClient(scheduler, credentials=tls) as anonymous, \
@@ -103,6 +116,7 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, tmp_path: pathlib.Path) -> 
                     InferenceClient(scheduler, token=CLIENT_TOKEN, credentials=tls) as client, \
                     InferenceClient(scheduler, token=operator, credentials=tls) as as_operator, \
                     WeightStoreClient(store, token=CLIENT_TOKEN, credentials=tls) as store_client, \
+                    WeightStoreClient(store, token=operator, credentials=tls) as store_operator, \
                     JobsClient(scheduler, token=CLIENT_TOKEN, credentials=tls) as jobs:
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await anonymous.generate_all(request, timeout=30)
@@ -111,15 +125,33 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, tmp_path: pathlib.Path) -> 
                     await plaintext.generate_all(request, timeout=5)
                 assert err.value.code() is grpc.StatusCode.UNAVAILABLE       # TLS only
                 assert numbers((await client.generate_all(request, timeout=60)).samples) == want
+                publish = dict(numerics_version=numerics_version, numerics_fingerprint=fingerprint())
                 denied = [client.switch_weights("1", timeout=30), store_client.delete("1"),
+                          store_client.publish(str(checkpoint), "2", **publish),
                           jobs.submit(SFTJobSpec(1, countdown=CountdownTask(seed=0), batch_size=2))]
                 for call in denied:
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await call
                     assert err.value.code() is grpc.StatusCode.PERMISSION_DENIED, err.value
-                assert (await as_operator.switch_weights("1", timeout=60)).weights_version == "1"
                 assert [e.manifest.version for e in await store_client.list()] == ["1"]   # reads are a client's
+                await store_operator.publish(str(checkpoint), "2", **publish)
+                assert (await as_operator.switch_weights("2", timeout=60)).weights_version == "2"
+                assert numbers((await client.generate_all(request, timeout=60)).samples) == want_v2
         asyncio.run(main())
+
+        # The supervisor follows the fleet to version 2; a replica that dies comes back at it.
+        deadline = time.monotonic() + 30
+        while json.loads((workdir / "up.json").read_text())["weights_version"] != "2":
+            assert time.monotonic() < deadline, "zerokl up did not notice the fleet's new version"
+            time.sleep(0.5)
+        os.kill(services["decode-0"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while (report := _status(workdir, env))[0] != 0 or report[1]["services"][1]["restarts"] != 1:
+            assert time.monotonic() < deadline, report
+            time.sleep(0.5)
+        decode = report[1]["services"][1]
+        assert (decode["name"], decode["state"], decode["weights_version"]) == ("decode-0", "SERVING", "2")
+        assert report[1]["weights_versions"] == ["2"]   # status lent up.json's client token and CA
 
         cli = [sys.executable, "-m", "zerokl"]
         gen = subprocess.run([*cli, "generate", "--server", scheduler, "--token", CLIENT_TOKEN, "--tls-ca", pki["ca"],
@@ -127,14 +159,10 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, tmp_path: pathlib.Path) -> 
                               "--seed", "3", "--max-tokens", "8", "--ignore-eos", "--json"],
                              capture_output=True, text=True, timeout=60, env=env)
         assert gen.returncode == 0, gen.stderr
-        assert json.loads(gen.stdout)["token_ids"] == list(want[0][1])
+        assert json.loads(gen.stdout)["token_ids"] == list(want_v2[0][1])
         no_token = subprocess.run([*cli, "generate", "--server", scheduler, "--tls-ca", pki["ca"], "--prompt-ids",
                                    "3,4,5"], capture_output=True, text=True, timeout=60, env=env)
         assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
-        status = subprocess.run([*cli, "status", "--workdir", str(workdir), "--json"], capture_output=True, text=True,
-                                timeout=60, env=env)
-        assert status.returncode == 0, status.stdout + status.stderr     # up.json lends its client token and CA
-        assert json.loads(status.stdout)["weights_versions"] == ["1"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
     finally:
