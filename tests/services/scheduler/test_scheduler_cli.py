@@ -84,9 +84,9 @@ def _as_samples(result: dict) -> list[SampleResult]:
 def test_zerokl_up_serves_through_the_scheduler_restarts_a_dead_service_and_stops_everything_on_sigterm(
         model: Model, tmp_path) -> None:
     workdir = tmp_path / "up"
-    # The first restart waits 5 s: time enough to see `zerokl status` name the dead replica.
+    # The first restart waits 8 s: time enough to see `zerokl status` name the dead replica on a slow host.
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--decode-replicas", "2", "--restart-backoff", "5"],
+                             "--threads", "1", "--grace", "2", "--decode-replicas", "2", "--restart-backoff", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = _lines(proc)
     try:
