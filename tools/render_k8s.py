@@ -10,11 +10,12 @@ default values. Two things differ from ``helm template``, because plain
 manifests are applied as they are:
 
 - the ``helm test`` hook pod is left out (there is no ``helm test`` without Helm);
-- the MinIO credentials Secret the chart generates with random values is left
-  out (a committed file would give every install the same credentials);
-  ``k8s/kustomization.yaml`` generates it from ``minio-credentials.env``, which
-  you write (``minio-credentials.env.example`` shows the keys), or create it
-  with ``kubectl create secret`` (docs/operator.md).
+- the Secrets the chart generates with random values (MinIO credentials, the
+  auth tokens) are left out (a committed file would give every install the
+  same credentials); ``k8s/kustomization.yaml`` generates them from
+  ``minio-credentials.env`` and ``auth-tokens.env``, which you write (the
+  ``.example`` files show the keys), or create them with ``kubectl create
+  secret`` (docs/operator.md).
 """
 from __future__ import annotations
 
@@ -63,8 +64,12 @@ def _is_hook(obj: Mapping[str, Any]) -> bool:
     return "helm.sh/hook" in (obj.get("metadata", {}).get("annotations") or {})
 
 
+# The Secrets the chart fills with random values, and the env file kustomize builds each from instead.
+_GENERATED_SECRETS = {f"{RELEASE}-minio": "minio-credentials.env", f"{RELEASE}-auth": "auth-tokens.env"}
+
+
 def _is_generated_secret(obj: Mapping[str, Any]) -> bool:
-    return obj.get("kind") == "Secret" and obj["metadata"]["name"] == f"{RELEASE}-minio"
+    return obj.get("kind") == "Secret" and obj["metadata"]["name"] in _GENERATED_SECRETS
 
 
 def plain_files(rendered: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -84,15 +89,20 @@ def plain_files(rendered: Mapping[str, str] | None = None) -> dict[str, str]:
         "kind": "Kustomization",
         "namespace": NAMESPACE,
         "resources": [f"{_MANIFESTS}/{name}" for name in sorted(by_file)],
-        # The chart generates random MinIO credentials; plain manifests take yours.
-        "secretGenerator": [{"name": f"{RELEASE}-minio", "envs": ["minio-credentials.env"],
-                             "options": {"disableNameSuffixHash": True}}],
+        # The chart generates random MinIO credentials and auth tokens; plain manifests take yours.
+        "secretGenerator": [{"name": name, "envs": [env], "options": {"disableNameSuffixHash": True}}
+                            for name, env in _GENERATED_SECRETS.items()],
     }
     files["kustomization.yaml"] = header + yaml.safe_dump(kustomization, sort_keys=False)
-    files[".gitignore"] = "# your MinIO credentials for kustomize's secretGenerator\nminio-credentials.env\n"
+    files[".gitignore"] = ("# your MinIO credentials and auth tokens for kustomize's secretGenerator\n"
+                           + "".join(f"{env}\n" for env in _GENERATED_SECRETS.values()))
     files["minio-credentials.env.example"] = (
         "# Copy to minio-credentials.env (not committed) with your own values, then: kubectl apply -k k8s/\n"
         "rootUser=zerokl-admin\nrootPassword=change-me-to-40-random-characters\n")
+    files["auth-tokens.env.example"] = (
+        "# Copy to auth-tokens.env (not committed) with three different random tokens, e.g. from\n"
+        "# `openssl rand -hex 32`, then: kubectl apply -k k8s/ (docs/operator.md, \"Security model\")\n"
+        "client-token=change-me-client\npeer-token=change-me-peer\noperator-token=change-me-operator\n")
     return files
 
 
@@ -103,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     want = plain_files()
     have = {str(f.relative_to(K8S_DIR)): f.read_text() for f in K8S_DIR.rglob("*")
-            if f.is_file() and f.name != "minio-credentials.env"}
+            if f.is_file() and f.name not in _GENERATED_SECRETS.values()}
     stale = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
     if args.check:
         for name in stale:

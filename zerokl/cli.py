@@ -96,8 +96,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     from zerokl.services.engine.types import SamplingOptions
     from zerokl.services.inference.client import InferenceClient
+    from zerokl.connect import connect
     from zerokl.services.inference.types import GenerateResult, InferenceRequest
-    from zerokl.services.runtime.auth import load_auth_token
 
     if (args.prompt is None) == (args.prompt_ids is None):
         print("error: give a prompt text or --prompt-ids (one of them)", file=sys.stderr)
@@ -110,9 +110,12 @@ def _generate(args: argparse.Namespace) -> int:
                                request_id=args.request_id or "", weights_version=args.weights_version or "",
                                numerics_fingerprint=args.numerics_fingerprint or "")
 
+    where = connect(args)
+
     async def run() -> GenerateResult:
         deltas = []
-        async with InferenceClient(args.server, token=load_auth_token(args.auth_token_file)) as client:
+        async with InferenceClient(where.target, token=where.security.token,
+                                   credentials=where.security.credentials()) as client:
             async for d in client.generate(request, timeout=args.timeout):
                 deltas.append(d)
                 if not args.json and args.n == 1 and d.text:
@@ -186,7 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="health, address, fingerprint and weights version of `zerokl up`'s services")
     st.add_argument("--workdir", default=os.environ.get("ZEROKL_UP_DIR", "~/.zerokl/up"))
     st.add_argument("--json", action="store_true", help="one JSON object instead of a table")
-    st.set_defaults(run=lambda a: importlib.import_module("zerokl.services.scheduler.up").status(a.workdir, a.json))
+    from zerokl.connect import add_connection_arguments, add_security_arguments, client_security
+    add_security_arguments(st)
+    st.set_defaults(run=lambda a: up.status(a.workdir, a.json, client_security(a)))
 
     from zerokl import doctor
     dr = sub.add_parser("doctor", help="check that every replica of a Kubernetes release reports the same numerics "
@@ -219,9 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "top-k/top-p has logprob -Infinity.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (encoded by the server's tokenizer)")
     g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt token ids")
-    g.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50050"),
-                   help="host:port of the scheduler (as `zerokl up` starts it) or of a replica "
-                        "(default $ZEROKL_SERVER or %(default)s)")
+    add_connection_arguments(g, "the scheduler (as `zerokl up` starts it) or of a replica")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -236,8 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weights-version", default=None, help="refuse unless the server serves this version")
     g.add_argument("--numerics-fingerprint", default=None, help="refuse unless the server has this fingerprint")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    g.add_argument("--auth-token-file", default=None,
-                   help="bearer token file (default: $ZEROKL_AUTH_TOKEN_FILE or $ZEROKL_AUTH_TOKEN)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(run=_generate)
     return p

@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server", default=os.environ.get("ZEROKL_SERVER", "127.0.0.1:50050"),
-                   help="the scheduler (default $ZEROKL_SERVER or %(default)s)")
+    from zerokl.connect import add_connection_arguments
+    # Submitting and cancelling are internal RPCs: they need the operator token when auth is on.
+    add_connection_arguments(p)
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("submit", help="queue a job on countdown and follow it")
     s.add_argument("kind", choices=["rl", "sft"])
@@ -68,9 +68,11 @@ async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
 
 async def _main(args: argparse.Namespace) -> int:
     from zerokl.services.scheduler.jobs import CountdownTask, RLJobSpec, SFTJobSpec
+    from zerokl.connect import connect
     from zerokl.services.scheduler.jobs_service import JobsClient
 
-    async with JobsClient(args.server) as client:
+    where = connect(args, operator=True)
+    async with JobsClient(where.target, token=where.security.token, credentials=where.security.credentials()) as client:
         if args.action == "list":
             for s in await client.list():
                 print(f"{s.job_id}  {s.kind:3s}  {s.state.value:9s}  {s.step}/{s.total_steps}  "

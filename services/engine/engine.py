@@ -23,7 +23,7 @@ from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
 from zerokl.model import KVCache, Model
 from zerokl.model.paging import SequenceChunk, batch_for_chunks
 from zerokl.model.tokenizer import Tokenizer
-from zerokl.services.engine.blocks import BlockManager, block_hashes
+from zerokl.services.engine.blocks import BlockManager, block_hashes, prefix_cache_seed
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 
 __all__ = ["Engine", "RequestError", "sample_seed"]
@@ -97,6 +97,8 @@ class Engine:
             self.max_model_len = config.num_blocks * config.block_size
         self.cache = KVCache.allocate(mc, config.num_blocks, config.block_size, model.dtype, self.device)
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._numerics_fingerprint = ""
+        self._cache_seed = prefix_cache_seed("", "")   # see set_cache_identity
         self.waiting: list[_Sample] = []
         self.running: list[_Sample] = []
         self._by_request: dict[str, list[_Sample]] = {}
@@ -162,10 +164,16 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._ready)
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def set_cache_identity(self, weights_version: str, numerics_fingerprint: str) -> None:
+        """Name the weights and numerics computing this engine's KV: they seed every prefix-cache key."""
+        self._numerics_fingerprint = numerics_fingerprint
+        self._cache_seed = prefix_cache_seed(weights_version, numerics_fingerprint)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], weights_version: str = "") -> None:
         """Replace the model's weights in place (same config); only between requests.
 
-        Every cached prefix is forgotten: its KV was computed with the old weights.
+        Every cached prefix is forgotten: its KV was computed with the old weights;
+        new keys are seeded with ``weights_version``.
         Raises RuntimeError while requests are in the engine, and the model's own
         error for missing, unexpected or misshapen tensors (nothing is changed then).
         """
@@ -181,6 +189,7 @@ class Engine:
             for k, t in own.items():
                 t.copy_(state_dict[k])
         self.blocks.reset_prefix_cache()
+        self.set_cache_identity(weights_version, self._numerics_fingerprint)
 
     @property
     def num_running(self) -> int:
@@ -294,8 +303,9 @@ class Engine:
         # logprobs need the logits of every prompt position, so those requests compute all.
         if s.opts.prompt_logprobs or s.request.mode == "score":
             return
-        hashes = block_hashes(s.token_ids[: max(s.target, 1) - 1], self.config.block_size)
-        s.blocks = self.blocks.match_prefix(hashes)
+        ids = s.token_ids[: max(s.target, 1) - 1]
+        s.blocks = self.blocks.match_prefix(ids, block_hashes(ids, self.config.block_size, self._cache_seed),
+                                            self._cache_seed)
         s.num_computed = s.num_cached = len(s.blocks) * self.config.block_size
         s.num_registered = len(s.blocks)
         self.stats["cached_tokens"] += s.num_cached
@@ -327,11 +337,17 @@ class Engine:
         self.stats["preemptions"] += 1
 
     def _register_full_blocks(self, s: _Sample) -> None:
+        """Offer s's newly completed blocks to the prefix cache (never KV an untrusted peer sent)."""
+        h = s.request.handoff
+        if h is not None and not h.trusted:
+            return  # every later block attends to the handed-off rows: none of them may be shared
         full = s.num_computed // self.config.block_size
         if full > s.num_registered:
-            hashes = block_hashes(s.token_ids[: full * self.config.block_size], self.config.block_size)
+            size = self.config.block_size
+            keys = block_hashes(s.token_ids[: full * size], size, self._cache_seed)
             for i in range(s.num_registered, full):
-                self.blocks.register(s.blocks[i], hashes[i])
+                self.blocks.register(s.blocks[i], keys[i], keys[i - 1] if i else self._cache_seed,
+                                     s.token_ids[i * size:(i + 1) * size])
             s.num_registered = full
 
     def _slots(self, s: _Sample, start: int, end: int) -> torch.Tensor:
@@ -481,7 +497,7 @@ class Engine:
     def _export(self, s: _Sample) -> KVHandoff:
         slots = self._slots(s, 0, s.target)
         return KVHandoff(tuple(s.token_ids[: s.target]), self.cache.latent[:, slots].cpu(),
-                         self.cache.rope[:, slots].cpu(), self.cache.index_k[:, slots].cpu())
+                         self.cache.rope[:, slots].cpu(), self.cache.index_k[:, slots].cpu(), trusted=True)
 
     def _next_arrival(self) -> int:
         self._arrivals += 1

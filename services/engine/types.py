@@ -51,12 +51,15 @@ class KVHandoff:
     latent [layers, n, kv_lora_rank], rope [layers, n, qk_rope_head_dim],
     index_k [layers, n, index_head_dim] in the model dtype, for positions 0..n-1 of the
     prompt. Never re-quantized: the decode replica writes these bits into its cache.
+    ``trusted``: it came from an authenticated peer (or this process), so its blocks may
+    enter the prefix cache; untrusted KV serves its own request only.
     """
 
     prompt_ids: tuple[int, ...]
     latent: torch.Tensor
     rope: torch.Tensor
     index_k: torch.Tensor
+    trusted: bool = False
 
     @property
     def num_tokens(self) -> int:

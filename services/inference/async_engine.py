@@ -330,7 +330,7 @@ class AsyncEngine:
         self._swap = None
         error: BaseException | None = None
         try:
-            self.engine.load_weights(state_dict)
+            self.engine.load_weights(state_dict, weights_version=version)
             self.weights_version = version
             log.info("now serving weights %s", version)
         except Exception as err:  # weights that do not fit: the old ones keep serving

@@ -4,7 +4,9 @@
 acknowledging each one (a bidi stream, so an error such as DATA_LOSS reaches
 the sender as a clean status while it waits for its acknowledgement, not as a
 broken pipe in the middle of a send), rebuilds the exact tensors and
-generates from them.
+generates from them. Only KV from a caller authenticated with the peer token
+may enter this replica's prefix cache: anyone else's (forged, or merely
+unauthenticated) serves its own request and is never shared.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from zerokl.services.inference import convert
 from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
+from zerokl.services.runtime.auth import Role, caller_role
 from zerokl.services.runtime.chunks import chunk_from_proto
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.server import ServiceServer
@@ -59,6 +62,7 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
         r = dataclasses.replace(r, request_id=r.request_id or header.request_id)
         tag_request(r.request_id)
         receiver = KVReceiver(header)
+        trusted = caller_role() is Role.PEER
         yield _ack(0)
         handoff = None
         while handoff is None:
@@ -70,7 +74,7 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
                 raise InvalidArgument.field("chunk", "only the first GenerateFromKV message may be a header")
             receiver.add(chunk_from_proto(msg.chunk))
             if receiver.complete:
-                handoff = receiver.handoff()  # DATA_LOSS before the last ack if the blob's sha256 differs
+                handoff = receiver.handoff(trusted)  # DATA_LOSS before the last ack if the blob's sha256 differs
             yield _ack(receiver.received)
         deltas = replica.generate_from_handoff(r, header.prompt_ids, handoff, header.prompt_logprobs,
                                                header.num_cached_tokens, header.weights_version)

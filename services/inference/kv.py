@@ -149,8 +149,12 @@ class KVReceiver:
             raise InvalidArgument.field("chunk", "the KV blob is already complete")
         self._assembler.add(chunk)
 
-    def handoff(self) -> KVHandoff:
-        """The handoff, once complete and matching the header's SHA-256."""
+    def handoff(self, trusted: bool = False) -> KVHandoff:
+        """The handoff, once complete and matching the header's SHA-256 (over the bytes received here).
+
+        The checksum only catches corruption: whoever sends the blob computes it. ``trusted``
+        (the sender authenticated as a peer) is what lets the KV enter the prefix cache.
+        """
         blob = self._assembler.value()
         if hashlib.sha256(blob).digest() != self.header.sha256:
             raise DataLoss(f"KV blob of {len(blob)} bytes does not match the header's sha256")
@@ -161,4 +165,5 @@ class KVReceiver:
                 torch.empty(0, dtype=torch.uint8)
             tensors[t.name] = raw.view(_DTYPES[t.dtype]).reshape(t.shape)
         h = self.header
-        return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"])
+        return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"],
+                         trusted=trusted)

@@ -39,6 +39,7 @@ class Replica:
         self.engine = engine
         self._identity = identity
         engine.weights_version = identity.weights_version
+        engine.engine.set_cache_identity(identity.weights_version, identity.numerics_fingerprint)
         self.tokenizer = tokenizer
         self.limits = limits
         # Read-only after construction, so the event loop may read them while the engine thread runs.

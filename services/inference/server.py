@@ -41,7 +41,8 @@ from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
-from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
+from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, options_from_args, peer_credentials,
+                                            serve)
 from zerokl.services.weightstore.client import WeightStoreClient
 
 __all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_engine", "build_replica", "main",
@@ -190,6 +191,8 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
         if not 0 < chunk <= MAX_CHUNK_BYTES:
             raise SystemExit(f"--kv-chunk-bytes must be in 1..{MAX_CHUNK_BYTES}")
 
+    peers = peer_credentials(args)
+
     async def run() -> None:
         decode_client: InferenceClient | None = None
         switcher: WeightSwitcher | None = None
@@ -199,15 +202,15 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
             replica.engine.start()
             switch = None
             if args.weight_store:
-                store = WeightStoreClient(args.weight_store, token=options.auth_token)
+                store = WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
                 switcher = WeightSwitcher(replica, store, args.weights_cache, server.not_serving)
                 switch = switcher.switch
             if service == "decode":
                 add_decode_service(server, replica, switch)
             else:
                 if args.decode:
-                    # The hop to decode carries this server's own token: one cluster, one token.
-                    decode_client = InferenceClient(args.decode, token=options.auth_token)
+                    # The hop to decode carries the peer token: only a peer's KV may enter decode's prefix cache.
+                    decode_client = InferenceClient(args.decode, token=options.auth.peer_token, credentials=peers)
                 add_prefill_service(server, PrefillRelay(replica, decode_client, chunk), switch)
             set_serving_info(replica.identity)
 

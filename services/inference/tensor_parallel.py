@@ -142,11 +142,15 @@ class LockstepEngine:
         self._send("step")
         return self.engine.step()
 
-    def load_weights(self, state_dict: dict) -> None:
+    def set_cache_identity(self, weights_version: str, numerics_fingerprint: str) -> None:
+        self._send("set_cache_identity", weights_version, numerics_fingerprint)
+        self.engine.set_cache_identity(weights_version, numerics_fingerprint)
+
+    def load_weights(self, state_dict: dict, weights_version: str = "") -> None:
         """Every rank loads its shards of the full `state_dict` (sent to the followers first)."""
-        self._send("load_weights")
+        self._send("load_weights", weights_version)
         _broadcast_state_dict(state_dict, self.group)
-        _load_shards(self.engine, state_dict, self.group)
+        _load_shards(self.engine, state_dict, self.group, weights_version)
 
     def stop(self) -> None:
         """Tell the followers to exit (after the engine thread has stopped)."""
@@ -164,7 +168,7 @@ def follow(engine: Engine, group: TensorParallelGroup) -> None:
             return
         try:
             if name == "load_weights":
-                _load_shards(engine, _broadcast_state_dict(None, group), group)
+                _load_shards(engine, _broadcast_state_dict(None, group), group, *args)
             else:
                 getattr(engine, name)(*args)
         except RequestError:
@@ -190,6 +194,6 @@ def _broadcast_state_dict(state_dict: dict | None, group: TensorParallelGroup) -
     return out
 
 
-def _load_shards(engine: Engine, state_dict: dict, group: TensorParallelGroup) -> None:
+def _load_shards(engine: Engine, state_dict: dict, group: TensorParallelGroup, weights_version: str = "") -> None:
     model = engine.model
-    engine.load_weights(shard_state_dict(state_dict, model.config, group.compute, model.dtype))
+    engine.load_weights(shard_state_dict(state_dict, model.config, group.compute, model.dtype), weights_version)

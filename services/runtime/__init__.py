@@ -4,12 +4,12 @@
   message limits), :func:`serve`, :func:`create_channel`, shared CLI flags.
 - :mod:`.metrics`: the ``zerokl_`` Prometheus metrics and their HTTP endpoint.
 - :mod:`.tracing`: OTLP export and W3C trace-context interceptors.
-- :mod:`.auth`: bearer-token auth and TLS / mTLS credentials.
+- :mod:`.auth`: role-based bearer-token auth (client, peer, operator) and TLS / mTLS credentials.
 - :mod:`.chunks`: checksummed raw-byte chunks for large blobs.
 - :mod:`.errors`: exceptions that become rich gRPC statuses.
 - :mod:`.info`: the service identity behind every Info RPC.
 """
-from zerokl.services.runtime.auth import TlsConfig, load_auth_token
+from zerokl.services.runtime.auth import AuthConfig, Role, TlsConfig, caller_role, load_auth_config, load_auth_token
 from zerokl.services.runtime.chunks import (
     MAX_CHUNK_BYTES,
     Chunk,
@@ -63,6 +63,9 @@ __all__ = [
     "ServiceIdentity",
     "ServiceServer",
     "TlsConfig",
+    "AuthConfig",
+    "Role",
+    "caller_role",
     "Unavailable",
     "add_server_arguments",
     "chunk_from_proto",
@@ -73,6 +76,7 @@ __all__ = [
     "field_violations",
     "identity_from_proto",
     "identity_to_proto",
+    "load_auth_config",
     "load_auth_token",
     "model_config_hash",
     "options_from_args",

@@ -25,7 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from zerokl.services.runtime.auth import BearerTokenServerInterceptor, TlsConfig, bearer_token_interceptor, load_auth_token
+from zerokl.services.runtime.auth import AuthConfig, RoleAuthServerInterceptor, TlsConfig, bearer_token_interceptor, load_auth_config
 from zerokl.services.runtime.interceptors import ClientInterceptor, ErrorInterceptor, channel_interceptors
 from zerokl.services.runtime.metrics import MetricsServer, start_metrics_server
 from zerokl.services.runtime.tracing import TracingClientInterceptor, TracingServerInterceptor, configure_tracing
@@ -37,6 +37,7 @@ __all__ = [
     "serve",
     "add_server_arguments",
     "options_from_args",
+    "peer_credentials",
     "create_channel",
 ]
 
@@ -66,7 +67,7 @@ class ServerOptions:
     grace_s: float = 10.0
     drain_delay_s: float = 0.0
     tls: TlsConfig | None = None
-    auth_token: str | None = None
+    auth: AuthConfig = AuthConfig()          # no token: auth off
     tracer_provider: trace.TracerProvider | None = None
 
 
@@ -83,8 +84,8 @@ class ServiceServer:
         self.service = service
         self.options = options
         interceptors: list[grpc.aio.ServerInterceptor] = [TracingServerInterceptor(options.tracer_provider)]
-        if options.auth_token:
-            interceptors.append(BearerTokenServerInterceptor(options.auth_token))
+        if options.auth.enabled:
+            interceptors.append(RoleAuthServerInterceptor(options.auth))
         # Innermost, so tracing records the status the error was mapped to.
         interceptors.append(ErrorInterceptor())
         self._server = grpc.aio.server(interceptors=interceptors, options=[
@@ -254,8 +255,17 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     g.add_argument("--tls-cert", help="PEM certificate (enables TLS together with --tls-key)")
     g.add_argument("--tls-key", help="PEM private key")
     g.add_argument("--tls-client-ca", help="PEM CA; clients must present a certificate it signed (mTLS)")
-    g.add_argument("--auth-token-file", help="require 'authorization: Bearer <token>' with the token in this file "
-                                              "(default: $ZEROKL_AUTH_TOKEN_FILE or $ZEROKL_AUTH_TOKEN; none: no auth)")
+    g.add_argument("--peer-ca", help="PEM CA of the other zerokl services: this service's own calls to them "
+                                      "(weight store, decode, trainer) go over TLS verified with it, presenting "
+                                      "--tls-cert/--tls-key for mTLS (default: plaintext)")
+    g.add_argument("--auth-token-file", help="the client token: clients present 'authorization: Bearer <token>' "
+                                              "(default: $ZEROKL_AUTH_TOKEN_FILE or $ZEROKL_AUTH_TOKEN; no token "
+                                              "of any role: no auth)")
+    g.add_argument("--peer-token-file", help="the peer token: services present it to each other; internal RPCs "
+                                              "need it or the operator token (default: $ZEROKL_PEER_TOKEN_FILE or "
+                                              "$ZEROKL_PEER_TOKEN)")
+    g.add_argument("--operator-token-file", help="the operator token: everything a peer may call "
+                                                  "(default: $ZEROKL_OPERATOR_TOKEN_FILE or $ZEROKL_OPERATOR_TOKEN)")
 
 
 def options_from_args(args: argparse.Namespace) -> ServerOptions:
@@ -265,9 +275,19 @@ def options_from_args(args: argparse.Namespace) -> ServerOptions:
     if args.tls_client_ca and not args.tls_cert:
         raise SystemExit("--tls-client-ca needs --tls-cert and --tls-key")
     tls = TlsConfig(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    try:
+        auth = load_auth_config(args.auth_token_file, args.peer_token_file, args.operator_token_file)
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"auth: {err}") from None
     return ServerOptions(host=args.host, port=args.port, max_message_bytes=args.max_message_bytes,
-                         grace_s=args.grace, drain_delay_s=args.drain_delay, tls=tls,
-                         auth_token=load_auth_token(args.auth_token_file))
+                         grace_s=args.grace, drain_delay_s=args.drain_delay, tls=tls, auth=auth)
+
+
+def peer_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials for this service's calls to other zerokl services (None: plaintext), from --peer-ca."""
+    if not args.peer_ca:
+        return None
+    return TlsConfig.channel_credentials(args.peer_ca, args.tls_cert, args.tls_key)
 
 
 def create_channel(target: str, *, token: str | None = None,

@@ -20,7 +20,7 @@ from typing import Sequence
 from zerokl.services.runtime.auth import TlsConfig
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.runtime.metrics import start_metrics_server
-from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, peer_credentials
 from zerokl.services.runtime.tracing import configure_tracing
 from zerokl.services.scheduler.registry import (
     ReplicaSource,
@@ -126,20 +126,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = options_from_args(args)
     sources = sources_from_args(args)
     config = config_from_args(args)
-    credentials = None
+    peers = peer_credentials(args)
+    credentials = peers
     if args.replica_ca:
         credentials = TlsConfig.channel_credentials(args.replica_ca, args.tls_cert, args.tls_key)
 
     async def run() -> None:
         provider = configure_tracing("scheduler")
         server = ServiceServer("scheduler", dataclasses.replace(options, tracer_provider=provider))
-        # The hop to replicas carries the scheduler's own token: one cluster, one token.
+        # Hops to replicas and the trainer carry the peer token (SwitchWeights, trainer steps are internal).
         registry = Registry(sources, poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
                             info_interval_s=args.info_interval,
-                            token=options.auth_token, credentials=credentials, tracer_provider=provider)
+                            token=options.auth.peer_token, credentials=credentials, tracer_provider=provider)
         scheduler = Scheduler(registry, config, args.replica_id)
         scheduler.attach(server)
-        trainer = TrainerClient(args.trainer, token=options.auth_token) if args.trainer else None
+        trainer = TrainerClient(args.trainer, token=options.auth.peer_token, credentials=peers) if args.trainer else None
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None

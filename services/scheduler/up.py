@@ -1,6 +1,7 @@
-"""``zerokl up``: every zerokl service on loopback, as child processes of one command.
+"""``zerokl up``: every zerokl service on loopback, as supervised child processes of one command.
 
     zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--port 50050]
+              [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
 
 1. starts the weight store on a local directory (``WORKDIR/weights``); when
    it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
@@ -13,9 +14,22 @@
 3. waits until every service answers grpc.health.v1 SERVING, prints a table
    of services, addresses, weights versions and fingerprints and a
    ``zerokl generate`` line to try, and writes the same to ``WORKDIR/up.json``;
-4. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
-   is routed to a replica that is going away) and waits for them; a child that
-   dies on its own stops everything with exit status 1.
+4. supervises: a child that dies is restarted on the same port with
+   exponential backoff (a replica at the weights version the fleet serves
+   now, which may be newer than the one it started with); meanwhile the scheduler routes around it and ``up.json`` (so ``zerokl
+   status``) names it DOWN or RESTARTING, with its restart count and last exit
+   status, until it is SERVING again;
+5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
+   is routed to a replica that is going away) and waits for them.
+
+With ``--auth-token`` every service requires tokens (see docs/operator.md,
+"Security model"): the client token for Generate and friends, the peer token
+(generated when not given) between services, the operator token (generated
+when not given) for internal RPCs called by people and by ``zerokl up``
+itself. They reach the children as files in ``WORKDIR/secrets`` (mode 0600),
+never on a command line. With ``--tls-cert/--tls-key`` every service serves
+TLS with that certificate (it must be valid for 127.0.0.1) and verifies the
+others with ``--tls-ca``.
 
 Children run in their own session (a terminal's Ctrl-C reaches only this
 process, which stops them in order) and get SIGTERM if this process dies.
@@ -29,6 +43,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import secrets
 import shlex
 import signal
 import socket
@@ -42,11 +57,16 @@ from typing import Sequence
 import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
 
+from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FILE_ENV, PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV,
+                                          AuthConfig, TlsConfig, load_auth_token)
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
+from zerokl.services.runtime.server import create_channel
 from zerokl.v1 import common_pb2
 
-__all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "build_parser", "add_arguments", "main", "run"]
+__all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "ClientSecurity", "UpSecurity", "build_parser",
+           "add_arguments", "main", "run", "read_state", "status"]
 
 DEFAULT_WORKDIR = "~/.zerokl/up"
 TRAINER_MODULE = "zerokl.services.trainer.server"
@@ -54,11 +74,17 @@ _HOST = "127.0.0.1"
 _EXAMPLE_PROMPT = "nums 3 4 target 7"
 # Stop order: the front door first, the store last (a trainer may still be publishing).
 _STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
+# Restart backoff: the first restart after --restart-backoff seconds, doubling while restarts keep
+# failing, never more than the cap; a child that served this long before dying starts over at the first delay.
+_BACKOFF_CAP_S = 30.0
+_STABLE_S = 60.0
+# How often the supervisor reads the weights version the scheduler routes to (a replica restarts at it).
+_FLEET_POLL_S = 2.0
 
 
 @dataclass
 class Child:
-    """One service process ``zerokl up`` runs."""
+    """One service process ``zerokl up`` runs (and restarts when it dies)."""
 
     name: str                      # "decode-0", "scheduler", ...
     service: str                   # the `zerokl serve` service
@@ -67,8 +93,14 @@ class Child:
     log_path: pathlib.Path
     proc: subprocess.Popen | None = None
     identity: ServiceIdentity | None = None
-    status: str = "starting"
-    required: bool = True          # False: a failure is reported, the others keep running
+    status: str = "starting"       # SERVING, DOWN, RESTARTING (and "exited N" once stopped)
+    required: bool = True          # at startup: False means a failure is reported, the others keep running
+    restarts: int = 0              # how often the supervisor started it again
+    last_exit: int | None = None   # the exit status of its last death (negative: killed by that signal)
+    serving_since: float | None = None
+    failures: int = 0              # deaths in a row without serving _STABLE_S: the backoff's exponent
+    restart_at: float = 0.0        # monotonic time of the next restart while DOWN
+    restarting: asyncio.Future[None] | None = None
 
     @property
     def address(self) -> str:
@@ -77,6 +109,68 @@ class Child:
     @property
     def argv(self) -> list[str]:
         return [sys.executable, "-m", "zerokl", "serve", self.service, *self.flags]
+
+
+@dataclass(frozen=True)
+class UpSecurity:
+    """The tokens and TLS files every child serves with, and ``zerokl up``'s own credentials (operator)."""
+
+    auth: AuthConfig = AuthConfig()
+    token_files: tuple[tuple[str, pathlib.Path], ...] = ()     # (child flag, file) per configured role
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+
+    def child_flags(self) -> list[str]:
+        """The security flags of every `zerokl serve` child."""
+        flags = [f for flag, path in self.token_files for f in (flag, str(path))]
+        if self.tls_cert:
+            flags += ["--tls-cert", self.tls_cert, "--tls-key", str(self.tls_key), "--peer-ca", str(self.tls_ca)]
+        return flags
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        return TlsConfig.channel_credentials(self.tls_ca) if self.tls_cert else None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to a child carrying the operator token (over TLS when the children serve it)."""
+        return create_channel(address, token=self.auth.operator_token, credentials=self.credentials(),
+                              tracer_provider=trace.NoOpTracerProvider())
+
+    def token_file(self, flag: str) -> str | None:
+        """The file passed to the children as ``flag`` (None when that role has no token)."""
+        return next((str(p) for f, p in self.token_files if f == flag), None)
+
+
+def _security(args: argparse.Namespace, workdir: pathlib.Path) -> UpSecurity:
+    """Tokens from the flags or the environment (peer and operator generated when auth is on), written to
+    ``WORKDIR/secrets``; TLS files checked."""
+    if len({bool(args.tls_cert), bool(args.tls_key), bool(args.tls_ca)}) != 1:
+        raise SystemExit("zerokl up: --tls-cert, --tls-key and --tls-ca go together")
+    client = args.auth_token or load_auth_token()
+    peer = args.peer_token or load_auth_token(env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)
+    operator = args.operator_token or load_auth_token(env=OPERATOR_TOKEN_ENV, file_env=OPERATOR_TOKEN_FILE_ENV)
+    if client or peer or operator:
+        peer = peer or secrets.token_urlsafe(32)
+        operator = operator or secrets.token_urlsafe(32)
+    try:
+        auth = AuthConfig(client, peer, operator)
+    except ValueError as err:
+        raise SystemExit(f"zerokl up: {err}") from None
+    files = []
+    folder = workdir / "secrets"
+    for flag, role, token in (("--auth-token-file", "client", client), ("--peer-token-file", "peer", peer),
+                              ("--operator-token-file", "operator", operator)):
+        path = folder / f"{role}.token"
+        if not token:
+            path.unlink(missing_ok=True)   # a token of an earlier run must not look current
+            continue
+        folder.mkdir(mode=0o700, exist_ok=True)
+        path.touch(mode=0o600)
+        path.chmod(0o600)                  # before the secret is written, not after
+        path.write_text(token + "\n")
+        files.append((flag, path))
+    tls = [str(pathlib.Path(f).expanduser().resolve()) if f else None for f in (args.tls_cert, args.tls_key, args.tls_ca)]
+    return UpSecurity(auth, tuple(files), *tls)
 
 
 class UpError(RuntimeError):
@@ -112,10 +206,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for every service to report SERVING")
     s.add_argument("--grace", type=float, default=10.0,
                    help="seconds each service gets to finish in-flight calls when stopping")
+    s.add_argument("--restart-backoff", type=float, default=0.5,
+                   help="seconds before restarting a service that died; doubles while restarts keep failing, "
+                        f"up to {_BACKOFF_CAP_S:.0f}s (default %(default)s)")
+    a = p.add_argument_group("security (docs/operator.md, \"Security model\"; default: no auth, plaintext)")
+    a.add_argument("--auth-token", default=None, metavar="TOKEN",
+                   help="the client token: turns auth on for every service (default $ZEROKL_AUTH_TOKEN; "
+                        "tokens on a command line are visible to other local users: prefer the variables)")
+    a.add_argument("--peer-token", default=None, metavar="TOKEN",
+                   help="the token services present to each other (default $ZEROKL_PEER_TOKEN, else generated)")
+    a.add_argument("--operator-token", default=None, metavar="TOKEN",
+                   help="the token for internal RPCs called by people, e.g. `zerokl jobs submit` (default "
+                        "$ZEROKL_OPERATOR_TOKEN, else generated into WORKDIR/secrets/operator.token)")
+    a.add_argument("--tls-cert", default=None, help="PEM certificate every service serves with (valid for 127.0.0.1)")
+    a.add_argument("--tls-key", default=None, help="its PEM private key")
+    a.add_argument("--tls-ca", default=None, help="PEM CA that signed it: services and zerokl up verify each other")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerokl up", description="Run all zerokl services on loopback until Ctrl-C.")
+    p = argparse.ArgumentParser(prog="zerokl up", description="Run all zerokl services on loopback until Ctrl-C.",
+                                allow_abbrev=False)
     add_arguments(p)
     return p
 
@@ -158,9 +268,9 @@ def _log_tail(path: pathlib.Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-async def _wait_serving(child: Child, deadline: float) -> None:
+async def _wait_serving(child: Child, deadline: float, security: UpSecurity) -> None:
     """Wait for ``child`` to answer health SERVING and read its Info (UpError if it exits or times out)."""
-    async with grpc.aio.insecure_channel(child.address) as channel:
+    async with security.channel(child.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while True:
             assert child.proc is not None
@@ -177,6 +287,7 @@ async def _wait_serving(child: Child, deadline: float) -> None:
             await asyncio.sleep(0.2)
         child.identity = await _info(channel, child.service)
     child.status = "SERVING"
+    child.serving_since = time.monotonic()
 
 
 # The gRPC service whose Info each zerokl service answers (one request and response type everywhere).
@@ -196,12 +307,12 @@ async def _info(channel: grpc.aio.Channel, service: str) -> ServiceIdentity | No
         return None
 
 
-async def _prepare_weights(args: argparse.Namespace, store: Child,
-                           models_dir: pathlib.Path) -> tuple[str, pathlib.Path]:
+async def _prepare_weights(args: argparse.Namespace, store: Child, models_dir: pathlib.Path,
+                           security: UpSecurity) -> tuple[str, pathlib.Path]:
     """Publish the model into an empty store, then fetch the version to serve; (version, directory)."""
     from zerokl.services.weightstore.client import WeightStoreClient
 
-    async with WeightStoreClient(store.address) as client:
+    async with security.channel(store.address) as channel, WeightStoreClient(channel=channel) as client:
         versions = [e.manifest.version for e in await client.list()]
         if not versions:
             version = args.weights_version or "1"
@@ -244,9 +355,10 @@ async def _publish(client: object, args: argparse.Namespace, version: str) -> No
 
 
 def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version: str,
-          model_dir: pathlib.Path) -> list[Child]:
+          model_dir: pathlib.Path, security: UpSecurity) -> list[Child]:
     """Every service after the weight store, with its flags and port."""
     logs = workdir / "logs"
+    secure = security.child_flags()
     trainer = not args.no_trainer and importlib.util.find_spec(TRAINER_MODULE) is not None
     compute = args.decode_replicas + args.prefill_replicas + int(trainer)
     threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
@@ -254,28 +366,28 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address, *threads]
     if not (model_dir / "tokenizer.json").exists():
         model += ["--tokenizer", "countdown"]  # the presets speak countdown
-    grace = ["--grace", str(args.grace)]
+    common = ["--grace", str(args.grace), *secure]
     children: list[Child] = []
     decode = [Child(f"decode-{i}", "decode", _free_port(), [], logs / f"decode-{i}.log")
               for i in range(args.decode_replicas)]
     for d in decode:
-        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *grace, *args.replica_flag]
+        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *common, *args.replica_flag]
     children += decode
     for i in range(args.prefill_replicas):
         p = Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
         # Its own Generate relays to a decode replica; through the scheduler it only serves PrefillKV and Score.
         p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, "--decode", decode[i % len(decode)].address,
-                   *grace, *args.replica_flag]
+                   *common, *args.replica_flag]
         children.append(p)
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         t.flags = ["--weight-store", store.address, "--init", version, *threads, "--port", str(t.port),
-                   "--replica-id", "trainer", *grace, *args.trainer_flag]
+                   "--replica-id", "trainer", *common, *args.trainer_flag]
         children.append(t)
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
-               "--replica-id", "scheduler", *grace]
+               "--replica-id", "scheduler", *common]
     if trainer:
         s.flags += ["--trainer", t.address]
     if args.prefill_replicas:
@@ -295,16 +407,31 @@ def _table(children: Sequence[Child]) -> str:
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-def _write_state(workdir: pathlib.Path, children: Sequence[Child]) -> None:
-    """``up.json``: where each service listens (for ``zerokl status`` and scripts)."""
-    state = {"pid": os.getpid(), "services": [
-        {"name": c.name, "service": c.service, "address": c.address, "pid": c.proc.pid if c.proc else None,
-         "log": str(c.log_path), "status": c.status,
-         "weights_version": c.identity.weights_version if c.identity else "",
-         "numerics_fingerprint": c.identity.numerics_fingerprint if c.identity else ""} for c in children]}
+def _write_state(workdir: pathlib.Path, children: Sequence[Child], security: UpSecurity,
+                 fleet_version: str) -> None:
+    """``up.json``: where each service listens and what the supervisor knows of it (for ``zerokl status``,
+    ``zerokl generate`` and scripts); rewritten at every change."""
+    state = {"pid": os.getpid(), "weights_version": fleet_version, "auth": security.auth.enabled,
+             "client_token_file": security.token_file("--auth-token-file"),
+             "operator_token_file": security.token_file("--operator-token-file"),
+             "tls_ca": security.tls_ca if security.tls_cert else None, "services": [
+                 {"name": c.name, "service": c.service, "address": c.address, "pid": c.proc.pid if c.proc else None,
+                  "log": str(c.log_path), "status": c.status, "restarts": c.restarts, "last_exit": c.last_exit,
+                  "weights_version": c.identity.weights_version if c.identity else "",
+                  "numerics_fingerprint": c.identity.numerics_fingerprint if c.identity else ""}
+                 for c in children]}
     tmp = workdir / "up.json.tmp"
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     tmp.replace(workdir / "up.json")
+
+
+def read_state(workdir: str | os.PathLike[str]) -> dict | None:
+    """The ``up.json`` of a running ``zerokl up`` in ``workdir`` (None when there is none)."""
+    path = pathlib.Path(os.path.expanduser(workdir)) / "up.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
 
 
 def _stop(children: Sequence[Child], timeout_s: float) -> bool:
@@ -332,19 +459,107 @@ def _stop(children: Sequence[Child], timeout_s: float) -> bool:
     return clean
 
 
+class _Supervisor:
+    """Restarts children that die, with backoff, and keeps ``up.json`` current.
+
+    A replica comes back at the weights version the fleet serves: the one the
+    scheduler routes unpinned requests to, read every few seconds (jobs switch
+    the fleet to the versions they publish; a replica back at its first version
+    would roll the cluster back, or make a mixed fleet the scheduler refuses).
+    """
+
+    def __init__(self, args: argparse.Namespace, workdir: pathlib.Path, children: list[Child], store: Child,
+                 security: UpSecurity, fleet_version: str) -> None:
+        self.args, self.workdir, self.children, self.store, self.security = args, workdir, children, store, security
+        self.scheduler = next(c for c in children if c.service == "scheduler")
+        self.fleet_version = fleet_version
+        self._fleet_read_at = 0.0
+
+    async def tick(self) -> None:
+        """Notice deaths, start restarts that are due, follow the fleet's version, record what changed."""
+        now = time.monotonic()
+        changed = False
+        if now - self._fleet_read_at >= _FLEET_POLL_S:
+            self._fleet_read_at = now
+            version = await self._scheduler_version()
+            if version and version != self.fleet_version:
+                self.fleet_version, changed = version, True
+        for c in self.children:
+            if c.restarting is not None:
+                if not c.restarting.done():
+                    continue
+                err = c.restarting.exception()
+                c.restarting = None
+                changed = True
+                if err is None:
+                    print(f"zerokl up: {c.name} is back (restart {c.restarts})", flush=True)
+                    continue
+                print(f"zerokl up: restarting {c.name} failed: {err}", file=sys.stderr, flush=True)
+                if c.proc is not None and c.proc.poll() is None:   # up but never SERVING: try again
+                    c.proc.kill()
+                    c.proc.wait()
+            assert c.proc is not None
+            if c.status != "DOWN" and c.proc.poll() is not None:
+                if c.serving_since is not None and now - c.serving_since >= _STABLE_S:
+                    c.failures = 0
+                delay = min(_BACKOFF_CAP_S, self.args.restart_backoff * 2 ** c.failures)
+                c.failures += 1
+                c.status, c.last_exit, c.serving_since, c.restart_at = "DOWN", c.proc.returncode, None, now + delay
+                print(f"zerokl up: {c.name} exited with status {c.proc.returncode}; restarting it in {delay:.1f}s. "
+                      f"Its log {c.log_path}:\n{_log_tail(c.log_path)}", file=sys.stderr, flush=True)
+                changed = True
+            if c.status == "DOWN" and now >= c.restart_at:
+                c.restarting = asyncio.ensure_future(self._restart(c))
+                changed = True
+        if changed:
+            _write_state(self.workdir, self.children, self.security, self.fleet_version)
+
+    async def _scheduler_version(self) -> str:
+        """The version the scheduler serves now ("" while it cannot say: no healthy decode replica, or down)."""
+        if self.scheduler.status != "SERVING":
+            return ""
+        async with self.security.channel(self.scheduler.address) as channel:
+            ident = await _info(channel, "scheduler")
+        return ident.weights_version if ident is not None else ""
+
+    async def _restart(self, c: Child) -> None:
+        c.status = "RESTARTING"
+        c.restarts += 1
+        if c.service in ("prefill", "decode"):
+            await self._follow_fleet_version(c)
+        _launch(c)
+        _write_state(self.workdir, self.children, self.security, self.fleet_version)
+        await _wait_serving(c, time.monotonic() + self.args.startup_timeout, self.security)
+
+    async def _follow_fleet_version(self, c: Child) -> None:
+        """Point the replica's --model/--weights-version at the version the fleet serves now."""
+        version = await self._scheduler_version() or self.fleet_version
+        if not version or version == c.flags[c.flags.index("--weights-version") + 1]:
+            return
+        from zerokl.services.weightstore.client import WeightStoreClient
+        dest = self.workdir / "models" / version
+        async with self.security.channel(self.store.address) as channel, \
+                WeightStoreClient(channel=channel) as client:
+            await client.fetch(version, dest)   # resumable; complete, verified files are kept
+        c.flags[c.flags.index("--model") + 1] = str(dest)
+        c.flags[c.flags.index("--weights-version") + 1] = version
+        print(f"zerokl up: {c.name} comes back at weights version {version} (the fleet's)", flush=True)
+
+
 async def run(args: argparse.Namespace) -> int:
-    """Start everything, serve until a signal or a required child's death, stop everything."""
+    """Start everything, supervise until a signal, stop everything."""
     workdir = pathlib.Path(args.workdir).expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     if args.decode_replicas < 1 or args.prefill_replicas < 0:
         raise SystemExit("zerokl up: need at least one decode replica and no negative counts")
+    security = _security(args, workdir)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     store = Child("weight-store", "weight-store", _free_port(), [], workdir / "logs" / "weight-store.log")
     store.flags = ["--root", str(workdir / "weights"), "--port", str(store.port), "--replica-id", "weight-store",
-                   "--grace", str(args.grace)]
+                   "--grace", str(args.grace), *security.child_flags()]
     children = [store]
     waits: dict[str, asyncio.Future[None]] = {}
     status = 0
@@ -352,12 +567,12 @@ async def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         deadline = started + args.startup_timeout
         _launch(store)
-        await _until(_wait_serving(store, deadline), stop)
-        version, model_dir = await _until(_prepare_weights(args, store, workdir / "models"), stop)
-        children += _plan(args, workdir, store, version, model_dir)
+        await _until(_wait_serving(store, deadline, security), stop)
+        version, model_dir = await _until(_prepare_weights(args, store, workdir / "models", security), stop)
+        children += _plan(args, workdir, store, version, model_dir, security)
         for child in children[1:]:
             _launch(child)
-        waits.update({c.name: asyncio.ensure_future(_wait_serving(c, deadline)) for c in children[1:]})
+        waits.update({c.name: asyncio.ensure_future(_wait_serving(c, deadline, security)) for c in children[1:]})
         await _until(asyncio.wait(waits.values()), stop)
         for child in children[1:]:
             err = waits[child.name].exception()
@@ -370,21 +585,21 @@ async def run(args: argparse.Namespace) -> int:
         if not any(c.service == "trainer" for c in children):
             why = "--no-trainer" if args.no_trainer else f"this install has no {TRAINER_MODULE}"
             print(f"zerokl up: not starting the trainer ({why})", flush=True)
-        _write_state(workdir, children)
+        # What never came up is not restarted: its log says why, and a restart would fail the same way.
+        supervised = [c for c in children if c.status == "SERVING"]
+        _write_state(workdir, children, security, version)
         scheduler = children[-1]
         print(f"zerokl up: {len(children)} services on loopback in {time.monotonic() - started:.1f}s "
               f"(workdir {workdir}, logs in {workdir / 'logs'})", flush=True)
         print(_table(children), flush=True)
+        if security.auth.enabled:
+            print(f"auth is on: tokens in {workdir / 'secrets'} (client.token for generate, operator.token for "
+                  f"jobs and internal RPCs)", flush=True)
         print(f"try:\n  zerokl generate --server {scheduler.address} {shlex.quote(_EXAMPLE_PROMPT)} "
               f"--max-tokens 16\nCtrl-C stops all services.", flush=True)
+        supervisor = _Supervisor(args, workdir, supervised, store, security, version)
         while not stop.is_set():
-            dead = [c for c in children if c.required and c.proc is not None and c.proc.poll() is not None]
-            if dead:
-                for c in dead:
-                    print(f"zerokl up: {c.name} exited with status {c.proc.returncode}; stopping everything. "  # type: ignore[union-attr]
-                          f"Its log {c.log_path}:\n{_log_tail(c.log_path)}", file=sys.stderr)
-                status = 1
-                break
+            await supervisor.tick()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
     except UpError as err:
@@ -396,9 +611,10 @@ async def run(args: argparse.Namespace) -> int:
     except _Stopped:
         pass
     finally:
-        for wait in waits.values():
+        pending = [*waits.values(), *(c.restarting for c in children if c.restarting is not None)]
+        for wait in pending:
             wait.cancel()
-        await asyncio.gather(*waits.values(), return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         print("zerokl up: stopping services ...", flush=True)
         clean = await asyncio.to_thread(_stop, children, args.grace + 10.0)
         with contextlib.suppress(OSError):
@@ -436,11 +652,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # ----------------------------------------------------------------------------- zerokl status
 
-async def _probe(entry: dict) -> dict:
-    """Live health and identity of one service listed in up.json."""
+@dataclass(frozen=True)
+class ClientSecurity:
+    """What a command-line client presents: a bearer token and the CA to verify TLS servers with."""
+
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None      # a client certificate, for servers that require mTLS
+    tls_key: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        return TlsConfig.channel_credentials(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca else None
+
+    def with_state(self, state: dict, operator: bool = False) -> "ClientSecurity":
+        """Fill what was not given from a ``zerokl up`` state (the same local user started it): its client
+        (or operator) token file and its CA."""
+        token = self.token
+        path = state.get("operator_token_file" if operator else "client_token_file")
+        if token is None and path:
+            token = load_auth_token(path, {})
+        return ClientSecurity(token, self.tls_ca or state.get("tls_ca"), self.tls_cert, self.tls_key)
+
+
+async def _probe(entry: dict, security: ClientSecurity) -> dict:
+    """Live health and identity of one service listed in up.json, with what the supervisor recorded."""
     row = {"name": entry["name"], "service": entry["service"], "address": entry["address"],
-           "health": "UNREACHABLE", "weights_version": "", "numerics_fingerprint": "", "numerics_version": ""}
-    async with grpc.aio.insecure_channel(entry["address"]) as channel:
+           "health": "UNREACHABLE", "state": entry.get("status", ""), "restarts": entry.get("restarts", 0),
+           "last_exit": entry.get("last_exit"),
+           "weights_version": "", "numerics_fingerprint": "", "numerics_version": ""}
+    async with create_channel(entry["address"], token=security.token, credentials=security.credentials(),
+                              tracer_provider=trace.NoOpTracerProvider()) as channel:
         try:
             resp = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
             row["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
@@ -453,35 +694,40 @@ async def _probe(entry: dict) -> dict:
     return row
 
 
-def status(workdir: str, as_json: bool = False) -> int:
-    """`zerokl status`: each service's health, address, fingerprint and weights version.
+def status(workdir: str, as_json: bool = False, security: ClientSecurity = ClientSecurity()) -> int:
+    """`zerokl status`: each service's health, supervisor state, restarts, fingerprint and weights version.
 
     Exit status 0 only when every service is SERVING and the compute services agree on one
-    numerics fingerprint and one weights version.
+    numerics fingerprint and one weights version. A service the supervisor is restarting is
+    named DOWN or RESTARTING (with its restart count and last exit status) until it is back.
     """
-    path = pathlib.Path(os.path.expanduser(workdir)) / "up.json"
-    if not path.exists():
-        print(f"no running `zerokl up` found ({path} does not exist)", file=sys.stderr)
+    state = read_state(workdir)
+    if state is None:
+        print(f"no running `zerokl up` found ({pathlib.Path(os.path.expanduser(workdir)) / 'up.json'} "
+              f"does not exist)", file=sys.stderr)
         return 1
-    entries = json.loads(path.read_text())["services"]
-    rows = asyncio.run(_gather_probes(entries))
+    rows = asyncio.run(_gather_probes(state["services"], security.with_state(state)))
     compute = [r for r in rows if r["service"] != "weight-store"]
     fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
     versions = sorted({r["weights_version"] for r in compute})
-    healthy = all(r["health"] == "SERVING" for r in rows)
+    healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
+    down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
     ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
     if as_json:
-        print(json.dumps({"ok": ok, "fingerprints": fingerprints, "weights_versions": versions, "services": rows}, indent=2))
+        print(json.dumps({"ok": ok, "down": down, "fingerprints": fingerprints, "weights_versions": versions,
+                          "services": rows}, indent=2))
     else:
-        table = [("SERVICE", "ADDRESS", "HEALTH", "WEIGHTS", "FINGERPRINT")]
-        table += [(r["name"], r["address"], r["health"], r["weights_version"] or "-", r["numerics_fingerprint"] or "-")
-                  for r in rows]
+        table = [("SERVICE", "ADDRESS", "HEALTH", "STATE", "RESTARTS", "WEIGHTS", "FINGERPRINT")]
+        table += [(r["name"], r["address"], r["health"], r["state"] or "-",
+                   f"{r['restarts']}" + (f" (last exit {r['last_exit']})" if r["last_exit"] is not None else ""),
+                   r["weights_version"] or "-", r["numerics_fingerprint"] or "-") for r in rows]
         widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
         print("\n".join("  ".join(v.ljust(w) for v, w in zip(t, widths)).rstrip() for t in table))
         print(f"{'OK' if ok else 'NOT OK'}: {sum(r['health'] == 'SERVING' for r in rows)}/{len(rows)} serving, "
-              f"fingerprints {fingerprints or ['-']}, weights versions {versions or ['-']}")
+              f"fingerprints {fingerprints or ['-']}, weights versions {versions or ['-']}"
+              + (f"; down: {', '.join(down)}" if down else ""))
     return 0 if ok else 1
 
 
-async def _gather_probes(entries: list[dict]) -> list[dict]:
-    return list(await asyncio.gather(*(_probe(e) for e in entries)))
+async def _gather_probes(entries: list[dict], security: ClientSecurity) -> list[dict]:
+    return list(await asyncio.gather(*(_probe(e, security) for e in entries)))

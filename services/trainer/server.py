@@ -41,7 +41,8 @@ from zerokl.model import Model, ModelConfig
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
-from zerokl.services.runtime.server import ServiceServer, add_server_arguments, create_channel, options_from_args, serve
+from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, create_channel, options_from_args,
+                                            peer_credentials, serve)
 from zerokl.services.trainer.checkpointing import (
     LineageEntry,
     LocalWeights,
@@ -121,7 +122,7 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 async def open_repo(args: argparse.Namespace) -> WeightsRepo:
     """The store the flags select; a remote one must answer within --weight-store-wait."""
     if args.weight_store:
-        channel = create_channel(args.weight_store, token=_token(args))
+        channel = create_channel(args.weight_store, token=_token(args), credentials=peer_credentials(args))
         try:
             await asyncio.wait_for(channel.channel_ready(), args.weight_store_wait)
         except asyncio.TimeoutError:
@@ -134,9 +135,9 @@ async def open_repo(args: argparse.Namespace) -> WeightsRepo:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    # The hop to the weight store carries this server's own token: one cluster, one token.
-    from zerokl.services.runtime.auth import load_auth_token
-    return load_auth_token(args.auth_token_file)
+    # The hop to the weight store carries the peer token: publishing weights is an internal RPC.
+    from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
+    return load_auth_token(args.peer_token_file, env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)
 
 
 def make_identity(model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:

@@ -193,7 +193,7 @@ def test_minio_credentials_come_from_a_secret_never_from_values() -> None:
     assert env["ZEROKL_S3_SECRET_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "zerokl-minio", "key": "rootPassword"}
     assert "--s3-endpoint=zerokl-minio:9000" in store["args"] and "--s3-bucket=zerokl-weights" in store["args"]
     own = _render({"minio": {"existingSecret": "my-minio"}})
-    assert not [o for _, o in own if o["kind"] == "Secret"]
+    assert not [o for _, o in own if o["kind"] == "Secret" and o["metadata"]["name"] == "zerokl-minio"]
     minio = _container(_by(own, "StatefulSet", "zerokl-minio"))
     assert {e["valueFrom"]["secretKeyRef"]["name"] for e in minio["env"]} == {"my-minio"}
 
@@ -217,6 +217,39 @@ def test_tensor_parallel_sets_gpus_and_the_torch_distributed_environment() -> No
     assert "does not shard" not in render_k8s.render()["zerokl/templates/NOTES.txt"]
 
 
+_TOKEN_ENV = {"ZEROKL_AUTH_TOKEN": "client-token", "ZEROKL_PEER_TOKEN": "peer-token",
+              "ZEROKL_OPERATOR_TOKEN": "operator-token"}
+
+
+def _token_refs(container: dict[str, Any]) -> dict[str, dict[str, str]]:
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container.get("env", []) if e["name"] in _TOKEN_ENV}
+
+
+def test_auth_is_on_by_default_with_generated_tokens_for_each_role() -> None:
+    objs = _render()
+    secret = _by(objs, "Secret", "zerokl-auth")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert set(secret["data"]) == {"client-token", "peer-token", "operator-token"}
+    assert len(set(secret["data"].values())) == 3                                   # three different tokens
+    assert _by(_render(), "Secret", "zerokl-auth")["data"] != secret["data"]        # random, not constants
+    ours = [o for _, o in objs if o["kind"] in ("Deployment", "StatefulSet")
+            and o["metadata"]["labels"]["app.kubernetes.io/component"] != "minio"]
+    assert len(ours) >= 5
+    for obj in ours:    # every service knows all three tokens (it must tell the roles apart)
+        assert _token_refs(_container(obj)) == {env: {"name": "zerokl-auth", "key": key}
+                                                 for env, key in _TOKEN_ENV.items()}, obj["metadata"]["name"]
+    [hook] = [o for _, o in objs if o["kind"] == "Pod"]
+    assert _token_refs(hook["spec"]["containers"][0]) == {"ZEROKL_AUTH_TOKEN": {"name": "zerokl-auth",
+                                                                                "key": "client-token"}}
+    own = _render({"auth": {"existingSecret": "my-tokens"}})
+    assert not [o for _, o in own if o["kind"] == "Secret" and o["metadata"]["name"] == "zerokl-auth"]
+    decode = _container(_by(own, "Deployment", "zerokl-decode"))
+    assert {r["name"] for r in _token_refs(decode).values()} == {"my-tokens"}
+    off = _render({"auth": {"enabled": False}})
+    assert not [o for _, o in off if o["kind"] == "Secret" and o["metadata"]["name"] == "zerokl-auth"]
+    assert not _token_refs(_container(_by(off, "Deployment", "zerokl-decode")))
+
+
 BAD_VALUES = [
     ({"decode": {"replicas": 0}}, "/decode/replicas"),
     ({"prefill": {"tensorParallel": 3}}, "/prefill/tensorParallel"),
@@ -237,6 +270,7 @@ BAD_VALUES = [
     ({"helmTest": {"promptIds": "5, six"}}, "/helmTest/promptIds"),
     ({"decode": {"replica": 2}}, "replica"),
     ({"typo": True}, "typo"),
+    ({"auth": {"token": "hunter2"}}, "token"),
 ]
 
 
@@ -261,7 +295,7 @@ def test_k8s_manifests_are_current() -> None:
     want = render_k8s.plain_files()
     k8s = ROOT / "k8s"
     have = {str(f.relative_to(k8s)): f.read_text() for f in k8s.rglob("*")
-            if f.is_file() and f.name != "minio-credentials.env"}
+            if f.is_file() and f.name not in ("minio-credentials.env", "auth-tokens.env")}
     stale = sorted(name for name in set(want) | set(have) if want.get(name) != have.get(name))
     assert not stale, f"k8s/ is not what the chart renders ({stale}); run: python tools/render_k8s.py"
     kustomization = yaml.safe_load(have["kustomization.yaml"])

@@ -64,6 +64,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{- define "zerokl.authSecretName" -}}
+{{- default (printf "%s-auth" (include "zerokl.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
 {{- define "zerokl.minioSecretName" -}}
 {{- default (printf "%s-minio" (include "zerokl.fullname" .)) .Values.minio.existingSecret -}}
 {{- end -}}
@@ -112,10 +116,13 @@ prometheus.io/path: /metrics
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ printf "k8s.namespace.name=%s,service.namespace=%s,zerokl.numerics_version=%s" .root.Release.Namespace .root.Release.Name .root.Values.numerics.version | quote }}
 {{- end }}
-{{- if .root.Values.auth.existingSecret }}
-- name: ZEROKL_AUTH_TOKEN
+{{- if .root.Values.auth.enabled }}
+{{- $secret := include "zerokl.authSecretName" .root }}
+{{- range $env, $role := dict "ZEROKL_AUTH_TOKEN" "client" "ZEROKL_PEER_TOKEN" "peer" "ZEROKL_OPERATOR_TOKEN" "operator" }}
+- name: {{ $env }}
   valueFrom:
-    secretKeyRef: {name: {{ .root.Values.auth.existingSecret | quote }}, key: {{ .root.Values.auth.key | quote }}}
+    secretKeyRef: {name: {{ $secret | quote }}, key: {{ index $.root.Values.auth.keys $role | quote }}}
+{{- end }}
 {{- end }}
 {{- end -}}
 

@@ -1,4 +1,4 @@
-"""Bearer-token auth, TLS and mutual TLS over real loopback gRPC."""
+"""Role-based bearer-token auth (client, peer, operator), TLS and mutual TLS over real loopback gRPC."""
 from __future__ import annotations
 
 import asyncio
@@ -16,30 +16,52 @@ from cryptography.x509.oid import NameOID
 from echo_service import EchoClient, start_echo_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from zerokl.services.runtime import ServerOptions, ServiceServer, TlsConfig, create_channel, load_auth_token
+from zerokl.services.runtime import (AuthConfig, ServerOptions, ServiceServer, TlsConfig, create_channel,
+                                    load_auth_config, load_auth_token)
+
+
+AUTH = AuthConfig(client_token="c-s3cret", peer_token="p-s3cret", operator_token="o-s3cret")
 
 
 def test_bearer_token_guards_everything_but_health() -> None:
     async def main() -> None:
-        server = await start_echo_server(ServiceServer("scheduler", ServerOptions(auth_token="s3cret")))
+        server = await start_echo_server(ServiceServer("scheduler", ServerOptions(auth=AUTH)))
         async with create_channel(server.address) as anon, \
                 create_channel(server.address, token="wrong") as wrong, \
-                create_channel(server.address, token="s3cret") as good:
-            for ch, reason in ((anon, "missing 'authorization"), (wrong, "invalid bearer token")):
+                create_channel(server.address, token="c-s3cret") as client, \
+                create_channel(server.address, token="p-s3cret") as peer, \
+                create_channel(server.address, token="o-s3cret") as operator:
+            for ch, code, reason in ((anon, grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization"),
+                                     (wrong, grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token"),
+                                     # The echo methods are not client methods: internal, closed to clients.
+                                     (client, grpc.StatusCode.PERMISSION_DENIED, "needs a peer or operator")):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await EchoClient(ch).unary("Echo")(b"hi", timeout=5)
-                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert err.value.code() is code
                 assert reason in err.value.details()
                 # Streaming methods are guarded too.
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     [m async for m in EchoClient(ch).stream("Count")(b"3", timeout=5)]
-                assert err.value.code() is grpc.StatusCode.UNAUTHENTICATED
+                assert err.value.code() is code
             health = await health_pb2_grpc.HealthStub(anon).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert health.status == health_pb2.HealthCheckResponse.SERVING
-            assert await EchoClient(good).unary("Echo")(b"hi", timeout=5) == b"hi"
-            assert [m async for m in EchoClient(good).stream("Count")(b"3", timeout=5)] == [b"0", b"1", b"2"]
+            for good in (peer, operator):
+                assert await EchoClient(good).unary("Echo")(b"hi", timeout=5) == b"hi"
+                assert [m async for m in EchoClient(good).stream("Count")(b"3", timeout=5)] == [b"0", b"1", b"2"]
         await server.drain(0)
     asyncio.run(main())
+
+
+def test_auth_config_refuses_shared_or_missing_peer_tokens(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="must differ"):
+        AuthConfig(client_token="same", peer_token="same")
+    with pytest.raises(ValueError, match="needs a peer token"):
+        AuthConfig(client_token="c")
+    assert not AuthConfig().enabled and AuthConfig(peer_token="p").enabled
+    (tmp_path / "peer").write_text("p-file\n")
+    cfg = load_auth_config(environ={"ZEROKL_AUTH_TOKEN": "c", "ZEROKL_PEER_TOKEN_FILE": str(tmp_path / "peer"),
+                                    "ZEROKL_OPERATOR_TOKEN": "o"})
+    assert cfg == AuthConfig("c", "p-file", "o")
 
 
 def test_token_from_file_or_env(tmp_path: pathlib.Path) -> None:
