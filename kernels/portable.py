@@ -19,10 +19,11 @@ is built from:
   slice products are then combined by fixed element-wise operations and rounded once to
   fp32. A row's result depends only on its own values: batch size, neighbours, column
   shards and thread count cannot change it.
-* **Transcendentals** (`exp`, `log`, `sigmoid`, `silu`, `cos_sin`) evaluated in float64 by
-  exact range reduction (Cody-Waite with split constants) and fixed polynomials (Horner, one
-  rounding per operation, no fused multiply-add), then rounded once to fp32. Accurate to
-  well under one fp32 ulp; deterministic everywhere because every step is a basic operation.
+* **Transcendentals** (`exp`, `log`, `sigmoid`, `silu`, `cos_sin`) by exact range reduction
+  (Cody-Waite with split constants) and fixed polynomials (Horner, one rounding per
+  operation, no fused multiply-add): exp (and so sigmoid, SiLU) in fp32 arithmetic (Cephes'
+  expf, about one ulp), log, cos and sin in float64 rounded once to fp32. Deterministic
+  everywhere because every step is a basic operation.
 
 Inputs are fp32, bf16 or fp64 CPU tensors; NaN and inf propagate as IEEE says (a
 non-finite input to a contraction gives NaN in the outputs that read it). Gradients
@@ -37,7 +38,7 @@ import threading
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["contract", "contract_grouped", "contract_gathered", "row_sum", "exp", "log", "sigmoid", "silu", "cos_sin", "exp64", "log64", "slice_bits", "uniform",
+__all__ = ["contract", "contract_grouped", "contract_gathered", "row_sum", "exp", "exp32", "log", "sigmoid", "silu", "cos_sin", "exp64", "log64", "slice_bits", "uniform",
            "standard_normal"]
 
 # ----------------------------------------------------------------------------- exact slicing
@@ -274,12 +275,36 @@ def log64(x: torch.Tensor) -> torch.Tensor:
     return torch.where((x < 0) | torch.isnan(x), torch.full_like(x, math.nan), out)
 
 
+# exp in fp32 (Cephes' expf): |r| <= ln2/2 after reduction by n * ln2 in two parts (C1 has 9
+# significant bits, so n * C1 is exact for |n| < 2^15), then a degree-7 polynomial.
+_C1 = 0.693359375
+_C2 = -2.12194440e-4
+_EXPF_POLY = [1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1]
+
+
+def _pow2_f32(e: torch.Tensor) -> torch.Tensor:
+    """2.0 ** e as fp32 for integer e in [-126, 127], from the exponent bits (exact)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """e^x for fp32 x in fp32 arithmetic, accurate to about one ulp: IEEE basic operations only."""
+    nan = torch.isnan(x)
+    xc = torch.where(nan, torch.zeros_like(x), x).clamp(-104.0, 89.0)
+    n = torch.round(xc * _INV_LN2)                           # |n| <= 150
+    r = (xc - n * _C1) - n * _C2
+    p = _horner(_EXPF_POLY, r) * (r * r) + r + 1.0
+    half = torch.div(n, 2, rounding_mode="floor")            # 2^n as two normal factors: n may be -150 or 128
+    out = p * _pow2_f32(half) * _pow2_f32(n - half)
+    return torch.where(nan, x, out)
+
+
 class _Pointwise(torch.autograd.Function):
     """An fp32 element-wise op with a portable forward and a textbook derivative."""
 
     @staticmethod
     def forward(ctx, x, fn, derivative):
-        out = fn(x.detach().to(torch.float64)).to(torch.float32)
+        out = fn(x.detach().float())
         ctx.save_for_backward(x, out)
         ctx.derivative = derivative
         return out
@@ -293,26 +318,30 @@ class _Pointwise(torch.autograd.Function):
 def _pointwise(x: torch.Tensor, fn, derivative) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _Pointwise.apply(x, fn, derivative)
-    return fn(x.to(torch.float64)).to(torch.float32)
+    return fn(x.float())
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """e^x in fp32, rounded once from a float64 evaluation."""
-    return _pointwise(x, exp64, lambda x, out: out)
+    """e^x in fp32 (exp32)."""
+    return _pointwise(x, exp32, lambda x, out: out)
+
+
+def _log32(x: torch.Tensor) -> torch.Tensor:
+    return log64(x.to(torch.float64)).to(torch.float32)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
-    """ln x in fp32, rounded once from a float64 evaluation."""
-    return _pointwise(x, log64, lambda x, out: 1.0 / x)
+    """ln x in fp32, rounded once from a float64 evaluation (log64)."""
+    return _pointwise(x, _log32, lambda x, out: 1.0 / x)
 
 
-def _sigmoid64(x: torch.Tensor) -> torch.Tensor:
-    return 1.0 / (1.0 + exp64(-x))
+def _sigmoid32(x: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + exp32(-x))
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    """1 / (1 + e^-x) in fp32, rounded once from float64."""
-    return _pointwise(x, _sigmoid64, lambda x, out: out * (1.0 - out))
+    """1 / (1 + e^-x) in fp32."""
+    return _pointwise(x, _sigmoid32, lambda x, out: out * (1.0 - out))
 
 
 def _silu_derivative(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -321,8 +350,8 @@ def _silu_derivative(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x / (1 + e^-x) in fp32, rounded once from float64."""
-    return _pointwise(x, lambda x64: x64 * _sigmoid64(x64), _silu_derivative)
+    """x / (1 + e^-x) in fp32."""
+    return _pointwise(x, lambda x32: x32 / (1.0 + exp32(-x32)), _silu_derivative)
 
 
 _PIO2_1 = 1.57079632673412561417e+00    # pi/2 in three parts of 33 bits (fdlibm): k * part exact for k < 2^20
