@@ -56,7 +56,7 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
 )
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+from zerokl.services.trainer.trainer import Completion, NonFiniteStep, Rollout, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -387,15 +387,22 @@ class TrainerService:
 
     async def optim_step(self, lr: float | None = None) -> OptimResult:
         """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
-        FAILED_PRECONDITION when there are none, INVALID_ARGUMENT for a bad `lr`."""
+        FAILED_PRECONDITION when there are none, or when the step would make a weight or optimizer
+        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`."""
         if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
             raise InvalidArgument.field("lr", f"must be finite and >= 0 (0: the trainer's schedule), got {lr}")
 
         async def work() -> OptimResult:
             if self._accumulated == 0:
                 raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
-            m = await self._compute(self._trainer.optim_step, lr or None)
-            self._accumulated = 0
+            try:
+                m = await self._compute(self._trainer.optim_step, lr or None)
+            except NonFiniteStep as err:
+                raise FailedPrecondition(f"{err}; the step was refused and undone (weights, optimizer state and "
+                                         f"step {self._trainer.step} as before it, its gradients dropped)") from None
+            finally:
+                # The trainer drops the gradients whether the step applied or was undone.
+                self._accumulated = 0
             STEP.set(m["step"])
             return OptimResult(grad_norm=float(m["grad_norm"]), lr=float(m["lr"]), step=int(m["step"]))
         return await self._exclusive(work)
