@@ -134,3 +134,80 @@ def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_servin
                                 capture_output=True, text=True, timeout=120)
         row = next(line for line in listed.stdout.splitlines() if poisoned_id in line)
         assert listed.returncode == 0 and "failed" in row, listed.stdout + listed.stderr
+
+
+def _serve(service: str, *flags: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """`zerokl serve SERVICE FLAGS` on a free loopback port (unless the flags name one); (process, address)."""
+    port = [] if "--port" in flags else ["--port", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", service, *port, *flags],
+                            stdout=subprocess.PIPE, stderr=log.open("a"), text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith(f"{service} listening on "):
+        proc.kill()
+        raise AssertionError(f"{service} did not start: {line!r}; see {log}")
+    return proc, line.split()[3]
+
+
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.wait(60)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def test_a_job_whose_weight_store_dies_publishes_every_step_before_it_succeeds(tmp_path) -> None:
+    """SIGKILL the weight store while an SFT job publishes every step, start it again on the same port a few
+    seconds later: the scheduler tells the outage from a trainer restart (the trainer still holds its steps),
+    retries the publish until the store is back, and the job succeeds only with all 10 steps published and
+    served, each step reported once. The scheduler's log names the weight store, never a trainer restart."""
+    log = tmp_path / "services.log"
+    roots = tmp_path / "weights"
+    procs: list[subprocess.Popen] = []
+    try:
+        store_proc, store = _serve("weight-store", "--root", str(roots), log=log)
+        procs.append(store_proc)
+        decode_proc, decode = _serve("decode", "--preset", "tiny", "--threads", "1", "--weight-store", store, log=log)
+        trainer_proc, trainer = _serve("trainer", "--weight-store", store, "--init", "preset:tiny:seed0",
+                                       "--threads", "1", "--run", "outage", "--lr=3e-3", log=log)
+        scheduler_log = tmp_path / "scheduler.log"
+        scheduler_proc, scheduler = _serve("scheduler", "--decode", decode, "--trainer", trainer, "--weight-store",
+                                           store, "--poll-interval", "0.5", log=scheduler_log)
+        procs += [decode_proc, trainer_proc, scheduler_proc]
+        steps = 10
+
+        async def main() -> tuple[list[int], object]:
+            async with JobsClient(scheduler) as jobs:
+                job = await jobs.submit(SFTJobSpec(steps=steps, examples=EXAMPLES, batch_size=4, publish_every=1),
+                                        "outage")
+                seen, last = [], None
+                async for ev in jobs.watch(job.job_id):
+                    if ev.step is not None:
+                        seen.append(ev.step)
+                        if ev.step == 3 and procs[0] is store_proc:
+                            _stop(store_proc, signal.SIGKILL)
+                            await asyncio.sleep(3.0)
+                            procs[0], _ = await asyncio.to_thread(
+                                _serve, "weight-store", "--root", str(roots), "--port", store.rsplit(":", 1)[1],
+                                log=log)
+                    last = ev
+                return seen, last
+        seen, last = asyncio.run(main())
+        assert procs[0] is not store_proc, "the job ended before the store was killed"
+        assert last.status.state is JobState.SUCCEEDED, last.status.error  # type: ignore[attr-defined]
+        assert seen == list(range(1, steps + 1))
+
+        async def published() -> tuple[list[str], str, int]:
+            async with WeightStoreClient(store) as weights, InferenceClient(scheduler) as inference, \
+                    TrainerClient(trainer) as client:
+                versions = [e.manifest.version for e in await weights.list()]
+                return versions, (await inference.info()).weights_version, (await client.get_state()).step
+        versions, served, trainer_step = asyncio.run(published())
+        want = [f"outage-step{s:06d}" for s in range(steps + 1)]
+        assert [v for v in versions if v.startswith("outage-")] == want
+        assert served == last.status.weights_version == want[-1] and trainer_step == steps  # type: ignore[attr-defined]
+        said = scheduler_log.read_text()
+        assert "weight store is unreachable" in said and "trainer restarted" not in said
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
