@@ -454,9 +454,10 @@ class Scheduler:
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
-        canaries = [v for v in views if v.role == "decode" and v.healthy]
+        # A healthy decode replica if there is one (one that cannot serve fails the canary, naming why).
+        canaries = sorted((v for v in views if v.role == "decode"), key=lambda v: not v.healthy)
         if not canaries:
-            raise NoReplica("no healthy decode replica to run the canary of the new weights on")
+            raise NoReplica("no decode replica to run the canary of the new weights on")
         canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
         before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
