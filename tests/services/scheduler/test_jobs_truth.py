@@ -18,9 +18,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import pytest
+import torch
 
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
@@ -211,3 +212,110 @@ def test_a_job_whose_weight_store_dies_publishes_every_step_before_it_succeeds(t
     finally:
         for proc in reversed(procs):
             _stop(proc)
+
+
+# ----------------------------------------------------------------------------- the fleet switch (in process)
+
+@contextlib.asynccontextmanager
+async def _store(root: pathlib.Path, versions: dict[str, "Model"]) -> AsyncIterator[str]:
+    """A weight-store service over ``root`` holding ``versions``; yields its address."""
+    from zerokl.kernels import __version__ as numerics_version
+    from zerokl.services.runtime import ServiceServer
+    from zerokl.services.runtime.info import ServiceIdentity
+    from zerokl.services.weightstore import LocalDirBackend, VersionStore
+    from zerokl.services.weightstore.service import add_weight_store
+
+    server = ServiceServer("weight-store")
+    add_weight_store(server, VersionStore(LocalDirBackend(root)), ServiceIdentity("weight-store", root.name))
+    await server.start()
+    try:
+        async with WeightStoreClient(server.address) as client:
+            for name, model in versions.items():
+                model.save_pretrained(root.parent / f"{root.name}-{name}")
+                await client.publish(root.parent / f"{root.name}-{name}", name, numerics_version=numerics_version)
+        yield server.address
+    finally:
+        await server.drain(0)
+
+
+@contextlib.asynccontextmanager
+async def _decode(model: "Model", store: str) -> AsyncIterator[str]:
+    """A decode replica serving ``model`` as v1, switching weights from ``store``; yields its address."""
+    from zerokl.services.engine.engine import Engine
+    from zerokl.services.engine.types import EngineConfig
+    from zerokl.services.inference import AsyncEngine, Replica
+    from zerokl.services.inference.decode import add_decode_service
+    from zerokl.services.inference.server import make_identity
+    from zerokl.services.inference.weights import WeightSwitcher
+    from zerokl.services.runtime import ServiceServer
+
+    from conftest import TOKENIZER
+
+    replica = Replica(AsyncEngine(Engine(model, EngineConfig(), TOKENIZER)), make_identity("decode", model, "v1"),
+                      TOKENIZER)
+    replica.engine.start()
+    server = ServiceServer("decode")
+    client = WeightStoreClient(store)
+    switcher = WeightSwitcher(replica, client, not_serving=server.not_serving)
+    add_decode_service(server, replica, switcher.switch)
+    await server.start()
+    try:
+        yield server.address
+    finally:
+        await server.drain(0)
+        await switcher.close()
+        await client.close()
+        await replica.engine.close()
+
+
+def test_the_fleet_switches_only_after_a_canary_and_a_failed_switch_puts_every_replica_back(tmp_path) -> None:
+    """Two decode replicas behind a real scheduler, on v1. Switching to weights that cannot serve (one NaN
+    weight) fails its canary on the first replica: FAILED_PRECONDITION, the second never switches. Switching to
+    v2 where the second replica cannot fetch it: the first switches back. Both times every replica still
+    serves v1 with the same bits; v2 once both stores hold it is served everywhere."""
+    import grpc
+
+    from zerokl.model import Model
+
+    from conftest import CONFIG, scheduler_server
+
+    v1, v2 = Model(CONFIG, seed=0), Model(CONFIG, seed=1)
+    broken = Model(CONFIG, seed=2)
+    with torch.no_grad():
+        broken.embed_tokens.weight[5, 0] = float("nan")
+
+    async def main() -> None:
+        async with _store(tmp_path / "a", {"v1": v1, "v2": v2, "broken": broken}) as store_a, \
+                _store(tmp_path / "b", {"v1": v1, "broken": broken}) as store_b, \
+                _decode(Model(CONFIG, seed=0), store_a) as decode_a, _decode(Model(CONFIG, seed=0), store_b) as decode_b, \
+                scheduler_server([decode_a, decode_b]) as (server, _), InferenceClient(server.address) as client:
+            async def served() -> list[str]:
+                out = []
+                for address in (decode_a, decode_b):
+                    async with InferenceClient(address) as replica:
+                        out.append((await replica.info()).weights_version)
+                return out
+
+            before = await client.generate_all(PROBE)
+            assert before.weights_version == "v1"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.switch_weights("broken")
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+            assert "failed its canary" in err.value.details() and "no other replica switched" in err.value.details()
+            assert "switched back to v1" in err.value.details(), err.value.details()
+            assert await served() == ["v1", "v1"]
+            assert _numbers(await client.generate_all(PROBE)) == _numbers(before)
+
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.switch_weights("v2")
+            assert decode_b in err.value.details() and "switched back to v1" in err.value.details(), \
+                err.value.details()
+            assert await served() == ["v1", "v1"]
+            after = await client.generate_all(PROBE)
+            assert after.weights_version == "v1" and _numbers(after) == _numbers(before)
+
+            async with WeightStoreClient(store_b) as b:
+                await b.publish(tmp_path / "a-v2", "v2")
+            assert (await client.switch_weights("v2")).weights_version == "v2"
+            assert await served() == ["v2", "v2"]
+    asyncio.run(main())
