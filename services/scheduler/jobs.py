@@ -48,7 +48,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
 import grpc.aio
@@ -57,10 +57,11 @@ from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from zerokl.services.scheduler.rl_loop import RLConfig, Sampled, StepRecord, Task, as_dict, run_rl
-from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.scheduler.service import CanaryFailed
+from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion, Rollout
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.store import WeightsManifest
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
            "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "JOBS_FILE"]
@@ -596,18 +597,18 @@ class _TrainerSession:
             return False
         return True
 
-    def _outage(self, deadline: float | None, what: str, err: BaseException) -> float:
+    def _outage(self, deadline: float | None, what: str, cause: str) -> float:
         """Wait a moment in a weight-store outage; the deadline to keep; WeightStoreUnavailable past it."""
         now = time.monotonic()
         deadline = deadline or now + self.manager.store_wait_s
         if now > deadline:
             raise WeightStoreUnavailable(f"the weight store stayed unreachable for {self.manager.store_wait_s:g} s "
-                                         f"while {what}: {err}") from None
-        log.warning("job %s: the weight store is unreachable while %s (%s); retrying", self.job.job_id, what, err)
+                                         f"while {what}: {cause}")
+        log.warning("job %s: the weight store is unreachable while %s (%s); retrying", self.job.job_id, what, cause)
         self._sleep(1.0)
         return deadline
 
-    def _save(self):  # noqa: ANN202 - WeightsManifest
+    def _save(self) -> WeightsManifest:
         """SaveWeights, retried while the weight store is out; UNAVAILABLE when the trainer restarted meanwhile."""
         deadline = None
         while True:
@@ -635,7 +636,7 @@ class _TrainerSession:
             except Exception as err:  # noqa: BLE001 - any failure is retried only while the store is out
                 if self._store_reachable():
                     raise
-                deadline = self._outage(deadline, f"the replicas switched to {version}", err)
+                deadline = self._outage(deadline, f"the replicas switched to {version}", str(err))
 
     def discard_unpublished(self) -> str:
         """Roll the trainer back to the version the fleet serves if it holds steps beyond it; what was done."""
@@ -651,13 +652,19 @@ class _TrainerSession:
             log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version,
                       err.details())
             return f"rolling the trainer back to {self.weights_version} failed ({err.code().name}: {err.details()})"
-        return f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} (step {state.step})"
+        return (f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
+                f"(step {state.step})")
 
-    def _reject(self, version: str, err: CanaryFailed) -> None:
+    def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
         good = self.weights_version
-        state = self._call(self.client.load_weights(good, restore_state=True))
-        self.trainer_step = state.step
+        try:
+            state = self._call(self.client.load_weights(good, restore_state=True))
+            self.trainer_step = state.step
+            rolled = f"The trainer was rolled back to {good} (step {state.step}), which the fleet keeps serving"
+        except grpc.aio.AioRpcError as load_err:
+            rolled = (f"The fleet keeps serving {good}, but rolling the trainer back to it failed "
+                      f"({load_err.code().name}: {load_err.details()})")
         store = self.manager.weight_store
         if store is None:
             fate = f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
@@ -667,8 +674,7 @@ class _TrainerSession:
                 fate = f"{version} was deleted from the weight store"
             except grpc.aio.AioRpcError as delete_err:
                 fate = f"deleting {version} from the weight store failed ({delete_err.details()})"
-        raise CanaryFailed(f"{err.message}. The trainer was rolled back to {good} (step {state.step}), which the "
-                           f"fleet keeps serving; {fate}") from None
+        raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
     # ---- TrainerPort (rl_loop) ----
 

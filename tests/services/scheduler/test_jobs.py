@@ -199,8 +199,8 @@ def test_the_jobs_command_line(cluster: str) -> None:
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path) -> None:
     """SIGKILL the trainer mid-SFT-job and start it again on the same port: the job waits, continues from
-    the trainer's newest published step, reports each step once, and the final weights equal (torch.equal) an uninterrupted
-    in-process Trainer fed the same batches from the same start."""
+    the trainer's newest published step, reports each step once, and the final weights equal (torch.equal) an
+    uninterrupted in-process Trainer fed the same batches from the same start."""
     import os
     import random
 

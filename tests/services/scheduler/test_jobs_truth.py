@@ -7,6 +7,8 @@
 * Job records survive a scheduler restart.
 * A weight store that dies mid-job is waited for: the job succeeds only with
   every step it trained published, and watchers see each step once.
+* The scheduler switches the fleet only after a canary on one replica, and a
+  switch that fails anywhere puts every replica back.
 """
 from __future__ import annotations
 
@@ -20,17 +22,31 @@ import sys
 import time
 from typing import AsyncIterator, Iterator
 
+import grpc
+import grpc.aio
 import pytest
 import torch
 
-from zerokl.services.engine.types import SamplingOptions
-from zerokl.services.inference import InferenceClient
+from zerokl.kernels import __version__ as numerics_version
+from zerokl.model import Model
+from zerokl.services.engine.engine import Engine
+from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.inference import AsyncEngine, InferenceClient, Replica
+from zerokl.services.inference.decode import add_decode_service
+from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
+from zerokl.services.inference.weights import WeightSwitcher
+from zerokl.services.runtime import ServiceServer
+from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.scheduler.jobs import JobState, SFTJobSpec
 from zerokl.services.scheduler.jobs_service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion
+from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.service import add_weight_store
+
+from conftest import CONFIG, TOKENIZER, scheduler_server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -217,14 +233,8 @@ def test_a_job_whose_weight_store_dies_publishes_every_step_before_it_succeeds(t
 # ----------------------------------------------------------------------------- the fleet switch (in process)
 
 @contextlib.asynccontextmanager
-async def _store(root: pathlib.Path, versions: dict[str, "Model"]) -> AsyncIterator[str]:
+async def _store(root: pathlib.Path, versions: dict[str, Model]) -> AsyncIterator[str]:
     """A weight-store service over ``root`` holding ``versions``; yields its address."""
-    from zerokl.kernels import __version__ as numerics_version
-    from zerokl.services.runtime import ServiceServer
-    from zerokl.services.runtime.info import ServiceIdentity
-    from zerokl.services.weightstore import LocalDirBackend, VersionStore
-    from zerokl.services.weightstore.service import add_weight_store
-
     server = ServiceServer("weight-store")
     add_weight_store(server, VersionStore(LocalDirBackend(root)), ServiceIdentity("weight-store", root.name))
     await server.start()
@@ -239,18 +249,8 @@ async def _store(root: pathlib.Path, versions: dict[str, "Model"]) -> AsyncItera
 
 
 @contextlib.asynccontextmanager
-async def _decode(model: "Model", store: str) -> AsyncIterator[str]:
+async def _decode(model: Model, store: str) -> AsyncIterator[str]:
     """A decode replica serving ``model`` as v1, switching weights from ``store``; yields its address."""
-    from zerokl.services.engine.engine import Engine
-    from zerokl.services.engine.types import EngineConfig
-    from zerokl.services.inference import AsyncEngine, Replica
-    from zerokl.services.inference.decode import add_decode_service
-    from zerokl.services.inference.server import make_identity
-    from zerokl.services.inference.weights import WeightSwitcher
-    from zerokl.services.runtime import ServiceServer
-
-    from conftest import TOKENIZER
-
     replica = Replica(AsyncEngine(Engine(model, EngineConfig(), TOKENIZER)), make_identity("decode", model, "v1"),
                       TOKENIZER)
     replica.engine.start()
@@ -273,12 +273,6 @@ def test_the_fleet_switches_only_after_a_canary_and_a_failed_switch_puts_every_r
     weight) fails its canary on the first replica: FAILED_PRECONDITION, the second never switches. Switching to
     v2 where the second replica cannot fetch it: the first switches back. Both times every replica still
     serves v1 with the same bits; v2 once both stores hold it is served everywhere."""
-    import grpc
-
-    from zerokl.model import Model
-
-    from conftest import CONFIG, scheduler_server
-
     v1, v2 = Model(CONFIG, seed=0), Model(CONFIG, seed=1)
     broken = Model(CONFIG, seed=2)
     with torch.no_grad():
@@ -287,7 +281,8 @@ def test_the_fleet_switches_only_after_a_canary_and_a_failed_switch_puts_every_r
     async def main() -> None:
         async with _store(tmp_path / "a", {"v1": v1, "v2": v2, "broken": broken}) as store_a, \
                 _store(tmp_path / "b", {"v1": v1, "broken": broken}) as store_b, \
-                _decode(Model(CONFIG, seed=0), store_a) as decode_a, _decode(Model(CONFIG, seed=0), store_b) as decode_b, \
+                _decode(Model(CONFIG, seed=0), store_a) as decode_a, \
+                _decode(Model(CONFIG, seed=0), store_b) as decode_b, \
                 scheduler_server([decode_a, decode_b]) as (server, _), InferenceClient(server.address) as client:
             async def served() -> list[str]:
                 out = []
