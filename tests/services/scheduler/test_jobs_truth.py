@@ -314,3 +314,40 @@ def test_the_fleet_switches_only_after_a_canary_and_a_failed_switch_puts_every_r
             assert (await client.switch_weights("v2")).weights_version == "v2"
             assert await served() == ["v2", "v2"]
     asyncio.run(main())
+
+
+def test_a_job_the_scheduler_stopped_during_is_listed_as_failed_saying_so(tmp_path) -> None:
+    """Records of a scheduler that stopped mid-job (its jobs.json as the job's last step left it): the next
+    scheduler on that state directory lists the job FAILED with the reason and replays its steps once."""
+    from zerokl.services.scheduler.jobs import JOBS_FILE, JobManager
+
+    async def first() -> str:
+        manager = JobManager(None, None, None, state_dir=tmp_path)  # type: ignore[arg-type]
+        await manager.start()
+        job = manager._jobs.setdefault("j1", _running_job())
+        manager._emit(job, 1, "run-step000001", {"loss": 1.5})
+        await manager.close()
+        return job.job_id
+
+    async def second(job_id: str) -> None:
+        manager = JobManager(None, None, None, state_dir=tmp_path)  # type: ignore[arg-type]
+        await manager.start()
+        [status] = manager.list()
+        assert (status.job_id, status.state, status.step, status.total_steps) == (job_id, JobState.FAILED, 1, 5)
+        assert "the scheduler stopped while this job was running (at step 1)" in status.error
+        events = [ev async for ev in manager.watch(job_id)]
+        assert [(ev.step, ev.weights_version, ev.metrics) for ev in events if ev.step is not None] == \
+            [(1, "run-step000001", {"loss": 1.5})]
+        assert events[-1].status.state is JobState.FAILED
+        await manager.close()
+
+    job_id = asyncio.run(first())
+    assert (tmp_path / JOBS_FILE).exists()
+    asyncio.run(second(job_id))
+
+
+def _running_job():  # noqa: ANN202 - the manager's private record type
+    from zerokl.services.scheduler.jobs import _Job
+    job = _Job("j1", "sft", "sft", 5, SFTJobSpec(steps=5, examples=EXAMPLES, batch_size=4), JobState.RUNNING)
+    job.started, job.step = time.time(), 1
+    return job
