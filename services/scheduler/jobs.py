@@ -11,11 +11,26 @@ low-level API. The scheduler runs one job at a time, in submission order:
   fleet every ``publish_every`` steps and at the end.
 
 Every step becomes a :class:`JobEvent` that watchers receive (past steps are
-replayed first). A trainer that restarts mid-job (it resumes from its newest
-published version) is waited for and the interrupted step is redone from the
-trainer's state, so no step is lost or applied twice. A job runs in a worker
-thread; its ports call into the event loop, where the scheduler and the gRPC
-clients live.
+replayed first), once per step: a step redone after a trainer restart computes
+the same bits and is not reported again. A trainer that restarts mid-job (it
+resumes from its newest published version) is waited for and the interrupted
+step is redone from the trainer's state, so no step is lost or applied twice.
+
+A job succeeds only when every step it trained is published. A weight-store
+outage is told apart from a trainer restart (the trainer still holds its
+unpublished steps): publishing is retried until the store is back, or the job
+fails with :class:`WeightStoreUnavailable`. Each new version is served only
+after its canary passes (:meth:`Scheduler.switch_weights`); a version that
+fails it fails the job with :class:`CanaryFailed`, the trainer is rolled back
+to the last good version and the rejected one is deleted from the store, so no
+restart serves or resumes from it.
+
+With a state directory, job records (status and step events) are kept in
+``jobs.json`` there and survive a scheduler restart; a job that was queued or
+running when the scheduler stopped is reported FAILED, saying so.
+
+A job runs in a worker thread; its ports call into the event loop, where the
+scheduler and the gRPC clients live.
 """
 from __future__ import annotations
 
@@ -23,30 +38,39 @@ import asyncio
 import contextlib
 import enum
 import itertools
+import json
 import logging
 import math
+import os
+import pathlib
 import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
 import grpc.aio
 
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
+from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from zerokl.services.scheduler.rl_loop import RLConfig, Sampled, StepRecord, Task, as_dict, run_rl
+from zerokl.services.scheduler.service import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.store import WeightsManifest
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
-           "JobEvent", "JobCancelled", "JobManager"]
+           "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "JOBS_FILE"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
+_OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -174,25 +198,59 @@ class JobCancelled(Exception):
     """Raised inside a job's thread at the next step boundary after CancelJob."""
 
 
+class WeightStoreUnavailable(Unavailable):
+    """The weight store stayed unreachable while a job had trained steps to publish."""
+
+
+class TrainerUnavailable(Unavailable):
+    """The trainer stayed unreachable longer than the job waits for a restart."""
+
+
 @dataclass
 class _Job:
     job_id: str
     name: str
-    spec: JobSpec
+    kind: str
+    total_steps: int
+    spec: JobSpec | None              # None for a record read back after a scheduler restart (it cannot run)
     state: JobState = JobState.QUEUED
     step: int = 0
     weights_version: str = ""
     error: str = ""
-    started: float | None = None
+    started: float | None = None      # wall-clock seconds (records outlive the process)
     ended: float | None = None
     events: list[JobEvent] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def status(self) -> JobStatus:
-        end = self.ended or time.monotonic()
-        return JobStatus(self.job_id, self.name, self.spec.kind, self.state, self.step, self.spec.steps,
+        end = self.ended or time.time()
+        return JobStatus(self.job_id, self.name, self.kind, self.state, self.step, self.total_steps,
                          self.weights_version, self.error, 0.0 if self.started is None else end - self.started)
+
+
+def _job_to_json(job: _Job) -> dict[str, Any]:
+    """A job's record as ``jobs.json`` keeps it: status fields and its step events."""
+    return {"job_id": job.job_id, "name": job.name, "kind": job.kind, "total_steps": job.total_steps,
+            "state": job.state.value, "step": job.step, "weights_version": job.weights_version, "error": job.error,
+            "started": job.started, "ended": job.ended,
+            "steps": [{"step": e.step, "weights_version": e.weights_version, "metrics": e.metrics}
+                      for e in job.events if e.step is not None]}
+
+
+def _job_from_json(d: dict[str, Any]) -> _Job:
+    """A record read back; a job the previous scheduler left unfinished is FAILED, saying why."""
+    job = _Job(d["job_id"], d["name"], d["kind"], int(d["total_steps"]), None, JobState(d["state"]), int(d["step"]),
+               d["weights_version"], d["error"], d["started"], d["ended"])
+    if not job.state.done:
+        job.error = (f"the scheduler stopped while this job was {job.state.value} (at step {job.step}); "
+                     "submit it again")
+        job.state, job.ended = JobState.FAILED, job.ended or time.time()
+    for e in d["steps"]:
+        job.events.append(JobEvent(job.status(), int(e["step"]), e["weights_version"],
+                                   {k: float(v) for k, v in e["metrics"].items()}))
+    job.events.append(JobEvent(job.status()))
+    return job
 
 
 # ----------------------------------------------------------------------------- the manager
@@ -201,22 +259,43 @@ class JobManager:
     """Queues jobs and runs them one at a time against ``trainer`` and the scheduler's fleet.
 
     ``generate(request)`` streams GenerateDeltas through the scheduler (pinned
-    requests); ``switch_weights(version)`` switches every replica.
+    requests); ``switch_weights(version)`` switches every replica after a
+    canary (raising :class:`CanaryFailed` when the version fails it).
+    ``weight_store``: the store the trainer publishes to, where versions that
+    fail their canary are deleted (without one they stay, and the job says so).
+    ``state_dir``: where job records are kept across restarts (None: memory
+    only). A job waits up to ``trainer_wait_s`` for a restarting trainer and
+    ``store_wait_s`` for an unreachable weight store.
     """
 
     def __init__(self, trainer: TrainerClient | None, generate: Callable[[InferenceRequest], AsyncIterator[Any]],
-                 switch_weights: Callable[[str], Awaitable[Any]], *, trainer_wait_s: float = 120.0) -> None:
+                 switch_weights: Callable[[str], Awaitable[Any]], *, weight_store: WeightStoreClient | None = None,
+                 state_dir: str | os.PathLike[str] | None = None, trainer_wait_s: float = 120.0,
+                 store_wait_s: float = 120.0) -> None:
         self.trainer = trainer
+        self.weight_store = weight_store
         self._generate = generate
         self._switch = switch_weights
         self.trainer_wait_s = trainer_wait_s
+        self.store_wait_s = store_wait_s
+        self._records = pathlib.Path(state_dir) / JOBS_FILE if state_dir is not None else None
         self._jobs: dict[str, _Job] = {}
         self._queue: asyncio.Queue[_Job] = asyncio.Queue()
         self._runner: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        """Read the records a previous scheduler left (if any), then run queued jobs."""
         self._loop = asyncio.get_running_loop()
+        if self._records is not None:
+            self._records.parent.mkdir(parents=True, exist_ok=True)
+            if self._records.exists():
+                try:
+                    jobs = [_job_from_json(d) for d in json.loads(self._records.read_text())["jobs"]]
+                except (ValueError, KeyError, TypeError) as err:
+                    raise RuntimeError(f"{self._records} is not a job record file: {err}") from None
+                self._jobs = {j.job_id: j for j in jobs}
+                self._save_records()
         self._runner = asyncio.ensure_future(self._run_queue())
 
     async def close(self) -> None:
@@ -233,7 +312,7 @@ class JobManager:
         if self.trainer is None:
             raise FailedPrecondition("this scheduler has no trainer configured (--trainer ADDR)")
         validate(spec)
-        job = _Job(uuid.uuid4().hex[:12], name or spec.kind, spec)
+        job = _Job(uuid.uuid4().hex[:12], name or spec.kind, spec.kind, spec.steps, spec)
         self._jobs[job.job_id] = job
         self._emit(job)
         self._queue.put_nowait(job)
@@ -278,9 +357,18 @@ class JobManager:
     def _emit(self, job: _Job, step: int | None = None, version: str = "", metrics: dict | None = None) -> None:
         job.events.append(JobEvent(job.status(), step, version, dict(metrics or {})))
         job.changed.set()
+        self._save_records()
+
+    def _save_records(self) -> None:
+        """Rewrite ``jobs.json`` (atomically: a crash leaves the old or the new file, never half of one)."""
+        if self._records is None:
+            return
+        tmp = self._records.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"jobs": [_job_to_json(j) for j in self._jobs.values()]}))
+        tmp.replace(self._records)
 
     def _finish(self, job: _Job, state: JobState, error: str = "") -> None:
-        job.state, job.error, job.ended = state, error, time.monotonic()
+        job.state, job.error, job.ended = state, error, time.time()
         self._emit(job)
 
     async def _run_queue(self) -> None:
@@ -288,7 +376,7 @@ class JobManager:
             job = await self._queue.get()
             if job.state is not JobState.QUEUED:
                 continue  # cancelled while queued
-            job.state, job.started = JobState.RUNNING, time.monotonic()
+            job.state, job.started = JobState.RUNNING, time.time()
             self._emit(job)
             try:
                 await asyncio.to_thread(self._run_job, job)
@@ -306,7 +394,12 @@ class JobManager:
 
     def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float]) -> None:
         def apply() -> None:
-            job.step, job.weights_version = step, version
+            job.weights_version = version
+            if step <= job.step:
+                # Redone after a trainer restart: the same batch from the same weights gives the same
+                # bits, and watchers have seen this step already.
+                return
+            job.step = step
             self._emit(job, step, version, metrics)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(apply)
@@ -314,13 +407,24 @@ class JobManager:
             raise JobCancelled()
 
     def _run_job(self, job: _Job) -> None:
+        """Run ``job``; when it fails, the steps it trained but did not publish are dropped from the trainer
+        (so the next job starts from weights the fleet served), and the job's error says so."""
+        assert job.spec is not None
         trainer = _TrainerSession(self, job)
-        version = trainer.start()
-        self._loop.call_soon_threadsafe(lambda: setattr(job, "weights_version", version))  # type: ignore[union-attr]
-        if isinstance(job.spec, RLJobSpec):
-            self._run_rl(job, job.spec, trainer)
-        else:
-            self._run_supervised(job, job.spec, trainer)
+        try:
+            version = trainer.start()
+            self._loop.call_soon_threadsafe(lambda: setattr(job, "weights_version", version))  # type: ignore
+            if isinstance(job.spec, RLJobSpec):
+                self._run_rl(job, job.spec, trainer)
+            else:
+                self._run_supervised(job, job.spec, trainer)
+        except JobCancelled:
+            raise
+        except Exception as err:
+            note = trainer.discard_unpublished()
+            if note:
+                err.add_note(note)
+            raise
 
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
         from zerokl.tasks.setup import countdown_data, encode_prompt
@@ -375,9 +479,12 @@ class JobManager:
 
 
 def _describe(err: BaseException) -> str:
+    """A failed job's error: the cause by name, then what was done about it (the exception's notes)."""
     if isinstance(err, grpc.aio.AioRpcError):
-        return f"{err.code().name}: {err.details()}"
-    return f"{type(err).__name__}: {err}"
+        text = f"{err.code().name}: {err.details()}"
+    else:
+        text = f"{type(err).__name__}: {err}"
+    return "; ".join([text, *getattr(err, "__notes__", ())])
 
 
 # ----------------------------------------------------------------------------- ports over gRPC
@@ -409,7 +516,9 @@ class _TrainerSession:
     Each step runs as a unit (ForwardBackward, OptimStep, SaveWeights): when the
     trainer becomes UNAVAILABLE meanwhile, the session waits for it to come
     back, reads its state and either takes the step as done (it was published)
-    or redoes it from the restored weights.
+    or redoes it from the restored weights. A trainer that answers and still
+    holds the steps it trained did not restart: then the weight store is out,
+    and publishing is retried until it is back (see the module docstring).
     """
 
     def __init__(self, manager: JobManager, job: _Job) -> None:
@@ -417,10 +526,15 @@ class _TrainerSession:
         self.client = manager.trainer
         self.weights_version = ""
         self.base_step = 0
+        self.trainer_step = 0           # the trainer's step counter after our last OptimStep
         self._last: dict[str, Any] = {}
 
     def _call(self, coro: Awaitable[T]) -> T:
         return self.manager._call(coro)
+
+    def _sleep(self, seconds: float) -> None:
+        if self.job.cancel.wait(seconds):
+            raise JobCancelled()
 
     def start(self) -> str:
         """Publish the trainer's current weights (a no-op when already published) and serve them."""
@@ -428,17 +542,18 @@ class _TrainerSession:
         if state.accumulated_batches:
             raise FailedPrecondition(f"the trainer holds {state.accumulated_batches} unapplied ForwardBackward "
                                      "batches; OptimStep or LoadWeights first")
-        self.base_step = state.step
-        manifest, _ = self._call(self.client.save_weights())
+        self.base_step = self.trainer_step = state.step
+        manifest = self._save()
+        self._switch_fleet(manifest.version)
         self.weights_version = manifest.version
-        self._call(self.manager._switch(manifest.version))
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
         """After UNAVAILABLE: wait for the trainer, serve the version it resumed from; its state."""
         state = self._wait_for_trainer()
+        self.trainer_step = state.step
         if state.weights_version != self.weights_version:
-            self._call(self.manager._switch(state.weights_version))
+            self._switch_fleet(state.weights_version)
             self.weights_version = state.weights_version
         return state
 
@@ -461,14 +576,105 @@ class _TrainerSession:
     def _wait_for_trainer(self):  # noqa: ANN202
         deadline = time.monotonic() + self.manager.trainer_wait_s
         while True:
-            if self.job.cancel.is_set():
-                raise JobCancelled()
             try:
                 return self._call(self.client.get_state(timeout=5))
             except grpc.aio.AioRpcError as err:
-                if err.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if err.code() not in _OUTAGE:
                     raise
-                time.sleep(0.5)
+                if time.monotonic() > deadline:
+                    raise TrainerUnavailable(f"the trainer did not answer for {self.manager.trainer_wait_s:g} s: "
+                                             f"{err.details()}") from None
+                self._sleep(0.5)
+
+    def _store_reachable(self) -> bool:
+        """Whether the weight store answers (True when this scheduler has none to ask)."""
+        store = self.manager.weight_store
+        if store is None:
+            return True
+        try:
+            self._call(asyncio.wait_for(store.info(), 5.0))
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            return False
+        return True
+
+    def _outage(self, deadline: float | None, what: str, cause: str) -> float:
+        """Wait a moment in a weight-store outage; the deadline to keep; WeightStoreUnavailable past it."""
+        now = time.monotonic()
+        deadline = deadline or now + self.manager.store_wait_s
+        if now > deadline:
+            raise WeightStoreUnavailable(f"the weight store stayed unreachable for {self.manager.store_wait_s:g} s "
+                                         f"while {what}: {cause}")
+        log.warning("job %s: the weight store is unreachable while %s (%s); retrying", self.job.job_id, what, cause)
+        self._sleep(1.0)
+        return deadline
+
+    def _save(self) -> WeightsManifest:
+        """SaveWeights, retried while the weight store is out; UNAVAILABLE when the trainer restarted meanwhile."""
+        deadline = None
+        while True:
+            try:
+                manifest, _ = self._call(self.client.save_weights())
+                return manifest
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _OUTAGE:
+                    raise
+                if self._wait_for_trainer().step != self.trainer_step:
+                    raise   # the trainer restarted without the unpublished steps: the caller redoes them
+                # The trainer answers and holds its steps: what failed is the weight store (or the way to it).
+                deadline = self._outage(deadline, f"trainer step {self.trainer_step} waited to be published",
+                                        err.details())
+
+    def _switch_fleet(self, version: str) -> None:
+        """Switch the fleet (after its canary), retried while the weight store the replicas fetch from is out."""
+        deadline = None
+        while True:
+            try:
+                self._call(self.manager._switch(version))
+                return
+            except (CanaryFailed, JobCancelled):
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure is retried only while the store is out
+                if self._store_reachable():
+                    raise
+                deadline = self._outage(deadline, f"the replicas switched to {version}", str(err))
+
+    def discard_unpublished(self) -> str:
+        """Roll the trainer back to the version the fleet serves if it holds steps beyond it; what was done."""
+        if not self.weights_version:
+            return ""
+        try:
+            state = self._call(self.client.get_state(timeout=10))
+            if (state.weights_version, state.step, state.accumulated_batches) == \
+                    (self.weights_version, state.weights_step, 0):
+                return ""
+            state = self._call(self.client.load_weights(self.weights_version, restore_state=True))
+        except grpc.aio.AioRpcError as err:
+            log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version,
+                      err.details())
+            return f"rolling the trainer back to {self.weights_version} failed ({err.code().name}: {err.details()})"
+        return (f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
+                f"(step {state.step})")
+
+    def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
+        """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
+        good = self.weights_version
+        try:
+            state = self._call(self.client.load_weights(good, restore_state=True))
+            self.trainer_step = state.step
+            rolled = f"The trainer was rolled back to {good} (step {state.step}), which the fleet keeps serving"
+        except grpc.aio.AioRpcError as load_err:
+            rolled = (f"The fleet keeps serving {good}, but rolling the trainer back to it failed "
+                      f"({load_err.code().name}: {load_err.details()})")
+        store = self.manager.weight_store
+        if store is None:
+            fate = f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
+        else:
+            try:
+                self._call(store.delete(version))
+                fate = f"{version} was deleted from the weight store"
+            except grpc.aio.AioRpcError as delete_err:
+                fate = f"deleting {version} from the weight store failed ({delete_err.details()})"
+        raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
     # ---- TrainerPort (rl_loop) ----
 
@@ -479,6 +685,7 @@ class _TrainerSession:
             fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
                                                        lr=self.job.spec.learning_rate or None))
             assert fb.ppo is not None
+            self.trainer_step = opt.step
             self._last = {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
                           "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
                           "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
@@ -491,9 +698,12 @@ class _TrainerSession:
         return self.weights_version  # grpo_step published as part of its unit
 
     def publish_now(self) -> None:
-        """SaveWeights, then switch the fleet to the new version."""
-        manifest, _ = self._call(self.client.save_weights())
-        self._call(self.manager._switch(manifest.version))
+        """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""
+        manifest = self._save()
+        try:
+            self._switch_fleet(manifest.version)
+        except CanaryFailed as err:
+            self._reject(manifest.version, err)
         self.weights_version = manifest.version
 
     # ---- SFT / DPO (the job loop handles UNAVAILABLE: state only survives a restart when published) ----
@@ -503,6 +713,7 @@ class _TrainerSession:
         t0 = time.perf_counter()
         fb = self._call(self.client.forward_backward(method, batch, reset_reference=first and method == "dpo"))
         opt = self._call(self.client.optim_step(lr=self.job.spec.learning_rate or None))
+        self.trainer_step = opt.step
         metrics = {"loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens,
                    "tokens_per_s": fb.tokens / max(time.perf_counter() - t0, 1e-9),
                    **{k: v for k, v in fb.metrics.items() if k not in ("loss", "tokens", "tokens_per_s")}}

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from zerokl.services.runtime.auth import TlsConfig
 from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.runtime.metrics import start_metrics_server
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, peer_credentials
 from zerokl.services.runtime.tracing import configure_tracing
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--trainer", metavar="ADDR", default=None,
                    help="trainer address: enables the Jobs API (SFT, DPO and RL jobs run there, and the fleet "
                         "switches to every version they publish)")
+    j.add_argument("--weight-store", metavar="ADDR", default=None,
+                   help="the weight store the trainer publishes to: tells a store outage from a trainer restart, "
+                        "and versions that fail their canary are deleted there (so no restart serves them)")
+    j.add_argument("--state-dir", metavar="DIR", default=None,
+                   help="keep job records here (jobs.json) so they survive a restart (default: memory only)")
     r = p.add_argument_group("routing")
     r.add_argument("--pin-weights-version", default="",
                    help="serve requests that pin no weights version with this one (default: the one every "
@@ -141,7 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         scheduler = Scheduler(registry, config, args.replica_id)
         scheduler.attach(server)
         trainer = TrainerClient(args.trainer, token=options.auth.peer_token, credentials=peers) if args.trainer else None
-        jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights)
+        store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
+                 if args.weight_store else None)
+        jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
+                          state_dir=args.state_dir)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:
@@ -158,8 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             await server.serve_until_signal()
         finally:
             await jobs.close()
-            if trainer is not None:
-                await trainer.close()
+            for client in (trainer, store):
+                if client is not None:
+                    await client.close()
             await scheduler.close()
             if metrics is not None:
                 metrics.close()

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ import grpc.aio
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
+from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
 from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
@@ -63,11 +65,20 @@ from zerokl.services.scheduler.replay import StreamLedger
 from zerokl.services.scheduler.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerServicer", "add_scheduler_service"]
+__all__ = ["SchedulerConfig", "Scheduler", "SchedulerServicer", "add_scheduler_service", "CanaryFailed",
+           "CANARY_PROMPT", "CANARY_TOKENS"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# The canary of new weights: a fixed probe (ids every vocabulary has) generated greedily on one replica.
+CANARY_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
+CANARY_TOKENS = 4
+
+
+class CanaryFailed(FailedPrecondition):
+    """New weights failed their canary on one replica; no other replica switched to them."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,7 @@ class SchedulerConfig:
     max_attempts: int = 3
     route_wait_s: float = 5.0
     abort_timeout_s: float = 5.0
+    canary_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -424,39 +436,99 @@ class Scheduler:
     # ------------------------------------------------------------------ weights
 
     async def switch_weights(self, version: str) -> ServiceIdentity:
-        """Switch every replica to weight-store ``version`` (or ``latest``), concurrently.
+        """Switch every replica to weight-store ``version`` (or ``latest``), after a canary, or not at all.
 
-        Each replica lets the requests it admitted finish on the old weights
-        first. Returns the scheduler's identity once the registry has seen
-        every replica serve the new version. A replica that fails the switch
-        fails the call (its error is relayed); the others keep the new version,
-        and requests pinned to the old one stop finding replicas, which is the
-        point of a step boundary. A configured weights pin follows the switch.
+        One healthy decode replica switches first and serves a canary
+        (:meth:`_canary`: a short greedy Generate of a fixed probe with prompt
+        logprobs, every number finite); a version that fails it is never
+        served by the others: the canary replica switches back and
+        :class:`CanaryFailed` names why. Then the others switch, concurrently;
+        each lets the requests it admitted finish on the old weights first. If
+        any fails, every replica that switched goes back to the version it
+        served before, and the call fails naming the replica. Returns the
+        scheduler's identity once the registry has seen every replica serve
+        the new version; requests pinned to the old one then stop finding
+        replicas, which is the point of a step boundary. A configured weights
+        pin follows the switch.
         """
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
+        # A healthy decode replica if there is one (one that cannot serve fails the canary, naming why).
+        canaries = sorted((v for v in views if v.role == "decode"), key=lambda v: not v.healthy)
+        if not canaries:
+            raise NoReplica("no decode replica to run the canary of the new weights on")
+        canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
+        before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
-        async def one(view: ReplicaView) -> ServiceIdentity:
+        async def one(view: ReplicaView, to: str) -> ServiceIdentity:
             with self.registry.lease(view.endpoint) as client:
                 try:
-                    return await client.switch_weights(version)
+                    return await client.switch_weights(to)
                 except grpc.aio.AioRpcError as err:
                     failure = _attempt_or_relay(view, err)
                     raise (failure if not isinstance(failure, _Attempt)
                            else Unavailable(f"{view.describe()}: {failure.reason}")) from None
 
-        identities = await asyncio.gather(*(one(v) for v in views))
-        served = {i.weights_version for i in identities}
-        if len(served) != 1:  # "latest" moved while the replicas resolved it
-            raise FailedPrecondition(f"replicas switched to different versions {sorted(served)}; switch to a "
-                                     "version id, not 'latest', while publishing")
-        (new,) = served
+        first = await one(canary, version)
+        new = first.weights_version             # "latest" resolved once: every other replica gets this id
+        problem = await self._canary(canary, new)
+        if problem:
+            undone = await self._switch_back([canary], before)
+            raise CanaryFailed(f"weights version {new} failed its canary on {canary.describe()}: {problem}; "
+                               f"no other replica switched{undone}")
+        results = await asyncio.gather(*(one(v, new) for v in rest), return_exceptions=True)
+        failed = [(v, r) for v, r in zip(rest, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            switched = [canary, *(v for v, r in zip(rest, results, strict=True) if not isinstance(r, BaseException))]
+            undone = await self._switch_back(switched, before)
+            view, err = failed[0]
+            raise Unavailable(f"switching to {new} failed on {len(failed)} replica(s), e.g. {view.describe()}: "
+                              f"{err}{undone}") from None
         if self.config.pin.weights_version:
             self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
                                                                                    weights_version=new))
         await self.registry.refresh(read_info=True)
         return self.identity
+
+    async def _canary(self, view: ReplicaView, version: str) -> str:
+        """Why ``view`` cannot serve ``version`` ("" when it can): the probe must complete on that version with
+        finite prompt and sampled logprobs."""
+        options = SamplingOptions(temperature=0.0, max_tokens=CANARY_TOKENS, ignore_eos=True, prompt_logprobs=True)
+        request = InferenceRequest(prompt_ids=CANARY_PROMPT, options=options, weights_version=version,
+                                   request_id=f"canary-{uuid.uuid4().hex[:8]}")
+        with self.registry.lease(view.endpoint) as client:
+            try:
+                result = await client.generate_all(request, timeout=self.config.canary_timeout_s)
+            except grpc.aio.AioRpcError as err:
+                return f"the probe Generate failed with {err.code().name}: {err.details()}"
+        if result.weights_version != version:
+            return f"the probe was computed by {result.weights_version!r}"
+        numbers = [x for s in result.samples for x in (*s.logprobs, *(s.prompt_logprobs or ())) if x is not None]
+        if len(numbers) < CANARY_TOKENS or not all(math.isfinite(x) for x in numbers):
+            return f"the probe's logprobs are not all finite: {numbers}"
+        return ""
+
+    async def _switch_back(self, views: list[ReplicaView], before: dict[tuple, str]) -> str:
+        """Switch ``views`` back to what they served before; a clause for the caller's error message."""
+        async def back(view: ReplicaView) -> str:
+            old = before.get(view.endpoint.key, "")
+            if not old:
+                return f"{view.describe()} (its previous version is unknown)"
+            with self.registry.lease(view.endpoint) as client:
+                try:
+                    await client.switch_weights(old)
+                except grpc.aio.AioRpcError as err:
+                    log.error("could not switch %s back to %s: %s", view.describe(), old, err.details())
+                    return f"{view.describe()} ({err.code().name}: {err.details()})"
+            return ""
+
+        stuck = [s for s in await asyncio.gather(*(back(v) for v in views)) if s]
+        await self.registry.refresh(read_info=True)
+        olds = sorted({before[v.endpoint.key] for v in views if v.endpoint.key in before})
+        if stuck:
+            return f"; switching back failed on {', '.join(stuck)}"
+        return f"; switched back to {', '.join(olds)}" if olds else ""
 
     # ------------------------------------------------------------------ routing helpers
 

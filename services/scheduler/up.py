@@ -389,7 +389,7 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
                "--replica-id", "scheduler", *common]
     if trainer:
-        s.flags += ["--trainer", t.address]
+        s.flags += ["--trainer", t.address, "--weight-store", store.address, "--state-dir", str(workdir / "scheduler")]
     if args.prefill_replicas:
         s.flags += ["--prefill", ",".join(c.address for c in children if c.service == "prefill")]
     children.append(s)

@@ -39,6 +39,7 @@ from zerokl.services.runtime.errors import (
     FieldViolation,
     InvalidArgument,
     PreconditionViolation,
+    Unavailable,
 )
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
@@ -56,7 +57,7 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
 )
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+from zerokl.services.trainer.trainer import Completion, NonFiniteStep, Rollout, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -387,15 +388,22 @@ class TrainerService:
 
     async def optim_step(self, lr: float | None = None) -> OptimResult:
         """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
-        FAILED_PRECONDITION when there are none, INVALID_ARGUMENT for a bad `lr`."""
+        FAILED_PRECONDITION when there are none, or when the step would make a weight or optimizer
+        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`."""
         if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
             raise InvalidArgument.field("lr", f"must be finite and >= 0 (0: the trainer's schedule), got {lr}")
 
         async def work() -> OptimResult:
             if self._accumulated == 0:
                 raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
-            m = await self._compute(self._trainer.optim_step, lr or None)
-            self._accumulated = 0
+            try:
+                m = await self._compute(self._trainer.optim_step, lr or None)
+            except NonFiniteStep as err:
+                raise FailedPrecondition(f"{err}; the step was refused and undone (weights, optimizer state and "
+                                         f"step {self._trainer.step} as before it, its gradients dropped)") from None
+            finally:
+                # The trainer drops the gradients whether the step applied or was undone.
+                self._accumulated = 0
             STEP.set(m["step"])
             return OptimResult(grad_norm=float(m["grad_norm"]), lr=float(m["lr"]), step=int(m["step"]))
         return await self._exclusive(work)
@@ -435,7 +443,15 @@ class TrainerService:
             with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
                 await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
                                     weights_only=weights_only)
-                manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+                try:
+                    manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        raise
+                    # Said by name: the caller must not mistake the store's outage for this trainer's.
+                    raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
+                                      f"{name} is not published, the trainer keeps step {trainer.step} "
+                                      "(retry SaveWeights)") from None
             self._lineage = lineage[-MAX_LINEAGE:]
             self._set_identity(self._identity.with_weights(name))
             if not weights_only:
@@ -476,6 +492,9 @@ class TrainerService:
             if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
                 lineage.append(LineageEntry(manifest.version, trainer.step))
             self._trainer, self._lineage, self._accumulated = trainer, lineage[-MAX_LINEAGE:], 0
+            if restore_state:
+                # The loaded version is now where a restart resumes (e.g. a rollback past a rejected version).
+                await self.pin_resume_point(manifest.version)
             model = trainer.model
             self._set_identity(self._identity.with_weights(manifest.version, model_config=model.config.to_dict()))
             STEP.set(trainer.step)

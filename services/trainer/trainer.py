@@ -23,7 +23,7 @@ from zerokl.model import Model
 from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
-__all__ = ["TrainConfig", "Completion", "Rollout", "Trainer"]
+__all__ = ["TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class _Batch:
     mask: torch.Tensor                  # [B, T]
     rows: torch.Tensor                  # [Ntok] flat index into logits [B*(S), V] for each completion token
     params: SamplingParams              # per completion token
+
+
+class NonFiniteStep(ArithmeticError):
+    """An optimizer step would have left a parameter or optimizer state non-finite; it was undone."""
 
 
 class Trainer:
@@ -212,20 +216,71 @@ class Trainer:
         return c.lr
 
     def optim_step(self, lr: float | None = None) -> dict:
-        """Clip, step AdamW at `lr` (default: the scheduled learning rate), zero the gradients."""
+        """Clip, step AdamW at `lr` (default: the scheduled learning rate), zero the gradients.
+
+        A step that fails, or leaves any trained parameter or optimizer state
+        non-finite, is undone: parameters, optimizer state and the step counter
+        are as before it, the gradients are dropped, and :class:`NonFiniteStep`
+        (or the error) is raised. Undoing costs one copy of the trained
+        parameters and their optimizer state per step.
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
-        if self.config.grad_clip > 0 and float(norm) > self.config.grad_clip:
-            scale = self.config.grad_clip / (float(norm) + 1e-6)
-            for g in grads:
-                g.mul_(scale)
         lr = lr or self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        before = self._snapshot()
+        try:
+            if self.config.grad_clip > 0 and float(norm) > self.config.grad_clip:
+                scale = self.config.grad_clip / (float(norm) + 1e-6)
+                for g in grads:
+                    g.mul_(scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            try:
+                self.optimizer.step()
+            except RuntimeError as err:
+                # AdamW casts lr / bias_correction to the parameters' dtype: an lr that overflows it fails mid-loop.
+                if "overflow" not in str(err):
+                    raise
+                raise NonFiniteStep(f"the optimizer step at lr={lr:g} overflows: {err}") from None
+            bad = self._non_finite()
+            if bad:
+                raise NonFiniteStep(f"the optimizer step at lr={lr:g} (gradient norm {float(norm):g}) made "
+                                    f"{len(bad)} tensor(s) non-finite, e.g. {', '.join(bad[:3])}")
+        except BaseException:
+            self._restore(before)
+            raise
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {"grad_norm": float(norm), "lr": lr, "step": self.step}
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], dict, list[float]]:
+        params = [p.detach().clone() for p in self.params]
+        state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
+                 for p, s in self.optimizer.state.items()}
+        return params, state, [g["lr"] for g in self.optimizer.param_groups]
+
+    @torch.no_grad()
+    def _restore(self, snapshot: tuple[list[torch.Tensor], dict, list[float]]) -> None:
+        params, state, lrs = snapshot
+        for p, saved in zip(self.params, params, strict=True):
+            p.copy_(saved)
+        self.optimizer.state.clear()
+        self.optimizer.state.update(state)
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+
+    def _non_finite(self) -> list[str]:
+        """Names of trained parameters (or their optimizer state) holding a NaN or infinity."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        bad = []
+        for i, p in enumerate(self.params):
+            name = names.get(id(p), f"params[{i}]")
+            if not bool(torch.isfinite(p).all()):
+                bad.append(name)
+            bad += [f"{name} ({k})" for k, v in self.optimizer.state.get(p, {}).items()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+        return bad
 
     # ------------------------------------------------------------------ high-level steps
 

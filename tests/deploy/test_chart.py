@@ -106,6 +106,7 @@ def test_the_defaults_deploy_every_service_with_native_grpc_probes_on_its_port()
     assert "--kube-decode-service=zerokl-decode" in sched["args"]
     assert "--kube-prefill-service=zerokl-prefill" in sched["args"]
     assert "--trainer=zerokl-trainer:50053" in sched["args"]   # the Jobs API
+    assert "--weight-store=$(ZEROKL_WEIGHT_STORE)" in sched["args"]  # jobs: store outages, rejected versions
     for role in ("prefill", "decode"):                         # SwitchWeights fetches from the store
         assert "--weight-store=$(ZEROKL_WEIGHT_STORE)" in _container(_by(objs, "Deployment", f"zerokl-{role}"))["args"]
     assert config["data"]["ZEROKL_WEIGHT_STORE"] == "zerokl-weight-store:50055"
@@ -145,12 +146,13 @@ def test_network_policies_follow_the_services_traffic() -> None:
     policies = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in objs if o["kind"] == "NetworkPolicy"}
     assert set(policies) == {*ROLES, "minio"}
     # Only the scheduler reaches the trainer, prefill and decode; the weight store takes the trainer's
-    # publishes and the replicas' fetches (start-up and SwitchWeights); the scheduler never calls it.
+    # publishes, the replicas' fetches (start-up and SwitchWeights) and the scheduler's job calls (is it up;
+    # delete a version that failed its canary).
     # Operators' pods (zerokl doctor) may read every pod's Info.
     assert _ingress_components(policies["trainer"]) == {"scheduler", "operator"}
     assert _ingress_components(policies["prefill"]) == {"scheduler", "operator"}
     assert _ingress_components(policies["decode"]) == {"scheduler", "operator"}
-    assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "operator"}
+    assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "scheduler", "operator"}
     assert _ingress_components(policies["minio"]) == {"weight-store"}
     # Clients (any pod of the namespace by default) and the helm test pod reach the scheduler.
     assert _ingress_components(policies["scheduler"]) == {"*", "test", "operator"}
@@ -159,7 +161,7 @@ def test_network_policies_follow_the_services_traffic() -> None:
         return {_peer_name(peer) for rule in policies[role]["spec"]["egress"] for peer in rule.get("to", [])
                 if "podSelector" in peer}
 
-    assert egress_to("scheduler") == {"prefill", "decode", "trainer"}
+    assert egress_to("scheduler") == {"prefill", "decode", "trainer", "weight-store"}
     assert egress_to("prefill") == egress_to("decode") == egress_to("trainer") == {"weight-store"}
     assert egress_to("weight-store") == {"minio"}
     # The scheduler may reach the API server (discovery); nobody else gets a port-only rule.

@@ -115,3 +115,23 @@ def test_kl_penalty_to_reference_is_finite_under_top_p():
         m = trainer.grpo_step(rollouts, group_size=4)
         assert m["kl"] == 0.0 and 0.0 <= m["kl_reference"] < float("inf") and m["loss"] == m["loss"]
     assert m["kl_reference"] > 0.0          # the policy has moved away from the reference
+
+
+def test_a_step_that_makes_a_weight_non_finite_is_undone():
+    """An infinite gradient (clipping turns it into NaN) would poison the weights: the step raises NonFiniteStep
+    naming the tensor, and weights, optimizer state and step counter are bitwise as before it."""
+    from zerokl.services.trainer.trainer import NonFiniteStep
+
+    trainer = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
+    data = [Completion((5, 6, 7, 8), (9, 10, 11))] * 2
+    trainer.sft_step(data)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    moments = [v.clone() for s in trainer.optimizer.state.values() for v in s.values()]
+    trainer.forward_backward("sft", data)
+    trainer.params[0].grad[0] = float("inf")
+    with pytest.raises(NonFiniteStep, match="non-finite"):
+        trainer.optim_step()
+    assert trainer.step == 1 and all(p.grad is None for p in trainer.params)
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
+    assert all(torch.equal(a, b) for a, b in
+               zip([v for s in trainer.optimizer.state.values() for v in s.values()], moments, strict=True))

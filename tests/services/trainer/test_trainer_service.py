@@ -502,3 +502,35 @@ def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: p
                 health_pb2.HealthCheckRequest(service=TRAINER_SERVICE))
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     asyncio.run(main())
+
+
+def test_a_step_that_overflows_is_refused_undone_and_the_trainer_serves_the_next_job(tmp_path: pathlib.Path) -> None:
+    """OptimStep at lr=1e300 (AdamW's step size overflows fp32 half-way through the parameters): FAILED_PRECONDITION
+    naming the cause, and the trainer is exactly as before the step (weights, optimizer state, step counter) with
+    no gradients pending, so the next ForwardBackward + OptimStep gives bitwise the in-process trainer's result."""
+    config = TrainConfig(lr=3e-3)
+    reference = _reference(config)
+    sft = _sft_data(6)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config)) as (client, service):
+            await client.forward_backward("sft", sft)
+            await client.optim_step()                       # the optimizer has state to roll back to
+            reference.sft_step(sft)
+            before = {k: v.clone() for k, v in service.trainer.model.state_dict().items()}
+            moments = {k: v.clone() for s in service.trainer.optimizer.state.values() for k, v in s.items()}
+            await client.forward_backward("sft", sft)
+            err = await _status(client.optim_step(lr=1e300))
+            assert err.code() is FAILED and "overflows" in err.details() and "undone" in err.details(), err.details()
+            state = await client.get_state()
+            assert (state.step, state.accumulated_batches) == (1, 0)
+            _assert_same_weights(service.trainer.model.state_dict(), before)
+            after = {k: v for s in service.trainer.optimizer.state.values() for k, v in s.items()}
+            assert all(torch.equal(after[k], moments[k]) for k in moments)
+            # The next job's step runs as if the refused one never happened.
+            fb = await client.forward_backward("sft", sft)
+            opt = await client.optim_step()
+            want = reference.forward_backward("sft", sft) | reference.optim_step()
+            assert (fb.loss, opt.grad_norm, opt.step) == (want["loss"], want["grad_norm"], want["step"])
+            _assert_same_weights(service.trainer.model.state_dict(), reference.model.state_dict())
+    asyncio.run(main())
