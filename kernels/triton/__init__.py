@@ -16,6 +16,7 @@ from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
 from .reductions import log_softmax, row_sum, softmax
 from .rotary import rope
+from .sampling import row_cumsum
 from .topk import topk_positions
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "mla_attention",
     "rms_norm",
     "rope",
+    "row_cumsum",
     "row_sum",
     "sigmoid",
     "silu",
