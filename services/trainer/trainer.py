@@ -83,7 +83,6 @@ class Trainer:
                 p.requires_grad_(False)
         if config.lora_rank > 0:
             apply_lora(model, config.lora_rank, config.lora_alpha, seed=config.seed)
-            model.to(self.device)                 # the adapters are created on the CPU
             params = lora_parameters(model)
         else:
             params = [p for p in model.parameters() if p.requires_grad]
