@@ -27,13 +27,12 @@ from zerokl.kernels.ops import (
     swiglu_mlp,
     topk_positions,
 )
-from zerokl.kernels.sampling import Draw, SamplingParams, filtered_logprobs, sample, sampling_logprobs
+from zerokl.kernels.sampling import SamplingParams, filtered_logprobs, sample, sampling_logprobs
 from zerokl.kernels.version import __version__
 
 __all__ = [
     "__version__",
     "BACKENDS",
-    "Draw",
     "INVARIANT_BACKENDS",
     "default_backend",
     "device_name",
