@@ -157,3 +157,26 @@ def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device):
         assert delta.finish_reason == "length" and len(delta.token_ids) == 1
         assert torch.equal(torch.tensor(delta.logprobs),
                            trainer.forward_logprobs([Completion(r.prompt_ids, tuple(delta.token_ids), 1.0, 20)])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_request_whose_logits_are_nan_fails_alone(device, caplog):
+    """A poisoned embedding row makes one request's logits NaN: that request ends ("abort", with a
+    logged reason), every other request in the batch gets exactly the tokens it gets alone."""
+    with use_backend(default_backend()):
+        model = _model("tiny", device)
+        with torch.no_grad():
+            model.embed_tokens.weight[63] = float("nan")
+        rng = random.Random(9)
+        healthy = [GenerateRequest(f"ok{i}", tuple(rng.randrange(3, 63) for _ in range(rng.randint(5, 20))),
+                                   SamplingOptions(temperature=1.0, top_k=20, top_p=0.9, seed=i, max_tokens=6,
+                                                   ignore_eos=True)) for i in range(3)]
+        poisoned = GenerateRequest("nan", (5, 6, 63, 7), SamplingOptions(top_k=20, n=2, max_tokens=6))
+        config = EngineConfig(max_num_batched_tokens=16)
+        alone = {r.request_id: run_to_completion(Engine(model, config), [r])[r.request_id] for r in healthy}
+        outs = run_to_completion(Engine(model, config), [healthy[0], poisoned, *healthy[1:]])
+    assert sorted((d.index, d.finish_reason, d.token_ids) for d in outs["nan"]) == [(0, "abort", []), (1, "abort", [])]
+    assert "request nan aborted: its logits have no sampling distribution" in caplog.text
+    for r in healthy:
+        got = [(d.token_ids, d.logprobs, d.finish_reason) for d in outs[r.request_id]]
+        assert got == [(d.token_ids, d.logprobs, d.finish_reason) for d in alone[r.request_id]]
