@@ -187,19 +187,20 @@ def _mixed_params(n: int, g: torch.Generator) -> SamplingParams:
 @pytest.mark.parametrize("name", BACKENDS)
 def test_filtered_logprobs_of_a_row_are_its_own_in_any_batch(name, device):
     """Each row's filtered logprobs (and draw) torch.equal alone, in batches of several sizes at
-    several positions, next to rows with other sampling parameters. V = 5000 spans two of the
-    Triton scan's chunks; bf16-rounded logits make ties at the k-th value and in the sort."""
+    several positions, next to rows with other sampling parameters. V spans several of the
+    Triton scan's chunks (5000 on CPU; the small preset's 32768 on CUDA, where torch.cumsum's
+    scan changed with the batch); bf16-rounded logits make ties at the k-th value and in the sort."""
     if device == "cuda" and name == "torch":
         pytest.skip("CUDA runs the triton backend")
     g = torch.Generator().manual_seed(11)
-    v = 5000
+    v = 5000 if device == "cpu" else 32768
     rows = (torch.randn(6, v, generator=g) * 2).to(torch.bfloat16).float()
     params = _mixed_params(6, g)
     rows, params = rows.to(device), SamplingParams(*(t.to(device) for t in dataclasses.astuple(params)))
     with K.use_backend(name):
         alone = [(K.filtered_logprobs(rows[i:i + 1], _take(params, [i])), K.sample(rows[i:i + 1], _take(params, [i])))
                  for i in range(6)]
-        for size in (2, 5, 9):
+        for size in (2, 7) if device == "cpu" else (2, 5, 9, 24, 64):     # the interpreter is slow
             for slot in sorted({0, size // 2, size - 1}):
                 noise = (torch.randn(size, v, generator=g) * 2).to(torch.bfloat16).float().to(device)
                 other = SamplingParams(*(t.to(device) for t in dataclasses.astuple(_mixed_params(size, g))))
@@ -235,9 +236,9 @@ def test_torch_backend_prefix_mass_is_a_sequential_fp64_loop():
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_prefix_mass_is_row_invariant_across_chunks(device):
     g = torch.Generator().manual_seed(13)
-    x = (torch.rand(7, 9000, generator=g) ** 4).to(device)       # three 4096-wide chunks
+    x = (torch.rand(4, 9000, generator=g) ** 4).to(device)       # three 4096-wide chunks
     with K.use_backend("triton"):
         batch = K.sampling.row_cumsum(x)
-        for i in (0, 3, 6):
+        for i in (0, 3):
             assert torch.equal(K.sampling.row_cumsum(x[i:i + 1])[0], batch[i])
     torch.testing.assert_close(batch.double().cpu(), torch.cumsum(x.double().cpu(), -1), rtol=1e-6, atol=0)
