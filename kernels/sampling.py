@@ -149,7 +149,7 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v))
     z = z.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
     if bool(use_top_p.any()):
-        probs_sorted = softmax(z).gather(1, order)
+        probs_sorted = softmax(z.detach()).gather(1, order)         # only picks a mask: no gradient
         before = row_cumsum(probs_sorted) - probs_sorted                 # mass ranked before each token
         keep_sorted = before < top_p.float().unsqueeze(1)
         keep_sorted[:, 0] = True            # the top token always stays (before is 0 there; top_p <= 0 kept none)
