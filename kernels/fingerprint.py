@@ -53,8 +53,8 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     }
     params = SamplingParams(*(t.to(dev) for t in dataclasses.astuple(
         SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4)))))
-    tokens, logprobs = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
-    out["sampling"] = torch.cat([tokens.float(), logprobs])
+    draw = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
+    out["sampling"] = torch.cat([draw.tokens.float(), draw.logprobs])
     out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)
     return out
 

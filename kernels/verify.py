@@ -74,8 +74,9 @@ def _attention_rows(rows: list[Row]) -> tuple:
 
 def _sampling_call(logits, temperature, top_k, top_p, seed, position):
     params = SamplingParams(temperature, top_k, top_p, seed, position)
-    tokens, logp = sample(logits, params)
-    return torch.stack([tokens.float(), logp, sampling_logprobs(logits, (tokens + 1) % logits.shape[1], params)], 1)
+    draw = sample(logits, params)
+    return torch.stack([draw.tokens.float(), draw.logprobs,
+                        sampling_logprobs(logits, (draw.tokens + 1) % logits.shape[1], params)], 1)
 
 
 def _sampling_row(g, d):

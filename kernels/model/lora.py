@@ -48,7 +48,9 @@ def apply_lora(model: Model, rank: int = 8, alpha: float = 16.0, targets: tuple[
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in targets:
             out_f, in_f = module.weight.shape
-            parametrize.register_parametrization(module, "weight", LoRA(out_f, in_f, rank, alpha, g))
+            # Drawn on the CPU (the same adapters on every device), placed beside the weight.
+            adapter = LoRA(out_f, in_f, rank, alpha, g).to(module.weight.device)
+            parametrize.register_parametrization(module, "weight", adapter)
             adapted.append(name)
     return adapted
 

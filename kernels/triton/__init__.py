@@ -1,6 +1,7 @@
 """Triton backend of zerokl.kernels: batch-invariant kernels for GPUs (and CPU under TRITON_INTERPRET=1).
 
-Same signatures and semantics as kernels/torch_ops.py (the reference), plus `topk_positions`.
+Same signatures and semantics as kernels/torch_ops.py (the reference), plus `topk_positions` and
+sampling's `row_cumsum` (dispatched by kernels/sampling.py).
 Bits are promised per backend and device type: a row's result is identical alone or inside
 any batch, at any position, with any neighbours. Each module's docstring says how.
 
@@ -16,6 +17,7 @@ from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
 from .reductions import log_softmax, row_sum, softmax
 from .rotary import rope
+from .sampling import row_cumsum
 from .topk import topk_positions
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "mla_attention",
     "rms_norm",
     "rope",
+    "row_cumsum",
     "row_sum",
     "sigmoid",
     "silu",

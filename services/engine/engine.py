@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import logging
 import struct
 from typing import Callable, Sequence
 
@@ -27,6 +28,8 @@ from zerokl.services.engine.blocks import BlockManager, block_hashes, prefix_cac
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 
 __all__ = ["Engine", "RequestError", "sample_seed"]
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -400,8 +403,15 @@ class Engine:
                               for s in to_sample])
         params = [self._params(s, 1, [len(s.token_ids)]) for s in to_sample]
         params = SamplingParams(*(torch.cat(parts) for parts in zip(*(dataclasses.astuple(p) for p in params))))
-        tokens, logprobs = sample(logits.float(), params)
-        for s, tok, lp in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+        draw = sample(logits.float(), params)
+        # A row without a distribution (NaN/+inf logits) fails its own request only.
+        failed = sorted({s.request.request_id for s, ok in zip(to_sample, draw.ok.tolist()) if not ok})
+        for rid in failed:
+            log.error("request %s aborted: its logits have no sampling distribution (NaN or +inf, or none finite)", rid)
+            out.extend(self.abort(rid))
+        for s, tok, lp in zip(to_sample, draw.tokens.tolist(), draw.logprobs.tolist()):
+            if s.request.request_id in failed:
+                continue
             s.token_ids.append(tok)
             s.output_logprobs.append(lp)
             self.stats["generation_tokens"] += 1

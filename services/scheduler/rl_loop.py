@@ -194,8 +194,9 @@ class LocalEnginePort:
     def _model_for(self, version: str):
         from zerokl.model import Model
         if version != self._loaded:
-            cfg = self.trainer_port.trainer.model.config
-            model = Model(cfg, seed=0, dtype=self.trainer_port.trainer.model.dtype)
+            trainer = self.trainer_port.trainer
+            # On the trainer's device: KL == 0 is promised per device type.
+            model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device)
             model.load_state_dict(self.trainer_port.versions[version])
             self._model, self._loaded = model.eval(), version
         return self._model

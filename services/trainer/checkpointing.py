@@ -182,10 +182,10 @@ def has_trainer_state(directory: str | os.PathLike[str]) -> bool:
     return (path / STATE_JSON).exists() and (path / STATE_TENSORS).exists()
 
 
-def load_serving_model(directory: str | os.PathLike[str]) -> Model:
-    """The serving weights of a checkpoint directory (:class:`FailedPrecondition` if it is not one)."""
+def load_serving_model(directory: str | os.PathLike[str], device: torch.device | str = "cpu") -> Model:
+    """The serving weights of a checkpoint directory on ``device`` (:class:`FailedPrecondition` if it is not one)."""
     try:
-        return Model.from_pretrained(directory)
+        return Model.from_pretrained(directory).to(device)
     except (CheckpointError, KeyError, ValueError, OSError) as err:
         raise FailedPrecondition(f"{pathlib.Path(directory).name} is not a loadable glm_moe_dsa checkpoint: "
                                  f"{err}") from None
@@ -201,8 +201,8 @@ class TrainerCheckpoint:
 
 
 def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
-                    config: TrainConfig, run: str = "") -> TrainerCheckpoint:
-    """A trainer from a checkpoint directory.
+                    config: TrainConfig, run: str = "", device: torch.device | str = "cpu") -> TrainerCheckpoint:
+    """A trainer from a checkpoint directory, its model (and reference) on ``device``.
 
     ``restore_state``: the exact trainer that wrote it (its TrainConfig, adapters,
     optimizer, reference, counters and lineage; ``config`` is ignored). Otherwise
@@ -211,7 +211,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     """
     path = pathlib.Path(directory)
     if not restore_state:
-        return TrainerCheckpoint(Trainer(load_serving_model(path), config), run, [])
+        return TrainerCheckpoint(Trainer(load_serving_model(path, device), config), run, [])
     if not has_trainer_state(path):
         raise FailedPrecondition(f"{path.name} has no trainer state (published weights_only, or not by a trainer)")
     try:
@@ -225,7 +225,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     # The trainer's own construction on the serving weights (LoRA adapters
     # registered exactly as at the start of the job), then every trained
     # tensor overwritten from the state.
-    model = load_serving_model(path)
+    model = load_serving_model(path, device)
     model_config, dtype = model.config, model.dtype
     trainer = Trainer(model, train_config)
     if doc.get("model_in_state"):
@@ -249,7 +249,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     except (RuntimeError, ValueError, KeyError) as err:
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
     if doc.get("has_reference"):
-        reference = Model(model_config, seed=0, dtype=dtype)
+        reference = Model(model_config, seed=0, dtype=dtype).to(device)
         reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
                                    if k.startswith("reference/")})
         for p in reference.parameters():

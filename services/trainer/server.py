@@ -69,7 +69,7 @@ _PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's command line."""
-    p = argparse.ArgumentParser(prog="zerokl serve trainer",
+    p = argparse.ArgumentParser(prog="zerokl serve trainer", allow_abbrev=False,
                                 description="SFT, DPO and GRPO/PPO-clip on the serving forward, over gRPC.")
     j = p.add_argument_group("job")
     j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
     t.add_argument("--dpo-beta", type=float, default=d.dpo_beta)
     t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
                    help="prompt + completion ids per request at most (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
@@ -146,7 +147,7 @@ def make_identity(model: Model, weights_version: str, replica_id: str | None = N
     return ServiceIdentity(
         service="trainer", replica_id=replica_id or default_replica_id("trainer"), numerics_version=numerics_version,
         numerics_fingerprint=fingerprint(device=device, dtype=model.dtype), backend=get_backend(),
-        device=device_name(), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
+        device=device_name(device), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
@@ -158,8 +159,18 @@ class Started:
     resumed_from: str | None
 
 
-async def _init_model(spec: str, repo: WeightsRepo) -> tuple[Model, str]:
-    """The starting model of --init and the version name it is known by."""
+def _device(args: argparse.Namespace) -> torch.device:
+    """The device of --device (default: cuda if available, else cpu), checked before anything loads."""
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as err:
+        raise SystemExit(f"--device {args.device}: {err}") from None
+    return device
+
+
+async def _init_model(spec: str, repo: WeightsRepo, device: torch.device) -> tuple[Model, str]:
+    """The starting model of --init on `device` and the version name it is known by."""
     m = _PRESET.fullmatch(spec)
     if m:
         seed = int(m.group(2) or 0)
@@ -167,26 +178,28 @@ async def _init_model(spec: str, repo: WeightsRepo) -> tuple[Model, str]:
             config = ModelConfig.preset(m.group(1))
         except ValueError as err:
             raise SystemExit(f"--init {spec}: {err}") from None
-        return Model(config, seed=seed), f"preset-{m.group(1)}-seed{seed}"
+        return Model(config, seed=seed).to(device), f"preset-{m.group(1)}-seed{seed}"
     path = pathlib.Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise SystemExit(f"--init {spec}: no config.json in that directory")
-        return await asyncio.to_thread(load_serving_model, path), path.resolve().name
+        return await asyncio.to_thread(load_serving_model, path, device), path.resolve().name
     with tempfile.TemporaryDirectory(prefix="zerokl-trainer-init-") as tmp:
         manifest = await repo.fetch(spec, pathlib.Path(tmp))
-        return await asyncio.to_thread(load_serving_model, tmp), manifest.version
+        return await asyncio.to_thread(load_serving_model, tmp, device), manifest.version
 
 
 async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
     """Resume the run from its newest resume point, or start it from --init."""
     config = train_config_from_args(args)
+    device = _device(args)
     limits = TrainerLimits(max_batch_tokens=args.max_batch_tokens)
     point = await find_resume_point(repo, args.run)
     if point is not None:
         with tempfile.TemporaryDirectory(prefix="zerokl-trainer-resume-") as tmp:
             manifest = await repo.fetch(point.version, pathlib.Path(tmp))
-            ckpt = await asyncio.to_thread(read_checkpoint, tmp, restore_state=True, config=config, run=args.run)
+            ckpt = await asyncio.to_thread(read_checkpoint, tmp, restore_state=True, config=config, run=args.run,
+                                          device=device)
         trainer = ckpt.trainer
         differ = [f.name for f in dataclasses.fields(TrainConfig)
                   if getattr(trainer.config, f.name) != getattr(config, f.name)]
@@ -201,7 +214,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)
-    model, version = await _init_model(args.init, repo)
+    model, version = await _init_model(args.init, repo, device)
     trainer = await asyncio.to_thread(Trainer, model, config)
     identity = make_identity(model, version, args.replica_id)
     service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,

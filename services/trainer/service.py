@@ -486,7 +486,8 @@ class TrainerService:
                 with tempfile.TemporaryDirectory(prefix="zerokl-trainer-load-") as tmp:
                     manifest = await self.repo.fetch(version, pathlib.Path(tmp))
                     ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
-                                               config=self._trainer.config, run=self.run)
+                                               config=self._trainer.config, run=self.run,
+                                               device=self._trainer.device)
             trainer = ckpt.trainer
             lineage = ckpt.lineage if restore_state else []
             if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):

@@ -97,6 +97,11 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
 
+    @property
+    def device(self) -> torch.device:
+        """The model's device: every tensor the trainer builds lives there."""
+        return self.model.embed_tokens.weight.device
+
     # ------------------------------------------------------------------ logprobs
 
     def _batch(self, seqs: Sequence[Completion]) -> _Batch:
@@ -117,11 +122,15 @@ class Trainer:
             temp += [s.temperature] * n
             top_k += [s.top_k] * n
             top_p += [s.top_p] * n
-        n_tok = len(rows)
-        params = SamplingParams(torch.tensor(temp, dtype=torch.float32), torch.tensor(top_k, dtype=torch.int64),
-                                torch.tensor(top_p, dtype=torch.float32), torch.zeros(n_tok, dtype=torch.int64),
-                                torch.zeros(n_tok, dtype=torch.int64))
-        return _Batch(input_ids, targets, mask, torch.tensor(rows, dtype=torch.int64), params)
+        n_tok, dev = len(rows), self.device
+        params = SamplingParams(torch.tensor(temp, dtype=torch.float32, device=dev),
+                                torch.tensor(top_k, dtype=torch.int64, device=dev),
+                                torch.tensor(top_p, dtype=torch.float32, device=dev),
+                                torch.zeros(n_tok, dtype=torch.int64, device=dev),
+                                torch.zeros(n_tok, dtype=torch.int64, device=dev))
+        # Built on the CPU element by element (cheap), moved to the model's device in one copy each.
+        return _Batch(input_ids.to(dev), targets.to(dev), mask.to(dev),
+                      torch.tensor(rows, dtype=torch.int64, device=dev), params)
 
     def _logprobs(self, model: Model, batch: _Batch, params: SamplingParams | None = None,
                   logits: torch.Tensor | None = None) -> torch.Tensor:
@@ -130,7 +139,7 @@ class Trainer:
         if logits is None:
             logits = self._token_logits(model, batch)
         lp = sampling_logprobs(logits, batch.targets[batch.mask > 0], params or batch.params)
-        return torch.zeros(batch.mask.shape, dtype=lp.dtype).masked_scatter(batch.mask > 0, lp)
+        return torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(batch.mask > 0, lp)
 
     @staticmethod
     def _token_logits(model: Model, batch: _Batch) -> torch.Tensor:
@@ -140,10 +149,10 @@ class Trainer:
 
     @torch.no_grad()
     def forward_logprobs(self, seqs: Sequence[Completion]) -> list[torch.Tensor]:
-        """Logprobs of each completion's tokens, exactly as inference computes them for these weights."""
+        """Logprobs of each completion's tokens (fp32, on the CPU), exactly as inference computes them for these weights."""
         batch = self._batch(seqs)
         lp = self._logprobs(self.model, batch)
-        return [lp[b, : len(s.completion_ids)].clone() for b, s in enumerate(seqs)]
+        return [lp[b, : len(s.completion_ids)].to("cpu", copy=True) for b, s in enumerate(seqs)]
 
     # ------------------------------------------------------------------ low-level steps
 
@@ -159,7 +168,7 @@ class Trainer:
         elif method == "dpo":
             metrics, loss, tokens = self._dpo(batch_items)
         elif method == "ppo":
-            metrics, loss, tokens = self._ppo(batch_items, kw["advantages"])
+            metrics, loss, tokens = self._ppo(batch_items, kw["advantages"].to(self.device))
         else:
             raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
         loss.backward()
@@ -191,6 +200,7 @@ class Trainer:
         behaviour = torch.zeros(batch.mask.shape)
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+        behaviour = behaviour.to(self.device)
         logits = self._token_logits(self.model, batch)
         logprobs = self._logprobs(self.model, batch, logits=logits)
         ref = policy_full = None
@@ -305,7 +315,7 @@ class Trainer:
 
     def serving_model(self) -> Model:
         """A separate Model with the serving weights (for an in-process engine)."""
-        m = Model(self.model.config, seed=0, dtype=self.model.dtype)
+        m = Model(self.model.config, seed=0, dtype=self.model.dtype).to(self.device)
         m.load_state_dict(self.serving_state_dict())
         return m.eval()
 
