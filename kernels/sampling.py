@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from zerokl.kernels.backend import backend_module, get_backend
+from zerokl.kernels import portable
 from zerokl.kernels.ops import log_softmax, softmax
 
 __all__ = ["SamplingParams", "Draw", "filtered_logprobs", "row_cumsum", "sampling_logprobs", "sample", "uniform_noise"]
@@ -179,6 +180,13 @@ class Draw(NamedTuple):
     ok: torch.Tensor         # [T] bool; False: NaN/+inf logits or none finite (token and logprob meaningless)
 
 
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log(u)). On CPUs through portable.log (torch.log's CPU code follows
+    the machine's vendor and ISA); on GPUs torch.log, one instruction sequence per element."""
+    log = torch.log if u.is_cuda else portable.log
+    return -log(-log(u))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams) -> Draw:
     """Draw one token per row: Draw(tokens, logprobs under the sampling distribution, ok).
 
@@ -188,7 +196,7 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> Draw:
     z, ok = _scaled(logits, params)
     logp = _distribution(z, params)
     greedy = params.temperature <= 0
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, params.position, logits.shape[-1])))
+    gumbel = _gumbel(uniform_noise(params.seed, params.position, logits.shape[-1]))
     drawn = _first_argmax(logp + gumbel)
     tokens = torch.where(greedy, _first_argmax(z), drawn)
     return Draw(tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1), ok)
