@@ -168,7 +168,7 @@ def contract_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) 
         return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[1]), dtype=torch.float32)
     bits = slice_bits(x.shape[-1], terms=2)
     xh, xl, xe = _slices(x, bits)
-    out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+    out = torch.empty(x.shape[0], weight.shape[1], dtype=torch.float32, device=x.device)
     for g in range(weight.shape[0]):
         lo, hi = offsets[g], offsets[g + 1]
         if hi == lo:
