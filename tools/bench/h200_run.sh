@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call's worth of GPU work (issue 8 / 10), logs and JSON under $OUT.
-#   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh explore|final
+# One device call's worth of GPU work, logs and JSON under $OUT.
+#   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh explore|final|zerokl
+# zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
+# the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
 set -u
 MODE=${1:-final}
@@ -13,7 +15,20 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 G1=$(( NGPU > 1 ? 1 : 0 ))
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-if [ "$MODE" = p2p ]; then
+if [ "$MODE" = zerokl ]; then
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site
+  fi
+  timeout 150 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
+  cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
+  timeout 120 python3 -m zerokl verify --backend triton --quiet > "$OUT/verify.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs -s tests/services/test_zero_kl_promise.py \
+    tests/services/trainer/test_trainer_device.py tests/kernels/test_ties_and_sampling.py tests/kernels/test_golden.py \
+    -k 'cuda or gpu or golden' > "$OUT/zerokl_tests.log" 2>&1
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/model -k 'triton or gpu' \
+    > "$OUT/gputests.log" 2>&1
+elif [ "$MODE" = p2p ]; then
   # issue 8's linear grid (wave split side by side with the unsplit launch) and the GPU test tier,
   # then issue 10's TP bench (the default join is p2p where the GPUs map each other)
   mkdir -p "$OUT/bench"
