@@ -58,6 +58,12 @@ SIZES = {
 }
 
 
+def _backend(device: str) -> str:
+    """The device's invariant backend: the machine's default on CUDA (triton), torch on the CPU
+    (on a CUDA machine Triton compiles for the GPU and cannot take CPU tensors)."""
+    return default_backend() if device == "cuda" else "torch"
+
+
 def _model(preset_or_config, device: str) -> Model:
     cfg = ModelConfig.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     return Model(cfg, seed=0, dtype=torch.bfloat16).to(device)
@@ -67,7 +73,7 @@ def _model(preset_or_config, device: str) -> Model:
 def test_engine_logprobs_equal_the_trainers_in_every_batching(device, record_property):
     sizes = SIZES[device]
     rng = random.Random(23)
-    with use_backend(default_backend()):
+    with use_backend(_backend(device)):
         trainer = Trainer(_model(sizes.preset, device))
         vocab = trainer.model.config.vocab_size
         requests = []
@@ -107,7 +113,7 @@ def test_engine_logprobs_equal_the_trainers_in_every_batching(device, record_pro
                 compared += sum(len(w) for w in sampled)
             counts[mode] = compared
     record_property("logprobs_compared", counts)
-    print(f"\nzero-KL promise on {device} ({sizes.preset}, bf16, {default_backend()} backend): logprobs compared "
+    print(f"\nzero-KL promise on {device} ({sizes.preset}, bf16, {_backend(device)} backend): logprobs compared "
           f"per sampling mode over 3 batchings: {counts}")
     want_per_mode = 3 * sizes.requests_per_mode * sizes.max_tokens
     assert counts == {m: want_per_mode * n for m, (*_, n) in MODES.items()}
@@ -121,7 +127,7 @@ def test_one_grpo_step_on_the_device_has_zero_kl_and_no_clipping(device):
                                                    eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
     task = Task(train=generate_problems(40, seed=0), test=generate_problems(8, seed=1, split="test"),
                 encode_prompt=lambda p: tuple([tok.bos_id] + tok.encode(format_prompt(p))), reward=reward)
-    with use_backend(default_backend()):
+    with use_backend(_backend(device)):
         trainer = LocalTrainerPort(Trainer(_model(cfg, device), TrainConfig(lr=3e-3)))
         engine = LocalEnginePort(trainer, tok, EngineConfig(max_num_batched_tokens=sizes.max_num_batched_tokens,
                                                             num_blocks=2048))
@@ -141,7 +147,7 @@ TOP_CELL_HITS = [(261600, 12, 22), (280273, 12, 62), (425994, 14, 0), (484629, 1
 def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device):
     """Issue 23's crash on CPU: top_k=20 where the noise hit its top cell on a token outside the
     top 20 gave a NaN row and an out-of-range gather (a device-side assert on CUDA)."""
-    with use_backend(default_backend()):
+    with use_backend(_backend(device)):
         trainer = Trainer(_model("tiny", device))
         rng = random.Random(5)
         requests = [GenerateRequest(f"hit{i}", tuple(rng.randrange(3, 64) for _ in range(position)),
@@ -163,7 +169,7 @@ def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device):
 def test_a_request_whose_logits_are_nan_fails_alone(device, caplog):
     """A poisoned embedding row makes one request's logits NaN: that request ends ("abort", with a
     logged reason), every other request in the batch gets exactly the tokens it gets alone."""
-    with use_backend(default_backend()):
+    with use_backend(_backend(device)):
         model = _model("tiny", device)
         with torch.no_grad():
             model.embed_tokens.weight[63] = float("nan")
