@@ -106,10 +106,15 @@ class Replica:
                 f"this replica has {self._num_blocks}")
 
     def check_fits_context(self, ids: tuple[int, ...]) -> None:
-        """Generation needs room for at least one new token (the prefill engine only checks <=)."""
+        """Generation needs room for at least one new token (the prefill engine only checks <=).
+
+        Checked before any prefill work, naming the client's field (not the KV handoff's).
+        """
         if len(ids) >= self.max_model_len:
-            raise InvalidArgument.field("prompt", f"prompt of {len(ids)} tokens does not fit the context of "
-                                                  f"{self.max_model_len}")
+            raise InvalidArgument.field(
+                "prompt", f"the prompt has {len(ids)} tokens and does not fit the context of {self.max_model_len} "
+                          f"(max_model_len) with room for a new token: a Generate prompt may have at most "
+                          f"{self.max_model_len - 1}")
 
     @staticmethod
     def new_request_id() -> str:
@@ -133,6 +138,8 @@ class Replica:
         """Generate locally (this replica's own chunked prefill)."""
         self.check_pins(r)
         ids = self.prompt_ids(r)
+        if ids:
+            self.check_fits_context(ids)
         self.check_generate(ids, r.options)
         request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options)
         async for d in self.stream_deltas(await self.engine.submit(request, r.weights_version)):

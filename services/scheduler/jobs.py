@@ -35,7 +35,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 import grpc
 import grpc.aio
 
-from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound
 from zerokl.services.scheduler.rl_loop import RLConfig, Sampled, StepRecord, Task, as_dict, run_rl
@@ -47,6 +47,8 @@ __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", 
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_FLOAT32_MAX = 3.4028234663852886e38   # a learning rate above it overflows float32 weights' updates
 
 
 # ----------------------------------------------------------------------------- specs
@@ -104,11 +106,17 @@ JobSpec = SFTJobSpec | DPOJobSpec | RLJobSpec
 
 
 def validate(spec: JobSpec) -> None:
-    """INVALID_ARGUMENT naming the first bad field of ``spec``."""
+    """INVALID_ARGUMENT naming the first bad field of ``spec``.
+
+    Checked by meaning, as a Generate request is: RL sampling options go through
+    :meth:`SamplingOptions.check` (finite, float32-safe ranges), and a learning rate
+    must be a finite float32 (the optimizer applies it to float32 weights).
+    """
     if spec.steps <= 0:
-        raise InvalidArgument.field(f"{spec.kind}.steps", "must be > 0")
-    if not (math.isfinite(spec.learning_rate) and spec.learning_rate >= 0.0):
-        raise InvalidArgument.field("learning_rate", "must be finite and >= 0 (0: the trainer's schedule)")
+        raise InvalidArgument.field(f"{spec.kind}.steps", f"must be > 0, got {spec.steps}")
+    if not (math.isfinite(spec.learning_rate) and 0.0 <= spec.learning_rate <= _FLOAT32_MAX):
+        raise InvalidArgument.field("learning_rate", f"must be finite, >= 0 and at most {_FLOAT32_MAX:.4g} "
+                                                     f"(0: the trainer's schedule), got {spec.learning_rate!r}")
     if isinstance(spec, SFTJobSpec):
         if spec.batch_size <= 0:
             raise InvalidArgument.field("sft.batch_size", "must be > 0")
@@ -118,15 +126,24 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field("sft.batch_size", f"{spec.batch_size} exceeds the {len(spec.examples)} "
                                                           "examples given")
     elif isinstance(spec, DPOJobSpec):
+        if not spec.pairs:
+            raise InvalidArgument.field("dpo.pairs", "no preference pairs given: a DPO job needs at least "
+                                                     "batch_size (chosen, rejected) pairs")
         if spec.batch_size <= 0 or len(spec.pairs) < spec.batch_size:
-            raise InvalidArgument.field("dpo.batch_size", f"must be in 1..{len(spec.pairs)} (the pairs given)")
+            raise InvalidArgument.field("dpo.batch_size", f"must be in 1..{len(spec.pairs)} (the pairs given), "
+                                                          f"got {spec.batch_size}")
     else:
         if spec.group_size < 2:
             raise InvalidArgument.field("rl.group_size", "GRPO needs at least 2 samples per prompt")
         if spec.prompts_per_step <= 0 or spec.max_tokens <= 0:
             raise InvalidArgument.field("rl.prompts_per_step", "prompts_per_step and max_tokens must be > 0")
-        if not (spec.temperature > 0.0) or not (0.0 < spec.top_p <= 1.0):
-            raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 and top_p in (0, 1]")
+        try:
+            SamplingOptions(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens,
+                            n=spec.group_size).check()
+        except InvalidOption as err:
+            raise InvalidArgument.field(f"rl.{err.field}", str(err)) from None
+        if spec.temperature == 0.0:
+            raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
     if getattr(spec, "countdown", None) is not None:
         c = spec.countdown
         if c.train_problems < 1 or c.test_problems < 1 or c.train_problems > 100_000:
