@@ -82,6 +82,12 @@ class Replica:
             raise InvalidArgument.field("prompt", "set prompt_text or prompt_token_ids")
         if self.tokenizer is None:
             raise InvalidArgument.field("prompt_text", "this replica has no tokenizer; send prompt_token_ids")
+        unknown = list(dict.fromkeys(self.tokenizer.unknown_pieces(r.prompt_text)))    # distinct, in order
+        if unknown:
+            # Encoding them as unk would compute a prompt the client did not write.
+            shown = ", ".join(repr(u) for u in unknown[:10]) + (f" and {len(unknown) - 10} more"
+                                                               if len(unknown) > 10 else "")
+            raise InvalidArgument.field("prompt_text", f"characters outside the tokenizer's vocabulary: {shown}")
         return tuple(self.tokenizer.encode(r.prompt_text))
 
     def check_generate(self, ids: tuple[int, ...], o: SamplingOptions) -> None:

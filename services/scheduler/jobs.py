@@ -322,8 +322,10 @@ class JobManager:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float]) -> None:
+        """Step ``step`` finished; ``version`` is what it published ("" when it published none)."""
         def apply() -> None:
-            job.step, job.weights_version = step, version
+            job.step = step
+            job.weights_version = version or job.weights_version
             self._emit(job, step, version, metrics)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(apply)
@@ -375,11 +377,13 @@ class JobManager:
         while step < spec.steps:
             # A step's batch depends only on (seed, step): a step redone after a trainer restart sees the same data.
             batch = random.Random(f"{spec.seed}:{step}").sample(data, spec.batch_size)
+            published = ""
             try:
                 m = trainer.supervised_step(spec.kind, batch, first=step == 0)
                 step += 1
                 if step == spec.steps or (spec.publish_every and step % spec.publish_every == 0):
                     trainer.publish_now()
+                    published = trainer.weights_version
             except grpc.aio.AioRpcError as err:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -388,7 +392,7 @@ class JobManager:
                 step = state.step - base
                 log.warning("trainer restarted; job %s continues at step %d", job.job_id, step + 1)
                 continue
-            self._step_done(job, step, trainer.weights_version, m)
+            self._step_done(job, step, published, m)
 
 
 def _describe(err: BaseException) -> str:

@@ -115,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerokl up", description="Run all zerokl services on loopback until Ctrl-C.")
+    p = argparse.ArgumentParser(prog="zerokl up", description="Run all zerokl services on loopback until Ctrl-C.",
+                                allow_abbrev=False)
     add_arguments(p)
     return p
 

@@ -68,7 +68,7 @@ _PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's command line."""
-    p = argparse.ArgumentParser(prog="zerokl serve trainer",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl serve trainer",
                                 description="SFT, DPO and GRPO/PPO-clip on the serving forward, over gRPC.")
     j = p.add_argument_group("job")
     j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
