@@ -152,9 +152,9 @@ def test_bad_jobs_are_refused_clearly_and_the_scheduler_keeps_serving(cluster: s
     bad = [
         (RLJobSpec(steps=0, countdown=TASK), "steps"),
         (RLJobSpec(steps=1, countdown=TASK, group_size=1), "group_size"),
-        (RLJobSpec(steps=1, countdown=TASK, top_p=1.5), "temperature"),
+        (RLJobSpec(steps=1, countdown=TASK, top_p=1.5), "top_p"),
         (SFTJobSpec(steps=1, examples=(Completion((1, 2), (3,)),), batch_size=4), "batch_size"),
-        (DPOJobSpec(steps=1, pairs=()), "batch_size"),
+        (DPOJobSpec(steps=1, pairs=()), "no preference pairs"),
         (RLJobSpec(steps=1, countdown=CountdownTask(train_problems=10**6)), "countdown"),
         (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, learning_rate=-1e-4), "learning_rate"),
         (RLJobSpec(steps=1, countdown=TASK, learning_rate=float("nan")), "learning_rate"),
@@ -191,6 +191,12 @@ def test_the_jobs_command_line(cluster: str) -> None:
     assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
     assert events[-1]["state"] == "succeeded"
     job_id = events[-1]["job_id"]
+    # Only the last step published (no --publish-every): only its event names a version.
+    published = [e["weights_version"] for e in events if e["step"] is not None]
+    assert published[0] == "" and published[1].startswith("jobs-step") and events[-1]["weights_version"] == published[1]
+    watched = zerokl("watch", job_id).stdout.splitlines()
+    steps = [line for line in watched if line.startswith("step ")]
+    assert len(steps) == 2 and "published" not in steps[0] and f"step 2/2 published {published[1]} " in steps[1]
     listed = zerokl("list")
     assert job_id in listed.stdout and "succeeded" in listed.stdout
     missing = zerokl("watch", "no-such-job")
