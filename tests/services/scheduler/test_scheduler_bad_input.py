@@ -14,7 +14,6 @@ import grpc
 import grpc.aio
 import pytest
 
-from conftest import model as model  # noqa: F401,PLC0414 - the session fixture
 from conftest import offline, replica_server, scheduler_server
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
@@ -40,7 +39,7 @@ async def _refused(coro) -> grpc.aio.AioRpcError:
     return err.value
 
 
-def test_the_scheduler_refuses_bad_requests_by_meaning_before_any_work(model) -> None:  # noqa: F811
+def test_the_scheduler_refuses_bad_requests_by_meaning_before_any_work(model) -> None:
     async def main() -> None:
         async with replica_server(model, "decode") as (dsrv, _), \
                 replica_server(model, "prefill", decode_address=dsrv.address) as (psrv, prefill), \
