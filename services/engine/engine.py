@@ -177,7 +177,7 @@ class Engine:
         return out
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ready or self._failed)
+        return bool(self.waiting or self.running or self._ready)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Replace the model's weights in place (same config); only between requests.
@@ -195,12 +195,13 @@ class Engine:
         if missing or unexpected or wrong:
             raise ValueError(f"weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                              f"wrong shape {wrong[:3]}")
+        name = ""
         try:
             with torch.no_grad():
-                for k, t in own.items():
-                    t.copy_(state_dict[k])
+                for name, t in own.items():
+                    t.copy_(state_dict[name])
         except Exception as err:
-            raise WeightsCorrupted(f"loading weights failed at {k!r} after some tensors were replaced "
+            raise WeightsCorrupted(f"loading weights failed at {name!r} after some tensors were replaced "
                                    f"({type(err).__name__}: {err})") from err
         finally:
             self.blocks.reset_prefix_cache()    # whatever is in the model now, the cached KV is not its
