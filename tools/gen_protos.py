@@ -39,7 +39,7 @@ def generate(out_dir: pathlib.Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only compare, write nothing")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

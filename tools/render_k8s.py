@@ -108,7 +108,7 @@ def plain_files(rendered: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write k8s/, or with --check report whether it is current."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="do not write; exit 1 if k8s/ differs from a fresh render")
     args = p.parse_args(argv)
     want = plain_files()

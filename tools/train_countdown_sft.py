@@ -29,7 +29,7 @@ DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[1] / "zerokl" / "assets" 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--batch", type=int, default=32)

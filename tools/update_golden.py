@@ -44,7 +44,7 @@ def changelog_has(version: str) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="record golden-vector digests")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="record golden-vector digests")
     ap.add_argument("--backends", default="torch,triton")
     args = ap.parse_args()
     if not torch.cuda.is_available():

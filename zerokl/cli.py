@@ -159,8 +159,19 @@ def _result_json(result: Any) -> dict[str, Any]:
             "weights_version": result.weights_version, "numerics_fingerprint": result.numerics_fingerprint}
 
 
+class _WholeFlagsParser(argparse.ArgumentParser):
+    """An ArgumentParser that matches flags whole, never by prefix (`--dp=2` is not `--dpo-beta 2`).
+
+    Sub-command parsers are made with the class of their parent (``add_subparsers``'s default
+    ``parser_class``), so every parser under `zerokl` refuses abbreviations, nested ones too.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zerokl", description="RL post-training and serving with train/inference KL exactly 0")
+    p = _WholeFlagsParser(prog="zerokl", description="RL post-training and serving with train/inference KL exactly 0")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="batch-invariance and three-path parity self-test on this machine")
     v.add_argument("--backend", choices=["torch", "triton", "all"], default="all")

@@ -283,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m zerokl.doctor``: the same as ``zerokl doctor``."""
-    p = argparse.ArgumentParser(prog="zerokl doctor", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl doctor", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -44,7 +44,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="zerokl experiment", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl experiment", description=__doc__.splitlines()[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

@@ -11,8 +11,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
+from typing import Callable
 
 __all__ = ["add_arguments", "run"]
+
+_UINT32_MAX, _UINT64_MAX = 2**32 - 1, 2**64 - 1     # the wire types of counts and seeds
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (a clear usage error otherwise, never a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+    return parse
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0 (0: the trainer's schedule), got {text}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,14 +50,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", required=True)
     s = sub.add_parser("submit", help="queue a job on countdown and follow it")
     s.add_argument("kind", choices=["rl", "sft"])
-    s.add_argument("--steps", type=int, required=True)
+    s.add_argument("--steps", type=_int_in(1, _UINT32_MAX), required=True)
     s.add_argument("--name", default="")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--batch-size", type=int, default=32, help="sft: completions per step")
-    s.add_argument("--prompts", type=int, default=8, help="rl: prompts per step")
-    s.add_argument("--group", type=int, default=8, help="rl: samples per prompt")
-    s.add_argument("--eval-every", type=int, default=5, help="rl: greedy test accuracy every N steps")
-    s.add_argument("--lr", type=float, default=0.0, help="learning rate of every step (default: the trainer's schedule)")
+    s.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=0)
+    s.add_argument("--batch-size", type=_int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
+    s.add_argument("--prompts", type=_int_in(1, _UINT32_MAX), default=8, help="rl: prompts per step")
+    s.add_argument("--group", type=_int_in(2, _UINT32_MAX), default=8, help="rl: samples per prompt")
+    s.add_argument("--eval-every", type=_int_in(0, _UINT32_MAX), default=5,
+                   help="rl: greedy test accuracy every N steps (0: never)")
+    s.add_argument("--lr", type=_learning_rate, default=0.0,
+                   help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
     s.add_argument("--json", action="store_true", help="one JSON object per event")
     sub.add_parser("list", help="every job, in submission order")
@@ -41,8 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
+    # A step event names the version that step published ("" when it published none); a
+    # status event names the version the fleet serves for the job.
     d = {"job_id": ev.status.job_id, "state": ev.status.state.value, "step": ev.step,
-         "weights_version": ev.weights_version or ev.status.weights_version}
+         "weights_version": ev.weights_version if ev.step is not None else ev.status.weights_version}
     if ev.step is not None:
         d["metrics"] = ev.metrics
     if ev.status.error:
@@ -59,7 +91,8 @@ async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
             print(json.dumps(_event_dict(ev)), flush=True)
         elif ev.step is not None:
             shown = " ".join(f"{k} {v!r}" if k == "kl" else f"{k} {v:.4g}" for k, v in ev.metrics.items())
-            print(f"step {ev.step}/{ev.status.total_steps} {ev.weights_version} {shown}", flush=True)
+            published = f" published {ev.weights_version}" if ev.weights_version else ""
+            print(f"step {ev.step}/{ev.status.total_steps}{published} {shown}", flush=True)
         else:
             print(f"job {job_id} {ev.status.state.value}" + (f": {ev.status.error}" if ev.status.error else ""),
                   flush=True)

@@ -39,6 +39,10 @@ class Tokenizer(Protocol):
         """Text of `ids`, skipping special tokens."""
         ...
 
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The pieces of `text` the vocabulary has no token for (`encode` maps them to unk)."""
+        ...
+
 
 class CountdownTokenizer:
     """Character-level vocabulary covering exactly the countdown task's text.
@@ -71,6 +75,10 @@ class CountdownTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens; unknown characters -> unk_id."""
         return [self._ids.get(piece, self.unk_id) for piece in self._pattern.findall(text)]
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The characters of `text` outside the vocabulary, in order (each becomes unk_id)."""
+        return [piece for piece in self._pattern.findall(text) if piece not in self._ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping special tokens. Raises ValueError on an id
@@ -142,6 +150,15 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; the file's post-processor (e.g. an added bos) is not applied."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def unknown_pieces(self, text: str) -> list[str]:
+        """The pieces of `text` encoded as the model's unk token (none for byte-level vocabularies)."""
+        unk = getattr(self._tok.model, "unk_token", None)
+        unk_id = self._tok.token_to_id(unk) if unk else None
+        if unk_id is None:
+            return []
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return [text[a:b] for (a, b), i in zip(enc.offsets, enc.ids) if i == unk_id]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, skipping special tokens."""

@@ -16,7 +16,7 @@ import enum
 import hashlib
 import logging
 import struct
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -27,13 +27,28 @@ from zerokl.model.tokenizer import Tokenizer
 from zerokl.services.engine.blocks import BlockManager, block_hashes, prefix_cache_seed
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 
-__all__ = ["Engine", "RequestError", "sample_seed"]
+__all__ = ["Engine", "RequestError", "WeightsCorrupted", "device_failed", "sample_seed"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
     """A request the engine cannot serve (bad ids, too long, ...): the message says why."""
+
+
+class WeightsCorrupted(RuntimeError):
+    """Loading weights failed midway: the model holds parts of two versions and must not serve
+    until a later load succeeds."""
+
+
+def device_failed(err: BaseException) -> bool:
+    """Whether ``err`` is the device's failure, not one request's: a CUDA error (sticky: the
+    context is lost and every later call fails), never attributed to the request that met it."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(err, accelerator_error)) or "CUDA error" in str(err)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -107,6 +122,7 @@ class Engine:
         self._by_request: dict[str, list[_Sample]] = {}
         self._arrivals = 0
         self._ready: list[SampleOutput] = []     # outputs decided outside a forward (emitted next step)
+        self._failed: list[SampleOutput] = []    # "error" outputs of requests that failed in this step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "cached_tokens": 0}
 
     # ------------------------------------------------------------------ requests
@@ -177,8 +193,9 @@ class Engine:
 
         Every cached prefix is forgotten: its KV was computed with the old weights;
         new keys are seeded with ``weights_version``.
-        Raises RuntimeError while requests are in the engine, and the model's own
-        error for missing, unexpected or misshapen tensors (nothing is changed then).
+        Raises RuntimeError while requests are in the engine and ValueError for
+        missing, unexpected or misshapen tensors (nothing is changed then);
+        WeightsCorrupted when a copy fails after others were made.
         """
         if self.has_work():
             raise RuntimeError("load_weights with requests in the engine")
@@ -188,11 +205,22 @@ class Engine:
         if missing or unexpected or wrong:
             raise ValueError(f"weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                              f"wrong shape {wrong[:3]}")
-        with torch.no_grad():
-            for k, t in own.items():
-                t.copy_(state_dict[k])
-        self.blocks.reset_prefix_cache()
+        name = ""
+        try:
+            with torch.no_grad():
+                for name, t in own.items():
+                    t.copy_(state_dict[name])
+        except Exception as err:
+            raise WeightsCorrupted(f"loading weights failed at {name!r} after some tensors were replaced "
+                                   f"({type(err).__name__}: {err})") from err
+        finally:
+            self.blocks.reset_prefix_cache()    # whatever is in the model now, the cached KV is not its
         self.set_cache_identity(weights_version, self._numerics_fingerprint)
+
+    def probe(self) -> None:
+        """Raise if the device cannot compute (a lost CUDA context fails every call, this one too)."""
+        x = torch.ones(8, device=self.device)
+        float((x * x).sum())
 
     @property
     def num_running(self) -> int:
@@ -208,11 +236,32 @@ class Engine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[SampleOutput]:
-        """Schedule, run one forward over every scheduled token, sample. Returns the deltas."""
+        """Schedule, run one forward over every scheduled token, sample. Returns the deltas.
+
+        A request whose work raises fails alone: it gets one final output per live
+        sample with ``finish_reason`` "error" and the exception in ``error``, its
+        blocks are freed, and every other request steps on with its usual bits
+        (see :meth:`_isolating`).
+        """
         ready, self._ready = self._ready, []
         work = self._schedule()
-        if not work:
-            return ready
+        if work:
+            logits_of = self._isolating(work, self._forward, lambda item: item[0])
+            work = [(s, n) for s, n in work if s.state is not _State.FINISHED]
+            for s, n in work:
+                s.num_computed += n
+                self._register_full_blocks(s)
+            self._prompt_logprobs(work, logits_of)
+            ready += self._sample_and_finish(work, logits_of)
+        failed, self._failed = self._failed, []
+        return ready + failed
+
+    def _forward(self, work: list[tuple[_Sample, int]]) -> dict[tuple[int, int], torch.Tensor]:
+        """One model forward over ``work``'s tokens: the logits rows it needs, by (sample, position).
+
+        It writes the KV of exactly these tokens, into slots no committed token uses,
+        so running it again (on a subset, see :meth:`_isolating`) rewrites the same bits.
+        """
         chunks = [SequenceChunk(tuple(s.blocks), s.num_computed, n) for s, n in work]
         tokens = torch.tensor([t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]],
                               dtype=torch.int64, device=self.device)
@@ -231,12 +280,55 @@ class Engine:
         with torch.no_grad():
             logits = self.model.forward_tokens(tokens, batch, self.cache,
                                                torch.tensor(rows, dtype=torch.int64, device=self.device))
-        logits_of = {(id(s), pos): logits[i] for i, (s, pos) in enumerate(row_owner)}
-        for s, n in work:
-            s.num_computed += n
-            self._register_full_blocks(s)
-        self._prompt_logprobs(work, logits_of)
-        return ready + self._sample_and_finish(work, logits_of)
+        return {(id(s), pos): logits[i] for i, (s, pos) in enumerate(row_owner)}
+
+    def _isolating(self, items: list[T], run: Callable[[list[T]], dict], owner: Callable[[T], _Sample]) -> dict:
+        """``run(items)``; when it raises, the requests at fault fail and the others' results stand.
+
+        Why bisect instead of failing the batch: every op is batch-invariant, so an
+        item computed in a smaller batch gets exactly the bits it gets in the full one.
+        Re-running halves of the batch is therefore invisible to the innocent requests;
+        halving until a failing run holds one item names the culprit (its request fails
+        with that exception) at O(k log n) extra runs for k culprits, paid only when a
+        run failed. A failure no single item reproduces (both halves succeed) fails
+        nobody: the halves' results are the full run's bits. ``run`` must not change
+        engine state beyond what re-running it overwrites (see :meth:`_forward`).
+        """
+        items = [i for i in items if owner(i).state is not _State.FINISHED]
+        if not items:
+            return {}
+        try:
+            return run(items)
+        except Exception as err:  # noqa: BLE001 - attributed below, never swallowed
+            if device_failed(err):
+                raise
+            if len(items) == 1:
+                self._fail(owner(items[0]), err)
+                return {}
+            log.warning("a batch of %d failed (%s: %s); isolating the request at fault", len(items),
+                        type(err).__name__, err)
+        mid = len(items) // 2
+        out = self._isolating(items[:mid], run, owner)
+        out.update(self._isolating(items[mid:], run, owner))
+        return out
+
+    def _fail(self, s: _Sample, err: BaseException) -> None:
+        """End ``s``'s request with an "error" output per live sample (emitted by this step).
+
+        A device failure is nobody's request: it is raised again, out of the step.
+        """
+        if device_failed(err):
+            raise err
+        rid = s.request.request_id
+        log.error("request %s failed in the engine: %s: %s", rid, type(err).__name__, err,
+                  exc_info=(type(err), err, err.__traceback__))
+        message = f"{type(err).__name__}: {err}"
+        for q in self._by_request.pop(rid, [s]):
+            if q.state is not _State.FINISHED:
+                self._free(q)
+                out = self._output(q, [], [], "error")
+                out.error = message
+                self._failed.append(out)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -261,7 +353,11 @@ class Engine:
             if s.state is not _State.WAITING:
                 continue
             if not s.blocks and s.num_computed == 0:
-                self._admit(s)
+                try:
+                    self._admit(s)
+                except Exception as err:  # noqa: BLE001 - e.g. a handoff that cannot be copied: its own failure
+                    self._fail(s, err)
+                    continue
             n = min(budget, s.target - s.num_computed)
             if n <= 0:
                 continue                    # fully cached / handed-off prefix: sampled below
@@ -269,7 +365,9 @@ class Engine:
                 n = self._fit(s, n)
             if n <= 0:
                 if not work and not any(q.blocks for q in self.running + self.waiting if q is not s):
-                    raise RuntimeError("KV cache too small for a single request: raise num_blocks")
+                    # Alone with the whole cache and still no room: this request can never run.
+                    self._fail(s, RuntimeError("KV cache too small for this request: raise num_blocks"))
+                    continue
                 break
             work.append((s, n))
             scheduled.add(id(s))
@@ -367,9 +465,13 @@ class Engine:
             done = min(s.num_computed, s.num_prompt - 1)
             positions = [p for p in range(len(s.prompt_logprobs), done) if (id(s), p) in logits_of]
             if positions:
-                logits = torch.stack([logits_of[(id(s), p)] for p in positions])
-                nxt = torch.tensor([s.token_ids[p + 1] for p in positions], device=self.device)
-                lp = sampling_logprobs(logits, nxt, self._params(s, len(positions), positions))
+                try:        # one request's rows, computed apart: a failure here is that request's alone
+                    logits = torch.stack([logits_of[(id(s), p)] for p in positions])
+                    nxt = torch.tensor([s.token_ids[p + 1] for p in positions], device=self.device)
+                    lp = sampling_logprobs(logits, nxt, self._params(s, len(positions), positions))
+                except Exception as err:  # noqa: BLE001
+                    self._fail(s, err)
+                    continue
                 s.prompt_logprobs.extend(lp.tolist())
 
     def _params(self, s: _Sample, rows: int, positions: Sequence[int]) -> SamplingParams:
@@ -384,39 +486,53 @@ class Engine:
 
     def _sample_and_finish(self, work, logits_of) -> list[SampleOutput]:
         out: list[SampleOutput] = []
-        to_sample: list[_Sample] = []
+        to_sample: list[tuple[_Sample, torch.Tensor, SamplingParams]] = []
         for s, _ in work:
-            if s.state is _State.WAITING and s.num_computed >= s.target:
-                self.waiting.remove(s)
-                self.running.append(s)
-                s.state = _State.RUNNING
-            if s.request.mode == "score" and s.num_computed >= s.target:
-                out.append(self._finish(s, [], [], "stop"))
-            elif s.request.mode == "prefill" and s.num_computed >= s.target:
-                out.append(self._finish(s, [], [], "stop", handoff=self._export(s)))
-            elif s.request.mode == "generate" and s.num_computed == len(s.token_ids):
-                to_sample.extend(self._fork(s))
-        if not to_sample:
-            return out
-        # Each sample draws from its own logits row with its own (seed, position) key.
-        logits = torch.stack([logits_of[(id(s if not s.forked else self._parent(s)), len(s.token_ids) - 1)]
-                              for s in to_sample])
-        params = [self._params(s, 1, [len(s.token_ids)]) for s in to_sample]
-        params = SamplingParams(*(torch.cat(parts) for parts in zip(*(dataclasses.astuple(p) for p in params))))
-        draw = sample(logits.float(), params)
-        # A row without a distribution (NaN/+inf logits) fails its own request only.
-        failed = sorted({s.request.request_id for s, ok in zip(to_sample, draw.ok.tolist()) if not ok})
-        for rid in failed:
-            log.error("request %s aborted: its logits have no sampling distribution (NaN or +inf, or none finite)", rid)
-            out.extend(self.abort(rid))
-        for s, tok, lp in zip(to_sample, draw.tokens.tolist(), draw.logprobs.tolist()):
-            if s.request.request_id in failed:
+            if s.state is _State.FINISHED:      # failed earlier in this step
                 continue
+            try:        # per request: a failure here (a KV export, a fork, its parameters) is its own
+                if s.state is _State.WAITING and s.num_computed >= s.target:
+                    self.waiting.remove(s)
+                    self.running.append(s)
+                    s.state = _State.RUNNING
+                if s.request.mode == "score" and s.num_computed >= s.target:
+                    out.append(self._finish(s, [], [], "stop"))
+                elif s.request.mode == "prefill" and s.num_computed >= s.target:
+                    out.append(self._finish(s, [], [], "stop", handoff=self._export(s)))
+                elif s.request.mode == "generate" and s.num_computed == len(s.token_ids):
+                    for q in self._fork(s):     # forked siblings read their parent's row
+                        row = logits_of[(id(q if not q.forked else self._parent(q)), len(q.token_ids) - 1)]
+                        to_sample.append((q, row, self._params(q, 1, [len(q.token_ids)])))
+            except Exception as err:  # noqa: BLE001
+                self._fail(s, err)
+        # Each sample draws from its own logits row with its own (seed, position) key: sampling is
+        # row-wise, so it is isolated like the forward.
+        drawn = self._isolating(to_sample, self._draw, lambda item: item[0])
+        for s, _, _ in to_sample:
+            if s.state is _State.FINISHED:
+                continue
+            tok, lp = drawn[id(s)]
             s.token_ids.append(tok)
             s.output_logprobs.append(lp)
             self.stats["generation_tokens"] += 1
-            out.append(self._after_token(s, tok, lp))
+            try:        # detokenizing and stop strings: per request
+                out.append(self._after_token(s, tok, lp))
+            except Exception as err:  # noqa: BLE001
+                self._fail(s, err)
         return out
+
+    @staticmethod
+    def _draw(to_sample: list[tuple[_Sample, torch.Tensor, SamplingParams]]) -> dict[int, tuple[int, float]]:
+        """One token for each (sample, logits row, parameters): (token, logprob) by id of the sample."""
+        logits = torch.stack([row for _, row, _ in to_sample])
+        params = SamplingParams(*(torch.cat(parts) for parts in zip(*(dataclasses.astuple(p)
+                                                                      for _, _, p in to_sample))))
+        draw = sample(logits.float(), params)
+        if not bool(draw.ok.all()):
+            # Raised for the whole draw: the isolating caller bisects it down to the request whose
+            # logits have no distribution (NaN or +inf, or none finite) and fails that one alone.
+            raise ValueError("the logits have no sampling distribution (NaN or +inf, or none finite)")
+        return {id(s): (tok, lp) for (s, _, _), tok, lp in zip(to_sample, draw.tokens.tolist(), draw.logprobs.tolist())}
 
     def _parent(self, s: _Sample) -> _Sample:
         return self._by_request[s.request.request_id][0]

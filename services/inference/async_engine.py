@@ -9,7 +9,16 @@ back with ``loop.call_soon_threadsafe`` into the :class:`RequestStream` of
 their request.
 
 A request the engine refuses (RequestError) fails only its own submit, as
-INVALID_ARGUMENT; nothing else in the batch notices.
+INVALID_ARGUMENT; nothing else in the batch notices. A request the engine
+fails on while serving it (its "error" output: see ``Engine.step``) ends with
+INTERNAL, alone; its neighbours complete with their usual bits.
+
+Fitness: the engine cannot serve when its thread died, when the device failed
+(a lost CUDA context: every request in flight ends UNAVAILABLE, so a scheduler
+retries them elsewhere, and the device is probed until it computes again) or
+when weights failed to load midway (until a later load succeeds). Meanwhile
+submits are refused with UNAVAILABLE, and :meth:`AsyncEngine.on_fitness`
+callbacks hear the reason (the servers turn it into NOT_SERVING health).
 
 Weights swap between requests (:meth:`AsyncEngine.load_weights`): the swap
 waits on the engine thread until the requests already admitted have finished,
@@ -29,9 +38,9 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
-from zerokl.services.engine.engine import Engine, RequestError
+from zerokl.services.engine.engine import Engine, RequestError, WeightsCorrupted, device_failed
 from zerokl.services.engine.types import GenerateRequest, SampleOutput
 from zerokl.services.inference.errors import Internal
 from zerokl.services.runtime import metrics
@@ -49,6 +58,7 @@ __all__ = ["AsyncEngine", "RequestStream", "LatencyTracker", "collect"]
 log = logging.getLogger(__name__)
 
 _END = object()  # a stream's last item: the request is done
+_PROBE_INTERVAL_S = 1.0  # how often a failed device is probed
 
 
 class LatencyTracker:
@@ -173,6 +183,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}       # event-loop side: request id -> open stream
         self._live: dict[str, _Live] = {}                  # engine-thread side
         self._stats = dict(engine.stats)
+        self._unfit: dict[str, str] = {}                   # engine thread: why it cannot serve, by cause
+        self._fitness_callbacks: list[Callable[[str | None], None]] = []
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -202,6 +214,44 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def unfit_reason(self) -> str | None:
+        """Why the engine cannot serve now (None: it can)."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stopping:
+            return self._unfit.get("thread", "the engine thread is not running")
+        return "; ".join(self._unfit.values()) or None
+
+    def on_fitness(self, callback: Callable[[str | None], None]) -> None:
+        """Call ``callback(reason)`` on the event loop whenever the engine becomes unable to
+        serve (``reason`` says why) or able again (None); at once if it cannot serve now."""
+        self._fitness_callbacks.append(callback)
+        reason = self.unfit_reason
+        if reason is not None:
+            callback(reason)
+
+    def _fitness_changed(self) -> None:
+        """From the engine thread: tell the callbacks (on the event loop) the state now."""
+        reason = "; ".join(self._unfit.values()) or None
+        for callback in self._fitness_callbacks:
+            self._call_soon(callback, reason)
+
+    def _set_unfit(self, cause: str, reason: str | None) -> None:
+        before = dict(self._unfit)
+        if reason is None:
+            self._unfit.pop(cause, None)
+        else:
+            self._unfit[cause] = reason
+        if self._unfit != before:
+            log.log(logging.ERROR if reason else logging.INFO, "engine %s: %s", cause, reason or "serving again")
+            self._fitness_changed()
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
     async def submit(self, request: GenerateRequest, pinned_version: str = "") -> RequestStream:
         """Queue ``request``; returns its stream once the engine admitted it.
 
@@ -214,6 +264,9 @@ class AsyncEngine:
             raise RuntimeError("AsyncEngine.start() was not called")
         if self._stopping:
             raise Unavailable("the engine is shutting down")
+        unfit = self.unfit_reason
+        if unfit is not None:
+            raise Unavailable(f"this replica cannot serve now: {unfit}")
         rid = request.request_id
         if rid in self._streams:
             raise AlreadyExists(f"request_id {rid!r} is already in flight")
@@ -269,23 +322,39 @@ class AsyncEngine:
 
     def _deliver(self, stream: RequestStream, items: list[Any]) -> None:
         """From the engine thread: hand ``items`` to ``stream`` on the event loop."""
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(stream._put, items)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        self._call_soon(stream._put, items)
 
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as err:  # noqa: BLE001 - a bug in this loop: say so, end what waits on it
+            log.exception("the engine thread died")
+            self._set_unfit("thread", f"the engine thread died ({type(err).__name__}: {err})")
+            dead = Unavailable(f"the engine thread died ({type(err).__name__}: {err})")
+            with self._cond:
+                commands, self._inbox = self._inbox, []
+            for kind, arg in commands:
+                if kind == "add":
+                    self._resolve(arg[1], dead)
+                elif kind == "swap":
+                    self._resolve(arg[2], dead)
+            self._end_all(dead)
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             with self._cond:
                 while not self._inbox and not self._stopping and not engine.has_work() and self._swap is None:
-                    self._cond.wait()
+                    # A failed device is probed now and then; otherwise sleep until told.
+                    if not self._cond.wait(_PROBE_INTERVAL_S if "device" in self._unfit else None):
+                        break
                 if self._stopping:
                     break
                 commands, self._inbox = self._inbox, []
+            if "device" in self._unfit:
+                self._probe()
             for kind, arg in commands:
                 if kind == "add":
                     if self._swap is not None:
@@ -304,25 +373,49 @@ class AsyncEngine:
             if engine.has_work():
                 try:
                     outputs = engine.step()
-                except Exception as err:  # a bug in the engine: fail what it held, keep serving
-                    log.exception("engine step failed")
-                    self._fail_all(Internal(f"the engine failed: {type(err).__name__}: {err}"))
+                except Exception as err:  # noqa: BLE001
+                    self._step_failed(err)
                     continue
                 self._dispatch(outputs)
             self._update_metrics()
-        closing = Unavailable("the server is shutting down")
-        self._fail_all(closing)
+        self._end_all(Unavailable("the server is shutting down"))
+
+    def _step_failed(self, err: Exception) -> None:
+        """A step raised past the engine's per-request isolation: the device failed, or a bug.
+
+        Either way the engine's state is not to be trusted for what it held, so every
+        request in flight ends. A failed device makes the replica unfit (UNAVAILABLE:
+        the scheduler retries elsewhere) until a probe computes again.
+        """
+        if device_failed(err):
+            log.exception("the device failed during a step")
+            reason = f"the device failed ({type(err).__name__}: {err})"
+            self._set_unfit("device", reason)
+            self._fail_all(Unavailable(f"this replica cannot serve now: {reason}"))
+        else:
+            log.exception("engine step failed outside any one request")
+            self._fail_all(Internal(f"the engine failed: {type(err).__name__}: {err}"))
+
+    def _probe(self) -> None:
+        try:
+            self.engine.probe()
+        except Exception as err:  # noqa: BLE001 - still failed
+            log.debug("device probe failed: %s", err)
+            return
+        self._set_unfit("device", None)
+
+    def _end_all(self, error: ServiceError) -> None:
+        """Every request in flight, waiting for a swap or the swap itself ends with ``error``."""
+        self._fail_all(error)
         if self._swap is not None:
-            self._resolve(self._swap[2], closing)
+            self._resolve(self._swap[2], error)
+            self._swap = None
         for _, admitted in self._held:
-            self._resolve(admitted, closing)
+            self._resolve(admitted, error)
+        self._held = []
 
     def _resolve(self, future: asyncio.Future[None], error: BaseException | None) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(_resolve, future, error)
-        except RuntimeError:  # the loop is closed
-            pass
+        self._call_soon(_resolve, future, error)
 
     def _run_swap(self) -> None:
         assert self._swap is not None
@@ -332,7 +425,12 @@ class AsyncEngine:
         try:
             self.engine.load_weights(state_dict, weights_version=version)
             self.weights_version = version
+            self._set_unfit("weights", None)
             log.info("now serving weights %s", version)
+        except WeightsCorrupted as err:  # a mix of two versions: nothing may be served until a load succeeds
+            self._set_unfit("weights", f"loading weights {version!r} failed midway ({err})")
+            error = Unavailable(f"cannot load weights {version!r}: {err}; this replica serves nothing until "
+                                "a load succeeds")
         except Exception as err:  # weights that do not fit: the old ones keep serving
             error = FailedPrecondition(f"cannot load weights {version!r}: {err}")
         self._resolve(done, error)
@@ -345,6 +443,8 @@ class AsyncEngine:
         request = stream.request
         error: ServiceError | None = None
         try:
+            if self._unfit:
+                raise Unavailable(f"this replica cannot serve now: {'; '.join(self._unfit.values())}")
             if stream.pinned_version and stream.pinned_version != self.weights_version:
                 raise FailedPrecondition(
                     f"pinned weights_version {stream.pinned_version!r}, this replica serves {self.weights_version!r}",
@@ -383,9 +483,14 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[SampleOutput], aborted: str | None = None) -> None:
         now = time.monotonic()
         by_request: dict[str, list[Any]] = defaultdict(list)
+        failed: dict[str, Internal] = {}
         for out in outputs:
             live = self._live.get(out.request_id)
             if live is None:
+                continue
+            if out.finish_reason == "error":
+                # The engine failed on this request alone (see Engine.step): it ends with INTERNAL.
+                failed[out.request_id] = Internal(f"the engine failed on request {out.request_id!r}: {out.error}")
                 continue
             by_request[out.request_id].append(out)
             if live.latency is not None:
@@ -394,6 +499,11 @@ class AsyncEngine:
                 live.finished.add(out.index)
         if aborted is not None:
             by_request.setdefault(aborted, [])
+        for rid, error in failed.items():
+            live = self._live.pop(rid)
+            if live.latency is not None:
+                live.latency.done(now)
+            self._deliver(live.stream, [*by_request.pop(rid, []), error])
         for rid, items in by_request.items():
             live = self._live[rid]
             if rid == aborted or any(o.finish_reason == "abort" for o in items):

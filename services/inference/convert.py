@@ -7,7 +7,7 @@ home. Logprobs are fp32 numbers and travel as proto ``float``: exact.
 """
 from __future__ import annotations
 
-from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import (
     GenerateDelta,
     InferenceRequest,
@@ -16,6 +16,7 @@ from zerokl.services.inference.types import (
     TensorLayout,
     Usage,
 )
+from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.v1 import inference_pb2
 
 __all__ = [
@@ -55,15 +56,23 @@ def sampling_to_proto(o: SamplingOptions) -> inference_pb2.SamplingParams:
 def sampling_from_proto(msg: inference_pb2.SamplingParams) -> SamplingOptions:
     """``zerokl.v1.SamplingParams`` -> SamplingOptions; absent fields take the engine's defaults.
 
-    Values are not validated here: the engine validates (one place, one message).
+    Values are checked by meaning here, where a request enters any service
+    (:meth:`SamplingOptions.check`: ranges, finite floats, non-empty stop strings),
+    so a scheduler refuses what its replicas would: INVALID_ARGUMENT naming
+    ``sampling.<field>``. What needs the model (the vocabulary) the engine checks.
     """
     def get(name: str):  # noqa: ANN202 - a field of any type
         return getattr(msg, name) if msg.HasField(name) else getattr(_DEFAULTS, name)
 
-    return SamplingOptions(
+    options = SamplingOptions(
         temperature=get("temperature"), top_p=get("top_p"), top_k=get("top_k"), seed=get("seed"),
         max_tokens=get("max_tokens"), stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, n=get("n"), prompt_logprobs=msg.prompt_logprobs)
+    try:
+        options.check()
+    except InvalidOption as err:
+        raise InvalidArgument.field(f"sampling.{err.field}", str(err)) from None
+    return options
 
 
 def _set_prompt(msg, r: InferenceRequest) -> None:  # noqa: ANN001 - GenerateRequest or ScoreRequest

@@ -88,8 +88,10 @@ class DecodeServicer(inference_pb2_grpc.DecodeServicer):
 def add_decode_service(server: ServiceServer, replica: Replica, switch_weights=None) -> None:  # noqa: ANN001
     """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Decode`` from ``replica`` (before the server starts).
 
-    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights.
+    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights. Health is
+    NOT_SERVING while the replica's engine cannot serve (:meth:`AsyncEngine.on_fitness`).
     """
     server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
                         InferenceServicer(replica, switch_weights), INFERENCE_SERVICE)
     server.add_servicer(inference_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(replica), DECODE_SERVICE)
+    replica.engine.on_fitness(lambda reason: server.set_unfit("engine", reason))

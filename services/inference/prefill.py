@@ -175,7 +175,9 @@ class PrefillServicer(inference_pb2_grpc.PrefillServicer):
                         context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.PrefillKVResponse]:
         r = convert.request_from_proto(request.request)
         tag_request(r.request_id)
-        prefilled = await self._relay.prefill(r, generating=False)
+        # The KV is only good for GenerateFromKV: the generate rules (room for a new token,
+        # n, KV fit) refuse before any prefill work what the decode replica would refuse after.
+        prefilled = await self._relay.prefill(r, generating=True)
         if prefilled is None:
             raise Cancelled(f"request {r.request_id!r} was aborted during prefill")
         header, blob = prefilled
@@ -188,8 +190,10 @@ def add_prefill_service(server: ServiceServer, relay: PrefillRelay,
                         switch_weights=None) -> None:  # noqa: ANN001
     """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Prefill`` from ``relay`` (before the server starts).
 
-    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights.
+    ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights. Health is
+    NOT_SERVING while the replica's engine cannot serve (:meth:`AsyncEngine.on_fitness`).
     """
     server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
                         InferenceServicer(relay, switch_weights), INFERENCE_SERVICE)
     server.add_servicer(inference_pb2_grpc.add_PrefillServicer_to_server, PrefillServicer(relay), PREFILL_SERVICE)
+    relay.replica.engine.on_fitness(lambda reason: server.set_unfit("engine", reason))

@@ -83,6 +83,12 @@ class Replica:
             raise InvalidArgument.field("prompt", "set prompt_text or prompt_token_ids")
         if self.tokenizer is None:
             raise InvalidArgument.field("prompt_text", "this replica has no tokenizer; send prompt_token_ids")
+        unknown = list(dict.fromkeys(self.tokenizer.unknown_pieces(r.prompt_text)))    # distinct, in order
+        if unknown:
+            # Encoding them as unk would compute a prompt the client did not write.
+            shown = ", ".join(repr(u) for u in unknown[:10]) + (f" and {len(unknown) - 10} more"
+                                                               if len(unknown) > 10 else "")
+            raise InvalidArgument.field("prompt_text", f"characters outside the tokenizer's vocabulary: {shown}")
         return tuple(self.tokenizer.encode(r.prompt_text))
 
     def check_generate(self, ids: tuple[int, ...], o: SamplingOptions) -> None:
@@ -107,10 +113,15 @@ class Replica:
                 f"this replica has {self._num_blocks}")
 
     def check_fits_context(self, ids: tuple[int, ...]) -> None:
-        """Generation needs room for at least one new token (the prefill engine only checks <=)."""
+        """Generation needs room for at least one new token (the prefill engine only checks <=).
+
+        Checked before any prefill work, naming the client's field (not the KV handoff's).
+        """
         if len(ids) >= self.max_model_len:
-            raise InvalidArgument.field("prompt", f"prompt of {len(ids)} tokens does not fit the context of "
-                                                  f"{self.max_model_len}")
+            raise InvalidArgument.field(
+                "prompt", f"the prompt has {len(ids)} tokens and does not fit the context of {self.max_model_len} "
+                          f"(max_model_len) with room for a new token: a Generate prompt may have at most "
+                          f"{self.max_model_len - 1}")
 
     @staticmethod
     def new_request_id() -> str:
@@ -134,6 +145,8 @@ class Replica:
         """Generate locally (this replica's own chunked prefill)."""
         self.check_pins(r)
         ids = self.prompt_ids(r)
+        if ids:
+            self.check_fits_context(ids)
         self.check_generate(ids, r.options)
         request = GenerateRequest(r.request_id or self.new_request_id(), ids, r.options)
         async for d in self.stream_deltas(await self.engine.submit(request, r.weights_version)):

@@ -66,6 +66,7 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     if service not in DEFAULT_PORTS:
         raise ValueError(f"unknown inference service {service!r}")
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=f"zerokl serve {service}",
         description=("Read prompts (KV, Score) and hand their KV to a decode replica for Generate."
                      if service == "prefill" else

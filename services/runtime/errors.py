@@ -28,10 +28,28 @@ __all__ = [
     "DataLoss",
     "Unavailable",
     "rich_status",
+    "clip",
     "abort",
     "status_details",
     "field_violations",
 ]
+
+
+# gRPC sends a status's message and details as trailing metadata, which receivers cap (8 KiB
+# soft, 16 KiB hard by default: a longer status reaches the client as RESOURCE_EXHAUSTED
+# "metadata size exceeds hard limit" instead of itself). Statuses echo what a client sent (a
+# version name, a request id), so what a status carries is clipped to these many UTF-8 bytes.
+MAX_MESSAGE_BYTES = 1024
+MAX_DETAIL_BYTES = 256
+
+
+def clip(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """``text`` cut to at most ``limit`` UTF-8 bytes, saying how long it was when cut."""
+    raw = text.encode()
+    if len(raw) <= limit:
+        return text
+    tail = f"... [{len(raw)} bytes, clipped]"
+    return raw[: max(0, limit - len(tail))].decode(errors="ignore") + tail
 
 
 @dataclass(frozen=True)
@@ -78,14 +96,16 @@ class ServiceError(Exception):
         details: list[message.Message] = []
         if self.field_violations:
             details.append(error_details_pb2.BadRequest(field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in self.field_violations
+                error_details_pb2.BadRequest.FieldViolation(field=clip(v.field, MAX_DETAIL_BYTES),
+                                                            description=clip(v.description, MAX_DETAIL_BYTES))
+                for v in self.field_violations[:4]
             ]))
         if self.precondition_violations:
             details.append(error_details_pb2.PreconditionFailure(violations=[
                 error_details_pb2.PreconditionFailure.Violation(
-                    type=v.type, subject=v.subject, description=v.description)
-                for v in self.precondition_violations
+                    type=clip(v.type, MAX_DETAIL_BYTES), subject=clip(v.subject, MAX_DETAIL_BYTES),
+                    description=clip(v.description, MAX_DETAIL_BYTES))
+                for v in self.precondition_violations[:4]
             ]))
         return rich_status(self.code, self.message, details)
 
@@ -132,13 +152,13 @@ class Unavailable(ServiceError):
 
 
 def rich_status(code: grpc.StatusCode, msg: str, details: Sequence[message.Message] = ()) -> status_pb2.Status:
-    """Build a ``google.rpc.Status`` with each detail packed into an ``Any``."""
+    """Build a ``google.rpc.Status`` with each detail packed into an ``Any`` (the message clipped)."""
     packed = []
     for d in details:
         any_msg = any_pb2.Any()
         any_msg.Pack(d)
         packed.append(any_msg)
-    return status_pb2.Status(code=code.value[0], message=msg, details=packed)
+    return status_pb2.Status(code=code.value[0], message=clip(msg), details=packed)
 
 
 async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None:

@@ -2,7 +2,8 @@
 
 :class:`ServiceServer` adds what each service needs around its servicers:
 grpc.health.v1 (SERVING / NOT_SERVING, also NOT_SERVING while swapping
-weights or draining), server reflection, tracing, optional bearer-token auth,
+weights, while a part reports it cannot serve (:meth:`ServiceServer.set_unfit`) or
+draining), server reflection, tracing, optional bearer-token auth,
 optional TLS/mTLS, rich error statuses and message size limits. :func:`serve`
 runs one until SIGTERM/SIGINT and drains it: health goes NOT_SERVING, new
 calls are refused, in-flight calls get ``grace_s`` to finish, then it exits.
@@ -102,6 +103,7 @@ class ServiceServer:
         self._draining: asyncio.Future[None] | None = None
         self._stop_requested = asyncio.Event()
         self._swaps = 0
+        self._unfit: dict[str, str] = {}   # what cannot serve now, and why (NOT_SERVING while any)
         self.port = 0
 
     @property
@@ -136,7 +138,7 @@ class ServiceServer:
         if not self.port:
             raise OSError(f"{self.service}: cannot bind {target}")
         await self._server.start()
-        await self.set_serving(True)
+        await self._sync_health()
         log.info("%s listening on %s", self.service, self.address)
 
     async def set_serving(self, serving: bool) -> None:
@@ -157,8 +159,24 @@ class ServiceServer:
             yield
         finally:
             self._swaps -= 1
-            if self._swaps == 0:
-                await self.set_serving(True)
+            await self._sync_health()
+
+    def set_unfit(self, part: str, reason: str | None) -> None:
+        """Report that ``part`` (e.g. "engine") cannot serve, and why, or can again (None).
+
+        Health is NOT_SERVING while any part is unfit (or weights are swapping);
+        call from the event loop. The reason is logged, not sent: health has no text.
+        """
+        if reason is None:
+            self._unfit.pop(part, None)
+        else:
+            self._unfit[part] = reason
+            log.error("%s: %s cannot serve: %s", self.service, part, reason)
+        asyncio.ensure_future(self._sync_health())
+
+    async def _sync_health(self) -> None:
+        """SERVING unless weights are swapping or a part is unfit (each call reads the state now)."""
+        await self.set_serving(self._swaps == 0 and not self._unfit)
 
     async def drain(self, grace_s: float | None = None) -> None:
         """Gracefully stop: NOT_SERVING, refuse new calls, let in-flight ones finish within the grace.

@@ -53,7 +53,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, 
 import grpc
 import grpc.aio
 
-from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from zerokl.services.scheduler.rl_loop import RLConfig, Sampled, StepRecord, Task, as_dict, run_rl
@@ -71,6 +71,7 @@ T = TypeVar("T")
 
 JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
 _OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_FLOAT32_MAX = 3.4028234663852886e38   # a learning rate above it overflows float32 weights' updates
 
 
 # ----------------------------------------------------------------------------- specs
@@ -128,11 +129,17 @@ JobSpec = SFTJobSpec | DPOJobSpec | RLJobSpec
 
 
 def validate(spec: JobSpec) -> None:
-    """INVALID_ARGUMENT naming the first bad field of ``spec``."""
+    """INVALID_ARGUMENT naming the first bad field of ``spec``.
+
+    Checked by meaning, as a Generate request is: RL sampling options go through
+    :meth:`SamplingOptions.check` (finite, float32-safe ranges), and a learning rate
+    must be a finite float32 (the optimizer applies it to float32 weights).
+    """
     if spec.steps <= 0:
-        raise InvalidArgument.field(f"{spec.kind}.steps", "must be > 0")
-    if not (math.isfinite(spec.learning_rate) and spec.learning_rate >= 0.0):
-        raise InvalidArgument.field("learning_rate", "must be finite and >= 0 (0: the trainer's schedule)")
+        raise InvalidArgument.field(f"{spec.kind}.steps", f"must be > 0, got {spec.steps}")
+    if not (math.isfinite(spec.learning_rate) and 0.0 <= spec.learning_rate <= _FLOAT32_MAX):
+        raise InvalidArgument.field("learning_rate", f"must be finite, >= 0 and at most {_FLOAT32_MAX:.4g} "
+                                                     f"(0: the trainer's schedule), got {spec.learning_rate!r}")
     if isinstance(spec, SFTJobSpec):
         if spec.batch_size <= 0:
             raise InvalidArgument.field("sft.batch_size", "must be > 0")
@@ -142,15 +149,24 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field("sft.batch_size", f"{spec.batch_size} exceeds the {len(spec.examples)} "
                                                           "examples given")
     elif isinstance(spec, DPOJobSpec):
+        if not spec.pairs:
+            raise InvalidArgument.field("dpo.pairs", "no preference pairs given: a DPO job needs at least "
+                                                     "batch_size (chosen, rejected) pairs")
         if spec.batch_size <= 0 or len(spec.pairs) < spec.batch_size:
-            raise InvalidArgument.field("dpo.batch_size", f"must be in 1..{len(spec.pairs)} (the pairs given)")
+            raise InvalidArgument.field("dpo.batch_size", f"must be in 1..{len(spec.pairs)} (the pairs given), "
+                                                          f"got {spec.batch_size}")
     else:
         if spec.group_size < 2:
             raise InvalidArgument.field("rl.group_size", "GRPO needs at least 2 samples per prompt")
         if spec.prompts_per_step <= 0 or spec.max_tokens <= 0:
             raise InvalidArgument.field("rl.prompts_per_step", "prompts_per_step and max_tokens must be > 0")
-        if not (spec.temperature > 0.0) or not (0.0 < spec.top_p <= 1.0):
-            raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 and top_p in (0, 1]")
+        try:
+            SamplingOptions(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_tokens,
+                            n=spec.group_size).check()
+        except InvalidOption as err:
+            raise InvalidArgument.field(f"rl.{err.field}", str(err)) from None
+        if spec.temperature == 0.0:
+            raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
     if getattr(spec, "countdown", None) is not None:
         c = spec.countdown
         if c.train_problems < 1 or c.test_problems < 1 or c.train_problems > 100_000:
@@ -393,8 +409,9 @@ class JobManager:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float]) -> None:
+        """Step ``step`` finished; ``version`` is what it published ("" when it published none)."""
         def apply() -> None:
-            job.weights_version = version
+            job.weights_version = version or job.weights_version
             if step <= job.step:
                 # Redone after a trainer restart: the same batch from the same weights gives the same
                 # bits, and watchers have seen this step already.
@@ -462,11 +479,13 @@ class JobManager:
         while step < spec.steps:
             # A step's batch depends only on (seed, step): a step redone after a trainer restart sees the same data.
             batch = random.Random(f"{spec.seed}:{step}").sample(data, spec.batch_size)
+            published = ""
             try:
                 m = trainer.supervised_step(spec.kind, batch, first=step == 0)
                 step += 1
                 if step == spec.steps or (spec.publish_every and step % spec.publish_every == 0):
                     trainer.publish_now()
+                    published = trainer.weights_version
             except grpc.aio.AioRpcError as err:
                 if err.code() is not grpc.StatusCode.UNAVAILABLE:
                     raise
@@ -475,7 +494,7 @@ class JobManager:
                 step = state.step - base
                 log.warning("trainer restarted; job %s continues at step %d", job.job_id, step + 1)
                 continue
-            self._step_done(job, step, trainer.weights_version, m)
+            self._step_done(job, step, published, m)
 
 
 def _describe(err: BaseException) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
@@ -96,8 +97,15 @@ class Task:
     reward: Callable[[str, object], float]
 
 
-def _version_index(v: str) -> int:
-    return int(v.rsplit("-", 1)[-1]) if v.rsplit("-", 1)[-1].isdigit() else 0
+# How versions end: the trainer's SaveWeights names them "<run>-step000012"
+# (checkpointing.default_version), the in-process port "<run>-00012".
+_VERSION_STEP = re.compile(r"-(?:step)?(\d+)$")
+
+
+def _version_index(v: str) -> int | None:
+    """The optimizer step a weights version was published at (None: the name does not say)."""
+    m = _VERSION_STEP.search(v)
+    return int(m.group(1)) if m else None
 
 
 def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config: RLConfig,
@@ -116,10 +124,13 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         batch, stale = [], 0
         for problem, group in zip(problems, groups):
             for s in group:
-                lag = _version_index(version) - _version_index(s.weights_version)
                 if s.weights_version != version:
-                    if lag > config.max_staleness or lag < 0:
-                        raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version}")
+                    now, then = _version_index(version), _version_index(s.weights_version)
+                    # A version whose step cannot be read is as stale as can be: refused.
+                    lag = now - then if now is not None and then is not None else None
+                    if lag is None or lag > config.max_staleness or lag < 0:
+                        raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
+                                                f"(max_staleness {config.max_staleness})")
                     stale += 1
                 seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
                 batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))

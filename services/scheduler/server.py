@@ -43,6 +43,7 @@ DEFAULT_PORT = 50050
 def build_parser() -> argparse.ArgumentParser:
     """The scheduler's command line."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="zerokl serve scheduler",
         description="Route Generate/Score/Abort to prefill and decode replicas that compute the same bits, "
                     "retrying on another replica when one fails.")

@@ -34,6 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.model.checkpoint import config_to_hf
+from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
     FailedPrecondition,
     FieldViolation,
@@ -131,12 +132,10 @@ def _completion_violations(c: Completion, where: str, vocab: int, max_len: int) 
     if len(c.prompt_ids) + len(c.completion_ids) > max_len:
         out.append(FieldViolation(where, f"{len(c.prompt_ids) + len(c.completion_ids)} tokens exceed the "
                                          f"model's context length {max_len}"))
-    if not (math.isfinite(c.temperature) and c.temperature >= 0):
-        out.append(FieldViolation(f"{where}.temperature", f"{c.temperature} is not a finite value >= 0"))
-    if c.top_k < 0:
-        out.append(FieldViolation(f"{where}.top_k", f"{c.top_k} is negative (0 turns top-k off)"))
-    if not 0 < c.top_p <= 1:
-        out.append(FieldViolation(f"{where}.top_p", f"{c.top_p} is not in (0, 1]"))
+    try:    # the ranges inference samples under (float32-safe), so the trainer recomputes what it can serve
+        SamplingOptions(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p).check()
+    except InvalidOption as err:
+        out.append(FieldViolation(f"{where}.{err.field}", str(err)))
     return out
 
 

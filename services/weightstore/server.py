@@ -28,7 +28,7 @@ DEFAULT_ROOT = os.environ.get("ZEROKL_WEIGHTS_DIR", "~/.zerokl/weights")
 
 def build_parser() -> argparse.ArgumentParser:
     """The weight store's command line."""
-    p = argparse.ArgumentParser(prog="zerokl serve weight-store",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl serve weight-store",
                                 description="Serve versioned model weights over gRPC.")
     g = p.add_argument_group("storage")
     g.add_argument("--root", default=DEFAULT_ROOT,

@@ -167,7 +167,7 @@ def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_request_whose_logits_are_nan_fails_alone(device, caplog):
-    """A poisoned embedding row makes one request's logits NaN: that request ends ("abort", with a
+    """A poisoned embedding row makes one request's logits NaN: that request fails ("error", with a
     logged reason), every other request in the batch gets exactly the tokens it gets alone."""
     with use_backend(_backend(device)):
         model = _model("tiny", device)
@@ -181,8 +181,8 @@ def test_a_request_whose_logits_are_nan_fails_alone(device, caplog):
         config = EngineConfig(max_num_batched_tokens=16)
         alone = {r.request_id: run_to_completion(Engine(model, config), [r])[r.request_id] for r in healthy}
         outs = run_to_completion(Engine(model, config), [healthy[0], poisoned, *healthy[1:]])
-    assert sorted((d.index, d.finish_reason, d.token_ids) for d in outs["nan"]) == [(0, "abort", []), (1, "abort", [])]
-    assert "request nan aborted: its logits have no sampling distribution" in caplog.text
+    assert sorted((d.index, d.finish_reason, d.token_ids) for d in outs["nan"]) == [(0, "error", []), (1, "error", [])]
+    assert "request nan failed in the engine: ValueError: the logits have no sampling distribution" in caplog.text
     for r in healthy:
         got = [(d.token_ids, d.logprobs, d.finish_reason) for d in outs[r.request_id]]
         assert got == [(d.token_ids, d.logprobs, d.finish_reason) for d in alone[r.request_id]]

@@ -85,7 +85,7 @@ def candidates():
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for bench-linear-<device>.md/.png/.json")
     ap.add_argument("--json", default=None, help="also write the raw results here")
     ap.add_argument("--sweep", action="store_true")

@@ -79,7 +79,7 @@ def _plain_moe(x, w, ids, gate, up, down):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default=None)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=None, help="folder for bench-ops-<device>.md and .png")

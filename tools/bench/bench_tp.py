@@ -246,7 +246,7 @@ def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--ms", default="1,8,64,512,2048")
     ap.add_argument("--join-n", type=int, default=4096)
     ap.add_argument("--join-k", type=int, default=7168)

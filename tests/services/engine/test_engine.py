@@ -206,6 +206,14 @@ def test_abort_frees_blocks(model):
     (GenerateRequest("b", (5,), SamplingOptions(temperature=-1)), "temperature"),
     (GenerateRequest("b", tuple([5] * 600)), "does not fit the context"),
     (GenerateRequest("b", (5,), SamplingOptions(stop=("x",))), "need a tokenizer"),
+    # Finite but beyond float32, inf, and positive values that float32 turns into 0 or inf logits.
+    (GenerateRequest("b", (5,), SamplingOptions(temperature=1e300)), r"temperature must be 0 \(greedy\) or in "
+                                                                     r"\[1e-06, 1e\+06\], got 1e\+300"),
+    (GenerateRequest("b", (5,), SamplingOptions(temperature=float("inf"), top_k=3)), "temperature must be"),
+    (GenerateRequest("b", (5,), SamplingOptions(temperature=1e-300)), "temperature must be"),
+    (GenerateRequest("b", (5,), SamplingOptions(top_p=1e-300)), r"top_p must be in \(0, 1\]"),
+    (GenerateRequest("b", (5,), SamplingOptions(top_p=float("nan"))), "top_p"),
+    (GenerateRequest("b", (5,), SamplingOptions(stop=("",))), "stop strings must not be empty"),
 ])
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(model, bad, msg):
     eng = Engine(model, EngineConfig())
@@ -233,3 +241,56 @@ def test_forking_under_memory_pressure_preempts_instead_of_failing(model):
     assert got["long"] == _run_alone(model, long)
     assert got["fork"] == _run_alone(model, fork, num_blocks=12, block_size=4)
     assert len(got["fork"]) == 4
+
+
+def _add_unchecked(eng, request):
+    """Queue ``request`` past the engine's validation: what a gap in it would let reach a step."""
+    eng.validate = lambda r: None
+    try:
+        eng.add_request(request)
+    finally:
+        del eng.validate
+
+
+def test_a_request_failing_inside_a_step_fails_alone_and_its_neighbours_keep_their_bits(model):
+    """Poison that passes validation (here: validation bypassed) fails in the batched forward
+    (an id outside the embedding: found by bisecting the batch) or in its own sampling
+    parameters (a temperature float32 cannot hold); it ends with an "error" output, and every
+    neighbour equals its solo run exactly, then the engine serves a new request as usual."""
+    rng = random.Random(7)
+    bystanders = [_req(f"b{i}", _prompt(rng, 3, 40), temperature=rng.choice([0.0, 0.9]), seed=i, top_k=5,
+                       n=rng.choice([1, 2]), max_tokens=rng.randint(2, 10), prompt_logprobs=i % 3 == 0)
+                  for i in range(8)]
+    poison = [GenerateRequest("bad-id", (5, 6, 10**6, 7)),
+              GenerateRequest("bad-temperature", (5, 6, 7), SamplingOptions(temperature=1e300, max_tokens=4)),
+              GenerateRequest("bad-prompt-logprobs", (5, 6, 7, 8),
+                              SamplingOptions(temperature=1e300, prompt_logprobs=True, max_tokens=4))]
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=64))
+    outs = {r.request_id: [] for r in bystanders + poison}
+    for r in bystanders[:4]:
+        eng.add_request(r)
+    for step in range(200):
+        if step == 2:
+            for r in poison:
+                _add_unchecked(eng, r)
+            for r in bystanders[4:]:
+                eng.add_request(r)
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        if step > 2 and not eng.has_work():
+            break
+    for r in poison:
+        assert [(d.finish_reason, d.finished) for d in outs[r.request_id]] == [("error", True)] * r.options.n
+        assert outs[r.request_id][0].error
+    assert "IndexError" in outs["bad-id"][0].error or "index" in outs["bad-id"][0].error
+    assert "overflow" in outs["bad-temperature"][0].error
+    got = _collect({r.request_id: outs[r.request_id] for r in bystanders})
+    for r in bystanders:
+        alone = _run_alone(model, r)
+        assert got[r.request_id].keys() == alone.keys()
+        for i, (toks, lps, reason) in alone.items():
+            assert got[r.request_id][i][0] == toks and got[r.request_id][i][2] == reason
+            assert torch.equal(torch.tensor(got[r.request_id][i][1]), torch.tensor(lps))
+    assert eng.kv_usage() == 0
+    after = _req("after", (3, 4, 5), max_tokens=3, seed=9)
+    assert _collect(run_to_completion(eng, [after]))["after"] == _run_alone(model, after)

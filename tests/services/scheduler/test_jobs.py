@@ -114,7 +114,9 @@ def test_sft_and_dpo_jobs_lower_their_losses(cluster: str) -> None:
                 losses = [ev.metrics["loss"] for ev in _steps(events)]
                 assert len(losses) == 6 and losses[-1] < losses[0], losses
             sft_versions = [ev.weights_version for ev in _steps(sft_events)]
-            assert sft_versions[2] != sft_versions[1] and sft_versions[5] != sft_versions[4]  # published at 3 and 6
+            # Published at 3 and 6 only: the other steps' events name no version.
+            assert [bool(v) for v in sft_versions] == [False, False, True, False, False, True], sft_versions
+            assert sft_versions[2] != sft_versions[5]
             assert "preference_accuracy" in _steps(dpo_events)[-1].metrics
             # the DPO job's own learning rate at every step; SFT's follows the trainer's schedule
             assert [ev.metrics["lr"] for ev in _steps(dpo_events)] == [2e-3] * 6
@@ -152,9 +154,9 @@ def test_bad_jobs_are_refused_clearly_and_the_scheduler_keeps_serving(cluster: s
     bad = [
         (RLJobSpec(steps=0, countdown=TASK), "steps"),
         (RLJobSpec(steps=1, countdown=TASK, group_size=1), "group_size"),
-        (RLJobSpec(steps=1, countdown=TASK, top_p=1.5), "temperature"),
+        (RLJobSpec(steps=1, countdown=TASK, top_p=1.5), "top_p"),
         (SFTJobSpec(steps=1, examples=(Completion((1, 2), (3,)),), batch_size=4), "batch_size"),
-        (DPOJobSpec(steps=1, pairs=()), "batch_size"),
+        (DPOJobSpec(steps=1, pairs=()), "no preference pairs"),
         (RLJobSpec(steps=1, countdown=CountdownTask(train_problems=10**6)), "countdown"),
         (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, learning_rate=-1e-4), "learning_rate"),
         (RLJobSpec(steps=1, countdown=TASK, learning_rate=float("nan")), "learning_rate"),
@@ -191,6 +193,12 @@ def test_the_jobs_command_line(cluster: str) -> None:
     assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
     assert events[-1]["state"] == "succeeded"
     job_id = events[-1]["job_id"]
+    # Only the last step published (no --publish-every): only its event names a version.
+    published = [e["weights_version"] for e in events if e["step"] is not None]
+    assert published[0] == "" and published[1].startswith("jobs-step") and events[-1]["weights_version"] == published[1]
+    watched = zerokl("watch", job_id).stdout.splitlines()
+    steps = [line for line in watched if line.startswith("step ")]
+    assert len(steps) == 2 and "published" not in steps[0] and f"step 2/2 published {published[1]} " in steps[1]
     listed = zerokl("list")
     assert job_id in listed.stdout and "succeeded" in listed.stdout
     missing = zerokl("watch", "no-such-job")

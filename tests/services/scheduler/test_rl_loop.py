@@ -1,9 +1,22 @@
 """The on-policy loop on countdown, in process: KL is exactly 0 at every step (and not with stock kernels)."""
+import dataclasses
+
+import pytest
 import torch
 
 from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
-from zerokl.services.scheduler.rl_loop import LocalEnginePort, LocalTrainerPort, RLConfig, Task, run_rl
+from zerokl.services.scheduler.rl_loop import (
+    LocalEnginePort,
+    LocalTrainerPort,
+    RLConfig,
+    Sampled,
+    StaleRolloutError,
+    Task,
+    _version_index,
+    run_rl,
+)
+from zerokl.services.trainer.checkpointing import default_version
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
 
@@ -43,3 +56,45 @@ def test_stock_inference_kernels_show_the_mismatch():
     engine, trainer = _ports(backend="stock")
     records = run_rl(_task(), engine, trainer, RLConfig(steps=1, prompts_per_step=2, group_size=4, max_tokens=16, eval_every=0))
     assert records[0].mismatched_tokens > 0 and records[0].kl != 0.0
+
+
+class _StampedRollouts:
+    """A rollout port whose samples were computed by ``served`` (an older version than the trainer's)."""
+
+    def __init__(self, served: str):
+        self.served = served
+
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
+        return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(n)] for p in prompts]
+
+
+class _TrainerAt:
+    """A trainer port at ``version`` that records the updates it is asked for."""
+
+    def __init__(self, version: str):
+        self.weights_version, self.updates = version, 0
+
+    def grpo_step(self, rollouts, group_size):
+        self.updates += 1
+        return dict(reward=0.0, kl=0.0, mismatched_tokens=0, clip_fraction=0.0, ratio_min=1.0, ratio_max=1.0,
+                    loss=0.0, grad_norm=0.0, lr=0.0, tokens=len(rollouts))
+
+    def publish(self):
+        return self.weights_version
+
+
+def test_staleness_is_counted_in_the_trainers_version_names():
+    """Versions are named `<run>-step000003` (SaveWeights): a rollout two versions old is refused under
+    max_staleness 1 and accepted (counted stale) under 2; a name without a step is never accepted."""
+    assert [_version_index(default_version("run", 3)), _version_index("run-00012"), _version_index("v1.0")] == \
+        [3, 12, None]
+    config = RLConfig(steps=1, prompts_per_step=2, group_size=2, max_tokens=2, eval_every=0, max_staleness=1)
+    trainer = _TrainerAt(default_version("run", 3))
+    with pytest.raises(StaleRolloutError, match="run-step000001"):
+        run_rl(_task(), _StampedRollouts(default_version("run", 1)), trainer, config)
+    assert trainer.updates == 0
+    records = run_rl(_task(), _StampedRollouts(default_version("run", 1)), trainer,
+                     dataclasses.replace(config, max_staleness=2))
+    assert trainer.updates == 1 and records[0].stale_rollouts == 4
+    with pytest.raises(StaleRolloutError):
+        run_rl(_task(), _StampedRollouts("hand-named"), trainer, dataclasses.replace(config, max_staleness=5))

@@ -458,6 +458,8 @@ def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: p
                 ([Completion((), (8,))], "completions[0].prompt_ids"),
                 ([Completion((5,), (8,), top_p=0.0)], "completions[0].top_p"),
                 ([Completion((5,), (8,), temperature=-1.0)], "completions[0].temperature"),
+                ([Completion((5,), (8,), temperature=1e300)], "completions[0].temperature"),
+                ([Completion((5,), (8,), top_p=1e-300)], "completions[0].top_p"),
                 ([Completion((5,), (8,), top_k=-2)], "completions[0].top_k"),
                 ([Completion(tuple([5] * 500), tuple([6] * 20))], "completions[0]"),
             ]

@@ -1,0 +1,87 @@
+"""Every command line matches flags whole: an abbreviation is an error, never another flag.
+
+argparse's default prefix matching turned `zerokl serve trainer --dp=2` into `--dpo-beta 2`.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from zerokl import cli
+from zerokl.services.inference import server as inference_server
+from zerokl.services.scheduler import server as scheduler_server
+from zerokl.services.scheduler import up
+from zerokl.services.trainer import server as trainer_server
+from zerokl.services.weightstore import server as weightstore_server
+
+
+def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every sub-command parser under it, nested ones too."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                found += _every_parser(sub)
+    return found
+
+
+PARSERS = {
+    "zerokl": cli.build_parser(),
+    "serve prefill": inference_server.build_parser("prefill"),
+    "serve decode": inference_server.build_parser("decode"),
+    "serve trainer": trainer_server.build_parser(),
+    "serve scheduler": scheduler_server.build_parser(),
+    "serve weight-store": weightstore_server.build_parser(),
+    "up": up.build_parser(),
+}
+
+
+def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
+    parsers = [(name, p.prog) for name, top in PARSERS.items() for p in _every_parser(top) if p.allow_abbrev]
+    assert parsers == []
+    assert len(_every_parser(PARSERS["zerokl"])) == 15     # zerokl, its 10 commands, and the 4 of `jobs`
+
+
+@pytest.mark.parametrize("name,argv,meant,unknown", [
+    ("serve trainer", ["--dp=2"], "--dpo-beta", "--dp=2"),
+    ("serve decode", ["--preset", "tiny", "--num-block", "4"], "--num-blocks", "--num-block 4"),
+    ("serve scheduler", ["--decode", "127.0.0.1:1", "--route-w", "1"], "--route-wait", "--route-w 1"),
+    ("serve weight-store", ["--keep", "3"], "--keep-last", "--keep 3"),
+    ("up", ["--work", "/tmp/x"], "--workdir", "--work /tmp/x"),
+    ("zerokl", ["generate", "--max-tok", "3", "--prompt-ids", "3,4"], "--max-tokens", "--max-tok"),
+    ("zerokl", ["jobs", "submit", "rl", "--steps", "3", "--eval", "2"], "--eval-every", "--eval 2"),
+    ("zerokl", ["status", "--js"], "--json", "--js"),
+])
+def test_an_abbreviated_flag_is_an_error(name, argv, meant, unknown, capsys) -> None:
+    parser = PARSERS[name]
+    assert any(meant in a.option_strings for p in _every_parser(parser) for a in p._actions), \
+        f"{meant} is not a flag of {name}: the case tests nothing"
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unrecognized arguments: {unknown}" in err, err
+
+
+def test_zerokl_serve_trainer_refuses_an_abbreviation_as_a_command() -> None:
+    r = subprocess.run([sys.executable, "-m", "zerokl", "serve", "trainer", "--dp=2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unrecognized arguments: --dp=2" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--steps", "-5"], "argument --steps: must be in 1..4294967295, got -5"),
+    (["--steps", "3", "--lr", "inf"], "argument --lr: must be finite and >= 0"),
+    (["--steps", "3", "--group", "1"], "argument --group: must be in 2..4294967295, got 1"),
+    (["--steps", "3", "--seed", "-1"], "argument --seed: must be in 0..18446744073709551615, got -1"),
+])
+def test_jobs_submit_refuses_bad_numbers_in_one_line(argv, message, capsys) -> None:
+    """Before: `--steps -5` passed argparse and died in the protobuf conversion with a traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["jobs", "--server", "127.0.0.1:1", "submit", "rl", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
