@@ -239,6 +239,7 @@ def test_torch_backend_prefix_mass_is_a_sequential_fp64_loop():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_prefix_mass_is_row_invariant_across_chunks(device):
+    _skip_unrunnable("triton", device)
     g = torch.Generator().manual_seed(13)
     x = (torch.rand(4, 9000, generator=g) ** 4).to(device)       # three 4096-wide chunks
     with K.use_backend("triton"):
