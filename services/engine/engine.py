@@ -346,9 +346,11 @@ class Engine:
             work.append((s, 1))
             scheduled.add(id(s))
             budget -= 1
-        # 2. prefill chunks, first come first served.
+        # 2. prefill chunks, first come first served, while fewer than max_num_seqs samples hold
+        # a slot (the running ones, whose decode entries are already in `work`, count once).
+        prefilling = 0
         for s in list(self.waiting):
-            if budget == 0 or len(self.running) + len(work) >= self.config.max_num_seqs:
+            if budget == 0 or len(self.running) + prefilling >= self.config.max_num_seqs:
                 break
             if s.state is not _State.WAITING:
                 continue
@@ -372,6 +374,7 @@ class Engine:
             work.append((s, n))
             scheduled.add(id(s))
             budget -= n
+            prefilling += 1
         return work
 
     def _ensure_slots_or_reclaim(self, s: _Sample, upto: int, scheduled: set[int]) -> bool:

@@ -294,3 +294,19 @@ def test_a_request_failing_inside_a_step_fails_alone_and_its_neighbours_keep_the
     assert eng.kv_usage() == 0
     after = _req("after", (3, 4, 5), max_tokens=3, seed=9)
     assert _collect(run_to_completion(eng, [after]))["after"] == _run_alone(model, after)
+
+
+def test_max_num_seqs_samples_run_at_once_when_prefill_takes_several_steps(model):
+    """Admission counts each running sample once: with prompts that need several prefill
+    steps, the engine still reaches max_num_seqs running samples (it used to count the
+    running samples' decode entries twice and stall at about half)."""
+    engine = Engine(model, EngineConfig(max_num_batched_tokens=24, max_num_seqs=8, num_blocks=512))
+    rng = random.Random(5)
+    for i in range(16):
+        prompt = tuple(rng.randrange(3, 64) for _ in range(40))            # two steps of prefill each
+        engine.add_request(GenerateRequest(f"r{i}", prompt, SamplingOptions(max_tokens=40, ignore_eos=True, seed=i)))
+    most = 0
+    while engine.has_work():
+        engine.step()
+        most = max(most, engine.num_running)
+    assert most == 8
