@@ -113,15 +113,22 @@ def _combine(hh: torch.Tensor, cross: torch.Tensor, ae: torch.Tensor, be: torch.
     return cross.mul_(float(2.0 ** -bits)).add_(hh).mul_(scale).to(torch.float32)
 
 
+def _exact_from_slices(a: torch.Tensor, bits: int, bh: torch.Tensor, bl: torch.Tensor, be: torch.Tensor) -> torch.Tensor:
+    """contract(a, b) given b's slices (rows over the last dim): [..., M, K] x [..., N, K] -> [..., M, N]."""
+    return _join(*_slices(a, bits), bh, bl, be, bits)
+
+
+def _join(ah, al, ae, bh, bl, be, bits: int) -> torch.Tensor:
+    """The three exact slice GEMMs of a contraction, joined into fp32 (_combine)."""
+    bh_t, bl_t = bh.transpose(-1, -2), bl.transpose(-1, -2)
+    cross = torch.matmul(ah, bl_t) + torch.matmul(al, bh_t)  # each exact; their sum rounds once
+    return _combine(torch.matmul(ah, bh_t), cross, ae, be, bits)   # hh: exact integers <= 2^53
+
+
 def _contract_exact(a: torch.Tensor, b: torch.Tensor, cache_b: bool = False) -> torch.Tensor:
     """fp32 a @ b^T over the last dim, exactly summed: a [..., M, K], b [..., N, K] -> [..., M, N]."""
     bits = slice_bits(a.shape[-1], terms=2)
-    ah, al, ae = _slices(a, bits)
-    bh, bl, be = _weight_slices(b, bits) if cache_b else _slices(b, bits)
-    bh_t, bl_t = bh.transpose(-1, -2), bl.transpose(-1, -2)
-    hh = torch.matmul(ah, bh_t)                              # exact integers <= 2^53
-    cross = torch.matmul(ah, bl_t) + torch.matmul(al, bh_t)  # each exact; their sum rounds once
-    return _combine(hh, cross, ae, be, bits)
+    return _exact_from_slices(a, bits, *(_weight_slices(b, bits) if cache_b else _slices(b, bits)))
 
 
 class _Contract(torch.autograd.Function):
@@ -173,19 +180,8 @@ def contract_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) 
         lo, hi = offsets[g], offsets[g + 1]
         if hi == lo:
             continue
-        wh, wl, we = _weight_slices(weight[g], bits)
-        ah, al = xh[lo:hi], xl[lo:hi]
-        cross = torch.matmul(ah, wl.t()) + torch.matmul(al, wh.t())
-        out[lo:hi] = _combine(torch.matmul(ah, wh.t()), cross, xe[lo:hi], we, bits)
+        out[lo:hi] = _join(xh[lo:hi], xl[lo:hi], xe[lo:hi], *_weight_slices(weight[g], bits), bits)
     return out
-
-
-def _exact_from_slices(a: torch.Tensor, bits: int, bh: torch.Tensor, bl: torch.Tensor, be: torch.Tensor) -> torch.Tensor:
-    """contract(a, b) given b's slices (rows over the last dim): [..., M, K] x [..., N, K] -> [..., M, N]."""
-    ah, al, ae = _slices(a, bits)
-    bh_t, bl_t = bh.transpose(-1, -2), bl.transpose(-1, -2)
-    cross = torch.matmul(ah, bl_t) + torch.matmul(al, bh_t)
-    return _combine(torch.matmul(ah, bh_t), cross, ae, be, bits)
 
 
 def contract_gathered(a: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
