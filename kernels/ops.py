@@ -9,10 +9,10 @@ composite's order of operations.
 Autograd: the torch backend is differentiable as written. A Triton forward is
 wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
+On CUDA, linear and grouped_linear take their own backward GEMMs instead (no recompute).
 """
 from __future__ import annotations
 
-import itertools
 import threading
 from typing import Callable
 
@@ -112,6 +112,41 @@ class _LinearGrad(torch.autograd.Function):
         return None, gx, gw, gb, None
 
 
+class _GroupedLinearGrad(torch.autograd.Function):
+    """Triton grouped_linear forward; backward by grouped GEMMs (dropless, no per-group loop).
+
+    dX = grouped_linear(dY, W^T): each row's dY times its group's weight; dW[g] = dY_g^T X_g
+    (grouped_linear_wgrad: one program per output tile walks the group's rows in a fixed order,
+    no atomics), so gradients are the same bits on every run. Offsets may be a device tensor:
+    the backward makes no host sync either.
+    """
+
+    @staticmethod
+    def forward(ctx, fast, x, weight, offsets):
+        off_t = offsets if isinstance(offsets, torch.Tensor) else None
+        ctx.save_for_backward(x, weight, off_t)
+        ctx.offsets = None if off_t is not None else offsets
+        return fast(x, weight, offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, off_t = ctx.saved_tensors
+        offsets = off_t if off_t is not None else ctx.offsets
+        tri = backend_module("triton")
+        gx = gw = None
+        if ctx.needs_input_grad[1]:
+            gx = tri.grouped_linear(grad.to(x.dtype), weight.transpose(1, 2), offsets)
+        if ctx.needs_input_grad[2]:
+            gw = tri.grouped_linear_wgrad(grad.to(x.dtype), x, offsets, out_dtype=weight.dtype)
+        return None, gx, gw, None
+
+
+# Device types on which a Triton op with its own backward (linear: two torch.mm; grouped_linear:
+# grouped Triton GEMMs) uses it; elsewhere the backward recomputes with the torch backend.
+_OWN_GRAD_DEVICES = ("cuda",)
+_OWN_GRAD = {"linear": _LinearGrad, "grouped_linear": _GroupedLinearGrad}
+
+
 def _merge(spec: tuple, tensors) -> list:
     """Rebuild the positional argument list: spec holds non-tensor args, None marks a tensor slot."""
     it = iter(tensors)
@@ -132,8 +167,8 @@ def _call(name: str, *args):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return fast(*args)
-    if name == "linear" and any(t.device.type == "cuda" for t in tensors):
-        return _LinearGrad.apply(fast, *args)
+    if name in _OWN_GRAD and any(t.device.type in _OWN_GRAD_DEVICES for t in tensors):
+        return _OWN_GRAD[name].apply(fast, *args)
     slow = getattr(backend_module(_grad_backend(tensors)), name)
     spec = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     return _RecomputeGrad.apply(fast, slow, spec, *tensors)
@@ -263,8 +298,18 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
 
 
-def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
-    """Rows offsets[g]:offsets[g+1] of input [M, K] times weight[g].T, weight [G, N, K] -> [M, N]."""
+def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of input [M, K] times weight[g].T, weight [G, N, K] -> [M, N].
+
+    offsets: G + 1 non-decreasing ints from 0 to M, a list or an int32/int64 tensor on input's
+    device. The Triton backend never reads a tensor back on the host (no sync, CUDA-graph
+    capturable), so only its shape is checked here: its values are the caller's promise.
+    """
+    if isinstance(offsets, torch.Tensor):
+        if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"grouped_linear: offsets tensor {offsets.dtype} {tuple(offsets.shape)} is not int [G + 1] "
+                             f"for {weight.shape[0]} groups")
+        return _call("grouped_linear", input, weight, offsets)
     if len(offsets) != weight.shape[0] + 1 or offsets[0] != 0 or offsets[-1] != input.shape[0]:
         raise ValueError(f"grouped_linear: offsets {offsets} do not cover {input.shape[0]} rows in {weight.shape[0]} groups")
     return _call("grouped_linear", input, weight, list(offsets))
@@ -396,7 +441,8 @@ def moe_route(
         group_score = top2[..., 0] + top2[..., 1]                      # [T, n_group]
         keep = _rank_desc(group_score)[:, :topk_group]
         group_mask = torch.zeros(t, n_group, dtype=torch.bool, device=logits.device).scatter_(1, keep, True)
-        choice = choice.masked_fill(~group_mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+        expert_mask = group_mask.unsqueeze(2).expand(t, n_group, e // n_group).reshape(t, e)   # (no sync, unlike repeat_interleave)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
     expert_ids = _rank_desc(choice)[:, :top_k]
     weights = scores.gather(1, expert_ids)
     if norm_topk_prob:
@@ -437,9 +483,12 @@ def moe_experts(
     (token, slot) pairs are sorted by expert (stable) and run through grouped GEMMs, so an
     expert's result for a token does not depend on how many tokens it received. The k
     results are combined in selection-rank order in fp32. Returns [T, D] fp32.
+
+    No host sync: every pair is routed here, so the pair order, the per-expert offsets and the
+    grouped GEMMs' tiles are all computed on the device (a decode step can be graph-captured).
     """
     t, k = expert_ids.shape
-    _, outputs = moe_expert_outputs(x, expert_ids, gate_proj, up_proj, down_proj)
+    outputs = _all_pairs_outputs(x, expert_ids, gate_proj, up_proj, down_proj)
     return moe_combine(weights, outputs.view(t, k, -1))         # every pair is here, in (token, slot) order
 
 
@@ -450,6 +499,7 @@ def moe_expert_outputs(
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     first_expert: int = 0,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert outputs of the (token, slot) pairs routed to the experts held here.
 
@@ -459,18 +509,70 @@ def moe_expert_outputs(
     t * k + slot in ascending order, and their outputs. Pairs are stably sorted by expert
     and run through grouped GEMMs, so a pair's result depends only on its token and its
     expert's weights (never on how many tokens the expert or the rank received).
+
+    num_experts: the model's expert count. When the experts here are all of them
+    (first_expert == 0 and E_here == num_experts) every pair is here and no host sync is made;
+    otherwise finding the local pairs reads their count P back to the host (one sync).
     """
     n_here = gate_proj.shape[0]
+    t, k = expert_ids.shape
+    if first_expert == 0 and num_experts == n_here:
+        pairs = torch.arange(t * k, device=expert_ids.device)
+        return pairs, _all_pairs_outputs(x, expert_ids, gate_proj, up_proj, down_proj)
     flat = expert_ids.reshape(-1) - first_expert
-    pairs = torch.nonzero((flat >= 0) & (flat < n_here)).squeeze(1)     # ascending (token, slot) pairs
+    pairs = torch.nonzero((flat >= 0) & (flat < n_here)).squeeze(1)     # ascending (token, slot) pairs: the sync
     local = flat[pairs]
-    by_expert = torch.sort(local, stable=True).indices                  # pairs grouped by expert
-    counts = torch.bincount(local, minlength=n_here).tolist()
-    offsets = [0, *itertools.accumulate(counts)]
-    xs = x[pairs[by_expert] // expert_ids.shape[1]]
-    h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(x.dtype)
-    out_sorted = grouped_linear(h, down_proj, offsets)                  # [P, D], expert order
-    return pairs, torch.zeros_like(out_sorted).index_copy(0, by_expert, out_sorted)   # back to pair order
+    order, offsets = _expert_order(local, n_here)
+    return pairs, _expert_mlp(x[pairs[order] // k], order, offsets, gate_proj, up_proj, down_proj)
+
+
+def _all_pairs_outputs(x, expert_ids, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """Outputs [T * k, D] of every (token, slot) pair, in pair order, with no host sync."""
+    k = expert_ids.shape[1]
+    order, offsets = _expert_order(expert_ids.reshape(-1), gate_proj.shape[0])
+    return _expert_mlp(_PairRows.apply(x, order, k), order, offsets, gate_proj, up_proj, down_proj)
+
+
+def _expert_order(local: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert: (order [P], offsets [E + 1] int64), both on the device.
+
+    order is a stable sort of the pairs by expert index; offsets[e] counts the pairs whose expert
+    is below e (a binary search over the sorted indices: no counts read back, no atomics).
+    """
+    sorted_ids, order = torch.sort(local, stable=True)
+    bounds = torch.arange(n_experts + 1, device=local.device, dtype=sorted_ids.dtype)
+    return order, torch.searchsorted(sorted_ids, bounds)
+
+
+def _expert_mlp(xs, order, offsets, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """The SwiGLU experts over rows xs [P, D] sorted by expert (offsets), returned in pair order."""
+    h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(xs.dtype)
+    out_sorted = grouped_linear(h, down_proj, offsets)                   # [P, D], expert order
+    return torch.empty_like(out_sorted).index_copy(0, order, out_sorted)   # back to pair order (a permutation)
+
+
+class _PairRows(torch.autograd.Function):
+    """xs = x[order // k]: the token row of each (token, slot) pair, pairs taken in `order`.
+
+    The backward puts each pair's gradient back in (token, slot) order and sums a token's k
+    slots left to right in fp32: a fixed order (plain indexing would accumulate duplicates
+    with atomics, whose order varies run to run on CUDA).
+    """
+
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x[order // k]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        per_pair = torch.empty_like(grad).index_copy_(0, order, grad).view(-1, ctx.k, grad.shape[-1]).float()
+        total = per_pair[:, 0]
+        for j in range(1, ctx.k):
+            total = total + per_pair[:, j]
+        return total.to(grad.dtype), None, None
 
 
 def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

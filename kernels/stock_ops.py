@@ -23,8 +23,22 @@ def linear(x, weight, bias=None, out_dtype=None):
 
 
 def grouped_linear(x, weight, offsets):
+    """With device offsets on a CUDA GPU in bf16: torch._grouped_mm, one grouped GEMM with no host
+    sync (what transformers' grouped_mm experts run). Otherwise one F.linear per group."""
+    if isinstance(offsets, torch.Tensor) and _grouped_mm_ok(x, weight):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets[1:].to(torch.int32))
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.tolist()
     parts = [F.linear(x[offsets[g]:offsets[g + 1]], weight[g]) for g in range(weight.shape[0])]
     return torch.cat(parts) if parts else x.new_zeros((0, weight.shape[1]))
+
+
+def _grouped_mm_ok(x, weight) -> bool:
+    """torch._grouped_mm's preconditions: CUDA sm90+, bf16 operands, unit inner strides and
+    16-byte aligned rows (K and N multiples of 8)."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] >= 9 and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.shape[1] % 8 == 0 and weight.shape[1] % 8 == 0 and x.stride(0) % 8 == 0 and weight.stride(1) % 8 == 0)
 
 
 def rms_norm(x, weight, eps=1e-6):

@@ -60,12 +60,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.to(out_dtype or x.dtype).reshape(*lead, weight.shape[0])
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [M, K] times weight[g].T ([G, N, K]) -> [M, N].
 
     A row's result depends only on the row and its group's weight, never on how
-    many rows share the group (dropless MoE, per-head projections).
+    many rows share the group (dropless MoE, per-head projections). offsets: a list or an
+    int tensor (read to the host: this backend slices the rows per group).
     """
+    if isinstance(offsets, torch.Tensor):
+        offsets = offsets.tolist()
     return portable.contract_grouped(x, weight, offsets).to(x.dtype)
 
 

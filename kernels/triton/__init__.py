@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .attention import KV_BLOCK, mla_attention
 from .elementwise import sigmoid, silu
-from .gemm import gemm_config, grouped_linear, linear, split_partial, tree_combine, tree_combine_planes
+from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
 from .reductions import log_softmax, row_sum, softmax
@@ -24,6 +24,7 @@ __all__ = [
     "KV_BLOCK",
     "gemm_config",
     "grouped_linear",
+    "grouped_linear_wgrad",
     "indexer_scores",
     "layer_norm",
     "linear",

@@ -15,9 +15,13 @@ Invariance by construction:
   asserted by tests/kernels/test_gemm_configs.py; NUMERICS.md). fp32 keeps the canonical one.
   The suite checks M = 1 against many M, positions and neighbours on every path.
 * Masked loads pad with zeros (rows past M, K past the end), adding exact zeros.
-* grouped_linear builds a host-side tile table from `offsets`: a tile never spans two
-  groups, so a token's result depends only on its row and its group's weight, never on
-  how many tokens the group got (dropless MoE).
+* grouped_linear cuts each group's rows into BLOCK_M tiles starting at the group's first row;
+  a tile never spans two groups, so a token's result depends only on its row and its group's
+  weight, never on how many tokens the group got (dropless MoE). Each program finds its tile
+  from the offsets on the device (a prefix sum of tiles per group), so offsets may be a device
+  tensor: no host sync, no per-call table, CUDA-graph capturable.
+* Every kernel walks its reduction with the one jitted loop `_k_loop` (linear, grouped, and the
+  grouped weight gradient), so the K order is written once.
 """
 from __future__ import annotations
 
@@ -29,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, pow2_between, unit_last
+from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, next_pow2, pow2_between, unit_last
 
-__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "launch_config", "linear", "split_partial", "tree_combine", "tree_combine_planes"]
+__all__ = ["GemmConfig", "gemm_config", "grouped_linear", "grouped_linear_wgrad", "launch_config", "linear", "split_partial",
+           "tree_combine", "tree_combine_planes"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,33 @@ def launch_config(m: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     return canonical
 
 
+@triton.jit
+def _k_loop(acc, a_rows, b_cols, a_mask, b_mask, K, stride_ak, stride_bk,
+            DOT_F32: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc [BM, BN] += A[:, :K] @ B[:K, :]: ascending BLOCK_K chunks, one tl.dot each into the
+    same fp32 accumulator (the reduction order of every GEMM in this module).
+
+    a_rows [BM, 1] / b_cols [1, BN]: pointers to A's rows / B's columns at reduction index 0;
+    a_mask [BM] / b_mask [BN]: which exist (the others load exact zeros); stride_ak / stride_bk:
+    the reduction strides. EVEN_K: K is a multiple of BLOCK_K (no reduction mask).
+    """
+    rk = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):  # ascending K chunks
+        kk = k0 + rk
+        if EVEN_K:
+            a = tl.load(a_rows + kk[None, :] * stride_ak, mask=a_mask[:, None], other=0.0)
+            b = tl.load(b_cols + kk[:, None] * stride_bk, mask=b_mask[None, :], other=0.0)
+        else:
+            k_mask = kk < K
+            a = tl.load(a_rows + kk[None, :] * stride_ak, mask=a_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_cols + kk[:, None] * stride_bk, mask=k_mask[:, None] & b_mask[None, :], other=0.0)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -127,25 +159,11 @@ def _linear_kernel(
     pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    w_rows = w_ptr + rn[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending K chunks
-        kk = k0 + rk
-        if EVEN_K:
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
-            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = kk < K
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = _k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                  x_ptr + rm[:, None] * stride_xm, w_ptr + rn[None, :] * stride_wn, m_mask, n_mask,
+                  K, stride_xk, stride_wk, DOT_F32, BLOCK_K, EVEN_K)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
@@ -434,49 +452,81 @@ def split_partial(x: torch.Tensor, weight: torch.Tensor, splits: int,
 
 
 @triton.jit
+def _group_tile(offs_ptr, tile, G, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Row tile `tile` of a grouped GEMM: (group, first row, end row); group >= G past the last tile.
+
+    Group g's rows offs[g]:offs[g+1] are cut into cdiv(rows, BLOCK_M) tiles starting at offs[g];
+    tiles are numbered group after group (a prefix sum of the per-group tile counts), so the
+    tiles and their rows are a function of the offsets alone. BLOCK_G >= G.
+    """
+    i = tl.arange(0, BLOCK_G)
+    lo = tl.load(offs_ptr + i, mask=i < G, other=0).to(tl.int32)
+    hi = tl.load(offs_ptr + i + 1, mask=i < G, other=0).to(tl.int32)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)                        # one past each group's last tile
+    g = tl.sum((ends <= tile).to(tl.int32), 0)        # groups wholly before this tile
+    here = i == g
+    first_tile = tl.sum(tl.where(here, ends - tiles, 0), 0)
+    row0 = tl.sum(tl.where(here, lo, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(here, hi, 0), 0)
+    return g, row0, row_end
+
+
+@triton.jit
 def _grouped_linear_kernel(
-    x_ptr, w_ptr, y_ptr,
-    tile_group_ptr, tile_start_ptr, tile_end_ptr,
-    N, K,
+    x_ptr, w_ptr, y_ptr, offs_ptr,
+    G, N, K,
     stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_ym,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    # program_id(0): a row tile (the grid may hold more than there are: those exit);
+    # program_id(1): a BLOCK_N column band.
+    g, row0, row_end = _group_tile(offs_ptr, tl.program_id(0), G, BLOCK_M, BLOCK_G)
+    if g >= G:
+        return
     pid_n = tl.program_id(1).to(tl.int64)
-    g = tl.load(tile_group_ptr + tile).to(tl.int64)
-    row0 = tl.load(tile_start_ptr + tile).to(tl.int64)
-    row_end = tl.load(tile_end_ptr + tile).to(tl.int64)
-    rm = row0 + tl.arange(0, BLOCK_M)
+    rm = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask = rm < row_end  # a tile never reads rows of the next group
     n_mask = rn < N
-    x_rows = x_ptr + rm[:, None] * stride_xm
-    w_rows = w_ptr + g * stride_wg + rn[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None], other=0.0)
-            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = kk < K
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_rows + kk[:, None] * stride_wk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = _k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                  x_ptr + rm[:, None] * stride_xm, w_ptr + g.to(tl.int64) * stride_wg + rn[None, :] * stride_wn,
+                  m_mask, n_mask, K, stride_xk, stride_wk, DOT_F32, BLOCK_K, EVEN_K)
     y = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    g_ptr, x_ptr, dw_ptr, offs_ptr,
+    N, K,
+    stride_gm, stride_gn, stride_xm, stride_xk, stride_wg, stride_wn, stride_wk,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # dW[grp] [N, K] = dY[rows]^T @ X[rows] over the group's rows: one [BLOCK_N, BLOCK_K] tile of
+    # one group per program; the rows are the reduction, walked by _k_loop in ascending BLOCK_M
+    # chunks (one program owns the whole sum: no split, no atomics, the same bits every run).
+    grp = tl.program_id(0).to(tl.int64)
+    rn = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(2).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row0 = tl.load(offs_ptr + grp).to(tl.int64)
+    rows = tl.load(offs_ptr + grp + 1).to(tl.int64) - row0
+    n_mask = rn < N
+    k_mask = rk < K
+    acc = _k_loop(tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32),
+                  g_ptr + row0 * stride_gm + rn[:, None] * stride_gn, x_ptr + row0 * stride_xm + rk[None, :] * stride_xk,
+                  n_mask, k_mask, rows, stride_gm, stride_xm, DOT_F32, BLOCK_M, False)
+    dw = dw_ptr + grp * stride_wg + rn[:, None] * stride_wn + rk[None, :] * stride_wk
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
 def _check_offsets(op: str, offsets, groups: int, m: int) -> list[int]:
     try:
         offs = [int(o) for o in offsets]
     except TypeError as e:
-        raise ValueError(f"{op}: offsets must be a sequence of ints") from e
+        raise ValueError(f"{op}: offsets must be a sequence of ints or an int tensor") from e
     if len(offs) != groups + 1:
         raise ValueError(f"{op}: offsets must have G + 1 = {groups + 1} entries, got {len(offs)}")
     if offs[0] != 0 or offs[-1] != m:
@@ -486,13 +536,43 @@ def _check_offsets(op: str, offsets, groups: int, m: int) -> list[int]:
     return offs
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
+def _device_offsets(op: str, offsets, groups: int | None, m: int, device: torch.device) -> tuple[torch.Tensor, list[int] | None]:
+    """offsets [G+1] as an int tensor on `device`, and the host list when the caller gave one.
+
+    A list is checked (0 = offs[0] <= ... <= offs[G] = M) and copied over. A tensor is taken as
+    it is, on the device, unread: checking its values would cost the host sync it exists to avoid,
+    so the caller guarantees them (ops.moe_expert_outputs builds them by a search over sorted ids).
+    """
+    if isinstance(offsets, torch.Tensor):
+        if offsets.dtype not in (torch.int32, torch.int64) or offsets.dim() != 1:
+            raise ValueError(f"{op}: offsets tensor must be int32/int64 [G + 1], got {offsets.dtype} {tuple(offsets.shape)}")
+        if groups is not None and offsets.shape[0] != groups + 1:
+            raise ValueError(f"{op}: offsets must have G + 1 = {groups + 1} entries, got {offsets.shape[0]}")
+        if offsets.device != device:
+            raise ValueError(f"{op}: offsets are on {offsets.device}, x on {device}")
+        if m >= 2**31:
+            raise ValueError(f"{op}: M = {m} rows exceed the int32 tile search")
+        return offsets.contiguous(), None
+    offs = _check_offsets(op, offsets, len(offsets) - 1 if groups is None else groups, m)
+    if m >= 2**31:
+        raise ValueError(f"{op}: M = {m} rows exceed the int32 tile search")
+    return torch.tensor(offs, dtype=torch.int32).to(device), offs
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor,
                    config: GemmConfig | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [M, K] times weight[g].T ([G, N, K]) -> [M, N] in x.dtype.
 
+    offsets: G + 1 non-decreasing row offsets from 0 to M, a list of ints or an int32/int64
+    tensor on x's device (then never read back on the host: no sync, graph-capturable; its
+    values are the caller's promise). weight may have any strides (weight.transpose(1, 2) is
+    the backward's dX operand).
+
     A row's bits depend only on the row and its group's weight, never on how many rows share
-    the group: tiles are cut per group from the host-side table, with the same tile shape
-    (gemm_config of the per-group weight [N, K]) for every group and every M.
+    the group: each group's rows are cut into BLOCK_M tiles from its first row, with the same
+    tile shape (gemm_config of the per-group weight [N, K]) for every group and every M. The
+    grid is an upper bound on the tile count (M // BLOCK_M + min(G, M)) unless the offsets are
+    a host list; programs past the last tile exit.
     """
     op = "grouped_linear"
     check_float(op, "x", x, ndim=2)
@@ -501,7 +581,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
     m = x.shape[0]
     if x.shape[1] != k:
         raise ValueError(f"{op}: x's last dim {x.shape[1]} != weight's K {k} (weight is [G, N, K] = {tuple(weight.shape)})")
-    offs = _check_offsets(op, offsets, g, m)
+    offs_t, offs = _device_offsets(op, offsets, g, m, x.device)
     check_launchable(op, _grouped_linear_kernel, x, weight)
     x = unit_last(x)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -509,23 +589,71 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
         return y
     if k == 0:
         return y.zero_()
-    busy = sum(1 for a, b in itertools.pairwise(offs) if b > a)
+    # The tile config is chosen from rows per busy group (on CUDA every config in use gives the
+    # same bits; interpreted launches always take the canonical one, see launch_config).
+    busy = min(g, m) if offs is None else sum(1 for a, b in itertools.pairwise(offs) if b > a)
     cfg = config or launch_config(-(-m // max(busy, 1)), n, k, weight.dtype, x.device)
-    groups, starts, ends = [], [], []
-    for gi in range(g):
-        for s in range(offs[gi], offs[gi + 1], cfg.BLOCK_M):
-            groups.append(gi)
-            starts.append(s)
-            ends.append(offs[gi + 1])
-    table = torch.tensor([groups, starts, ends], dtype=torch.int32).to(x.device)
-    grid = (len(groups), triton.cdiv(n, cfg.BLOCK_N))
+    if offs is None:
+        tiles = m // cfg.BLOCK_M + min(g, m)
+    else:
+        tiles = sum(-(-(b - a) // cfg.BLOCK_M) for a, b in itertools.pairwise(offs))
+    if tiles == 0:
+        return y
+    grid = (tiles, triton.cdiv(n, cfg.BLOCK_N))
     _grouped_linear_kernel[grid](
-        x, weight, y,
-        table[0], table[1], table[2],
-        n, k,
+        x, weight, y, offs_t,
+        g, n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), y.stride(0),
         DOT_F32=dot_in_fp32(_grouped_linear_kernel, x.dtype, weight.dtype),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=k % cfg.BLOCK_K == 0,
+        BLOCK_G=max(16, next_pow2(g)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def _wgrad_config(dtype: torch.dtype) -> GemmConfig:
+    """Tiles of the weight gradient: BLOCK_N x BLOCK_K output tiles, BLOCK_M rows per reduction step.
+    Gradients are promised deterministic, not batch-invariant, so this is a speed choice only."""
+    if dtype == torch.float32:
+        return GemmConfig(32, 64, 64, 4, 3)
+    return GemmConfig(32, 128, 128, 8, 3)
+
+
+def grouped_linear_wgrad(grad: torch.Tensor, x: torch.Tensor, offsets: list[int] | torch.Tensor,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The weight gradient of grouped_linear: dW[g] = grad[rows of g]^T @ x[rows of g] -> [G, N, K].
+
+    grad [M, N], x [M, K], offsets as grouped_linear's (G + 1 entries; a device tensor is not
+    read back). fp32 accumulation over each group's rows in ascending BLOCK_M chunks, one program
+    per output tile (no split of the rows, no atomics): the same bits on every run. A group
+    without rows gets zeros. Rounded to out_dtype (default x.dtype).
+    """
+    op = "grouped_linear_wgrad"
+    check_float(op, "grad", grad, ndim=2)
+    check_float(op, "x", x, ndim=2)
+    m, n = grad.shape
+    k = x.shape[1]
+    if x.shape[0] != m:
+        raise ValueError(f"{op}: grad has {m} rows, x has {x.shape[0]}")
+    g = (offsets.shape[0] if isinstance(offsets, torch.Tensor) else len(offsets)) - 1
+    if g < 0:
+        raise ValueError(f"{op}: offsets must have G + 1 >= 1 entries")
+    offs_t, _ = _device_offsets(op, offsets, g, m, x.device)
+    check_launchable(op, _grouped_wgrad_kernel, grad, x)
+    dw = torch.empty((g, n, k), dtype=out_dtype or x.dtype, device=x.device)
+    if dw.numel() == 0:
+        return dw
+    if m == 0:
+        return dw.zero_()
+    cfg = _wgrad_config(x.dtype)
+    grid = (g, triton.cdiv(n, cfg.BLOCK_N), triton.cdiv(k, cfg.BLOCK_K))
+    _grouped_wgrad_kernel[grid](
+        grad, x, dw, offs_t,
+        n, k,
+        grad.stride(0), grad.stride(1), x.stride(0), x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2),
+        DOT_F32=dot_in_fp32(_grouped_wgrad_kernel, grad.dtype, x.dtype),
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return dw

@@ -70,6 +70,8 @@ def test_grouped_linear_configs_bit_identical_on_gpu():
             continue
         assert torch.equal(gemm.grouped_linear(x, w, offs, config=cfg).view(torch.int16), want.view(torch.int16)), cfg
     assert torch.equal(gemm.grouped_linear(x, w, offs).view(torch.int16), want.view(torch.int16))
+    offs_t = torch.tensor(offs, device="cuda")                       # device offsets: the on-device tile search
+    assert torch.equal(gemm.grouped_linear(x, w, offs_t).view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

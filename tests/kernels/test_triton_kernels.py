@@ -193,6 +193,53 @@ def test_grouped_linear_batch_invariance(sizes, frac, seed, dtype, noncontig):
     assert torch.equal(zt.grouped_linear(batch, w, offsets)[at], alone[0])
 
 
+@SETTINGS
+@given(sizes=st.lists(st.integers(0, 70), min_size=1, max_size=6), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(DTYPES), itype=st.sampled_from([torch.int32, torch.int64]))
+def test_grouped_linear_device_offsets_same_bits(sizes, seed, dtype, itype):
+    """Offsets as a device tensor (tiles found on the device, grid an upper bound) give the bits of
+    the host list, empty groups and all."""
+    g = gen_of(seed)
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    x = randn(offsets[-1], 40, gen=g, dtype=dtype)
+    w = randn(len(sizes), 24, 40, gen=g, dtype=dtype)
+    want = zt.grouped_linear(x, w, offsets)
+    got = zt.grouped_linear(x, w, torch.tensor(offsets, dtype=itype, device=DEVICE))
+    assert torch.equal(got, want)
+
+
+def _wgrad_ref(dy, x, offsets):
+    return torch.stack([dy[a:b].double().T @ x[a:b].double() for a, b in zip(offsets[:-1], offsets[1:])])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_linear_backward_gemms(dtype):
+    """The backward's two grouped GEMMs: dX = grouped_linear(dY, W^T) and dW[g] = dY_g^T X_g
+    (empty groups get zeros), accurate against float64 and the same bits on every run."""
+    g = gen_of(21)
+    sizes = [5, 0, 70, 1, 33]
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
+    m, n, k = offsets[-1], 36, 50
+    x = randn(m, k, gen=g, dtype=dtype)
+    w = randn(len(sizes), n, k, gen=g, dtype=dtype)
+    dy = randn(m, n, gen=g, dtype=dtype)
+    offs_t = torch.tensor(offsets, device=DEVICE)
+    dw = zt.grouped_linear_wgrad(dy, x, offs_t, out_dtype=torch.float32)
+    assert dw.shape == (len(sizes), n, k) and torch.equal(dw[1], torch.zeros(n, k, device=DEVICE))
+    close(dw, _wgrad_ref(dy, x, offsets), dtype, "dW")
+    assert torch.equal(zt.grouped_linear_wgrad(dy, x, offsets, out_dtype=torch.float32), dw)
+    assert torch.equal(zt.grouped_linear_wgrad(dy, x, offs_t, out_dtype=torch.float32), dw)
+    assert zt.grouped_linear_wgrad(dy, x, offs_t).dtype == dtype
+    dx = zt.grouped_linear(dy, w.transpose(1, 2), offs_t)
+    close(dx, _grouped_ref(dy, w.transpose(1, 2), offsets), dtype, "dX")
+    with pytest.raises(ValueError, match="rows"):
+        zt.grouped_linear_wgrad(dy[1:], x, offsets)
+
+
 def test_grouped_linear_argument_errors():
     x = torch.zeros(4, 8, device=DEVICE)
     w = torch.zeros(2, 3, 8, device=DEVICE)
@@ -204,6 +251,10 @@ def test_grouped_linear_argument_errors():
         zt.grouped_linear(x, torch.zeros(3, 3, 8, device=DEVICE), [0, 3, 2, 4])
     with pytest.raises(ValueError):
         zt.grouped_linear(x, torch.zeros(2, 3, 9, device=DEVICE), [0, 2, 4])
+    with pytest.raises(ValueError, match="G \\+ 1"):
+        zt.grouped_linear(x, w, torch.tensor([0, 4], device=DEVICE))
+    with pytest.raises(ValueError, match="int32/int64"):
+        zt.grouped_linear(x, w, torch.tensor([0.0, 2.0, 4.0], device=DEVICE))
 
 
 # ------------------------------------------------------------------------------------ norms
@@ -651,6 +702,9 @@ def test_glm5_dims_on_gpu():
     yg = zt.grouped_linear(xg, wg, offsets)
     close(yg, _grouped_ref(xg, wg, offsets), bf, "grouped_linear")
     assert torch.equal(zt.grouped_linear(xg[300:301], wg, [0, 0, 0] + [1] * 6)[0], yg[300])  # row 300 is group 2
+    assert torch.equal(zt.grouped_linear(xg, wg, torch.tensor(offsets, device=DEVICE)), yg)  # device offsets: same bits
+    dyg = randn(offsets[-1], 2048, gen=g, dtype=bf)
+    close(zt.grouped_linear_wgrad(dyg, xg, offsets, out_dtype=torch.float32), _wgrad_ref(dyg, xg, offsets), bf, "dW")
 
     lg = logits.float() * 4
     for fn, ref in ((zt.softmax, torch.softmax), (zt.log_softmax, torch.log_softmax)):
