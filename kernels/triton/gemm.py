@@ -22,6 +22,7 @@ Invariance by construction:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -486,6 +487,34 @@ def _check_offsets(op: str, offsets, groups: int, m: int) -> list[int]:
     return offs
 
 
+_CAPTURED_TABLES: dict[tuple, torch.Tensor] = {}     # tables a CUDA graph reads: kept for good
+
+
+def _tile_table(offs: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
+    """[3, tiles] int32 (group, first row, group end) of each BLOCK_M tile, on the device.
+
+    Cached by offsets: the attention's per-head projections repeat the same offsets every
+    step, so after the first call they copy nothing to the device (and a CUDA graph can
+    capture them: a fresh host->device copy is a synchronization it cannot hold). A table
+    used while a graph is being captured is kept for the process's life (the graph reads it).
+    """
+    table = _tile_table_cached(offs, block_m, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_TABLES[(offs, block_m, device)] = table
+    return table
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_table_cached(offs: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
+    groups, starts, ends = [], [], []
+    for gi in range(len(offs) - 1):
+        for s in range(offs[gi], offs[gi + 1], block_m):
+            groups.append(gi)
+            starts.append(s)
+            ends.append(offs[gi + 1])
+    return torch.tensor([groups, starts, ends], dtype=torch.int32).to(device)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
                    config: GemmConfig | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [M, K] times weight[g].T ([G, N, K]) -> [M, N] in x.dtype.
@@ -511,14 +540,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int],
         return y.zero_()
     busy = sum(1 for a, b in itertools.pairwise(offs) if b > a)
     cfg = config or launch_config(-(-m // max(busy, 1)), n, k, weight.dtype, x.device)
-    groups, starts, ends = [], [], []
-    for gi in range(g):
-        for s in range(offs[gi], offs[gi + 1], cfg.BLOCK_M):
-            groups.append(gi)
-            starts.append(s)
-            ends.append(offs[gi + 1])
-    table = torch.tensor([groups, starts, ends], dtype=torch.int32).to(x.device)
-    grid = (len(groups), triton.cdiv(n, cfg.BLOCK_N))
+    table = _tile_table(tuple(offs), cfg.BLOCK_M, x.device)
+    grid = (table.shape[1], triton.cdiv(n, cfg.BLOCK_N))
     _grouped_linear_kernel[grid](
         x, weight, y,
         table[0], table[1], table[2],
