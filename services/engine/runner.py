@@ -101,7 +101,10 @@ class _Graph:
 class ModelRunner:
     """Owns the KV cache and runs forwards and draws for the engine (see the module docstring)."""
 
-    def __init__(self, model: Model, config: EngineConfig, device: torch.device, max_model_len: int):
+    def __init__(self, model: Model, config: EngineConfig, device: torch.device, max_model_len: int,
+                 device_decode: bool | None = None):
+        """``device_decode``: use the decode path (default: on CUDA; tests force it on CPU, where
+        it runs eagerly, to check it against the general path)."""
         self.model, self.config, self.device = model, config, device
         mc, bs = model.config, config.block_size
         self.block_size = bs
@@ -110,19 +113,20 @@ class ModelRunner:
         self.cache = KVCache.allocate(mc, config.num_blocks + 1, bs, model.dtype, device)
         self.max_blocks = -(-max_model_len // bs)
         self.buckets = batch_buckets(config.max_num_seqs)
-        self.device_decode = device.type == "cuda"      # the one-copy device-side decode path
-        self.use_graphs = self.device_decode and config.cuda_graphs
+        cuda = device.type == "cuda"
+        self.device_decode = cuda if device_decode is None else device_decode
+        self.use_graphs = cuda and self.device_decode and config.cuda_graphs
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
         self._capturable: bool | None = None           # decided by the first capture's sync probe
         if self.device_decode:
             n = self.buckets[-1] * (_HEADER + self.max_blocks)
-            self._host = torch.zeros(n, dtype=torch.int64, pin_memory=True)
+            self._host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
             self._host_np = self._host.numpy()
             self._dev = torch.zeros(n, dtype=torch.int64, device=device)
-            self._out_host = torch.zeros(3 * self.buckets[-1], dtype=torch.int64, pin_memory=True)
+            self._out_host = torch.zeros(3 * self.buckets[-1], dtype=torch.int64, pin_memory=cuda)
             self._out_np = self._out_host.numpy()
-            self._copied = torch.cuda.Event()
+            self._copied = torch.cuda.Event() if cuda else None
 
     # ------------------------------------------------------------------ KV moves (the scheduler's KVMover)
 
@@ -193,8 +197,9 @@ class ModelRunner:
                 out = self._decode_step(*key)
         host = self._out_host[: 3 * bucket]
         host.copy_(out.view(-1), non_blocking=True)
-        self._copied.record()
-        self._copied.synchronize()              # the step's one wait for the device
+        if self._copied is not None:
+            self._copied.record()
+            self._copied.synchronize()          # the step's one wait for the device
         res = self._out_np[: 3 * bucket].reshape(3, bucket)[:, :n]
         lps = res[1].astype(np.int32).view(np.float32)
         return res[0].tolist(), lps.tolist(), (res[2] != 0).tolist()
@@ -238,6 +243,7 @@ class ModelRunner:
         Warm-ups and capture run on padding only (the scratch block), then the real rows are
         staged again. Returns None (and stops trying) when the step synchronizes."""
         bucket, width, _ = key
+        torch.cuda.current_stream(self.device).synchronize()     # the pinned buffer is free to rewrite
         self._stage([], bucket, width)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -260,9 +266,11 @@ class ModelRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             log.warning("decode steps run without CUDA graphs: the step synchronizes (%s)", err)
             self._capturable = False
+            torch.cuda.current_stream(self.device).synchronize()
             self._stage(rows, bucket, width)
             return None
         self._capturable = True
         g = self._graphs[key] = _Graph(graph, out)
+        torch.cuda.current_stream(self.device).synchronize()
         self._stage(rows, bucket, width)
         return g
