@@ -276,8 +276,8 @@ def main() -> int:
         print(json.dumps(row), flush=True)
 
     busy_on = "small-dense" if "small-dense" in parts or "small" not in parts else "small"
-    invariance_on = "small" if "small" in parts or "small-dense" not in parts else "small-dense"
-    for name in ("small", "small-dense"):
+    invariance_on = "small-dense" if "small-dense" in parts or "small" not in parts else "small"
+    for name in ("small-dense", "small"):
         if name not in parts and not ("busy" in parts and name == busy_on) \
                 and not ("invariance" in parts and name == invariance_on):
             continue
