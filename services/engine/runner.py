@@ -212,8 +212,10 @@ class ModelRunner:
         arr = self._host_np[:size].reshape(bucket, stride)
         arr[:, :_HEADER] = (0, 0, 0, 0, _ONE_BITS, _ONE_BITS)   # padding: token 0 at position 0, temperature 1
         arr[:, _HEADER:] = self.scratch_block
-        arr[: len(rows), :_HEADER] = [(r.token, r.position, r.sampling.seed, r.sampling.top_k,
-                                       _f32_bits(r.sampling.temperature), _f32_bits(r.sampling.top_p)) for r in rows]
+        if rows:
+            arr[: len(rows), :_HEADER] = [(r.token, r.position, r.sampling.seed, r.sampling.top_k,
+                                           _f32_bits(r.sampling.temperature), _f32_bits(r.sampling.top_p))
+                                          for r in rows]
         for i, r in enumerate(rows):
             blocks = r.blocks[:nb]
             arr[i, _HEADER:_HEADER + len(blocks)] = blocks
@@ -262,9 +264,11 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self._decode_step(*key)
-        except RuntimeError as err:
+        except Exception as err:  # noqa: BLE001 - a step that synchronizes (or any capture failure): run eagerly
+            if "CUDA error" in str(err):
+                raise                       # the device failed: nobody's fallback
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            log.warning("decode steps run without CUDA graphs: the step synchronizes (%s)", err)
+            log.warning("decode steps run without CUDA graphs: capture failed (%s: %s)", type(err).__name__, err)
             self._capturable = False
             torch.cuda.current_stream(self.device).synchronize()
             self._stage(rows, bucket, width)

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import time
 
 import torch
@@ -118,19 +119,22 @@ def serve(model: Model, reqs, cfg: EngineConfig, backend: str, profile: bool = F
             eng.add_request(r)
         outs = {r.request_id: ([], []) for r in reqs}
         dec_t, dec_tok, steps = 0.0, 0, 0
-        prof_result = None
+        prof, prof_t, prof_steps, busy = None, 0.0, 0, None
         torch.cuda.synchronize()
         while eng.has_work():
             decode_only = not eng.waiting and bool(eng.running)
-            do_prof = profile and decode_only and steps == 10
-            ctx = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) if do_prof else contextlib.nullcontext()
+            if profile and decode_only and steps == 10 and prof is None:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.__enter__()
             t0 = time.perf_counter()
-            with ctx as prof:
-                deltas = eng.step()
-                torch.cuda.synchronize()
+            deltas = eng.step()
+            torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            if do_prof:
-                prof_result = (prof, dt)
+            if prof is not None and busy is None:
+                prof_t, prof_steps = prof_t + dt, prof_steps + 1
+                if prof_steps == 5 or not decode_only:
+                    prof.__exit__(None, None, None)
+                    busy = (device_busy_seconds(prof) / prof_t, 1e3 * prof_t / prof_steps)
             n = 0
             for d in deltas:
                 outs[d.request_id][0].extend(d.token_ids)
@@ -143,15 +147,18 @@ def serve(model: Model, reqs, cfg: EngineConfig, backend: str, profile: bool = F
     res = {"decode_tok_s": dec_tok / dec_t if dec_t else 0.0, "ms_per_step": 1e3 * dec_t / max(steps, 1),
            "decode_steps": steps, "graphs": len(eng.runner._graphs), "capturable": eng.runner._capturable,
            "outs": outs}
-    if prof_result is not None:
-        prof, dt = prof_result
-        kernel_us = 0.0
-        for e in prof.events():
-            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-                kernel_us += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)
-        res["busy"] = kernel_us * 1e-6 / dt
-        res["busy_step_ms"] = dt * 1e3
+    if busy is not None:
+        res["busy"], res["busy_step_ms"] = busy
     return res
+
+
+def device_busy_seconds(prof) -> float:
+    """Sum of the device's kernel, memcpy and memset durations in a profile (its chrome trace)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        trace = json.load(open(fh.name))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return 1e-6 * sum(e.get("dur", 0) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
 
 
 def hf_generate(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:

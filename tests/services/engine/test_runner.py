@@ -91,3 +91,20 @@ def test_decode_path_fails_a_row_without_a_distribution_alone(model, monkeypatch
     for rid in ("r0", "r2"):
         assert [(d.token_ids, d.logprobs) for d in outs[rid]] == [(d.token_ids, d.logprobs) for d in alone[rid]]
     assert sizes and eng.kv_usage() == 0
+
+
+def test_a_padding_only_step_writes_nothing_but_the_scratch_block(model):
+    """What graph capture runs (all rows padding): it touches only the scratch block's KV."""
+    cfg = EngineConfig(block_size=4, num_blocks=16, max_num_seqs=4)
+    runner = ModelRunner(model, cfg, torch.device("cpu"), 64, device_decode=True)
+    for t in (runner.cache.latent, runner.cache.rope, runner.cache.index_k):
+        t.normal_()
+    before = [t.clone() for t in (runner.cache.latent, runner.cache.rope, runner.cache.index_k)]
+    runner._stage([], 4, 16)
+    with torch.no_grad():
+        out = runner._decode_step(4, 16, (True, True))
+    assert out.shape == (3, 4) and bool((out[2] == 1).all())
+    scratch = slice(16 * 4, 17 * 4)
+    for old, new in zip(before, (runner.cache.latent, runner.cache.rope, runner.cache.index_k)):
+        assert torch.equal(old[:, :scratch.start], new[:, :scratch.start])
+        assert not torch.equal(old[:, scratch], new[:, scratch])
