@@ -262,7 +262,7 @@ class ModelRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._decode_step(*key)
         except Exception as err:  # noqa: BLE001 - a step that synchronizes (or any capture failure): run eagerly
             if "CUDA error" in str(err):
