@@ -33,7 +33,7 @@ from zerokl.services.engine.runner import DecodeRow, ModelRunner, SamplingRow
 from zerokl.services.engine.scheduler import Sample as _Sample
 from zerokl.services.engine.scheduler import SampleState as _State
 from zerokl.services.engine.scheduler import Scheduler
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput
 
 __all__ = ["Engine", "RequestError", "WeightsCorrupted", "device_failed", "sample_seed"]
 
