@@ -108,3 +108,22 @@ def test_a_padding_only_step_writes_nothing_but_the_scratch_block(model):
     for old, new in zip(before, (runner.cache.latent, runner.cache.rope, runner.cache.index_k)):
         assert torch.equal(old[:, :scratch.start], new[:, :scratch.start])
         assert not torch.equal(old[:, scratch], new[:, scratch])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.9), (5, 0.8)])
+def test_host_filter_flags_give_the_same_draw(top_k, top_p):
+    """sample(..., filters=...) reads nothing back; saying True where no row filters, or the
+    exact flags, gives the same tokens and logprobs as reading the flags from the device."""
+    from zerokl.kernels.sampling import SamplingParams, sample
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randn(6, 50, generator=g) * 3
+    params = SamplingParams(temperature=torch.tensor([0.0, 1.0, 0.7, 1.0, 2.0, 1.0]),
+                            top_k=torch.tensor([0, top_k, top_k, 0, top_k, 3]).clamp(max=top_k),
+                            top_p=torch.tensor([1.0, top_p, 1.0, top_p, top_p, 1.0]),
+                            seed=torch.arange(6), position=torch.arange(6) + 10)
+    ref = sample(logits, params)
+    exact = (top_k > 0 or top_p < 1.0, top_p < 1.0)
+    for flags in (exact, (True, True)):
+        got = sample(logits, params, flags)
+        assert torch.equal(got.tokens, ref.tokens) and torch.equal(got.logprobs, ref.logprobs)
+        assert torch.equal(got.ok, ref.ok)
