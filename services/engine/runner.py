@@ -12,7 +12,7 @@ Two paths, the same bits:
   forward and the draw (tokens, logprobs, ok flags) run on the device, and ONE
   device->host copy brings back the results: the step's only synchronization. The batch
   is padded to a bucket (1, 2, 4, ..., max_num_seqs) and the key width to a power of two,
-  and the whole step is captured once per (bucket, width, filters) as a CUDA graph and
+  and the whole step is captured once per (bucket, width, filters, backend) as a CUDA graph and
   replayed. Padded rows read and write a scratch KV block no sample owns; every op is
   batch-invariant, so they never change a real row's bits, and neither does the key
   width (-1 padding) nor the graph (the same kernels with the same arguments).
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from zerokl.kernels.backend import get_backend
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.model import KVCache, Model
 from zerokl.model.paging import SequenceChunk, batch_for_chunks, decode_batch
@@ -118,7 +119,7 @@ class ModelRunner:
         self.use_graphs = cuda and self.device_decode and config.cuda_graphs
         self._graphs: dict[tuple, _Graph] = {}
         self._pool = None
-        self._capturable: bool | None = None           # decided by the first capture's sync probe
+        self._capturable: dict[str, bool] = {}          # per backend, decided by the first capture's sync probe
         if self.device_decode:
             n = self.buckets[-1] * (_HEADER + self.max_blocks)
             self._host = torch.zeros(n, dtype=torch.int64, pin_memory=cuda)
@@ -186,8 +187,9 @@ class ModelRunner:
         self._stage(rows, bucket, width)
         key = (bucket, width, filters)
         with torch.no_grad():
-            if self.use_graphs and self._capturable is not False:
-                g = self._graphs.get(key) or self._capture(key, rows)
+            if self.use_graphs and self._capturable.get(get_backend()) is not False:
+                # A graph replays the kernels of the backend it was captured under.
+                g = self._graphs.get((*key, get_backend())) or self._capture(key, rows)
                 if g is not None:
                     g.graph.replay()
                     out = g.out
@@ -269,12 +271,12 @@ class ModelRunner:
                 raise                       # the device failed: nobody's fallback
             torch.cuda.current_stream(self.device).wait_stream(stream)
             log.warning("decode steps run without CUDA graphs: capture failed (%s: %s)", type(err).__name__, err)
-            self._capturable = False
+            self._capturable[get_backend()] = False
             torch.cuda.current_stream(self.device).synchronize()
             self._stage(rows, bucket, width)
             return None
-        self._capturable = True
-        g = self._graphs[key] = _Graph(graph, out)
+        self._capturable[get_backend()] = True
+        g = self._graphs[(*key, get_backend())] = _Graph(graph, out)
         torch.cuda.current_stream(self.device).synchronize()
         self._stage(rows, bucket, width)
         return g
