@@ -119,15 +119,22 @@ def _scaled(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor,
     return torch.where(ok.unsqueeze(1), z, torch.zeros_like(z)), ok
 
 
-def _distribution(z: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Log-probabilities [T, V] of the sampling distribution of sane scaled logits z."""
+def _distribution(z: torch.Tensor, params: SamplingParams, filters: tuple[bool, bool] | None = None) -> torch.Tensor:
+    """Log-probabilities [T, V] of the sampling distribution of sane scaled logits z.
+
+    ``filters`` = (some row may use top-k or top-p, some row may use top-p), when the caller
+    knows it on the host (the engine does, from the requests): then no device value is read
+    back (a CUDA graph can hold the whole draw). None: read from params (a host sync). Saying
+    True where no row filters only costs time: the result is the same.
+    """
     use_top_k, use_top_p = params.top_k > 0, params.top_p < 1.0
+    any_filter, any_top_p = filters if filters is not None else (None, None)
     # The vocab sort is skipped when no row filters: a row that keeps every token gets
     # the same bits either way, so this saves work without changing any result.
-    if bool(use_top_k.any() or use_top_p.any()):
+    if any_filter if any_filter is not None else bool(use_top_k.any() or use_top_p.any()):
         # Greedy rows have temperature 1 here (z is their unscaled logits) and keep them.
         greedy = params.temperature <= 0
-        z = torch.where(greedy.unsqueeze(1), z, _top_k_top_p(z, params.top_k, params.top_p, use_top_p))
+        z = torch.where(greedy.unsqueeze(1), z, _top_k_top_p(z, params.top_k, params.top_p, use_top_p, any_top_p))
     return log_softmax(z)
 
 
@@ -141,15 +148,17 @@ def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return _distribution(z, params).masked_fill(~ok.unsqueeze(1), float("nan"))
 
 
-def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_p: torch.Tensor) -> torch.Tensor:
-    """Mask z [T, V] to each row's top-k by rank (ties to the lower id), then its top-p prefix."""
+def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_p: torch.Tensor,
+                 any_top_p: bool | None = None) -> torch.Tensor:
+    """Mask z [T, V] to each row's top-k by rank (ties to the lower id), then its top-p prefix
+    (skipped when ``any_top_p`` is False, or None and no row of use_top_p is set)."""
     t, v = z.shape
     order = torch.sort(z + 0.0, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order)
     rank.scatter_(1, order, torch.arange(v, device=z.device).expand(t, v))
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, v))
     z = z.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
-    if bool(use_top_p.any()):
+    if any_top_p if any_top_p is not None else bool(use_top_p.any()):
         probs_sorted = softmax(z.detach()).gather(1, order)         # only picks a mask: no gradient
         before = row_cumsum(probs_sorted) - probs_sorted                 # mass ranked before each token
         keep_sorted = before < top_p.float().unsqueeze(1)
@@ -187,14 +196,16 @@ def _gumbel(u: torch.Tensor) -> torch.Tensor:
     return -log(-log(u))
 
 
-def sample(logits: torch.Tensor, params: SamplingParams) -> Draw:
+def sample(logits: torch.Tensor, params: SamplingParams, filters: tuple[bool, bool] | None = None) -> Draw:
     """Draw one token per row: Draw(tokens, logprobs under the sampling distribution, ok).
 
     Callers must check `ok` (on the host) and fail the requests of rows where it is False;
     those rows are drawn from zeros, so every index stays in range and no NaN appears.
+    ``filters``: (any row may use top-k/top-p, any row may use top-p) known on the host; with
+    it the draw reads nothing back from the device (see _distribution); the bits are the same.
     """
     z, ok = _scaled(logits, params)
-    logp = _distribution(z, params)
+    logp = _distribution(z, params, filters)
     greedy = params.temperature <= 0
     gumbel = _gumbel(uniform_noise(params.seed, params.position, logits.shape[-1]))
     drawn = _first_argmax(logp + gumbel)

@@ -13,7 +13,7 @@ import torch
 
 from zerokl.model.model import AttentionBatch
 
-__all__ = ["SequenceChunk", "batch_for_chunks", "BlockPool"]
+__all__ = ["SequenceChunk", "batch_for_chunks", "decode_batch", "BlockPool"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,25 @@ def batch_for_chunks(chunks: list[SequenceChunk], block_size: int, device: torch
         key_slots.append(torch.where(cols.view(1, -1) <= pos.view(-1, 1), slots.view(1, -1), torch.tensor(-1)))
         write_slots.append(slots[ch.start:end])
     return AttentionBatch(torch.cat(positions).to(device), torch.cat(key_slots).to(device), torch.cat(write_slots).to(device))
+
+
+def decode_batch(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> AttentionBatch:
+    """The AttentionBatch of one new token per sequence, built on the tables' device.
+
+    block_tables [B, NB] int64 (row b: sequence b's blocks, any value past its last block),
+    positions [B] int64 (the new token's position; position < NB * block_size), width >= every
+    position + 1 (a static width, so a CUDA graph can hold this: padding keys are -1, which
+    never changes a bit). Rows equal batch_for_chunks' for the same one-token chunks, padded
+    to ``width`` columns. No host sync, no host data.
+    """
+    b, nb = block_tables.shape
+    if width > nb * block_size:
+        raise ValueError(f"decode_batch: width {width} > {nb} blocks of {block_size}")
+    cols = torch.arange(width, device=block_tables.device)
+    slots = block_tables.gather(1, (cols // block_size).expand(b, width)) * block_size + cols % block_size   # [B, W]
+    key_slots = torch.where(cols.view(1, -1) <= positions.view(-1, 1), slots, torch.full_like(slots, -1))
+    write = block_tables.gather(1, (positions // block_size).view(-1, 1)).view(-1) * block_size + positions % block_size
+    return AttentionBatch(positions, key_slots, write)
 
 
 class BlockPool:

@@ -26,6 +26,7 @@ Invariance by construction:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -556,7 +557,28 @@ def _device_offsets(op: str, offsets, groups: int | None, m: int, device: torch.
     offs = _check_offsets(op, offsets, len(offsets) - 1 if groups is None else groups, m)
     if m >= 2**31:
         raise ValueError(f"{op}: M = {m} rows exceed the int32 tile search")
-    return torch.tensor(offs, dtype=torch.int32).to(device), offs
+    return _offsets_on(tuple(offs), device), offs
+
+
+_CAPTURED_OFFSETS: dict[tuple, torch.Tensor] = {}     # offsets a CUDA graph reads: kept for good
+
+
+def _offsets_on(offs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Host offsets as a cached int32 device tensor.
+
+    The attention's per-head projections repeat the same offsets every step, so after the
+    first call nothing is copied (a fresh host->device copy is a synchronization a CUDA graph
+    cannot hold). A tensor used while a graph is being captured is kept for the process's life.
+    """
+    t = _offsets_cached(offs, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_OFFSETS[(offs, device)] = t
+    return t
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets_cached(offs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(offs, dtype=torch.int32).to(device)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor,

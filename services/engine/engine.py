@@ -1,5 +1,10 @@
 """The batch-invariant inference engine: continuous batching over a paged KV cache.
 
+Three parts, the vLLM / nano-vllm way: the Scheduler (scheduler.py, pure Python: queues,
+blocks, admission, preemption) decides what runs, the ModelRunner (runner.py: KV cache,
+forward, sampling, CUDA graphs for decode steps) runs it, and this Engine is the facade
+the services drive (requests, outputs, failure isolation).
+
 Every step the scheduler takes one token from each running sample and fills the
 rest of a token budget with prefill chunks of waiting requests (FCFS), runs ONE
 model forward over all of them, and samples. Requests join and leave at every step;
@@ -12,7 +17,6 @@ token independent of chunking, cache hits and neighbours, and sampling is keyed 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import logging
 import struct
@@ -21,18 +25,20 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
-from zerokl.model import KVCache, Model
-from zerokl.model.paging import SequenceChunk, batch_for_chunks
+from zerokl.model import Model
+from zerokl.model.paging import SequenceChunk
 from zerokl.model.tokenizer import Tokenizer
-from zerokl.services.engine.blocks import BlockManager, block_hashes, prefix_cache_seed
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
+from zerokl.services.engine.blocks import prefix_cache_seed
+from zerokl.services.engine.runner import DecodeRow, ModelRunner, SamplingRow
+from zerokl.services.engine.scheduler import Sample as _Sample
+from zerokl.services.engine.scheduler import SampleState as _State
+from zerokl.services.engine.scheduler import Scheduler
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput
 
 __all__ = ["Engine", "RequestError", "WeightsCorrupted", "device_failed", "sample_seed"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -59,49 +65,6 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-class _State(enum.Enum):
-    WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
-
-
-@dataclasses.dataclass(eq=False)
-class _Sample:
-    """One sample (sequence) of a request."""
-
-    request: GenerateRequest
-    index: int
-    token_ids: list[int]                 # prompt + generated
-    arrival: int                         # admission order: preemption takes the newest first
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    num_computed: int = 0                # tokens whose KV is in the cache
-    num_cached: int = 0                  # prompt tokens that came from the prefix cache
-    state: _State = _State.WAITING
-    num_registered: int = 0              # full blocks already offered to the prefix cache
-    sent_prompt_logprobs: bool = False
-    prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
-    output_logprobs: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""
-    forked: bool = False                 # n > 1: sample 0 forks its siblings at the prompt's end
-
-    @property
-    def opts(self) -> SamplingOptions:
-        return self.request.options
-
-    @property
-    def num_prompt(self) -> int:
-        return len(self.request.prompt_ids)
-
-    @property
-    def num_output(self) -> int:
-        return len(self.token_ids) - self.num_prompt
-
-    @property
-    def target(self) -> int:
-        """Tokens to compute before the next sampling point (the prefill mode stops one short)."""
-        return self.num_prompt - 1 if self.request.mode == "prefill" else len(self.token_ids)
-
-
 class Engine:
     """Synchronous core: `add_request`, `abort`, `step()`; the async server drives it."""
 
@@ -113,17 +76,30 @@ class Engine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if self.max_model_len > config.num_blocks * config.block_size:
             self.max_model_len = config.num_blocks * config.block_size
-        self.cache = KVCache.allocate(mc, config.num_blocks, config.block_size, model.dtype, self.device)
-        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._numerics_fingerprint = ""
-        self._cache_seed = prefix_cache_seed("", "")   # see set_cache_identity
-        self.waiting: list[_Sample] = []
-        self.running: list[_Sample] = []
         self._by_request: dict[str, list[_Sample]] = {}
-        self._arrivals = 0
         self._ready: list[SampleOutput] = []     # outputs decided outside a forward (emitted next step)
         self._failed: list[SampleOutput] = []    # "error" outputs of requests that failed in this step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "cached_tokens": 0}
+        self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
+        self.scheduler = Scheduler(config, self.runner, self._fail, self.stats)
+
+    # The scheduler's and runner's state, under the names the services and tests use.
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    @property
+    def blocks(self):
+        return self.scheduler.blocks
+
+    @property
+    def waiting(self) -> list[_Sample]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[_Sample]:
+        return self.scheduler.running
 
     # ------------------------------------------------------------------ requests
 
@@ -163,7 +139,7 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request (validated first; raises RequestError)."""
         self.validate(request)
-        first = _Sample(request, 0, list(request.prompt_ids), self._next_arrival())
+        first = _Sample(request, 0, list(request.prompt_ids), self.scheduler.next_arrival())
         self._by_request[request.request_id] = [first]
         self.stats["prompt_tokens"] += len(request.prompt_ids)
         if request.mode == "prefill" and first.target == 0:      # a 1-token prompt: nothing to export
@@ -186,7 +162,7 @@ class Engine:
     def set_cache_identity(self, weights_version: str, numerics_fingerprint: str) -> None:
         """Name the weights and numerics computing this engine's KV: they seed every prefix-cache key."""
         self._numerics_fingerprint = numerics_fingerprint
-        self._cache_seed = prefix_cache_seed(weights_version, numerics_fingerprint)
+        self.scheduler.cache_seed = prefix_cache_seed(weights_version, numerics_fingerprint)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], weights_version: str = "") -> None:
         """Replace the model's weights in place (same config); only between requests.
@@ -244,17 +220,60 @@ class Engine:
         (see :meth:`_isolating`).
         """
         ready, self._ready = self._ready, []
-        work = self._schedule()
+        work = self.scheduler.schedule()
+        if work and self._decode_only(work):
+            try:
+                ready += self._decode(work)
+                work = []
+            except Exception as err:  # noqa: BLE001 - the general path below isolates the request at fault
+                if device_failed(err):
+                    raise
+                log.warning("a decode step failed (%s: %s); retrying it on the general path", type(err).__name__, err)
         if work:
             logits_of = self._isolating(work, self._forward, lambda item: item[0])
             work = [(s, n) for s, n in work if s.state is not _State.FINISHED]
             for s, n in work:
-                s.num_computed += n
-                self._register_full_blocks(s)
+                self.scheduler.computed(s, n)
             self._prompt_logprobs(work, logits_of)
             ready += self._sample_and_finish(work, logits_of)
         failed, self._failed = self._failed, []
         return ready + failed
+
+    def _decode_only(self, work: list[tuple[_Sample, int]]) -> bool:
+        """Whether the step is one new token per running sample, each drawing its next token
+        from its own row (the runner's device-side decode path, graphs on CUDA)."""
+        if not self.runner.device_decode or len(work) > self.runner.buckets[-1]:
+            return False
+        return all(n == 1 and s.state is _State.RUNNING and s.request.mode == "generate" and not s.forked
+                   and s.num_computed == len(s.token_ids) - 1 for s, n in work)
+
+    def _decode(self, work: list[tuple[_Sample, int]]) -> list[SampleOutput]:
+        """A decode step through the runner: one forward and draw, one copy each way."""
+        for s, _ in work:
+            if s.sampling_row is None and s.state is not _State.FINISHED:
+                try:        # its own parameters (a temperature float32 cannot hold): its own failure
+                    s.sampling_row = SamplingRow.of(s.opts, sample_seed(s.opts.seed, s.index))
+                except Exception as err:  # noqa: BLE001
+                    self._fail(s, err)
+        work = [(s, n) for s, n in work if s.state is not _State.FINISHED]
+        if not work:
+            return []
+        rows = [DecodeRow(s.token_ids[-1], s.num_computed, s.blocks, s.sampling_row) for s, _ in work]
+        tokens, lps, ok = self.runner.decode(rows)
+        out = []
+        for (s, n), tok, lp, good in zip(work, tokens, lps, ok):
+            self.scheduler.computed(s, n)
+            if not good:
+                self._fail(s, ValueError("the logits have no sampling distribution (NaN or +inf, or none finite)"))
+                continue
+            s.token_ids.append(tok)
+            s.output_logprobs.append(lp)
+            self.stats["generation_tokens"] += 1
+            try:        # detokenizing and stop strings: per request
+                out.append(self._after_token(s, tok, lp))
+            except Exception as err:  # noqa: BLE001
+                self._fail(s, err)
+        return out
 
     def _forward(self, work: list[tuple[_Sample, int]]) -> dict[tuple[int, int], torch.Tensor]:
         """One model forward over ``work``'s tokens: the logits rows it needs, by (sample, position).
@@ -263,8 +282,7 @@ class Engine:
         so running it again (on a subset, see :meth:`_isolating`) rewrites the same bits.
         """
         chunks = [SequenceChunk(tuple(s.blocks), s.num_computed, n) for s, n in work]
-        tokens = torch.tensor([t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]],
-                              dtype=torch.int64, device=self.device)
+        tokens = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
         rows, row_owner, at = [], [], 0
         for s, n in work:
             end = s.num_computed + n
@@ -276,10 +294,7 @@ class Engine:
                     rows.append(at + i)
                     row_owner.append((s, pos))
             at += n
-        batch = batch_for_chunks(chunks, self.config.block_size, self.device)
-        with torch.no_grad():
-            logits = self.model.forward_tokens(tokens, batch, self.cache,
-                                               torch.tensor(rows, dtype=torch.int64, device=self.device))
+        logits = self.runner.forward(chunks, tokens, rows)
         return {(id(s), pos): logits[i] for i, (s, pos) in enumerate(row_owner)}
 
     def _isolating(self, items: list[T], run: Callable[[list[T]], dict], owner: Callable[[T], _Sample]) -> dict:
@@ -330,135 +345,6 @@ class Engine:
                 out.error = message
                 self._failed.append(out)
 
-    # ------------------------------------------------------------------ scheduling
-
-    def _schedule(self) -> list[tuple[_Sample, int]]:
-        budget = self.config.max_num_batched_tokens
-        work: list[tuple[_Sample, int]] = []
-        scheduled: set[int] = set()
-        # 1. one token for each running sample, oldest first.
-        for s in sorted(self.running, key=lambda q: q.arrival):
-            if s.state is not _State.RUNNING or budget == 0:
-                continue
-            if not self._ensure_slots_or_reclaim(s, s.num_computed + 1, scheduled):
-                self._preempt(s)            # s is the newest holder of blocks: it waits
-                continue
-            work.append((s, 1))
-            scheduled.add(id(s))
-            budget -= 1
-        # 2. prefill chunks, first come first served, while fewer than max_num_seqs samples hold
-        # a slot (the running ones, whose decode entries are already in `work`, count once).
-        prefilling = 0
-        for s in list(self.waiting):
-            if budget == 0 or len(self.running) + prefilling >= self.config.max_num_seqs:
-                break
-            if s.state is not _State.WAITING:
-                continue
-            if not s.blocks and s.num_computed == 0:
-                try:
-                    self._admit(s)
-                except Exception as err:  # noqa: BLE001 - e.g. a handoff that cannot be copied: its own failure
-                    self._fail(s, err)
-                    continue
-            n = min(budget, s.target - s.num_computed)
-            if n <= 0:
-                continue                    # fully cached / handed-off prefix: sampled below
-            if not self._ensure_slots_or_reclaim(s, s.num_computed + n, scheduled):
-                n = self._fit(s, n)
-            if n <= 0:
-                if not work and not any(q.blocks for q in self.running + self.waiting if q is not s):
-                    # Alone with the whole cache and still no room: this request can never run.
-                    self._fail(s, RuntimeError("KV cache too small for this request: raise num_blocks"))
-                    continue
-                break
-            work.append((s, n))
-            scheduled.add(id(s))
-            budget -= n
-            prefilling += 1
-        return work
-
-    def _ensure_slots_or_reclaim(self, s: _Sample, upto: int, scheduled: set[int]) -> bool:
-        """Blocks for s up to `upto` tokens, taking them from newer samples if needed
-        (newest first; a newer sample is recomputed later with the same bits)."""
-        while not self._ensure_slots(s, upto):
-            newer = [q for q in self.running + self.waiting
-                     if q is not s and q.blocks and q.arrival > s.arrival and id(q) not in scheduled]
-            if not newer:
-                return False
-            self._preempt(max(newer, key=lambda q: q.arrival))
-        return True
-
-    def _admit(self, s: _Sample) -> None:
-        """First scheduling of a sample: import a handoff or reuse cached prefix blocks."""
-        h = s.request.handoff
-        if h is not None:
-            nb = -(-h.num_tokens // self.config.block_size)
-            blocks = self.blocks.allocate(nb)
-            if blocks is None:
-                return
-            s.blocks = blocks
-            slots = self._slots(s, 0, h.num_tokens)
-            self.cache.latent[:, slots] = h.latent.to(self.device)
-            self.cache.rope[:, slots] = h.rope.to(self.device)
-            self.cache.index_k[:, slots] = h.index_k.to(self.device)
-            s.num_computed = h.num_tokens
-            return
-        # The last token to compute is never taken from cache: its logits are needed. Prompt
-        # logprobs need the logits of every prompt position, so those requests compute all.
-        if s.opts.prompt_logprobs or s.request.mode == "score":
-            return
-        ids = s.token_ids[: max(s.target, 1) - 1]
-        s.blocks = self.blocks.match_prefix(ids, block_hashes(ids, self.config.block_size, self._cache_seed),
-                                            self._cache_seed)
-        s.num_computed = s.num_cached = len(s.blocks) * self.config.block_size
-        s.num_registered = len(s.blocks)
-        self.stats["cached_tokens"] += s.num_cached
-
-    def _fit(self, s: _Sample, n: int) -> int:
-        """The largest chunk <= n whose blocks can be allocated now (0 if none)."""
-        room = len(s.blocks) * self.config.block_size - s.num_computed + self.blocks.num_free * self.config.block_size
-        n = min(n, room)
-        return n if n > 0 and self._ensure_slots(s, s.num_computed + n) else 0
-
-    def _ensure_slots(self, s: _Sample, upto: int) -> bool:
-        need = -(-upto // self.config.block_size) - len(s.blocks)
-        if need <= 0:
-            return True
-        got = self.blocks.allocate(need)
-        if got is None:
-            return False
-        s.blocks.extend(got)
-        return True
-
-    def _preempt(self, s: _Sample) -> None:
-        """Free a sample's blocks (running or part-prefilled); it is recomputed later with the same bits."""
-        self.blocks.release(s.blocks)
-        s.blocks, s.num_computed, s.num_registered = [], 0, 0
-        if s.state is _State.RUNNING:
-            s.state = _State.WAITING
-            self.running.remove(s)
-            self.waiting.insert(0, s)
-        self.stats["preemptions"] += 1
-
-    def _register_full_blocks(self, s: _Sample) -> None:
-        """Offer s's newly completed blocks to the prefix cache (never KV an untrusted peer sent)."""
-        h = s.request.handoff
-        if h is not None and not h.trusted:
-            return  # every later block attends to the handed-off rows: none of them may be shared
-        full = s.num_computed // self.config.block_size
-        if full > s.num_registered:
-            size = self.config.block_size
-            keys = block_hashes(s.token_ids[: full * size], size, self._cache_seed)
-            for i in range(s.num_registered, full):
-                self.blocks.register(s.blocks[i], keys[i], keys[i - 1] if i else self._cache_seed,
-                                     s.token_ids[i * size:(i + 1) * size])
-            s.num_registered = full
-
-    def _slots(self, s: _Sample, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(s.blocks, dtype=torch.int64)
-        return (table[pos // self.config.block_size] * self.config.block_size + pos % self.config.block_size).to(self.device)
-
     # ------------------------------------------------------------------ sampling and outputs
 
     def _prompt_logprobs(self, work, logits_of) -> None:
@@ -495,9 +381,7 @@ class Engine:
                 continue
             try:        # per request: a failure here (a KV export, a fork, its parameters) is its own
                 if s.state is _State.WAITING and s.num_computed >= s.target:
-                    self.waiting.remove(s)
-                    self.running.append(s)
-                    s.state = _State.RUNNING
+                    self.scheduler.start_running(s)
                 if s.request.mode == "score" and s.num_computed >= s.target:
                     out.append(self._finish(s, [], [], "stop"))
                 elif s.request.mode == "prefill" and s.num_computed >= s.target:
@@ -549,32 +433,10 @@ class Engine:
         n = s.opts.n
         if n == 1 or s.num_output > 0 or len(self._by_request.get(s.request.request_id, [])) > 1:
             return [s]
-        bs = self.config.block_size
-        need = n - 1 if s.num_computed % bs else 0          # a private partial block per sibling
-        while self.blocks.num_free < need:
-            newer = [q for q in self.running + self.waiting if q is not s and q.blocks and q.arrival > s.arrival]
-            if not newer:                                   # wait: recompute the prompt when memory frees
-                self._preempt(s)
-                return []
-            self._preempt(max(newer, key=lambda q: q.arrival))
-        family = [s]
-        for i in range(1, n):
-            child = _Sample(s.request, i, list(s.token_ids), self._next_arrival(), forked=True, state=_State.RUNNING,
-                            num_computed=s.num_computed, num_cached=s.num_cached, num_registered=s.num_registered)
-            full = s.num_computed // bs
-            for b in s.blocks[:full]:
-                self.blocks.share(b)
-            child.blocks = list(s.blocks[:full])
-            if s.num_computed % bs:
-                new = self.blocks.allocate(1)           # reserved above: cannot fail
-                src = slice(s.blocks[full] * bs, s.blocks[full] * bs + bs)
-                dst = slice(new[0] * bs, new[0] * bs + bs)
-                for t in (self.cache.latent, self.cache.rope, self.cache.index_k):
-                    t[:, dst] = t[:, src]
-                child.blocks.append(new[0])
-            child.sent_prompt_logprobs = True       # the request's prompt logprobs travel with sample 0
-            self.running.append(child)
-            family.append(child)
+        children = self.scheduler.fork(s, n)
+        if children is None:                        # wait: recompute the prompt when memory frees
+            return []
+        family = [s, *children]
         self._by_request[s.request.request_id] = family
         return family
 
@@ -608,13 +470,7 @@ class Engine:
         return out
 
     def _free(self, s: _Sample) -> None:
-        self.blocks.release(s.blocks)
-        s.blocks = []
-        if s in self.running:
-            self.running.remove(s)
-        if s in self.waiting:
-            self.waiting.remove(s)
-        s.state = _State.FINISHED
+        self.scheduler.free(s)
 
     def _output(self, s: _Sample, toks, lps, reason, text: str = "") -> SampleOutput:
         out = SampleOutput(s.request.request_id, s.index, list(toks), list(lps), reason is not None, reason,
@@ -624,13 +480,7 @@ class Engine:
         return out
 
     def _export(self, s: _Sample) -> KVHandoff:
-        slots = self._slots(s, 0, s.target)
-        return KVHandoff(tuple(s.token_ids[: s.target]), self.cache.latent[:, slots].cpu(),
-                         self.cache.rope[:, slots].cpu(), self.cache.index_k[:, slots].cpu(), trusted=True)
-
-    def _next_arrival(self) -> int:
-        self._arrivals += 1
-        return self._arrivals
+        return self.runner.export(s.blocks, tuple(s.token_ids[: s.target]))
 
 
 def run_to_completion(engine: Engine, requests: Sequence[GenerateRequest],

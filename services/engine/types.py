@@ -149,3 +149,4 @@ class EngineConfig:
     max_num_seqs: int = 64                   # running samples at most
     enable_prefix_caching: bool = True       # reuse full prompt blocks across requests
     max_model_len: int | None = None         # defaults to the model's max_position_embeddings
+    cuda_graphs: bool = True                 # CUDA: capture decode steps as graphs per batch bucket (no effect on CPU)

@@ -101,6 +101,7 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=64, help="running samples at most")
     e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse full prompt blocks")
+    e.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA: no graph capture)")
     e.add_argument("--max-n", type=int, default=16, help="samples per request at most")
     if service == "prefill":
         e.add_argument("--decode", metavar="ADDR", default=None,
@@ -150,7 +151,8 @@ def build_engine(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     """The engine the flags describe."""
     config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len)
+                          enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
+                          cuda_graphs=not getattr(args, "no_cuda_graphs", False))
     return Engine(loaded.model, config, loaded.tokenizer)
 
 
