@@ -389,7 +389,8 @@ class MLAttention(nn.Module):
                                                    c.softmax_scale, selected)
         else:
             o_latent = ops.mla_attention(q_absorbed, q_rope, latent_store, rope_store, selected, c.softmax_scale)
-        if self.indexer_losses is not None and self.indexer is not None and selected is not None and training:
+        if self.indexer_losses is not None and self.indexer is not None and selected is not None and training \
+                and torch.is_grad_enabled():
             self.indexer_losses.append(self._indexer_loss(x, q_latent, batch.positions, inv_freq, q_absorbed,
                                                           q_rope, latent, k_rope, selected))
         o = _heads_linear(o_latent.to(x.dtype), w_kv[:, dn:].contiguous())                   # [N, H, v]
