@@ -1,0 +1,139 @@
+"""MLA attention forward + backward on a GPU: zerokl's fused Triton backward vs the stock path.
+
+    python tools/bench/bench_attention_backward.py --json $OUT/attn_bwd.json
+
+Absorbed MLA (bf16 inputs, fp32 out) in the training layout, one layer's attention:
+  small: H=16, R=256, P=32, 8 x 512 tokens, index_topk 512 (every row dense causal, no key table)
+  glm5:  H=64, R=512, P=64, 4 x 4096 tokens, index_topk 2048 (rows past 2048 attend a random
+         ascending selection of 2048 keys of their prefix; the rest their whole prefix)
+zerokl: ops.mla_attention_sequences under the Triton backend (forward writing its LSE, the
+fused dq / dkv kernels of kernels/triton/attention_backward.py). stock: the same op under the
+stock backend (gather + bmm + softmax, differentiated by torch autograd: the backward the
+Triton forward used before). Each row: forward + backward median time, achieved TFLOP/s of
+the attention arithmetic (fwd 2(2R+P), bwd 2(5R+3P) per (query, head, key)), peak memory,
+and the zerokl gradients' relative error against the stock (fp32) ones.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import torch
+import triton.testing
+
+from zerokl.kernels import ops, use_backend
+
+CASES = {  # name: (H, R, P, batch, seq, index_topk)
+    "small": (16, 256, 32, 8, 512, 512),
+    "glm5": (64, 512, 64, 4, 4096, 2048),
+}
+
+
+def commit() -> str:
+    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+
+
+def make_case(name: str, dev):
+    h, r, p, b, s, topk = CASES[name]
+    g = torch.Generator(device=dev).manual_seed(0)
+    t = b * s
+    positions = torch.arange(s, device=dev).repeat(b)
+    ql = torch.randn(t, h, r, device=dev, generator=g).to(torch.bfloat16)
+    qr = torch.randn(t, h, p, device=dev, generator=g).to(torch.bfloat16)
+    kv = torch.randn(t, r, device=dev, generator=g).to(torch.bfloat16)
+    kr = torch.randn(t, p, device=dev, generator=g).to(torch.bfloat16)
+    grad = torch.randn(t, h, r, device=dev, generator=g)
+    selection = None
+    if s > topk:                                  # the training layer's [N, index_topk] selection
+        cols = torch.arange(s, device=dev)
+        start = (torch.arange(t, device=dev) - positions).view(-1, 1)
+        causal = cols <= positions.view(-1, 1)
+        score = torch.rand(t, s, device=dev, generator=g).masked_fill(~causal, -1.0)
+        chosen = torch.topk(score, topk, dim=1).indices.sort(dim=1).values
+        keep = torch.gather(causal, 1, chosen)
+        selection = torch.where(keep, start + chosen, torch.full_like(chosen, -1))
+        selection = torch.sort(torch.where(selection < 0, torch.full_like(selection, 1 << 62), selection), 1).values
+        selection = torch.where(selection == 1 << 62, torch.full_like(selection, -1), selection)
+        pairs = int((selection >= 0).sum())
+    else:
+        pairs = int((positions + 1).sum())
+    return (ql, qr, kv, kr, positions, selection, grad), pairs * h, (h, r, p)
+
+
+def fwd_bwd(backend: str, args, scale: float):
+    ql, qr, kv, kr, positions, selection, grad = args
+    leaves = [x.detach().requires_grad_() for x in (ql, qr, kv, kr)]
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        with use_backend(backend):
+            out = ops.mla_attention_sequences(*leaves, positions, scale, selection)
+        out.backward(grad)
+        return [x.grad for x in leaves]
+    return run
+
+
+def measure(name: str, backend: str, args, scale: float, flops: float) -> dict:
+    row = {"case": name, "impl": "zerokl-triton" if backend == "triton" else "stock"}
+    fn = fwd_bwd(backend, args, scale)
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        grads = [g.float() for g in fn()]
+        torch.cuda.synchronize()
+        row["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+        sec = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
+        row.update(ms=round(sec * 1e3, 3), tflops=round(flops / sec / 1e12, 1))
+        return row | {"grads": grads}
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return row | {"error": "out of memory"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--cases", default="small,glm5")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "device": torch.cuda.get_device_name(), "commit": commit(), "torch": torch.__version__,
+               "triton": triton.__version__, "rows": []}
+    for name in a.cases.split(","):
+        args, pairs, (h, r, p) = make_case(name, dev)
+        flops = pairs * 2.0 * ((2 * r + p) + (5 * r + 3 * p))
+        scale = (r // 4 + p) ** -0.5
+        rows = [measure(name, be, args, scale, flops) for be in ("triton", "stock")]
+        zk, st = rows
+        if "grads" in zk and "grads" in st:
+            zk["rel_err_vs_stock"] = [float((a - b).norm() / b.norm()) for a, b in zip(zk["grads"], st["grads"])]
+            zk["speedup_vs_stock"] = round(st["ms"] / zk["ms"], 1)
+        for row in rows:
+            row.pop("grads", None)
+            row["gflop"] = round(flops / 1e9, 1)
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+        del args
+        torch.cuda.empty_cache()
+    print(f"\n{'case':6} {'impl':14} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} {'x stock':>8}")
+    for row in results["rows"]:
+        print(f"{row['case']:6} {row['impl']:14} {row.get('ms', row.get('error', '')):>10} "
+              f"{row.get('tflops', ''):>8} {row.get('peak_gib', ''):>9} {row.get('speedup_vs_stock', ''):>8}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
