@@ -9,6 +9,7 @@ composite's order of operations.
 Autograd: the torch backend is differentiable as written. A Triton forward is
 wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
+mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 

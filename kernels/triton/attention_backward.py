@@ -65,6 +65,9 @@ def _mla_bwd_dq_kernel(
     # out, dOut, lse, delta: contiguous [T, H, R] / [T, H] fp32
     o = tl.load(out_ptr + (t * H + h[:, None]) * R + r[None, :], mask=hr_mask, other=0.0)
     do = tl.load(do_ptr + (t * H + h[:, None]) * R + r[None, :], mask=hr_mask, other=0.0)
+    # dOut as the dots see it (rounded to the operand dtype): delta and dp from the same values,
+    # so sum_j ds_j = 0 holds up to rounding instead of carrying dOut's rounding error
+    do = do.to(ql.dtype).to(tl.float32)
     delta = tl.sum(o * do, axis=1)                                   # [BLOCK_H]
     tl.store(delta_ptr + t * H + h, delta, mask=h_mask)
     lse = tl.load(lse_ptr + t * H + h, mask=h_mask, other=0.0)
@@ -227,6 +230,8 @@ def mla_attention_backward(
     grad_out: torch.Tensor,
     scale: float,
     block_k: int | None = None,
+    rows: int | None = None,
+    block_h: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq_latent, dq_rope, dkv_latent, dk_rope) of mla_attention, in the inputs' dtype.
 
@@ -236,7 +241,9 @@ def mla_attention_backward(
     positions may also accompany a key_index over the training layout's tokens: key blocks
     then follow the sequences, so every gradient is independent of the other sequences.
     out [T, H, R] and lse [T, H] are the forward's (mla_attention(..., return_lse=True)),
-    grad_out [T, H, R] the gradient of out.
+    grad_out [T, H, R] the gradient of out. block_k / rows (dkv program: keys, (query, head)
+    rows per step) and block_h (dq program: heads) default to DKV_BLOCK_K, DKV_ROWS, 16; they
+    fix the gradients' summation order (a config is part of the gradient bits).
     """
     op = "mla_attention_backward"
     for name, x, nd in (("q_latent", q_latent, 3), ("q_rope", q_rope, 3), ("kv_latent", kv_latent, 2),
@@ -272,7 +279,7 @@ def mla_attention_backward(
         dot_f32 = dot_in_fp32(_mla_bwd_dq_kernel, q_latent.dtype)
         block_r, block_p = max(16, next_pow2(r)), max(16, next_pow2(p))
         delta = torch.empty((t, h), dtype=torch.float32, device=dev)
-        bh = 16
+        bh = block_h or 16
         _mla_bwd_dq_kernel[(t, triton.cdiv(h, bh))](
             q_latent, q_rope, kv_latent, k_rope, idx, nblk, positions if causal else idx, out, lse, grad_out,
             delta, dql, dqr,
@@ -302,7 +309,7 @@ def mla_attention_backward(
             q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
             kv_latent.stride(0), k_rope.stride(0),
             DOT_F32=dot_f32, CAUSAL=causal,
-            BLOCK_K=bk, ROWS=DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
+            BLOCK_K=bk, ROWS=rows or DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
             num_warps=8 if block_r >= 256 else 4, num_stages=2,
         )
     return dql.to(q_latent.dtype), dqr.to(q_rope.dtype), dkv.to(kv_latent.dtype), dkr.to(k_rope.dtype)

@@ -1,6 +1,7 @@
 """MLA attention forward + backward on a GPU: zerokl's fused Triton backward vs the stock path.
 
     python tools/bench/bench_attention_backward.py --json $OUT/attn_bwd.json
+    python tools/bench/bench_attention_backward.py --sweep   # also: per-kernel times, backward configs
 
 Absorbed MLA (bf16 inputs, fp32 out) in the training layout, one layer's attention:
   small: H=16, R=256, P=32, 8 x 512 tokens, index_topk 512 (every row dense causal, no key table)
@@ -26,6 +27,8 @@ import torch
 import triton.testing
 
 from zerokl.kernels import ops, use_backend
+from zerokl.kernels.triton import attention as zt_attention
+from zerokl.kernels.triton.attention_backward import mla_attention_backward
 
 CASES = {  # name: (H, R, P, batch, seq, index_topk)
     "small": (16, 256, 32, 8, 512, 512),
@@ -79,6 +82,11 @@ def fwd_bwd(backend: str, args, scale: float):
     return run
 
 
+def pairs_flops_bwd(pairs: int, r: int, p: int) -> float:
+    """Backward FLOPs: recomputed scores, dp, dq, dkv (two products), dk_rope per (query, head, key)."""
+    return pairs * 2.0 * (5 * r + 3 * p)
+
+
 def measure(name: str, backend: str, args, scale: float, flops: float) -> dict:
     row = {"case": name, "impl": "zerokl-triton" if backend == "triton" else "stock"}
     fn = fwd_bwd(backend, args, scale)
@@ -97,10 +105,48 @@ def measure(name: str, backend: str, args, scale: float, flops: float) -> dict:
         return row | {"error": "out of memory"}
 
 
+def kernel_times(args, scale: float) -> dict:
+    """Per-kernel CUDA time (ms per fwd+bwd) of the zerokl path, from the torch profiler."""
+    fn = fwd_bwd("triton", args, scale)
+    fn()
+    torch.cuda.synchronize()
+    n = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.key[:48]] = round(ev.device_time_total / 1e3 / n, 3)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
+
+
+def sweep_configs(name: str, args, scale: float, flops_bwd: float) -> list[dict]:
+    """Backward alone (both kernels and the transpose) per (dq heads, dkv keys, dkv rows)."""
+    ql, qr, kv, kr, positions, selection, grad = args
+    out, lse = zt_attention.mla_attention_sequences(ql, qr, kv, kr, positions, scale, selection, return_lse=True)
+    rows = []
+    for bh, bk, nr in ((16, 16, 32), (16, 32, 32), (16, 16, 64), (16, 32, 64), (32, 16, 32), (64, 16, 32)):
+        row = {"case": name, "block_h": bh, "block_k": bk, "rows": nr}
+        try:
+            fn = lambda: mla_attention_backward(ql, qr, kv, kr, selection, positions, out, lse, grad, scale,  # noqa: E731
+                                                block_k=bk, rows=nr, block_h=bh)
+            fn()
+            sec = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+            row.update(bwd_ms=round(sec * 1e3, 3), bwd_tflops=round(flops_bwd / sec / 1e12, 1))
+        except Exception as e:  # a config that does not compile or fit is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:80]}"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cases", default="small,glm5")
+    ap.add_argument("--sweep", action="store_true", help="also per-kernel times and backward configs")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
@@ -108,10 +154,10 @@ def main() -> int:
     dev = torch.device("cuda")
     results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "device": torch.cuda.get_device_name(), "commit": commit(), "torch": torch.__version__,
-               "triton": triton.__version__, "rows": []}
+               "triton": triton.__version__, "rows": [], "kernels": {}, "sweep": []}
     for name in a.cases.split(","):
         args, pairs, (h, r, p) = make_case(name, dev)
-        flops = pairs * 2.0 * ((2 * r + p) + (5 * r + 3 * p))
+        flops = pairs * 2.0 * (2 * r + p) + pairs_flops_bwd(pairs, r, p)
         scale = (r // 4 + p) ** -0.5
         rows = [measure(name, be, args, scale, flops) for be in ("triton", "stock")]
         zk, st = rows
@@ -123,6 +169,10 @@ def main() -> int:
             row["gflop"] = round(flops / 1e9, 1)
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
+        if a.sweep:
+            results["kernels"][name] = kernel_times(args, scale)
+            print(json.dumps({name: results["kernels"][name]}), flush=True)
+            results["sweep"] += sweep_configs(name, args, scale, pairs_flops_bwd(pairs, r, p))
         del args
         torch.cuda.empty_cache()
     print(f"\n{'case':6} {'impl':14} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} {'x stock':>8}")
