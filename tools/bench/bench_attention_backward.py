@@ -127,7 +127,7 @@ def sweep_configs(name: str, args, scale: float, flops_bwd: float) -> list[dict]
     ql, qr, kv, kr, positions, selection, grad = args
     out, lse = zt_attention.mla_attention_sequences(ql, qr, kv, kr, positions, scale, selection, return_lse=True)
     rows = []
-    for bh, bk, nr in ((16, 16, 32), (16, 32, 32), (16, 16, 64), (16, 32, 64), (32, 16, 32), (64, 16, 32)):
+    for bh, bk, nr in ((16, 16, 32), (16, 32, 32), (16, 16, 64), (64, 16, 32)):
         row = {"case": name, "block_h": bh, "block_k": bk, "rows": nr}
         try:
             fn = lambda: mla_attention_backward(ql, qr, kv, kr, selection, positions, out, lse, grad, scale,  # noqa: E731
