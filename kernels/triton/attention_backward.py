@@ -36,8 +36,11 @@ from .attention import KV_BLOCK, blocks_to_visit
 
 __all__ = ["DKV_BLOCK_K", "DKV_ROWS", "mla_attention_backward", "mla_attention_backward_reference"]
 
-DKV_BLOCK_K = 32   # keys per dkv program (16 for R > 256: the [BLOCK_K, R] fp32 accumulator lives in registers)
-DKV_ROWS = 32      # (query, head) rows per dkv step
+# dkv program shape, from the H200 sweep in tools/bench/bench_attention_backward.py (--sweep):
+# 16 keys (more programs: the causal triangle's longest program bounds the time) and 64
+# (query, head) rows per step were fastest or within noise at both the small and GLM-5 shapes.
+DKV_BLOCK_K = 16   # keys per dkv program
+DKV_ROWS = 64      # (query, head) rows per dkv step
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -290,7 +293,7 @@ def mla_attention_backward(
             BLOCK_H=bh, BLOCK_R=block_r, BLOCK_P=block_p, KV_BLOCK=KV_BLOCK,
             num_warps=8 if block_r >= 256 else 4, num_stages=2,
         )
-        bk = block_k or (DKV_BLOCK_K if r <= 256 else 16)
+        bk = block_k or DKV_BLOCK_K
         kstart, kcount, block_of_slot = _key_blocks(s_len, positions, bk, dev)
         n_blocks = kstart.shape[0]
         if causal:

@@ -12,7 +12,8 @@ fused dq / dkv kernels of kernels/triton/attention_backward.py). stock: the same
 stock backend (gather + bmm + softmax, differentiated by torch autograd: the backward the
 Triton forward used before). Each row: forward + backward median time, achieved TFLOP/s of
 the attention arithmetic (fwd 2(2R+P), bwd 2(5R+3P) per (query, head, key)), peak memory,
-and the zerokl gradients' relative error against the stock (fp32) ones.
+and the gradients' relative error against float64 autograd (where it fits in memory) and
+zerokl's against stock's.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import triton.testing
 
 from zerokl.kernels import ops, use_backend
 from zerokl.kernels.triton import attention as zt_attention
-from zerokl.kernels.triton.attention_backward import mla_attention_backward
+from zerokl.kernels.triton.attention_backward import mla_attention_backward, mla_attention_backward_reference
 
 CASES = {  # name: (H, R, P, batch, seq, index_topk)
     "small": (16, 256, 32, 8, 512, 512),
@@ -80,6 +81,20 @@ def fwd_bwd(backend: str, args, scale: float):
         out.backward(grad)
         return [x.grad for x in leaves]
     return run
+
+
+def reference_grads(args, scale: float, limit_bytes: float = 16e9):
+    """float64 autograd gradients (one-shot softmax over the explicit list), when they fit."""
+    ql, qr, kv, kr, positions, selection, grad = args
+    if selection is None:
+        width = int(positions.max()) + 1
+        cols = torch.arange(width, device=positions.device)
+        start = (torch.arange(positions.shape[0], device=positions.device) - positions).view(-1, 1)
+        selection = torch.where(cols <= positions.view(-1, 1), start + cols, torch.full_like(start + cols, -1))
+    t, h, r = ql.shape
+    if 3.0 * t * selection.shape[1] * (r + h) * 8 > limit_bytes:
+        return None
+    return mla_attention_backward_reference(ql, qr, kv, kr, selection, grad, scale)
 
 
 def pairs_flops_bwd(pairs: int, r: int, p: int) -> float:
@@ -164,6 +179,11 @@ def main() -> int:
         if "grads" in zk and "grads" in st:
             zk["rel_err_vs_stock"] = [float((a - b).norm() / b.norm()) for a, b in zip(zk["grads"], st["grads"])]
             zk["speedup_vs_stock"] = round(st["ms"] / zk["ms"], 1)
+        ref = reference_grads(args, scale)
+        for row in rows:
+            if "grads" in row and ref is not None:     # ||g - g64|| / ||g64|| per (dq_latent, dq_rope, dkv, dk_rope)
+                row["rel_err_vs_float64"] = [float((a.double() - b).norm() / b.norm()) for a, b in zip(row["grads"], ref)]
+        del ref
         for row in rows:
             row.pop("grads", None)
             row["gflop"] = round(flops / 1e9, 1)
