@@ -178,11 +178,15 @@ class AttentionBatch:
         return AttentionBatch(self.positions, _causal_slots(self.positions, self.length), self.write_slots)
 
 
-def _causal_slots(positions: torch.Tensor, width: int) -> torch.Tensor:
-    """Training layout: rows' slots n - positions[n] + j for j <= positions[n], -1 after; [N, width]."""
+def _causal_slots(positions: torch.Tensor, width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Training layout: the key slots n - positions[n] + j for j <= positions[n], -1 after, of the
+    token rows `rows` (default all): [len(rows), width]."""
+    if rows is None:
+        rows = torch.arange(positions.shape[0], device=positions.device)
     cols = torch.arange(width, device=positions.device)
-    start = (torch.arange(positions.shape[0], device=positions.device) - positions).view(-1, 1)
-    return torch.where(cols <= positions.view(-1, 1), start + cols, torch.full_like(start + cols, -1))
+    pos = positions[rows].view(-1, 1)
+    start = rows.view(-1, 1) - pos
+    return torch.where(cols <= pos, start + cols, torch.full_like(start + cols, -1))
 
 
 @dataclass
@@ -321,17 +325,9 @@ class Indexer(nn.Module):
         selected = _causal_slots(positions, self.topk)
         long = torch.nonzero(positions >= self.topk).squeeze(1)
         if long.numel():
-            table = _causal_slots_rows(positions, long, length)
+            table = _causal_slots(positions, length, long)
             selected[long] = self.select(x[long], q_latent[long], positions[long], inv_freq, key_store, table)
         return selected
-
-
-def _causal_slots_rows(positions: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """_causal_slots(positions, width)[rows] without building the other rows."""
-    cols = torch.arange(width, device=positions.device)
-    pos = positions[rows].view(-1, 1)
-    start = rows.view(-1, 1) - pos
-    return torch.where(cols <= pos, start + cols, torch.full_like(start + cols, -1))
 
 
 class MLAttention(nn.Module):

@@ -136,6 +136,9 @@ def test_a_sequences_gradients_do_not_depend_on_its_neighbours(layout):
     alone = _backward(ql[b], qr[b], kv[b], kr[b], alone_sel, pos[b], grad[b], SCALE)
     for name, x, y in zip(("dq_latent", "dq_rope", "dkv_latent", "dk_rope"), together, alone):
         assert torch.equal(x[b], y), name
+    fwd = zt_attention.mla_attention_sequences(ql, qr, kv, kr, pos, SCALE, sel, return_lse=True)
+    fwd_alone = zt_attention.mla_attention_sequences(ql[b], qr[b], kv[b], kr[b], pos[b], SCALE, alone_sel, return_lse=True)
+    assert all(torch.equal(x[b], y) for x, y in zip(fwd, fwd_alone))
 
 
 def test_forward_lse_and_causal_layout_keep_the_forward_bits():
