@@ -9,7 +9,8 @@ composite's order of operations.
 Autograd: the torch backend is differentiable as written. A Triton forward is
 wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
-On CUDA, linear and grouped_linear take their own backward GEMMs instead (no recompute).
+On CUDA, linear and grouped_linear take their own backward GEMMs instead (no recompute);
+mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ __all__ = [
     "rope",
     "rope_inv_freq",
     "mla_attention",
+    "mla_attention_sequences",
     "indexer_scores",
     "topk_positions",
     "moe_route",
@@ -380,7 +382,61 @@ def mla_attention(
         raise ValueError("mla_attention: inconsistent shapes "
                          f"{tuple(q_latent.shape)} {tuple(q_rope.shape)} {tuple(kv_latent.shape)} "
                          f"{tuple(k_rope.shape)} {tuple(key_index.shape)}")
+    if get_backend() == "triton" and _needs_grad(q_latent, q_rope, kv_latent, k_rope):
+        return _MLAttentionGrad.apply(q_latent, q_rope, kv_latent, k_rope, key_index, None, float(scale))
     return _call("mla_attention", q_latent, q_rope, kv_latent, k_rope, key_index, float(scale))
+
+
+def mla_attention_sequences(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    selection: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """mla_attention in the training layout, with no [T, L] key table: the keys are the T query
+    tokens (kv_latent [T, R], k_rope [T, P]), sequences packed contiguously from position 0
+    (positions [T]). Without `selection` each query attends its causal prefix; with
+    `selection` [T, K] (ascending token slots, -1 padded) that list. Same bits as
+    mla_attention over the explicit list."""
+    t = q_latent.shape[0]
+    if positions.shape != (t,) or kv_latent.shape[0] != t or k_rope.shape[0] != t \
+            or (selection is not None and selection.shape[0] != t):
+        raise ValueError(f"mla_attention_sequences: q_latent {tuple(q_latent.shape)}, positions "
+                         f"{tuple(positions.shape)}, kv_latent {tuple(kv_latent.shape)}: keys must be the T query tokens")
+    if get_backend() == "triton" and _needs_grad(q_latent, q_rope, kv_latent, k_rope):
+        return _MLAttentionGrad.apply(q_latent, q_rope, kv_latent, k_rope, selection, positions, float(scale))
+    if selection is None:
+        return _call("mla_attention_sequences", q_latent, q_rope, kv_latent, k_rope, positions, float(scale))
+    return _call("mla_attention_sequences", q_latent, q_rope, kv_latent, k_rope, positions, float(scale), selection)
+
+
+class _MLAttentionGrad(torch.autograd.Function):
+    """Triton mla_attention forward (writing its log-sum-exp) with the fused Triton backward
+    (kernels/triton/attention_backward.py) over the same key list: deterministic, no atomics.
+    key_index None = the causal training layout over `positions`."""
+
+    @staticmethod
+    def forward(ctx, q_latent, q_rope, kv_latent, k_rope, key_index, positions, scale):
+        from zerokl.kernels.triton import attention
+        if positions is None:
+            out, lse = attention.mla_attention(q_latent, q_rope, kv_latent, k_rope, key_index, scale, return_lse=True)
+        else:
+            out, lse = attention.mla_attention_sequences(q_latent, q_rope, kv_latent, k_rope, positions, scale,
+                                                         key_index, return_lse=True)
+        ctx.save_for_backward(q_latent, q_rope, kv_latent, k_rope, key_index, positions, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        from zerokl.kernels.triton.attention_backward import mla_attention_backward
+        q_latent, q_rope, kv_latent, k_rope, key_index, positions, out, lse = ctx.saved_tensors
+        grads = mla_attention_backward(q_latent, q_rope, kv_latent, k_rope, key_index, positions, out, lse,
+                                       grad, ctx.scale)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)), None, None, None)
 
 
 def indexer_scores(q: torch.Tensor, k_cache: torch.Tensor, head_weights: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:

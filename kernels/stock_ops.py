@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
-    "rope", "mla_attention", "indexer_scores", "topk_positions",
+    "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions",
 ]
 
 
@@ -84,6 +84,16 @@ def mla_attention(q_latent, q_rope, kv_latent, k_rope, key_index, scale):
     s = torch.bmm(q_latent.float(), kv.transpose(1, 2)) + torch.bmm(q_rope.float(), kr.transpose(1, 2))
     s = (s * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
     return torch.bmm(torch.softmax(s, -1), kv)
+
+
+def mla_attention_sequences(q_latent, q_rope, kv_latent, k_rope, positions, scale, selection=None):
+    """The training layout through the explicit list (the whole [T, L] causal table)."""
+    if selection is None:
+        t = positions.shape[0]
+        cols = torch.arange(int(positions.max()) + 1 if t else 0, device=positions.device)
+        start = (torch.arange(t, device=positions.device) - positions).view(-1, 1)
+        selection = torch.where(cols <= positions.view(-1, 1), start + cols, torch.full_like(start + cols, -1))
+    return mla_attention(q_latent, q_rope, kv_latent, k_rope, selection, scale)
 
 
 def indexer_scores(q, k_cache, head_weights, key_index):

@@ -38,6 +38,7 @@ __all__ = [
     "silu",
     "rope",
     "mla_attention",
+    "mla_attention_sequences",
     "indexer_scores",
     "topk_positions",
 ]
@@ -179,6 +180,38 @@ def mla_attention(
     n = _query_step(index.shape[1], r + q_rope.shape[-1] + 1)
     return torch.cat([_mla_chunk(q_latent[i:i + n], q_rope[i:i + n], kv_latent, k_rope, index[i:i + n], scale)
                       for i in range(0, t, n)])
+
+
+def mla_attention_sequences(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    selection: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """mla_attention in the training layout: the keys are the T query tokens (kv_latent [T, R]),
+    sequences packed contiguously from position 0 (positions [T]). Without `selection` each
+    query attends slots t - positions[t] .. t; with `selection` [T, K] that list. The causal
+    list is built per query chunk (at most [chunk, L]), never for all T: same bits as
+    mla_attention over the full [T, L] list, since queries are independent.
+    """
+    if selection is not None:
+        return mla_attention(q_latent, q_rope, kv_latent, k_rope, selection, scale)
+    t = q_latent.shape[0]
+    if t == 0:
+        return mla_attention(q_latent, q_rope, kv_latent, k_rope, positions.view(0, 0), scale)
+    width = int(positions.max()) + 1
+    cols = torch.arange(width, device=positions.device)
+    n = _query_step(width + (-width % KV_BLOCK), q_latent.shape[2] + q_rope.shape[-1] + 1)
+    parts = []
+    for i in range(0, t, n):
+        pos = positions[i:i + n].view(-1, 1)
+        start = torch.arange(i, i + pos.shape[0], device=positions.device).view(-1, 1) - pos
+        index = torch.where(cols <= pos, start + cols, torch.full_like(start + cols, -1))
+        parts.append(mla_attention(q_latent[i:i + n], q_rope[i:i + n], kv_latent, k_rope, index, scale))
+    return torch.cat(parts)
 
 
 def _mla_chunk(q_latent, q_rope, kv_latent, k_rope, index, scale):

@@ -145,25 +145,48 @@ class AttentionBatch:
     positions:   [N] int64, absolute position of each new token in its sequence.
     key_slots:   [N, L] int64, row n = the slots of positions 0..positions[n] of n's sequence, in
                  position order (column j is position j), -1 padded. Slots index the key store.
+                 None in the training layout (below).
     write_slots: [N] int64, where each new token's latent/rope/indexer key is written.
-    The key store is the paged KV cache when one is given, else the new tokens themselves
-    (the training path: slots are token indices).
+    length:      the training layout's L: keys of its longest row (max position + 1).
+    The key store is the paged KV cache when one is given, else the new tokens themselves.
+    The training layout (key_slots None, no cache): sequences packed one after another, each
+    from position 0, so token n's keys are tokens n - positions[n] .. n; no [N, L] table is
+    built (attention walks the causal prefix implicitly, the sparse rows carry only their
+    [N, index_topk] selection).
     """
 
     positions: torch.Tensor
-    key_slots: torch.Tensor
+    key_slots: torch.Tensor | None
     write_slots: torch.Tensor
+    length: int = 0
+
+    @property
+    def key_width(self) -> int:
+        """L: the width of key_slots, or the training layout's longest row."""
+        return self.key_slots.shape[1] if self.key_slots is not None else self.length
 
     @staticmethod
     def for_sequences(batch: int, seq_len: int, device: torch.device | str = "cpu") -> "AttentionBatch":
         """The full-sequence (training) layout: `batch` sequences of `seq_len` tokens from position 0."""
-        pos = torch.arange(seq_len, device=device)
-        positions = pos.repeat(batch)
-        base = (torch.arange(batch, device=device) * seq_len).repeat_interleave(seq_len)
-        cols = pos.view(1, -1)
-        slots = base.view(-1, 1) + cols
-        key_slots = torch.where(cols <= positions.view(-1, 1), slots, torch.full_like(slots, -1))
-        return AttentionBatch(positions, key_slots, torch.arange(batch * seq_len, device=device))
+        positions = torch.arange(seq_len, device=device).repeat(batch)
+        return AttentionBatch(positions, None, torch.arange(batch * seq_len, device=device), seq_len)
+
+    def explicit(self) -> "AttentionBatch":
+        """The same batch with the [N, L] key table written out (the serving form; for tests)."""
+        if self.key_slots is not None:
+            return self
+        return AttentionBatch(self.positions, _causal_slots(self.positions, self.length), self.write_slots)
+
+
+def _causal_slots(positions: torch.Tensor, width: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Training layout: the key slots n - positions[n] + j for j <= positions[n], -1 after, of the
+    token rows `rows` (default all): [len(rows), width]."""
+    if rows is None:
+        rows = torch.arange(positions.shape[0], device=positions.device)
+    cols = torch.arange(width, device=positions.device)
+    pos = positions[rows].view(-1, 1)
+    start = rows.view(-1, 1) - pos
+    return torch.where(cols <= pos, start + cols, torch.full_like(start + cols, -1))
 
 
 @dataclass
@@ -280,16 +303,31 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x)).unsqueeze(1)
         return _rope_part(k, self.rope_dim, positions, inv_freq, self.interleave, first=True).squeeze(1)
 
-    def select(self, x, q_latent, positions, inv_freq, key_store, key_slots) -> torch.Tensor:
-        """Selected key slots [N, <= index_topk] in ascending position order, -1 padded."""
+    def scores(self, x, q_latent, positions, inv_freq, key_store, key_slots) -> torch.Tensor:
+        """Indexer scores [N, L] fp32 of each row's keys key_slots [N, L] (-inf at padding)."""
         n = x.shape[0]
         q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)
         q = _rope_part(q, self.rope_dim, positions, inv_freq, self.interleave, first=True)
         w = ops.linear(x.float(), self.weights_proj.weight.float()) * self.head_scale
-        scores = ops.indexer_scores(q, key_store, w, key_slots)
+        return ops.indexer_scores(q, key_store, w, key_slots)
+
+    def select(self, x, q_latent, positions, inv_freq, key_store, key_slots) -> torch.Tensor:
+        """Selected key slots [N, <= index_topk] in ascending position order, -1 padded."""
+        scores = self.scores(x, q_latent, positions, inv_freq, key_store, key_slots)
         key_pos = torch.arange(key_slots.shape[1], device=x.device).expand_as(key_slots)
         chosen = ops.topk_positions(scores, key_pos, self.topk)                       # ascending positions
         return torch.where(chosen >= 0, key_slots.gather(1, chosen.clamp(min=0)), chosen)
+
+    def select_sequences(self, x, q_latent, positions, inv_freq, key_store, length: int) -> torch.Tensor:
+        """select() for the training layout: [N, index_topk] token slots. Rows with <= index_topk
+        keys take all of them (what select gives them); only the longer rows are scored, over
+        an [N_long, length] slot table (indexer_scores reads an explicit list)."""
+        selected = _causal_slots(positions, self.topk)
+        long = torch.nonzero(positions >= self.topk).squeeze(1)
+        if long.numel():
+            table = _causal_slots(positions, length, long)
+            selected[long] = self.select(x[long], q_latent[long], positions[long], inv_freq, key_store, table)
+        return selected
 
 
 class MLAttention(nn.Module):
@@ -309,6 +347,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = SplitLinear(h * c.v_head_dim, c.hidden_size)
         self.indexer = Indexer(c) if has_indexer else None
+        self.indexer_losses: list | None = None   # a list to append the indexer's KL loss to (indexer_loss.py)
 
     def forward(self, x, batch: AttentionBatch, inv_freq, cache: KVCache | None, layer: int,
                 shared_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,21 +362,45 @@ class MLAttention(nn.Module):
         latent_store = _store(cache.latent[layer] if cache else None, latent, batch.write_slots)
         rope_store = _store(cache.rope[layer] if cache else None, k_rope, batch.write_slots)
 
+        training = batch.key_slots is None          # the training layout: keys are the new tokens
+        if training and cache is not None:
+            raise ValueError("the training layout (key_slots None) has no cache")
         if self.indexer is not None:
             index_store = _store(cache.index_k[layer] if cache else None,
                                  self.indexer.keys(x, batch.positions, inv_freq), batch.write_slots)
-            if batch.key_slots.shape[1] <= c.index_topk:
+            if batch.key_width <= c.index_topk:
                 selected = batch.key_slots        # every row has <= index_topk keys: all are selected
+            elif training:
+                selected = self.indexer.select_sequences(x, q_latent, batch.positions, inv_freq, index_store,
+                                                         batch.length)
             else:
                 selected = self.indexer.select(x, q_latent, batch.positions, inv_freq, index_store, batch.key_slots)
         else:
-            selected = shared_selection
+            selected = shared_selection           # None in the training layout: every causal key
 
         w_kv = self.kv_b_proj.weight.view(h, dn + c.v_head_dim, r)
         q_absorbed = _heads_linear(q[..., :dn], w_kv[:, :dn].transpose(1, 2).contiguous())  # [N, H, R]
-        o_latent = ops.mla_attention(q_absorbed, q_rope, latent_store, rope_store, selected, c.softmax_scale)
+        if training:
+            o_latent = ops.mla_attention_sequences(q_absorbed, q_rope, latent, k_rope, batch.positions,
+                                                   c.softmax_scale, selected)
+        else:
+            o_latent = ops.mla_attention(q_absorbed, q_rope, latent_store, rope_store, selected, c.softmax_scale)
+        if self.indexer_losses is not None and self.indexer is not None and selected is not None and training \
+                and torch.is_grad_enabled():
+            self.indexer_losses.append(self._indexer_loss(x, q_latent, batch.positions, inv_freq, q_absorbed,
+                                                          q_rope, latent, k_rope, selected))
         o = _heads_linear(o_latent.to(x.dtype), w_kv[:, dn:].contiguous())                   # [N, H, v]
         return self.o_proj(o.reshape(n, h * c.v_head_dim)), selected
+
+    def _indexer_loss(self, x, q_latent, positions, inv_freq, q_absorbed, q_rope, latent, k_rope, selected):
+        """The indexer's KL loss (indexer_loss.indexer_kl_loss) on the rows it chose keys for
+        (more than index_topk keys); the main model's tensors enter detached."""
+        from zerokl.model.indexer_loss import indexer_kl_loss
+        long = torch.nonzero(positions >= self.c.index_topk).squeeze(1)
+        x_d, sel = x.detach(), selected[long]
+        keys = self.indexer.keys(x_d, positions, inv_freq)
+        scores = self.indexer.scores(x_d[long], q_latent.detach()[long], positions[long], inv_freq, keys, sel)
+        return indexer_kl_loss(scores, q_absorbed[long], q_rope[long], latent, k_rope, sel, self.c.softmax_scale)
 
 
 class MLP(nn.Module):

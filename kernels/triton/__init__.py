@@ -10,7 +10,7 @@ package is imported (triton.jit reads it when the kernels are decorated).
 """
 from __future__ import annotations
 
-from .attention import KV_BLOCK, mla_attention
+from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .elementwise import sigmoid, silu
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
@@ -30,6 +30,7 @@ __all__ = [
     "linear",
     "log_softmax",
     "mla_attention",
+    "mla_attention_sequences",
     "rms_norm",
     "rope",
     "row_cumsum",

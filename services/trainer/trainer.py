@@ -9,6 +9,7 @@ save/load) lets callers drive their own loop; sft_step/dpo_step/grpo_step compos
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -20,6 +21,7 @@ import torch
 
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.model import Model
+from zerokl.model.indexer_loss import indexer_losses
 from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
@@ -40,6 +42,7 @@ class TrainConfig:
     kl_coef: float = 0.0                # > 0: k3 KL penalty to the frozen initial policy
     dpo_beta: float = 0.1
     seed: int = 0
+    indexer_loss_coef: float = 0.0      # > 0: add the DSA indexer's KL loss toward the attention distribution
 
 
 @dataclass(frozen=True)
@@ -160,17 +163,21 @@ class Trainer:
         """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics."""
         start = time.perf_counter()
         self.model.train()
-        if method == "sft":
-            batch = self._batch(batch_items)
-            loss = sft_loss(self._logprobs(self.model, batch), batch.mask)
-            metrics = {"loss": float(loss.detach())}
-            tokens = int(batch.mask.sum())
-        elif method == "dpo":
-            metrics, loss, tokens = self._dpo(batch_items)
-        elif method == "ppo":
-            metrics, loss, tokens = self._ppo(batch_items, kw["advantages"].to(self.device))
-        else:
-            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+        coef = self.config.indexer_loss_coef
+        with indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
+            if method == "sft":
+                batch = self._batch(batch_items)
+                loss = sft_loss(self._logprobs(self.model, batch), batch.mask)
+                metrics = {"loss": float(loss.detach())}
+                tokens = int(batch.mask.sum())
+            elif method == "dpo":
+                metrics, loss, tokens = self._dpo(batch_items)
+            elif method == "ppo":
+                metrics, loss, tokens = self._ppo(batch_items, kw["advantages"].to(self.device))
+            else:
+                raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+        if indexer_kl:                              # the indexer's own loss (zerokl.model.indexer_loss)
+            loss = loss + coef * torch.stack(indexer_kl).mean()
         loss.backward()
         self.tokens_seen += tokens
         metrics["tokens"] = tokens

@@ -135,3 +135,16 @@ def test_a_step_that_makes_a_weight_non_finite_is_undone():
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
     assert all(torch.equal(a, b) for a, b in
                zip([v for s in trainer.optimizer.state.values() for v in s.values()], moments, strict=True))
+
+
+@pytest.mark.parametrize("coef", [0.0, 1.0])
+def test_indexer_loss_coef_trains_the_indexer_only_when_set(coef):
+    """TrainConfig.indexer_loss_coef adds the indexer's KL loss (zerokl.model.indexer_loss): with
+    sequences longer than index_topk the indexer gets gradients; at the default 0 it gets none."""
+    trainer = Trainer(Model(TINY.replace(num_hidden_layers=2), seed=2), TrainConfig(indexer_loss_coef=coef))
+    rng = random.Random(3)
+    seqs = [Completion(tuple(rng.randrange(3, 64) for _ in range(30)), tuple(rng.randrange(3, 64) for _ in range(10)))
+            for _ in range(2)]                                    # 40 tokens > index_topk = 32
+    trainer.forward_backward("sft", seqs)
+    grads = [p.grad for n, p in trainer.model.named_parameters() if ".indexer." in n]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads) == (coef > 0)
