@@ -125,7 +125,7 @@ def hf_model(config: ModelConfig, device: str, dtype: torch.dtype):
     from zerokl.model.checkpoint import config_to_hf
     hf_config = transformers.GlmMoeDsaConfig(**config_to_hf(config, dtype))
     with torch.device(device):
-        model = transformers.GlmMoeDsaForCausalLM._from_config(hf_config, torch_dtype=dtype)
+        model = transformers.GlmMoeDsaForCausalLM._from_config(hf_config, dtype=dtype)
     impl = getattr(model.config, "_attn_implementation", "?")
     experts = getattr(model.config, "_experts_implementation", None)
     return model.train(), f"transformers {transformers.__version__}, attention {impl}" + (
@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="profile one step of this arm, e.g. small/zerokl/triton")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (CPU smoke test)")
     ap.add_argument("--out", default=None, help="folder for bench_train.json / .md / .png")
+    ap.add_argument("--append", action="store_true", help="add this run's rows to --out's existing results")
     ap.add_argument("--plot-from", default=None, help="re-render the table and PNG from a results JSON")
     args = ap.parse_args(argv)
 
@@ -370,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "device": name,
                         "commit": commit(), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
                         "args": vars(args)}, "rows": []}
+    if args.append and out is not None and (out / "bench_train.json").exists():
+        results["rows"] = json.loads((out / "bench_train.json").read_text())["rows"]
 
     def record(part, shape, row, config=None, seq=None):
         row = {"part": part, "shape": shape} | row
