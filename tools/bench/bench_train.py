@@ -11,8 +11,8 @@ Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position bu
          GlmMoeDsaForCausalLM (its default attention and experts implementations, eager) on the
          same config.json and loss; MFU; peak memory.
   slice  GLM-5 at real dimensions, --slice-layers layers (one dense, the rest MoE):
-         --slice-batch x --slice-seq, on the invariant backend: tokens/s, MFU with and without
-         attention FLOPs, peak memory (activation checkpointing off).
+         --slice-batch x --slice-seq (halved until it fits), on the invariant backend: tokens/s,
+         MFU with and without attention FLOPs, peak memory (activation checkpointing off).
   long   one --long-seq sequence on that slice with activation checkpointing: peak memory.
 Ratios: each backend's tokens/s over the stock backend's and over transformers'.
 
@@ -404,11 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["slice"] = {"total_params": total_params(slice_config),
                                 "active_params": active_params(slice_config)}
     if "slice" in parts:
-        ids = _tokens(slice_config, args.slice_batch, args.slice_seq, device, seed=1)
-        record("slice", f"{args.slice_batch} x {args.slice_seq}",
-               run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, False), device,
-                        args.steps, args.warmup, args.slice_batch * (args.slice_seq - 1), _arm(args.profile, "slice")),
-               slice_config, args.slice_seq)
+        # The largest batch that fits: --slice-batch, halved after each out-of-memory (each one recorded).
+        batch = args.slice_batch
+        while batch >= 1:
+            ids = _tokens(slice_config, batch, args.slice_seq, device, seed=1)
+            row = run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, False),
+                           device, args.steps, args.warmup, batch * (args.slice_seq - 1), _arm(args.profile, "slice"))
+            record("slice", f"{batch} x {args.slice_seq}", row, slice_config, args.slice_seq)
+            if "oom" not in row:
+                break
+            batch //= 2
     if "long" in parts:
         ids = _tokens(slice_config, 1, args.long_seq, device, seed=2)
         record("long", f"1 x {args.long_seq}",

@@ -49,8 +49,8 @@ def _sequences(k: int = 6, seed: int = 0) -> list[Completion]:
     return out
 
 
-def _unfused_logprobs(trainer: Trainer, seqs) -> torch.Tensor:
-    """The trainer's previous path: logits of every position, then the rows, then sampling_logprobs."""
+def _unfused_logprobs(trainer: Trainer, seqs):
+    """(logprobs [Ntok], batch) by the trainer's previous path: logits of every position, the rows, sampling_logprobs."""
     batch = trainer._batch(seqs)
     logits = trainer.model(batch.input_ids)
     logits = logits.reshape(-1, logits.shape[-1])[batch.rows]
