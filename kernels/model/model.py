@@ -531,13 +531,19 @@ class Model(nn.Module):
         logits_rows [M] picks the rows that need logits (the final norm and lm_head are
         per-row, so the picked rows have the same bits as in the full output).
         """
+        x = self.hidden_states(tokens, batch, cache)
+        if logits_rows is not None:
+            x = x[logits_rows]
+        return self.lm_head(self.norm(x))
+
+    def hidden_states(self, tokens: torch.Tensor, batch: AttentionBatch, cache: KVCache | None = None) -> torch.Tensor:
+        """The residual stream [N, D] after the last block, before the final norm: forward_tokens
+        without the head (the trainer's fused logprob head, zerokl.kernels.logprob, reads it)."""
         x = self.embed_tokens(tokens)
         selected = None
         for block in self.layers:
             x, selected = block(x, batch, self.inv_freq, cache, selected)
-        if logits_rows is not None:
-            x = x[logits_rows]
-        return self.lm_head(self.norm(x))
+        return x
 
     # Thin entry points; the I/O lives in zerokl.model.checkpoint.
     @classmethod

@@ -2,7 +2,10 @@
 
 Logprobs are recomputed by the model's training path and the sampling distribution of
 zerokl.kernels.sampling, so for weights version v they are bitwise the numbers the
-inference engine sampled with; the train/inference KL is reported every step as an
+inference engine sampled with. The head and the logprob run fused in row chunks
+(zerokl.kernels.logprob: never [tokens, vocab] fp32 for the whole batch), only on the
+rows that predict a completion token, and blocks can recompute their activations in
+the backward (TrainConfig.activation_checkpointing); neither changes a forward bit; the train/inference KL is reported every step as an
 exact number, and so is the count of tokens that differ (0).
 A Tinker-style low-level API (forward_logprobs, forward_backward, optim_step, state
 save/load) lets callers drive their own loop; sft_step/dpo_step/grpo_step compose it.
@@ -19,10 +22,13 @@ from typing import Sequence
 
 import torch
 
-from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
+from zerokl.kernels.logprob import fused_logprobs
+from zerokl.kernels.sampling import SamplingParams
 from zerokl.model import Model
 from zerokl.model.indexer_loss import indexer_losses
 from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
+from zerokl.model.model import AttentionBatch
+from zerokl.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
 __all__ = ["TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
@@ -43,6 +49,8 @@ class TrainConfig:
     dpo_beta: float = 0.1
     seed: int = 0
     indexer_loss_coef: float = 0.0      # > 0: add the DSA indexer's KL loss toward the attention distribution
+    activation_checkpointing: bool = False   # recompute each block's activations in the backward
+    logprob_chunk_rows: int = 0         # rows per chunk of the fused head + logprob (0 = by vocab size)
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ class _Batch:
     input_ids: torch.Tensor             # [B, S] padded
     targets: torch.Tensor               # [B, T] completion tokens, padded
     mask: torch.Tensor                  # [B, T]
-    rows: torch.Tensor                  # [Ntok] flat index into logits [B*(S), V] for each completion token
+    rows: torch.Tensor                  # [Ntok] flat index into the B*S positions: the one predicting each completion token
     params: SamplingParams              # per completion token
 
 
@@ -136,19 +144,28 @@ class Trainer:
                       torch.tensor(rows, dtype=torch.int64, device=dev), params)
 
     def _logprobs(self, model: Model, batch: _Batch, params: SamplingParams | None = None,
-                  logits: torch.Tensor | None = None) -> torch.Tensor:
+                  hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token logprobs [B, T] of the completions under their sampling distributions
-        (or `params`), from `logits` [Ntok, V] when already computed."""
-        if logits is None:
-            logits = self._token_logits(model, batch)
-        lp = sampling_logprobs(logits, batch.targets[batch.mask > 0], params or batch.params)
+        (or `params`), from `hidden` [Ntok, D] (_token_hidden) when already computed.
+
+        The final norm, lm_head and sampling_logprobs run fused in row chunks
+        (zerokl.kernels.logprob): the same bits as logits for every row, then the logprob."""
+        if hidden is None:
+            hidden = self._token_hidden(model, batch)
+        head = lambda x: model.lm_head(model.norm(x))                 # noqa: E731  (per-row, as forward_tokens)
+        weights = [*model.norm.parameters(), *model.lm_head.parameters()]
+        lp = fused_logprobs(hidden, head, weights, batch.targets[batch.mask > 0], params or batch.params,
+                            self.config.logprob_chunk_rows or None)
         return torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(batch.mask > 0, lp)
 
-    @staticmethod
-    def _token_logits(model: Model, batch: _Batch) -> torch.Tensor:
-        """Logits [Ntok, V] at the positions that predict each completion token."""
-        logits = model(batch.input_ids)
-        return logits.reshape(-1, logits.shape[-1])[batch.rows]
+    def _token_hidden(self, model: Model, batch: _Batch) -> torch.Tensor:
+        """The residual stream [Ntok, D] (before the final norm) at the positions that predict
+        each completion token; blocks checkpointed when the config says so and a gradient is recorded."""
+        b, s = batch.input_ids.shape
+        layout = AttentionBatch.for_sequences(b, s, batch.input_ids.device)
+        with checkpoint_blocks(model, self.config.activation_checkpointing):
+            hidden = model.hidden_states(batch.input_ids.reshape(-1), layout)
+        return hidden[batch.rows]
 
     @torch.no_grad()
     def forward_logprobs(self, seqs: Sequence[Completion]) -> list[torch.Tensor]:
@@ -208,15 +225,15 @@ class Trainer:
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
         behaviour = behaviour.to(self.device)
-        logits = self._token_logits(self.model, batch)
-        logprobs = self._logprobs(self.model, batch, logits=logits)
+        hidden = self._token_hidden(self.model, batch)
+        logprobs = self._logprobs(self.model, batch, hidden=hidden)
         ref = policy_full = None
         if self.reference is not None:
             # The KL penalty compares full (temperature-only) distributions: under top-k/top-p
             # the reference may give a sampled token probability 0 and the penalty infinity.
             full = dataclasses.replace(batch.params, top_k=torch.zeros_like(batch.params.top_k),
                                        top_p=torch.ones_like(batch.params.top_p))
-            policy_full = self._logprobs(self.model, batch, full, logits)
+            policy_full = self._logprobs(self.model, batch, full, hidden)
             with torch.no_grad():
                 ref = self._logprobs(self.reference, batch, full)
         loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps,

@@ -128,7 +128,9 @@ def test_one_grpo_step_on_the_device_has_zero_kl_and_no_clipping(device):
     task = Task(train=generate_problems(40, seed=0), test=generate_problems(8, seed=1, split="test"),
                 encode_prompt=lambda p: tuple([tok.bos_id] + tok.encode(format_prompt(p))), reward=reward)
     with use_backend(_backend(device)):
-        trainer = LocalTrainerPort(Trainer(_model(cfg, device), TrainConfig(lr=3e-3)))
+        # The trainer's fast path: activation checkpointing, and the fused head in chunks of 7 rows.
+        trainer = LocalTrainerPort(Trainer(_model(cfg, device), TrainConfig(lr=3e-3, activation_checkpointing=True,
+                                                                             logprob_chunk_rows=7)))
         engine = LocalEnginePort(trainer, tok, EngineConfig(max_num_batched_tokens=sizes.max_num_batched_tokens,
                                                             num_blocks=2048))
         [record] = run_rl(task, engine, trainer, RLConfig(steps=1, prompts_per_step=2, group_size=4,

@@ -1,0 +1,434 @@
+"""Trainer forward + backward on one GPU, side by side in one run (issue 22).
+
+    python tools/bench/bench_train.py --out docs/bench                      # every part, issue 22's sizes
+    python tools/bench/bench_train.py --parts small --profile small/triton  # one part, plus a profile
+    python tools/bench/bench_train.py --smoke --device cpu --out /tmp/b     # tiny, on the CPU (the CI test)
+    python tools/bench/bench_train.py --plot-from docs/bench/bench_train.json   # re-render table + PNG
+
+Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position but the last):
+  small  `small` preset, --batch x --seq (8 x 512): tokens/s of the zerokl trainer's SFT
+         forward_backward (fused head + logprob) on each --backends backend, and of transformers'
+         GlmMoeDsaForCausalLM (its default attention and experts implementations, eager) on the
+         same config.json and loss; MFU; peak memory.
+  slice  GLM-5 at real dimensions, --slice-layers layers (one dense, the rest MoE):
+         --slice-batch x --slice-seq (halved until it fits), on the invariant backend: tokens/s,
+         MFU with and without attention FLOPs, peak memory (activation checkpointing off).
+  long   one --long-seq sequence on that slice with activation checkpointing: peak memory.
+Ratios: each backend's tokens/s over the stock backend's and over transformers'.
+
+MFU = 6 x active params x tokens/s / 989e12 (H200 dense bf16). Active params count every
+parameter a token uses (embedding and lm_head included, num_experts_per_tok of the routed
+experts). With attention: + 3 x (the absorbed MLA's 2*H*(2R+P) FLOPs per attended key, plus
+the indexer's 2*Hi*Di per causal key on sparse layers, counted once: it has no backward)
+per token. Big models are built on the device (meta, then a seeded torch.randn on the device
+per tensor): cheap and deterministic per GPU, never GLM-5's weights through the CPU's
+portable RNG. A part that runs out of memory is recorded as such, with the peak reached.
+Results are written after every measurement (JSON, markdown table, PNG when matplotlib is there).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+
+from zerokl.kernels import ops, use_backend
+from zerokl.kernels.backend import default_backend
+from zerokl.model import Model, ModelConfig
+from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+
+PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
+
+
+def commit() -> str:
+    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+
+
+# ----------------------------------------------------------------------------- models
+
+class _Uninitialized(Model):
+    """A Model whose constructor draws nothing (its weights are filled on the device afterwards)."""
+
+    def init_weights(self, seed):
+        pass
+
+
+def build_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int = 0) -> Model:
+    """The model on `device` with Normal(0, 0.02) projections drawn there by a seeded generator
+    (depth-scaled output projections, unit norms, as Model.init_weights), built through the
+    meta device: no weight ever exists on the CPU. Deterministic for a given device."""
+    with torch.device("meta"):
+        model = _Uninitialized(config, dtype=dtype)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    depth_scale = (2 * config.num_hidden_layers) ** -0.5
+    with torch.no_grad():
+        model.inv_freq.copy_(ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta).to(device))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
+            else:
+                std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
+    return model
+
+
+def active_params(config: ModelConfig) -> int:
+    """Parameters one token uses: all but the routed experts it is not sent to."""
+    with torch.device("meta"):
+        model = _Uninitialized(config)
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("mlp.gate_proj", "mlp.up_proj",
+                                                                                "mlp.down_proj")))
+    return total - routed + routed * config.num_experts_per_tok // config.n_routed_experts
+
+
+def total_params(config: ModelConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in _Uninitialized(config).parameters())
+
+
+def attention_flops_per_token(config: ModelConfig, seq: int) -> float:
+    """Training FLOPs of attention per token, averaged over the positions of a `seq`-token sequence."""
+    c = config
+    h, r, p, topk = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.index_topk
+    causal = (seq + 1) / 2                                                    # mean keys in a causal prefix
+    attended = causal if seq <= topk else sum(min(i + 1, topk) for i in range(seq)) / seq
+    flops = 3 * 2 * h * (2 * r + p) * attended * c.num_hidden_layers       # scores + output, fwd + bwd
+    if seq > topk:
+        full = sum(t == "full" for t in c.indexer_types)
+        flops += 2 * c.index_n_heads * c.index_head_dim * causal * full    # indexer scores, forward only
+    return flops
+
+
+def hf_model(config: ModelConfig, device: str, dtype: torch.dtype):
+    """transformers' GlmMoeDsaForCausalLM on the same config.json (random weights), or None."""
+    try:
+        import transformers
+    except ImportError:
+        return None, "transformers is not installed"
+    if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
+        return None, f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM"
+    from zerokl.model.checkpoint import config_to_hf
+    hf_config = transformers.GlmMoeDsaConfig(**config_to_hf(config, dtype))
+    with torch.device(device):
+        model = transformers.GlmMoeDsaForCausalLM._from_config(hf_config, dtype=dtype)
+    impl = getattr(model.config, "_attn_implementation", "?")
+    experts = getattr(model.config, "_experts_implementation", None)
+    return model.train(), f"transformers {transformers.__version__}, attention {impl}" + (
+        f", experts {experts}" if experts else "")
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tokens(config: ModelConfig, batch: int, seq: int, device: str, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, config.vocab_size, (batch, seq), generator=g)
+
+
+def zerokl_step(trainer: Trainer, ids: torch.Tensor):
+    """One SFT forward + backward over every next token of ids [B, S] (prompt = the first token)."""
+    seqs = [Completion((row[0],), tuple(row[1:])) for row in ids.tolist()]
+    def step():
+        trainer.forward_backward("sft", seqs)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def hf_step(model, ids: torch.Tensor):
+    ids = ids.to(next(model.parameters()).device)
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def measure(step, device: str, steps: int, warmup: int, profile: str | None = None) -> dict:
+    """Median seconds per step, peak memory (CUDA), and the profiler's top kernels when asked."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    out = {"seconds_per_step": sorted(times)[len(times) // 2], "steps": steps}
+    if device == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+        with prof(activities=acts) as p:
+            step()
+            _sync(device)
+        key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+        table = p.key_averages().table(sort_by=key, row_limit=20)
+        out["profile_top"] = table
+        print(f"--- profile: {profile}, top kernels by {key} ---\n{table}", flush=True)
+    return out
+
+
+def _oom(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def run_case(name: str, build, device: str, steps: int, warmup: int, tokens: int, profile: str | None) -> dict:
+    """Build and measure one arm; out-of-memory is a result, not a crash."""
+    row = {"name": name, "tokens_per_step": tokens}
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        step, note = build()
+        if step is None:
+            return row | {"skipped": note}
+        row["note"] = note
+        row |= measure(step, device, steps, warmup, profile if profile == name else None)
+        row["tokens_per_s"] = tokens / row["seconds_per_step"]
+    except Exception as err:              # noqa: BLE001  (recorded in the results)
+        if not _oom(err):
+            raise
+        row["oom"] = str(err).splitlines()[0][:300]
+        if device == "cuda":
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    finally:
+        step = None
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+def _fmt(x, spec=",.0f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(results: dict) -> str:
+    m = results["meta"]
+    lines = [f"Trainer forward + backward ({m['date']}, {m['device']}, commit {m['commit']}, {m['dtype']}, "
+             f"torch {m['torch']}); MFU vs {PEAK_BF16 / 1e12:.0f} TFLOP/s.", "",
+             "| part | implementation | batch x seq | tokens/s | MFU | MFU with attention | peak memory GiB | "
+             "vs stock | vs transformers |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        if "skipped" in r:
+            tps, extra = None, f"skipped: {r['skipped']}"
+        elif "oom" in r:
+            tps, extra = None, "out of memory"
+        else:
+            tps, extra = r["tokens_per_s"], ""
+        mfu = _fmt(r.get("mfu"), ".2%") if "mfu" in r else "-"
+        mfu_a = _fmt(r.get("mfu_with_attention"), ".2%") if "mfu_with_attention" in r else "-"
+        lines.append(f"| {r['part']} | {r['name']}{' (' + extra + ')' if extra else ''} | {r['shape']} | {_fmt(tps)} | "
+                     f"{mfu} | {mfu_a} | {_fmt(r.get('peak_memory_gib'), '.1f')} | "
+                     f"{_fmt(r.get('vs_stock'), '.2f')} | {_fmt(r.get('vs_transformers'), '.3f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = [r for r in results["rows"] if "tokens_per_s" in r]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
+    labels = [f"{r['part']}: {r['name']} ({r['shape']})" for r in rows]
+    ax.barh(labels, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        ax.text(r["tokens_per_s"], i, f" {r['tokens_per_s']:,.0f}", va="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens/s (forward + backward), log scale")
+    ax.invert_yaxis()
+    m = results["meta"]
+    ax.set_title(f"zerokl trainer vs transformers, {m['device']}, {m['commit']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(results: dict, out: pathlib.Path | None) -> None:
+    _derive(results)
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_train.json").write_text(json.dumps(results, indent=1))
+    (out / "bench_train.md").write_text(markdown(results))
+    plot(results, out / "bench_train.png")
+
+
+def _derive(results: dict) -> None:
+    """Ratios within each part: vs the stock backend's tokens/s and vs transformers'."""
+    for part in {r["part"] for r in results["rows"]}:
+        rows = [r for r in results["rows"] if r["part"] == part]
+        tps = {r["name"]: r.get("tokens_per_s") for r in rows}
+        stock = next((v for k, v in tps.items() if k.endswith("/stock") and v), None)
+        hf = tps.get("transformers")
+        for r in rows:
+            if r.get("tokens_per_s") and r["name"].startswith("zerokl"):
+                if stock:
+                    r["vs_stock"] = r["tokens_per_s"] / stock
+                if hf:
+                    r["vs_transformers"] = r["tokens_per_s"] / hf
+
+
+# ----------------------------------------------------------------------------- parts
+
+def _zerokl_arm(config, device, dtype, backend, ids, checkpointing):
+    def build():
+        with use_backend(backend):
+            model = build_model(config, device, dtype)
+            trainer = Trainer(model, TrainConfig(activation_checkpointing=checkpointing))
+            step = zerokl_step(trainer, ids)
+
+        def run():
+            with use_backend(backend):
+                step()
+        return run, f"backend {backend}, activation checkpointing {'on' if checkpointing else 'off'}"
+    return build
+
+
+def _with_mfu(row: dict, config: ModelConfig, seq: int) -> dict:
+    if "tokens_per_s" in row:
+        act = active_params(config)
+        row["active_params"] = act
+        row["mfu"] = 6 * act * row["tokens_per_s"] / PEAK_BF16
+        row["mfu_with_attention"] = (6 * act + attention_flops_per_token(config, seq)) * row["tokens_per_s"] / PEAK_BF16
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="small,slice,long", help="comma list of: small, slice, long")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backends", default=None, help="zerokl backends for the small part (default: the "
+                    "device's invariant backend, then stock)")
+    ap.add_argument("--preset", default="small", help="model of the small part")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
+    ap.add_argument("--slice-preset", default="glm5")
+    ap.add_argument("--slice-layers", type=int, default=2)
+    ap.add_argument("--slice-batch", type=int, default=4)
+    ap.add_argument("--slice-seq", type=int, default=4096)
+    ap.add_argument("--long-seq", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per arm (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profile", default=None, help="profile one step of this arm, e.g. small/zerokl/triton")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (CPU smoke test)")
+    ap.add_argument("--out", default=None, help="folder for bench_train.json / .md / .png")
+    ap.add_argument("--append", action="store_true", help="add this run's rows to --out's existing results")
+    ap.add_argument("--plot-from", default=None, help="re-render the table and PNG from a results JSON")
+    args = ap.parse_args(argv)
+
+    if args.plot_from:
+        src = pathlib.Path(args.plot_from)
+        results = json.loads(src.read_text())
+        write(results, pathlib.Path(args.out) if args.out else src.parent)
+        print(markdown(results))
+        return 0
+    if args.smoke:
+        args.preset, args.batch, args.seq = "tiny", 2, 48
+        args.slice_preset, args.slice_batch, args.slice_seq, args.long_seq = "tiny", 1, 48, 80
+        args.steps, args.warmup = 1, 0
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    invariant = default_backend() if device == "cuda" else "torch"
+    backends = args.backends.split(",") if args.backends else [invariant, "stock"]
+    parts = set(args.parts.split(","))
+    if parts - {"small", "slice", "long"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'small', 'slice', 'long'})}")
+    out = pathlib.Path(args.out) if args.out else None
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    results = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "device": name,
+                        "commit": commit(), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                        "args": vars(args)}, "rows": []}
+    if args.append and out is not None and (out / "bench_train.json").exists():
+        results["rows"] = json.loads((out / "bench_train.json").read_text())["rows"]
+
+    def record(part, shape, row, config=None, seq=None):
+        row = {"part": part, "shape": shape} | row
+        if config is not None:
+            row = _with_mfu(row, config, seq)
+        results["rows"].append(row)
+        write(results, out)
+        shown = {k: v for k, v in row.items() if k != "profile_top"}
+        print(json.dumps(shown), flush=True)
+
+    if "small" in parts:
+        config = ModelConfig.preset(args.preset)
+        ids = _tokens(config, args.batch, args.seq, device)
+        tokens = args.batch * (args.seq - 1)
+        shape = f"{args.batch} x {args.seq}"
+        for backend in backends:
+            arm = f"zerokl/{backend}"
+            record("small", shape, run_case(arm, _zerokl_arm(config, device, dtype, backend, ids, False), device,
+                                            args.steps, args.warmup, tokens, _arm(args.profile, "small")), config, args.seq)
+        if not args.no_transformers:
+            def build_hf():
+                model, note = hf_model(config, device, dtype)
+                return (None, note) if model is None else (hf_step(model, ids), note)
+            record("small", shape, run_case("transformers", build_hf, device, args.steps, args.warmup, tokens,
+                                            _arm(args.profile, "small")), config, args.seq)
+
+    slice_config = ModelConfig.preset(args.slice_preset).replace(num_hidden_layers=args.slice_layers,
+                                                                  first_k_dense_replace=1)
+    results["meta"]["slice"] = {"total_params": total_params(slice_config),
+                                "active_params": active_params(slice_config)}
+    if "slice" in parts:
+        # The largest batch that fits: --slice-batch, halved after each out-of-memory (each one recorded).
+        batch = args.slice_batch
+        while batch >= 1:
+            ids = _tokens(slice_config, batch, args.slice_seq, device, seed=1)
+            row = run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, False),
+                           device, args.steps, args.warmup, batch * (args.slice_seq - 1), _arm(args.profile, "slice"))
+            record("slice", f"{batch} x {args.slice_seq}", row, slice_config, args.slice_seq)
+            if "oom" not in row:
+                break
+            batch //= 2
+    if "long" in parts:
+        ids = _tokens(slice_config, 1, args.long_seq, device, seed=2)
+        record("long", f"1 x {args.long_seq}",
+               run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, True), device,
+                        1, 0, args.long_seq - 1, _arm(args.profile, "long")), slice_config, args.long_seq)
+    print(markdown(results))
+    return 0
+
+
+def _arm(profile: str | None, part: str) -> str | None:
+    """The arm name run_case compares against: --profile small/zerokl/triton -> zerokl/triton for part small."""
+    if not profile or not profile.startswith(part + "/"):
+        return None
+    return profile[len(part) + 1:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
