@@ -146,7 +146,7 @@ class _Recorder:
         rows = x.detach()
         entry = OpTrace(layer, op, str(rows.dtype).removeprefix("torch."), tuple(rows.shape[1:]), row_digests(rows))
         if "*" in self.capture or entry.key in self.capture:
-            entry.values = rows.contiguous().cpu().numpy().tobytes()
+            entry.values = rows.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         self.ops.append(entry)
 
 
