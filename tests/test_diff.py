@@ -47,6 +47,8 @@ def test_a_bf16_side_parts_from_an_fp32_one_at_the_embedding(capsys):
     first = json.loads(capsys.readouterr().out)["first_divergence"]
     assert (first["layer"], first["op"], first["token"]) == (-1, "embed_tokens", 0)
     assert (first["a_dtype"], first["b_dtype"]) == ("float32", "bfloat16")
+    # The bf16 embedding is the fp32 one rounded: 0 ULP of bf16 apart once A is rounded too.
+    assert (first["ulp"], first["ulp_dtype"]) == (0, "bfloat16")
 
 
 def test_sides_that_cannot_be_compared_exit_2(capsys, tmp_path):

@@ -51,7 +51,8 @@ class Divergence:
     index: list[int] | None = None              # first differing element within the token's row
     a: float | int | None = None                # the two values there (None: rows not captured)
     b: float | int | None = None
-    ulp: int | None = None                      # ULP distance (floats of one dtype; None otherwise)
+    ulp: int | None = None                      # ULP distance (None: integers, NaN)
+    ulp_dtype: str = ""                         # the dtype the ULPs are of (the coarser one when the sides differ)
     a_dtype: str = ""
     b_dtype: str = ""
     note: str = ""                              # e.g. "slot 0 = expert 5" for mlp.experts
@@ -139,7 +140,13 @@ def _first_element(oa: OpTrace, ob: OpTrace, token: int, div: Divergence, expert
     flat = int(where[0])
     div.index = [int(i) for i in torch.unravel_index(torch.tensor(flat), tuple(ta.shape[1:]))] if ta.dim() > 1 else []
     div.a, div.b = _scalar(ra[flat]), _scalar(rb[flat])
-    div.ulp = ulp_distance(ra[flat], rb[flat])
+    va, vb = ra[flat], rb[flat]
+    if va.dtype != vb.dtype and va.dtype.is_floating_point and vb.dtype.is_floating_point:
+        # Two dtypes (a bf16 side beside an fp32 one): count ULPs of the coarser, the finer value rounded to it.
+        coarse = max(va.dtype, vb.dtype, key=lambda d: torch.finfo(d).eps)
+        va, vb = va.to(coarse), vb.to(coarse)
+    div.ulp = ulp_distance(va, vb)
+    div.ulp_dtype = str(va.dtype).removeprefix("torch.") if div.ulp is not None else ""
     if oa.op == "mlp.experts" and div.index:
         ids = [e.tensor() if e is not None else None for e in experts]
         slot = div.index[0]
@@ -357,8 +364,8 @@ async def diff(a: Side, b: Side, ids: Sequence[int] | None, text: str | None = N
 
 def _side_line(name: str, label: str, meta: dict[str, str]) -> str:
     keys = ("service", "backend", "device", "dtype", "weights_version", "numerics_fingerprint")
-    parts = [f"{k.replace('numerics_', '').replace('weights_version', 'weights')}={meta[k][:16]}"
-             for k in keys if meta.get(k)]
+    short = {"weights_version": "weights", "numerics_fingerprint": "fingerprint"}
+    parts = [f"{short.get(k, k)}={meta[k][:16] if k == 'numerics_fingerprint' else meta[k]}" for k in keys if meta.get(k)]
     return f"{name}: {label}  " + " ".join(parts)
 
 
@@ -384,8 +391,12 @@ def format_report(r: DiffReport, a_label: str = "A", b_label: str = "B") -> str:
                      f"({len(f.tokens)} of {len(r.token_ids)} tokens differ there)")
         if f.a is not None:
             at = f"element {f.index}" if f.index else "value"
-            dist = f"{f.ulp} ULP apart" if f.ulp is not None else (
-                f"dtypes {f.a_dtype} vs {f.b_dtype}" if f.a_dtype != f.b_dtype else "not comparable in ULPs")
+            if f.ulp is None:
+                dist = "not comparable in ULPs"
+            elif f.a_dtype != f.b_dtype:
+                dist = f"dtypes {f.a_dtype} vs {f.b_dtype}: {f.ulp} ULP of {f.ulp_dtype} apart after rounding to it"
+            else:
+                dist = f"{f.ulp} ULP apart"
             note = f" ({f.note})" if f.note else ""
             lines.append(f"  {at}{note}: A = {_fmt_value(f.a)}, B = {_fmt_value(f.b)}; {dist}")
         elif f.a_dtype != f.b_dtype:
