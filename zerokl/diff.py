@@ -35,7 +35,7 @@ import torch
 from zerokl.kernels.trace import MODEL_LAYER, OpTrace, Trace, trace_sequence
 
 __all__ = ["Divergence", "LayerSummary", "DiffReport", "compare", "ulp_distance", "Side", "parse_side",
-           "trace_side", "diff", "format_report", "add_arguments", "run"]
+           "trace_side", "diff", "diff_backends", "describe", "format_report", "add_arguments", "run"]
 
 
 # ----------------------------------------------------------------------------- comparing two traces
@@ -358,6 +358,26 @@ async def diff(a: Side, b: Side, ids: Sequence[int] | None, text: str | None = N
         for name in ("A", "B"):
             (out / f"{name.lower()}.json").write_text(json.dumps(fetched[name].trace.to_json()))
     return report
+
+
+def diff_backends(model, ids: Sequence[int], backend_a: str, backend_b: str) -> DiffReport:
+    """One model, one sequence, two backends, in process (e.g. the experiment's trainer vs its stock inference)."""
+    from zerokl.kernels.backend import use_backend
+    traces = []
+    for backend in (backend_a, backend_b):
+        with use_backend(backend):
+            traces.append(trace_sequence(model, ids, capture=["*"], meta={"backend": backend}))
+    return compare(*traces)
+
+
+def describe(r: DiffReport) -> str:
+    """The first divergence in a few words: "layer 0 input_layernorm, token 3 (1 ULP)" or "none"."""
+    f = r.first
+    if f is None:
+        return "none: every traced op has the same bits" if r.identical else "no common op differs"
+    where = "model" if f.layer == MODEL_LAYER else f"layer {f.layer}"
+    ulp = f" ({f.ulp} ULP)" if f.ulp is not None else ""
+    return f"{where} {f.op}, token {f.token}{ulp}"
 
 
 # ----------------------------------------------------------------------------- output
