@@ -151,6 +151,7 @@ class _Recorder:
 
 
 _ACTIVE: _Recorder | None = None
+_ONE_AT_A_TIME = threading.Lock()
 
 
 def _recorder() -> _Recorder | None:
@@ -219,28 +220,34 @@ class recording:
 
     def __enter__(self) -> "recording":
         global _ACTIVE
-        if _ACTIVE is not None:
-            raise RuntimeError("a trace is already recording (one at a time per process)")
+        if _ACTIVE is not None and _ACTIVE.thread == threading.get_ident():
+            raise RuntimeError("a trace is already recording on this thread")
+        _ONE_AT_A_TIME.acquire()           # another thread's trace: wait for it (one recorder per process)
         self._recorder = r = _Recorder(self.capture)
-        for name, module in self.model.named_modules():
-            kind = type(module).__name__
-            if not name or kind not in _HOOKED:
-                continue
-            layer, op = _split_name(name)
-            if kind == "Block":
-                self._handles.append(module.register_forward_pre_hook(self._enter_block(layer)))
-                op = "block"
-            self._handles.append(module.register_forward_hook(self._hook(layer, op, kind)))
+        try:
+            for name, module in self.model.named_modules():
+                kind = type(module).__name__
+                if not name or kind not in _HOOKED:
+                    continue
+                layer, op = _split_name(name)
+                if kind == "Block":
+                    self._handles.append(module.register_forward_pre_hook(self._enter_block(layer)))
+                    op = "block"
+                self._handles.append(module.register_forward_hook(self._hook(layer, op, kind)))
+        except BaseException:
+            self.__exit__()
+            raise
         _ACTIVE = r
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         global _ACTIVE
         _ACTIVE = None
         for h in self._handles:
             h.remove()
         self._handles = []
         self.ops = self._recorder.ops if self._recorder else []
+        _ONE_AT_A_TIME.release()
 
     def add(self, op: str, x: torch.Tensor, layer: int = MODEL_LAYER) -> None:
         """Record a value computed outside the model (e.g. the logprobs) under `op`."""

@@ -220,6 +220,11 @@ class Replica:
         ignores the engine's own forwards). A weights swap that lands meanwhile makes it
         UNAVAILABLE; `zerokl diff` also checks the trace's logprobs against the Score's.
         """
+        from zerokl.services.inference.tensor_parallel import LockstepEngine
+        if isinstance(self.engine.engine, LockstepEngine):
+            # Its forward runs collectives in lockstep with the followers' engines: not one rank alone.
+            raise FailedPrecondition("a tensor-parallel replica cannot trace (trace a --tp 1 replica of the same "
+                                     "fingerprint: it computes the same bits)")
         before = self.engine.weights_version
         identity = self.identity
         trace = await asyncio.to_thread(trace_sequence, self.engine.engine.model, ids, options.temperature,

@@ -120,6 +120,19 @@ def test_only_the_recording_thread_is_recorded(model):
     assert {len(o.digests) for o in rec.ops} == {12}
 
 
+def test_traces_from_two_threads_wait_for_each_other(model):
+    """Two traced requests at once (a replica's concurrent Score calls): each gets its own trace."""
+    want = {n: trace_sequence(model, _ids(n)).ops for n in (7, 11)}
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda n=n: got.__setitem__(n, trace_sequence(model, _ids(n)).ops))
+               for n in (7, 11)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want and _no_hooks(model) and trace._ACTIVE is None
+
+
 def test_digests_tell_every_single_bit_apart_and_ignore_layout():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 7, generator=g)
