@@ -226,8 +226,10 @@ class recording:
         self._recorder = r = _Recorder(self.capture)
         try:
             for name, module in self.model.named_modules():
-                kind = type(module).__name__
-                if not name or kind not in _HOOKED:
+                # By class name up the MRO: a LoRA-adapted projection is a torch-generated
+                # "ParametrizedLinear" subclass of Linear (kernels/model/lora.py).
+                kind = next((c.__name__ for c in type(module).__mro__ if c.__name__ in _HOOKED), None)
+                if not name or kind is None:
                     continue
                 layer, op = _split_name(name)
                 if kind == "Block":

@@ -97,6 +97,17 @@ def test_traced_rows_are_the_models_bits(model):
     assert torch.equal(ops.moe_combine(w, outs), op[(1, "mlp.combine")].tensor())
 
 
+def test_a_lora_adapted_model_traces_the_same_ops(model):
+    """The trainer's LoRA projections are parametrized subclasses of Linear: still traced, under the
+    same names; with B = 0 at the start they compute the plain model's bits, op for op."""
+    from zerokl.model.lora import apply_lora
+    adapted = Model(CONFIG, seed=0)
+    apply_lora(adapted, rank=4)
+    ids = _ids(10)
+    want, got = trace_sequence(model, ids), trace_sequence(adapted, ids)
+    assert [(o.layer, o.op, o.digests) for o in got.ops] == [(o.layer, o.op, o.digests) for o in want.ops]
+
+
 def test_recording_off_costs_one_check_and_records_nothing(model):
     assert trace._ACTIVE is None
     trace.record("anything", torch.ones(2, 2))             # no recorder: nothing happens, nothing raised
