@@ -42,7 +42,7 @@ PARSERS = {
 def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
     parsers = [(name, p.prog) for name, top in PARSERS.items() for p in _every_parser(top) if p.allow_abbrev]
     assert parsers == []
-    assert len(_every_parser(PARSERS["zerokl"])) == 15     # zerokl, its 10 commands, and the 4 of `jobs`
+    assert len(_every_parser(PARSERS["zerokl"])) == 16     # zerokl, its 11 commands, and the 4 of `jobs`
 
 
 @pytest.mark.parametrize("name,argv,meant,unknown", [

@@ -1,5 +1,6 @@
 """`zerokl experiment countdown` at toy size: the zerokl arm has KL exactly 0, the mismatch arm does not."""
 import json
+import re
 import subprocess
 import sys
 
@@ -20,4 +21,7 @@ def test_experiment_puts_both_arms_side_by_side(tmp_path):
     assert arms["zerokl"][0]["tokens"] > 0 and arms["mismatch"][0]["tokens"] > 0
     report = (tmp_path / "report.md").read_text()
     assert "| zerokl | 0 |" in report and "mismatch" in report
+    # zerokl diff names where the stock path first parts from the trainer's, e.g. "layer 0 input_layernorm, token 0".
+    assert re.search(r"- where the stock path first parts \(zerokl diff, first test prompt\): "
+                     r"(layer \d+|model) \S+, token \d+", report)
     assert (tmp_path / "experiment.png").stat().st_size > 0

@@ -225,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description=experiment.__doc__.splitlines()[0])
     experiment.add_arguments(e)
     e.set_defaults(run=experiment.run)
+    from zerokl import diff
+    df = sub.add_parser("diff", help="name the first op (layer, op, token) where two computations of the same tokens "
+                                     "part", description=diff.__doc__.splitlines()[0])
+    diff.add_arguments(df)
+    df.set_defaults(run=diff.run)
 
     g = sub.add_parser(
         "generate", help="stream a completion from a prefill or decode replica",

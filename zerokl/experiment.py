@@ -72,6 +72,21 @@ def run_arm(arm: str, args: argparse.Namespace, on_step=None) -> list[dict]:  # 
     return [as_dict(r) for r in run_rl(task, engine_port, trainer_port, config, on_step)]
 
 
+def _first_part(args: argparse.Namespace) -> str:
+    """Where the mismatch arm's inference first computes other bits than the trainer, on the start weights."""
+    from zerokl.demo import SFT_CHECKPOINT
+    from zerokl.diff import describe, diff_backends
+    from zerokl.kernels import get_backend
+    from zerokl.model import Model
+    from zerokl.tasks.setup import countdown_config, countdown_data, encode_prompt
+    _, test, tok = countdown_data(args.seed, args.train_problems)
+    if args.from_scratch or not (SFT_CHECKPOINT / "model.safetensors").exists():
+        model = Model(countdown_config(tok), seed=args.seed)
+    else:
+        model = Model.from_pretrained(SFT_CHECKPOINT)
+    return describe(diff_backends(model, encode_prompt(test[0], tok), get_backend(), ARMS["mismatch"]))
+
+
 def _plot(arms: dict[str, list[dict]], out: pathlib.Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -139,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     write_report(arms, out, {"numerics": f"{__version__} fingerprint {fingerprint()}",
                              "start": "seeded tiny model" if args.from_scratch else "shipped SFT checkpoint",
                              "steps": args.steps, "samples per step": args.prompts * args.group, "lr": args.lr,
-                             "seed": args.seed, "wall time (s)": f"{time.perf_counter() - t0:.0f}"})
+                             "seed": args.seed, "wall time (s)": f"{time.perf_counter() - t0:.0f}",
+                             "where the stock path first parts (zerokl diff, first test prompt)": _first_part(args)})
     print(f"report: {out / 'report.md'}")
     return 0

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerokl.kernels import ops
+from zerokl.kernels import ops, trace
 from zerokl.kernels.portable import standard_normal
 
 __all__ = ["ModelConfig", "AttentionBatch", "KVCache", "Model"]
@@ -308,14 +308,18 @@ class Indexer(nn.Module):
         n = x.shape[0]
         q = self.wq_b(q_latent).view(n, self.n_heads, self.head_dim)
         q = _rope_part(q, self.rope_dim, positions, inv_freq, self.interleave, first=True)
+        trace.record("self_attn.indexer.q", q)
         w = ops.linear(x.float(), self.weights_proj.weight.float()) * self.head_scale
+        trace.record("self_attn.indexer.head_weights", w)
         return ops.indexer_scores(q, key_store, w, key_slots)
 
     def select(self, x, q_latent, positions, inv_freq, key_store, key_slots) -> torch.Tensor:
         """Selected key slots [N, <= index_topk] in ascending position order, -1 padded."""
         scores = self.scores(x, q_latent, positions, inv_freq, key_store, key_slots)
+        trace.record("self_attn.indexer.scores", scores)
         key_pos = torch.arange(key_slots.shape[1], device=x.device).expand_as(key_slots)
         chosen = ops.topk_positions(scores, key_pos, self.topk)                       # ascending positions
+        trace.record("self_attn.indexer.chosen", chosen)
         return torch.where(chosen >= 0, key_slots.gather(1, chosen.clamp(min=0)), chosen)
 
     def select_sequences(self, x, q_latent, positions, inv_freq, key_store, length: int) -> torch.Tensor:
@@ -356,9 +360,11 @@ class MLAttention(nn.Module):
         q_latent = self.q_a_layernorm(self.q_a_proj(x))                               # [N, q_lora]
         q = self.q_b_proj(q_latent).view(n, h, c.qk_head_dim)
         q_rope = ops.rope(q[..., dn:], batch.positions, inv_freq, c.rope_interleave)   # [N, H, P]
+        trace.record("self_attn.q_rope", q_rope)
         kv = self.kv_a_proj_with_mqa(x)
         latent = self.kv_a_layernorm(kv[:, :r])                                        # [N, R]
         k_rope = ops.rope(kv[:, None, r:], batch.positions, inv_freq, c.rope_interleave)[:, 0]
+        trace.record("self_attn.k_rope", k_rope)
         latent_store = _store(cache.latent[layer] if cache else None, latent, batch.write_slots)
         rope_store = _store(cache.rope[layer] if cache else None, k_rope, batch.write_slots)
 
@@ -377,19 +383,23 @@ class MLAttention(nn.Module):
                 selected = self.indexer.select(x, q_latent, batch.positions, inv_freq, index_store, batch.key_slots)
         else:
             selected = shared_selection           # None in the training layout: every causal key
+        trace.record("self_attn.selected", selected)
 
         w_kv = self.kv_b_proj.weight.view(h, dn + c.v_head_dim, r)
         q_absorbed = _heads_linear(q[..., :dn], w_kv[:, :dn].transpose(1, 2).contiguous())  # [N, H, R]
+        trace.record("self_attn.q_absorbed", q_absorbed)
         if training:
             o_latent = ops.mla_attention_sequences(q_absorbed, q_rope, latent, k_rope, batch.positions,
                                                    c.softmax_scale, selected)
         else:
             o_latent = ops.mla_attention(q_absorbed, q_rope, latent_store, rope_store, selected, c.softmax_scale)
+        trace.record("self_attn.attention", o_latent)
         if self.indexer_losses is not None and self.indexer is not None and selected is not None and training \
                 and torch.is_grad_enabled():
             self.indexer_losses.append(self._indexer_loss(x, q_latent, batch.positions, inv_freq, q_absorbed,
                                                           q_rope, latent, k_rope, selected))
         o = _heads_linear(o_latent.to(x.dtype), w_kv[:, dn:].contiguous())                   # [N, H, v]
+        trace.record("self_attn.v_heads", o)
         return self.o_proj(o.reshape(n, h * c.v_head_dim)), selected
 
     def _indexer_loss(self, x, q_latent, positions, inv_freq, q_absorbed, q_rope, latent, k_rope, selected):
@@ -426,6 +436,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.c
         logits = ops.linear(x.float(), self.weight.float())
+        trace.record("mlp.gate.logits", logits)
         return ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
                              c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
 
@@ -444,7 +455,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        trace.record_experts(x, ids, self.gate_proj, self.up_proj, self.down_proj)
         routed = ops.moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+        trace.record("mlp.combine", routed)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
 

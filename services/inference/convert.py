@@ -7,6 +7,7 @@ home. Logprobs are fp32 numbers and travel as proto ``float``: exact.
 """
 from __future__ import annotations
 
+from zerokl.kernels.trace import Trace
 from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import (
     GenerateDelta,
@@ -17,6 +18,7 @@ from zerokl.services.inference.types import (
     Usage,
 )
 from zerokl.services.runtime.errors import InvalidArgument
+from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
 from zerokl.v1 import inference_pb2
 
 __all__ = [
@@ -26,10 +28,12 @@ __all__ = [
     "request_from_proto",
     "score_request_to_proto",
     "score_request_from_proto",
+    "score_trace_from_proto",
     "delta_to_proto",
     "delta_from_proto",
     "score_result_to_proto",
     "score_result_from_proto",
+    "score_response_trace",
     "kv_header_to_proto",
     "kv_header_from_proto",
 ]
@@ -127,6 +131,11 @@ def score_request_from_proto(msg: inference_pb2.ScoreRequest) -> InferenceReques
                             msg.numerics_fingerprint)
 
 
+def score_trace_from_proto(msg: inference_pb2.ScoreRequest) -> tuple[str, ...] | None:
+    """The capture keys when the ScoreRequest asks for a trace (zerokl diff), else None."""
+    return trace_options_from_proto(msg.trace) if msg.HasField("trace") else None
+
+
 def delta_to_proto(d: GenerateDelta) -> inference_pb2.GenerateResponse:
     """GenerateDelta -> ``zerokl.v1.GenerateResponse``."""
     msg = inference_pb2.GenerateResponse(
@@ -152,17 +161,25 @@ def delta_from_proto(msg: inference_pb2.GenerateResponse) -> GenerateDelta:
         weights_version=msg.weights_version, numerics_fingerprint=msg.numerics_fingerprint)
 
 
-def score_result_to_proto(r: ScoreResult) -> inference_pb2.ScoreResponse:
-    """ScoreResult -> ``zerokl.v1.ScoreResponse``."""
-    return inference_pb2.ScoreResponse(request_id=r.request_id, token_ids=list(r.token_ids),
-                                       logprobs=list(r.logprobs), weights_version=r.weights_version,
-                                       numerics_fingerprint=r.numerics_fingerprint)
+def score_result_to_proto(r: ScoreResult, trace: Trace | None = None) -> inference_pb2.ScoreResponse:
+    """ScoreResult (and the trace, when one was asked for) -> ``zerokl.v1.ScoreResponse``."""
+    msg = inference_pb2.ScoreResponse(request_id=r.request_id, token_ids=list(r.token_ids),
+                                      logprobs=list(r.logprobs), weights_version=r.weights_version,
+                                      numerics_fingerprint=r.numerics_fingerprint)
+    if trace is not None:
+        msg.trace.CopyFrom(trace_to_proto(trace))
+    return msg
 
 
 def score_result_from_proto(msg: inference_pb2.ScoreResponse) -> ScoreResult:
     """``zerokl.v1.ScoreResponse`` -> ScoreResult."""
     return ScoreResult(msg.request_id, tuple(msg.token_ids), tuple(msg.logprobs), msg.weights_version,
                        msg.numerics_fingerprint)
+
+
+def score_response_trace(msg: inference_pb2.ScoreResponse) -> Trace | None:
+    """The trace a ScoreResponse carries, if any."""
+    return trace_from_proto(msg.trace) if msg.HasField("trace") else None
 
 
 def kv_header_to_proto(h: KVHeader) -> inference_pb2.KVHeader:

@@ -18,6 +18,8 @@ from typing import AsyncIterator
 import grpc
 import grpc.aio
 
+from zerokl.kernels.trace import Trace
+from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
 from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
@@ -130,6 +132,9 @@ class PrefillRelay:
 
     async def score(self, r: InferenceRequest) -> ScoreResult:
         return await self.replica.score(r)
+
+    async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace:
+        return await self.replica.trace(ids, options, capture)
 
     def abort(self, request_id: str) -> bool:
         """Abort a relayed request: in this engine while prefilling, by ending the relay after."""

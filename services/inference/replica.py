@@ -8,18 +8,21 @@ decode replica to generate, a prefill replica to prefill and score.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
+from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.model.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
 from zerokl.services.inference.errors import Cancelled, Internal, ResourceExhausted
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation
+from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity
+from zerokl.services.runtime.optrace import identity_meta
 
 __all__ = ["ServingLimits", "Replica"]
 
@@ -209,6 +212,26 @@ class Replica:
             raise Internal(f"the engine returned {len(last.prompt_logprobs)} logprobs for {len(ids)} tokens")
         return ScoreResult(request.request_id, ids, tuple(last.prompt_logprobs), stream.weights_version,
                            self._identity.numerics_fingerprint)
+
+    async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...] = ()) -> Trace:
+        """The per-op trace of ``ids`` (zerokl diff) on this replica's model, backend and dtype.
+
+        Computed off the engine thread (the forward only reads the weights; the recorder
+        ignores the engine's own forwards). A weights swap that lands meanwhile makes it
+        UNAVAILABLE; `zerokl diff` also checks the trace's logprobs against the Score's.
+        """
+        from zerokl.services.inference.tensor_parallel import LockstepEngine
+        if isinstance(self.engine.engine, LockstepEngine):
+            # Its forward runs collectives in lockstep with the followers' engines: not one rank alone.
+            raise FailedPrecondition("a tensor-parallel replica cannot trace (trace a --tp 1 replica of the same "
+                                     "fingerprint: it computes the same bits)")
+        before = self.engine.weights_version
+        identity = self.identity
+        trace = await asyncio.to_thread(trace_sequence, self.engine.engine.model, ids, options.temperature,
+                                        options.top_k, options.top_p, capture, identity_meta(identity))
+        if self.engine.weights_version != before or self.engine.weights_version != identity.weights_version:
+            raise Unavailable("the weights changed while the trace ran; ask again")
+        return trace
 
     async def prefill(self, request_id: str, ids: tuple[int, ...], options: SamplingOptions,
                       pinned_version: str = "") -> tuple[SampleOutput, str] | None:

@@ -13,10 +13,13 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc.aio
 
+from zerokl.kernels.trace import Trace
+from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
 from zerokl.services.runtime.errors import FailedPrecondition
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.services.runtime.optrace import require_operator
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -33,6 +36,8 @@ class InferenceBackend(Protocol):
     def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]: ...
 
     async def score(self, r: InferenceRequest) -> ScoreResult: ...
+
+    async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -66,8 +71,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Score(self, request: inference_pb2.ScoreRequest,
                     context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
-        result = await self._backend.score(convert.score_request_from_proto(request))
-        return convert.score_result_to_proto(result)
+        capture = convert.score_trace_from_proto(request)
+        if capture is not None:
+            require_operator("a Score with a trace")
+        scored = convert.score_request_from_proto(request)
+        result = await self._backend.score(scored)
+        trace = await self._backend.trace(result.token_ids, scored.options, capture) if capture is not None else None
+        return convert.score_result_to_proto(result, trace)
 
     async def SwitchWeights(self, request: inference_pb2.SwitchWeightsRequest,
                             context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:

@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from zerokl.kernels.trace import Trace
+from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
@@ -35,6 +37,8 @@ __all__ = [
     "rollout_from_proto",
     "logprobs_to_proto",
     "logprobs_from_proto",
+    "forward_trace_from_proto",
+    "logprobs_trace",
     "batch_to_proto",
     "batch_from_proto",
     "forward_backward_result_to_proto",
@@ -81,15 +85,28 @@ def rollout_from_proto(msg: trainer_pb2.Rollout) -> Rollout:
     return Rollout(completion_from_proto(msg.completion), tuple(msg.logprobs), msg.reward, msg.weights_version)
 
 
-def logprobs_to_proto(logprobs: Sequence[torch.Tensor]) -> trainer_pb2.ForwardLogprobsResponse:
-    """Per-completion fp32 logprob tensors -> ``zerokl.v1.ForwardLogprobsResponse``."""
-    return trainer_pb2.ForwardLogprobsResponse(logprobs=[
+def logprobs_to_proto(logprobs: Sequence[torch.Tensor], trace: Trace | None = None) -> trainer_pb2.ForwardLogprobsResponse:
+    """Per-completion fp32 logprob tensors (and the trace, when asked) -> ``zerokl.v1.ForwardLogprobsResponse``."""
+    msg = trainer_pb2.ForwardLogprobsResponse(logprobs=[
         trainer_pb2.TokenLogprobs(values=lp.to(torch.float32).tolist()) for lp in logprobs])
+    if trace is not None:
+        msg.trace.CopyFrom(trace_to_proto(trace))
+    return msg
 
 
 def logprobs_from_proto(msg: trainer_pb2.ForwardLogprobsResponse) -> list[torch.Tensor]:
     """``zerokl.v1.ForwardLogprobsResponse`` -> one fp32 tensor per completion (bitwise the server's)."""
     return [torch.tensor(list(t.values), dtype=torch.float32) for t in msg.logprobs]
+
+
+def forward_trace_from_proto(msg: trainer_pb2.ForwardLogprobsRequest) -> tuple[str, ...] | None:
+    """The capture keys when the ForwardLogprobsRequest asks for a trace (zerokl diff), else None."""
+    return trace_options_from_proto(msg.trace) if msg.HasField("trace") else None
+
+
+def logprobs_trace(msg: trainer_pb2.ForwardLogprobsResponse) -> Trace | None:
+    """The trace a ForwardLogprobsResponse carries, if any."""
+    return trace_from_proto(msg.trace) if msg.HasField("trace") else None
 
 
 def batch_to_proto(batch: TrainBatch) -> trainer_pb2.ForwardBackwardRequest:

@@ -33,6 +33,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from zerokl.kernels import __version__ as numerics_version
+from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.model.checkpoint import config_to_hf
 from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
@@ -43,6 +44,7 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
+from zerokl.services.runtime.optrace import identity_meta, require_operator
 from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.trainer import convert
@@ -244,6 +246,19 @@ class TrainerService:
             # Checked under the lock: a queued LoadWeights may change the vocabulary.
             _raise_if(self._check_completions([(f"completions[{i}]", c) for i, c in enumerate(completions)]))
             return await self._compute(self._trainer.forward_logprobs, list(completions))
+        return await self._exclusive(work)
+
+    async def traced_logprobs(self, completion: Completion, capture: Sequence[str] = ()) -> tuple[torch.Tensor, Trace]:
+        """forward_logprobs of one completion and the per-op trace of prompt + completion (zerokl diff),
+        from the same weights (one exclusive call)."""
+        async def work() -> tuple[torch.Tensor, Trace]:
+            _raise_if(self._check_completions([("completions[0]", completion)]))
+            lp = await self._compute(self._trainer.forward_logprobs, [completion])
+            trace = await self._compute(trace_sequence, self._trainer.model,
+                                        (*completion.prompt_ids, *completion.completion_ids), completion.temperature,
+                                        completion.top_k, completion.top_p, tuple(capture),
+                                        identity_meta(self.identity))
+            return lp[0], trace
         return await self._exclusive(work)
 
     async def forward_backward(self, batch: TrainBatch | None) -> ForwardBackwardResult:
@@ -534,7 +549,14 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def ForwardLogprobs(self, request: trainer_pb2.ForwardLogprobsRequest,
                               context: grpc.aio.ServicerContext) -> trainer_pb2.ForwardLogprobsResponse:
         completions = [convert.completion_from_proto(c) for c in request.completions]
-        return convert.logprobs_to_proto(await self._service.forward_logprobs(completions))
+        capture = convert.forward_trace_from_proto(request)
+        if capture is None:
+            return convert.logprobs_to_proto(await self._service.forward_logprobs(completions))
+        require_operator("a ForwardLogprobs with a trace")
+        if len(completions) != 1:
+            raise InvalidArgument.field("completions", "a traced ForwardLogprobs takes exactly one completion")
+        lp, trace = await self._service.traced_logprobs(completions[0], capture)
+        return convert.logprobs_to_proto([lp], trace)
 
     async def ForwardBackward(self, request: trainer_pb2.ForwardBackwardRequest,
                               context: grpc.aio.ServicerContext) -> trainer_pb2.ForwardBackwardResponse:

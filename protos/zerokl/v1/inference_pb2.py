@@ -26,15 +26,15 @@ from zerokl.v1 import blob_pb2 as zerokl_dot_v1_dot_blob__pb2
 from zerokl.v1 import common_pb2 as zerokl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19zerokl/v1/inference.proto\x12\tzerokl.v1\x1a\x14zerokl/v1/blob.proto\x1a\x16zerokl/v1/common.proto\"\'\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"\xa3\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\tB\x08\n\x06prompt\" \n\x0ePromptLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04text\x18\x05 \x01(\t\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.zerokl.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.zerokl.v1.Usage\x12\x17\n\x0fweights_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xd8\x01\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\tB\x08\n\x06prompt\"\x7f\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x05 \x01(\t\"Z\n\x0cTensorLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xbc\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.zerokl.v1.TensorLayout\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\x0c\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\"?\n\x10PrefillKVRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\"i\n\x11PrefillKVResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.KVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"d\n\x14GenerateFromKVHeader\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.KVHeader\"y\n\x15GenerateFromKVRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.zerokl.v1.GenerateFromKVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"\x19\n\x05KVAck\x12\x10\n\x08received\x18\x01 \x01(\x04\"q\n\x16GenerateFromKVResponse\x12\x1f\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.zerokl.v1.KVAckH\x00\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.zerokl.v1.GenerateResponseH\x00\x42\x05\n\x03msg*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcc\x02\n\tInference\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12\x45\n\x08Generate\x12\x1a.zerokl.v1.GenerateRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.zerokl.v1.AbortRequest\x1a\x18.zerokl.v1.AbortResponse\x12:\n\x05Score\x12\x17.zerokl.v1.ScoreRequest\x1a\x18.zerokl.v1.ScoreResponse\x12H\n\rSwitchWeights\x12\x1f.zerokl.v1.SwitchWeightsRequest\x1a\x16.zerokl.v1.ServiceInfo2S\n\x07Prefill\x12H\n\tPrefillKV\x12\x1b.zerokl.v1.PrefillKVRequest\x1a\x1c.zerokl.v1.PrefillKVResponse0\x01\x32\x63\n\x06\x44\x65\x63ode\x12Y\n\x0eGenerateFromKV\x12 .zerokl.v1.GenerateFromKVRequest\x1a!.zerokl.v1.GenerateFromKVResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19zerokl/v1/inference.proto\x12\tzerokl.v1\x1a\x14zerokl/v1/blob.proto\x1a\x16zerokl/v1/common.proto\"\'\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"\xa3\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\tB\x08\n\x06prompt\" \n\x0ePromptLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04text\x18\x05 \x01(\t\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.zerokl.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.zerokl.v1.Usage\x12\x17\n\x0fweights_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x80\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\t\x12&\n\x05trace\x18\x07 \x01(\x0b\x32\x17.zerokl.v1.TraceOptionsB\x08\n\x06prompt\"\xa0\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x05 \x01(\t\x12\x1f\n\x05trace\x18\x06 \x01(\x0b\x32\x10.zerokl.v1.Trace\"Z\n\x0cTensorLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xbc\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.zerokl.v1.TensorLayout\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\x0c\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\"?\n\x10PrefillKVRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\"i\n\x11PrefillKVResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.KVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"d\n\x14GenerateFromKVHeader\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\x12\x1f\n\x02kv\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.KVHeader\"y\n\x15GenerateFromKVRequest\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32\x1f.zerokl.v1.GenerateFromKVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"\x19\n\x05KVAck\x12\x10\n\x08received\x18\x01 \x01(\x04\"q\n\x16GenerateFromKVResponse\x12\x1f\n\x03\x61\x63k\x18\x01 \x01(\x0b\x32\x10.zerokl.v1.KVAckH\x00\x12/\n\x08response\x18\x02 \x01(\x0b\x32\x1b.zerokl.v1.GenerateResponseH\x00\x42\x05\n\x03msg*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcc\x02\n\tInference\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12\x45\n\x08Generate\x12\x1a.zerokl.v1.GenerateRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.zerokl.v1.AbortRequest\x1a\x18.zerokl.v1.AbortResponse\x12:\n\x05Score\x12\x17.zerokl.v1.ScoreRequest\x1a\x18.zerokl.v1.ScoreResponse\x12H\n\rSwitchWeights\x12\x1f.zerokl.v1.SwitchWeightsRequest\x1a\x16.zerokl.v1.ServiceInfo2S\n\x07Prefill\x12H\n\tPrefillKV\x12\x1b.zerokl.v1.PrefillKVRequest\x1a\x1c.zerokl.v1.PrefillKVResponse0\x01\x32\x63\n\x06\x44\x65\x63ode\x12Y\n\x0eGenerateFromKV\x12 .zerokl.v1.GenerateFromKVRequest\x1a!.zerokl.v1.GenerateFromKVResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zerokl.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2445
-  _globals['_FINISHREASON']._serialized_end=2565
+  _globals['_FINISHREASON']._serialized_start=2519
+  _globals['_FINISHREASON']._serialized_end=2639
   _globals['_SWITCHWEIGHTSREQUEST']._serialized_start=86
   _globals['_SWITCHWEIGHTSREQUEST']._serialized_end=125
   _globals['_SAMPLINGPARAMS']._serialized_start=128
@@ -54,29 +54,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABORTRESPONSE']._serialized_start=1115
   _globals['_ABORTRESPONSE']._serialized_end=1145
   _globals['_SCOREREQUEST']._serialized_start=1148
-  _globals['_SCOREREQUEST']._serialized_end=1364
-  _globals['_SCORERESPONSE']._serialized_start=1366
-  _globals['_SCORERESPONSE']._serialized_end=1493
-  _globals['_TENSORLAYOUT']._serialized_start=1495
-  _globals['_TENSORLAYOUT']._serialized_end=1585
-  _globals['_KVHEADER']._serialized_start=1588
-  _globals['_KVHEADER']._serialized_end=1904
-  _globals['_PREFILLKVREQUEST']._serialized_start=1906
-  _globals['_PREFILLKVREQUEST']._serialized_end=1969
-  _globals['_PREFILLKVRESPONSE']._serialized_start=1971
-  _globals['_PREFILLKVRESPONSE']._serialized_end=2076
-  _globals['_GENERATEFROMKVHEADER']._serialized_start=2078
-  _globals['_GENERATEFROMKVHEADER']._serialized_end=2178
-  _globals['_GENERATEFROMKVREQUEST']._serialized_start=2180
-  _globals['_GENERATEFROMKVREQUEST']._serialized_end=2301
-  _globals['_KVACK']._serialized_start=2303
-  _globals['_KVACK']._serialized_end=2328
-  _globals['_GENERATEFROMKVRESPONSE']._serialized_start=2330
-  _globals['_GENERATEFROMKVRESPONSE']._serialized_end=2443
-  _globals['_INFERENCE']._serialized_start=2568
-  _globals['_INFERENCE']._serialized_end=2900
-  _globals['_PREFILL']._serialized_start=2902
-  _globals['_PREFILL']._serialized_end=2985
-  _globals['_DECODE']._serialized_start=2987
-  _globals['_DECODE']._serialized_end=3086
+  _globals['_SCOREREQUEST']._serialized_end=1404
+  _globals['_SCORERESPONSE']._serialized_start=1407
+  _globals['_SCORERESPONSE']._serialized_end=1567
+  _globals['_TENSORLAYOUT']._serialized_start=1569
+  _globals['_TENSORLAYOUT']._serialized_end=1659
+  _globals['_KVHEADER']._serialized_start=1662
+  _globals['_KVHEADER']._serialized_end=1978
+  _globals['_PREFILLKVREQUEST']._serialized_start=1980
+  _globals['_PREFILLKVREQUEST']._serialized_end=2043
+  _globals['_PREFILLKVRESPONSE']._serialized_start=2045
+  _globals['_PREFILLKVRESPONSE']._serialized_end=2150
+  _globals['_GENERATEFROMKVHEADER']._serialized_start=2152
+  _globals['_GENERATEFROMKVHEADER']._serialized_end=2252
+  _globals['_GENERATEFROMKVREQUEST']._serialized_start=2254
+  _globals['_GENERATEFROMKVREQUEST']._serialized_end=2375
+  _globals['_KVACK']._serialized_start=2377
+  _globals['_KVACK']._serialized_end=2402
+  _globals['_GENERATEFROMKVRESPONSE']._serialized_start=2404
+  _globals['_GENERATEFROMKVRESPONSE']._serialized_end=2517
+  _globals['_INFERENCE']._serialized_start=2642
+  _globals['_INFERENCE']._serialized_end=2974
+  _globals['_PREFILL']._serialized_start=2976
+  _globals['_PREFILL']._serialized_end=3059
+  _globals['_DECODE']._serialized_start=3061
+  _globals['_DECODE']._serialized_end=3160
 # @@protoc_insertion_point(module_scope)

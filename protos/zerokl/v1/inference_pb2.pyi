@@ -125,34 +125,38 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "sampling", "weights_version", "numerics_fingerprint")
+    __slots__ = ("request_id", "prompt_text", "prompt_token_ids", "sampling", "weights_version", "numerics_fingerprint", "trace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_text: str
     prompt_token_ids: TokenIds
     sampling: SamplingParams
     weights_version: str
     numerics_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ...) -> None: ...
+    trace: _common_pb2.TraceOptions
+    def __init__(self, request_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.TraceOptions, _Mapping]] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "weights_version", "numerics_fingerprint")
+    __slots__ = ("request_id", "token_ids", "logprobs", "weights_version", "numerics_fingerprint", "trace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     weights_version: str
     numerics_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ...) -> None: ...
+    trace: _common_pb2.Trace
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., trace: _Optional[_Union[_common_pb2.Trace, _Mapping]] = ...) -> None: ...
 
 class TensorLayout(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")

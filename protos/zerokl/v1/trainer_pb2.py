@@ -26,7 +26,7 @@ from zerokl.v1 import common_pb2 as zerokl_dot_v1_dot_common__pb2
 from zerokl.v1 import weights_pb2 as zerokl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zerokl/v1/trainer.proto\x12\tzerokl.v1\x1a\x16zerokl/v1/common.proto\x1a\x17zerokl/v1/weights.proto\"\x9e\x01\n\nCompletion\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\"o\n\x07Rollout\x12)\n\ncompletion\x18\x01 \x01(\x0b\x32\x15.zerokl.v1.Completion\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\"D\n\x16\x46orwardLogprobsRequest\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.zerokl.v1.Completion\"\x1f\n\rTokenLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"E\n\x17\x46orwardLogprobsResponse\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.zerokl.v1.TokenLogprobs\"6\n\x08SFTBatch\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.zerokl.v1.Completion\"`\n\x0ePreferencePair\x12%\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x15.zerokl.v1.Completion\x12\'\n\x08rejected\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.Completion\"M\n\x08\x44POBatch\x12(\n\x05pairs\x18\x01 \x03(\x0b\x32\x19.zerokl.v1.PreferencePair\x12\x17\n\x0freset_reference\x18\x02 \x01(\x08\"\x9a\x01\n\x08PPOBatch\x12$\n\x08rollouts\x18\x01 \x03(\x0b\x32\x12.zerokl.v1.Rollout\x12\x17\n\ngroup_size\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nadvantages\x18\x03 \x03(\x01\x12\x1a\n\rmax_staleness\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_group_sizeB\x10\n\x0e_max_staleness\"\x8d\x01\n\x16\x46orwardBackwardRequest\x12\"\n\x03sft\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.SFTBatchH\x00\x12\"\n\x03\x64po\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.DPOBatchH\x00\x12\"\n\x03ppo\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.PPOBatchH\x00\x42\x07\n\x05\x62\x61tch\"\xca\x01\n\nPPOMetrics\x12\n\n\x02kl\x18\x01 \x01(\x01\x12\x19\n\x11mismatched_tokens\x18\x02 \x01(\x04\x12\x15\n\rclip_fraction\x18\x03 \x01(\x01\x12\x11\n\tratio_min\x18\x04 \x01(\x01\x12\x11\n\tratio_max\x18\x05 \x01(\x01\x12\x14\n\x0ckl_reference\x18\x06 \x01(\x01\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x16\n\x0estale_rollouts\x18\x08 \x01(\r\x12\x15\n\rmax_staleness\x18\t \x01(\r\"\x9e\x02\n\x17\x46orwardBackwardResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\"\n\x03ppo\x18\x05 \x01(\x0b\x32\x15.zerokl.v1.PPOMetrics\x12@\n\x07metrics\x18\x06 \x03(\x0b\x32/.zerokl.v1.ForwardBackwardResponse.MetricsEntry\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x1b\n\x13\x61\x63\x63umulated_batches\x18\x08 \x01(\r\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x10OptimStepRequest\x12\n\n\x02lr\x18\x01 \x01(\x01\"@\n\x11OptimStepResponse\x12\x11\n\tgrad_norm\x18\x01 \x01(\x01\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x0c\n\x04step\x18\x03 \x01(\x04\"\xab\x01\n\x12SaveWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12=\n\x08metadata\x18\x02 \x03(\x0b\x32+.zerokl.v1.SaveWeightsRequest.MetadataEntry\x12\x14\n\x0cweights_only\x18\x03 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x13SaveWeightsResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.WeightsManifest\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"<\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rrestore_state\x18\x02 \x01(\x08\"\x11\n\x0fGetStateRequest\"\xf5\x01\n\x0bTrainConfig\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x01\x12\x11\n\tgrad_clip\x18\x05 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x06 \x01(\r\x12\x13\n\x0btotal_steps\x18\x07 \x01(\r\x12\x11\n\tlora_rank\x18\x08 \x01(\r\x12\x12\n\nlora_alpha\x18\t \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\n \x01(\x01\x12\x0f\n\x07kl_coef\x18\x0b \x01(\x01\x12\x10\n\x08\x64po_beta\x18\x0c \x01(\x01\x12\x0c\n\x04seed\x18\r \x01(\x04\"\x85\x02\n\x0cTrainerState\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x14\n\x0cweights_step\x18\x04 \x01(\x04\x12\x13\n\x0btokens_seen\x18\x05 \x01(\x04\x12\x1b\n\x13\x61\x63\x63umulated_batches\x18\x06 \x01(\r\x12&\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\x16.zerokl.v1.TrainConfig\x12\x19\n\x11model_config_json\x18\x08 \x01(\t\x12\x18\n\x10numerics_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t2\x93\x04\n\x07Trainer\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12X\n\x0f\x46orwardLogprobs\x12!.zerokl.v1.ForwardLogprobsRequest\x1a\".zerokl.v1.ForwardLogprobsResponse\x12X\n\x0f\x46orwardBackward\x12!.zerokl.v1.ForwardBackwardRequest\x1a\".zerokl.v1.ForwardBackwardResponse\x12\x46\n\tOptimStep\x12\x1b.zerokl.v1.OptimStepRequest\x1a\x1c.zerokl.v1.OptimStepResponse\x12L\n\x0bSaveWeights\x12\x1d.zerokl.v1.SaveWeightsRequest\x1a\x1e.zerokl.v1.SaveWeightsResponse\x12\x45\n\x0bLoadWeights\x12\x1d.zerokl.v1.LoadWeightsRequest\x1a\x17.zerokl.v1.TrainerState\x12?\n\x08GetState\x12\x1a.zerokl.v1.GetStateRequest\x1a\x17.zerokl.v1.TrainerStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17zerokl/v1/trainer.proto\x12\tzerokl.v1\x1a\x16zerokl/v1/common.proto\x1a\x17zerokl/v1/weights.proto\"\x9e\x01\n\nCompletion\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_p\"o\n\x07Rollout\x12)\n\ncompletion\x18\x01 \x01(\x0b\x32\x15.zerokl.v1.Completion\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0e\n\x06reward\x18\x03 \x01(\x01\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\"l\n\x16\x46orwardLogprobsRequest\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.zerokl.v1.Completion\x12&\n\x05trace\x18\x02 \x01(\x0b\x32\x17.zerokl.v1.TraceOptions\"\x1f\n\rTokenLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"f\n\x17\x46orwardLogprobsResponse\x12*\n\x08logprobs\x18\x01 \x03(\x0b\x32\x18.zerokl.v1.TokenLogprobs\x12\x1f\n\x05trace\x18\x02 \x01(\x0b\x32\x10.zerokl.v1.Trace\"6\n\x08SFTBatch\x12*\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x15.zerokl.v1.Completion\"`\n\x0ePreferencePair\x12%\n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x15.zerokl.v1.Completion\x12\'\n\x08rejected\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.Completion\"M\n\x08\x44POBatch\x12(\n\x05pairs\x18\x01 \x03(\x0b\x32\x19.zerokl.v1.PreferencePair\x12\x17\n\x0freset_reference\x18\x02 \x01(\x08\"\x9a\x01\n\x08PPOBatch\x12$\n\x08rollouts\x18\x01 \x03(\x0b\x32\x12.zerokl.v1.Rollout\x12\x17\n\ngroup_size\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nadvantages\x18\x03 \x03(\x01\x12\x1a\n\rmax_staleness\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\r\n\x0b_group_sizeB\x10\n\x0e_max_staleness\"\x8d\x01\n\x16\x46orwardBackwardRequest\x12\"\n\x03sft\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.SFTBatchH\x00\x12\"\n\x03\x64po\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.DPOBatchH\x00\x12\"\n\x03ppo\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.PPOBatchH\x00\x42\x07\n\x05\x62\x61tch\"\xca\x01\n\nPPOMetrics\x12\n\n\x02kl\x18\x01 \x01(\x01\x12\x19\n\x11mismatched_tokens\x18\x02 \x01(\x04\x12\x15\n\rclip_fraction\x18\x03 \x01(\x01\x12\x11\n\tratio_min\x18\x04 \x01(\x01\x12\x11\n\tratio_max\x18\x05 \x01(\x01\x12\x14\n\x0ckl_reference\x18\x06 \x01(\x01\x12\x13\n\x0breward_mean\x18\x07 \x01(\x01\x12\x16\n\x0estale_rollouts\x18\x08 \x01(\r\x12\x15\n\rmax_staleness\x18\t \x01(\r\"\x9e\x02\n\x17\x46orwardBackwardResponse\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x0e\n\x06tokens\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_per_s\x18\x04 \x01(\x01\x12\"\n\x03ppo\x18\x05 \x01(\x0b\x32\x15.zerokl.v1.PPOMetrics\x12@\n\x07metrics\x18\x06 \x03(\x0b\x32/.zerokl.v1.ForwardBackwardResponse.MetricsEntry\x12\x0c\n\x04step\x18\x07 \x01(\x04\x12\x1b\n\x13\x61\x63\x63umulated_batches\x18\x08 \x01(\r\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1e\n\x10OptimStepRequest\x12\n\n\x02lr\x18\x01 \x01(\x01\"@\n\x11OptimStepResponse\x12\x11\n\tgrad_norm\x18\x01 \x01(\x01\x12\n\n\x02lr\x18\x02 \x01(\x01\x12\x0c\n\x04step\x18\x03 \x01(\x04\"\xab\x01\n\x12SaveWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12=\n\x08metadata\x18\x02 \x03(\x0b\x32+.zerokl.v1.SaveWeightsRequest.MetadataEntry\x12\x14\n\x0cweights_only\x18\x03 \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\x13SaveWeightsResponse\x12,\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.WeightsManifest\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"<\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x15\n\rrestore_state\x18\x02 \x01(\x08\"\x11\n\x0fGetStateRequest\"\xf5\x01\n\x0bTrainConfig\x12\n\n\x02lr\x18\x01 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x03 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x04 \x01(\x01\x12\x11\n\tgrad_clip\x18\x05 \x01(\x01\x12\x14\n\x0cwarmup_steps\x18\x06 \x01(\r\x12\x13\n\x0btotal_steps\x18\x07 \x01(\r\x12\x11\n\tlora_rank\x18\x08 \x01(\r\x12\x12\n\nlora_alpha\x18\t \x01(\x01\x12\x10\n\x08\x63lip_eps\x18\n \x01(\x01\x12\x0f\n\x07kl_coef\x18\x0b \x01(\x01\x12\x10\n\x08\x64po_beta\x18\x0c \x01(\x01\x12\x0c\n\x04seed\x18\r \x01(\x04\"\x85\x02\n\x0cTrainerState\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x17\n\x0fweights_version\x18\x03 \x01(\t\x12\x14\n\x0cweights_step\x18\x04 \x01(\x04\x12\x13\n\x0btokens_seen\x18\x05 \x01(\x04\x12\x1b\n\x13\x61\x63\x63umulated_batches\x18\x06 \x01(\r\x12&\n\x06\x63onfig\x18\x07 \x01(\x0b\x32\x16.zerokl.v1.TrainConfig\x12\x19\n\x11model_config_json\x18\x08 \x01(\t\x12\x18\n\x10numerics_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t2\x93\x04\n\x07Trainer\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12X\n\x0f\x46orwardLogprobs\x12!.zerokl.v1.ForwardLogprobsRequest\x1a\".zerokl.v1.ForwardLogprobsResponse\x12X\n\x0f\x46orwardBackward\x12!.zerokl.v1.ForwardBackwardRequest\x1a\".zerokl.v1.ForwardBackwardResponse\x12\x46\n\tOptimStep\x12\x1b.zerokl.v1.OptimStepRequest\x1a\x1c.zerokl.v1.OptimStepResponse\x12L\n\x0bSaveWeights\x12\x1d.zerokl.v1.SaveWeightsRequest\x1a\x1e.zerokl.v1.SaveWeightsResponse\x12\x45\n\x0bLoadWeights\x12\x1d.zerokl.v1.LoadWeightsRequest\x1a\x17.zerokl.v1.TrainerState\x12?\n\x08GetState\x12\x1a.zerokl.v1.GetStateRequest\x1a\x17.zerokl.v1.TrainerStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,45 +42,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROLLOUT']._serialized_start=248
   _globals['_ROLLOUT']._serialized_end=359
   _globals['_FORWARDLOGPROBSREQUEST']._serialized_start=361
-  _globals['_FORWARDLOGPROBSREQUEST']._serialized_end=429
-  _globals['_TOKENLOGPROBS']._serialized_start=431
-  _globals['_TOKENLOGPROBS']._serialized_end=462
-  _globals['_FORWARDLOGPROBSRESPONSE']._serialized_start=464
-  _globals['_FORWARDLOGPROBSRESPONSE']._serialized_end=533
-  _globals['_SFTBATCH']._serialized_start=535
-  _globals['_SFTBATCH']._serialized_end=589
-  _globals['_PREFERENCEPAIR']._serialized_start=591
-  _globals['_PREFERENCEPAIR']._serialized_end=687
-  _globals['_DPOBATCH']._serialized_start=689
-  _globals['_DPOBATCH']._serialized_end=766
-  _globals['_PPOBATCH']._serialized_start=769
-  _globals['_PPOBATCH']._serialized_end=923
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=926
-  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=1067
-  _globals['_PPOMETRICS']._serialized_start=1070
-  _globals['_PPOMETRICS']._serialized_end=1272
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1275
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1561
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=1515
-  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=1561
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1563
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1593
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1595
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1659
-  _globals['_SAVEWEIGHTSREQUEST']._serialized_start=1662
-  _globals['_SAVEWEIGHTSREQUEST']._serialized_end=1833
-  _globals['_SAVEWEIGHTSREQUEST_METADATAENTRY']._serialized_start=1786
-  _globals['_SAVEWEIGHTSREQUEST_METADATAENTRY']._serialized_end=1833
-  _globals['_SAVEWEIGHTSRESPONSE']._serialized_start=1835
-  _globals['_SAVEWEIGHTSRESPONSE']._serialized_end=1919
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1921
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1981
-  _globals['_GETSTATEREQUEST']._serialized_start=1983
-  _globals['_GETSTATEREQUEST']._serialized_end=2000
-  _globals['_TRAINCONFIG']._serialized_start=2003
-  _globals['_TRAINCONFIG']._serialized_end=2248
-  _globals['_TRAINERSTATE']._serialized_start=2251
-  _globals['_TRAINERSTATE']._serialized_end=2512
-  _globals['_TRAINER']._serialized_start=2515
-  _globals['_TRAINER']._serialized_end=3046
+  _globals['_FORWARDLOGPROBSREQUEST']._serialized_end=469
+  _globals['_TOKENLOGPROBS']._serialized_start=471
+  _globals['_TOKENLOGPROBS']._serialized_end=502
+  _globals['_FORWARDLOGPROBSRESPONSE']._serialized_start=504
+  _globals['_FORWARDLOGPROBSRESPONSE']._serialized_end=606
+  _globals['_SFTBATCH']._serialized_start=608
+  _globals['_SFTBATCH']._serialized_end=662
+  _globals['_PREFERENCEPAIR']._serialized_start=664
+  _globals['_PREFERENCEPAIR']._serialized_end=760
+  _globals['_DPOBATCH']._serialized_start=762
+  _globals['_DPOBATCH']._serialized_end=839
+  _globals['_PPOBATCH']._serialized_start=842
+  _globals['_PPOBATCH']._serialized_end=996
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_start=999
+  _globals['_FORWARDBACKWARDREQUEST']._serialized_end=1140
+  _globals['_PPOMETRICS']._serialized_start=1143
+  _globals['_PPOMETRICS']._serialized_end=1345
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1348
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1634
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_start=1588
+  _globals['_FORWARDBACKWARDRESPONSE_METRICSENTRY']._serialized_end=1634
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1636
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1666
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1668
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1732
+  _globals['_SAVEWEIGHTSREQUEST']._serialized_start=1735
+  _globals['_SAVEWEIGHTSREQUEST']._serialized_end=1906
+  _globals['_SAVEWEIGHTSREQUEST_METADATAENTRY']._serialized_start=1859
+  _globals['_SAVEWEIGHTSREQUEST_METADATAENTRY']._serialized_end=1906
+  _globals['_SAVEWEIGHTSRESPONSE']._serialized_start=1908
+  _globals['_SAVEWEIGHTSRESPONSE']._serialized_end=1992
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1994
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=2054
+  _globals['_GETSTATEREQUEST']._serialized_start=2056
+  _globals['_GETSTATEREQUEST']._serialized_end=2073
+  _globals['_TRAINCONFIG']._serialized_start=2076
+  _globals['_TRAINCONFIG']._serialized_end=2321
+  _globals['_TRAINERSTATE']._serialized_start=2324
+  _globals['_TRAINERSTATE']._serialized_end=2585
+  _globals['_TRAINER']._serialized_start=2588
+  _globals['_TRAINER']._serialized_end=3119
 # @@protoc_insertion_point(module_scope)

@@ -35,10 +35,12 @@ class Rollout(_message.Message):
     def __init__(self, completion: _Optional[_Union[Completion, _Mapping]] = ..., logprobs: _Optional[_Iterable[float]] = ..., reward: _Optional[float] = ..., weights_version: _Optional[str] = ...) -> None: ...
 
 class ForwardLogprobsRequest(_message.Message):
-    __slots__ = ("completions",)
+    __slots__ = ("completions", "trace")
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     completions: _containers.RepeatedCompositeFieldContainer[Completion]
-    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ...) -> None: ...
+    trace: _common_pb2.TraceOptions
+    def __init__(self, completions: _Optional[_Iterable[_Union[Completion, _Mapping]]] = ..., trace: _Optional[_Union[_common_pb2.TraceOptions, _Mapping]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("values",)
@@ -47,10 +49,12 @@ class TokenLogprobs(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ForwardLogprobsResponse(_message.Message):
-    __slots__ = ("logprobs",)
+    __slots__ = ("logprobs", "trace")
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    trace: _common_pb2.Trace
+    def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., trace: _Optional[_Union[_common_pb2.Trace, _Mapping]] = ...) -> None: ...
 
 class SFTBatch(_message.Message):
     __slots__ = ("completions",)
