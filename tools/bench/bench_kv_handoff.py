@@ -1,0 +1,146 @@
+"""The prefill -> decode KV handoff on loopback: what it adds to time-to-first-token, and who carries the bytes.
+
+    python tools/bench/bench_kv_handoff.py [--preset tiny] [--lengths 128,256,500] [--repeats 5] [--out FILE]
+
+Starts real services (``zerokl serve decode``, ``prefill``, ``scheduler``, one torch thread each) on
+127.0.0.1 and sends Generates of one token (``max_tokens=1``, greedy) with fresh random prompts (prefix
+caching off, so no request reuses another's KV) through the scheduler, side by side in one run:
+
+- ``local``: the scheduler knows only the decode replica, which prefills the prompt itself;
+- ``handoff``: the scheduler also knows the prefill replica, so the prompt's KV (``prompt[:-1]``) is
+  computed there and handed to the decode replica.
+
+Both arms compute the same prompt on the same engine settings, so the difference of their median
+TTFTs is what the handoff adds (transport, checks, one more hop). Reported per prompt length: the
+KV bytes of one request (from the model config: layers x tokens x (latent + rope + index_k) dims x
+dtype size), median TTFT of each arm, the added TTFT (total and per prompt token), the KV bytes over
+the added time (an effective MB/s, a lower bound on the transport's), and the bytes the scheduler
+process read per request (``/proc/PID/io`` rchar): with the KV relayed through the scheduler that is
+at least the KV; with a direct prefill -> decode plane it is the prompt and the tokens only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import grpc.aio  # noqa: F401  (imported early: the client below needs it)
+
+from zerokl.model import ModelConfig
+
+
+def commit() -> str:
+    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+
+
+def _serve(service: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", service, "--port", "0", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if " listening on " in line:
+            return proc, line.split(" listening on ")[1].split()[0]
+    raise RuntimeError(f"{service} exited before listening ({proc.wait()})")
+
+
+def _rchar(pid: int) -> int:
+    for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/PID/io")
+
+
+def kv_bytes(config: ModelConfig, tokens: int, dtype_size: int = 4) -> int:
+    per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim + config.index_head_dim)
+    return per_token * tokens * dtype_size
+
+
+async def _ttfts(address: str, prompts: list[tuple[int, ...]]) -> list[float]:
+    from zerokl.services.engine.types import SamplingOptions
+    from zerokl.services.inference.client import InferenceClient
+    from zerokl.services.inference.types import InferenceRequest
+    out = []
+    async with InferenceClient(address) as client:
+        # One warm-up request: channel setup and the first engine steps are not the handoff.
+        warm = InferenceRequest(prompt_ids=prompts[0][:8], options=SamplingOptions(temperature=0.0, max_tokens=1))
+        await client.generate_all(warm, timeout=600)
+        for ids in prompts:
+            r = InferenceRequest(prompt_ids=ids, options=SamplingOptions(temperature=0.0, max_tokens=1,
+                                                                         ignore_eos=True))
+            t0 = time.perf_counter()
+            async for _ in client.generate(r, timeout=600):
+                out.append(time.perf_counter() - t0)
+                break
+    return out
+
+
+def main() -> None:
+    import asyncio
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--lengths", default="128,256,500", help="prompt lengths (comma-separated)")
+    p.add_argument("--repeats", type=int, default=5, help="requests per length and arm")
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+    args = p.parse_args()
+    config = ModelConfig.preset(args.preset)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model = ["--preset", args.preset, "--seed", "0", "--threads", "1", "--no-prefix-caching",
+             "--max-num-batched-tokens", "512", "--num-blocks", "256"]
+    procs = []
+    try:
+        dec, daddr = _serve("decode", *model)
+        pre, paddr = _serve("prefill", *model)
+        procs += [dec, pre]
+        arms = {}
+        for arm, flags in (("local", ["--decode", daddr]), ("handoff", ["--decode", daddr, "--prefill", paddr])):
+            sched, saddr = _serve("scheduler", *flags, "--poll-interval", "0.5")
+            procs.append(sched)
+            time.sleep(1.0)  # one poll: the scheduler knows every replica healthy
+            rng = random.Random(len(arm))
+            arms[arm] = {}
+            for n in lengths:
+                prompts = [tuple(rng.randrange(3, config.vocab_size) for _ in range(n)) for _ in range(args.repeats)]
+                before = _rchar(sched.pid)
+                ttfts = asyncio.run(_ttfts(saddr, prompts))
+                read = (_rchar(sched.pid) - before) / (args.repeats + 1)
+                arms[arm][n] = {"ttft_s": statistics.median(ttfts), "scheduler_read_bytes_per_request": read}
+            sched.terminate()
+            sched.wait()
+        rows = []
+        for n in lengths:
+            local, hand = arms["local"][n], arms["handoff"][n]
+            kv = kv_bytes(config, n - 1)
+            added = hand["ttft_s"] - local["ttft_s"]
+            rows.append({"prompt_tokens": n, "kv_bytes": kv, "ttft_local_ms": local["ttft_s"] * 1e3,
+                         "ttft_handoff_ms": hand["ttft_s"] * 1e3, "added_ms": added * 1e3,
+                         "added_us_per_token": added * 1e6 / n,
+                         "effective_MB_s": kv / added / 1e6 if added > 0 else float("inf"),
+                         "scheduler_read_KB_per_request_local": local["scheduler_read_bytes_per_request"] / 1e3,
+                         "scheduler_read_KB_per_request_handoff": hand["scheduler_read_bytes_per_request"] / 1e3})
+        result = {"commit": commit(), "preset": args.preset, "repeats": args.repeats, "rows": rows}
+        print(f"commit {result['commit']}, preset {args.preset}, {args.repeats} requests per cell, medians")
+        print(f"{'tokens':>6} {'KV KB':>8} {'local ms':>9} {'handoff ms':>10} {'added ms':>9} {'us/token':>9} "
+              f"{'MB/s':>8} {'sched KB/req (local, handoff)':>30}")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>6} {r['kv_bytes'] / 1e3:>8.1f} {r['ttft_local_ms']:>9.1f} "
+                  f"{r['ttft_handoff_ms']:>10.1f} {r['added_ms']:>9.1f} {r['added_us_per_token']:>9.1f} "
+                  f"{r['effective_MB_s']:>8.1f} {r['scheduler_read_KB_per_request_local']:>14.1f} "
+                  f"{r['scheduler_read_KB_per_request_handoff']:>15.1f}")
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+
+
+if __name__ == "__main__":
+    main()
