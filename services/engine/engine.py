@@ -625,12 +625,24 @@ class Engine:
 
     def _export(self, s: _Sample) -> KVHandoff:
         slots = self._slots(s, 0, s.target)
-        return KVHandoff(tuple(s.token_ids[: s.target]), self.cache.latent[:, slots].cpu(),
-                         self.cache.rope[:, slots].cpu(), self.cache.index_k[:, slots].cpu(), trusted=True)
+        # On a GPU the rows go to pinned host memory (DMA, no pageable staging copy), once synchronized.
+        host = [_to_host(c[:, slots]) for c in (self.cache.latent, self.cache.rope, self.cache.index_k)]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return KVHandoff(tuple(s.token_ids[: s.target]), *host, trusted=True)
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
         return self._arrivals
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: a pinned copy enqueued on the current stream for a CUDA tensor (synchronize before use)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
 
 
 def run_to_completion(engine: Engine, requests: Sequence[GenerateRequest],

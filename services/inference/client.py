@@ -1,27 +1,22 @@
 """Async client of the inference services (Inference, Prefill, Decode).
 
 RPC failures surface as ``grpc.aio.AioRpcError`` with the server's status
-code. The KV a prefill replica streams is verified here chunk by chunk and as
-a whole (:class:`~zerokl.services.runtime.errors.DataLoss` on a mismatch).
+code. The KV handoff has two ends: :meth:`InferenceClient.generate_from_prefill`
+(what the scheduler calls on a decode replica, naming a prefill replica) and
+:meth:`InferenceClient.prefill_kv_stream` (what the decode replica then reads
+from the prefill replica).
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
-from typing import Any, AsyncIterator, NoReturn
+from typing import Any, AsyncIterator
 
 import grpc
 import grpc.aio
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, GenerateResult, InferenceRequest, KVHeader, ScoreResult
-from zerokl.services.runtime.chunks import (
-    MAX_CHUNK_BYTES,
-    ChunkAssembler,
-    chunk_from_proto,
-    chunk_to_proto,
-    split_bytes,
-)
+from zerokl.services.runtime.chunks import Chunk, ChunkAssembler, chunk_from_proto
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
@@ -79,81 +74,62 @@ class InferenceClient(ServiceClient):
 
     # ---- Prefill / Decode (the KV handoff) ------------------------------------
 
-    async def prefill_kv(self, request: InferenceRequest, *, timeout: float | None = None) -> tuple[KVHeader, bytes]:
-        """A prefill replica's KV of the prompt: its header and the verified blob."""
+    async def prefill_kv_stream(self, request: InferenceRequest, *,
+                                timeout: float | None = None) -> AsyncIterator[KVHeader | Chunk]:
+        """A prefill replica's KV of the prompt as it streams: the header, then the (unverified) chunks.
+
+        The caller verifies them (:class:`~zerokl.services.inference.kv.KVReceiver`). Closing the
+        iterator early cancels the call, which aborts the prefill.
+        """
         call = self._prefill.PrefillKV(inference_pb2.PrefillKVRequest(request=convert.request_to_proto(request)),
                                        timeout=timeout)
-        header: KVHeader | None = None
-        assembler: ChunkAssembler | None = None
+        header = False
         try:
             async for msg in call:
                 if msg.WhichOneof("msg") == "header":
-                    if header is not None:
+                    if header:
                         raise DataLoss("PrefillKV sent a second header")
-                    header = convert.kv_header_from_proto(msg.header)
-                    assembler = ChunkAssembler(total_size=header.total_bytes)
-                elif assembler is None:
+                    header = True
+                    yield convert.kv_header_from_proto(msg.header)
+                elif not header:
                     raise DataLoss("PrefillKV sent a chunk before its header")
                 else:
-                    assembler.add(chunk_from_proto(msg.chunk))
+                    yield chunk_from_proto(msg.chunk)
         finally:
-            call.cancel()
-        if header is None or assembler is None:
+            call.cancel()  # no-op once finished
+        if not header:
             raise DataLoss("PrefillKV ended without a header")
+
+    async def prefill_kv(self, request: InferenceRequest, *, timeout: float | None = None) -> tuple[KVHeader, bytes]:
+        """A prefill replica's KV of the prompt, whole: its header and the verified blob."""
+        header: KVHeader | None = None
+        assembler: ChunkAssembler | None = None
+        async for item in self.prefill_kv_stream(request, timeout=timeout):
+            if isinstance(item, KVHeader):
+                header, assembler = item, ChunkAssembler(total_size=item.total_bytes)
+            else:
+                assert assembler is not None
+                assembler.add(item)
+        assert header is not None and assembler is not None
         blob = assembler.value()
         if hashlib.sha256(blob).digest() != header.sha256:
             raise DataLoss("the KV blob does not match its header's sha256")
         return header, blob
 
-    async def generate_from_kv(self, request: InferenceRequest, header: KVHeader, blob: bytes, *,
-                               chunk_bytes: int = MAX_CHUNK_BYTES,
-                               timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
-        """Hand ``blob`` to a decode replica and stream the generation it runs from it.
+    async def generate_from_prefill(self, request: InferenceRequest, prefill_address: str, *,
+                                    handoff_timeout: float | None = None,
+                                    timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
+        """Generate on this decode replica from the KV it reads from the prefill replica at ``prefill_address``.
 
-        One chunk in flight at a time: each is sent after the previous one was
-        acknowledged, so an error status (DATA_LOSS, INVALID_ARGUMENT) arrives
-        cleanly instead of racing a pending send.
+        The KV goes prefill -> decode directly; this call carries the request and the deltas only.
+        ``handoff_timeout`` bounds the decode replica's read of the KV (None: its default).
         """
-        call = self._decode.GenerateFromKV(timeout=timeout)
+        msg = inference_pb2.GenerateFromPrefillRequest(
+            request=convert.request_to_proto(request), prefill_address=prefill_address,
+            handoff_timeout_ms=round(handoff_timeout * 1000) if handoff_timeout else 0)
+        call = self._decode.GenerateFromPrefill(msg, timeout=timeout)
         try:
-            await self._send(call, inference_pb2.GenerateFromKVRequest(header=inference_pb2.GenerateFromKVHeader(
-                request=convert.request_to_proto(request), kv=convert.kv_header_to_proto(header))))
-            await self._ack(call)
-            for chunk in split_bytes(blob, chunk_size=chunk_bytes):
-                await self._send(call, inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(chunk)))
-                await self._ack(call)
-            await call.done_writing()
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    break
-                if msg.WhichOneof("msg") != "response":
-                    raise DataLoss("GenerateFromKV sent an acknowledgement after the blob was complete")
-                yield convert.delta_from_proto(msg.response)
+            async for response in call:
+                yield convert.delta_from_proto(response)
         finally:
-            call.cancel()
-
-    @staticmethod
-    async def _raise_status(call: Any) -> NoReturn:
-        """Raise the status that ended ``call`` (a stream-stream call cannot be awaited for it)."""
-        code = await call.code()
-        if code is not grpc.StatusCode.OK:
-            raise grpc.aio.AioRpcError(code, await call.initial_metadata(), await call.trailing_metadata(),
-                                       await call.details())
-        raise DataLoss("GenerateFromKV ended before the KV blob was acknowledged")
-
-    @classmethod
-    async def _send(cls, call: Any, msg: inference_pb2.GenerateFromKVRequest) -> None:
-        try:
-            await call.write(msg)
-        except asyncio.InvalidStateError:  # the call already ended (e.g. the replica is unreachable)
-            await cls._raise_status(call)
-
-    @classmethod
-    async def _ack(cls, call: Any) -> int:
-        msg = await call.read()
-        if msg is grpc.aio.EOF:
-            await cls._raise_status(call)
-        if msg.WhichOneof("msg") != "ack":
-            raise DataLoss("GenerateFromKV answered before the KV blob was complete")
-        return msg.ack.received
+            call.cancel()  # no-op once finished

@@ -25,7 +25,7 @@ _EXPORTS = {
     "StreamLedger": "replay",
     "MixedFleet": "router", "NoReplica": "router", "Pin": "router", "Policy": "router", "Router": "router",
     "UnservedPin": "router", "resolve_pin": "router",
-    "Scheduler": "service", "SchedulerConfig": "service", "SchedulerServicer": "service",
+    "Scheduler": "service", "SchedulerConfig": "service",
     "add_scheduler_service": "service",
 }
 
@@ -41,7 +41,6 @@ __all__ = [
     "Router",
     "Scheduler",
     "SchedulerConfig",
-    "SchedulerServicer",
     "StaticSource",
     "StreamLedger",
     "UnservedPin",

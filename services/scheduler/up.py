@@ -375,9 +375,8 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     children += decode
     for i in range(args.prefill_replicas):
         p = Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
-        # Its own Generate relays to a decode replica; through the scheduler it only serves PrefillKV and Score.
-        p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, "--decode", decode[i % len(decode)].address,
-                   *common, *args.replica_flag]
+        # The scheduler pairs it with a decode replica per request; that replica reads the KV from it directly.
+        p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, *common, *args.replica_flag]
         children.append(p)
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)

@@ -42,7 +42,7 @@ async def _refused(coro) -> grpc.aio.AioRpcError:
 def test_the_scheduler_refuses_bad_requests_by_meaning_before_any_work(model) -> None:
     async def main() -> None:
         async with replica_server(model, "decode") as (dsrv, _), \
-                replica_server(model, "prefill", decode_address=dsrv.address) as (psrv, prefill), \
+                replica_server(model, "prefill") as (psrv, prefill), \
                 scheduler_server([dsrv.address], [psrv.address]) as (ssrv, _), \
                 InferenceClient(ssrv.address) as client:
             cases = [
