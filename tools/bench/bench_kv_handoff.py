@@ -15,8 +15,10 @@ TTFTs is what the handoff adds (transport, checks, one more hop). Reported per p
 KV bytes of one request (from the model config: layers x tokens x (latent + rope + index_k) dims x
 dtype size), median TTFT of each arm, the added TTFT (total and per prompt token), the KV bytes over
 the added time (an effective MB/s, a lower bound on the transport's), and the bytes the scheduler
-process read per request (``/proc/PID/io`` rchar): with the KV relayed through the scheduler that is
-at least the KV; with a direct prefill -> decode plane it is the prompt and the tokens only.
+process received per request over TCP (the kernel's ``bytes_received`` of each of its sockets, from
+``ss -tinp``: requests, answers and health polls; ``/proc/PID/io`` would not do, gRPC reads sockets
+with recvmsg, which rchar does not count). With the KV relayed through the scheduler that is at
+least the KV; with a direct prefill -> decode plane it is the prompt and the tokens only.
 """
 from __future__ import annotations
 
@@ -50,11 +52,16 @@ def _serve(service: str, *flags: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"{service} exited before listening ({proc.wait()})")
 
 
-def _rchar(pid: int) -> int:
-    for line in pathlib.Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/PID/io")
+def tcp_received(pid: int) -> int:
+    """Bytes received so far on the open TCP sockets of process ``pid`` (``ss -tinp``)."""
+    out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    total, mine = 0, False
+    for line in out:
+        if not line.startswith((" ", "\t")):          # a socket line; its tcp_info follows on the next
+            mine = f"pid={pid}," in line
+        elif mine:
+            total += sum(int(f.split(":")[1]) for f in line.split() if f.startswith("bytes_received:"))
+    return total
 
 
 def kv_bytes(config: ModelConfig, tokens: int, dtype_size: int = 4) -> int:
@@ -62,7 +69,8 @@ def kv_bytes(config: ModelConfig, tokens: int, dtype_size: int = 4) -> int:
     return per_token * tokens * dtype_size
 
 
-async def _ttfts(address: str, prompts: list[tuple[int, ...]]) -> list[float]:
+async def _ttfts(address: str, prompts: list[tuple[int, ...]], scheduler_pid: int) -> tuple[list[float], int]:
+    """TTFT of each prompt, and the TCP bytes the scheduler received meanwhile."""
     from zerokl.services.engine.types import SamplingOptions
     from zerokl.services.inference.client import InferenceClient
     from zerokl.services.inference.types import InferenceRequest
@@ -71,6 +79,7 @@ async def _ttfts(address: str, prompts: list[tuple[int, ...]]) -> list[float]:
         # One warm-up request: channel setup and the first engine steps are not the handoff.
         warm = InferenceRequest(prompt_ids=prompts[0][:8], options=SamplingOptions(temperature=0.0, max_tokens=1))
         await client.generate_all(warm, timeout=600)
+        before = tcp_received(scheduler_pid)
         for ids in prompts:
             r = InferenceRequest(prompt_ids=ids, options=SamplingOptions(temperature=0.0, max_tokens=1,
                                                                          ignore_eos=True))
@@ -78,7 +87,8 @@ async def _ttfts(address: str, prompts: list[tuple[int, ...]]) -> list[float]:
             async for _ in client.generate(r, timeout=600):
                 out.append(time.perf_counter() - t0)
                 break
-    return out
+        received = tcp_received(scheduler_pid) - before   # the client's socket is still open
+    return out, received
 
 
 def main() -> None:
@@ -107,9 +117,8 @@ def main() -> None:
             arms[arm] = {}
             for n in lengths:
                 prompts = [tuple(rng.randrange(3, config.vocab_size) for _ in range(n)) for _ in range(args.repeats)]
-                before = _rchar(sched.pid)
-                ttfts = asyncio.run(_ttfts(saddr, prompts))
-                read = (_rchar(sched.pid) - before) / (args.repeats + 1)
+                ttfts, received = asyncio.run(_ttfts(saddr, prompts, sched.pid))
+                read = received / args.repeats
                 arms[arm][n] = {"ttft_s": statistics.median(ttfts), "scheduler_read_bytes_per_request": read}
             sched.terminate()
             sched.wait()
@@ -122,17 +131,17 @@ def main() -> None:
                          "ttft_handoff_ms": hand["ttft_s"] * 1e3, "added_ms": added * 1e3,
                          "added_us_per_token": added * 1e6 / n,
                          "effective_MB_s": kv / added / 1e6 if added > 0 else float("inf"),
-                         "scheduler_read_KB_per_request_local": local["scheduler_read_bytes_per_request"] / 1e3,
-                         "scheduler_read_KB_per_request_handoff": hand["scheduler_read_bytes_per_request"] / 1e3})
+                         "scheduler_tcp_KB_per_request_local": local["scheduler_read_bytes_per_request"] / 1e3,
+                         "scheduler_tcp_KB_per_request_handoff": hand["scheduler_read_bytes_per_request"] / 1e3})
         result = {"commit": commit(), "preset": args.preset, "repeats": args.repeats, "rows": rows}
         print(f"commit {result['commit']}, preset {args.preset}, {args.repeats} requests per cell, medians")
         print(f"{'tokens':>6} {'KV KB':>8} {'local ms':>9} {'handoff ms':>10} {'added ms':>9} {'us/token':>9} "
-              f"{'MB/s':>8} {'sched KB/req (local, handoff)':>30}")
+              f"{'MB/s':>8} {'scheduler TCP KB/req (local, handoff)':>38}")
         for r in rows:
             print(f"{r['prompt_tokens']:>6} {r['kv_bytes'] / 1e3:>8.1f} {r['ttft_local_ms']:>9.1f} "
                   f"{r['ttft_handoff_ms']:>10.1f} {r['added_ms']:>9.1f} {r['added_us_per_token']:>9.1f} "
-                  f"{r['effective_MB_s']:>8.1f} {r['scheduler_read_KB_per_request_local']:>14.1f} "
-                  f"{r['scheduler_read_KB_per_request_handoff']:>15.1f}")
+                  f"{r['effective_MB_s']:>8.1f} {r['scheduler_tcp_KB_per_request_local']:>18.1f} "
+                  f"{r['scheduler_tcp_KB_per_request_handoff']:>19.1f}")
         if args.out:
             pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     finally:
