@@ -9,7 +9,7 @@ from the prefill replica).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import grpc
 import grpc.aio
@@ -24,30 +24,40 @@ from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["InferenceClient"]
 
+M = TypeVar("M")
+
 
 class InferenceClient(ServiceClient):
     """Generate, score, abort and hand KV over, against one replica.
 
     Pass a ``target`` (``host:port``) and optionally a bearer ``token``, TLS
     ``credentials`` and a tracer provider, or an existing ``channel``.
+    ``on_received`` is called with the serialized size of every response
+    message (the scheduler counts what it receives from replicas with it).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, on_received: Callable[[int], None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._on_received = on_received
         self._inference = inference_pb2_grpc.InferenceStub(self._channel)
         self._prefill = inference_pb2_grpc.PrefillStub(self._channel)
         self._decode = inference_pb2_grpc.DecodeStub(self._channel)
+
+    def _got(self, msg: M) -> M:
+        if self._on_received is not None:
+            self._on_received(msg.ByteSize())  # type: ignore[attr-defined]
+        return msg
 
     # ---- Inference ------------------------------------------------------------
 
     async def info(self) -> ServiceIdentity:
         """What the replica computes with."""
-        return identity_from_proto(await self._inference.Info(common_pb2.InfoRequest()))
+        return identity_from_proto(self._got(await self._inference.Info(common_pb2.InfoRequest())))
 
     async def switch_weights(self, version: str, *, timeout: float | None = None) -> ServiceIdentity:
         """Make the replica (or, on the scheduler, the whole fleet) serve weight-store ``version``."""
-        return identity_from_proto(await self._inference.SwitchWeights(
-            inference_pb2.SwitchWeightsRequest(version=version), timeout=timeout))
+        return identity_from_proto(self._got(await self._inference.SwitchWeights(
+            inference_pb2.SwitchWeightsRequest(version=version), timeout=timeout)))
 
     async def generate(self, request: InferenceRequest, *,
                        timeout: float | None = None) -> AsyncIterator[GenerateDelta]:
@@ -55,7 +65,7 @@ class InferenceClient(ServiceClient):
         call = self._inference.Generate(convert.request_to_proto(request), timeout=timeout)
         try:
             async for msg in call:
-                yield convert.delta_from_proto(msg)
+                yield convert.delta_from_proto(self._got(msg))
         finally:
             call.cancel()  # no-op once finished
 
@@ -65,12 +75,12 @@ class InferenceClient(ServiceClient):
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight on this replica; False if it was not."""
-        return (await self._inference.Abort(inference_pb2.AbortRequest(request_id=request_id))).found
+        return self._got(await self._inference.Abort(inference_pb2.AbortRequest(request_id=request_id))).found
 
     async def score(self, request: InferenceRequest, *, timeout: float | None = None) -> ScoreResult:
         """Per-token logprobs of the prompt."""
         return convert.score_result_from_proto(
-            await self._inference.Score(convert.score_request_to_proto(request), timeout=timeout))
+            self._got(await self._inference.Score(convert.score_request_to_proto(request), timeout=timeout)))
 
     # ---- Prefill / Decode (the KV handoff) ------------------------------------
 
@@ -86,6 +96,7 @@ class InferenceClient(ServiceClient):
         header = False
         try:
             async for msg in call:
+                self._got(msg)
                 if msg.WhichOneof("msg") == "header":
                     if header:
                         raise DataLoss("PrefillKV sent a second header")
@@ -130,6 +141,6 @@ class InferenceClient(ServiceClient):
         call = self._decode.GenerateFromPrefill(msg, timeout=timeout)
         try:
             async for response in call:
-                yield convert.delta_from_proto(response)
+                yield convert.delta_from_proto(self._got(response))
         finally:
             call.cancel()  # no-op once finished
