@@ -166,9 +166,14 @@ class Decoder:
                     if header.request_id != r.request_id:
                         raise _HandoffFailed(grpc.StatusCode.DATA_LOSS,
                                              f"its KV is of request {header.request_id!r}", prefill)
-                    # Refused before a byte is buffered: a checked header also bounds the blob's size.
-                    check_header(header, replica.identity, replica.model_config, replica.dtype,
-                                 replica.max_model_len)
+                    # Refused before a byte is buffered: a checked header also bounds the blob's size. Other
+                    # weights or numerics are a state (FAILED_PRECONDITION); a malformed header is a fault.
+                    try:
+                        check_header(header, replica.identity, replica.model_config, replica.dtype,
+                                     replica.max_model_len)
+                    except InvalidArgument as err:
+                        raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
+                                             prefill) from None
                     replica.check_generate(header.prompt_ids, r.options)
                     receiver = KVReceiver(header)
                 else:
