@@ -93,7 +93,8 @@ async def decode_server(model: Model, config: EngineConfig = EngineConfig(), wei
     replica = make_replica(model, "decode", config, weights, limits)
     replica.engine.start()
     server = ServiceServer("decode", options)
-    decoder = Decoder(replica, token=options.auth.peer_token, handoff_timeout_s=handoff_timeout_s)
+    decoder = Decoder(replica, token=options.auth.peer_token, tracer_provider=options.tracer_provider,
+                      handoff_timeout_s=handoff_timeout_s)
     async with _switcher(replica, server, weight_store) as switch:
         add_decode_service(server, decoder, switch)
         await server.start()
