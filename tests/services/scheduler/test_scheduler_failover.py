@@ -1,9 +1,15 @@
-"""A decode replica killed mid-stream: the request finishes elsewhere with identical bits, never spliced."""
+"""Replicas failing mid-request: the request finishes elsewhere with identical bits, never spliced, never hung.
+
+A decode replica killed mid-stream or mid-handoff (while it reads the KV), a
+prefill replica dying or stuck in the middle of its KV stream: each attempt is
+retried on another replica of the same pin, with the replay check.
+"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import grpc
 import grpc.aio
@@ -11,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import (
+    TOKENIZER,
     WEIGHTS,
     numbers,
     offline,
@@ -25,7 +32,15 @@ from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.inference.types import GenerateResult
+from zerokl.services.engine.engine import Engine
+from zerokl.services.engine.types import EngineConfig
+from zerokl.services.inference import AsyncEngine, Replica
+from zerokl.services.inference.prefill import PREFILL_SERVICE, PrefillServicer, Prefiller
+from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
+from zerokl.services.inference.server import make_identity
+from zerokl.services.runtime import ServiceServer
 from zerokl.services.scheduler import Policy, SchedulerConfig
+from zerokl.v1 import inference_pb2_grpc
 
 # Round-robin over the registry order: the first request goes to the first decode replica listed (the victim).
 IN_TURN = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0)
@@ -33,8 +48,8 @@ IN_TURN = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0)
 
 @pytest.fixture(scope="module")
 def victims() -> Iterator[list]:
-    """Two `zerokl serve decode --preset tiny --seed 0` processes, started side by side, each killed by one test."""
-    procs = [serve_decode(), serve_decode()]
+    """Three `zerokl serve decode --preset tiny --seed 0` processes, started side by side, each killed by one test."""
+    procs = [serve_decode(), serve_decode(), serve_decode()]
     try:
         yield [(proc, wait_listening(proc)) for proc in procs]
     finally:
@@ -77,8 +92,8 @@ def test_killing_the_decode_replica_mid_stream_finishes_the_request_on_another_w
     assert numbers(result.samples) == numbers(offline(model, ids, options))
     assert all(s.finish_reason == "length" for s in result.samples)
     assert (result.weights_version, result.request_id) == (WEIGHTS, "survives")
-    # The KV came from the prefill replica once; the decode attempt moved from the victim to the survivor.
-    assert sorted(counts.values()) == [1, 1, 1] and counts[victim_address] == 1
+    # The decode attempt moved from the victim to the survivor; each attempt read the KV from the prefill replica.
+    assert sorted(counts.values()) == [1, 1, 2] and counts[victim_address] == 1
 
 
 def test_a_retry_whose_replay_differs_fails_with_data_loss_instead_of_splicing(model: Model, model_seed1: Model,
@@ -116,3 +131,92 @@ def test_a_retry_whose_replay_differs_fails_with_data_loss_instead_of_splicing(m
     assert "replay" in err.details() and "differs" in err.details()
     want = offline(model, ids, options)[0].token_ids
     assert tokens == want[:len(tokens)], "what was streamed before the failure is the victim's own output"
+
+
+class _Faulty(PrefillServicer):
+    """A real prefill replica's PrefillKV that goes wrong mid-stream: it dies after a chunk, or it hangs."""
+
+    def __init__(self, prefiller: Prefiller, fault: str) -> None:
+        super().__init__(prefiller)
+        self.fault = fault
+        self.called = asyncio.Event()
+
+    async def PrefillKV(self, request, context):  # noqa: ANN001, ANN201
+        self.called.set()
+        sent = 0
+        async for msg in super().PrefillKV(request, context):
+            yield msg
+            sent += msg.WhichOneof("msg") == "chunk"
+            if sent == 1 and self.fault == "dies":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the prefill replica is going away")
+            if self.fault == "hangs":
+                await asyncio.Event().wait()
+
+
+@contextlib.asynccontextmanager
+async def _faulty_prefill(model: Model, fault: str) -> AsyncIterator[tuple[ServiceServer, _Faulty]]:
+    """A prefill replica (real Info, health, Score) whose PrefillKV has ``fault``."""
+    replica = Replica(AsyncEngine(Engine(model, EngineConfig(), TOKENIZER)),
+                      make_identity("prefill", model, WEIGHTS, f"prefill-{fault}"), TOKENIZER)
+    replica.engine.start()
+    server = ServiceServer("prefill")
+    prefiller = Prefiller(replica, 4096)
+    faulty = _Faulty(prefiller, fault)
+    server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, InferenceServicer(prefiller),
+                        INFERENCE_SERVICE)
+    server.add_servicer(inference_pb2_grpc.add_PrefillServicer_to_server, faulty, PREFILL_SERVICE)
+    await server.start()
+    try:
+        yield server, faulty
+    finally:
+        await server.drain(0)
+        await replica.engine.close()
+
+
+def test_a_prefill_replica_dying_or_stuck_mid_handoff_is_retried_with_another(model: Model) -> None:
+    ids = tuple(range(3, 60))
+    options = SamplingOptions(temperature=0.9, seed=8, n=2, max_tokens=6, ignore_eos=True, prompt_logprobs=True)
+    # Prefill replicas in turn (round robin over those not failed yet): the dying one, the stuck one (past the
+    # 1 s handoff timeout), then the sound one.
+    config = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0, handoff_timeout_s=1.0)
+
+    async def main() -> tuple[GenerateResult, dict[str, int]]:
+        async with replica_server(model) as (decode, _), _faulty_prefill(model, "dies") as (dying, _), \
+                _faulty_prefill(model, "hangs") as (stuck, hanging), replica_server(model, "prefill") as (sound, _), \
+                scheduler_server([decode.address], [dying.address, sound.address, stuck.address], config) \
+                as (server, sched):
+            async with InferenceClient(server.address) as client:
+                result = await client.generate_all(InferenceRequest(ids, options=options), timeout=60)
+            assert hanging.called.is_set()
+            return result, routed(sched)
+
+    result, counts = asyncio.run(main())
+    assert numbers(result.samples) == numbers(offline(model, ids, options))
+    # Three attempts on the one decode replica (never blamed), one per prefill replica.
+    assert sorted(counts.values()) == [1, 1, 1, 3]
+
+
+def test_killing_the_decode_replica_mid_handoff_retries_on_another(model: Model, victims: list) -> None:
+    victim, victim_address = victims[2]
+    ids = tuple(range(3, 40))
+    options = SamplingOptions(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+    async def main() -> tuple[GenerateResult, dict[str, int]]:
+        # The first attempt reads from the stuck prefill replica: the victim is killed while it waits for the KV.
+        async with replica_server(model) as (survivor, _), _faulty_prefill(model, "hangs") as (stuck, hanging), \
+                replica_server(model, "prefill") as (sound, _), \
+                scheduler_server([victim_address, survivor.address], [stuck.address, sound.address], IN_TURN) \
+                as (server, sched):
+            async with InferenceClient(server.address) as client:
+                call = asyncio.ensure_future(client.generate_all(InferenceRequest(ids, options=options,
+                                                                                  request_id="mid-handoff"),
+                                                                 timeout=60))
+                await asyncio.wait_for(hanging.called.wait(), 30)
+                assert sched.flight_replica("mid-handoff").address == victim_address
+                victim.send_signal(signal.SIGKILL)
+                return await call, routed(sched)
+
+    result, counts = asyncio.run(main())
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    assert numbers(result.samples) == numbers(offline(model, ids, options))
+    assert counts[victim_address] == 1 and sorted(counts.values()) == [1, 1, 1, 1]
