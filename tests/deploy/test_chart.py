@@ -310,7 +310,7 @@ def test_k8s_manifests_are_current() -> None:
 
 def _parsers() -> dict[str, Any]:
     from zerokl.services.inference.server import build_parser as inference_parser
-    from zerokl.services.scheduler.server import build_parser as scheduler_parser
+    from zerokl.services.routing.server import build_parser as scheduler_parser
     from zerokl.services.trainer.server import build_parser as trainer_parser
     from zerokl.services.weightstore.server import build_parser as weightstore_parser
 

@@ -23,17 +23,17 @@ from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.runtime.metrics import start_metrics_server
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, peer_credentials
 from zerokl.services.runtime.tracing import configure_tracing
-from zerokl.services.scheduler.registry import (
+from zerokl.services.routing.registry import (
     ReplicaSource,
     Registry,
     StaticSource,
     load_static_config,
     parse_addresses,
 )
-from zerokl.services.scheduler.jobs import JobManager
-from zerokl.services.scheduler.jobs_service import add_jobs_service
-from zerokl.services.scheduler.router import Pin, Policy
-from zerokl.services.scheduler.service import Scheduler, SchedulerConfig
+from zerokl.services.jobs.manager import JobManager
+from zerokl.services.jobs.service import add_jobs_service
+from zerokl.services.routing.router import Pin, Policy
+from zerokl.services.routing.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["DEFAULT_PORT", "build_parser", "sources_from_args", "config_from_args", "main"]
 
@@ -106,7 +106,7 @@ def sources_from_args(args: argparse.Namespace) -> list[ReplicaSource]:
         if args.replicas:
             sources.append(load_static_config(args.replicas))
         if args.kube_decode_service or args.kube_prefill_service:
-            from zerokl.services.scheduler.kube import EndpointSliceSource, in_cluster_namespace
+            from zerokl.services.routing.kube import EndpointSliceSource, in_cluster_namespace
             services = {role: name for role, name in (("decode", args.kube_decode_service),
                                                       ("prefill", args.kube_prefill_service)) if name}
             sources.append(EndpointSliceSource(args.kube_namespace or in_cluster_namespace(), services,

@@ -17,7 +17,7 @@ from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.errors import field_violations, status_details
 from zerokl.services.runtime.metrics import REGISTRY
-from zerokl.services.scheduler import Pin, SchedulerConfig
+from zerokl.services.routing import Pin, SchedulerConfig
 
 FP32 = fingerprint()
 SHORT_WAIT = SchedulerConfig(route_wait_s=0.3)

@@ -18,8 +18,8 @@ from conftest import offline, replica_server, scheduler_server
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer, field_violations
-from zerokl.services.scheduler.jobs import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
-from zerokl.services.scheduler.jobs_service import JobsClient, add_jobs_service
+from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion
 

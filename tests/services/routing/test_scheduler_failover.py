@@ -39,7 +39,7 @@ from zerokl.services.inference.prefill import PREFILL_SERVICE, PrefillServicer, 
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
 from zerokl.services.inference.server import make_identity
 from zerokl.services.runtime import ServiceServer
-from zerokl.services.scheduler import Policy, SchedulerConfig
+from zerokl.services.routing import Policy, SchedulerConfig
 from zerokl.v1 import inference_pb2_grpc
 
 # Round-robin over the registry order: the first request goes to the first decode replica listed (the victim).

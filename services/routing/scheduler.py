@@ -64,10 +64,10 @@ from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.runtime.streams import until_set
 from zerokl.services.runtime.tracing import tag_request
-from zerokl.services.scheduler import metrics
-from zerokl.services.scheduler.registry import ReplicaEndpoint, ReplicaView, Registry
-from zerokl.services.scheduler.replay import StreamLedger
-from zerokl.services.scheduler.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
+from zerokl.services.routing import metrics
+from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
+from zerokl.services.routing.replay import StreamLedger
+from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
 from zerokl.v1 import inference_pb2_grpc
 
 __all__ = ["SchedulerConfig", "Scheduler", "add_scheduler_service", "CanaryFailed", "CANARY_PROMPT", "CANARY_TOKENS"]

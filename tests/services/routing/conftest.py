@@ -25,7 +25,7 @@ from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.runtime import ServerOptions, ServiceServer
-from zerokl.services.scheduler import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
+from zerokl.services.routing import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
 
 CONFIG = ModelConfig.preset("tiny")
 # What `zerokl serve decode --preset tiny --seed 0` reports, so in-process and subprocess replicas agree.

@@ -39,7 +39,7 @@ from opentelemetry import trace
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
-from zerokl.services.scheduler import metrics
+from zerokl.services.routing import metrics
 from zerokl.v1 import common_pb2, inference_pb2_grpc
 
 __all__ = [
