@@ -63,6 +63,7 @@ from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FIL
                                           AuthConfig, TlsConfig, load_auth_token)
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
+from zerokl.services.runtime.streams import unless_set
 from zerokl.v1 import common_pb2
 
 __all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "ClientSecurity", "UpSecurity", "build_parser",
@@ -638,19 +639,10 @@ class _Stopped(Exception):
 
 async def _until(awaitable: object, stop: asyncio.Event):  # noqa: ANN202 - the awaitable's result
     """``awaitable``'s result, or :class:`_Stopped` if a stop signal arrives first."""
-    task = asyncio.ensure_future(awaitable)  # type: ignore[arg-type]
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
+    result = await unless_set(awaitable, stop)  # type: ignore[arg-type]
+    if stop.is_set():
         raise _Stopped
-    finally:
-        stopper.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
