@@ -45,7 +45,6 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from zerokl.services.engine.types import SamplingOptions
-from zerokl.services.inference import convert
 from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.errors import RelayedError, handoff_peer

@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 
-import grpc.aio  # noqa: F401  (imported early: the client below needs it)
 
 from zerokl.model import ModelConfig
 
