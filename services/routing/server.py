@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-attempts", type=int, default=3, help="replicas one request may fail on before UNAVAILABLE")
     r.add_argument("--route-wait", type=float, default=5.0,
                    help="seconds a request waits for a healthy replica of its pin before failing")
+    r.add_argument("--handoff-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a decode replica may take to read a prompt's KV from the prefill replica "
+                        "(prefill included) before the attempt is retried elsewhere (default %(default)s)")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p
@@ -123,8 +126,11 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """Routing settings from the flags."""
     if args.max_attempts < 1:
         raise SystemExit("--max-attempts must be >= 1")
+    if not args.handoff_timeout > 0:
+        raise SystemExit("--handoff-timeout must be > 0")
     return SchedulerConfig(pin=Pin(args.pin_weights_version, args.pin_fingerprint), policy=Policy(args.policy),
-                           max_attempts=args.max_attempts, route_wait_s=args.route_wait)
+                           max_attempts=args.max_attempts, route_wait_s=args.route_wait,
+                           handoff_timeout_s=args.handoff_timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
