@@ -12,8 +12,8 @@ import pytest
 
 from zerokl import cli
 from zerokl.services.inference import server as inference_server
-from zerokl.services.scheduler import server as scheduler_server
-from zerokl.services.scheduler import up
+from zerokl.services.routing import server as scheduler_server
+from zerokl import up
 from zerokl.services.trainer import server as trainer_server
 from zerokl.services.weightstore import server as weightstore_server
 

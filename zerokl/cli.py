@@ -69,7 +69,7 @@ SERVICES = {
     "decode": "zerokl.services.inference.server:decode_main",
     "weight-store": "zerokl.services.weightstore.server:main",
     "trainer": "zerokl.services.trainer.server:main",
-    "scheduler": "zerokl.services.scheduler.server:main",
+    "scheduler": "zerokl.services.routing.server:main",
 }
 
 
@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from zerokl.services.scheduler.up import run
+    from zerokl.up import run
     return asyncio.run(run(args))
 
 
@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)
 
-    from zerokl.services.scheduler import up
+    from zerokl import up
     u = sub.add_parser("up", help="run every service on loopback (weight store, replicas, trainer, scheduler)",
                        description="Start the weight store (publishing the model as version 1 when it is empty), "
                                    "decode and prefill replicas, the trainer and the scheduler as child processes "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from zerokl.services.runtime.auth import (AUTH_TOKEN_ENV, AUTH_TOKEN_FILE_ENV, OPERATOR_TOKEN_ENV,
                                           OPERATOR_TOKEN_FILE_ENV, load_auth_token)
-from zerokl.services.scheduler.up import DEFAULT_WORKDIR, ClientSecurity, read_state
+from zerokl.up import DEFAULT_WORKDIR, ClientSecurity, read_state
 
 __all__ = ["DEFAULT_SERVER", "Connection", "add_connection_arguments", "add_security_arguments", "connect",
            "client_security", "up_workdir"]

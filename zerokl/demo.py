@@ -147,8 +147,8 @@ def _step_line(step: int, m: dict, version: str) -> str:
 
 
 async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
-    from zerokl.services.scheduler.jobs import CountdownTask, JobState, RLJobSpec, SFTJobSpec
-    from zerokl.services.scheduler.jobs_service import JobsClient
+    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.service import JobsClient
 
     task = CountdownTask(seed=args.seed, train_problems=args.train_problems)
     records: list[dict] = []

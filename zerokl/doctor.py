@@ -105,7 +105,7 @@ def _namespace(args: argparse.Namespace) -> str:
         return str(args.namespace)
     from kubernetes import config as kube_config
 
-    from zerokl.services.scheduler.kube import in_cluster_namespace
+    from zerokl.services.routing.kube import in_cluster_namespace
     try:
         _, active = kube_config.list_kube_config_contexts(config_file=args.kubeconfig)
         if args.context:
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     from urllib3.exceptions import HTTPError
 
     from zerokl.services.runtime.auth import load_auth_token
-    from zerokl.services.scheduler.kube import load_api_client
+    from zerokl.services.routing.kube import load_api_client
 
     namespace = _namespace(args)
     try:

@@ -53,7 +53,8 @@ def run_arm(arm: str, args: argparse.Namespace, on_step=None) -> list[dict]:  # 
     """One arm in process; one dict per RL step (the demo's metrics.jsonl fields)."""
     from zerokl.demo import SFT_CHECKPOINT
     from zerokl.model import Model
-    from zerokl.services.scheduler.rl_loop import LocalEnginePort, LocalTrainerPort, RLConfig, Task, as_dict, run_rl
+    from zerokl.services.rl.loop import RLConfig, Task, as_dict, run_rl
+    from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.tasks.countdown import reward
     from zerokl.tasks.setup import MAX_TOKENS, countdown_config, countdown_data, encode_prompt

@@ -83,7 +83,7 @@ def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
 
 
 async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
-    from zerokl.services.scheduler.jobs import JobState
+    from zerokl.services.jobs.manager import JobState
     last = None
     async for ev in client.watch(job_id):
         last = ev
@@ -100,9 +100,9 @@ async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
 
 
 async def _main(args: argparse.Namespace) -> int:
-    from zerokl.services.scheduler.jobs import CountdownTask, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.manager import CountdownTask, RLJobSpec, SFTJobSpec
     from zerokl.connect import connect
-    from zerokl.services.scheduler.jobs_service import JobsClient
+    from zerokl.services.jobs.service import JobsClient
 
     where = connect(args, operator=True)
     async with JobsClient(where.target, token=where.security.token, credentials=where.security.credentials()) as client:

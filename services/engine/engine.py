@@ -483,6 +483,7 @@ class Engine:
         return self.runner.export(s.blocks, tuple(s.token_ids[: s.target]))
 
 
+
 def run_to_completion(engine: Engine, requests: Sequence[GenerateRequest],
                       on_step: Callable[[int], None] | None = None) -> dict[str, list[SampleOutput]]:
     """Offline helper: run requests until done, collecting every delta per request id."""

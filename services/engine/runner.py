@@ -149,8 +149,11 @@ class ModelRunner:
 
     def export(self, blocks: list[int], token_ids: tuple[int, ...]) -> KVHandoff:
         slots = self.slots(blocks, 0, len(token_ids))
-        return KVHandoff(tuple(token_ids), self.cache.latent[:, slots].cpu(), self.cache.rope[:, slots].cpu(),
-                         self.cache.index_k[:, slots].cpu(), trusted=True)
+        # On a GPU the rows go to pinned host memory (DMA, no pageable staging copy), once synchronized.
+        host = [_to_host(c[:, slots]) for c in (self.cache.latent, self.cache.rope, self.cache.index_k)]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return KVHandoff(tuple(token_ids), *host, trusted=True)
 
     # ------------------------------------------------------------------ the general path
 
@@ -280,3 +283,12 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).synchronize()
         self._stage(rows, bucket, width)
         return g
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host: a pinned copy enqueued on the current stream for a CUDA tensor (synchronize before use)."""
+    if t.device.type != "cuda":
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out

@@ -1,97 +1,235 @@
 """The decode service: ``zerokl.v1.Inference`` (standalone generation) and ``zerokl.v1.Decode``.
 
-``GenerateFromKV`` receives a prefill replica's KV as checksummed chunks,
-acknowledging each one (a bidi stream, so an error such as DATA_LOSS reaches
-the sender as a clean status while it waits for its acknowledgement, not as a
-broken pipe in the middle of a send), rebuilds the exact tensors and
-generates from them. Only KV from a caller authenticated with the peer token
-may enter this replica's prefix cache: anyone else's (forged, or merely
-unauthenticated) serves its own request and is never shared.
+``GenerateFromPrefill`` is the decode end of the KV plane: the scheduler
+names a prefill replica, this replica reads the prompt's KV straight from it
+(``Prefill.PrefillKV``, one server stream of checksummed chunks paced by
+HTTP/2 flow control), checks the header before buffering a byte (weights,
+numerics and model config must be this replica's; the sizes are then fixed by
+the model), verifies every chunk and the whole blob, and generates from the
+exact tensors. The scheduler sees only the request and the tokens.
+
+Trust: this replica presents the peer token to the prefill replica, and the
+KV may enter its prefix cache only when the caller who named the prefill
+replica is itself a peer (the scheduler); anyone else's handoff (an operator,
+or any caller with auth off) serves its own request and is never shared.
+
+Failures of the prefill side are reported with an ErrorInfo (reason
+``KV_HANDOFF``, metadata ``prefill``) so the scheduler retries with another
+prefill replica instead of blaming this one; a read that outlives the handoff
+timeout ends as UNAVAILABLE, so nothing waits forever on a stuck prefill.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from typing import AsyncIterator
 
+import grpc
 import grpc.aio
+from opentelemetry import trace
 
 from zerokl.services.inference import convert
+from zerokl.services.inference.client import InferenceClient
+from zerokl.services.engine.types import KVHandoff
+from zerokl.services.inference.errors import RelayedError, handoff_error_info
 from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, Usage
+from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.auth import Role, caller_role
-from zerokl.services.runtime.chunks import chunk_from_proto
-from zerokl.services.runtime.errors import InvalidArgument
-from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, ServiceError
+from zerokl.services.runtime.info import ServiceIdentity
+from zerokl.services.runtime.server import ServiceServer, stream_out
+from zerokl.services.runtime.streams import unless_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 
-__all__ = ["DECODE_SERVICE", "DecodeServicer", "add_decode_service"]
+__all__ = ["DECODE_SERVICE", "DEFAULT_HANDOFF_TIMEOUT_S", "Decoder", "DecodeServicer", "add_decode_service"]
 
 DECODE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Decode"].full_name
+DEFAULT_HANDOFF_TIMEOUT_S = 300.0
+
+# Prefill-side statuses the scheduler should answer by trying another prefill replica.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
-def _ack(received: int) -> inference_pb2.GenerateFromKVResponse:
-    return inference_pb2.GenerateFromKVResponse(ack=inference_pb2.KVAck(received=received))
+class _HandoffFailed(ServiceError):
+    """The prefill side of a handoff failed here (bad stream, corrupt blob): names the prefill replica."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, prefill: str) -> None:
+        super().__init__(f"KV handoff from prefill replica {prefill}: {message}")
+        self.code = code
+        self.prefill = prefill
+
+    def to_status(self):  # noqa: ANN201 - google.rpc.Status
+        status = super().to_status()
+        status.details.append(handoff_error_info(self.prefill))
+        return status
 
 
-class DecodeServicer(inference_pb2_grpc.DecodeServicer):
-    """Serves ``zerokl.v1.Decode`` from a :class:`Replica`."""
+class Decoder:
+    """The decode replica's backend: local generation, and generation from a prefill replica's KV.
 
-    def __init__(self, replica: Replica) -> None:
-        self._replica = replica
+    ``token`` and ``credentials`` are what it presents to prefill replicas (the peer token,
+    TLS), traced with ``tracer_provider``; ``handoff_timeout_s`` bounds one KV read when the caller names no bound.
+    """
 
-    async def GenerateFromKV(self, request_iterator: AsyncIterator[inference_pb2.GenerateFromKVRequest],
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateFromKVResponse]:
-        replica = self._replica
-        requests = aiter(request_iterator)
-        first = await anext(requests, None)
-        if first is None or first.WhichOneof("msg") != "header":
-            raise InvalidArgument.field("header", "the first GenerateFromKV message must be a GenerateFromKVHeader")
-        r = convert.request_from_proto(first.header.request)
-        header = convert.kv_header_from_proto(first.header.kv)
+    def __init__(self, replica: Replica, *, token: str | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 tracer_provider: trace.TracerProvider | None = None,
+                 handoff_timeout_s: float = DEFAULT_HANDOFF_TIMEOUT_S) -> None:
+        self.replica = replica
+        self.handoff_timeout_s = handoff_timeout_s
+        self._token = token
+        self._credentials = credentials
+        self._tracer_provider = tracer_provider
+        self._prefills: dict[str, InferenceClient] = {}   # address -> client, reused across handoffs
+        self._reading: dict[str, asyncio.Event] = {}      # request id -> set by Abort while its KV is read
+
+    @property
+    def identity(self) -> ServiceIdentity:
+        return self.replica.identity
+
+    def generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        return self.replica.generate(r)
+
+    async def score(self, r: InferenceRequest) -> ScoreResult:
+        return await self.replica.score(r)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request: while its KV is read, or in the engine after."""
+        event = self._reading.get(request_id)
+        if event is not None:
+            event.set()
+            return True
+        return self.replica.abort(request_id)
+
+    async def close(self) -> None:
+        for client in self._prefills.values():
+            await client.close()
+        self._prefills.clear()
+
+    async def generate_from_prefill(self, r: InferenceRequest, prefill: str,
+                                    handoff_timeout_s: float | None = None) -> AsyncIterator[GenerateDelta]:
+        """Read ``r``'s prompt KV from the prefill replica at ``prefill``, then generate from it here."""
+        replica = self.replica
+        if not prefill:
+            raise InvalidArgument.field("prefill_address", "name the prefill replica to read the KV from")
         replica.check_pins(r)
-        if r.prompt_text is not None or (r.prompt_ids is not None and r.prompt_ids != header.prompt_ids):
-            raise InvalidArgument.field("request.prompt", "must be unset or equal to kv.prompt_token_ids")
-        if r.request_id and header.request_id and r.request_id != header.request_id:
-            raise InvalidArgument.field("kv.request_id", f"{header.request_id!r} differs from the request's "
-                                                         f"{r.request_id!r}")
-        # Refused before a byte is buffered: a checked header also bounds the blob's size.
-        check_header(header, replica.identity, replica.model_config, replica.dtype, replica.max_model_len)
-        replica.check_generate(header.prompt_ids, r.options)
-        r = dataclasses.replace(r, request_id=r.request_id or header.request_id)
-        tag_request(r.request_id)
-        receiver = KVReceiver(header)
-        trusted = caller_role() is Role.PEER
-        yield _ack(0)
-        handoff = None
-        while handoff is None:
-            msg = await anext(requests, None)
-            if msg is None:
-                raise InvalidArgument.field("chunk", f"the stream ended after {receiver.received} of "
-                                                     f"{header.total_bytes} KV bytes")
-            if msg.WhichOneof("msg") != "chunk":
-                raise InvalidArgument.field("chunk", "only the first GenerateFromKV message may be a header")
-            receiver.add(chunk_from_proto(msg.chunk))
-            if receiver.complete:
-                handoff = receiver.handoff(trusted)  # DATA_LOSS before the last ack if the blob's sha256 differs
-            yield _ack(receiver.received)
-        deltas = replica.generate_from_handoff(r, header.prompt_ids, handoff, header.prompt_logprobs,
-                                               header.num_cached_tokens, header.weights_version)
+        rid = r.request_id or replica.new_request_id()
+        if rid in self._reading or replica.engine.in_flight(rid):
+            raise AlreadyExists(f"request_id {rid!r} is already in flight")
+        r = dataclasses.replace(r, request_id=rid)
+        tag_request(rid)
+        trusted = caller_role() is Role.PEER   # the peer that named the prefill replica vouches for it
+        aborted = self._reading[rid] = asyncio.Event()
+        try:
+            read = await unless_set(self._read_kv(r, prefill, handoff_timeout_s or self.handoff_timeout_s, trusted),
+                                    aborted)
+        finally:
+            del self._reading[rid]
+        if read is None:   # aborted while reading: every sample ends now
+            n = len(r.prompt_ids or ())
+            for index in range(r.options.n):
+                yield GenerateDelta(rid, index, (), (), finish_reason="abort", usage=Usage(n, 0, 0),
+                                    weights_version=self.identity.weights_version,
+                                    numerics_fingerprint=self.identity.numerics_fingerprint)
+            return
+        header, handoff = read
+        r = dataclasses.replace(r, prompt_ids=header.prompt_ids, prompt_text=None)
+        deltas = replica.generate_from_handoff(r, header.prompt_ids, handoff,
+                                               header.prompt_logprobs, header.num_cached_tokens,
+                                               header.weights_version)
         try:
             async for delta in deltas:
-                yield inference_pb2.GenerateFromKVResponse(response=convert.delta_to_proto(delta))
+                yield delta
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
 
+    async def _read_kv(self, r: InferenceRequest, prefill: str, timeout_s: float,
+                       trusted: bool) -> tuple[KVHeader, KVHandoff]:
+        """The checked header and the complete, verified blob of ``r``'s prompt KV from ``prefill``."""
+        replica = self.replica
+        started = time.perf_counter()
+        client = self._client(prefill)
+        receiver: KVReceiver | None = None
+        stream = client.prefill_kv_stream(r, timeout=timeout_s)
+        try:
+            async for item in stream:
+                if receiver is None:
+                    assert isinstance(item, KVHeader)
+                    header = item
+                    if r.prompt_ids is not None and tuple(r.prompt_ids) != header.prompt_ids:
+                        raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, "its KV is of another prompt", prefill)
+                    if header.request_id != r.request_id:
+                        raise _HandoffFailed(grpc.StatusCode.DATA_LOSS,
+                                             f"its KV is of request {header.request_id!r}", prefill)
+                    # Refused before a byte is buffered: a checked header also bounds the blob's size. Other
+                    # weights or numerics are a state (FAILED_PRECONDITION); a malformed header is a fault.
+                    try:
+                        check_header(header, replica.identity, replica.model_config, replica.dtype,
+                                     replica.max_model_len)
+                    except InvalidArgument as err:
+                        raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
+                                             prefill) from None
+                    replica.check_generate(header.prompt_ids, r.options)
+                    receiver = KVReceiver(header)
+                else:
+                    try:
+                        receiver.add(item)   # offset, size and checksum: the prefill side's fault if bad
+                    except (InvalidArgument, DataLoss) as err:
+                        raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, err.message, prefill) from None
+        except grpc.aio.AioRpcError as err:
+            code = grpc.StatusCode.UNAVAILABLE if err.code() in _RETRYABLE else None
+            raise RelayedError(err, f"KV handoff from prefill replica {prefill}", code, handoff_from=prefill) from None
+        except DataLoss as err:   # a malformed stream (no header, a second header)
+            raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, err.message, prefill) from None
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+        if receiver is None or not receiver.complete:
+            got = 0 if receiver is None else receiver.received
+            raise _HandoffFailed(grpc.StatusCode.UNAVAILABLE, f"the stream ended after {got} KV bytes", prefill)
+        try:
+            handoff = receiver.handoff(trusted)   # the whole blob's sha256, before generating
+        except DataLoss as err:
+            raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, err.message, prefill) from None
+        runtime_metrics.KV_HANDOFF_BYTES.labels("received").inc(receiver.received)
+        runtime_metrics.KV_HANDOFF_SECONDS.observe(time.perf_counter() - started)
+        return receiver.header, handoff
 
-def add_decode_service(server: ServiceServer, replica: Replica, switch_weights=None) -> None:  # noqa: ANN001
-    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Decode`` from ``replica`` (before the server starts).
+    def _client(self, address: str) -> InferenceClient:
+        client = self._prefills.get(address)
+        if client is None:
+            client = self._prefills[address] = InferenceClient(address, token=self._token,
+                                                               credentials=self._credentials,
+                                                               tracer_provider=self._tracer_provider)
+        return client
+
+
+class DecodeServicer(inference_pb2_grpc.DecodeServicer):
+    """Serves ``zerokl.v1.Decode`` from a :class:`Decoder`."""
+
+    def __init__(self, decoder: Decoder) -> None:
+        self._decoder = decoder
+
+    async def GenerateFromPrefill(self, request: inference_pb2.GenerateFromPrefillRequest,
+                                  context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        deltas = self._decoder.generate_from_prefill(convert.request_from_proto(request.request),
+                                                     request.prefill_address,
+                                                     request.handoff_timeout_ms / 1000 or None)
+        async for msg in stream_out(deltas, convert.delta_to_proto):
+            yield msg
+
+
+def add_decode_service(server: ServiceServer, decoder: Decoder, switch_weights=None) -> None:  # noqa: ANN001
+    """Serve ``zerokl.v1.Inference`` and ``zerokl.v1.Decode`` from ``decoder`` (before the server starts).
 
     ``switch_weights`` (a :meth:`WeightSwitcher.switch`) serves SwitchWeights. Health is
     NOT_SERVING while the replica's engine cannot serve (:meth:`AsyncEngine.on_fitness`).
     """
     server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
-                        InferenceServicer(replica, switch_weights), INFERENCE_SERVICE)
-    server.add_servicer(inference_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(replica), DECODE_SERVICE)
-    replica.engine.on_fitness(lambda reason: server.set_unfit("engine", reason))
+                        InferenceServicer(decoder, switch_weights), INFERENCE_SERVICE)
+    server.add_servicer(inference_pb2_grpc.add_DecodeServicer_to_server, DecodeServicer(decoder), DECODE_SERVICE)
+    decoder.replica.engine.on_fitness(lambda reason: server.set_unfit("engine", reason))

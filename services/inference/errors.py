@@ -3,12 +3,18 @@ from __future__ import annotations
 
 import grpc
 import grpc.aio
-from google.rpc import status_pb2
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from zerokl.services.runtime.errors import ServiceError, rich_status
 
-__all__ = ["ResourceExhausted", "Cancelled", "Internal", "RelayedError"]
+__all__ = ["ResourceExhausted", "Cancelled", "Internal", "RelayedError", "KV_HANDOFF", "handoff_error_info",
+           "handoff_peer"]
+
+#: ErrorInfo reason of a status caused by the prefill side of a KV handoff (metadata ``prefill``: its address).
+KV_HANDOFF = "KV_HANDOFF"
+_DOMAIN = "zerokl"
 
 
 class ResourceExhausted(ServiceError):
@@ -36,16 +42,40 @@ class RelayedError(ServiceError):
     decode replica's INVALID_ARGUMENT or DATA_LOSS, not a generic failure.
     """
 
-    def __init__(self, err: grpc.aio.AioRpcError, via: str) -> None:
+    def __init__(self, err: grpc.aio.AioRpcError, via: str, code: grpc.StatusCode | None = None,
+                 handoff_from: str | None = None) -> None:
         super().__init__(f"{via}: {err.details()}")
-        self.code = err.code()
+        self.code = code or err.code()
         try:
             status = rpc_status.from_call(err)  # type: ignore[arg-type]
         except ValueError:  # details trailer inconsistent with the status: keep code and message only
             status = None
         self._details = list(status.details) if status is not None else []
+        if handoff_from is not None:
+            self._details.append(handoff_error_info(handoff_from))
 
     def to_status(self) -> status_pb2.Status:
         status = rich_status(self.code, self.message)
         status.details.extend(self._details)
         return status
+
+
+def handoff_error_info(prefill: str) -> any_pb2.Any:
+    """The status detail saying the failure came from the prefill replica at ``prefill`` (a KV handoff)."""
+    packed = any_pb2.Any()
+    packed.Pack(error_details_pb2.ErrorInfo(reason=KV_HANDOFF, domain=_DOMAIN, metadata={"prefill": prefill}))
+    return packed
+
+
+def handoff_peer(err: grpc.aio.AioRpcError) -> str | None:
+    """The prefill address a failed GenerateFromPrefill blames (its KV_HANDOFF ErrorInfo), else None."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.reason == KV_HANDOFF \
+                and info.domain == _DOMAIN:
+            return info.metadata.get("prefill", "")
+    return None

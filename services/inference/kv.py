@@ -7,6 +7,10 @@ back, described by a :class:`KVHeader` (layouts, total size, SHA-256) and sent
 as checksummed 4 MiB chunks. Nothing is converted on the way: the receiver
 reinterprets the same bytes as the same dtype, so the decode replica's cache
 holds the bits the prefill replica computed.
+
+On GPUs the bytes go device -> pinned host buffer (the engine's export) ->
+wire -> pinned host buffer (:class:`KVReceiver` assembles into one) -> device
+(the engine's import copies from it): no pageable staging copy on either side.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 from zerokl.model import ModelConfig
 from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.types import KVHeader, TensorLayout
-from zerokl.services.runtime.chunks import ChunkAssembler, Chunk
+from zerokl.services.runtime.chunks import Chunk, verify_chunk
 from zerokl.services.runtime.errors import DataLoss, FailedPrecondition, InvalidArgument, PreconditionViolation
 from zerokl.services.runtime.info import ServiceIdentity
 
@@ -38,29 +42,31 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _raw_bytes(t: torch.Tensor) -> bytes:
+def _host_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 host tensor (a view when ``t`` is already a contiguous host tensor)."""
     # view(uint8) reinterprets the storage: no conversion touches a bit.
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIdentity,
                     prompt_ids: tuple[int, ...], num_cached_tokens: int = 0,
-                    prompt_logprobs: list[float] | None = None) -> tuple[KVHeader, bytes]:
+                    prompt_logprobs: list[float] | None = None) -> tuple[KVHeader, memoryview]:
     """The header and the blob of ``handoff`` (computed by ``identity``'s replica).
 
-    ``prompt_ids`` is the whole prompt; the handoff covers prompt[:-1].
+    ``prompt_ids`` is the whole prompt; the handoff covers prompt[:-1]. The
+    blob is one host buffer (the three tensors' bytes back to back: one copy).
     """
     parts, layouts, offset = [], [], 0
     for name in KV_TENSORS:
         t = getattr(handoff, name)
-        raw = _raw_bytes(t)
-        layouts.append(TensorLayout(name, _dtype_name(t.dtype), tuple(t.shape), offset, len(raw)))
+        raw = _host_bytes(t)
+        layouts.append(TensorLayout(name, _dtype_name(t.dtype), tuple(t.shape), offset, raw.numel()))
         parts.append(raw)
-        offset += len(raw)
-    blob = b"".join(parts)
+        offset += raw.numel()
+    blob = memoryview(torch.cat(parts).numpy()) if offset else memoryview(b"")
     header = KVHeader(
         request_id=request_id, prompt_ids=tuple(prompt_ids),
-        num_tokens=handoff.num_tokens, tensors=tuple(layouts), total_bytes=len(blob),
+        num_tokens=handoff.num_tokens, tensors=tuple(layouts), total_bytes=offset,
         sha256=hashlib.sha256(blob).digest(), weights_version=identity.weights_version,
         numerics_fingerprint=identity.numerics_fingerprint, model_config_hash=identity.model_config_hash,
         num_cached_tokens=num_cached_tokens,
@@ -127,27 +133,37 @@ def _describe(t: TensorLayout) -> str:
 class KVReceiver:
     """Assemble a blob announced by a checked header and turn it back into a KVHandoff.
 
-    Each chunk is verified on arrival (offset, size, its own SHA-256: DATA_LOSS
-    on a mismatch); the complete blob is verified against the header's SHA-256.
+    Each chunk is verified on arrival (contiguous offset, size, its own
+    SHA-256: INVALID_ARGUMENT / DATA_LOSS) and written at its offset into one
+    host buffer of the header's size (pinned when a GPU will read it); the
+    SHA-256 of the whole blob is computed as the chunks arrive and checked
+    against the header's once complete. The tensors are views of that buffer.
     """
 
     def __init__(self, header: KVHeader) -> None:
         self.header = header
-        self._assembler = ChunkAssembler(total_size=header.total_bytes)
+        pin = torch.cuda.is_available() and header.total_bytes > 0
+        self._buf = torch.empty(header.total_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._sha = hashlib.sha256()
+        self._received = 0
 
     @property
     def received(self) -> int:
-        return self._assembler.received
+        return self._received
 
     @property
     def complete(self) -> bool:
-        return self._assembler.complete
+        return self._received == self.header.total_bytes
 
     def add(self, chunk: Chunk) -> None:
-        """Verify and append one chunk (INVALID_ARGUMENT / DATA_LOSS on a bad one)."""
+        """Verify and place one chunk (INVALID_ARGUMENT / DATA_LOSS on a bad one)."""
         if self.complete and chunk.data:
             raise InvalidArgument.field("chunk", "the KV blob is already complete")
-        self._assembler.add(chunk)
+        verify_chunk(chunk, self._received, self.header.total_bytes)
+        if chunk.data:
+            self._buf[chunk.offset:chunk.end] = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
+            self._sha.update(chunk.data)
+        self._received = chunk.end
 
     def handoff(self, trusted: bool = False) -> KVHandoff:
         """The handoff, once complete and matching the header's SHA-256 (over the bytes received here).
@@ -155,15 +171,12 @@ class KVReceiver:
         The checksum only catches corruption: whoever sends the blob computes it. ``trusted``
         (the sender authenticated as a peer) is what lets the KV enter the prefix cache.
         """
-        blob = self._assembler.value()
-        if hashlib.sha256(blob).digest() != self.header.sha256:
-            raise DataLoss(f"KV blob of {len(blob)} bytes does not match the header's sha256")
-        buf = bytearray(blob)  # writable, so torch.frombuffer shares it without a warning
-        tensors = {}
-        for t in self.header.tensors:
-            raw = torch.frombuffer(buf, dtype=torch.uint8, count=t.nbytes, offset=t.offset) if t.nbytes else \
-                torch.empty(0, dtype=torch.uint8)
-            tensors[t.name] = raw.view(_DTYPES[t.dtype]).reshape(t.shape)
+        if not self.complete:
+            raise DataLoss(f"KV blob incomplete: {self._received} of {self.header.total_bytes} bytes received")
+        if self._sha.digest() != self.header.sha256:
+            raise DataLoss(f"KV blob of {self._received} bytes does not match the header's sha256")
+        tensors = {t.name: self._buf[t.offset:t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape)
+                   for t in self.header.tensors}
         h = self.header
         return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"],
                          trusted=trusted)

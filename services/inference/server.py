@@ -27,9 +27,8 @@ from zerokl.model.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference.async_engine import AsyncEngine
-from zerokl.services.inference.client import InferenceClient
-from zerokl.services.inference.decode import add_decode_service
-from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
+from zerokl.services.inference.decode import DEFAULT_HANDOFF_TIMEOUT_S, Decoder, add_decode_service
+from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits
 from zerokl.services.inference.tensor_parallel import (
     LockstepEngine,
@@ -68,9 +67,9 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         allow_abbrev=False,
         prog=f"zerokl serve {service}",
-        description=("Read prompts (KV, Score) and hand their KV to a decode replica for Generate."
+        description=("Read prompts (Score) and stream their KV to the decode replicas the scheduler pairs with it."
                      if service == "prefill" else
-                     "Generate with continuous batching, from handed-over KV or the replica's own prefill."))
+                     "Generate with continuous batching, from a prefill replica's KV or the replica's own prefill."))
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
@@ -104,10 +103,12 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     e.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA: no graph capture)")
     e.add_argument("--max-n", type=int, default=16, help="samples per request at most")
     if service == "prefill":
-        e.add_argument("--decode", metavar="ADDR", default=None,
-                       help="host:port of the decode replica Generate hands KV to")
         e.add_argument("--kv-chunk-bytes", type=int, default=None,
-                       help="KV chunk size sent to decode (default and maximum 4 MiB)")
+                       help="KV chunk size streamed to decode replicas (default and maximum 4 MiB)")
+    else:
+        e.add_argument("--handoff-timeout", type=float, default=DEFAULT_HANDOFF_TIMEOUT_S, metavar="S",
+                       help="seconds one read of a prefill replica's KV may take, prefill included, when the "
+                            "scheduler names no bound (default %(default)s)")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORTS[service])
     return p
@@ -193,15 +194,17 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
         chunk = args.kv_chunk_bytes or MAX_CHUNK_BYTES
         if not 0 < chunk <= MAX_CHUNK_BYTES:
             raise SystemExit(f"--kv-chunk-bytes must be in 1..{MAX_CHUNK_BYTES}")
+    elif not args.handoff_timeout > 0:
+        raise SystemExit("--handoff-timeout must be > 0")
 
     peers = peer_credentials(args)
 
     async def run() -> None:
-        decode_client: InferenceClient | None = None
         switcher: WeightSwitcher | None = None
+        decoder: Decoder | None = None
 
         def setup(server: ServiceServer) -> None:
-            nonlocal decode_client, switcher
+            nonlocal switcher, decoder
             replica.engine.start()
             switch = None
             if args.weight_store:
@@ -209,27 +212,27 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
                 switcher = WeightSwitcher(replica, store, args.weights_cache, server.not_serving)
                 switch = switcher.switch
             if service == "decode":
-                add_decode_service(server, replica, switch)
+                # Reads of a prefill replica's KV carry the peer token (its PrefillKV is internal).
+                decoder = Decoder(replica, token=options.auth.peer_token, credentials=peers,
+                                  tracer_provider=server.options.tracer_provider,
+                                  handoff_timeout_s=args.handoff_timeout)
+                add_decode_service(server, decoder, switch)
             else:
-                if args.decode:
-                    # The hop to decode carries the peer token: only a peer's KV may enter decode's prefix cache.
-                    decode_client = InferenceClient(args.decode, token=options.auth.peer_token, credentials=peers)
-                add_prefill_service(server, PrefillRelay(replica, decode_client, chunk), switch)
+                add_prefill_service(server, Prefiller(replica, chunk), switch)
             set_serving_info(replica.identity)
 
         def ready(server: ServiceServer, metrics: MetricsServer | None) -> None:
             where = f" metrics on :{metrics.port}" if metrics is not None else ""
-            to = f" decode: {args.decode}" if service == "prefill" and args.decode else ""
             # One parseable line on stdout: `zerokl up` and the tests wait for it to learn the port.
             print(f"{service} listening on {server.address}{where} weights: {replica.identity.weights_version} "
-                  f"fingerprint: {replica.identity.numerics_fingerprint}{to}", flush=True)
+                  f"fingerprint: {replica.identity.numerics_fingerprint}", flush=True)
 
         try:
             await serve(service, setup, options, metrics_port=args.metrics_port, metrics_host=args.host,
                         on_ready=ready)
         finally:
-            if decode_client is not None:
-                await decode_client.close()
+            if decoder is not None:
+                await decoder.close()
             if switcher is not None:
                 await switcher.close()
                 await switcher.store.close()

@@ -1,14 +1,16 @@
-"""The client-facing ``zerokl.v1.Inference`` servicer, shared by the prefill and decode services.
+"""The client-facing ``zerokl.v1.Inference`` servicer, one for every service that serves it.
 
 It is a thin gRPC edge: it converts at the boundary (convert.py) and hands
-the work to an :class:`InferenceBackend`: a :class:`~.replica.Replica` on a
-decode replica (local generation), a :class:`~.prefill.PrefillRelay` on a
-prefill replica (prefill here, generate on a decode replica). Errors are
-raised as :class:`ServiceError` s and become statuses in the runtime's
-interceptor; a request that fails ends only its own call.
+the work to an :class:`InferenceBackend`: a :class:`~.decode.Decoder` on a
+decode replica, a :class:`~.prefill.Prefiller` on a prefill replica, the
+:class:`~zerokl.services.routing.scheduler.Scheduler` on the scheduler (the
+same API over the whole fleet). Errors are raised as :class:`ServiceError` s
+and become statuses in the runtime's interceptor; a request that fails ends
+only its own call.
 """
 from __future__ import annotations
 
+import inspect
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc.aio
@@ -17,9 +19,10 @@ from zerokl.kernels.trace import Trace
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
-from zerokl.services.runtime.errors import FailedPrecondition
+from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.optrace import require_operator
+from zerokl.services.runtime.server import stream_out
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -39,7 +42,7 @@ class InferenceBackend(Protocol):
 
     async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace: ...
 
-    def abort(self, request_id: str) -> bool: ...
+    def abort(self, request_id: str) -> bool | Awaitable[bool]: ...
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -56,18 +59,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: inference_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
         tag_request(request.request_id)
-        deltas = self._backend.generate(convert.request_from_proto(request))
-        try:
-            async for delta in deltas:
-                yield convert.delta_to_proto(delta)
-        finally:
-            # A cancelled call (client gone, deadline) closes the generator chain now,
-            # which aborts the request in the engine instead of at garbage collection.
-            await deltas.aclose()  # type: ignore[attr-defined]
+        async for msg in stream_out(self._backend.generate(convert.request_from_proto(request)),
+                                    convert.delta_to_proto):
+            yield msg
 
     async def Abort(self, request: inference_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> inference_pb2.AbortResponse:
-        return inference_pb2.AbortResponse(found=self._backend.abort(request.request_id))
+        found = self._backend.abort(request.request_id)
+        if inspect.isawaitable(found):   # the scheduler asks the replica the request runs on
+            found = await found
+        return inference_pb2.AbortResponse(found=found)
 
     async def Score(self, request: inference_pb2.ScoreRequest,
                     context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
@@ -83,4 +84,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                             context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
         if self._switch_weights is None:
             raise FailedPrecondition("this replica has no weight store configured (--weight-store)")
+        if not request.version:
+            raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
         return identity_to_proto(await self._switch_weights(request.version))

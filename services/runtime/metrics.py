@@ -38,6 +38,8 @@ __all__ = [
     "KV_CACHE_USAGE",
     "PROMPT_TOKENS",
     "GENERATION_TOKENS",
+    "KV_HANDOFF_BYTES",
+    "KV_HANDOFF_SECONDS",
     "SERVING_INFO",
     "set_serving_info",
     "MetricsServer",
@@ -76,6 +78,14 @@ PROMPT_TOKENS = Counter(
     "zerokl_prompt_tokens", "Prompt tokens processed.", registry=REGISTRY)
 GENERATION_TOKENS = Counter(
     "zerokl_generation_tokens", "Tokens generated.", registry=REGISTRY)
+# The prefill -> decode KV plane: bytes a prefill replica sent / a decode replica received and verified,
+# and the decode side's time from asking for the KV to holding all of it (prefill compute included).
+KV_HANDOFF_BYTES = Counter(
+    "zerokl_kv_handoff_bytes", "KV-cache bytes of prefill -> decode handoffs, by direction (sent, received).",
+    ["direction"], registry=REGISTRY)
+KV_HANDOFF_SECONDS = Histogram(
+    "zerokl_kv_handoff_seconds", "Decode side: from requesting a prompt's KV to holding all of it, verified.",
+    buckets=_LATENCY_BUCKETS, registry=REGISTRY)
 # Info-style: a constant 1 whose labels say what this process computes with,
 # so dashboards can group by fingerprint / weights version and alert when
 # replicas disagree.

@@ -18,7 +18,7 @@ import logging
 import signal
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import grpc.aio
@@ -40,6 +40,7 @@ __all__ = [
     "options_from_args",
     "peer_credentials",
     "create_channel",
+    "stream_out",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,23 @@ class ServerOptions:
 
 
 DrainCallback = Callable[[], Awaitable[None] | None]
+
+T = TypeVar("T")
+M = TypeVar("M")
+
+
+async def stream_out(items: AsyncIterator[T], to_proto: Callable[[T], M]) -> AsyncIterator[M]:
+    """The body of every server-streaming servicer method: ``to_proto`` of each item of ``items``.
+
+    A call that ends early (client gone, deadline, cancel) closes ``items`` now, which
+    aborts the work behind it (an engine request, an upstream call) instead of leaving
+    it to garbage collection.
+    """
+    try:
+        async for item in items:
+            yield to_proto(item)
+    finally:
+        await items.aclose()  # type: ignore[attr-defined]
 
 
 class ServiceServer:

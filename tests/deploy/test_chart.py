@@ -145,12 +145,13 @@ def test_network_policies_follow_the_services_traffic() -> None:
     objs = _render()
     policies = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in objs if o["kind"] == "NetworkPolicy"}
     assert set(policies) == {*ROLES, "minio"}
-    # Only the scheduler reaches the trainer, prefill and decode; the weight store takes the trainer's
+    # Only the scheduler reaches the trainer and decode, and prefill besides the decode replicas that read
+    # its KV (the KV plane goes prefill -> decode directly); the weight store takes the trainer's
     # publishes, the replicas' fetches (start-up and SwitchWeights) and the scheduler's job calls (is it up;
     # delete a version that failed its canary).
     # Operators' pods (zerokl doctor) may read every pod's Info.
     assert _ingress_components(policies["trainer"]) == {"scheduler", "operator"}
-    assert _ingress_components(policies["prefill"]) == {"scheduler", "operator"}
+    assert _ingress_components(policies["prefill"]) == {"scheduler", "decode", "operator"}
     assert _ingress_components(policies["decode"]) == {"scheduler", "operator"}
     assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "scheduler", "operator"}
     assert _ingress_components(policies["minio"]) == {"weight-store"}
@@ -162,7 +163,8 @@ def test_network_policies_follow_the_services_traffic() -> None:
                 if "podSelector" in peer}
 
     assert egress_to("scheduler") == {"prefill", "decode", "trainer", "weight-store"}
-    assert egress_to("prefill") == egress_to("decode") == egress_to("trainer") == {"weight-store"}
+    assert egress_to("prefill") == egress_to("trainer") == {"weight-store"}
+    assert egress_to("decode") == {"prefill", "weight-store"}
     assert egress_to("weight-store") == {"minio"}
     # The scheduler may reach the API server (discovery); nobody else gets a port-only rule.
     sched_egress = policies["scheduler"]["spec"]["egress"]
@@ -310,7 +312,7 @@ def test_k8s_manifests_are_current() -> None:
 
 def _parsers() -> dict[str, Any]:
     from zerokl.services.inference.server import build_parser as inference_parser
-    from zerokl.services.scheduler.server import build_parser as scheduler_parser
+    from zerokl.services.routing.server import build_parser as scheduler_parser
     from zerokl.services.trainer.server import build_parser as trainer_parser
     from zerokl.services.weightstore.server import build_parser as weightstore_parser
 

@@ -26,7 +26,8 @@ from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.scheduler.rl_loop import LocalEnginePort, LocalTrainerPort, RLConfig, Task, run_rl
+from zerokl.services.rl.loop import RLConfig, Task, run_rl
+from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
 

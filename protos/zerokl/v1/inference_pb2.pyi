@@ -212,32 +212,12 @@ class PrefillKVResponse(_message.Message):
     chunk: _blob_pb2.BytesChunk
     def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., chunk: _Optional[_Union[_blob_pb2.BytesChunk, _Mapping]] = ...) -> None: ...
 
-class GenerateFromKVHeader(_message.Message):
-    __slots__ = ("request", "kv")
+class GenerateFromPrefillRequest(_message.Message):
+    __slots__ = ("request", "prefill_address", "handoff_timeout_ms")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
-    KV_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request: GenerateRequest
-    kv: KVHeader
-    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., kv: _Optional[_Union[KVHeader, _Mapping]] = ...) -> None: ...
-
-class GenerateFromKVRequest(_message.Message):
-    __slots__ = ("header", "chunk")
-    HEADER_FIELD_NUMBER: _ClassVar[int]
-    CHUNK_FIELD_NUMBER: _ClassVar[int]
-    header: GenerateFromKVHeader
-    chunk: _blob_pb2.BytesChunk
-    def __init__(self, header: _Optional[_Union[GenerateFromKVHeader, _Mapping]] = ..., chunk: _Optional[_Union[_blob_pb2.BytesChunk, _Mapping]] = ...) -> None: ...
-
-class KVAck(_message.Message):
-    __slots__ = ("received",)
-    RECEIVED_FIELD_NUMBER: _ClassVar[int]
-    received: int
-    def __init__(self, received: _Optional[int] = ...) -> None: ...
-
-class GenerateFromKVResponse(_message.Message):
-    __slots__ = ("ack", "response")
-    ACK_FIELD_NUMBER: _ClassVar[int]
-    RESPONSE_FIELD_NUMBER: _ClassVar[int]
-    ack: KVAck
-    response: GenerateResponse
-    def __init__(self, ack: _Optional[_Union[KVAck, _Mapping]] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ...) -> None: ...
+    prefill_address: str
+    handoff_timeout_ms: int
+    def __init__(self, request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., prefill_address: _Optional[str] = ..., handoff_timeout_ms: _Optional[int] = ...) -> None: ...

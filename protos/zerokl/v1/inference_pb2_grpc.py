@@ -314,9 +314,11 @@ class PrefillServicer:
 
     def PrefillKV(self, request, context):
         """Reads the prompt and streams the KV of prompt[:-1]: one KVHeader, then
-        the raw bytes in BytesChunks of at most 4 MiB (at least one chunk, the
-        last one possibly empty), each with its sha256. The bytes are the cache
-        rows exactly as computed, never re-quantized.
+        the raw bytes in BytesChunks of at most 4 MiB with contiguous offsets
+        (at least one chunk, the last one possibly empty), each with its sha256.
+        The bytes are the cache rows exactly as computed, never re-quantized.
+        One server stream, flow-controlled by HTTP/2: no acknowledgement round
+        trips. Called by a decode replica (GenerateFromPrefill).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -380,10 +382,10 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.GenerateFromKV = channel.stream_stream(
-                '/zerokl.v1.Decode/GenerateFromKV',
-                request_serializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromKVRequest.SerializeToString,
-                response_deserializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromKVResponse.FromString,
+        self.GenerateFromPrefill = channel.unary_stream(
+                '/zerokl.v1.Decode/GenerateFromPrefill',
+                request_serializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromPrefillRequest.SerializeToString,
+                response_deserializer=zerokl_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
 
 
@@ -391,17 +393,20 @@ class DecodeServicer:
     """Served by decode replicas.
     """
 
-    def GenerateFromKV(self, request_iterator, context):
-        """Generates from KV computed elsewhere. The client sends one
-        GenerateFromKVHeader, then the KV bytes as BytesChunks with contiguous
-        offsets; the server acknowledges the header and every chunk with a KVAck
-        (send a chunk only after the previous one was acknowledged, so an error
-        arrives as a clean status instead of racing a pending send). After the
-        last byte the server streams GenerateResponses exactly as Generate does.
-        Errors: DATA_LOSS (a chunk or the whole blob does not match its sha256),
-        INVALID_ARGUMENT (malformed header, layouts or chunk order),
+    def GenerateFromPrefill(self, request, context):
+        """Generates from KV computed by the prefill replica at `prefill_address`:
+        the decode replica calls that replica's PrefillKV (presenting its peer
+        token), checks the header (weights, numerics and model config must be
+        its own), verifies every chunk and the whole blob, and streams
+        GenerateResponses exactly as Generate does. Only when the caller is a
+        peer (the scheduler) is the KV trusted enough to enter the prefix cache.
+        Errors: those of Generate; INVALID_ARGUMENT (no prefill_address);
         FAILED_PRECONDITION (the KV was computed with other weights, numerics or
-        model config), plus those of Generate.
+        model config). A failure of the prefill side (unreachable, its own error,
+        a corrupt or truncated blob, the handoff timeout) carries an ErrorInfo
+        with reason KV_HANDOFF and metadata `prefill` = the address, so the
+        caller knows which replica to blame; its code is the prefill's, except
+        DATA_LOSS and DEADLINE_EXCEEDED, which become UNAVAILABLE (retryable).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -410,10 +415,10 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'GenerateFromKV': grpc.stream_stream_rpc_method_handler(
-                    servicer.GenerateFromKV,
-                    request_deserializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromKVRequest.FromString,
-                    response_serializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromKVResponse.SerializeToString,
+            'GenerateFromPrefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateFromPrefill,
+                    request_deserializer=zerokl_dot_v1_dot_inference__pb2.GenerateFromPrefillRequest.FromString,
+                    response_serializer=zerokl_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -428,7 +433,7 @@ class Decode:
     """
 
     @staticmethod
-    def GenerateFromKV(request_iterator,
+    def GenerateFromPrefill(request,
             target,
             options=(),
             channel_credentials=None,
@@ -438,12 +443,12 @@ class Decode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
+        return grpc.experimental.unary_stream(
+            request,
             target,
-            '/zerokl.v1.Decode/GenerateFromKV',
-            zerokl_dot_v1_dot_inference__pb2.GenerateFromKVRequest.SerializeToString,
-            zerokl_dot_v1_dot_inference__pb2.GenerateFromKVResponse.FromString,
+            '/zerokl.v1.Decode/GenerateFromPrefill',
+            zerokl_dot_v1_dot_inference__pb2.GenerateFromPrefillRequest.SerializeToString,
+            zerokl_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,9 +17,9 @@ from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.inference import AsyncEngine, InferenceClient, Replica, ServingLimits
-from zerokl.services.inference.decode import add_decode_service
-from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
+from zerokl.services.inference import AsyncEngine, Replica, ServingLimits
+from zerokl.services.inference.decode import Decoder, add_decode_service
+from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.inference.weights import WeightSwitcher
@@ -84,18 +84,25 @@ def make_replica(model: Model, service: str, config: EngineConfig = EngineConfig
 @contextlib.asynccontextmanager
 async def decode_server(model: Model, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
                         limits: ServingLimits = ServingLimits(), options: ServerOptions = ServerOptions(),
-                        weight_store: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
-    """A decode replica on a loopback port (serving SwitchWeights from ``weight_store`` when given)."""
+                        weight_store: str | None = None, handoff_timeout_s: float = 60.0
+                        ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+    """A decode replica on a loopback port (serving SwitchWeights from ``weight_store`` when given).
+
+    It reads prefill replicas' KV presenting ``options``' peer token, as `zerokl serve decode` does.
+    """
     replica = make_replica(model, "decode", config, weights, limits)
     replica.engine.start()
     server = ServiceServer("decode", options)
+    decoder = Decoder(replica, token=options.auth.peer_token, tracer_provider=options.tracer_provider,
+                      handoff_timeout_s=handoff_timeout_s)
     async with _switcher(replica, server, weight_store) as switch:
-        add_decode_service(server, replica, switch)
+        add_decode_service(server, decoder, switch)
         await server.start()
         try:
             yield server, replica
         finally:
             await server.drain(0)
+            await decoder.close()
             await replica.engine.close()
 
 
@@ -115,22 +122,19 @@ async def _switcher(replica: Replica, server: ServiceServer, weight_store: str |
 
 
 @contextlib.asynccontextmanager
-async def prefill_server(model: Model, decode_address: str | None, config: EngineConfig = EngineConfig(),
+async def prefill_server(model: Model, config: EngineConfig = EngineConfig(),
                          chunk_bytes: int = 4096, weights: str = WEIGHTS, options: ServerOptions = ServerOptions(),
                          weight_store: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
-    """A prefill replica on a loopback port handing KV to ``decode_address`` in small chunks
+    """A prefill replica on a loopback port streaming KV in small chunks
     (serving SwitchWeights from ``weight_store`` when given)."""
     replica = make_replica(model, "prefill", config, weights)
     replica.engine.start()
-    decode = InferenceClient(decode_address, tracer_provider=options.tracer_provider) if decode_address else None
     server = ServiceServer("prefill", options)
     async with _switcher(replica, server, weight_store) as switch:
-        add_prefill_service(server, PrefillRelay(replica, decode, chunk_bytes), switch)
+        add_prefill_service(server, Prefiller(replica, chunk_bytes), switch)
         await server.start()
         try:
             yield server, replica
         finally:
             await server.drain(0)
-            if decode is not None:
-                await decode.close()
             await replica.engine.close()

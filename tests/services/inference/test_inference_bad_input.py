@@ -13,7 +13,8 @@ from conftest import WEIGHTS, decode_server, offline, prefill_server
 from zerokl.services.engine.types import EngineConfig, SamplingOptions
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest, KVHeader, ServingLimits
 from zerokl.services.inference import convert
-from zerokl.services.runtime import field_violations, status_details
+from zerokl.services.inference.errors import handoff_peer
+from zerokl.services.runtime import ServiceServer, field_violations, status_details
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, make_chunk, split_bytes
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 
@@ -69,113 +70,135 @@ def _solo(r: InferenceRequest, model) -> GenerateResult:
     return offline(model, r.prompt_ids, r.options)
 
 
-@pytest.mark.parametrize("via", ["decode", "prefill"])
+@pytest.mark.parametrize("via", ["decode", "handoff"])
 def test_bad_generate_and_score_requests_get_clear_statuses_while_others_are_served(model, via) -> None:
     async def main() -> None:
         async with decode_server(model, CACHE, limits=LIMITS) as (dsrv, dec), \
-                prefill_server(model, dsrv.address, CACHE) as (psrv, pre), \
-                InferenceClient(psrv.address if via == "prefill" else dsrv.address) as client:
+                prefill_server(model, CACHE) as (psrv, pre), \
+                InferenceClient(dsrv.address) as client, InferenceClient(psrv.address) as prefill:
             pre.limits = LIMITS  # the prefill replica applies the same limit before any work
-            good = asyncio.ensure_future(client.generate_all(GOOD))
+
+            async def generate_all(r: InferenceRequest) -> GenerateResult:
+                if via == "decode":
+                    return await client.generate_all(r)
+                return GenerateResult.collect([d async for d in client.generate_from_prefill(r, psrv.address)])
+
+            good = asyncio.ensure_future(generate_all(GOOD))
             while not (dec.engine.in_flight("good") or pre.engine.in_flight("good")):
                 await asyncio.sleep(0.005)
             for name, req, code, text in GENERATE_CASES:
-                got, details, err = await _code(client.generate_all(req))
+                got, details, err = await _code(generate_all(req))
                 assert (got, text in details) == (code, True), (name, got, details)
-            _, details, err = await _code(client.generate_all(_r(n=5)))
+            _, details, err = await _code(generate_all(_r(n=5)))
             assert [v.field for v in field_violations(err)] == ["sampling.n"]
-            _, details, err = await _code(client.generate_all(_r(wv="v-nope")))
+            _, details, err = await _code(generate_all(_r(wv="v-nope")))
             assert status_details(err), "pins are refused with PreconditionFailure details"
             for req, text in ((_r(()), "prompt is empty"), (_r((3, 99)), "outside the vocabulary"),
                               (_r(tuple([5] * 513)), "does not fit the context"), (_r(wv="v-nope"), "v-nope")):
-                got, details, _ = await _code(client.score(req))
+                got, details, _ = await _code((prefill if via == "handoff" else client).score(req))
                 assert got in (INVALID, FAILED) and text in details, (got, details)
             # The request that ran through all of that is exactly its solo run, and the next one too.
             assert (await good).samples == _solo(GOOD, model)
             nxt = dataclasses.replace(GOOD, request_id="", options=dataclasses.replace(GOOD.options, max_tokens=3))
-            assert (await client.generate_all(nxt)).samples == _solo(nxt, model)
+            assert (await generate_all(nxt)).samples == _solo(nxt, model)
     asyncio.run(main())
 
 
 def test_a_decode_replica_with_other_weights_refuses_the_prefill_replicas_kv(model) -> None:
     async def main() -> None:
         async with decode_server(model, weights="other-weights") as (dsrv, _), \
-                prefill_server(model, dsrv.address) as (psrv, _), InferenceClient(psrv.address) as client:
-            got, details, err = await _code(client.generate_all(_r(tuple(range(3, 30)))))
+                prefill_server(model) as (psrv, _), InferenceClient(dsrv.address) as client:
+            async def generate_all(r: InferenceRequest) -> None:
+                _ = [d async for d in client.generate_from_prefill(r, psrv.address)]
+
+            got, details, err = await _code(generate_all(_r(tuple(range(3, 30)))))
             assert got is FAILED and "other-weights" in details and WEIGHTS in details
-            assert status_details(err), "the decode replica's PreconditionFailure details are relayed"
-            # Pinned to what decode serves: the prefill replica refuses first.
-            got, details, _ = await _code(client.generate_all(_r(wv="other-weights")))
-            assert got is FAILED and "other-weights" in details
+            assert status_details(err), "the decode replica's PreconditionFailure details"
+            assert handoff_peer(err) is None, "a refusal of the decode replica's own"
+            # Pinned to what decode serves: the prefill replica refuses, and the status names it.
+            got, details, err = await _code(generate_all(_r(wv="other-weights")))
+            assert got is FAILED and "other-weights" in details and handoff_peer(err) == psrv.address
     asyncio.run(main())
 
 
-async def _kv_exchange(stub: inference_pb2_grpc.DecodeStub, messages: list) -> grpc.StatusCode:
-    """Send messages one at a time, each after the previous one's ack; the final status code."""
-    call = stub.GenerateFromKV()
-    try:
-        for m in messages:
-            await call.write(m)
-            if await call.read() is grpc.aio.EOF:  # ended without acknowledging: its status
-                return await call.code()
-        await call.done_writing()
-        while await call.read() is not grpc.aio.EOF:
-            pass
-        return grpc.StatusCode.OK
-    except grpc.aio.AioRpcError as err:
-        return err.code()
-    finally:
-        call.cancel()
+class _Scripted(inference_pb2_grpc.PrefillServicer):
+    """A prefill replica gone wrong: its PrefillKV streams whatever the test scripted."""
+
+    def __init__(self) -> None:
+        self.messages: list[inference_pb2.PrefillKVResponse] = []
+
+    async def PrefillKV(self, request, context):  # noqa: ANN001, ANN201
+        for m in self.messages:
+            yield m
 
 
-def test_malformed_and_corrupted_kv_handoffs_are_refused_and_decode_keeps_serving(model) -> None:
+def test_malformed_and_corrupted_kv_streams_are_refused_naming_the_prefill_and_decode_keeps_serving(model) -> None:
     request = _r(tuple(range(3, 45)), temperature=0.0, max_tokens=3, rid="kv")
 
     async def main() -> None:
-        async with decode_server(model) as (dsrv, _), prefill_server(model, dsrv.address) as (psrv, _), \
-                InferenceClient(psrv.address) as pclient, InferenceClient(dsrv.address) as dclient:
-            header, blob = await pclient.prefill_kv(request)
-            stub = inference_pb2_grpc.DecodeStub(dclient.channel)
+        scripted = _Scripted()
+        fake = ServiceServer("prefill")
+        fake.add_servicer(inference_pb2_grpc.add_PrefillServicer_to_server, scripted, "zerokl.v1.Prefill")
+        await fake.start()
+        try:
+            async with decode_server(model) as (dsrv, dec), prefill_server(model) as (psrv, _), \
+                    InferenceClient(psrv.address) as pclient, InferenceClient(dsrv.address) as dclient:
+                header, blob = await pclient.prefill_kv(request)
 
-            def head(h: KVHeader = header, r: InferenceRequest = request) -> inference_pb2.GenerateFromKVRequest:
-                return inference_pb2.GenerateFromKVRequest(header=inference_pb2.GenerateFromKVHeader(
-                    request=convert.request_to_proto(r), kv=convert.kv_header_to_proto(h)))
+                def head(h: KVHeader = header) -> inference_pb2.PrefillKVResponse:
+                    return inference_pb2.PrefillKVResponse(header=convert.kv_header_to_proto(h))
 
-            def chunks(data: bytes = blob, size: int = 8192) -> list:
-                return [inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(c))
-                        for c in split_bytes(data, chunk_size=size)]
+                def chunks(data: bytes = blob, size: int = 8192) -> list:
+                    return [inference_pb2.PrefillKVResponse(chunk=chunk_to_proto(c))
+                            for c in split_bytes(data, chunk_size=size)]
 
-            flipped = bytearray(blob)
-            flipped[len(blob) // 2] ^= 1
-            lying = chunks()
-            data = bytearray(lying[2].chunk.data)
-            data[5] ^= 1
-            lying[2].chunk.data = bytes(data)  # one bit changed, the chunk's checksum kept
-            other_fp = dataclasses.replace(header, numerics_fingerprint="0000000000000000")
-            short = dataclasses.replace(header, num_tokens=header.num_tokens - 1)
-            huge = dataclasses.replace(header, total_bytes=1 << 40)
-            bad_layout = dataclasses.replace(header, tensors=(header.tensors[1], header.tensors[0], header.tensors[2]))
-            cases = [
-                ("a chunk's bytes do not match its sha256", [head(), *lying], DATA_LOSS),
-                ("the blob does not match the header's sha256", [head(), *chunks(bytes(flipped))], DATA_LOSS),
-                ("chunk before the header", chunks()[:1], INVALID),
-                ("two headers", [head(), head()], INVALID),
-                ("chunk at the wrong offset", [head(), chunks()[1]], INVALID),
-                ("stream ends before the blob", [head(), *chunks()[:2]], INVALID),
-                ("oversize chunk", [head(), inference_pb2.GenerateFromKVRequest(chunk=chunk_to_proto(
-                    make_chunk(0, b"\0" * (MAX_CHUNK_BYTES + 1))))], INVALID),
-                ("KV from another fingerprint", [head(other_fp), *chunks()], FAILED),
-                ("num_tokens not len(prompt) - 1", [head(short), *chunks()], INVALID),
-                ("total size beyond the layouts", [head(huge)], INVALID),
-                ("tensors out of order", [head(bad_layout), *chunks()], INVALID),
-                ("request prompt differs from the KV's", [head(r=dataclasses.replace(request, prompt_ids=(3, 4)))],
-                 INVALID),
-            ]
-            for name, messages, code in cases:
-                assert await _kv_exchange(stub, messages) == code, name
-            # The same exchange, well formed, is the solo run: decode still serves.
-            assert await _kv_exchange(stub, [head(), *chunks()]) == grpc.StatusCode.OK
-            deltas = [d async for d in dclient.generate_from_kv(request, header, blob, chunk_bytes=5000)]
-            assert GenerateResult.collect(deltas).samples == _solo(request, model)
-            assert hashlib.sha256(blob).digest() == header.sha256
+                async def exchange(messages: list, r: InferenceRequest = request) -> tuple[grpc.StatusCode, str | None]:
+                    scripted.messages = messages
+                    try:
+                        deltas = [d async for d in dclient.generate_from_prefill(r, fake.address)]
+                    except grpc.aio.AioRpcError as err:
+                        return err.code(), handoff_peer(err)
+                    assert GenerateResult.collect(deltas).samples == _solo(request, model)
+                    return grpc.StatusCode.OK, None
+
+                flipped = bytearray(blob)
+                flipped[len(blob) // 2] ^= 1
+                lying = chunks()
+                data = bytearray(lying[2].chunk.data)
+                data[5] ^= 1
+                lying[2].chunk.data = bytes(data)  # one bit changed, the chunk's checksum kept
+                other_fp = dataclasses.replace(header, numerics_fingerprint="0000000000000000")
+                short = dataclasses.replace(header, num_tokens=header.num_tokens - 1)
+                huge = dataclasses.replace(header, total_bytes=1 << 40)
+                bad_layout = dataclasses.replace(header, tensors=(header.tensors[1], header.tensors[0],
+                                                                  header.tensors[2]))
+                other_prompt = dataclasses.replace(header, prompt_ids=(3, 4))
+                other_request = dataclasses.replace(header, request_id="someone-else")
+                fault = (DATA_LOSS, fake.address)  # the prefill side's fault: not the client's, not retried blindly
+                cases = [
+                    ("a chunk's bytes do not match its sha256", [head(), *lying], fault),
+                    ("the blob does not match the header's sha256", [head(), *chunks(bytes(flipped))], fault),
+                    ("chunk before the header", chunks()[:1], fault),
+                    ("two headers", [head(), head()], fault),
+                    ("chunk at the wrong offset", [head(), chunks()[1]], fault),
+                    ("stream ends before the blob", [head(), *chunks()[:2]], (grpc.StatusCode.UNAVAILABLE,
+                                                                             fake.address)),
+                    ("oversize chunk", [head(), inference_pb2.PrefillKVResponse(chunk=chunk_to_proto(
+                        make_chunk(0, b"\0" * (MAX_CHUNK_BYTES + 1))))], fault),
+                    ("KV from another fingerprint", [head(other_fp), *chunks()], (FAILED, None)),
+                    ("num_tokens not len(prompt) - 1", [head(short), *chunks()], fault),
+                    ("total size beyond the layouts", [head(huge)], fault),
+                    ("tensors out of order", [head(bad_layout), *chunks()], fault),
+                    ("the KV of another prompt", [head(other_prompt), *chunks()], fault),
+                    ("the KV of another request", [head(other_request), *chunks()], fault),
+                ]
+                for name, messages, want in cases:
+                    assert await exchange(messages) == want, name
+                    assert dec.engine.num_in_flight == 0, name
+                # The same stream, well formed, gives the solo run: decode still serves.
+                assert await exchange([head(), *chunks()]) == (grpc.StatusCode.OK, None)
+                assert await exchange([head(), *chunks(size=5000)]) == (grpc.StatusCode.OK, None)
+                assert hashlib.sha256(blob).digest() == header.sha256
+        finally:
+            await fake.drain(0)
     asyncio.run(main())

@@ -1,4 +1,4 @@
-"""`zerokl serve prefill|decode` and `zerokl generate` as separate processes, as a user runs them."""
+"""`zerokl serve prefill|decode|scheduler` and `zerokl generate` as separate processes, as a user runs them."""
 from __future__ import annotations
 
 import asyncio
@@ -49,12 +49,16 @@ def _generate(server: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, str]]:
     decode, daddr, dline = _serve("decode", *MODEL_FLAGS, "--metrics-port", "0")
-    prefill, paddr, _ = _serve("prefill", *MODEL_FLAGS, "--decode", daddr, "--kv-chunk-bytes", "8192")
+    prefill, paddr, _ = _serve("prefill", *MODEL_FLAGS, "--kv-chunk-bytes", "8192")
+    # The disaggregated path: the scheduler pairs the two, the decode replica reads the KV from prefill.
+    # The scheduler prints its line after its first poll: both replicas are known healthy by then.
+    scheduler, saddr, _ = _serve("scheduler", "--decode", daddr, "--prefill", paddr, "--port", "0",
+                                 "--poll-interval", "0.2")
     try:
-        yield {"decode": daddr, "prefill": paddr, "metrics": dline.split("metrics on :")[1].split()[0],
-               "decode_pid": str(decode.pid)}
+        yield {"decode": daddr, "prefill": paddr, "scheduler": saddr,
+               "metrics": dline.split("metrics on :")[1].split()[0], "decode_pid": str(decode.pid)}
     finally:
-        for proc in (prefill, decode):
+        for proc in (scheduler, prefill, decode):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
@@ -98,19 +102,20 @@ def test_generate_json_is_the_solo_run_alone_among_16_others_and_through_prefill
     assert finished >= 16
     assert _same_numbers(json.loads(among.stdout)) == _same_numbers(got)
 
-    relayed = _generate(servers["prefill"], *GENERATE)
-    assert relayed.returncode == 0, relayed.stderr
-    assert _same_numbers(json.loads(relayed.stdout)) == _same_numbers(got)
+    handed_off = _generate(servers["scheduler"], *GENERATE)
+    assert handed_off.returncode == 0, handed_off.stderr
+    assert _same_numbers(json.loads(handed_off.stdout)) == _same_numbers(got)
 
-    # The metrics endpoint exports the serving metrics.
+    # The metrics endpoint exports the serving metrics, and the KV the decode replica read from prefill.
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{servers['metrics']}/metrics", timeout=10).read().decode()
     assert "zerokl_time_to_first_token_seconds_count" in scrape and "zerokl_generation_tokens_total" in scrape
+    assert 'zerokl_kv_handoff_bytes_total{direction="received"}' in scrape
 
 
 def test_generate_streams_text_and_reports_bad_input(model, servers) -> None:
     text = "nums 2 5 target 10\n"
     runs = [  # independent: run side by side
-        (servers["prefill"], text, "--temperature", "0", "--max-tokens", "12", "--ignore-eos"),
+        (servers["scheduler"], text, "--temperature", "0", "--max-tokens", "12", "--ignore-eos"),
         (servers["decode"], "--prompt-ids", "3,64", "--json"),
         (servers["decode"], "--prompt-ids", "3,4", "--n", "3", "--max-tokens", "3", "--json", "--seed", "2"),
     ]
@@ -174,4 +179,7 @@ def test_model_flags_load_a_checkpoint_directory_or_a_seeded_preset(model, tmp_p
     assert all(torch.equal(preset.model.state_dict()[k], want[k]) for k in want)
     with pytest.raises(SystemExit):
         parser.parse_args(["--preset", "tiny", "--model", str(tmp_path)])  # one source of weights
-    assert build_parser("prefill").parse_args(["--preset", "tiny", "--decode", "h:1"]).decode == "h:1"
+    assert build_parser("prefill").parse_args(["--preset", "tiny", "--kv-chunk-bytes", "8"]).kv_chunk_bytes == 8
+    assert build_parser("decode").parse_args(["--preset", "tiny", "--handoff-timeout", "9"]).handoff_timeout == 9
+    with pytest.raises(SystemExit):
+        build_parser("prefill").parse_args(["--preset", "tiny", "--decode", "h:1"])  # the scheduler pairs them

@@ -29,6 +29,7 @@ from conftest import (
 from zerokl.kernels import fingerprint, log_softmax
 from zerokl.services.engine.types import EngineConfig, SamplingOptions
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
+from zerokl.services.inference.errors import handoff_peer
 from zerokl.services.runtime import metrics
 from zerokl.services.runtime.info import model_config_hash
 
@@ -48,8 +49,8 @@ def _assert_same(got: GenerateResult, ids: tuple[int, ...], options: SamplingOpt
     assert got.usage.completion_tokens == sum(len(s.token_ids) for s in want)
 
 
-def _metric(name: str) -> float:
-    return metrics.REGISTRY.get_sample_value(name) or 0.0
+def _metric(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def test_generate_stream_equals_the_engine_run_offline(model) -> None:
@@ -125,26 +126,28 @@ def test_prefill_to_decode_handoff_equals_decode_alone(model) -> None:
     seeded = _req(prompt(rng, 40, 60), temperature=0.9, top_k=20, seed=99, n=2, max_tokens=6, prompt_logprobs=True)
     text = _req(text="nums 1 2 3 target 6\n", temperature=0.0, max_tokens=6)
     one_token = _req((7,), temperature=0.0, max_tokens=4)   # no KV to hand over: decode reads the prompt itself
+    c = model.config
 
     async def main() -> None:
         async with decode_server(model, EngineConfig(block_size=8)) as (dsrv, _), \
-                prefill_server(model, dsrv.address, EngineConfig(max_num_batched_tokens=16)) as (psrv, _), \
-                InferenceClient(psrv.address) as via_prefill, InferenceClient(dsrv.address) as direct:
+                prefill_server(model, EngineConfig(max_num_batched_tokens=16), chunk_bytes=1000) as (psrv, _), \
+                InferenceClient(psrv.address) as prefill, InferenceClient(dsrv.address) as decode:
             for r in (seeded, text, one_token):
                 ids = r.prompt_ids or tuple(TOKENIZER.encode(r.prompt_text))
-                got = await via_prefill.generate_all(r)
+                received = _metric('zerokl_kv_handoff_bytes_total', direction="received")
+                got = GenerateResult.collect([d async for d in decode.generate_from_prefill(r, psrv.address)])
                 _assert_same(got, ids, r.options, model)
-            # The two halves by hand: PrefillKV's exact bytes into GenerateFromKV.
-            header, blob = await via_prefill.prefill_kv(dataclasses.replace(seeded, request_id="by-hand"))
-            c = model.config
-            assert header.num_tokens == len(seeded.prompt_ids) - 1
-            assert len(blob) == header.num_tokens * c.num_hidden_layers * 4 * (
+                # The decode replica read the KV of prompt[:-1] from the prefill replica: exactly its bytes.
+                assert _metric('zerokl_kv_handoff_bytes_total', direction="received") - received == \
+                    (len(ids) - 1) * c.num_hidden_layers * 4 * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
+            # What PrefillKV streams: a header and the exact bytes, in 1000-byte chunks.
+            header, blob = await prefill.prefill_kv(dataclasses.replace(seeded, request_id="by-hand"))
+            assert header.num_tokens == len(seeded.prompt_ids) - 1 and header.request_id == "by-hand"
+            assert len(blob) == header.total_bytes == header.num_tokens * c.num_hidden_layers * 4 * (
                 c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
-            deltas = [d async for d in direct.generate_from_kv(seeded, header, blob, chunk_bytes=1000)]
-            _assert_same(GenerateResult.collect(deltas), seeded.prompt_ids, seeded.options, model)
             # Score on the prefill replica is the engine's score.
             ids = prompt(rng, 20, 50)
-            scored = await via_prefill.score(InferenceRequest(prompt_ids=ids))
+            scored = await prefill.score(InferenceRequest(prompt_ids=ids))
             assert list(scored.logprobs) == offline_score(model, ids) and scored.token_ids == ids
     asyncio.run(main())
 
@@ -176,11 +179,12 @@ def test_abort_and_cancel_mid_stream_free_the_request(model) -> None:
     short = _req(tuple(range(5, 25)), temperature=0.0, max_tokens=4)
 
     async def main() -> None:
-        async with decode_server(model) as (dsrv, dec), prefill_server(model, dsrv.address) as (psrv, _), \
-                InferenceClient(dsrv.address) as direct, InferenceClient(psrv.address) as via_prefill:
-            for client, rid in ((direct, "abort-direct"), (via_prefill, "abort-relayed")):
+        async with decode_server(model) as (dsrv, dec), prefill_server(model) as (psrv, _), \
+                InferenceClient(dsrv.address) as client:
+            for rid, generate in (("abort-direct", client.generate),
+                                  ("abort-handoff", lambda r: client.generate_from_prefill(r, psrv.address))):
                 deltas = []
-                async for d in client.generate(dataclasses.replace(long, request_id=rid)):
+                async for d in generate(dataclasses.replace(long, request_id=rid)):
                     deltas.append(d)
                     if len(deltas) == 3:
                         assert await client.abort(rid)
@@ -195,7 +199,7 @@ def test_abort_and_cancel_mid_stream_free_the_request(model) -> None:
                     assert (s.token_ids, s.logprobs) == (w.token_ids[:len(s.token_ids)], w.logprobs[:len(s.token_ids)])
                 assert not await client.abort(rid)
             # A client that goes away cancels its request in the engine.
-            stream = direct.generate(dataclasses.replace(long, request_id="walks-away"))
+            stream = client.generate(dataclasses.replace(long, request_id="walks-away"))
             await anext(stream)
             await stream.aclose()
             for _ in range(200):
@@ -204,14 +208,14 @@ def test_abort_and_cancel_mid_stream_free_the_request(model) -> None:
                 await asyncio.sleep(0.01)
             assert not dec.engine.in_flight("walks-away")
             # Still serving, with the same numbers.
-            _assert_same(await direct.generate_all(short), short.prompt_ids, short.options, model)
+            _assert_same(await client.generate_all(short), short.prompt_ids, short.options, model)
             assert dec.engine.num_in_flight == 0
     asyncio.run(main())
 
 
 def test_info_health_and_reflection(model) -> None:
     async def main() -> None:
-        async with decode_server(model) as (dsrv, _), prefill_server(model, dsrv.address) as (psrv, _):
+        async with decode_server(model) as (dsrv, _), prefill_server(model) as (psrv, _):
             for srv, service, extra in ((dsrv, "decode", "zerokl.v1.Decode"), (psrv, "prefill", "zerokl.v1.Prefill")):
                 async with InferenceClient(srv.address) as client:
                     info = await client.info()
@@ -229,29 +233,38 @@ def test_info_health_and_reflection(model) -> None:
     asyncio.run(main())
 
 
-def test_a_prefill_replica_without_a_reachable_decode_replica(model) -> None:
+def test_a_prefill_replica_does_not_generate_and_a_dead_or_stuck_prefill_fails_the_handoff_naming_it(model) -> None:
     async def main() -> None:
-        async with prefill_server(model, None) as (psrv, _), InferenceClient(psrv.address) as client:
+        async with prefill_server(model) as (psrv, _), InferenceClient(psrv.address) as client:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await client.generate_all(_req((3, 4, 5), max_tokens=2))
-            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "--decode" in err.value.details()
+            assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "scheduler" in err.value.details()
             assert list((await client.score(InferenceRequest(prompt_ids=(3, 4, 5)))).logprobs) == \
                 offline_score(model, (3, 4, 5))
-        # A decode replica that is down (a port bound by nobody listening: connections are
-        # refused, and no other server can take it meanwhile): UNAVAILABLE, safe to retry elsewhere.
-        with socket.socket() as closed:
+        # A prefill replica that is down (a port bound by nobody listening: connections are refused, and no
+        # other server can take it meanwhile), and one that accepts connections but never answers: UNAVAILABLE
+        # within the handoff timeout, naming the prefill replica (so a scheduler retries with another one).
+        with socket.socket() as closed, socket.socket() as stuck:
             closed.bind(("127.0.0.1", 0))
-            gone = f"127.0.0.1:{closed.getsockname()[1]}"
-            async with prefill_server(model, gone) as (psrv, pre), InferenceClient(psrv.address) as client:
+            stuck.bind(("127.0.0.1", 0))
+            stuck.listen()
+            async with decode_server(model) as (dsrv, dec), InferenceClient(dsrv.address) as client:
+                for sock in (closed, stuck):
+                    peer = f"127.0.0.1:{sock.getsockname()[1]}"
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        _ = [d async for d in client.generate_from_prefill(_req((3, 4, 5), max_tokens=2), peer,
+                                                                           handoff_timeout=1.0, timeout=30)]
+                    assert err.value.code() is grpc.StatusCode.UNAVAILABLE and peer in err.value.details()
+                    assert handoff_peer(err.value) == peer
+                    assert dec.engine.num_in_flight == 0
+                # Without a prefill address the request is malformed.
                 with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await client.generate_all(_req((3, 4, 5), max_tokens=2))
-                assert err.value.code() is grpc.StatusCode.UNAVAILABLE and gone in err.value.details()
-                assert pre.engine.num_in_flight == 0
+                    _ = [d async for d in client.generate_from_prefill(_req((3, 4, 5), max_tokens=2), "")]
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and handoff_peer(err.value) is None
     asyncio.run(main())
 
 
-
-def test_one_trace_spans_the_client_the_prefill_replica_and_the_kv_handoff_to_decode(model) -> None:
+def test_one_trace_spans_the_client_the_decode_replica_and_its_kv_read_from_prefill(model) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -266,20 +279,24 @@ def test_one_trace_spans_the_client_the_prefill_replica_and_the_kv_handoff_to_de
 
     async def main() -> None:
         async with decode_server(model, options=opts) as (dsrv, _), \
-                prefill_server(model, dsrv.address, options=opts) as (psrv, _), \
-                InferenceClient(psrv.address, tracer_provider=provider) as client:
+                prefill_server(model, options=opts) as (psrv, _), \
+                InferenceClient(dsrv.address, tracer_provider=provider) as client:
             with provider.get_tracer("test").start_as_current_span("user-request") as root:
-                await client.generate_all(_req((3, 4, 5, 6), temperature=0.0, max_tokens=2))
+                _ = [d async for d in client.generate_from_prefill(_req((3, 4, 5, 6), temperature=0.0, max_tokens=2),
+                                                                   psrv.address)]
             for _ in range(200):  # client spans end in a callback just after their call
-                if len(exporter.get_finished_spans()) >= 5:
+                if {("zerokl.v1.Decode/GenerateFromPrefill", SpanKind.CLIENT), ("zerokl.v1.Prefill/PrefillKV",
+                     SpanKind.CLIENT)} <= {(s.name, s.kind) for s in exporter.get_finished_spans()}:
                     break
                 await asyncio.sleep(0.01)
         spans = {(s.name, s.kind): s for s in exporter.get_finished_spans()}
-        generate = spans[("zerokl.v1.Inference/Generate", SpanKind.SERVER)]
-        hop_out = spans[("zerokl.v1.Decode/GenerateFromKV", SpanKind.CLIENT)]
-        hop_in = spans[("zerokl.v1.Decode/GenerateFromKV", SpanKind.SERVER)]
+        call_out = spans[("zerokl.v1.Decode/GenerateFromPrefill", SpanKind.CLIENT)]
+        call_in = spans[("zerokl.v1.Decode/GenerateFromPrefill", SpanKind.SERVER)]
+        kv_out = spans[("zerokl.v1.Prefill/PrefillKV", SpanKind.CLIENT)]
+        kv_in = spans[("zerokl.v1.Prefill/PrefillKV", SpanKind.SERVER)]
         trace_id = root.get_span_context().trace_id
-        assert {s.context.trace_id for s in (generate, hop_out, hop_in)} == {trace_id}
-        assert hop_in.parent.span_id == hop_out.context.span_id
-        assert hop_out.parent.span_id == generate.context.span_id
+        assert {s.context.trace_id for s in (call_out, call_in, kv_out, kv_in)} == {trace_id}
+        assert call_in.parent.span_id == call_out.context.span_id
+        assert kv_out.parent.span_id == call_in.context.span_id
+        assert kv_in.parent.span_id == kv_out.context.span_id
     asyncio.run(main())

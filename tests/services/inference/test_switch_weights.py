@@ -158,7 +158,7 @@ async def _bad_switches(tmp_path: pathlib.Path) -> None:
             await store.publish(tmp_path / "other", "other-config", numerics_version=numerics_version)
             Model(CONFIG, seed=2).save_pretrained(tmp_path / "alien")
             await store.publish(tmp_path / "alien", "alien-numerics", numerics_fingerprint="0" * 16)
-        async with prefill_server(Model(CONFIG, seed=0), None, weights="v1", weight_store=store_address) as (server, replica):
+        async with prefill_server(Model(CONFIG, seed=0), weights="v1", weight_store=store_address) as (server, replica):
             client = InferenceClient(server.address)
             try:
                 for version, code in (("", grpc.StatusCode.INVALID_ARGUMENT),

@@ -63,6 +63,7 @@ from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FIL
                                           AuthConfig, TlsConfig, load_auth_token)
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
+from zerokl.services.runtime.streams import unless_set
 from zerokl.v1 import common_pb2
 
 __all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "ClientSecurity", "UpSecurity", "build_parser",
@@ -101,10 +102,16 @@ class Child:
     failures: int = 0              # deaths in a row without serving _STABLE_S: the backoff's exponent
     restart_at: float = 0.0        # monotonic time of the next restart while DOWN
     restarting: asyncio.Future[None] | None = None
+    metrics_port: int | None = None  # Prometheus /metrics (replicas and the scheduler)
 
     @property
     def address(self) -> str:
         return f"{_HOST}:{self.port}"
+
+    def serve_metrics(self) -> list[str]:
+        """Give it a free loopback port for /metrics; the flag that serves it there."""
+        self.metrics_port = _free_port()
+        return ["--metrics-port", str(self.metrics_port)]
 
     @property
     def argv(self) -> list[str]:
@@ -371,13 +378,14 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     decode = [Child(f"decode-{i}", "decode", _free_port(), [], logs / f"decode-{i}.log")
               for i in range(args.decode_replicas)]
     for d in decode:
-        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *common, *args.replica_flag]
+        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *d.serve_metrics(), *common,
+                   *args.replica_flag]
     children += decode
     for i in range(args.prefill_replicas):
         p = Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
-        # Its own Generate relays to a decode replica; through the scheduler it only serves PrefillKV and Score.
-        p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, "--decode", decode[i % len(decode)].address,
-                   *common, *args.replica_flag]
+        # The scheduler pairs it with a decode replica per request; that replica reads the KV from it directly.
+        p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, *p.serve_metrics(), *common,
+                   *args.replica_flag]
         children.append(p)
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
@@ -387,7 +395,7 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
-               "--replica-id", "scheduler", *common]
+               "--replica-id", "scheduler", *s.serve_metrics(), *common]
     if trainer:
         s.flags += ["--trainer", t.address, "--weight-store", store.address, "--state-dir", str(workdir / "scheduler")]
     if args.prefill_replicas:
@@ -417,6 +425,7 @@ def _write_state(workdir: pathlib.Path, children: Sequence[Child], security: UpS
              "tls_ca": security.tls_ca if security.tls_cert else None, "services": [
                  {"name": c.name, "service": c.service, "address": c.address, "pid": c.proc.pid if c.proc else None,
                   "log": str(c.log_path), "status": c.status, "restarts": c.restarts, "last_exit": c.last_exit,
+                  "metrics": f"{_HOST}:{c.metrics_port}" if c.metrics_port is not None else None,
                   "weights_version": c.identity.weights_version if c.identity else "",
                   "numerics_fingerprint": c.identity.numerics_fingerprint if c.identity else ""}
                  for c in children]}
@@ -630,19 +639,10 @@ class _Stopped(Exception):
 
 async def _until(awaitable: object, stop: asyncio.Event):  # noqa: ANN202 - the awaitable's result
     """``awaitable``'s result, or :class:`_Stopped` if a stop signal arrives first."""
-    task = asyncio.ensure_future(awaitable)  # type: ignore[arg-type]
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
+    result = await unless_set(awaitable, stop)  # type: ignore[arg-type]
+    if stop.is_set():
         raise _Stopped
-    finally:
-        stopper.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,17 +6,22 @@ Generate/Abort/Score/Info messages). For each request the scheduler
 1. resolves the request's :class:`~.router.Pin` (its own pins, else the
    scheduler's configured pin, else what the healthy fleet agrees on; a mixed
    fleet is refused with FAILED_PRECONDITION naming the replicas),
-2. with prefill replicas available, fetches the prompt's KV from one
-   (``Prefill.PrefillKV``) and hands it to a decode replica
-   (``Decode.GenerateFromKV``); otherwise the decode replica prefills itself,
-3. relays the decode stream, sending the replica the resolved pin so that a
-   replica whose identity changed since the last poll refuses instead of
-   computing other numbers,
+2. picks a decode replica and, with prefill replicas available, a prefill
+   replica too, and tells the decode replica about it
+   (``Decode.GenerateFromPrefill``): the decode replica reads the prompt's KV
+   straight from the prefill replica, so no KV byte passes through here;
+   without prefill replicas the decode replica prefills itself (``Generate``),
+3. relays the decode stream (tokens only), sending the replicas the resolved
+   pin so that one whose identity changed since the last poll refuses instead
+   of computing other numbers,
 4. on UNAVAILABLE (or a replica ending the request with ABORT nobody asked
    for, as a shutting-down replica does) re-runs the request on another
-   replica of the same pin: the replayed prefix is checked against what the
-   client already has (:class:`~.replay.StreamLedger`) and only the rest is
-   forwarded, so the client sees one uninterrupted, identical stream.
+   replica of the same pin: a decode failure (mid-handoff or mid-stream) on
+   another decode replica, a prefill failure (reported by the decode replica
+   with a KV_HANDOFF ErrorInfo naming it) with another prefill replica. The
+   replayed prefix is checked against what the client already has
+   (:class:`~.replay.StreamLedger`) and only the rest is forwarded, so the
+   client sees one uninterrupted, identical stream.
 
 Errors other than UNAVAILABLE pass through with the replica's code and
 details. Health is NOT_SERVING until a decode replica matching the current
@@ -32,7 +37,7 @@ import math
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Iterator, TypeVar
+from typing import AsyncIterator, Iterator
 
 import grpc
 import grpc.aio
@@ -40,37 +45,33 @@ from google.rpc import error_details_pb2
 from opentelemetry import trace
 
 from zerokl.services.engine.types import SamplingOptions
-from zerokl.services.inference import convert
 from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
-from zerokl.services.inference.errors import RelayedError
-from zerokl.services.inference.service import INFERENCE_SERVICE
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
+from zerokl.services.inference.errors import RelayedError, handoff_peer
+from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
-    InvalidArgument,
     ServiceError,
     Unavailable,
     status_details,
 )
-from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
+from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
 from zerokl.services.runtime.server import ServiceServer
+from zerokl.services.runtime.streams import until_set
 from zerokl.services.runtime.tracing import tag_request
-from zerokl.services.scheduler import metrics
-from zerokl.services.scheduler.registry import ReplicaEndpoint, ReplicaView, Registry
-from zerokl.services.scheduler.replay import StreamLedger
-from zerokl.services.scheduler.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
-from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from zerokl.services.routing import metrics
+from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
+from zerokl.services.routing.replay import StreamLedger
+from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
+from zerokl.v1 import inference_pb2_grpc
 
-__all__ = ["SchedulerConfig", "Scheduler", "SchedulerServicer", "add_scheduler_service", "CanaryFailed",
-           "CANARY_PROMPT", "CANARY_TOKENS"]
+__all__ = ["SchedulerConfig", "Scheduler", "add_scheduler_service", "CanaryFailed", "CANARY_PROMPT", "CANARY_TOKENS"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # The canary of new weights: a fixed probe (ids every vocabulary has) generated greedily on one replica.
 CANARY_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
@@ -89,7 +90,9 @@ class SchedulerConfig:
     ``max_attempts`` bounds the replicas one request may fail on before
     UNAVAILABLE. ``route_wait_s`` is how long a request waits for a healthy
     replica of its pin to appear (a replica restarting, weights loading)
-    before it fails.
+    before it fails. ``handoff_timeout_s`` bounds a decode replica's read of
+    a prefill replica's KV (prefill included): past it the attempt fails as
+    UNAVAILABLE and is retried.
     """
 
     pin: Pin = Pin()
@@ -98,6 +101,7 @@ class SchedulerConfig:
     route_wait_s: float = 5.0
     abort_timeout_s: float = 5.0
     canary_timeout_s: float = 60.0
+    handoff_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -150,7 +154,7 @@ def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception
 class Scheduler:
     """Routes Generate/Score/Abort over the replicas of a :class:`Registry`.
 
-    Use in process (tests) or behind :class:`SchedulerServicer`. Call
+    Use in process (tests) or behind the shared Inference servicer (:meth:`attach`). Call
     :meth:`start` before serving and :meth:`close` after.
     """
 
@@ -185,8 +189,8 @@ class Scheduler:
     def attach(self, server: ServiceServer) -> None:
         """Serve ``zerokl.v1.Inference`` on ``server`` (before it starts) and drive its health."""
         self._server = server
-        server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, SchedulerServicer(self),
-                            INFERENCE_SERVICE)
+        server.add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server,
+                            InferenceServicer(self, self.switch_weights), INFERENCE_SERVICE)
 
     async def sync_health(self) -> bool:
         """Report SERVING iff a healthy decode replica matches the current pin; returns that."""
@@ -274,7 +278,6 @@ class Scheduler:
         latency = LatencyTracker()
         failures: list[str] = []
         failed: set[tuple[str, str]] = set()
-        kv: tuple[KVHeader, bytes] | None = None
         prompt_tokens = len(request.prompt_ids or ())
         while not ledger.done:
             if flight.aborted:
@@ -285,13 +288,7 @@ class Scheduler:
                 raise Unavailable(f"request {flight.request_id!r} failed on {len(failures)} replicas: "
                                   + "; ".join(failures))
             try:
-                if kv is None:
-                    prefill = self._choose("prefill", pin, failed)
-                    if prefill is not None:
-                        kv = await self._prefill(flight, prefill, request)
-                        if kv is None:
-                            continue  # aborted while prefilling
-                        prompt_tokens = len(kv[0].prompt_ids)
+                prefill = self._choose("prefill", pin, failed)
                 decode = await self._choose_waiting("decode", pin, failed)
                 if flight.aborted:
                     continue  # aborted while waiting for a replica
@@ -299,9 +296,11 @@ class Scheduler:
                     raise NoReplica(f"no healthy decode replica serves {pin.describe()}"
                                     + (f" (failed: {'; '.join(failures)})" if failures else ""))
                 ledger.begin_attempt(decode.describe())
-                async with aclosing(self._decode(flight, decode, request, kv, ledger)) as deltas:
+                async with aclosing(self._decode(flight, decode, prefill, request, ledger)) as deltas:
                     async for delta in deltas:
                         latency.tokens(delta.index, len(delta.token_ids))
+                        if delta.usage is not None:
+                            prompt_tokens = delta.usage.prompt_tokens
                         yield delta
                 if not ledger.done and not flight.aborted:
                     raise _Attempt(decode, "the stream ended before every sample finished")
@@ -318,32 +317,26 @@ class Scheduler:
                             failure, ledger.sent_tokens)
         latency.done()
 
-    async def _prefill(self, flight: _Flight, view: ReplicaView,
-                       request: InferenceRequest) -> tuple[KVHeader, bytes] | None:
-        """The prompt's KV from a prefill replica; None when the request was aborted meanwhile."""
-        with self._on(flight, view) as client:
-            try:
-                return await _unless_cut(client.prefill_kv(request), flight.cut)
-            except grpc.aio.AioRpcError as err:
-                if flight.aborted:
-                    return None
-                raise _attempt_or_relay(view, err) from None
-
-    async def _decode(self, flight: _Flight, view: ReplicaView, request: InferenceRequest,
-                      kv: tuple[KVHeader, bytes] | None, ledger: StreamLedger) -> AsyncIterator[GenerateDelta]:
-        """One attempt on a decode replica: its deltas with the replayed prefix removed."""
-        with self._on(flight, view) as client:
-            if kv is None:
+    async def _decode(self, flight: _Flight, view: ReplicaView, prefill: ReplicaView | None,
+                      request: InferenceRequest, ledger: StreamLedger) -> AsyncIterator[GenerateDelta]:
+        """One attempt on a decode replica (reading its KV from ``prefill`` when given): its deltas with the
+        replayed prefix removed."""
+        with self._on(flight, view) as client, contextlib.ExitStack() as prefill_lease:
+            if prefill is None:
                 stream = client.generate(request)
             else:
-                header, blob = kv
-                # The decode replica reads the prompt from the KV header; the request must not restate it as text.
-                stream = client.generate_from_kv(
-                    dataclasses.replace(request, prompt_ids=header.prompt_ids, prompt_text=None), header, blob)
+                # Counted on the prefill replica until the first token: by then its KV has been read.
+                prefill_lease.enter_context(self.registry.lease(prefill.endpoint))
+                metrics.ROUTED.labels(prefill.role, prefill.address).inc()
+                trace.get_current_span().add_event("zerokl.scheduler.route",
+                                                   {"replica": prefill.address, "role": prefill.role})
+                stream = client.generate_from_prefill(request, prefill.address,
+                                                      handoff_timeout=self.config.handoff_timeout_s)
             stopped = ""
             try:
-                async with aclosing(_until_cut(stream, flight.cut)) as upstream:
+                async with aclosing(until_set(stream, flight.cut)) as upstream:
                     async for delta in upstream:
+                        prefill_lease.close()
                         if delta.finish_reason == "abort" and not flight.aborted:
                             # Nobody asked: the replica is shutting down. Keep its tokens, retry the rest.
                             stopped = "it ended the request with ABORT (shutting down?)"
@@ -358,7 +351,9 @@ class Scheduler:
             except grpc.aio.AioRpcError as err:
                 if flight.aborted:
                     return
-                raise _attempt_or_relay(view, err) from None
+                # A failure of the prefill side, as the decode replica reports it, is the prefill replica's.
+                blamed = prefill if prefill is not None and handoff_peer(err) == prefill.address else view
+                raise _attempt_or_relay(blamed, err) from None
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             if stopped and not ledger.done:
@@ -593,71 +588,6 @@ class Scheduler:
         if identity != self._published:
             runtime_metrics.set_serving_info(identity)
             self._published = identity
-
-
-async def _unless_cut(awaitable: Awaitable[T], cut: asyncio.Event) -> T | None:
-    """``awaitable``'s result, or None if ``cut`` is set first (the awaitable is then cancelled)."""
-    task = asyncio.ensure_future(awaitable)
-    stopper = asyncio.ensure_future(cut.wait())
-    try:
-        done, _ = await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        return None
-    finally:
-        stopper.cancel()
-        if not task.done():
-            task.cancel()
-            with suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await task
-
-
-async def _until_cut(stream: AsyncIterator[T], cut: asyncio.Event) -> AsyncIterator[T]:
-    """Items of ``stream`` until it ends or ``cut`` is set (checked while waiting for each item)."""
-    it = aiter(stream)
-    while True:
-        try:
-            item = await _unless_cut(anext(it), cut)
-        except StopAsyncIteration:
-            return
-        if item is None:  # cut (a stream never yields None)
-            return
-        yield item
-
-
-class SchedulerServicer(inference_pb2_grpc.InferenceServicer):
-    """Serves ``zerokl.v1.Inference`` from a :class:`Scheduler`: the same API as a replica's."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-
-    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
-        return identity_to_proto(self._scheduler.identity)
-
-    async def Generate(self, request: inference_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        deltas = self._scheduler.generate(convert.request_from_proto(request))
-        try:
-            async for delta in deltas:
-                yield convert.delta_to_proto(delta)
-        finally:
-            # A cancelled call (client gone, deadline) closes the chain now: the replica's call is cancelled too.
-            await deltas.aclose()  # type: ignore[attr-defined]
-
-    async def Abort(self, request: inference_pb2.AbortRequest,
-                    context: grpc.aio.ServicerContext) -> inference_pb2.AbortResponse:
-        return inference_pb2.AbortResponse(found=await self._scheduler.abort(request.request_id))
-
-    async def Score(self, request: inference_pb2.ScoreRequest,
-                    context: grpc.aio.ServicerContext) -> inference_pb2.ScoreResponse:
-        result = await self._scheduler.score(convert.score_request_from_proto(request))
-        return convert.score_result_to_proto(result)
-
-    async def SwitchWeights(self, request: inference_pb2.SwitchWeightsRequest,
-                            context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
-        if not request.version:
-            raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
-        return identity_to_proto(await self._scheduler.switch_weights(request.version))
 
 
 def add_scheduler_service(server: ServiceServer, scheduler: Scheduler) -> None:

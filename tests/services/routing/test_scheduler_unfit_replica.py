@@ -12,7 +12,7 @@ from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest, Replica
 from zerokl.services.inference.types import GenerateResult
-from zerokl.services.scheduler import Policy, SchedulerConfig
+from zerokl.services.routing import Policy, SchedulerConfig
 
 IN_TURN = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0)
 

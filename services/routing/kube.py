@@ -36,7 +36,7 @@ from kubernetes import client as kube_client
 from kubernetes import config as kube_config
 from kubernetes import watch as kube_watch
 from kubernetes.client.rest import ApiException
-from zerokl.services.scheduler.registry import ROLES, ReplicaEndpoint, ReplicaSource
+from zerokl.services.routing.registry import ROLES, ReplicaEndpoint, ReplicaSource
 
 __all__ = [
     "DEFAULT_PORT_NAME",

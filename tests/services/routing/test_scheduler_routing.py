@@ -17,7 +17,7 @@ from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.errors import field_violations, status_details
 from zerokl.services.runtime.metrics import REGISTRY
-from zerokl.services.scheduler import Pin, SchedulerConfig
+from zerokl.services.routing import Pin, SchedulerConfig
 
 FP32 = fingerprint()
 SHORT_WAIT = SchedulerConfig(route_wait_s=0.3)
@@ -45,7 +45,7 @@ def _requests() -> list[InferenceRequest]:
 def test_generate_and_score_through_the_scheduler_equal_the_replica_exactly(model: Model) -> None:
     async def main() -> None:
         async with replica_server(model) as (decode, _), \
-                replica_server(model, "prefill", decode_address=decode.address) as (prefill, _), \
+                replica_server(model, "prefill") as (prefill, _), \
                 scheduler_server([decode.address]) as (alone, _), \
                 scheduler_server([decode.address], [prefill.address]) as (relayed, relay_scheduler):
             async with InferenceClient(decode.address) as direct, InferenceClient(alone.address) as via_decode, \
@@ -160,7 +160,7 @@ def test_abort_through_the_scheduler_reaches_the_replica_holding_the_request(mod
 
     async def main() -> None:
         async with replica_server(model) as (decode, replica), \
-                replica_server(model, "prefill", decode_address=decode.address) as (prefill, _), \
+                replica_server(model, "prefill") as (prefill, _), \
                 scheduler_server([decode.address], [prefill.address]) as (server, scheduler):
             async with InferenceClient(server.address) as client:
                 stream = client.generate(InferenceRequest(ids, options=options, request_id="long-one"))
@@ -197,7 +197,7 @@ def test_bad_input_gets_the_replicas_status_and_the_scheduler_keeps_serving(mode
 
     async def main() -> None:
         async with replica_server(model) as (decode, _), \
-                replica_server(model, "prefill", decode_address=decode.address) as (prefill, _), \
+                replica_server(model, "prefill") as (prefill, _), \
                 scheduler_server([decode.address]) as (alone, _), \
                 scheduler_server([decode.address], [prefill.address]) as (relayed, _):
             for server in (alone, relayed):
@@ -266,12 +266,15 @@ def test_one_trace_spans_the_client_the_scheduler_and_the_prefill_to_decode_hand
     spans = {(s.name, s.kind): s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id}
     front = spans[("zerokl.v1.Inference/Generate", SpanKind.SERVER)]
     assert front.parent.span_id == spans[("zerokl.v1.Inference/Generate", SpanKind.CLIENT)].context.span_id
-    for hop in ("zerokl.v1.Prefill/PrefillKV", "zerokl.v1.Decode/GenerateFromKV"):
+    # scheduler -> decode (GenerateFromPrefill) -> prefill (PrefillKV): the KV hop hangs off the decode replica.
+    parent = front
+    for hop in ("zerokl.v1.Decode/GenerateFromPrefill", "zerokl.v1.Prefill/PrefillKV"):
         out, into = spans[(hop, SpanKind.CLIENT)], spans[(hop, SpanKind.SERVER)]
-        assert out.parent.span_id == front.context.span_id and into.parent.span_id == out.context.span_id
-    assert [e.attributes["role"] for e in front.events if e.name == "zerokl.scheduler.route"] == ["prefill", "decode"]
+        assert out.parent.span_id == parent.context.span_id and into.parent.span_id == out.context.span_id
+        parent = into
+    assert [e.attributes["role"] for e in front.events if e.name == "zerokl.scheduler.route"] == ["decode", "prefill"]
     # one request id, assigned by the scheduler, tags its span and every replica's
     rid = front.attributes["zerokl.request_id"]
     assert len(rid) == 32
-    for hop in ("zerokl.v1.Prefill/PrefillKV", "zerokl.v1.Decode/GenerateFromKV"):
+    for hop in ("zerokl.v1.Prefill/PrefillKV", "zerokl.v1.Decode/GenerateFromPrefill"):
         assert spans[(hop, SpanKind.SERVER)].attributes["zerokl.request_id"] == rid

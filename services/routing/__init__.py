@@ -1,32 +1,32 @@
-"""zerokl.services.scheduler: the client front door over the prefill/decode fleet (and the RL loop).
+"""zerokl.services.routing: the scheduler, the client front door over the prefill/decode fleet.
 
 - :mod:`.registry`: :class:`Registry`, replicas from pluggable
-  :class:`ReplicaSource` s (:class:`StaticSource` on one machine; Kubernetes
-  EndpointSlices later), polled for health and Info.
+  :class:`ReplicaSource` s (:class:`StaticSource` on one machine,
+  :mod:`.kube`'s EndpointSlices in a cluster), polled for health and Info.
 - :mod:`.router`: :class:`Pin` resolution (a mixed fleet is refused) and the
   least-loaded / round-robin :class:`Router`.
 - :mod:`.replay`: :class:`StreamLedger`, exact replay checks when a stream
   is retried on another replica.
-- :mod:`.service`: :class:`Scheduler` and its ``zerokl.v1.Inference``
-  servicer; :mod:`.server`: ``zerokl serve scheduler``.
-- :mod:`.up`: ``zerokl up``, every service on loopback as child processes.
-- :mod:`.rl_loop`: the on-policy RL loop.
+- :mod:`.scheduler`: :class:`Scheduler`: pins, (prefill, decode) pairs,
+  retries; served by the shared ``zerokl.v1.Inference`` servicer.
+- :mod:`.server`: ``zerokl serve scheduler`` (routing, and the Jobs API of
+  :mod:`zerokl.services.jobs`).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
-# Where each public name lives. Imported on first use: `zerokl up` and the RL loop import
-# submodules of this package and should not pay for the routing stack (gRPC stubs, torch).
+# Where each public name lives. Imported on first use: importing one submodule (the kube
+# source, the registry) should not pay for the whole routing stack (gRPC stubs, torch).
 _EXPORTS = {
     "ReplicaEndpoint": "registry", "ReplicaSource": "registry", "ReplicaView": "registry", "Registry": "registry",
     "StaticSource": "registry", "load_static_config": "registry",
     "StreamLedger": "replay",
     "MixedFleet": "router", "NoReplica": "router", "Pin": "router", "Policy": "router", "Router": "router",
     "UnservedPin": "router", "resolve_pin": "router",
-    "Scheduler": "service", "SchedulerConfig": "service", "SchedulerServicer": "service",
-    "add_scheduler_service": "service",
+    "Scheduler": "scheduler", "SchedulerConfig": "scheduler",
+    "add_scheduler_service": "scheduler",
 }
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "Router",
     "Scheduler",
     "SchedulerConfig",
-    "SchedulerServicer",
     "StaticSource",
     "StreamLedger",
     "UnservedPin",

@@ -6,7 +6,7 @@ low-level API. The scheduler runs one job at a time, in submission order:
 * **RL**: sample prompts -> Generate n per prompt through the scheduler, pinned to
   the version the fleet serves -> rewards -> ForwardBackward(ppo) + OptimStep on
   the trainer -> SaveWeights -> SwitchWeights on every replica -> next step. The
-  loop itself is :func:`~.rl_loop.run_rl`; here it gets ports that speak gRPC.
+  loop itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
 * **SFT / DPO**: batches -> ForwardBackward + OptimStep; publish and switch the
   fleet every ``publish_every`` steps and at the end.
 
@@ -56,8 +56,9 @@ import grpc.aio
 from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from zerokl.services.scheduler.rl_loop import RLConfig, Sampled, StepRecord, Task, as_dict, run_rl
-from zerokl.services.scheduler.service import CanaryFailed
+from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
+from zerokl.services.rl.ports import Sampled
+from zerokl.services.routing.scheduler import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion, Rollout
 from zerokl.services.weightstore.client import WeightStoreClient
@@ -695,7 +696,7 @@ class _TrainerSession:
                 fate = f"deleting {version} from the weight store failed ({delete_err.details()})"
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
-    # ---- TrainerPort (rl_loop) ----
+    # ---- TrainerPort (zerokl.services.rl.ports) ----
 
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         max_staleness = self.job.spec.max_staleness if isinstance(self.job.spec, RLJobSpec) else 0

@@ -6,16 +6,8 @@ import torch
 
 from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
-from zerokl.services.scheduler.rl_loop import (
-    LocalEnginePort,
-    LocalTrainerPort,
-    RLConfig,
-    Sampled,
-    StaleRolloutError,
-    Task,
-    _version_index,
-    run_rl,
-)
+from zerokl.services.rl.loop import RLConfig, StaleRolloutError, Task, _version_index, run_rl
+from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort, Sampled
 from zerokl.services.trainer.checkpointing import default_version
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward

@@ -13,7 +13,7 @@ from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.scheduler import (
+from zerokl.services.routing import (
     MixedFleet,
     NoReplica,
     Pin,

@@ -13,7 +13,7 @@ import grpc.aio
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.server import ServiceServer
-from zerokl.services.scheduler.jobs import (
+from zerokl.services.jobs.manager import (
     CountdownTask,
     DPOJobSpec,
     JobEvent,

@@ -18,8 +18,8 @@ from conftest import offline, replica_server, scheduler_server
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer, field_violations
-from zerokl.services.scheduler.jobs import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
-from zerokl.services.scheduler.jobs_service import JobsClient, add_jobs_service
+from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion
 
@@ -42,7 +42,7 @@ async def _refused(coro) -> grpc.aio.AioRpcError:
 def test_the_scheduler_refuses_bad_requests_by_meaning_before_any_work(model) -> None:
     async def main() -> None:
         async with replica_server(model, "decode") as (dsrv, _), \
-                replica_server(model, "prefill", decode_address=dsrv.address) as (psrv, prefill), \
+                replica_server(model, "prefill") as (psrv, prefill), \
                 scheduler_server([dsrv.address], [psrv.address]) as (ssrv, _), \
                 InferenceClient(ssrv.address) as client:
             cases = [

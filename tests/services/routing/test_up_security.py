@@ -37,8 +37,8 @@ from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.runtime import TlsConfig
-from zerokl.services.scheduler.jobs import CountdownTask, SFTJobSpec
-from zerokl.services.scheduler.jobs_service import JobsClient
+from zerokl.services.jobs.manager import CountdownTask, SFTJobSpec
+from zerokl.services.jobs.service import JobsClient
 from zerokl.services.weightstore.client import WeightStoreClient
 
 CLIENT_TOKEN = "client-token-for-the-test"

@@ -23,17 +23,17 @@ from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.runtime.metrics import start_metrics_server
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, peer_credentials
 from zerokl.services.runtime.tracing import configure_tracing
-from zerokl.services.scheduler.registry import (
+from zerokl.services.routing.registry import (
     ReplicaSource,
     Registry,
     StaticSource,
     load_static_config,
     parse_addresses,
 )
-from zerokl.services.scheduler.jobs import JobManager
-from zerokl.services.scheduler.jobs_service import add_jobs_service
-from zerokl.services.scheduler.router import Pin, Policy
-from zerokl.services.scheduler.service import Scheduler, SchedulerConfig
+from zerokl.services.jobs.manager import JobManager
+from zerokl.services.jobs.service import add_jobs_service
+from zerokl.services.routing.router import Pin, Policy
+from zerokl.services.routing.scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["DEFAULT_PORT", "build_parser", "sources_from_args", "config_from_args", "main"]
 
@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-attempts", type=int, default=3, help="replicas one request may fail on before UNAVAILABLE")
     r.add_argument("--route-wait", type=float, default=5.0,
                    help="seconds a request waits for a healthy replica of its pin before failing")
+    r.add_argument("--handoff-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a decode replica may take to read a prompt's KV from the prefill replica "
+                        "(prefill included) before the attempt is retried elsewhere (default %(default)s)")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p
@@ -106,7 +109,7 @@ def sources_from_args(args: argparse.Namespace) -> list[ReplicaSource]:
         if args.replicas:
             sources.append(load_static_config(args.replicas))
         if args.kube_decode_service or args.kube_prefill_service:
-            from zerokl.services.scheduler.kube import EndpointSliceSource, in_cluster_namespace
+            from zerokl.services.routing.kube import EndpointSliceSource, in_cluster_namespace
             services = {role: name for role, name in (("decode", args.kube_decode_service),
                                                       ("prefill", args.kube_prefill_service)) if name}
             sources.append(EndpointSliceSource(args.kube_namespace or in_cluster_namespace(), services,
@@ -123,8 +126,11 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     """Routing settings from the flags."""
     if args.max_attempts < 1:
         raise SystemExit("--max-attempts must be >= 1")
+    if not args.handoff_timeout > 0:
+        raise SystemExit("--handoff-timeout must be > 0")
     return SchedulerConfig(pin=Pin(args.pin_weights_version, args.pin_fingerprint), policy=Policy(args.policy),
-                           max_attempts=args.max_attempts, route_wait_s=args.route_wait)
+                           max_attempts=args.max_attempts, route_wait_s=args.route_wait,
+                           handoff_timeout_s=args.handoff_timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

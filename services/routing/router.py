@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 from zerokl.services.runtime.errors import FailedPrecondition, PreconditionViolation, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.scheduler.registry import ReplicaView
+from zerokl.services.routing.registry import ReplicaView
 
 __all__ = ["Pin", "Policy", "resolve_pin", "Router", "NoReplica", "MixedFleet", "UnservedPin"]
 

@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.scheduler.jobs import (
+from zerokl.services.jobs.manager import (
     CountdownTask,
     DPOJobSpec,
     JobState,
     RLJobSpec,
     SFTJobSpec,
 )
-from zerokl.services.scheduler.jobs_service import JobsClient
+from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.trainer import Completion
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc
 

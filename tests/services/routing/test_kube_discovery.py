@@ -25,8 +25,8 @@ from zerokl.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer
-from zerokl.services.scheduler import Registry, Scheduler, SchedulerConfig
-from zerokl.services.scheduler.kube import EndpointSliceSource, load_api_client
+from zerokl.services.routing import Registry, Scheduler, SchedulerConfig
+from zerokl.services.routing.kube import EndpointSliceSource, load_api_client
 
 NS = "zerokl"
 SERVICES = {"decode": "r1-zerokl-decode", "prefill": "r1-zerokl-prefill"}
@@ -198,7 +198,7 @@ def test_a_source_routes_only_prefill_and_decode() -> None:
 
 
 def test_the_scheduler_flags_select_the_kubernetes_source() -> None:
-    from zerokl.services.scheduler.server import build_parser, sources_from_args
+    from zerokl.services.routing.server import build_parser, sources_from_args
 
     args = build_parser().parse_args(["--kube-decode-service", "r1-zerokl-decode", "--kube-prefill-service",
                                       "r1-zerokl-prefill", "--kube-namespace", NS])

@@ -38,8 +38,8 @@ from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.scheduler.jobs import JobState, SFTJobSpec
-from zerokl.services.scheduler.jobs_service import JobsClient
+from zerokl.services.jobs.manager import JobState, SFTJobSpec
+from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
@@ -319,7 +319,7 @@ def test_the_fleet_switches_only_after_a_canary_and_a_failed_switch_puts_every_r
 def test_a_job_the_scheduler_stopped_during_is_listed_as_failed_saying_so(tmp_path) -> None:
     """Records of a scheduler that stopped mid-job (its jobs.json as the job's last step left it): the next
     scheduler on that state directory lists the job FAILED with the reason and replays its steps once."""
-    from zerokl.services.scheduler.jobs import JOBS_FILE, JobManager
+    from zerokl.services.jobs.manager import JOBS_FILE, JobManager
 
     async def first() -> str:
         manager = JobManager(None, None, None, state_dir=tmp_path)  # type: ignore[arg-type]
@@ -347,7 +347,7 @@ def test_a_job_the_scheduler_stopped_during_is_listed_as_failed_saying_so(tmp_pa
 
 
 def _running_job():  # noqa: ANN202 - the manager's private record type
-    from zerokl.services.scheduler.jobs import _Job
+    from zerokl.services.jobs.manager import _Job
     job = _Job("j1", "sft", "sft", 5, SFTJobSpec(steps=5, examples=EXAMPLES, batch_size=4), JobState.RUNNING)
     job.started, job.step = time.time(), 1
     return job

@@ -11,7 +11,7 @@ from prometheus_client import Counter, Gauge
 
 from zerokl.services.runtime.metrics import REGISTRY
 
-__all__ = ["REQUESTS", "RETRIES", "ROUTED", "REPLICAS", "REPLAY_MISMATCHES"]
+__all__ = ["REQUESTS", "RETRIES", "ROUTED", "REPLICAS", "REPLAY_MISMATCHES", "REPLICA_BYTES"]
 
 REQUESTS = Counter(
     "zerokl_scheduler_requests", "Client requests the scheduler finished, by method and status code.",
@@ -28,3 +28,8 @@ REPLICAS = Gauge(
 REPLAY_MISMATCHES = Counter(
     "zerokl_scheduler_replay_mismatches", "Retries whose replayed prefix differed from what was sent (DATA_LOSS).",
     registry=REGISTRY)
+REPLICA_BYTES = Counter(
+    "zerokl_scheduler_replica_bytes",
+    "Bytes of the messages the scheduler received from replicas on request calls (serialized size), by role. "
+    "No KV passes through the scheduler: per request this is the tokens' deltas, not the prompt's KV.",
+    ["role"], registry=REGISTRY)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from zerokl.services.engine.types import FinishReason
 from zerokl.services.inference.types import GenerateDelta, Usage
 from zerokl.services.runtime.errors import DataLoss
-from zerokl.services.scheduler.router import Pin
+from zerokl.services.routing.router import Pin
 
 __all__ = ["StreamLedger"]
 

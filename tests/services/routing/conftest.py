@@ -19,13 +19,13 @@ from zerokl.model import Model, ModelConfig
 from zerokl.model.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.inference import AsyncEngine, InferenceClient, Replica
-from zerokl.services.inference.decode import add_decode_service
-from zerokl.services.inference.prefill import PrefillRelay, add_prefill_service
+from zerokl.services.inference import AsyncEngine, Replica
+from zerokl.services.inference.decode import Decoder, add_decode_service
+from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.runtime import ServerOptions, ServiceServer
-from zerokl.services.scheduler import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
+from zerokl.services.routing import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
 
 CONFIG = ModelConfig.preset("tiny")
 # What `zerokl serve decode --preset tiny --seed 0` reports, so in-process and subprocess replicas agree.
@@ -67,26 +67,27 @@ def numbers(samples: Sequence[SampleResult]) -> list[tuple]:
 
 @contextlib.asynccontextmanager
 async def replica_server(model: Model, service: str = "decode", weights: str = WEIGHTS,
-                         decode_address: str | None = None, options: ServerOptions = ServerOptions()
+                         options: ServerOptions = ServerOptions(), handoff_timeout_s: float = 60.0
                          ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
-    """An in-process decode (or prefill) replica on a loopback port."""
+    """An in-process decode (or prefill) replica on a loopback port (KV in 8 KiB chunks)."""
     identity = make_identity(service, model, weights, f"{service}-{weights}-{model.dtype}")
     replica = Replica(AsyncEngine(Engine(model, EngineConfig(), TOKENIZER)), identity, TOKENIZER)
     replica.engine.start()
     server = ServiceServer(service, options)
-    relay_client = None
+    decoder = None
     if service == "decode":
-        add_decode_service(server, replica)
+        decoder = Decoder(replica, token=options.auth.peer_token, tracer_provider=options.tracer_provider,
+                          handoff_timeout_s=handoff_timeout_s)
+        add_decode_service(server, decoder)
     else:
-        relay_client = InferenceClient(decode_address) if decode_address else None
-        add_prefill_service(server, PrefillRelay(replica, relay_client, 8192))
+        add_prefill_service(server, Prefiller(replica, 8192))
     await server.start()
     try:
         yield server, replica
     finally:
         await server.drain(0)
-        if relay_client is not None:
-            await relay_client.close()
+        if decoder is not None:
+            await decoder.close()
         await replica.engine.close()
 
 

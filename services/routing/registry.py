@@ -39,6 +39,7 @@ from opentelemetry import trace
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.server import create_channel
+from zerokl.services.routing import metrics
 from zerokl.v1 import common_pb2, inference_pb2_grpc
 
 __all__ = [
@@ -436,7 +437,8 @@ class Registry:
     def _connect(self, endpoint: ReplicaEndpoint) -> tuple[InferenceClient, grpc.aio.Channel]:
         """The request client (traced, in the caller's trace) and the probe channel (never traced)."""
         client = InferenceClient(endpoint.address, token=self._token, credentials=self._credentials,
-                                 tracer_provider=self._tracer_provider)
+                                 tracer_provider=self._tracer_provider,
+                                 on_received=metrics.REPLICA_BYTES.labels(endpoint.role).inc)
         probe = create_channel(endpoint.address, token=self._token, credentials=self._credentials,
                                tracer_provider=trace.NoOpTracerProvider())
         return client, probe

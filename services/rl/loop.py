@@ -3,9 +3,9 @@
     sample prompts -> generate n per prompt on weights version v -> rewards
     -> trainer update -> publish v+1 -> inference switches to v+1 -> next step
 
-The loop talks to two ports: a `RolloutPort` (inference: generate on a pinned version)
-and a `TrainerPort` (update, publish). In-process ports serve tests and the embedded
-demo; gRPC ports put the same loop in front of the five services. Every step records
+The loop talks to two ports (:mod:`.ports`): a `RolloutPort` (inference: generate on a
+pinned version) and a `TrainerPort` (update, publish). In-process ports serve tests and the
+embedded demo; the Jobs API's gRPC ports put the same loop in front of the five services. Every step records
 the exact train/inference KL, the number of tokens whose logprobs differ, clip
 fraction, reward and throughput.
 """
@@ -16,11 +16,12 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
+from zerokl.services.rl.ports import RolloutPort, TrainerPort
 from zerokl.services.trainer.trainer import Completion, Rollout
 
-__all__ = ["RLConfig", "StepRecord", "RolloutPort", "TrainerPort", "Task", "run_rl", "StaleRolloutError"]
+__all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
 
 
 class StaleRolloutError(RuntimeError):
@@ -62,29 +63,6 @@ class StepRecord:
     train_s: float
     stale_rollouts: int = 0
     test_accuracy: float | None = None
-
-
-@dataclass(frozen=True)
-class Sampled:
-    """What inference returned for one sample."""
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    text: str
-    weights_version: str
-
-
-class RolloutPort(Protocol):
-    def generate(self, prompts: Sequence[tuple[int, ...]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seed: int, weights_version: str) -> list[list[Sampled]]: ...
-
-
-class TrainerPort(Protocol):
-    @property
-    def weights_version(self) -> str: ...
-    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict: ...
-    def publish(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -164,70 +142,3 @@ def as_dict(record: StepRecord) -> dict:
     return dataclasses.asdict(record)
 
 
-# ----------------------------------------------------------------------------- in-process ports
-
-class LocalTrainerPort:
-    """The Trainer in this process; publishing keeps the serving weights in memory by version."""
-
-    def __init__(self, trainer, run: str = "run"):
-        self.trainer, self.run = trainer, run
-        self.versions: dict[str, dict] = {}
-        self._version = f"{run}-00000"
-        self.versions[self._version] = trainer.serving_state_dict()
-
-    @property
-    def weights_version(self) -> str:
-        return self._version
-
-    def grpo_step(self, rollouts, group_size):
-        return self.trainer.grpo_step(rollouts, group_size)
-
-    def publish(self) -> str:
-        self._version = f"{self.run}-{self.trainer.step:05d}"
-        self.versions[self._version] = self.trainer.serving_state_dict()
-        return self._version
-
-
-class LocalEnginePort:
-    """An in-process Engine that loads each pinned weights version from a LocalTrainerPort.
-
-    `backend` picks the kernels inference computes with: the trainer's own backend gives
-    KL == 0; "stock" is the mismatched arm of the experiment.
-    """
-
-    def __init__(self, trainer_port: LocalTrainerPort, tokenizer, engine_config=None, backend: str | None = None):
-        from zerokl.services.engine.types import EngineConfig
-        self.trainer_port, self.tokenizer = trainer_port, tokenizer
-        self.engine_config = engine_config or EngineConfig(max_num_batched_tokens=512, num_blocks=2048)
-        self.backend = backend
-        self._model, self._loaded = None, ""
-
-    def _model_for(self, version: str):
-        from zerokl.model import Model
-        if version != self._loaded:
-            trainer = self.trainer_port.trainer
-            # On the trainer's device: KL == 0 is promised per device type.
-            model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device)
-            model.load_state_dict(self.trainer_port.versions[version])
-            self._model, self._loaded = model.eval(), version
-        return self._model
-
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
-        from zerokl.kernels import use_backend
-        from zerokl.kernels.backend import get_backend
-        from zerokl.services.engine.engine import Engine, run_to_completion
-        from zerokl.services.engine.types import GenerateRequest, SamplingOptions
-        opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
-        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=seed + i)) for i, p in enumerate(prompts)]
-        with use_backend(self.backend or get_backend()):
-            engine = Engine(self._model_for(weights_version), self.engine_config, tokenizer=self.tokenizer)
-            outs = run_to_completion(engine, reqs)
-        groups = []
-        for r in reqs:
-            per: dict[int, list] = {}
-            for d in outs[r.request_id]:
-                toks, lps, text = per.get(d.index, ([], [], ""))
-                per[d.index] = [toks + d.token_ids, lps + d.logprobs, text + d.text]
-            groups.append([Sampled(r.prompt_ids, tuple(per[i][0]), tuple(per[i][1]), per[i][2], weights_version)
-                           for i in range(n)])
-        return groups
