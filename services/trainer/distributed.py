@@ -18,9 +18,10 @@ group whose members dispatch tokens to each other's experts by all-to-all
   gradients and AdamW state sharded; the forward all-gathers the weights (bytes only), so its
   bits are unchanged. Experts of a DispatchMoE are ignored by FSDP (already split by EP; the
   dp / ep replicas of one EP shard all-reduce their gradients).
-* Gradients: each data rank scales dL/dlogits by its share of the batch's units (tokens for
-  SFT and PPO, pairs for DPO) and FSDP sums (gradient divide factor 1), so the update is the
-  one-process one up to the order of the sums (not bitwise: docs/scale.md gives the tolerance).
+* Gradients: each data rank scales dL/dlogits by dp times its share of the batch's units
+  (tokens for SFT and PPO, pairs for DPO) and FSDP averages over the dp ranks (experts under
+  EP: their replicas' sum over dp here), so the update is the one-process one up to the order
+  of the sums (not bitwise: docs/scale.md gives the tolerance).
 
 Every rank must make the same calls with the same arguments (lockstep). A served group does
 that with LockstepTrainer on rank 0 (owner of gRPC) and `follow` on the others, as the TP
@@ -131,6 +132,16 @@ def apply_training_parallel(model: Model, tp_group=None, ep_group=None) -> Model
     return model
 
 
+def _forget_weight_slices() -> None:
+    """Drop the torch backend's cached weight slices (kernels/portable.py). They are keyed by
+    the weight tensor and its version counter; FSDP2 refills its unsharded parameters in place
+    under a preserved version counter, so after the sharded weights change (an optimizer step,
+    a load) a cached slice would be stale."""
+    from zerokl.kernels import portable
+    with portable._SLICE_CACHE_LOCK:
+        portable._SLICE_CACHE.clear()
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
@@ -174,10 +185,9 @@ class DistributedTrainer:
         ignored = {p for n, p in model.named_parameters() if n in self.experts}
         for block in model.layers:
             fully_shard(block, mesh=self.group.dp_mesh, ignored_params=ignored & set(block.parameters()) or None)
+        # FSDP averages gradients over the dp ranks (a pre-divide by dp, then a sum: gloo has no
+        # pre-multiplied sum); each rank's dL/dlogits is pre-scaled by dp * its share of the batch.
         fully_shard(model, mesh=self.group.dp_mesh, ignored_params=ignored or None)
-        for m in model.modules():
-            if hasattr(m, "set_gradient_divide_factor"):
-                m.set_gradient_divide_factor(1.0)     # a sum: each rank's loss is pre-scaled by its share
 
     def _scale_hook(self, module, inputs, out):
         if self._scale is not None and isinstance(out, torch.Tensor) and out.requires_grad:
@@ -230,7 +240,7 @@ class DistributedTrainer:
         t = t.detach()
         full_shape = self.full_shapes[name]
         if tuple(t.shape) == full_shape:
-            return t.cpu()
+            return t.cpu().clone()
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, t.contiguous())
         dim = next(d for d, (a, b) in enumerate(zip(full_shape, t.shape)) if a != b)
@@ -272,6 +282,7 @@ class DistributedTrainer:
         if tokens_seen is not None:
             self.trainer.tokens_seen = tokens_seen
         self.trainer.optimizer.zero_grad(set_to_none=True)
+        _forget_weight_slices()
 
     def full_trainer(self) -> Trainer:
         """A one-process Trainer holding this trainer's weights, AdamW state and counters (collective):
@@ -316,18 +327,20 @@ class DistributedTrainer:
             seqs = [getattr(i, "sequence", i) for i in items]
             units = [float(len(s.completion_ids)) for s in seqs]
         total = sum(units)
-        self._scale = sum(units[share]) / total if total else 0.0
+        fsdp = self.layout.dp if self.layout.dp > 1 else 1
+        self._scale = fsdp * sum(units[share]) / total if total else 0.0
         if "advantages" in kw:
             kw = dict(kw, advantages=kw["advantages"][share])
         try:
             m = self.trainer.forward_backward(method, items[share], **kw)
         finally:
             self._scale = None
-        if self.group.replica_group is not None:      # experts held by dp / ep replicas
-            for name in sorted(self.experts):
-                g = self._params[name].grad
-                if g is not None:
+        for name in sorted(self.experts):           # EP experts: outside FSDP, so its average is done here
+            g = self._params[name].grad
+            if g is not None:
+                if self.group.replica_group is not None:      # the dp / ep replicas of these experts
                     dist.all_reduce(g, group=self.group.replica_group)
+                g.div_(fsdp)
         metrics = _merge_metrics(self._from_data_ranks((sum(units[share]), m)))
         metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - start, 1e-9)
         self.trainer.tokens_seen += metrics["tokens"] - m["tokens"]
@@ -374,6 +387,7 @@ class DistributedTrainer:
             raise
         finally:
             t.optimizer.zero_grad(set_to_none=True)
+            _forget_weight_slices()
         t.step += 1
         return {"grad_norm": norm, "lr": lr, "step": t.step}
 
