@@ -29,8 +29,13 @@ serving replicas do (services/inference/tensor_parallel.py).
 """
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import socket
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -44,7 +49,11 @@ from zerokl.model.model import MoE
 from zerokl.model.parallel import DispatchMoE, apply_tensor_parallel
 from zerokl.services.trainer.trainer import NonFiniteStep, Trainer
 
-__all__ = ["Layout", "ParallelGroup", "DistributedTrainer", "LockstepTrainer", "follow", "apply_training_parallel"]
+__all__ = ["ENV_RANK", "ENV_PORT", "Layout", "ParallelGroup", "DistributedTrainer", "LockstepTrainer", "ServedTrainer",
+           "follow", "apply_training_parallel", "start_group", "run_follower", "serve_distributed"]
+
+ENV_RANK = "ZEROKL_TRAINER_RANK"     # set on followers: their world rank (1 .. world - 1)
+ENV_PORT = "ZEROKL_TRAINER_PORT"     # rank 0's rendezvous port on 127.0.0.1
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +109,24 @@ class ParallelGroup:
         self.ep_group = ep_mesh["ep"].get_group() if layout.ep > 1 else None
         # The dp / ep ranks holding the same experts (they all-reduce the experts' gradients).
         self.replica_group = ep_mesh["replica"].get_group() if layout.dp // layout.ep > 1 else None
-        # Engine-style control messages (objects) travel over gloo whatever the compute backend.
-        self.control = dist.new_group(backend="gloo")
+        # Calls (objects) travel over gloo whatever the compute backend; a served trainer may sit
+        # idle for hours between calls, so its followers wait without a timeout that matters.
+        self.control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+        self.followers: list[subprocess.Popen] = []
+        self.lockstep: LockstepTrainer | None = None
+        self.closing = False
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Rank 0: tell the followers to stop, wait for them, end the group."""
+        self.closing = True
+        if self.lockstep is not None:
+            self.lockstep.stop()
+        for p in self.followers:
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        dist.destroy_process_group()
 
     @staticmethod
     def init(layout: Layout, rank: int, port: int, device: str | torch.device | None = None) -> "ParallelGroup":
@@ -469,3 +494,153 @@ def follow(trainer: DistributedTrainer) -> None:
             _dispatch(trainer, name, args, kwargs)
         except Exception:  # noqa: BLE001 - rank 0 raises the same error to its client; keep in step
             log.exception("trainer call %s failed on rank %d", name, trainer.group.rank)
+
+
+# ----------------------------------------------------------------------------- the served group
+
+def start_group(layout: Layout, argv: Sequence[str], device: str | None) -> ParallelGroup:
+    """Rank 0 (no ENV_RANK): spawn the world - 1 followers (`python -m zerokl.services.trainer
+    <argv>` with their rank in the environment; rank r uses cuda:r) and join them; a follower:
+    join. A follower ends when rank 0 is gone; rank 0 exits (status 1) when a follower dies, so
+    the supervisor restarts the whole group, which resumes from the run's last checkpoint."""
+    rank = int(os.environ.get(ENV_RANK, "0"))
+    followers: list[subprocess.Popen] = []
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        for r in range(1, layout.world):
+            env = dict(os.environ, **{ENV_RANK: str(r), ENV_PORT: str(port)})
+            followers.append(subprocess.Popen([sys.executable, "-m", "zerokl.services.trainer", *argv], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+    else:
+        port = int(os.environ[ENV_PORT])
+        _watch(lambda: os.getppid() != _PARENT, "rank 0 is gone")
+    group = ParallelGroup.init(layout, rank, port, device)
+    group.followers = followers
+    if followers:
+        def follower_died() -> bool:
+            return not group.closing and any(p.poll() is not None for p in followers)
+        _watch(follower_died, "a follower rank died; stopping the group (the supervisor restarts it)")
+    return group
+
+
+_PARENT = os.getppid()
+
+
+def _watch(dead, why: str) -> None:
+    def watch() -> None:
+        while not dead():
+            time.sleep(0.5)
+        log.error("trainer rank %s: %s", os.environ.get(ENV_RANK, "0"), why)
+        os._exit(1)
+    threading.Thread(target=watch, name="zerokl-trainer-group-watch", daemon=True).start()
+
+
+def _trainer_from(doc: dict, device: torch.device) -> Trainer:
+    model = Model(doc["model_config"], seed=0, dtype=doc["dtype"]).to(device)
+    model.load_state_dict(doc["model"])
+    t = Trainer(model, doc["config"])
+    by_name = dict(model.named_parameters())
+    for name, st in doc["optimizer"].items():
+        t.optimizer.state[by_name[name]] = {k: v.to(device) if k != "step" else v for k, v in st.items()}
+    t.step, t.tokens_seen = doc["step"], doc["tokens_seen"]
+    return t
+
+
+def _trainer_doc(t: Trainer) -> dict:
+    names = {id(p): n for n, p in t.model.named_parameters()}
+    return {"model_config": t.model.config, "dtype": t.model.dtype, "config": t.config,
+            "model": {k: v.detach().cpu() for k, v in t.model.state_dict().items()},
+            "optimizer": {names[id(p)]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                                         for k, v in st.items()} for p, st in t.optimizer.state.items()},
+            "step": t.step, "tokens_seen": t.tokens_seen}
+
+
+def run_follower(group: ParallelGroup) -> None:
+    """A follower rank: receive the starting trainer from rank 0, shard it, follow its calls."""
+    box: list = [None]
+    dist.broadcast_object_list(box, src=0, group=group.control)
+    follow(DistributedTrainer(_trainer_from(box[0], group.device), group))
+    dist.destroy_process_group()
+
+
+class ServedTrainer:
+    """What TrainerService holds on a distributed rank 0: the Trainer interface it uses, run in
+    lockstep over the group. Publishing (write_checkpoint) sees the gathered one-process
+    trainer, so the weight store gets the usual HF-named checkpoint and trainer state."""
+
+    def __init__(self, lockstep: LockstepTrainer):
+        self.lockstep, self.dt = lockstep, lockstep.trainer
+        self.model, self.config, self.reference = self.dt.model, self.dt.config, None
+        self._full: Trainer | None = None
+
+    step = property(lambda self: self.dt.step)
+    tokens_seen = property(lambda self: self.dt.tokens_seen)
+    device = property(lambda self: self.dt.device)
+
+    def forward_logprobs(self, seqs):
+        return self.lockstep.forward_logprobs(list(seqs))
+
+    def forward_backward(self, method: str, items, **kw):
+        if method == "dpo":
+            from zerokl.services.runtime.errors import FailedPrecondition
+            raise FailedPrecondition("DPO needs a reference model: not supported by a --dp/--tp/--ep trainer")
+        self._full = None
+        return self.lockstep.forward_backward(method, list(items), **kw)
+
+    def freeze_reference(self):
+        from zerokl.services.runtime.errors import FailedPrecondition
+        raise FailedPrecondition("DPO needs a reference model: not supported by a --dp/--tp/--ep trainer")
+
+    def optim_step(self, lr: float | None = None) -> dict:
+        self._full = None
+        return self.lockstep.optim_step(lr)
+
+    def full(self) -> Trainer:
+        if self._full is None:
+            self._full = self.lockstep.full_trainer()
+        return self._full
+
+    def serving_model(self) -> Model:
+        return self.full().serving_model()
+
+    def serving_state_dict(self) -> dict:
+        return self.full().serving_state_dict()
+
+    @property
+    def optimizer(self):
+        return self.full().optimizer
+
+    def adopt(self, trainer: Trainer) -> None:
+        """Load a one-process trainer's weights, AdamW state and counters into every rank."""
+        doc = _trainer_doc(trainer)
+        self._full = None
+        self.lockstep.load_full(doc["model"], doc["optimizer"], step=doc["step"], tokens_seen=doc["tokens_seen"])
+
+
+def serve_distributed(service, group: ParallelGroup):
+    """Rank 0: shard `service`'s trainer over the group (the followers get its state), and make
+    the service drive the group: its trainer becomes a ServedTrainer, and a trainer it loads
+    later (LoadWeights) is adopted into the group."""
+    from zerokl.services.trainer.service import TrainerService
+    full = service.trainer
+    dist.broadcast_object_list([_trainer_doc(full)], src=0, group=group.control)
+    group.lockstep = LockstepTrainer(DistributedTrainer(full, group))
+    served = ServedTrainer(group.lockstep)
+
+    class DistributedTrainerService(TrainerService):
+        @property
+        def _trainer(self):
+            return self._served
+
+        @_trainer.setter
+        def _trainer(self, trainer):
+            if isinstance(trainer, Trainer):
+                self._served.adopt(trainer)
+            else:
+                self._served = trainer
+
+    service._served = served
+    service.__class__ = DistributedTrainerService
+    return service
