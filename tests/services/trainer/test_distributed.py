@@ -177,5 +177,96 @@ def test_sharded_checkpoint_loads_at_another_layout(runs, layout):
         _assert_lp_equal(got["lp"], saved["lp2"])
 
 
+# ----------------------------------------------------------------------------- the served group
+
+def _start(weights, *flags):
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl.services.trainer", "--weights-dir", str(weights),
+                             "--run", "job", "--port", "0", "--threads", "1", "--lr", "1e-3", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, TRITON_INTERPRET="1"))
+    line = proc.stdout.readline()
+    if not line.startswith("trainer listening on 127.0.0.1:"):
+        proc.kill()
+        raise AssertionError(f"trainer did not start: {line!r}")
+    return proc, line.split()[3], line
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def _engine_rollouts(model, version: str):
+    """Sampled by the inference engine (TP = 1) on `model`: real behaviour logprobs."""
+    from zerokl.services.engine.engine import Engine, run_to_completion
+    from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+    from zerokl.services.trainer.trainer import Completion, Rollout
+    engine = Engine(model, EngineConfig(max_num_batched_tokens=64))
+    opts = SamplingOptions(temperature=1.0, max_tokens=6, n=4, seed=3, ignore_eos=True)
+    prompts = [tuple(range(5 + i, 15 + 2 * i)) for i in range(2)]
+    requests = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(prompts)]
+    outs = run_to_completion(engine, requests)
+    rollouts = []
+    for r in requests:
+        per: dict[int, tuple[list[int], list[float]]] = {}
+        for d in outs[r.request_id]:
+            toks, lps = per.get(d.index, ([], []))
+            per[d.index] = (toks + list(d.token_ids), lps + list(d.logprobs))
+        for i in range(4):
+            toks, lps = per[i]
+            rollouts.append(Rollout(Completion(r.prompt_ids, tuple(toks)), tuple(lps),
+                                    sum(t < 16 for t in toks) / len(toks), version))
+    return rollouts
+
+
+def test_served_group_survives_a_killed_rank_and_stays_on_policy(tmp_path):
+    """`--dp 2 --ep 2`: rank 0 serves the Trainer API; logprobs are the one-process bits; a killed
+    follower takes the group down (rank 0 exits 1); the restarted group resumes from the last
+    published version and an RL step on engine-sampled rollouts of it has KL exactly 0."""
+    import asyncio
+    import signal
+    from zerokl.model import Model
+    from zerokl.services.trainer.client import TrainerClient
+    seqs = _data()
+    want = _trainer().forward_logprobs(seqs)
+
+    async def before(address):
+        async with TrainerClient(address) as client:
+            for got, w in zip(await client.forward_logprobs(seqs), want, strict=True):
+                assert torch.equal(got, w)
+            await client.forward_backward("sft", seqs)
+            await client.optim_step()
+            assert (await client.save_weights())[0].version == "job-step000001"
+
+    async def after(address, rollouts):
+        async with TrainerClient(address) as client:
+            assert (await client.get_state()).step == 1
+            fb, opt = await client.grpo_step(rollouts, group_size=4)
+            assert fb.ppo is not None and (fb.ppo.kl, fb.ppo.mismatched_tokens) == (0.0, 0)
+            assert opt.step == 2
+
+    weights = tmp_path / "w"
+    proc, address, _ = _start(weights, "--dp", "2", "--ep", "2")
+    try:
+        asyncio.run(before(address))
+        (follower,) = _children(proc.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1            # the group is torn down: a supervisor restarts it
+    finally:
+        proc.kill()
+        proc.wait()
+    served = Model.from_pretrained(weights / "versions" / "job-step000001")
+    rollouts = _engine_rollouts(served, "job-step000001")
+    proc, address, line = _start(weights, "--dp", "2", "--ep", "2")
+    try:
+        assert " step: 1 " in line and "resumed from job-step000001" in line
+        asyncio.run(after(address, rollouts))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
