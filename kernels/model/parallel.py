@@ -133,6 +133,24 @@ class _GatherColumns(torch.autograd.Function):
         return mine.contiguous(), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send), D] to the ranks of `group` (send[r] rows to rank r, in order) -> the rows
+    received [sum(recv), D] (rank order). Moves bytes only; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
 class _Exchange(torch.autograd.Function):
     """Pairs owned by the ranks of `group` (owner [P], this rank's outputs y [P_mine, D] in
     ascending pair order) -> every pair's output [P, D]: each takes its owner's value (a
@@ -500,7 +518,6 @@ class DispatchMoE(nn.Module):
                                else moe.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.distributed.nn.functional import all_to_all_single
         weights, ids = self.gate(x)
         t, k = ids.shape
         flat = ids.reshape(-1)
@@ -513,22 +530,12 @@ class DispatchMoE(nn.Module):
         rows = rows[order // k]                                                  # [T*k, D], owner order
         got_ids = flat.new_empty(sum(recv_sizes))
         dist.all_to_all_single(got_ids, flat[order].contiguous(), recv_sizes, send_sizes, group=self.ep_group)
-        if _wants_grad(rows):
-            got = all_to_all_single(rows.new_empty(sum(recv_sizes), x.shape[1]), rows.contiguous(),
-                                    recv_sizes, send_sizes, group=self.ep_group)
-        else:
-            got = rows.new_empty(sum(recv_sizes), x.shape[1])
-            dist.all_to_all_single(got, rows.contiguous(), recv_sizes, send_sizes, group=self.ep_group)
+        got = _AllToAll.apply(rows, send_sizes, recv_sizes, self.ep_group)
         _, y = ops.moe_expert_outputs(got, got_ids.view(-1, 1), self.gate_proj, self.up_proj, self.down_proj,
                                       self.first)
         if self.tp > 1:                     # this EP rank's experts are split over its TP group
             y = _Exchange.apply(y, (got_ids - self.ep_first) // self.per_tp, self.tp_group)
-        if _wants_grad(y):
-            back = all_to_all_single(y.new_empty(t * k, y.shape[1]), y.contiguous(), send_sizes, recv_sizes,
-                                     group=self.ep_group)
-        else:
-            back = y.new_empty(t * k, y.shape[1])
-            dist.all_to_all_single(back, y.contiguous(), send_sizes, recv_sizes, group=self.ep_group)
+        back = _AllToAll.apply(y, recv_sizes, send_sizes, self.ep_group)
         outputs = back[torch.argsort(order)]                                    # (token, slot) order
         routed = ops.moe_combine(weights, outputs.view(t, k, -1))
         return (routed + self.shared_experts(x).float()).to(x.dtype)
