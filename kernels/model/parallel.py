@@ -29,8 +29,16 @@ result is joined (NUMERICS.md, "Tensor parallelism"):
 Megatron/vLLM way): it exists as the baseline the tests and benchmarks compare against;
 its bits depend on the TP degree and the collective's algorithm.
 
-Forward only: prefill, decode and the trainer's logprob forward. Backward through the
-sharded model raises (see docs/tensor-parallel.md).
+Training (the exact layout): each join has its transpose (a row-parallel join passes the
+replicated dL/dy to every rank's subtree; the vocabulary gather keeps the rank's columns;
+the expert exchange keeps the rank's pairs), and a replicated activation entering a
+sharded consumer (q_b_proj's input, the latent and rope key feeding the local heads, the
+MLP's and local experts' input, lm_head's input) all-reduces its gradient over the group
+(copy_to_parallel, Megatron's `f`). Gradients equal one device's up to the order of those
+sums. The all_reduce baseline is forward only.
+
+DispatchMoE is expert parallelism over ranks holding different tokens (the trainer's data
+ranks): all-to-all dispatch, the same per-pair results and the one-device combine order.
 """
 from __future__ import annotations
 
@@ -47,7 +55,7 @@ from zerokl.kernels.ops import REDUCTION_SPLITS
 from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE, RMSNorm
 
 __all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "shard_state_dict", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
-           "ExpertParallelMoE", "supported_tp_degrees"]
+           "ExpertParallelMoE", "DispatchMoE", "ColumnShardLinear", "copy_to_parallel", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
 # Vocabulary shards start at multiples of this many rows: Triton's bf16 GEMM column tile
