@@ -1,6 +1,7 @@
 """Every command line matches flags whole: an abbreviation is an error, never another flag.
 
-argparse's default prefix matching turned `zerokl serve trainer --dp=2` into `--dpo-beta 2`.
+argparse's default prefix matching turned `zerokl serve trainer --dp=2` into `--dpo-beta 2` (before
+--dp was a flag of its own; `--dpo=2` is the abbreviation tested now).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
 
 
 @pytest.mark.parametrize("name,argv,meant,unknown", [
-    ("serve trainer", ["--dp=2"], "--dpo-beta", "--dp=2"),
+    ("serve trainer", ["--dpo=2"], "--dpo-beta", "--dpo=2"),
     ("serve decode", ["--preset", "tiny", "--num-block", "4"], "--num-blocks", "--num-block 4"),
     ("serve scheduler", ["--decode", "127.0.0.1:1", "--route-w", "1"], "--route-wait", "--route-w 1"),
     ("serve weight-store", ["--keep", "3"], "--keep-last", "--keep 3"),
@@ -67,9 +68,9 @@ def test_an_abbreviated_flag_is_an_error(name, argv, meant, unknown, capsys) -> 
 
 
 def test_zerokl_serve_trainer_refuses_an_abbreviation_as_a_command() -> None:
-    r = subprocess.run([sys.executable, "-m", "zerokl", "serve", "trainer", "--dp=2"],
+    r = subprocess.run([sys.executable, "-m", "zerokl", "serve", "trainer", "--dpo=2"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "unrecognized arguments: --dp=2" in r.stderr, r.stderr
+    assert r.returncode == 2 and "unrecognized arguments: --dpo=2" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("argv,message", [

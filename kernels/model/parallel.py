@@ -29,8 +29,16 @@ result is joined (NUMERICS.md, "Tensor parallelism"):
 Megatron/vLLM way): it exists as the baseline the tests and benchmarks compare against;
 its bits depend on the TP degree and the collective's algorithm.
 
-Forward only: prefill, decode and the trainer's logprob forward. Backward through the
-sharded model raises (see docs/tensor-parallel.md).
+Training (the exact layout): each join has its transpose (a row-parallel join passes the
+replicated dL/dy to every rank's subtree; the vocabulary gather keeps the rank's columns;
+the expert exchange keeps the rank's pairs), and a replicated activation entering a
+sharded consumer (q_b_proj's input, the latent and rope key feeding the local heads, the
+MLP's and local experts' input, lm_head's input) all-reduces its gradient over the group
+(copy_to_parallel, Megatron's `f`). Gradients equal one device's up to the order of those
+sums. The all_reduce baseline is forward only.
+
+DispatchMoE is expert parallelism over ranks holding different tokens (the trainer's data
+ranks): all-to-all dispatch, the same per-pair results and the one-device combine order.
 """
 from __future__ import annotations
 
@@ -44,10 +52,10 @@ from torch.nn.utils import parametrize
 from zerokl.kernels import ops
 from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.ops import REDUCTION_SPLITS
-from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE
+from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE, RMSNorm
 
 __all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "shard_state_dict", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
-           "ExpertParallelMoE", "supported_tp_degrees"]
+           "ExpertParallelMoE", "DispatchMoE", "ColumnShardLinear", "copy_to_parallel", "supported_tp_degrees"]
 
 MODES = ("exact", "all_reduce")
 # Vocabulary shards start at multiples of this many rows: Triton's bf16 GEMM column tile
@@ -60,7 +68,7 @@ COLUMN_ALIGN = 128
 # ----------------------------------------------------------------------------- collectives
 
 class _NoBackward(torch.autograd.Function):
-    """Marks a collective's output: backward through tensor-parallel layers is not implemented."""
+    """Marks a collective's output in the all_reduce baseline layout: no backward there."""
 
     @staticmethod
     def forward(ctx, t):
@@ -68,12 +76,109 @@ class _NoBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        raise NotImplementedError("backward through a tensor-parallel zerokl model is not implemented "
-                                  "(forward only: prefill, decode, logprob recomputation)")
+        raise NotImplementedError("backward through the all_reduce baseline layout is not implemented "
+                                  "(the exact layout trains)")
 
 
 def _no_backward(t: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     return _NoBackward.apply(t) if torch.is_grad_enabled() and any(i.requires_grad for i in inputs) else t
+
+
+def _wants_grad(*inputs: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(i.requires_grad for i in inputs)
+
+
+class _Copy(torch.autograd.Function):
+    """A replicated activation entering a sharded consumer: identity forward; backward sums
+    the ranks' partial gradients (each rank's consumer saw only its shard), Megatron's `f`."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        ctx.group = group
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def copy_to_parallel(t: torch.Tensor, group) -> torch.Tensor:
+    """`t` unchanged; its gradient all-reduced over `group` (no-op at one rank or without grad)."""
+    if dist.get_world_size(group) == 1 or not _wants_grad(t):
+        return t
+    return _Copy.apply(t, group)
+
+
+class _Join(torch.autograd.Function):
+    """row_parallel_join with its transpose: y = tree(parts) rounded, so dy/dpart_r = 1 and
+    every rank (holding the replicated dL/dy) passes it to its own subtree."""
+
+    @staticmethod
+    def forward(ctx, part, group, dtype, how):
+        return row_parallel_join(part, group, dtype, how)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float(), None, None, None
+
+
+class _GatherColumns(torch.autograd.Function):
+    """Column shards [.., rows] all-gathered to [.., out_features]; backward keeps this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, y, group, out_features):
+        ctx.rank, ctx.rows = dist.get_rank(group), y.shape[-1]
+        return torch.cat(_all_gather(y, group), dim=-1)[..., :out_features]
+
+    @staticmethod
+    def backward(ctx, grad):
+        lo = ctx.rank * ctx.rows
+        mine = grad[..., lo:lo + ctx.rows]
+        if mine.shape[-1] < ctx.rows:         # the vocabulary padding: no logits there, zero gradient
+            mine = torch.cat([mine, mine.new_zeros(*mine.shape[:-1], ctx.rows - mine.shape[-1])], -1)
+        return mine.contiguous(), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send), D] to the ranks of `group` (send[r] rows to rank r, in order) -> the rows
+    received [sum(recv), D] (rank order). Moves bytes only; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = rows.new_empty(sum(recv), *rows.shape[1:])
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(sum(ctx.send), *grad.shape[1:])
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class _Exchange(torch.autograd.Function):
+    """Pairs owned by the ranks of `group` (owner [P], this rank's outputs y [P_mine, D] in
+    ascending pair order) -> every pair's output [P, D]: each takes its owner's value (a
+    select). Backward: this rank's pairs' gradients."""
+
+    @staticmethod
+    def forward(ctx, y, owner, group):
+        rank = dist.get_rank(group)
+        ctx.mine = owner == rank
+        counts = torch.bincount(owner, minlength=dist.get_world_size(group)).tolist()
+        width = max(counts) if counts else 0
+        packed = torch.cat([y, y.new_zeros(width - y.shape[0], y.shape[1])]) if width > y.shape[0] else y
+        out = y.new_empty(owner.numel(), y.shape[1])
+        for r, got in enumerate(_all_gather(packed, group)):
+            out[owner == r] = got[:counts[r]]        # rank r's pairs, ascending: the order it packed them
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.mine].contiguous(), None, None
 
 
 def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
@@ -106,8 +211,38 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.group = out_features, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.linear(x, self.weight)
-        return _no_backward(torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features], x)
+        y = ops.linear(copy_to_parallel(x, self.group), self.weight)
+        if _wants_grad(y):
+            return _GatherColumns.apply(y, self.group, self.out_features)
+        return torch.cat(_all_gather(y, self.group), dim=-1)[..., :self.out_features]
+
+
+class ColumnShardLinear(Linear):
+    """A head-sharded projection (q_b_proj): this rank's output rows, output left sharded
+    (the heads that follow are local); the replicated input's gradient is all-reduced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(copy_to_parallel(x, self.tp_group), self.weight)
+
+
+class _ReplicatedNorm(RMSNorm):
+    """kv_a_layernorm under TP: the latent it makes feeds only this rank's heads, so the
+    latent's gradient is partial per rank and is all-reduced here (forward unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_parallel(super().forward(x), self.tp_group)
+
+
+class _RopeSplitLinear(Linear):
+    """kv_a_proj_with_mqa under TP: [latent | rope key]; the rope key feeds only this rank's
+    heads (its gradient is all-reduced), the latent goes through _ReplicatedNorm first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kv = ops.linear(x, self.weight)
+        if not _wants_grad(kv) or dist.get_world_size(self.tp_group) == 1:
+            return kv
+        r = self.kv_lora_rank
+        return torch.cat([kv[:, :r], copy_to_parallel(kv[:, r:], self.tp_group)], dim=-1)
 
 
 JOINS = ("auto", "p2p", "gather", "all_reduce_fp32", "reduce_scatter", "gather_list")
@@ -292,7 +427,9 @@ class RowParallelLinear(nn.Module):
         if self.mode == "all_reduce":
             return _no_backward(_all_reduce(ops.linear(x, self.weight), self.group), x)
         part = ops.split_partial(x, self.weight, self.splits)                    # fp32 [.., N]
-        return _no_backward(row_parallel_join(part, self.group, x.dtype, self.join), x)
+        if _wants_grad(part):
+            return _Join.apply(part, self.group, x.dtype, self.join)
+        return row_parallel_join(part, self.group, x.dtype, self.join)
 
 
 class ParallelMLP(nn.Module):
@@ -304,9 +441,10 @@ class ParallelMLP(nn.Module):
         lo, hi = rank * hidden // tp, (rank + 1) * hidden // tp
         self.gate_proj, self.up_proj = _linear_rows(mlp.gate_proj, lo, hi), _linear_rows(mlp.up_proj, lo, hi)
         self.down_proj = RowParallelLinear(mlp.down_proj.weight.detach()[:, lo:hi].clone(), group, mode)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(x, self.gate_proj.weight, self.up_proj.weight))
+        return self.down_proj(ops.swiglu(copy_to_parallel(x, self.group), self.gate_proj.weight, self.up_proj.weight))
 
 
 class ExpertParallelMoE(nn.Module):
@@ -328,29 +466,87 @@ class ExpertParallelMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         t, k = ids.shape
-        pairs, y = ops.moe_expert_outputs(x, ids, self.gate_proj, self.up_proj, self.down_proj, self.first)
         if self.mode == "all_reduce":
+            pairs, y = ops.moe_expert_outputs(x, ids, self.gate_proj, self.up_proj, self.down_proj, self.first)
             # Conventional EP: each rank combines its own slots, the ranks' sums are all-reduced.
             mine = torch.zeros(t * k, x.shape[1], dtype=y.dtype, device=x.device).index_copy(0, pairs, y)
             owned = (ids // self.n_local == self.rank).to(weights.dtype)
-            routed = _all_reduce(ops.moe_combine(weights * owned, mine.view(t, k, -1)), self.group)
+            routed = _no_backward(_all_reduce(ops.moe_combine(weights * owned, mine.view(t, k, -1)), self.group), x)
         else:
+            _, y = ops.moe_expert_outputs(copy_to_parallel(x, self.group), ids, self.gate_proj, self.up_proj,
+                                          self.down_proj, self.first)
             routed = ops.moe_combine(weights, self._exchange(ids, y).view(t, k, -1))
-        routed = _no_backward(routed, x)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
     def _exchange(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """All ranks' expert outputs in (token, slot) order [T*k, D]: each slot takes its owner's
         value. Owners and counts follow from the replicated routing, so only outputs travel:
         each rank sends its pairs packed (padded to the largest rank's count)."""
-        owner = ids.reshape(-1) // self.n_local
-        counts = torch.bincount(owner, minlength=dist.get_world_size(self.group)).tolist()
-        width = max(counts)
-        packed = torch.cat([y, y.new_zeros(width - y.shape[0], y.shape[1])]) if width > y.shape[0] else y
-        out = y.new_empty(owner.numel(), y.shape[1])
-        for r, got in enumerate(_all_gather(packed, self.group)):
-            out[owner == r] = got[:counts[r]]        # rank r's pairs, ascending: the order it packed them
-        return out
+        return _Exchange.apply(y, ids.reshape(-1) // self.n_local, self.group)
+
+
+class DispatchMoE(nn.Module):
+    """Expert parallelism over ranks holding DIFFERENT tokens (data ranks), with all-to-all
+    token dispatch; optionally each expert-parallel rank's experts split again over its TP
+    group (tokens replicated there, as ExpertParallelMoE).
+
+    Expert-parallel rank e of `ep` holds experts [e E/ep, (e+1) E/ep); within it TP rank t
+    holds the t-th 1/tp of those. Forward: route locally (replicated router); sort this
+    rank's (token, slot) pairs by owner (stable: ascending pair order within an owner); one
+    all-to-all sends their token rows and expert ids; the owner runs them through its
+    experts as one-slot tokens (ops.moe_expert_outputs with first_expert: a pair's result
+    depends only on its token row and its expert's weights); a second all-to-all brings
+    the outputs back; the one-device fixed-order combine (ops.moe_combine) runs in
+    (token, slot) order. Same bits as MoE on one device. Backward: the all-to-alls'
+    transposes (torch.distributed.nn.functional), so an expert's gradient sums every
+    data rank's tokens routed to it.
+    """
+
+    def __init__(self, moe: MoE, ep_group, tp_group=None, mode: str = "exact"):
+        super().__init__()
+        if mode != "exact":
+            raise ValueError("DispatchMoE: only the exact layout")
+        n_experts = moe.gate_proj.shape[0]
+        self.ep_group, self.tp_group = ep_group, tp_group
+        self.ep, self.tp = dist.get_world_size(ep_group), (dist.get_world_size(tp_group) if tp_group else 1)
+        e_rank, t_rank = dist.get_rank(ep_group), (dist.get_rank(tp_group) if tp_group else 0)
+        if n_experts % (self.ep * self.tp):
+            raise ValueError(f"DispatchMoE: n_routed_experts = {n_experts} is not divisible by ep * tp = "
+                             f"{self.ep * self.tp}")
+        self.per_ep = n_experts // self.ep
+        self.per_tp = self.per_ep // self.tp
+        self.ep_first = e_rank * self.per_ep
+        self.first = self.ep_first + t_rank * self.per_tp
+        sl = slice(self.first, self.first + self.per_tp)
+        self.gate = moe.gate
+        self.gate_proj = nn.Parameter(moe.gate_proj.detach()[sl].clone(), requires_grad=moe.gate_proj.requires_grad)
+        self.up_proj = nn.Parameter(moe.up_proj.detach()[sl].clone(), requires_grad=moe.up_proj.requires_grad)
+        self.down_proj = nn.Parameter(moe.down_proj.detach()[sl].clone(), requires_grad=moe.down_proj.requires_grad)
+        self.shared_experts = (ParallelMLP(moe.shared_experts, t_rank, self.tp, tp_group, mode) if self.tp > 1
+                               else moe.shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.sort(flat // self.per_ep, stable=True).indices            # pairs grouped by owner
+        send = torch.bincount(flat // self.per_ep, minlength=self.ep)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)
+        send_sizes, recv_sizes = send.tolist(), recv.tolist()
+        rows = copy_to_parallel(x, self.tp_group) if self.tp > 1 else x
+        rows = rows[order // k]                                                  # [T*k, D], owner order
+        got_ids = flat.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(got_ids, flat[order].contiguous(), recv_sizes, send_sizes, group=self.ep_group)
+        got = _AllToAll.apply(rows, send_sizes, recv_sizes, self.ep_group)
+        _, y = ops.moe_expert_outputs(got, got_ids.view(-1, 1), self.gate_proj, self.up_proj, self.down_proj,
+                                      self.first)
+        if self.tp > 1:                     # this EP rank's experts are split over its TP group
+            y = _Exchange.apply(y, (got_ids - self.ep_first) // self.per_tp, self.tp_group)
+        back = _AllToAll.apply(y, recv_sizes, send_sizes, self.ep_group)
+        outputs = back[torch.argsort(order)]                                    # (token, slot) order
+        routed = ops.moe_combine(weights, outputs.view(t, k, -1))
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- the transform
@@ -360,8 +556,8 @@ def supported_tp_degrees() -> tuple[int, ...]:
     return tuple(2 ** i for i in range(REDUCTION_SPLITS.bit_length()) if REDUCTION_SPLITS % 2 ** i == 0)
 
 
-def _linear_rows(module: Linear, lo: int, hi: int) -> Linear:
-    out = Linear(module.weight.shape[1], hi - lo)
+def _linear_rows(module: Linear, lo: int, hi: int, cls: type = Linear) -> Linear:
+    out = cls(module.weight.shape[1], hi - lo)
     out.weight = nn.Parameter(module.weight.detach()[lo:hi].clone(), requires_grad=False)
     return out
 
@@ -424,7 +620,12 @@ def apply_tensor_parallel(model: Model, group=None, mode: str = "exact", join: s
         attn: MLAttention = block.self_attn
         heads = slice(rank * h_local, (rank + 1) * h_local)
         q_rows = c.qk_head_dim
-        attn.q_b_proj = _linear_rows(attn.q_b_proj, heads.start * q_rows, heads.stop * q_rows)
+        attn.q_b_proj = _linear_rows(attn.q_b_proj, heads.start * q_rows, heads.stop * q_rows, ColumnShardLinear)
+        attn.q_b_proj.tp_group = group
+        if mode == "exact":     # the replicated latent and rope key feed this rank's heads only
+            attn.kv_a_layernorm.__class__, attn.kv_a_layernorm.tp_group = _ReplicatedNorm, group
+            attn.kv_a_proj_with_mqa.__class__, attn.kv_a_proj_with_mqa.tp_group = _RopeSplitLinear, group
+            attn.kv_a_proj_with_mqa.kv_lora_rank = c.kv_lora_rank
         kv_rows = c.qk_nope_head_dim + c.v_head_dim
         attn.kv_b_proj = _linear_rows(attn.kv_b_proj, heads.start * kv_rows, heads.stop * kv_rows)
         o_cols = slice(heads.start * c.v_head_dim, heads.stop * c.v_head_dim)
@@ -432,7 +633,7 @@ def apply_tensor_parallel(model: Model, group=None, mode: str = "exact", join: s
         attn.n_heads = h_local
         if isinstance(block.mlp, MoE):
             block.mlp = ExpertParallelMoE(block.mlp, rank, tp, group, mode)
-        else:
+        elif isinstance(block.mlp, MLP):
             block.mlp = ParallelMLP(block.mlp, rank, tp, group, mode)
     vocab = model.lm_head.weight.shape[0]
     rows = -(-vocab // (tp * COLUMN_ALIGN)) * COLUMN_ALIGN          # ceil(V / tp), rounded up to the tile

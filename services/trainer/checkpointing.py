@@ -84,6 +84,9 @@ __all__ = [
     "RemoteWeights",
     "find_resume_point",
     "publish_checkpoint",
+    "SHARDED_JSON",
+    "save_sharded",
+    "load_sharded",
 ]
 
 STATE_TENSORS = "trainer-state.safetensors"
@@ -419,3 +422,73 @@ async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
         # that crashed while publishing, then did not redo the same step).
         await repo.abort_open_upload(version)
         return await repo.publish_dir(src, version, spec), True
+
+
+# ----------------------------------------------------------------------------- sharded (DCP) checkpoints
+
+SHARDED_JSON = "zerokl-sharded.json"
+SHARDED_FORMAT = "zerokl.sharded-trainer/1"
+
+
+def _world_mesh(trainer):
+    group = trainer.group
+    if getattr(group, "world_mesh", None) is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        group.world_mesh = init_device_mesh(trainer.device.type, (trainer.layout.world,))
+    return group.world_mesh
+
+
+def save_sharded(trainer, directory: str | os.PathLike[str]) -> None:
+    """Write a DistributedTrainer's weights, AdamW state and counters with torch.distributed.checkpoint
+    (collective: every rank writes its own files).
+
+    Layout-independent: every tensor is saved in its one-device shape, split by rows over
+    the world (a DTensor Shard(0) on a 1-D mesh of all ranks), so a later load reshards it
+    for any dp x tp x ep (load_sharded). Keys: ``model/<name>``, ``optimizer/<name>/<state>``
+    (the model's own names; publish() gives the HF names the serving side loads).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = _world_mesh(trainer)
+    flat: dict[str, Any] = {f"model/{k}": v for k, v in trainer.full_state_dict().items()}
+    for name, s in trainer.full_optimizer_state().items():
+        flat.update({f"optimizer/{name}/{k}": v for k, v in s.items()})
+    state = {k: (distribute_tensor(v.to(trainer.device), mesh, [Shard(0)], src_data_rank=None) if v.dim() else v)
+             for k, v in flat.items()}
+    path = pathlib.Path(directory)
+    dcp.save(state, checkpoint_id=str(path))
+    if torch.distributed.get_rank() == 0:
+        doc = {"format": SHARDED_FORMAT, "step": trainer.step, "tokens_seen": trainer.tokens_seen,
+               "config": config_to_json(trainer.config), "layout": dataclasses.asdict(trainer.layout)}
+        (path / SHARDED_JSON).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    torch.distributed.barrier(group=trainer.group.control)
+
+
+def load_sharded(trainer, directory: str | os.PathLike[str]) -> dict:
+    """Load a save_sharded checkpoint (written at any layout) into a DistributedTrainer of this
+    layout: weights, AdamW state and counters; gradients dropped. Returns the sidecar document."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+    path = pathlib.Path(directory)
+    try:
+        doc = json.loads((path / SHARDED_JSON).read_text())
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except (OSError, ValueError) as err:
+        raise DataLoss(f"{path.name}: not a sharded trainer checkpoint: {err}") from None
+    if doc.get("format") != SHARDED_FORMAT:
+        raise DataLoss(f"{path.name}: unknown sharded format {doc.get('format')!r}")
+    mesh = _world_mesh(trainer)
+    state: dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        empty = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=trainer.device)
+        state[key] = distribute_tensor(empty, mesh, [Shard(0)], src_data_rank=None) if empty.dim() else empty
+    dcp.load(state, checkpoint_id=str(path))
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).cpu() for k, v in state.items()}
+    model = {k.removeprefix("model/"): v for k, v in full.items() if k.startswith("model/")}
+    optimizer: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in full.items():
+        if k.startswith("optimizer/"):
+            name, what = k.removeprefix("optimizer/").rsplit("/", 1)
+            optimizer.setdefault(name, {})[what] = v
+    trainer.load_full(model, optimizer, step=int(doc["step"]), tokens_seen=int(doc["tokens_seen"]))
+    return doc

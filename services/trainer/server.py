@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
     t.add_argument("--dpo-beta", type=float, default=d.dpo_beta)
     t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
+    par = p.add_argument_group("parallelism (zerokl.services.trainer.distributed; world = dp * tp ranks)")
+    par.add_argument("--dp", type=int, default=1, metavar="N",
+                     help="data-parallel ranks (FSDP2: weights, gradients and AdamW state sharded) (default %(default)s)")
+    par.add_argument("--tp", type=int, default=1, metavar="M",
+                     help="tensor-parallel ranks (1, 2, 4; the exact split-tree layout) (default %(default)s)")
+    par.add_argument("--ep", type=int, default=1, metavar="E",
+                     help="expert-parallel ranks out of the dp ranks (all-to-all dispatch; divides --dp) "
+                          "(default %(default)s)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
                    help="prompt + completion ids per request at most (default %(default)s)")
@@ -224,7 +232,30 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the trainer until SIGTERM/SIGINT; returns the exit status."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    group = None
+    if args.dp * args.tp > 1 or args.ep > 1:
+        from zerokl.model.parallel import supported_tp_degrees
+        from zerokl.services.trainer.distributed import ENV_RANK, Layout, start_group
+        layout = Layout(args.dp, args.tp, args.ep)
+        try:
+            layout.check()
+        except ValueError as err:
+            parser.error(str(err))
+        if args.tp not in supported_tp_degrees():
+            parser.error(f"--tp must be one of {supported_tp_degrees()}")
+        if args.lora_rank > 0 or args.kl_coef > 0:
+            parser.error("--dp/--tp/--ep train full weights without a reference (--lora-rank 0, --kl-coef 0)")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        group = start_group(layout, argv, args.device)
+        args.device = str(group.device)
+        if group.rank > 0:                   # a follower: no server; rank 0's calls in lockstep
+            from zerokl.services.trainer.distributed import run_follower
+            run_follower(group)
+            return 0
     options = options_from_args(args)
     try:
         validate_name(args.run, "--run")
@@ -237,6 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         repo = await open_repo(args)
         try:
             started = await start_trainer(args, repo)
+            if group is not None:      # rank 0: shard the trainer over the group, serve it in lockstep
+                from zerokl.services.trainer.distributed import serve_distributed
+                started.service = await asyncio.to_thread(serve_distributed, started.service, group)
         except BaseException:
             await repo.close()
             raise
@@ -259,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         on_ready=ready)
         finally:
             await service.close()
+            if group is not None:
+                group.close()
 
     asyncio.run(run())
     return 0

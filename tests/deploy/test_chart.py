@@ -217,8 +217,19 @@ def test_tensor_parallel_sets_gpus_and_the_torch_distributed_environment() -> No
     notes = render_k8s.render({"decode": {"tensorParallel": 2}})["zerokl/templates/NOTES.txt"]
     assert "decode runs with --tp=2" in notes
     trainer_notes = render_k8s.render({"trainer": {"tensorParallel": 2}})["zerokl/templates/NOTES.txt"]
-    assert "trainer.tensorParallel=2 reserves that many GPUs" in trainer_notes and "does not shard" in trainer_notes
-    assert "does not shard" not in render_k8s.render()["zerokl/templates/NOTES.txt"]
+    assert "trainer runs with --dp=1 --tp=2 --ep=1: 2 ranks" in trainer_notes
+    assert "trainer runs with" not in render_k8s.render()["zerokl/templates/NOTES.txt"]
+
+
+def test_the_trainer_gets_its_parallel_flags_and_one_gpu_per_rank() -> None:
+    objs = _render({"trainer": {"dataParallel": 4, "tensorParallel": 2, "expertParallel": 2}})
+    trainer = _container(_by(objs, "StatefulSet", "zerokl-trainer"))
+    assert {"--dp=4", "--tp=2", "--ep=2"} <= set(trainer["args"])
+    assert trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    plain = _container(_by(_render(), "StatefulSet", "zerokl-trainer"))
+    assert not any(a.startswith(("--dp", "--tp", "--ep")) for a in plain["args"])
+    assert "nvidia.com/gpu" not in plain["resources"]["limits"]
 
 
 _TOKEN_ENV = {"ZEROKL_AUTH_TOKEN": "client-token", "ZEROKL_PEER_TOKEN": "peer-token",

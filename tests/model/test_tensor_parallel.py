@@ -6,6 +6,8 @@ batched full forward, and prompts below and above index_topk through full forwar
 prefill, a prefix-cache hit and decode, among random neighbour sequences in a shuffled paged
 cache. Every rank's result must equal the single-process (TP = 1) result bit for bit, in
 fp32 and bf16. The conventional plain all_reduce layout must NOT (so this test can fail).
+The exact layout also trains: its gradients (the joins' transposes) are the single
+process's up to the order of the sums.
 """
 import datetime
 import os
@@ -52,7 +54,30 @@ def _workload(sharded: bool) -> dict[str, torch.Tensor]:
         for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
             out.update({f"all_reduce/{name}/{k}": v for k, v in
                         sharded_outputs(model(dtype, "all_reduce"), SEED, prompts=0).items()})
+        out.update(_gradients(model(torch.float32)))
     return out
+
+
+# Parameters whose gradients are compared: replicated ones (every rank holds the full gradient)
+# and sharded ones (rank r holds slice r along `dim`; lm_head's last shard is padded).
+GRADIENTS = {"embed_tokens.weight": None, "layers.1.self_attn.q_a_proj.weight": None,
+             "layers.1.self_attn.kv_a_proj_with_mqa.weight": None, "layers.1.self_attn.kv_a_layernorm.weight": None,
+             "layers.1.mlp.gate.weight": None, "layers.1.self_attn.q_b_proj.weight": 0,
+             "layers.1.self_attn.kv_b_proj.weight": 0, "layers.1.self_attn.o_proj.weight": 1,
+             "layers.0.mlp.down_proj.weight": 1, "layers.1.mlp.gate_proj": 0,
+             "layers.1.mlp.shared_experts.up_proj.weight": 0, "lm_head.weight": 0}
+
+
+def _gradients(m: Model) -> dict[str, torch.Tensor]:
+    """Logits of a training batch and the gradients of a token-level loss through them."""
+    for p in m.parameters():
+        p.requires_grad_(True)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 40), generator=torch.Generator().manual_seed(SEED))
+    logits = m(tokens)
+    loss = ops.log_softmax(logits.reshape(-1, TINY.vocab_size)).gather(1, tokens.reshape(-1, 1)).sum()
+    loss.backward()
+    params = dict(m.named_parameters())
+    return {"train/logits": logits.detach(), **{f"grad/{k}": params[k].grad.detach().clone() for k in GRADIENTS}}
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -83,14 +108,14 @@ def runs(tmp_path_factory) -> dict[int, list[dict[str, torch.Tensor]]]:
 
 
 def _exact_keys(results: dict) -> list[str]:
-    return sorted(k for k in results if not k.startswith("all_reduce/"))
+    return sorted(k for k in results if not k.startswith(("all_reduce/", "grad/")))
 
 
 @pytest.mark.parametrize("tp", DEGREES)
 def test_every_rank_matches_tp1_bitwise(runs, tp):
     reference = runs[1][0]
     keys = _exact_keys(reference)
-    assert len(keys) == 36 and any("decode" in k for k in keys) and any("chunked_prefill" in k for k in keys)
+    assert len(keys) == 37 and any("decode" in k for k in keys) and any("chunked_prefill" in k for k in keys)
     for rank, got in enumerate(runs[tp]):
         assert _exact_keys(got) == keys
         differ = [k for k in keys if not torch.equal(got[k], reference[k])]
@@ -150,3 +175,18 @@ def test_unsupported_layouts_are_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
         _check(_model(torch.float32), 2, "fast")
     assert MODES == ("exact", "all_reduce")
+
+
+@pytest.mark.parametrize("tp", DEGREES)
+def test_tensor_parallel_backward_matches_one_device(runs, tp):
+    """Every rank's gradients of replicated weights, and the ranks' shards of sharded ones put
+    together, equal TP = 1's up to the order of the sums (the forward is bitwise: train/logits)."""
+    reference = runs[1][0]
+    for name, dim in GRADIENTS.items():
+        want = reference[f"grad/{name}"]
+        if dim is None:
+            got = [r[f"grad/{name}"] for r in runs[tp]]
+        else:
+            got = [torch.cat([r[f"grad/{name}"] for r in runs[tp]], dim).narrow(dim, 0, want.shape[dim])]
+        for g in got:
+            torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-6, msg=name)
