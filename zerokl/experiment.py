@@ -74,6 +74,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="sampled tokens per completion (default zerokl.tasks.setup.MAX_TOKENS, 24)")
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncation C of the mismatch-tis arm's weights")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=64)
@@ -127,6 +129,7 @@ class Setting:
     group: int
     lr: float
     temperature: float
+    max_tokens: int
     seed: int
     eval_every: int
     eval_prompts: int
@@ -138,6 +141,7 @@ class Setting:
 
 
 def _setting(args: argparse.Namespace, **override) -> Setting:
+    from zerokl.tasks.setup import MAX_TOKENS
     a = {k: getattr(args, k) for k in ("preset", "difficulty", "lr")} | override
     start = args.start
     if start == "auto":
@@ -145,7 +149,8 @@ def _setting(args: argparse.Namespace, **override) -> Setting:
     train = args.train_problems or (2000 if a["difficulty"] == "easy" else 20000)
     return Setting(preset=a["preset"], dtype=args.dtype, device=torch.device(args.device).type,
                    difficulty=a["difficulty"], train_problems=train, start=start, prompts=args.prompts,
-                   group=args.group, lr=a["lr"], temperature=args.temperature, seed=args.seed,
+                   group=args.group, lr=a["lr"], temperature=args.temperature,
+                   max_tokens=args.max_tokens or MAX_TOKENS, seed=args.seed,
                    eval_every=args.eval_every, eval_prompts=args.eval_prompts, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
                    tis_cap=args.tis_cap,
@@ -284,7 +289,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     from zerokl.model import Model
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
-    from zerokl.tasks.setup import MAX_TOKENS, countdown_config
+    from zerokl.tasks.setup import countdown_config
     if arm not in ARMS:
         raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
     train, test, tok = data
@@ -312,7 +317,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     engine_config = EngineConfig(max_num_batched_tokens=s.max_num_batched_tokens, num_blocks=s.num_blocks,
                                  max_num_seqs=s.max_num_seqs)
     engine = ArmEnginePort(trainer_port, tok, engine_config, backend=ARMS[arm])
-    config = RLConfig(steps=steps, prompts_per_step=s.prompts, group_size=s.group, max_tokens=MAX_TOKENS,
+    config = RLConfig(steps=steps, prompts_per_step=s.prompts, group_size=s.group, max_tokens=s.max_tokens,
                       temperature=s.temperature, seed=s.seed, eval_every=s.eval_every, eval_prompts=s.eval_prompts)
 
     def checkpoint() -> None:
