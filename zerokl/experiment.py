@@ -26,6 +26,7 @@ The report records what happens; it does not assume the mismatch arm learns wors
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import itertools
@@ -110,7 +111,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl experiment", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if argv is not None:
+        args.command_line = "zerokl experiment " + shlex.join(argv)
+    return run(args)
 
 
 # ----------------------------------------------------------------------------- setup
@@ -213,7 +217,7 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
                       TrainConfig(lr=lr, warmup_steps=warmup, total_steps=steps, seed=s.seed))
     rng = random.Random(s.seed)
     state_path = folder / "sft-state.pt"
-    saved = load_state(state_path, device)
+    saved = load_state(state_path)
     step, curve, wall = 0, [], 0.0
     if saved is not None:
         if saved["recipe"] != recipe:
@@ -239,7 +243,7 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
         if step % eval_every == 0 or step == steps:
-            acc = greedy_accuracy(trainer.serving_model(), test[:eval_prompts], tok)
+            acc = greedy_accuracy(_copy(trainer.model), test[:eval_prompts], tok)
             curve.append({"step": step, "loss": loss, "test_accuracy": acc})
             tqdm.write(f"SFT step {step} loss {loss:.4f} greedy test accuracy {acc:.2f}")
         since += 1
@@ -251,7 +255,7 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
         checkpoint()
         return False
     folder.mkdir(parents=True, exist_ok=True)
-    trainer.serving_model().save_pretrained(folder)
+    _copy(trainer.model).save_pretrained(folder)
     weights = b"".join(p.read_bytes() for p in sorted(folder.glob("*.safetensors")))
     record.write_text(json.dumps({
         "recipe": recipe, "numerics_version": __version__, "numerics_fingerprint": fingerprint(),
@@ -259,6 +263,12 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
         "wall_time_s": round(wall + time.monotonic() - t_start), "curve": curve}, indent=2) + "\n")
     state_path.unlink(missing_ok=True)
     return True
+
+
+def _copy(model):  # noqa: ANN001, ANN202
+    """The serving copy of a model without LoRA: Trainer.serving_model's weights without re-running the
+    seeded init (tens of CPU seconds for `small`)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def _sft_folder(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
@@ -294,7 +304,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
     train, test, tok = data
     meta = dataclasses.asdict(s) | {"arm": arm}
-    saved = load_state(state_path, device)
+    saved = load_state(state_path)
     if saved is not None and saved["meta"] != meta:
         diff = sorted(k for k in meta if saved["meta"].get(k) != meta[k])
         raise SystemExit(f"{state_path} was made by another setting (differs in {', '.join(diff)}): use another "
@@ -498,12 +508,13 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    elif device.type == "cuda":
+    elif device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     out = pathlib.Path(args.out)
     state_dir = pathlib.Path(args.state_dir) if args.state_dir else out / "state"
     budget = _budget(args)
-    command = "zerokl experiment " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else sys.argv[1:])
+    command = getattr(args, "command_line", None) or \
+        "zerokl experiment " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else sys.argv[1:])
     if args.sweep:
         return _sweep(args, device, out, state_dir, budget, command)
     bad = [a for a in args.arms if a not in ARMS]
@@ -524,7 +535,7 @@ def run(args: argparse.Namespace) -> int:
                 break
         for arm in args.arms:                       # arms not reached in this piece: what earlier pieces did
             if not arms[arm]:
-                saved = load_state(state_dir / f"arm-{arm}.pt", "cpu")
+                saved = load_state(state_dir / f"arm-{arm}.pt")
                 arms[arm] = saved["records"][: args.steps] if saved else []
     if s.start == "sft":
         start = f"SFT on {device.type}, {s.sft[0]} steps × {s.sft[1]} demonstrations, lr {s.sft[2]}"

@@ -13,6 +13,7 @@ of the `mismatch-tis` arm.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import pathlib
@@ -92,11 +93,13 @@ def save_state(path: pathlib.Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_state(path: pathlib.Path, device: torch.device | str) -> dict | None:
+def load_state(path: pathlib.Path) -> dict | None:
+    """A checkpoint, every tensor on the CPU (RNG states must be; load_state_dict copies weights and
+    optimizer state to the model's device)."""
     if not path.exists():
         return None
     # Our own file, holding Python RNG tuples and numpy state: not weights-only.
-    return torch.load(path, map_location=device, weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 @dataclass
@@ -134,14 +137,13 @@ class ArmTrainerPort(LocalTrainerPort):
 
 
 class ArmEnginePort(LocalEnginePort):
-    """LocalEnginePort that loads each version into one served model in place (building a model per
-    step re-runs the seeded init: seconds for `small`). Same weights, same bits."""
+    """LocalEnginePort that loads each version into one served model in place: a new Model per step
+    re-runs the seeded init (portable normal draws on the CPU: tens of seconds for `small`). The
+    served model starts as a copy of the trainer's (no init at all). Same weights, same bits."""
 
     def _model_for(self, version: str):  # noqa: ANN202
-        from zerokl.model import Model
         if self._model is None:
-            trainer = self.trainer_port.trainer
-            self._model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device).eval()
+            self._model = copy.deepcopy(self.trainer_port.trainer.model).eval().requires_grad_(False)
         if version != self._loaded:
             self._model.load_state_dict(self.trainer_port.versions[version])
             self._loaded = version
