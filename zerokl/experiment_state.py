@@ -32,7 +32,7 @@ from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
 
 __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
-           "save_state", "load_state", "rl_step", "tis_ppo_loss", "tis_grpo_step"]
+           "save_state", "load_state", "rl_step", "run_steps", "tis_ppo_loss", "tis_grpo_step"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
 TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "rollout_tokens_per_s")
