@@ -29,8 +29,10 @@ def _metrics(out) -> dict[str, list[dict]]:
 
 def test_cli_smoke_sft_then_three_arms_side_by_side(tmp_path):
     """CI's CPU smoke of the GPU command: SFT warm start on the device, then every arm."""
+    doc = tmp_path / "rl.md"
+    doc.write_text("# RL\n\nbefore\n<!-- experiment-table:begin -->\nold\n<!-- experiment-table:end -->\nafter\n")
     r = subprocess.run([sys.executable, "-m", "zerokl", "experiment", *TOY, *SFT, "--steps", "2",
-                        "--arms", "zerokl,mismatch,mismatch-tis", "--out", str(tmp_path)],
+                        "--arms", "zerokl,mismatch,mismatch-tis", "--out", str(tmp_path), "--update-doc", str(doc)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     arms = _metrics(tmp_path)
@@ -55,6 +57,11 @@ def test_cli_smoke_sft_then_three_arms_side_by_side(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| zerokl | 2 / 2 | **0.0 at every step** | 0 of" in report and "| mismatch-tis | 2 / 2 |" in report
     assert (tmp_path / "experiment.png").stat().st_size > 0
+    # --update-doc replaced the marked block with the summary table, and nothing else.
+    text = doc.read_text()
+    assert text.startswith("# RL\n\nbefore\n<!-- experiment-table:begin -->\n") and text.endswith(
+        "<!-- experiment-table:end -->\nafter\n")
+    assert "old" not in text and "| zerokl | 2 / 2 | **0.0 at every step** | 0 of" in text
 
 
 def test_pieces_resume_bitwise(tmp_path):

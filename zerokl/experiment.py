@@ -389,7 +389,7 @@ def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
                      f"{sum(disc) / len(disc):.4f} (max {max(disc):.4f})")
         rows.append(
             f"| {arm} | {len(rs)} / {steps} | {kl} | {mis:,} of {tok:,} ({mis / max(1, tok):.1%}) | {clip} | "
-            f"[{min(r['ratio_min'] for r in rs):.3g}, {max(r['ratio_max'] for r in rs):.3g}] | "
+            f"[{min(r['ratio_min'] for r in rs):.7g}, {max(r['ratio_max'] for r in rs):.7g}] | "
             f"{t['first']:.3f} → {t['last']:.3f} ({t['rise']:+.3f} ± {t['se']:.3f}; {t['noise']:.3f}) | {acc} | "
             f"{_median([r['rollout_tokens_per_s'] for r in rs]):,.0f} | {_median([r['tokens_per_s'] for r in rs]):,.0f} |")
     return rows
@@ -485,8 +485,8 @@ def _step_printer(arm: str, total: int):  # noqa: ANN202
         acc = "" if r.get("test_accuracy") is None else f" test_acc {r['test_accuracy']:.3f}"
         tis = "" if "tis_discarded_weight" not in r else f" tis_discarded {r['tis_discarded_weight']:.4f}"
         print(f"[{arm}] step {r['step']:3d}/{total} reward {r['reward']:.3f} kl {r['kl']!r} mismatched "
-              f"{r['mismatched_tokens']}/{r['tokens']} clip {r['clip_fraction']:.4f} ratio [{r['ratio_min']:.3g}, "
-              f"{r['ratio_max']:.3g}]{tis}{acc} rollout {r['rollout_tokens_per_s']:.0f} tok/s train "
+              f"{r['mismatched_tokens']}/{r['tokens']} clip {r['clip_fraction']:.4f} ratio [{r['ratio_min']:.7g}, "
+              f"{r['ratio_max']:.7g}]{tis}{acc} rollout {r['rollout_tokens_per_s']:.0f} tok/s train "
               f"{r['tokens_per_s']:.0f} tok/s", flush=True)
     return on_step
 
