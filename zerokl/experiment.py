@@ -1,161 +1,630 @@
 """`zerokl experiment countdown`: the same GRPO run with aligned and with mismatched numerics.
 
-Two arms, same starting weights, seeds, prompts and hyperparameters:
+Arms, all from the same warm start with the same seeds, prompts and hyperparameters:
 
 * **zerokl**: inference samples with the trainer's own kernels (the invariant
-  backend), so the behaviour logprobs the trainer receives are bitwise its own.
-* **mismatch**: inference samples with the ``stock`` backend (plain torch ops,
-  the fast non-invariant path a typical serving stack runs) while the trainer
-  keeps the invariant forward, as in an RL stack with separate engines.
+  backend: triton on CUDA, torch on CPU), so the behaviour logprobs the trainer
+  receives are bitwise its own.
+* **mismatch**: inference samples with the ``stock`` backend (plain torch ops, the
+  fast non-invariant path a typical serving stack runs) in the engine's continuous
+  batching, while the trainer keeps the invariant forward: an RL stack with
+  separate engines. PPO's ratio is taken against inference's logprobs.
+* **mismatch-tis** (optional): the mismatch arm with the usual correction,
+  truncated importance sampling: each token weighted by min(pi_train/pi_infer, C);
+  the weight mass above C is reported as discarded signal.
 
-The report puts KL, mismatched tokens, clip fraction, reward and test accuracy
-side by side per step, and plots them overlaid. It records what happens; it does
-not assume the mismatch arm learns worse.
+Warm start: the shipped CPU SFT checkpoint (``tiny``), or SFT on the device from
+solver demonstrations with the same recipe at the chosen size, cached under the
+state folder. Long runs go in pieces: with --max-minutes or --max-steps-this-run an
+invocation checkpoints (model, optimizer, step, every RNG, data cursor, metrics)
+and exits with status 75; the same command continues bitwise where it stopped.
+--sweep runs the zerokl arm over a grid of difficulty, model size and learning rate
+and reports whether each point's reward rises above its step-to-step noise.
+
+The report records what happens; it does not assume the mismatch arm learns worse.
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import hashlib
+import itertools
 import json
+import math
 import pathlib
+import random
+import shlex
+import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-__all__ = ["ARMS", "add_arguments", "main", "run", "run_arm"]
+__all__ = ["ARMS", "INCOMPLETE", "add_arguments", "main", "run", "run_arm", "sft_warm_start", "trend", "write_report"]
 
 #: arm name -> inference backend (None: the trainer's own)
-ARMS = {"zerokl": None, "mismatch": "stock"}
+ARMS = {"zerokl": None, "mismatch": "stock", "mismatch-tis": "stock"}
+#: Exit status of an invocation that stopped for its budget with work left: run the same command again.
+INCOMPLETE = 75
+#: The published GLM countdown run without aligned numerics (README, "Why").
+PUBLISHED = {"kl": 0.013, "clip_fraction": 0.45}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: SFT steps are ~10x cheaper than RL steps: --checkpoint-every N checkpoints SFT every 10 N steps.
+_SFT_STEPS_PER_RL_STEP = 10
+_DOC_BEGIN, _DOC_END = "<!-- experiment-table:begin -->", "<!-- experiment-table:end -->"
+
+
+def _csv(kind):  # noqa: ANN001, ANN202
+    return lambda text: [kind(x) for x in text.split(",") if x]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("task", choices=["countdown"], help="the experiment to run")
-    ap.add_argument("--out", default="runs/experiment", help="report folder")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default="runs/experiment", help="report folder: report.md, metrics.jsonl, experiment.png")
+    ap.add_argument("--state-dir", default=None,
+                    help="checkpoints, the cached SFT warm start and problem sets (default: OUT/state)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the trainer and the engine run")
+    ap.add_argument("--preset", default="tiny", help="model size: a ModelConfig preset with the countdown vocabulary")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    ap.add_argument("--arms", type=_csv(str), default=["zerokl", "mismatch"],
+                    help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--difficulty", default="demo", help="problem distribution (zerokl.tasks.setup.DIFFICULTIES)")
+    ap.add_argument("--steps", type=int, default=30, help="GRPO steps per arm (raise it to extend a finished run)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="sampled tokens per completion (default zerokl.tasks.setup.MAX_TOKENS, 24)")
+    ap.add_argument("--tis-cap", type=float, default=2.0, help="truncation C of the mismatch-tis arm's weights")
+    ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-problems", type=int, default=20000)
-    ap.add_argument("--from-scratch", action="store_true",
-                    help="start from the seeded tiny model instead of the shipped SFT checkpoint")
+    ap.add_argument("--train-problems", type=int, default=None,
+                    help="training problems (default 20000; 2000 for the small 'easy' space)")
+    ap.add_argument("--start", choices=["auto", "shipped", "sft", "scratch"], default="auto",
+                    help="warm start: the shipped tiny SFT checkpoint, SFT on --device, or the seeded model; "
+                         "auto: shipped for tiny/float32 on the demo's problems, else sft")
+    ap.add_argument("--sft-steps", type=int, default=1200, help="SFT recipe (tools/train_countdown_sft.py's)")
+    ap.add_argument("--sft-batch", type=int, default=32)
+    ap.add_argument("--sft-lr", type=float, default=3e-3)
+    ap.add_argument("--sft-warmup", type=int, default=50)
+    ap.add_argument("--sft-eval-every", type=int, default=250)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="engine: running samples at most")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine: tokens per step")
+    ap.add_argument("--num-blocks", type=int, default=2048, help="engine: KV blocks of 16 tokens")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="stop, checkpointed, before this many minutes; exit 75 if work is left")
+    ap.add_argument("--max-steps-this-run", type=int, default=None,
+                    help="stop, checkpointed, after this many steps (SFT and RL); exit 75 if work is left")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="also checkpoint every N steps")
+    ap.add_argument("--update-doc", default=None,
+                    help=f"replace the block between {_DOC_BEGIN} and {_DOC_END} in this file with the summary")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead of the arms: the zerokl arm for --steps at every point of the grid below")
+    ap.add_argument("--sweep-presets", type=_csv(str), default=None, help="default: --preset")
+    ap.add_argument("--sweep-difficulties", type=_csv(str), default=None, help="default: --difficulty")
+    ap.add_argument("--sweep-lrs", type=_csv(float), default=None, help="default: --lr")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl experiment", description=__doc__.splitlines()[0])
     add_arguments(ap)
-    return run(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if argv is not None:
+        args.command_line = "zerokl experiment " + shlex.join(argv)
+    return run(args)
 
 
-def run_arm(arm: str, args: argparse.Namespace, on_step=None) -> list[dict]:  # noqa: ANN001
-    """One arm in process; one dict per RL step (the demo's metrics.jsonl fields)."""
-    from zerokl.demo import SFT_CHECKPOINT
-    from zerokl.model import Model
-    from zerokl.services.rl.loop import RLConfig, Task, as_dict, run_rl
-    from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+# ----------------------------------------------------------------------------- setup
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """What one arm's numbers depend on (a checkpoint is only resumed under the same setting)."""
+
+    preset: str
+    dtype: str
+    device: str                     # device type: cpu | cuda
+    difficulty: str
+    train_problems: int
+    start: str
+    prompts: int
+    group: int
+    lr: float
+    temperature: float
+    max_tokens: int
+    seed: int
+    eval_every: int
+    eval_prompts: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_blocks: int
+    tis_cap: float
+    sft: tuple = ()                 # (steps, batch, lr, warmup) when start == "sft"
+
+
+def _setting(args: argparse.Namespace, **override) -> Setting:
+    from zerokl.tasks.setup import MAX_TOKENS
+    a = {k: getattr(args, k) for k in ("preset", "difficulty", "lr")} | override
+    start = args.start
+    if start == "auto":
+        start = "shipped" if (a["preset"], args.dtype, a["difficulty"]) == ("tiny", "float32", "demo") else "sft"
+    train = args.train_problems or (2000 if a["difficulty"] == "easy" else 20000)
+    return Setting(preset=a["preset"], dtype=args.dtype, device=torch.device(args.device).type,
+                   difficulty=a["difficulty"], train_problems=train, start=start, prompts=args.prompts,
+                   group=args.group, lr=a["lr"], temperature=args.temperature,
+                   max_tokens=args.max_tokens or MAX_TOKENS, seed=args.seed,
+                   eval_every=args.eval_every, eval_prompts=args.eval_prompts, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                   tis_cap=args.tis_cap,
+                   sft=(args.sft_steps, args.sft_batch, args.sft_lr, args.sft_warmup) if start == "sft" else ())
+
+
+def _data(s: Setting, state_dir: pathlib.Path):  # noqa: ANN202
+    """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw)."""
+    from zerokl.model.tokenizer import CountdownTokenizer
+    from zerokl.tasks.countdown import Problem
+    from zerokl.tasks.setup import countdown_data
+    path = state_dir / f"problems-{s.difficulty}-seed{s.seed}-{s.train_problems}.json"
+    if path.exists():
+        d = json.loads(path.read_text())
+        load = lambda rows: [Problem(tuple(r[0]), r[1], r[2]) for r in rows]  # noqa: E731
+        return load(d["train"]), load(d["test"]), CountdownTokenizer()
+    train, test, tok = countdown_data(s.seed, s.train_problems, difficulty=s.difficulty)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: [[list(p.numbers), p.target, p.solution] for p in v]
+                                for k, v in (("train", train), ("test", test))}))
+    return train, test, tok
+
+
+def _task(train, test, tok):  # noqa: ANN001, ANN202
     from zerokl.tasks.countdown import reward
-    from zerokl.tasks.setup import MAX_TOKENS, countdown_config, countdown_data, encode_prompt
-
-    train, test, tok = countdown_data(args.seed, args.train_problems)
-    if args.from_scratch or not (SFT_CHECKPOINT / "model.safetensors").exists():
-        model = Model(countdown_config(tok), seed=args.seed)
-    else:
-        model = Model.from_pretrained(SFT_CHECKPOINT)
-    trainer = Trainer(model.train(), TrainConfig(lr=args.lr, seed=args.seed))
-    trainer_port = LocalTrainerPort(trainer, run=f"countdown-{arm}")
-    engine_port = LocalEnginePort(trainer_port, tok, backend=ARMS[arm])
-    task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
-    config = RLConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, max_tokens=MAX_TOKENS,
-                      seed=args.seed, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
-    return [as_dict(r) for r in run_rl(task, engine_port, trainer_port, config, on_step)]
+    from zerokl.tasks.setup import encode_prompt
+    from zerokl.experiment_state import Task
+    return Task(train, test, lambda p: encode_prompt(p, tok), reward)
 
 
-def _first_part(args: argparse.Namespace) -> str:
-    """Where the mismatch arm's inference first computes other bits than the trainer, on the start weights."""
-    from zerokl.demo import SFT_CHECKPOINT
-    from zerokl.diff import describe, diff_backends
-    from zerokl.kernels import get_backend
+# ----------------------------------------------------------------------------- SFT warm start
+
+def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path, budget,  # noqa: ANN001
+                   checkpoint_every: int, eval_every: int, eval_prompts: int = 100) -> bool:
+    """SFT from the seeded model on solver demonstrations (tools/train_countdown_sft.py's recipe at the
+    setting's size, dtype and device) into `folder` (config.json, model.safetensors, sft.json).
+
+    Greedy test accuracy on `eval_prompts` held-out problems every `eval_every` steps and at the
+    end (it reads the weights, never changes them). Resumable like an arm (folder/sft-state.pt).
+    Returns whether the checkpoint is complete.
+    """
+    from zerokl.experiment_state import capture_rng, load_state, restore_rng, save_state
+    from zerokl.kernels import __version__, fingerprint
     from zerokl.model import Model
-    from zerokl.tasks.setup import countdown_config, countdown_data, encode_prompt
-    _, test, tok = countdown_data(args.seed, args.train_problems)
-    if args.from_scratch or not (SFT_CHECKPOINT / "model.safetensors").exists():
-        model = Model(countdown_config(tok), seed=args.seed)
+    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.tasks.setup import countdown_config, demonstration_batch, greedy_accuracy
+    steps, batch, lr, warmup = s.sft
+    recipe = {"preset": s.preset, "dtype": s.dtype, "device": s.device, "difficulty": s.difficulty, "seed": s.seed,
+              "train_problems": s.train_problems, "steps": steps, "batch": batch, "lr": lr, "warmup_steps": warmup}
+    record = folder / "sft.json"
+    if record.exists():
+        made = json.loads(record.read_text())
+        if made["recipe"] != recipe:
+            raise SystemExit(f"{folder} holds an SFT checkpoint of another recipe ({made['recipe']}); "
+                             "use another --state-dir")
+        return True
+    train, test, tok = data
+    dtype = _DTYPES[s.dtype]
+    trainer = Trainer(Model(countdown_config(tok, s.preset), seed=s.seed, dtype=dtype).to(device),
+                      TrainConfig(lr=lr, warmup_steps=warmup, total_steps=steps, seed=s.seed))
+    rng = random.Random(s.seed)
+    state_path = folder / "sft-state.pt"
+    saved = load_state(state_path)
+    step, curve, wall = 0, [], 0.0
+    if saved is not None:
+        if saved["recipe"] != recipe:
+            raise SystemExit(f"{state_path} was made by another SFT recipe; use another --state-dir")
+        trainer.load_state_dict(saved["trainer"])
+        rng.setstate(saved["loop_rng"])
+        restore_rng(saved["rng"])
+        step, curve, wall = saved["step"], saved["curve"], saved["wall_s"]
+    t_start = time.monotonic()
+
+    def checkpoint() -> None:
+        save_state(state_path, {"recipe": recipe, "trainer": trainer.state_dict(), "loop_rng": rng.getstate(),
+                                "rng": capture_rng(), "step": step, "curve": curve,
+                                "wall_s": wall + time.monotonic() - t_start})
+
+    bar = tqdm(total=steps, initial=step, desc=f"SFT {s.preset} {s.dtype}", unit="step")
+    since = 0
+    while step < steps and budget.allows_step():
+        t0 = time.monotonic()
+        loss = trainer.sft_step(demonstration_batch(rng.sample(train, batch), tok))["loss"]
+        step += 1
+        budget.spent(time.monotonic() - t0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if step % eval_every == 0 or step == steps:
+            acc = greedy_accuracy(_copy(trainer.model), test[:eval_prompts], tok)
+            curve.append({"step": step, "loss": loss, "test_accuracy": acc})
+            tqdm.write(f"SFT step {step} loss {loss:.4f} greedy test accuracy {acc:.2f}")
+        since += 1
+        if checkpoint_every and since >= checkpoint_every * _SFT_STEPS_PER_RL_STEP and step < steps:
+            checkpoint()
+            since = 0
+    bar.close()
+    if step < steps:
+        checkpoint()
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    _copy(trainer.model).save_pretrained(folder)
+    weights = b"".join(p.read_bytes() for p in sorted(folder.glob("*.safetensors")))
+    record.write_text(json.dumps({
+        "recipe": recipe, "numerics_version": __version__, "numerics_fingerprint": fingerprint(),
+        "model.safetensors sha256": hashlib.sha256(weights).hexdigest(),
+        "wall_time_s": round(wall + time.monotonic() - t_start), "curve": curve}, indent=2) + "\n")
+    state_path.unlink(missing_ok=True)
+    return True
+
+
+def _copy(model):  # noqa: ANN001, ANN202
+    """The serving copy of a model without LoRA: Trainer.serving_model's weights without re-running the
+    seeded init (tens of CPU seconds for `small`)."""
+    return copy.deepcopy(model).eval().requires_grad_(False)
+
+
+def _sft_folder(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
+    return state_dir / f"sft-{s.preset}-{s.difficulty}-{s.dtype}-{s.device}"
+
+
+def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path):  # noqa: ANN001, ANN202
+    """The arm's starting weights (the warm start must already exist)."""
+    from zerokl.demo import SFT_CHECKPOINT
+    from zerokl.model import Model
+    from zerokl.tasks.setup import countdown_config
+    dtype = _DTYPES[s.dtype]
+    if s.start == "scratch":
+        return Model(countdown_config(tok, s.preset), seed=s.seed, dtype=dtype).to(device)
+    if s.start == "shipped" and (s.preset, s.difficulty) != ("tiny", "demo"):
+        raise SystemExit("the shipped SFT checkpoint is the tiny model on the demo's problems: use --start sft")
+    folder = SFT_CHECKPOINT if s.start == "shipped" else _sft_folder(state_dir, s)
+    return Model.from_pretrained(folder, dtype=dtype).to(device)
+
+
+def _first_part(s: Setting, device: torch.device, state_dir: pathlib.Path, data, backend: str) -> str:  # noqa: ANN001
+    """Where the mismatch arm's inference first computes other bits than the trainer, on the start weights."""
+    from zerokl.diff import describe, diff_backends
+    from zerokl.tasks.setup import encode_prompt
+    _, test, tok = data
+    model = _start_model(s, device, tok, state_dir)
+    return describe(diff_backends(model, encode_prompt(test[0], tok), backend, ARMS["mismatch"]))
+
+
+# ----------------------------------------------------------------------------- one arm
+
+def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib.Path, state_path: pathlib.Path,  # noqa: ANN001
+            steps: int, budget, checkpoint_every: int, on_step=None) -> tuple[list[dict], bool]:  # noqa: ANN001
+    """Run (or continue) one arm up to `steps` RL steps; returns (metrics lines so far, finished)."""
+    from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, RLConfig, capture_rng, load_state,
+                                         restore_rng, run_steps, save_state)
+    from zerokl.model import Model
+    from zerokl.services.engine.types import EngineConfig
+    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.tasks.setup import countdown_config
+    if arm not in ARMS:
+        raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
+    train, test, tok = data
+    meta = dataclasses.asdict(s) | {"arm": arm}
+    saved = load_state(state_path)
+    if saved is not None and saved["meta"] != meta:
+        diff = sorted(k for k in meta if saved["meta"].get(k) != meta[k])
+        raise SystemExit(f"{state_path} was made by another setting (differs in {', '.join(diff)}): use another "
+                         "--state-dir or remove it")
+    if saved is not None and saved["done"] and saved["step"] >= steps:
+        return saved["records"][:steps], True
+    if saved is None:
+        model = _start_model(s, device, tok, state_dir)
     else:
-        model = Model.from_pretrained(SFT_CHECKPOINT)
-    return describe(diff_backends(model, encode_prompt(test[0], tok), get_backend(), ARMS["mismatch"]))
+        model = Model(countdown_config(tok, s.preset), seed=0, dtype=_DTYPES[s.dtype]).to(device)
+    trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed))
+    rng = random.Random(s.seed)
+    state = ArmState(step=0, records=[])
+    if saved is not None:
+        trainer.load_state_dict(saved["trainer"])
+        rng.setstate(saved["loop_rng"])
+        restore_rng(saved["rng"])
+        state = ArmState(step=saved["step"], records=saved["records"])
+    trainer_port = ArmTrainerPort(trainer, run=f"countdown-{arm}", tis_cap=s.tis_cap if arm == "mismatch-tis" else None)
+    engine_config = EngineConfig(max_num_batched_tokens=s.max_num_batched_tokens, num_blocks=s.num_blocks,
+                                 max_num_seqs=s.max_num_seqs)
+    engine = ArmEnginePort(trainer_port, tok, engine_config, backend=ARMS[arm])
+    config = RLConfig(steps=steps, prompts_per_step=s.prompts, group_size=s.group, max_tokens=s.max_tokens,
+                      temperature=s.temperature, seed=s.seed, eval_every=s.eval_every, eval_prompts=s.eval_prompts)
+
+    def checkpoint() -> None:
+        save_state(state_path, {"meta": meta, "trainer": trainer.state_dict(), "loop_rng": rng.getstate(),
+                                "rng": capture_rng(), "step": state.step, "records": state.records,
+                                "done": state.done})
+
+    def each(record: dict) -> None:
+        record["arm"] = arm
+        if on_step:
+            on_step(record)
+
+    run_steps(steps, state, rng, _task(train, test, tok), engine, trainer_port, config, budget, checkpoint,
+              checkpoint_every, each)
+    return state.records, state.done
 
 
-def _plot(arms: dict[str, list[dict]], out: pathlib.Path) -> list[str]:
+# ----------------------------------------------------------------------------- statistics and report
+
+def trend(rewards: list[float], window: int | None = None) -> dict:
+    """Reward rise from the first to the last `window` steps (default a quarter of the run), the
+    step-to-step noise (std of consecutive differences / sqrt 2: a slow trend does not inflate it),
+    the rise's standard error under that noise, and t = rise / s.e."""
+    n = len(rewards)
+    if n < 2:
+        return {"first": rewards[0] if rewards else float("nan"), "last": rewards[-1] if rewards else float("nan"),
+                "rise": 0.0, "noise": float("nan"), "se": float("nan"), "t": float("nan"), "window": n}
+    w = window or max(1, n // 4)
+    first, last = sum(rewards[:w]) / w, sum(rewards[-w:]) / w
+    d = [b - a for a, b in zip(rewards, rewards[1:])]
+    mean_d = sum(d) / len(d)
+    noise = math.sqrt(sum((x - mean_d) ** 2 for x in d) / max(1, len(d) - 1) / 2) if len(d) > 1 else float("nan")
+    se = noise * math.sqrt(2 / w)
+    return {"first": first, "last": last, "rise": last - first, "noise": noise, "se": se,
+            "t": (last - first) / se if se > 0 else float("nan"), "window": w}
+
+
+def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
+    rows = ["| arm | steps | KL per step: max abs (mean) | mismatched tokens | clip fraction: mean (max) | "
+            "importance ratio range | reward: first → last quarter (rise ± s.e.; step noise) | greedy test accuracy "
+            "| rollout tok/s | train tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for arm, rs in arms.items():
+        if not rs:
+            rows.append(f"| {arm} | 0 / {steps} | | | | | | | | |")
+            continue
+        kls = [r["kl"] for r in rs]
+        mis, tok = sum(r["mismatched_tokens"] for r in rs), sum(r["tokens"] for r in rs)
+        clips = [r["clip_fraction"] for r in rs]
+        t = trend([r["reward"] for r in rs])
+        accs = [r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None]
+        acc = f"{accs[0]:.3f} → {accs[-1]:.3f}" if accs else "-"
+        kl = "**0.0 at every step**" if all(k == 0.0 for k in kls) else \
+            f"{max(abs(k) for k in kls):.3g} ({sum(kls) / len(kls):.3g})"
+        clip = f"{sum(clips) / len(clips):.4f} ({max(clips):.4f})"
+        if arm == "mismatch-tis":
+            disc = [r["tis_discarded_weight"] for r in rs]
+            bclip = [r["behaviour_clip_fraction"] for r in rs]
+            clip += (f"; outside [1-ε, 1+ε] vs inference {sum(bclip) / len(bclip):.4f}; TIS discarded weight "
+                     f"{sum(disc) / len(disc):.4f} (max {max(disc):.4f})")
+        rows.append(
+            f"| {arm} | {len(rs)} / {steps} | {kl} | {mis:,} of {tok:,} ({mis / max(1, tok):.1%}) | {clip} | "
+            f"[{min(r['ratio_min'] for r in rs):.7g}, {max(r['ratio_max'] for r in rs):.7g}] | "
+            f"{t['first']:.3f} → {t['last']:.3f} ({t['rise']:+.3f} ± {t['se']:.3f}; {t['noise']:.3f}) | {acc} | "
+            f"{_median([r['rollout_tokens_per_s'] for r in rs]):,.0f} | {_median([r['tokens_per_s'] for r in rs]):,.0f} |")
+    return rows
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _plot(arms: dict[str, list[dict]], out: pathlib.Path, title: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("reward", "mean reward"), ("kl", "train/inference KL (exact)"),
-              ("clip_fraction", "PPO clip fraction"), ("test_accuracy", "greedy test accuracy")]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
-    for ax, (key, label) in zip(axes, panels, strict=True):
+    panels = [("reward", "mean reward"), ("test_accuracy", "greedy test accuracy"),
+              ("kl", "train/inference KL (exact)"), ("mismatched_fraction", "mismatched-token fraction"),
+              ("clip_fraction", "PPO clip fraction"), ("ratio_min", "importance ratio min / max"),
+              ("rollout_tokens_per_s", "rollout tokens/s"), ("tokens_per_s", "training tokens/s")]
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
+    for ax, (key, label) in zip(axes.flat, panels, strict=True):
         for arm, records in arms.items():
             pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=arm)
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=2, label=arm)
+            if key == "ratio_min":
+                ax.plot([r["step"] for r in records], [r["ratio_max"] for r in records], marker="o", ms=2,
+                        color=line.get_color())
         ax.set_xlabel("RL step")
         ax.set_title(label, fontsize=9)
-        ax.legend(fontsize=8)
-    fig.suptitle("countdown GRPO: zerokl numerics vs mismatched inference (stock backend)", fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out / "experiment.png", dpi=110)
+    fig.savefig(out / "experiment.png", dpi=100)
     plt.close(fig)
-    return ["experiment.png"]
+    return "experiment.png"
 
 
-def write_report(arms: dict[str, list[dict]], out: pathlib.Path, header: dict) -> None:
+def write_report(arms: dict[str, list[dict]], out: pathlib.Path, header: dict, steps: int) -> list[str]:
+    """metrics.jsonl (one line per arm and step, with "arm"), experiment.png and report.md; returns the summary table."""
     out.mkdir(parents=True, exist_ok=True)
-    for arm, records in arms.items():
-        with open(out / f"metrics-{arm}.jsonl", "w") as f:
+    with open(out / "metrics.jsonl", "w") as f:
+        for records in arms.values():
             for r in records:
                 f.write(json.dumps(r) + "\n")
-    plots = _plot(arms, out)
-    a, b = arms["zerokl"], arms["mismatch"]
-    lines = ["# zerokl experiment countdown", ""] + [f"- {k}: {v}" for k, v in header.items()] + [""]
-
-    def summary(name: str, rs: list[dict]) -> str:
-        accs = [r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None]
-        return (f"| {name} | {max(abs(r['kl']) for r in rs):.3g} | {sum(r['mismatched_tokens'] for r in rs)} / "
-                f"{sum(r['tokens'] for r in rs)} | {sum(r['clip_fraction'] for r in rs) / len(rs):.4f} | "
-                f"{sum(r['reward'] for r in rs[:5]) / len(rs[:5]):.3f} -> {sum(r['reward'] for r in rs[-5:]) / len(rs[-5:]):.3f} | "
-                f"{accs[-1] if accs else float('nan'):.3f} |")
-    lines += ["| arm | max abs KL | mismatched / total tokens | mean clip fraction | reward (first 5 -> last 5 steps) "
-              "| final test accuracy |", "|---|---|---|---|---|---|", summary("zerokl", a), summary("mismatch", b), "",
-              "| step | KL zerokl | KL mismatch | mismatched (mismatch) | clip zerokl | clip mismatch | reward zerokl "
-              "| reward mismatch |", "|---|---|---|---|---|---|---|---|"]
-    for x, y in zip(a, b, strict=True):
-        lines.append(f"| {x['step']} | {x['kl']!r} | {y['kl']:.3g} | {y['mismatched_tokens']} | "
-                     f"{x['clip_fraction']:.4f} | {y['clip_fraction']:.4f} | {x['reward']:.3f} | {y['reward']:.3f} |")
-    lines += [""] + [f"![{p}]({p})" for p in plots]
+    title = f"countdown GRPO, {header['model']}: zerokl numerics vs mismatched inference"
+    plot = _plot(arms, out, title)
+    rows = _summary_rows(arms, steps)
+    lines = [f"# zerokl experiment countdown ({header['model']})", ""]
+    lines += [f"- {k}: {v}" for k, v in header.items()] + ["", *rows, "",
+              f"Published, without aligned numerics (GLM countdown run): KL ≈ {PUBLISHED['kl']}, "
+              f"≈ {PUBLISHED['clip_fraction']:.0%} of tokens clipped. Reward rise: mean of the last quarter of steps "
+              "minus the first; s.e. from the step-to-step noise (std of consecutive differences / √2).", ""]
+    names = list(arms)
+    keys = [("reward", ".3f"), ("kl", ".3g"), ("mismatched_fraction", ".3f"), ("clip_fraction", ".4f")]
+    lines += ["| step | " + " | ".join(f"{k} {a}" for k, _ in keys for a in names) + " | test acc |",
+              "|---|" + "---|" * (len(keys) * len(names) + 1)]
+    for i in range(max((len(v) for v in arms.values()), default=0)):
+        cells, accs = [], []
+        for k, fmt in keys:
+            for a in names:
+                r = arms[a][i] if i < len(arms[a]) else None
+                cells.append("" if r is None else (repr(r[k]) if k == "kl" and r[k] == 0.0 else format(r[k], fmt)))
+        for a in names:
+            r = arms[a][i] if i < len(arms[a]) else None
+            if r is not None and r.get("test_accuracy") is not None:
+                accs.append(f"{a} {r['test_accuracy']:.3f}")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + f" | {', '.join(accs)} |")
+    lines += ["", f"![{plot}]({plot})"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def _update_doc(path: pathlib.Path, rows: list[str], header: dict) -> None:
+    text = path.read_text()
+    if _DOC_BEGIN not in text or _DOC_END not in text:
+        raise SystemExit(f"{path} has no {_DOC_BEGIN} ... {_DOC_END} block")
+    head, rest = text.split(_DOC_BEGIN, 1)
+    _, tail = rest.split(_DOC_END, 1)
+    block = [f"{k}: {v}." for k, v in header.items()]
+    path.write_text(head + _DOC_BEGIN + "\n" + "\n".join(["<!-- written by zerokl experiment --update-doc -->",
+                                                          "; ".join(block), "", *rows]) + "\n" + _DOC_END + tail)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def _budget(args: argparse.Namespace):  # noqa: ANN202
+    from zerokl.experiment_state import Budget
+    return Budget(max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+                  max_steps=args.max_steps_this_run)
+
+
+def _step_printer(arm: str, total: int):  # noqa: ANN202
+    def on_step(r: dict) -> None:
+        acc = "" if r.get("test_accuracy") is None else f" test_acc {r['test_accuracy']:.3f}"
+        tis = "" if "tis_discarded_weight" not in r else f" tis_discarded {r['tis_discarded_weight']:.4f}"
+        print(f"[{arm}] step {r['step']:3d}/{total} reward {r['reward']:.3f} kl {r['kl']!r} mismatched "
+              f"{r['mismatched_tokens']}/{r['tokens']} clip {r['clip_fraction']:.4f} ratio [{r['ratio_min']:.7g}, "
+              f"{r['ratio_max']:.7g}]{tis}{acc} rollout {r['rollout_tokens_per_s']:.0f} tok/s train "
+              f"{r['tokens_per_s']:.0f} tok/s", flush=True)
+    return on_step
+
+
+def _prepare(s: Setting, device: torch.device, state_dir: pathlib.Path, budget, args) -> tuple | None:  # noqa: ANN001
+    """Data and warm start for setting `s`; None when the budget ran out during SFT."""
+    data = _data(s, state_dir)
+    if s.start == "sft" and not sft_warm_start(s, device, data, _sft_folder(state_dir, s), budget,
+                                               args.checkpoint_every, args.sft_eval_every, args.eval_prompts):
+        return None
+    return data
 
 
 def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(1)
+    """Run (or continue) the experiment; 0 when every arm is done, INCOMPLETE (75) when work is left."""
+    from zerokl.experiment_state import load_state
     from zerokl.kernels import __version__, fingerprint
-    t0 = time.perf_counter()
-    arms: dict[str, list[dict]] = {}
-    for arm in ARMS:
-        bar = tqdm(total=args.steps, desc=f"arm {arm}", unit="step")
-
-        def on_step(r, arm=arm, bar=bar) -> None:  # noqa: ANN001
-            acc = "" if r.test_accuracy is None else f" test_acc {r.test_accuracy:.2f}"
-            tqdm.write(f"[{arm}] step {r.step:3d} reward {r.reward:.3f} kl {r.kl!r} mismatched {r.mismatched_tokens} "
-                       f"clip {r.clip_fraction:.4f}{acc}")
-            bar.update(1)
-        arms[arm] = run_arm(arm, args, on_step)
-        bar.close()
+    from zerokl.kernels.backend import get_backend
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    elif device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
     out = pathlib.Path(args.out)
-    write_report(arms, out, {"numerics": f"{__version__} fingerprint {fingerprint()}",
-                             "start": "seeded tiny model" if args.from_scratch else "shipped SFT checkpoint",
-                             "steps": args.steps, "samples per step": args.prompts * args.group, "lr": args.lr,
-                             "seed": args.seed, "wall time (s)": f"{time.perf_counter() - t0:.0f}",
-                             "where the stock path first parts (zerokl diff, first test prompt)": _first_part(args)})
-    print(f"report: {out / 'report.md'}")
-    return 0
+    state_dir = pathlib.Path(args.state_dir) if args.state_dir else out / "state"
+    budget = _budget(args)
+    command = getattr(args, "command_line", None) or \
+        "zerokl experiment " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else sys.argv[1:])
+    if args.sweep:
+        return _sweep(args, device, out, state_dir, budget, command)
+    bad = [a for a in args.arms if a not in ARMS]
+    if bad:
+        raise SystemExit(f"unknown arm(s) {', '.join(bad)}: expected {', '.join(ARMS)}")
+    s = _setting(args)
+    t0 = time.monotonic()
+    data = _prepare(s, device, state_dir, budget, args)
+    arms: dict[str, list[dict]] = {a: [] for a in args.arms}
+    complete = data is not None
+    if data is not None:
+        for arm in args.arms:
+            records, done = run_arm(arm, s, device, data, state_dir, state_dir / f"arm-{arm}.pt", args.steps, budget,
+                                    args.checkpoint_every, _step_printer(arm, args.steps))
+            arms[arm] = records
+            if not done:
+                complete = False
+                break
+        for arm in args.arms:                       # arms not reached in this piece: what earlier pieces did
+            if not arms[arm]:
+                saved = load_state(state_dir / f"arm-{arm}.pt")
+                arms[arm] = saved["records"][: args.steps] if saved else []
+    if s.start == "sft":
+        start = f"SFT on {device.type}, {s.sft[0]} steps × {s.sft[1]} demonstrations, lr {s.sft[2]}"
+    else:
+        start = {"shipped": "the shipped tiny SFT checkpoint (zerokl/assets/countdown-sft)",
+                 "scratch": "the seeded model, no SFT"}[s.start]
+    sft_record = _sft_folder(state_dir, s) / "sft.json"
+    if s.start == "sft" and sft_record.exists():
+        sft = json.loads(sft_record.read_text())
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sft.json").write_text(sft_record.read_text())
+        if sft["curve"]:
+            start += f" (greedy test accuracy {sft['curve'][-1]['test_accuracy']:.2f}, {sft['wall_time_s']} s)"
+    backend = get_backend()
+    first_part = _first_part(s, device, state_dir, data, backend) if data is not None and "mismatch" in args.arms else None
+    header = {"model": f"{s.preset}, {s.dtype}, {device.type}",
+              "status": "complete" if complete else "INCOMPLETE: run the same command again to continue",
+              "command": f"`{command}`", "numerics": f"{__version__} fingerprint {fingerprint()}",
+              "trainer and zerokl-arm inference backend": backend, "mismatch-arm inference backend": "stock",
+              "start": start, "problems": f"{s.difficulty} ({s.train_problems} train)",
+              "steps per arm": args.steps, "samples per step": f"{s.prompts} prompts × {s.group}",
+              "learning rate": s.lr, "seed": s.seed, "wall time of this piece (s)": f"{time.monotonic() - t0:.0f}"}
+    if first_part is not None:
+        header["where the stock path first parts (zerokl diff, first test prompt)"] = first_part
+    rows = write_report(arms, out, header, args.steps)
+    (out / "run.json").write_text(json.dumps({"command": command, "setting": dataclasses.asdict(s),
+                                              "arms": args.arms, "steps": args.steps, "complete": complete},
+                                             indent=2) + "\n")
+    if args.update_doc:
+        _update_doc(pathlib.Path(args.update_doc), rows, {k: header[k] for k in
+                                                          ("model", "status", "command", "numerics", "start")})
+    print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
+          f"report: {out / 'report.md'}", flush=True)
+    return 0 if complete else INCOMPLETE
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, state_dir: pathlib.Path, budget,  # noqa: ANN001
+           command: str) -> int:
+    """The zerokl arm at every (preset, difficulty, lr) of the grid; sweep.md ranks the points by t."""
+    grid = list(itertools.product(args.sweep_presets or [args.preset], args.sweep_difficulties or [args.difficulty],
+                                  args.sweep_lrs or [args.lr]))
+    results, complete = [], True
+    for preset, difficulty, lr in grid:
+        s = _setting(args, preset=preset, difficulty=difficulty, lr=lr)
+        name = f"{preset}-{difficulty}-lr{lr:g}"
+        data = _prepare(s, device, state_dir, budget, args) if complete else None
+        records, done = [], False
+        if data is not None:
+            records, done = run_arm("zerokl", s, device, data, state_dir, state_dir / "sweep" / f"{name}.pt",
+                                    args.steps, budget, args.checkpoint_every, _step_printer(name, args.steps))
+        complete = complete and done
+        results.append((name, s, records))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "sweep.jsonl", "w") as f:
+        for name, _, records in results:
+            for r in records:
+                f.write(json.dumps({"point": name} | r) + "\n")
+    lines = ["# zerokl experiment countdown --sweep", "", f"- command: `{command}`",
+             f"- status: {'complete' if complete else 'INCOMPLETE: run the same command again to continue'}",
+             f"- zerokl arm only, {args.steps} steps per point, {args.prompts} prompts × {args.group} samples, "
+             f"{args.dtype} on {device.type}, seed {args.seed}", "",
+             "A point learns when its reward rise (last quarter of steps minus first) is at least twice its "
+             "standard error under the step-to-step noise (t ≥ 2).", "",
+             "| point | steps | reward first → last quarter | rise | step noise | t | learns | greedy test accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, _, records in sorted(results, key=lambda x: -_nan0(trend([r["reward"] for r in x[2]])["t"])):
+        t = trend([r["reward"] for r in records]) if records else None
+        accs = [r["test_accuracy"] for r in records if r.get("test_accuracy") is not None]
+        lines.append(f"| {name} | {len(records)} | " + ("| | | | |" if t is None else
+                     f"{t['first']:.3f} → {t['last']:.3f} | {t['rise']:+.3f} | {t['noise']:.3f} | {t['t']:.2f} | "
+                     f"{'yes' if _nan0(t['t']) >= 2 else 'no'} |") +
+                     (f" {accs[0]:.3f} → {accs[-1]:.3f} |" if accs else " - |"))
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(results) - 2:]))
+    print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
+          f"sweep: {out / 'sweep.md'}", flush=True)
+    return 0 if complete else INCOMPLETE
+
+
+def _nan0(x: float) -> float:
+    return 0.0 if math.isnan(x) else x

@@ -6,25 +6,45 @@ demonstrations and greedy test accuracy, in one place.
 """
 from __future__ import annotations
 
-__all__ = ["MAX_TOKENS", "countdown_config", "countdown_data", "demonstration_batch", "encode_prompt",
+from zerokl.tasks.countdown import DEMO_PROBLEMS
+
+__all__ = ["DIFFICULTIES", "MAX_TOKENS", "countdown_config", "countdown_data", "demonstration_batch", "encode_prompt",
            "greedy_accuracy"]
 
-MAX_TOKENS = 24  # sampled tokens per completion: "<answer>" + a 3-number expression + "</answer>" fits
+# Sampled tokens per completion. "<answer>" and "</answer>" are one token each, so even a
+# 4-number expression with parentheses ("(25-13)*(24-22)", 15 tokens) and eos fit.
+MAX_TOKENS = 24
+
+#: Problem distributions by name (generate_problems keyword arguments). "demo" is what the demo,
+#: the shipped SFT checkpoint and the CPU experiment use; the others are for the sweep that picks
+#: the difficulty at which a model of a given size learns.
+DIFFICULTIES = {
+    "easy": {"num_range": (1, 15), "target_range": (1, 50), "n_numbers": (3, 3)},  # 5,848 train problems in all
+    "demo": DEMO_PROBLEMS,
+    "hard": {"num_range": (1, 25), "target_range": (1, 100), "n_numbers": (4, 4)},
+}
 
 
-def countdown_config(tok):  # noqa: ANN001, ANN201 - a CountdownTokenizer -> ModelConfig
-    """The `tiny` model with the countdown vocabulary."""
+def _difficulty(name: str) -> dict:
+    if name not in DIFFICULTIES:
+        raise ValueError(f"unknown difficulty {name!r}: expected one of {sorted(DIFFICULTIES)}")
+    return DIFFICULTIES[name]
+
+
+def countdown_config(tok, preset: str = "tiny"):  # noqa: ANN001, ANN201 - a CountdownTokenizer -> ModelConfig
+    """The model `preset` ("tiny", "small", ...) with the countdown vocabulary."""
     from zerokl.model import ModelConfig
-    return ModelConfig.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+    return ModelConfig.preset(preset).replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
                                               eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
 
 
-def countdown_data(seed: int = 0, n_train: int = 20000, n_test: int = 200):  # noqa: ANN201
-    """(train problems, test problems, tokenizer) of the demo's countdown distribution."""
+def countdown_data(seed: int = 0, n_train: int = 20000, n_test: int = 200, difficulty: str = "demo"):  # noqa: ANN201
+    """(train problems, test problems, tokenizer) of a countdown distribution (default: the demo's)."""
     from zerokl.model.tokenizer import CountdownTokenizer
-    from zerokl.tasks.countdown import DEMO_PROBLEMS, generate_problems
-    train = generate_problems(n_train, seed=seed, **DEMO_PROBLEMS)
-    test = generate_problems(n_test, seed=seed + 1, split="test", **DEMO_PROBLEMS)
+    from zerokl.tasks.countdown import generate_problems
+    kw = _difficulty(difficulty)
+    train = generate_problems(n_train, seed=seed, **kw)
+    test = generate_problems(n_test, seed=seed + 1, split="test", **kw)
     return train, test, CountdownTokenizer()
 
 

@@ -1,0 +1,270 @@
+"""The resumable parts of `zerokl experiment`: one RL step at a time, checkpoints, RNGs, time budgets.
+
+A long run goes in pieces (each invocation under the device's 10-minute limit). Each
+piece restores an arm's checkpoint -- model, optimizer, step, every RNG, the data
+cursor and the metrics so far -- runs steps while its budget allows, and writes the
+checkpoint again. The continuation is bitwise the run that never stopped: the loop's
+only state is what the checkpoint holds (sampling seeds are derived from the step
+number, not drawn from a stream).
+
+Also here: the in-process ports an arm runs on (one served model reloaded in place
+per version, not a new model per step), and the truncated-importance-sampling update
+of the `mismatch-tis` arm.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import pathlib
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+# The one import of the RL loop's module (it is moving to another package: change it here).
+from zerokl.services.scheduler.rl_loop import (LocalEnginePort, LocalTrainerPort, RLConfig, Task, as_dict, evaluate,
+                                               StepRecord)
+from zerokl.services.trainer.losses import group_advantages
+from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+
+__all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
+           "save_state", "load_state", "rl_step", "run_steps", "tis_ppo_loss", "tis_grpo_step"]
+
+#: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
+TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "rollout_tokens_per_s")
+
+
+# ----------------------------------------------------------------------------- budget
+
+@dataclass
+class Budget:
+    """How much work this invocation may still do: a wall-clock deadline and/or a step count.
+
+    A step (RL or SFT) starts only if the slowest step so far would still end before the
+    deadline, so a piece ends on time with its checkpoint written.
+    """
+
+    max_seconds: float | None = None
+    max_steps: int | None = None
+    start: float = dataclasses.field(default_factory=time.monotonic)
+    steps: int = 0
+    slowest_s: float = 0.0
+    reserve_s: float = 30.0             # kept for writing the checkpoint and the report
+
+    def allows_step(self) -> bool:
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            return False
+        if self.max_seconds is None:
+            return True
+        return time.monotonic() - self.start + self.slowest_s + self.reserve_s <= self.max_seconds
+
+    def spent(self, seconds: float) -> None:
+        self.steps += 1
+        self.slowest_s = max(self.slowest_s, seconds)
+
+
+# ----------------------------------------------------------------------------- RNGs and checkpoints
+
+def capture_rng() -> dict:
+    """Every global RNG a step could touch: Python's, numpy's, torch's CPU and CUDA generators."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_state(path: pathlib.Path, state: dict) -> None:
+    """Write `state` atomically: a piece killed mid-write leaves the previous checkpoint intact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: pathlib.Path) -> dict | None:
+    """A checkpoint, every tensor on the CPU (RNG states must be; load_state_dict copies weights and
+    optimizer state to the model's device)."""
+    if not path.exists():
+        return None
+    # Our own file, holding Python RNG tuples and numpy state: not weights-only.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+@dataclass
+class ArmState:
+    """An arm's progress (its checkpoint also holds the trainer, the data cursor and the RNGs)."""
+
+    step: int                           # RL steps done
+    records: list[dict]                 # metrics lines so far
+    done: bool = False
+
+
+# ----------------------------------------------------------------------------- ports
+
+class ArmTrainerPort(LocalTrainerPort):
+    """LocalTrainerPort that keeps only the newest version (a 100-step run must not hold 100 copies
+    of the weights) and names versions by the trainer's step, so a resumed port names them alike.
+
+    With `tis_cap` set, updates are truncated-importance-sampling GRPO (:func:`tis_grpo_step`).
+    """
+
+    def __init__(self, trainer: Trainer, run: str, tis_cap: float | None = None):
+        self.trainer, self.run, self.tis_cap = trainer, run, tis_cap
+        self._version = f"{run}-{trainer.step:05d}"
+        self.versions = {self._version: trainer.serving_state_dict()}
+
+    def grpo_step(self, rollouts, group_size):  # noqa: ANN001, ANN201
+        if self.tis_cap is None:
+            return self.trainer.grpo_step(rollouts, group_size)
+        return tis_grpo_step(self.trainer, rollouts, group_size, self.tis_cap)
+
+    def publish(self) -> str:
+        self._version = f"{self.run}-{self.trainer.step:05d}"
+        self.versions = {self._version: self.trainer.serving_state_dict()}
+        return self._version
+
+
+class ArmEnginePort(LocalEnginePort):
+    """LocalEnginePort that loads each version into one served model in place: a new Model per step
+    re-runs the seeded init (portable normal draws on the CPU: tens of seconds for `small`). The
+    served model starts as a copy of the trainer's (no init at all). Same weights, same bits."""
+
+    def _model_for(self, version: str):  # noqa: ANN202
+        if self._model is None:
+            self._model = copy.deepcopy(self.trainer_port.trainer.model).eval().requires_grad_(False)
+        if version != self._loaded:
+            self._model.load_state_dict(self.trainer_port.versions[version])
+            self._loaded = version
+        return self._model
+
+
+# ----------------------------------------------------------------------------- truncated importance sampling
+
+def tis_ppo_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                 clip_eps: float, cap: float) -> tuple[torch.Tensor, dict]:
+    """GRPO/PPO-clip on the trainer's own old logprobs, each token weighted by min(pi_train / pi_infer, cap).
+
+    The usual correction for an inference engine whose numbers differ from the trainer's
+    (truncated importance sampling, as in "Your efficient RL framework secretly brings you
+    off-policy RL training", Yao et al. 2025): the PPO ratio is taken against the trainer's
+    recomputed logprobs (exactly 1 at the first update), and the mismatch is corrected by
+    a per-token weight, truncated at `cap`. The weight mass above the cap is signal the
+    correction discards.
+
+    logprobs [B, T] (with grad), behaviour [B, T] (inference's), advantages [B], mask [B, T].
+    """
+    mask = mask.float()
+    on = mask > 0
+    old = logprobs.detach()
+    ratio = torch.exp(logprobs - old)                                  # 1.0, carrying the gradient
+    adv = advantages.view(-1, 1).float()
+    per_token = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    raw = torch.exp(old - behaviour)                                   # pi_train / pi_infer per token
+    weight = torch.clamp(raw, max=cap)
+    loss = -(weight * per_token * mask).sum() / mask.sum().clamp(min=1)
+    r, w = raw[on], weight[on]
+    n = int(on.sum())
+    stats = {
+        "loss": float(loss.detach()),
+        "kl": float(((behaviour - old) * mask).sum() / mask.sum().clamp(min=1)),
+        "mismatched_tokens": int((old[on] != behaviour[on]).sum()),
+        "clip_fraction": float(((ratio[on] < 1.0 - clip_eps) | (ratio[on] > 1.0 + clip_eps)).float().mean()) if n else 0.0,
+        "ratio_min": float(r.min()) if n else 1.0,
+        "ratio_max": float(r.max()) if n else 1.0,
+        "tokens": n,
+        # What plain PPO against inference's logprobs would have clipped at this step.
+        "behaviour_clip_fraction": float(((r < 1.0 - clip_eps) | (r > 1.0 + clip_eps)).float().mean()) if n else 0.0,
+        "tis_truncated_fraction": float((r > cap).float().mean()) if n else 0.0,
+        "tis_discarded_weight": float((r - w).sum() / r.sum()) if n else 0.0,
+    }
+    return loss, stats
+
+
+def tis_grpo_step(trainer: Trainer, rollouts: list[Rollout], group_size: int, cap: float) -> dict:
+    """One GRPO update with the truncated-importance-sampling loss, through the trainer's own forward
+    and optimizer step (same logprob path as Trainer.grpo_step, different objective)."""
+    start = time.perf_counter()
+    trainer.model.train()
+    adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size).to(trainer.device)
+    batch = trainer._batch([r.sequence for r in rollouts])
+    behaviour = torch.zeros(batch.mask.shape)
+    for b, r in enumerate(rollouts):
+        behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
+    logprobs = trainer._logprobs(trainer.model, batch)
+    loss, metrics = tis_ppo_loss(logprobs, behaviour.to(trainer.device), adv, batch.mask, trainer.config.clip_eps, cap)
+    loss.backward()
+    trainer.tokens_seen += metrics["tokens"]
+    metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - start, 1e-9)
+    metrics["reward"] = float(sum(r.reward for r in rollouts) / len(rollouts))
+    return metrics | trainer.optim_step()
+
+
+# ----------------------------------------------------------------------------- one RL step
+
+def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, trainer_port: ArmTrainerPort,
+            config: RLConfig) -> dict:
+    """RL step number `step` (1-based) of run_rl's loop, with the data cursor `rng` passed in so a
+    checkpoint can hold it; returns the metrics line (run_rl's StepRecord plus the experiment's fields)."""
+    version = trainer_port.weights_version
+    problems = rng.sample(list(task.train), config.prompts_per_step)
+    t0 = time.perf_counter()
+    groups = engine.generate([task.encode_prompt(p) for p in problems], config.group_size, config.max_tokens,
+                             config.temperature, config.top_p, seed=config.seed * 1_000_003 + step - 1,
+                             weights_version=version)
+    rollout_s = time.perf_counter() - t0
+    batch = [Rollout(Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p), s.logprobs,
+                     task.reward(s.text, p), s.weights_version)
+             for p, group in zip(problems, groups, strict=True) for s in group]
+    rollout_tokens = sum(len(r.sequence.completion_ids) for r in batch)
+    t1 = time.perf_counter()
+    m = trainer_port.grpo_step(batch, config.group_size)
+    new_version = trainer_port.publish()
+    train_s = time.perf_counter() - t1
+    record = as_dict(StepRecord(
+        step=step, weights_version=new_version, reward=m["reward"], kl=m["kl"],
+        mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"], ratio_min=m["ratio_min"],
+        ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], tokens=m["tokens"],
+        tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s, train_s=train_s))
+    record["mismatched_fraction"] = m["mismatched_tokens"] / max(1, m["tokens"])
+    record["rollout_tokens"] = rollout_tokens
+    record["rollout_tokens_per_s"] = rollout_tokens / max(rollout_s, 1e-9)
+    for k in ("behaviour_clip_fraction", "tis_truncated_fraction", "tis_discarded_weight"):
+        if k in m:
+            record[k] = m[k]
+    if config.eval_every and step % config.eval_every == 0:
+        record["test_accuracy"] = evaluate(task, engine, new_version, config)
+    return record
+
+
+def run_steps(total: int, state: ArmState, rng: random.Random, task: Task, engine: ArmEnginePort,
+              trainer_port: ArmTrainerPort, config: RLConfig, budget: Budget,
+              checkpoint: Callable[[], None], checkpoint_every: int,
+              on_step: Callable[[dict], None] | None = None) -> None:
+    """Steps state.step+1 .. total while the budget allows; checkpoint every `checkpoint_every` steps and at the end."""
+    since = 0
+    while state.step < total and budget.allows_step():
+        t0 = time.monotonic()
+        record = rl_step(state.step + 1, rng, task, engine, trainer_port, config)
+        state.step += 1
+        state.records.append(record)
+        budget.spent(time.monotonic() - t0)
+        if on_step:
+            on_step(record)
+        since += 1
+        if checkpoint_every and since >= checkpoint_every and state.step < total:
+            checkpoint()
+            since = 0
+    state.done = state.step >= total
+    checkpoint()
