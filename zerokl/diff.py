@@ -305,7 +305,7 @@ async def trace_side(side: Side, ids: Sequence[int] | None, text: str | None, sa
         if ids is None:
             raise ValueError("an in-process side needs token ids: give --prompt-ids (or a replica on the other side)")
         return _Fetched(await asyncio.to_thread(_trace_local, side, ids, sampling, capture), None)
-    from zerokl.services.scheduler.up import ClientSecurity
+    from zerokl.up import ClientSecurity
     return await _trace_service(side, ids, text, sampling, capture, security or ClientSecurity())
 
 

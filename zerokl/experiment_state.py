@@ -25,9 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-# The one import of the RL loop's module (it is moving to another package: change it here).
-from zerokl.services.scheduler.rl_loop import (LocalEnginePort, LocalTrainerPort, RLConfig, Task, as_dict, evaluate,
-                                               StepRecord)
+from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
+from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
 

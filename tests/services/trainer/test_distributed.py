@@ -276,8 +276,8 @@ def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path):
     import json
     import signal
     import time
-    from zerokl.services.scheduler.jobs import CountdownTask, JobState, RLJobSpec
-    from zerokl.services.scheduler.jobs_service import JobsClient
+    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.service import JobsClient
     workdir = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
                              "--threads", "1", "--grace", "2", "--trainer-flag=--dp=2", "--trainer-flag=--ep=2",
