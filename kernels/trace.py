@@ -36,6 +36,7 @@ __all__ = [
     "OpTrace",
     "Trace",
     "record",
+    "tracing",
     "record_experts",
     "recording",
     "row_digests",
@@ -158,6 +159,11 @@ def _recorder() -> _Recorder | None:
     """The active recorder if this thread owns it."""
     r = _ACTIVE
     return r if r is not None and r.thread == threading.get_ident() else None
+
+
+def tracing() -> bool:
+    """Whether this thread is recording a trace (lets a path take its traced form, same bits)."""
+    return _ACTIVE is not None and _recorder() is not None
 
 
 def record(op: str, x: torch.Tensor | None) -> None:

@@ -326,6 +326,10 @@ class Indexer(nn.Module):
         """select() for the training layout: [N, index_topk] token slots. Rows with <= index_topk
         keys take all of them (what select gives them); only the longer rows are scored, over
         an [N_long, length] slot table (indexer_scores reads an explicit list)."""
+        if trace.tracing():
+            # Score every row, as the serving path does, so each token has its indexer records:
+            # a row with <= index_topk keys selects all of them either way (the same bits).
+            return self.select(x, q_latent, positions, inv_freq, key_store, _causal_slots(positions, length))
         selected = _causal_slots(positions, self.topk)
         long = torch.nonzero(positions >= self.topk).squeeze(1)
         if long.numel():
