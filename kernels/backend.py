@@ -73,9 +73,9 @@ def device_name(device: torch.device | str | None = None, backend: str | None = 
     * CUDA: the compute capability, e.g. ``cuda-sm90``.
     * CPU, torch backend: ``cpu``. Its ops are built from IEEE basic operations and exact sums
       (kernels/portable.py), so every CPU computes the same bits, whatever its vendor or ISA.
-    * CPU, triton backend: the interpreter evaluates Triton ops with numpy, whose exp/log and
-      matmul are dispatched by CPU (numpy's SIMD target, OpenBLAS's core kernels), so the key
-      names them, e.g. ``cpu-interp-numpy2.4-AVX512_ICL-SkylakeX``.
+    * CPU, triton backend: the interpreter evaluates Triton ops with numpy, whose exp/log are
+      dispatched by numpy's SIMD target, so the key names it, e.g. ``cpu-interp-numpy2.4-AVX2``.
+      (tl.dot is the exact contraction there, kernels/triton/interpreter.py: BLAS plays no part.)
     * CPU, stock backend (not fingerprinted): ATen's capability, e.g. ``cpu-avx512``.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -91,10 +91,7 @@ def device_name(device: torch.device | str | None = None, backend: str | None = 
 
 
 def _numpy_dispatch() -> str:
-    """numpy's version, the best SIMD target its dispatcher found here, and OpenBLAS's core."""
-    import ctypes
-    import glob
-
+    """numpy's version and the best SIMD target its dispatcher found here."""
     import numpy
 
     try:
@@ -103,15 +100,5 @@ def _numpy_dispatch() -> str:
         from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
     found = [t for t in __cpu_dispatch__ if __cpu_features__.get(t)]
     simd = found[-1] if found else "baseline"
-    core = "unknown-blas"
-    libs = os.path.join(os.path.dirname(numpy.__file__), os.pardir, "numpy.libs", "*openblas*")
-    for path in sorted(glob.glob(libs)):
-        lib = ctypes.CDLL(path)
-        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn.restype = ctypes.c_char_p
-                core = fn().decode()
-                break
     version = ".".join(numpy.__version__.split(".")[:2])
-    return f"numpy{version}-{simd}-{core}"
+    return f"numpy{version}-{simd}"

@@ -10,6 +10,12 @@ package is imported (triton.jit reads it when the kernels are decorated).
 """
 from __future__ import annotations
 
+import os
+
+if os.environ.get("TRITON_INTERPRET") == "1":      # CPU: tl.dot exact, whatever BLAS numpy has
+    from .interpreter import install_exact_dot
+    install_exact_dot()
+
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .elementwise import sigmoid, silu
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
