@@ -28,6 +28,21 @@ if [ "$MODE" = zerokl ]; then
     -k 'cuda or gpu or golden' > "$OUT/zerokl_tests.log" 2>&1
   timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/model -k 'triton or gpu' \
     > "$OUT/gputests.log" 2>&1
+elif [ "$MODE" = wave2 ]; then
+  # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
+  # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site
+  fi
+  timeout 100 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
+  cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
+  [ -f .gpu/golden-previous.json ] && python3 -c 'import json; a = json.load(open(".gpu/golden-previous.json"))["entries"]; b = json.load(open("tests/assets/golden/numerics.json"))["entries"]; print({k: a[k]["digests"] == b[k]["digests"] for k in a if k.startswith("triton/cuda") and k in b})' >> "$OUT/golden.log" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/kernels/test_moe.py tests/kernels/test_attention_backward.py \
+    tests/services/engine tests/services/trainer tests/services/test_zero_kl_promise.py > "$OUT/gputests.log" 2>&1
+  timeout 170 python3 tools/bench/bench_serve.py --parts small,slice,prefill,busy,invariance --new-tokens 64 \
+    --json "$FINAL_OUT/bench_serve.json" > "$OUT/serve.log" 2>&1
+  timeout 120 python3 tools/bench/bench_train.py --parts small,slice --steps 2 --out "$FINAL_OUT/train" > "$OUT/train.log" 2>&1
 elif [ "$MODE" = p2p ]; then
   # issue 8's linear grid (wave split side by side with the unsplit launch) and the GPU test tier,
   # then issue 10's TP bench (the default join is p2p where the GPUs map each other)
