@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from zerokl.model.model import Model, ModelConfig
 
-__all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf",
+__all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES"]
 
 CONFIG_FILE = "config.json"
@@ -52,6 +52,21 @@ def config_to_hf(c: ModelConfig, dtype: torch.dtype) -> dict:
         num_nextn_predict_layers=0,
     )
     return d
+
+
+def transformers_config(c: ModelConfig, dtype: torch.dtype):
+    """transformers.GlmMoeDsaConfig of `c` (for side-by-side runs with transformers' model).
+
+    transformers releases name this model's attention layer type differently
+    ('indexed_attention' in 5.24; others reject that name and know the layer by their
+    default): a release that rejects the name gets its own default."""
+    import transformers
+    fields = config_to_hf(c, dtype)
+    try:
+        return transformers.GlmMoeDsaConfig(**fields)
+    except Exception:  # noqa: BLE001 - huggingface_hub's strict-dataclass validation error
+        fields.pop("layer_types", None)
+        return transformers.GlmMoeDsaConfig(**fields)
 
 
 def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:

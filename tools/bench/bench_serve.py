@@ -164,8 +164,8 @@ def device_busy_seconds(prof) -> float:
 def hf_generate(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """transformers' generate (eager, its own KV cache) on the same config, random bf16 weights."""
     import transformers
-    from zerokl.model.checkpoint import config_to_hf
-    hf_cfg = transformers.GlmMoeDsaConfig(**config_to_hf(config, torch.bfloat16))
+    from zerokl.model.checkpoint import transformers_config
+    hf_cfg = transformers_config(config, torch.bfloat16)
     with torch.device("cuda"):
         hf = transformers.GlmMoeDsaForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16).eval()
     ids = torch.randint(3, config.vocab_size, (batch, prompt_len), device="cuda")

@@ -122,8 +122,8 @@ def hf_model(config: ModelConfig, device: str, dtype: torch.dtype):
         return None, "transformers is not installed"
     if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
         return None, f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM"
-    from zerokl.model.checkpoint import config_to_hf
-    hf_config = transformers.GlmMoeDsaConfig(**config_to_hf(config, dtype))
+    from zerokl.model.checkpoint import transformers_config
+    hf_config = transformers_config(config, dtype)
     with torch.device(device):
         model = transformers.GlmMoeDsaForCausalLM._from_config(hf_config, dtype=dtype)
     impl = getattr(model.config, "_attn_implementation", "?")
