@@ -128,6 +128,10 @@ def _grads(seed, device="cpu"):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_backward_is_deterministic(backend):
     from zerokl.kernels import use_backend
+    if backend == "triton" and not torch.cuda.is_available():
+        pytest.skip("a whole model's interpreted Triton backward takes many minutes on a CPU: the fused kernels' "
+                    "determinism is tested under the interpreter in tests/kernels/test_attention_backward.py and "
+                    "test_moe.py, and this test runs on CUDA in the GPU tier")
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     with use_backend(backend):
         a, b = _grads(4, device), _grads(4, device)
