@@ -31,7 +31,8 @@ from opentelemetry import trace
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.client import InferenceClient
-from zerokl.services.engine.types import KVHandoff
+from zerokl.kernels.trace import Trace
+from zerokl.services.engine.types import KVHandoff, SamplingOptions
 from zerokl.services.inference.errors import RelayedError, handoff_error_info
 from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
@@ -97,6 +98,9 @@ class Decoder:
 
     async def score(self, r: InferenceRequest) -> ScoreResult:
         return await self.replica.score(r)
+
+    async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace:
+        return await self.replica.trace(ids, options, capture)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: while its KV is read, or in the engine after."""

@@ -76,6 +76,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         if capture is not None:
             require_operator("a Score with a trace")
         scored = convert.score_request_from_proto(request)
+        if capture is not None and not hasattr(self._backend, "trace"):
+            raise FailedPrecondition("this service does not trace: ask a replica (or the trainer) directly")
         result = await self._backend.score(scored)
         trace = await self._backend.trace(result.token_ids, scored.options, capture) if capture is not None else None
         return convert.score_result_to_proto(result, trace)

@@ -137,7 +137,9 @@ def test_a_replica_and_the_trainer_agree_and_each_perturbation_is_located_exactl
             same = await diff(replica, trainer, ids)
             assert same.identical and same.first is None and not same.warnings
             assert same.a["service"] == "decode" and same.b["service"] == "trainer"
-            assert all(s.differing_ops == 0 for s in same.layers) and sum(s.ops for s in same.layers) > 90
+            # 90 ops in common: the trainer's training layout has no explicit key set to record in its dense
+            # rows (`self_attn.selected`, one per layer), the replica's serving path has
+            assert all(s.differing_ops == 0 for s in same.layers) and sum(s.ops for s in same.layers) >= 90
 
             # 1. One kernel swapped for the stock one: layer 2's q_a_layernorm.
             ids = _ids(24, seed=2)
@@ -200,7 +202,7 @@ def test_a_trace_needs_the_operator_credential_when_auth_is_on():
                     await score(server.address, token, True)
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "operator" in err.value.details()
             traced = await score(server.address, "o-token", True)
-            assert list(traced.logprobs) == list(plain.logprobs) and len(traced.trace.ops) > 90
+            assert list(traced.logprobs) == list(plain.logprobs) and len(traced.trace.ops) >= 90   # the trainer's 90 ops
             report = await diff(Side("service", server.address), Side("local", "tiny"), ids,
                                 security=ClientSecurity("o-token"))
             assert report.identical
