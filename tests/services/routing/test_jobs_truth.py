@@ -32,7 +32,7 @@ from zerokl.model import Model
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig, SamplingOptions
 from zerokl.services.inference import AsyncEngine, InferenceClient, Replica
-from zerokl.services.inference.decode import add_decode_service
+from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.inference.weights import WeightSwitcher
@@ -257,7 +257,7 @@ async def _decode(model: Model, store: str) -> AsyncIterator[str]:
     server = ServiceServer("decode")
     client = WeightStoreClient(store)
     switcher = WeightSwitcher(replica, client, not_serving=server.not_serving)
-    add_decode_service(server, replica, switcher.switch)
+    add_decode_service(server, Decoder(replica), switcher.switch)
     await server.start()
     try:
         yield server.address
