@@ -206,13 +206,19 @@ class DistributedTrainer:
     # ------------------------------------------------------------------ setup
 
     def _fully_shard(self, model: Model) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
         ignored = {p for n, p in model.named_parameters() if n in self.experts}
         for block in model.layers:
             fully_shard(block, mesh=self.group.dp_mesh, ignored_params=ignored & set(block.parameters()) or None)
+        # The trainer runs Model.hidden_states, then the final norm and lm_head chunk by chunk
+        # (kernels/logprob.py), outside Model.forward: each is its own FSDP unit, and
+        # hidden_states is registered so the root unit (the embedding) all-gathers around it.
+        fully_shard(model.norm, mesh=self.group.dp_mesh)
+        fully_shard(model.lm_head, mesh=self.group.dp_mesh)
         # FSDP averages gradients over the dp ranks (a pre-divide by dp, then a sum: gloo has no
         # pre-multiplied sum); each rank's dL/dlogits is pre-scaled by dp * its share of the batch.
         fully_shard(model, mesh=self.group.dp_mesh, ignored_params=ignored or None)
+        register_fsdp_forward_method(model, "hidden_states")
 
     def _scale_hook(self, module, inputs, out):
         if self._scale is not None and isinstance(out, torch.Tensor) and out.requires_grad:

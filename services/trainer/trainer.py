@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from zerokl.kernels.logprob import fused_logprobs
-from zerokl.kernels.sampling import SamplingParams
+from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.model import Model
 from zerokl.model.indexer_loss import indexer_losses
 from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
@@ -154,8 +154,14 @@ class Trainer:
             hidden = self._token_hidden(model, batch)
         head = lambda x: model.lm_head(model.norm(x))                 # noqa: E731  (per-row, as forward_tokens)
         weights = [*model.norm.parameters(), *model.lm_head.parameters()]
-        lp = fused_logprobs(hidden, head, weights, batch.targets[batch.mask > 0], params or batch.params,
-                            self.config.logprob_chunk_rows or None)
+        targets = batch.targets[batch.mask > 0]
+        if any(type(w).__name__ == "DTensor" for w in weights):
+            # FSDP2-sharded head (the distributed trainer): the fused op's backward would hand whole
+            # gradients to sharded weights, so the head runs unfused here (the same forward bits).
+            lp = sampling_logprobs(head(hidden), targets, params or batch.params)
+        else:
+            lp = fused_logprobs(hidden, head, weights, targets, params or batch.params,
+                                self.config.logprob_chunk_rows or None)
         return torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(batch.mask > 0, lp)
 
     def _token_hidden(self, model: Model, batch: _Batch) -> torch.Tensor:
