@@ -62,7 +62,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
 def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The model graph is part of the definition: logits of the seeded tiny model on a prompt
     longer than its index_topk (so the sparse path counts too)."""
-    from zerokl.model import Model, ModelConfig   # the model is built on these kernels
+    from zerokl.kernels.model import Model, ModelConfig   # the model is built on these kernels
     model = Model(ModelConfig.preset("tiny"), seed=0, dtype=dtype).to(device)
     prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)   # integers: portable
     return model(prompt)

@@ -305,7 +305,7 @@ def trace_sequence(model, token_ids: Sequence[int], temperature: float = 1.0, to
     return them.
     """
     from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
-    from zerokl.model.model import AttentionBatch
+    from zerokl.kernels.model.model import AttentionBatch
     ids = list(token_ids)
     if not ids:
         raise ValueError("trace_sequence: no tokens")

@@ -33,7 +33,7 @@ def _verify(args: argparse.Namespace) -> int:
     checks = [(b, name) for b in backends for name in OP_CASES]
     parity = []
     if not args.ops_only:
-        from zerokl.model.verify import PARITY_CHECKS
+        from zerokl.kernels.model.verify import PARITY_CHECKS
         parity = [(b, name) for b in backends for name in PARITY_CHECKS]
     rows = []
     for backend, name in tqdm(checks + parity, desc="verify", unit="check", disable=args.quiet):

@@ -230,7 +230,7 @@ class _Fetched:
 
 
 def _local_model(side: Side):
-    from zerokl.model import Model, ModelConfig
+    from zerokl.kernels.model import Model, ModelConfig
     opts = dict(side.options)
     dtype = getattr(torch, opts.get("dtype", "float32"))
     if os.path.isdir(side.where):

@@ -163,7 +163,7 @@ def _setting(args: argparse.Namespace, **override) -> Setting:
 
 def _data(s: Setting, state_dir: pathlib.Path):  # noqa: ANN202
     """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw)."""
-    from zerokl.model.tokenizer import CountdownTokenizer
+    from zerokl.tokenizer import CountdownTokenizer
     from zerokl.tasks.countdown import Problem
     from zerokl.tasks.setup import countdown_data
     path = state_dir / f"problems-{s.difficulty}-seed{s.seed}-{s.train_problems}.json"
@@ -198,7 +198,7 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
     """
     from zerokl.experiment_state import capture_rng, load_state, restore_rng, save_state
     from zerokl.kernels import __version__, fingerprint
-    from zerokl.model import Model
+    from zerokl.kernels.model import Model
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.tasks.setup import countdown_config, demonstration_batch, greedy_accuracy
     steps, batch, lr, warmup = s.sft
@@ -278,7 +278,7 @@ def _sft_folder(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
 def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path):  # noqa: ANN001, ANN202
     """The arm's starting weights (the warm start must already exist)."""
     from zerokl.demo import SFT_CHECKPOINT
-    from zerokl.model import Model
+    from zerokl.kernels.model import Model
     from zerokl.tasks.setup import countdown_config
     dtype = _DTYPES[s.dtype]
     if s.start == "scratch":
@@ -305,7 +305,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     """Run (or continue) one arm up to `steps` RL steps; returns (metrics lines so far, finished)."""
     from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, RLConfig, capture_rng, load_state,
                                          restore_rng, run_steps, save_state)
-    from zerokl.model import Model
+    from zerokl.kernels.model import Model
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.tasks.setup import countdown_config

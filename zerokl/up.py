@@ -344,7 +344,7 @@ async def _publish(client: object, args: argparse.Namespace, version: str) -> No
 
     from zerokl.kernels import __version__ as numerics_version
     from zerokl.kernels import fingerprint
-    from zerokl.model import Model, ModelConfig
+    from zerokl.kernels.model import Model, ModelConfig
 
     if args.model:
         # An imported checkpoint was not trained under these numerics: no fingerprint is claimed for it.

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 from safetensors.torch import load_file, save_file
 
-from zerokl.model.model import Model, ModelConfig
+from zerokl.kernels.model.model import Model, ModelConfig
 
 __all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES"]

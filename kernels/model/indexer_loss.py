@@ -78,7 +78,7 @@ def indexer_losses(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
             logits = model(input_ids)
         aux = torch.stack(losses).mean()   # one per indexer layer (none if no row exceeds index_topk)
     """
-    from zerokl.model.model import MLAttention
+    from zerokl.kernels.model.model import MLAttention
     layers = [m for m in model.modules() if isinstance(m, MLAttention)]
     losses: list[torch.Tensor] = []
     for m in layers:

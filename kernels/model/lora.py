@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from zerokl.kernels import ops
-from zerokl.model.model import Linear, Model
+from zerokl.kernels.model.model import Linear, Model
 
 __all__ = ["LoRA", "DEFAULT_TARGETS", "apply_lora", "merge_lora", "unmerge_lora", "lora_parameters",
            "merged_state_dict"]

@@ -345,7 +345,7 @@ class MLAttention(nn.Module):
         super().__init__()
         self.c = c
         # Heads computed here: all of them, or this rank's share once tensor parallelism
-        # (zerokl.model.parallel) has sharded q_b_proj / kv_b_proj / o_proj by heads.
+        # (zerokl.kernels.model.parallel) has sharded q_b_proj / kv_b_proj / o_proj by heads.
         self.n_heads = h = c.num_attention_heads
         self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, 1e-6)
@@ -409,7 +409,7 @@ class MLAttention(nn.Module):
     def _indexer_loss(self, x, q_latent, positions, inv_freq, q_absorbed, q_rope, latent, k_rope, selected):
         """The indexer's KL loss (indexer_loss.indexer_kl_loss) on the rows it chose keys for
         (more than index_topk keys); the main model's tensors enter detached."""
-        from zerokl.model.indexer_loss import indexer_kl_loss
+        from zerokl.kernels.model.indexer_loss import indexer_kl_loss
         long = torch.nonzero(positions >= self.c.index_topk).squeeze(1)
         x_d, sel = x.detach(), selected[long]
         keys = self.indexer.keys(x_d, positions, inv_freq)
@@ -562,14 +562,14 @@ class Model(nn.Module):
             x, selected = block(x, batch, self.inv_freq, cache, selected)
         return x
 
-    # Thin entry points; the I/O lives in zerokl.model.checkpoint.
+    # Thin entry points; the I/O lives in zerokl.kernels.model.checkpoint.
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Model":
         """Load a glm_moe_dsa checkpoint (config.json + safetensors, HF parameter names)."""
-        from zerokl.model.checkpoint import load_pretrained
+        from zerokl.kernels.model.checkpoint import load_pretrained
         return load_pretrained(directory, dtype)
 
     def save_pretrained(self, directory, max_shard_bytes: int = 2 * 1024**3) -> None:
         """Write config.json + safetensors with HF parameter names (sharded with an index when large)."""
-        from zerokl.model.checkpoint import save_pretrained
+        from zerokl.kernels.model.checkpoint import save_pretrained
         save_pretrained(self, directory, max_shard_bytes)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zerokl.model.model import AttentionBatch
+from zerokl.kernels.model.model import AttentionBatch
 
 __all__ = ["SequenceChunk", "batch_for_chunks", "decode_batch", "BlockPool"]
 

@@ -52,7 +52,7 @@ from torch.nn.utils import parametrize
 from zerokl.kernels import ops
 from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.ops import REDUCTION_SPLITS
-from zerokl.model.model import MLP, Linear, MLAttention, Model, MoE, RMSNorm
+from zerokl.kernels.model.model import MLP, Linear, MLAttention, Model, MoE, RMSNorm
 
 __all__ = ["MODES", "JOINS", "DEFAULT_JOIN", "COLUMN_ALIGN", "p2p_join_available", "row_parallel_join", "apply_tensor_parallel", "shard_state_dict", "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP",
            "ExpertParallelMoE", "DispatchMoE", "ColumnShardLinear", "copy_to_parallel", "supported_tp_degrees"]

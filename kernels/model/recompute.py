@@ -20,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from zerokl.kernels.backend import get_backend, use_backend
-from zerokl.model.model import Model
+from zerokl.kernels.model.model import Model
 
 __all__ = ["checkpoint_blocks"]
 

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from zerokl.kernels import ops, use_backend
-from zerokl.model.model import KVCache, Model, ModelConfig
-from zerokl.model.paging import BlockPool, SequenceChunk, batch_for_chunks
+from zerokl.kernels.model.model import KVCache, Model, ModelConfig
+from zerokl.kernels.model.paging import BlockPool, SequenceChunk, batch_for_chunks
 
 __all__ = ["PARITY_CHECKS", "three_path_parity", "run_paths", "INTERPRETER_CONFIG", "sharded_outputs"]
 
@@ -112,7 +112,7 @@ def sharded_outputs(model: Model, seed: int, prompts: int = 2, batch: tuple[int,
     batches): a trainer-style full forward of a [B, S] batch, then `prompts` prompts (below
     and above index_topk) through run_paths: full forward, chunked prefill, prefix-cache hit
     and decode, each among random neighbour sequences. Works on a plain model (TP = 1) and
-    on one sharded by zerokl.model.parallel.apply_tensor_parallel (identical on every rank).
+    on one sharded by zerokl.kernels.model.parallel.apply_tensor_parallel (identical on every rank).
     """
     c = model.config
     rng = random.Random(seed)

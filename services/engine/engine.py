@@ -25,9 +25,9 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
-from zerokl.model import Model
-from zerokl.model.paging import SequenceChunk
-from zerokl.model.tokenizer import Tokenizer
+from zerokl.kernels.model import Model
+from zerokl.kernels.model.paging import SequenceChunk
+from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.blocks import prefix_cache_seed
 from zerokl.services.engine.runner import DecodeRow, ModelRunner, SamplingRow
 from zerokl.services.engine.scheduler import Sample as _Sample

@@ -32,8 +32,8 @@ import torch
 
 from zerokl.kernels.backend import get_backend
 from zerokl.kernels.sampling import SamplingParams, sample
-from zerokl.model import KVCache, Model
-from zerokl.model.paging import SequenceChunk, batch_for_chunks, decode_batch
+from zerokl.kernels.model import KVCache, Model
+from zerokl.kernels.model.paging import SequenceChunk, batch_for_chunks, decode_batch
 from zerokl.services.engine.types import EngineConfig, KVHandoff, SamplingOptions
 
 __all__ = ["DecodeRow", "ModelRunner", "SamplingRow", "batch_buckets"]

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from zerokl.model import ModelConfig
+from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.types import KVHeader, TensorLayout
 from zerokl.services.runtime.chunks import Chunk, verify_chunk

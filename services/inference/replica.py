@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Sequence
 
 from zerokl.kernels.trace import Trace, trace_sequence
-from zerokl.model.tokenizer import Tokenizer
+from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
 from zerokl.services.inference.errors import Cancelled, Internal, ResourceExhausted

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
-from zerokl.model import Model, ModelConfig
-from zerokl.model.parallel import apply_tensor_parallel, supported_tp_degrees
-from zerokl.model.tokenizer import Tokenizer, load_tokenizer
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_degrees
+from zerokl.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference.async_engine import AsyncEngine

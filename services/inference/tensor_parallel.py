@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from zerokl.model.parallel import shard_state_dict
+from zerokl.kernels.model.parallel import shard_state_dict
 from zerokl.services.engine.engine import Engine, RequestError
 
 __all__ = ["ENV_RANK", "ENV_PORT", "LockstepEngine", "TensorParallelGroup", "follow", "start_tensor_parallel"]

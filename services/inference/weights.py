@@ -20,7 +20,7 @@ from typing import Callable
 
 import grpc.aio
 
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.inference.errors import RelayedError
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation

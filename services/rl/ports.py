@@ -82,7 +82,7 @@ class LocalEnginePort:
         self._model, self._loaded = None, ""
 
     def _model_for(self, version: str):
-        from zerokl.model import Model
+        from zerokl.kernels.model import Model
         if version != self._loaded:
             trainer = self.trainer_port.trainer
             # On the trainer's device: KL == 0 is promised per device type.

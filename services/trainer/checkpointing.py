@@ -47,9 +47,9 @@ import grpc.aio
 import torch
 from safetensors.torch import load_file, save_file
 
-from zerokl.model import Model
-from zerokl.model.checkpoint import CheckpointError
-from zerokl.model.lora import merged_state_dict
+from zerokl.kernels.model import Model
+from zerokl.kernels.model.checkpoint import CheckpointError
+from zerokl.kernels.model.lora import merged_state_dict
 from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,

@@ -9,9 +9,9 @@ Ranks: world rank = d * tp + t (data rank d in [0, dp), TP rank t in [0, tp)). D
 holds its contiguous share of every batch. Expert parallelism borrows from the data ranks
 (as TorchTitan's does): ep divides dp, data ranks q*ep .. q*ep+ep-1 (same t) form an EP
 group whose members dispatch tokens to each other's experts by all-to-all
-(zerokl.model.parallel.DispatchMoE).
+(zerokl.kernels.model.parallel.DispatchMoE).
 
-* TP (zerokl.model.parallel, exact layout): forward bits equal one device's; backward by the
+* TP (zerokl.kernels.model.parallel, exact layout): forward bits equal one device's; backward by the
   transposes of the split-tree joins and of the vocabulary gather, with the replicated
   activations' gradients all-reduced where they enter a sharded consumer.
 * FSDP2 over the dp ranks of each TP rank (`fully_shard` per block and the root): parameters,
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerokl.model import Model
-from zerokl.model.model import MoE
-from zerokl.model.parallel import DispatchMoE, apply_tensor_parallel
+from zerokl.kernels.model import Model
+from zerokl.kernels.model.model import MoE
+from zerokl.kernels.model.parallel import DispatchMoE, apply_tensor_parallel
 from zerokl.services.trainer.trainer import NonFiniteStep, Trainer
 
 __all__ = ["ENV_RANK", "ENV_PORT", "Layout", "ParallelGroup", "DistributedTrainer", "LockstepTrainer", "ServedTrainer",

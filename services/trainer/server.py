@@ -37,7 +37,7 @@ import torch
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
@@ -237,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     group = None
     if args.dp * args.tp > 1 or args.ep > 1:
-        from zerokl.model.parallel import supported_tp_degrees
+        from zerokl.kernels.model.parallel import supported_tp_degrees
         from zerokl.services.trainer.distributed import ENV_RANK, Layout, start_group
         layout = Layout(args.dp, args.tp, args.ep)
         try:

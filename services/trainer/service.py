@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
-from zerokl.model.checkpoint import config_to_hf
+from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
     FailedPrecondition,

@@ -24,11 +24,11 @@ import torch
 
 from zerokl.kernels.logprob import fused_logprobs
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
-from zerokl.model import Model
-from zerokl.model.indexer_loss import indexer_losses
-from zerokl.model.lora import apply_lora, lora_parameters, merged_state_dict
-from zerokl.model.model import AttentionBatch
-from zerokl.model.recompute import checkpoint_blocks
+from zerokl.kernels.model import Model
+from zerokl.kernels.model.indexer_loss import indexer_losses
+from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_dict
+from zerokl.kernels.model.model import AttentionBatch
+from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
 __all__ = ["TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
@@ -42,7 +42,7 @@ class TrainConfig:
     grad_clip: float = 1.0              # max global grad norm (0 = off)
     warmup_steps: int = 0               # linear warmup from 0
     total_steps: int = 0                # > 0: cosine decay to 10% of lr by then; 0 = constant after warmup
-    lora_rank: int = 0                  # > 0: train LoRA adapters only (zerokl.model.lora)
+    lora_rank: int = 0                  # > 0: train LoRA adapters only (zerokl.kernels.model.lora)
     lora_alpha: float = 16.0
     clip_eps: float = 0.2               # PPO clip range
     kl_coef: float = 0.0                # > 0: k3 KL penalty to the frozen initial policy
@@ -199,7 +199,7 @@ class Trainer:
                 metrics, loss, tokens = self._ppo(batch_items, kw["advantages"].to(self.device))
             else:
                 raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
-        if indexer_kl:                              # the indexer's own loss (zerokl.model.indexer_loss)
+        if indexer_kl:                              # the indexer's own loss (zerokl.kernels.model.indexer_loss)
             loss = loss + coef * torch.stack(indexer_kl).mean()
         loss.backward()
         self.tokens_seen += tokens

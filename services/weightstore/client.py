@@ -76,7 +76,7 @@ class WeightStoreClient(ServiceClient):
         """
         if isinstance(source, Mapping):
             # torch is imported on use: the weight-store server itself never needs it.
-            from zerokl.model.checkpoint import save_tensors
+            from zerokl.kernels.model.checkpoint import save_tensors
             with tempfile.TemporaryDirectory(prefix="zerokl-publish-") as tmp:
                 await asyncio.to_thread(save_tensors, source, tmp, max_shard_bytes)
                 if model_config is not None:

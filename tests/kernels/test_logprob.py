@@ -7,7 +7,7 @@ import torch
 from zerokl.kernels import use_backend
 from zerokl.kernels.logprob import chunk_rows_for, fused_logprobs, logprobs_reference
 from zerokl.kernels.sampling import SamplingParams
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 
 TINY = ModelConfig.preset("tiny")
 N = 13

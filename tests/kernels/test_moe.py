@@ -25,8 +25,8 @@ import pytest
 
 from zerokl import kernels as K
 from zerokl.kernels import ops
-from zerokl.model import ModelConfig
-from zerokl.model.model import MoE
+from zerokl.kernels.model import ModelConfig
+from zerokl.kernels.model.model import MoE
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ZEROKL_SRC = pathlib.Path(ops.__file__).resolve().parents[1]      # the repository root: zerokl's own code

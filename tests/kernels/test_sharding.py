@@ -4,7 +4,7 @@ the matching slice of the single-device result, bit for bit (both backends, one 
 Column shards of linear (column-parallel q_b/gate/up/lm_head), head subsets of MLA
 attention, expert subsets (expert parallelism), and K shards of split_linear joined by
 the split tree (row-parallel o_proj/down_proj). The multi-process model-level check is
-tests/model/test_tensor_parallel.py.
+tests/kernels/model/test_tensor_parallel.py.
 """
 import pytest
 import torch

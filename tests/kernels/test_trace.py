@@ -9,8 +9,8 @@ import torch
 
 from zerokl.kernels import trace
 from zerokl.kernels.trace import MODEL_LAYER, Trace, recording, row_digests, trace_sequence
-from zerokl.model import Model, ModelConfig
-from zerokl.model.model import AttentionBatch, KVCache
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.model import AttentionBatch, KVCache
 
 CONFIG = ModelConfig.preset("tiny")
 
@@ -100,7 +100,7 @@ def test_traced_rows_are_the_models_bits(model):
 def test_a_lora_adapted_model_traces_the_same_ops(model):
     """The trainer's LoRA projections are parametrized subclasses of Linear: still traced, under the
     same names; with B = 0 at the start they compute the plain model's bits, op for op."""
-    from zerokl.model.lora import apply_lora
+    from zerokl.kernels.model.lora import apply_lora
     adapted = Model(CONFIG, seed=0)
     apply_lora(adapted, rank=4)
     ids = _ids(10)

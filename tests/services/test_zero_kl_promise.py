@@ -22,8 +22,8 @@ import torch
 
 from zerokl.kernels import use_backend
 from zerokl.kernels.backend import default_backend
-from zerokl.model import Model, ModelConfig
-from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.rl.loop import RLConfig, Task, run_rl

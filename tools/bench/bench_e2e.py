@@ -28,7 +28,7 @@ import time
 import torch
 
 import zerokl.kernels as K
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 
 
 def commit() -> str:

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 import zerokl.kernels as K
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 

@@ -36,7 +36,7 @@ import sys
 import time
 
 
-from zerokl.model import ModelConfig
+from zerokl.kernels.model import ModelConfig
 
 
 def commit() -> str:

@@ -25,8 +25,8 @@ import torch
 import triton.testing
 
 import zerokl.kernels as K
-from zerokl.model import ModelConfig
-from zerokl.model.model import MoE
+from zerokl.kernels.model import ModelConfig
+from zerokl.kernels.model.model import MoE
 
 
 def bench(fn) -> float:

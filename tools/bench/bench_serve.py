@@ -35,7 +35,7 @@ import time
 import torch
 
 import zerokl.kernels as K
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 
@@ -164,7 +164,7 @@ def device_busy_seconds(prof) -> float:
 def hf_generate(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int) -> dict:
     """transformers' generate (eager, its own KV cache) on the same config, random bf16 weights."""
     import transformers
-    from zerokl.model.checkpoint import transformers_config
+    from zerokl.kernels.model.checkpoint import transformers_config
     hf_cfg = transformers_config(config, torch.bfloat16)
     with torch.device("cuda"):
         hf = transformers.GlmMoeDsaForCausalLM._from_config(hf_cfg, torch_dtype=torch.bfloat16).eval()

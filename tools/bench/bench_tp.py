@@ -90,7 +90,7 @@ def tp_groups(tp: int):
 
 
 def bench_join(ms, n: int, k: int) -> list[dict]:
-    from zerokl.model.parallel import p2p_join_available, row_parallel_join
+    from zerokl.kernels.model.parallel import p2p_join_available, row_parallel_join
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world
     group = dist.group.WORLD
@@ -183,15 +183,15 @@ JOIN = "auto"     # --join: the exact layout's join in the equality and decode r
 
 
 def small_config(topk: int):
-    from zerokl.model import ModelConfig
+    from zerokl.kernels.model import ModelConfig
     c = ModelConfig.preset(PRESET)
     return c.replace(index_topk=min(topk, c.index_topk), max_position_embeddings=min(1024, c.max_position_embeddings))
 
 
 def equality(degrees, seed: int, topk: int) -> dict:
-    from zerokl.model import Model
-    from zerokl.model.parallel import apply_tensor_parallel
-    from zerokl.model.verify import sharded_outputs
+    from zerokl.kernels.model import Model
+    from zerokl.kernels.model.parallel import apply_tensor_parallel
+    from zerokl.kernels.model.verify import sharded_outputs
     cfg = small_config(topk)
     out = {}
     with K.use_backend(BACKEND):
@@ -217,8 +217,8 @@ def equality(degrees, seed: int, topk: int) -> dict:
 
 def decode_bench(batch: int, max_tokens: int, repeats: int) -> dict:
     from tools_bench_e2e import make_requests, run_engine  # noqa: F401 (path set in main)
-    from zerokl.model import Model, ModelConfig
-    from zerokl.model.parallel import apply_tensor_parallel
+    from zerokl.kernels.model import Model, ModelConfig
+    from zerokl.kernels.model.parallel import apply_tensor_parallel
     cfg = ModelConfig.preset(PRESET)
     models = {}
     arms = [("exact", None), ("all_reduce", None)] + ([("exact", "all_reduce_fp32")] if dist.get_world_size() == 2 else [])
@@ -271,7 +271,7 @@ def main() -> int:
     import bench_e2e
     sys.modules["tools_bench_e2e"] = bench_e2e
     world = dist.get_world_size()
-    from zerokl.model.parallel import JOINS, supported_tp_degrees
+    from zerokl.kernels.model.parallel import JOINS, supported_tp_degrees
     if JOIN not in JOINS:
         ap.error(f"--join must be one of {JOINS}")
     degrees = [d for d in supported_tp_degrees() if d <= world and world % d == 0]

@@ -41,7 +41,7 @@ import torch
 
 from zerokl.kernels import ops, use_backend
 from zerokl.kernels.backend import default_backend
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
 
 PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
@@ -122,7 +122,7 @@ def hf_model(config: ModelConfig, device: str, dtype: torch.dtype):
         return None, "transformers is not installed"
     if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
         return None, f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM"
-    from zerokl.model.checkpoint import transformers_config
+    from zerokl.kernels.model.checkpoint import transformers_config
     hf_config = transformers_config(config, dtype)
     with torch.device(device):
         model = transformers.GlmMoeDsaForCausalLM._from_config(hf_config, dtype=dtype)

@@ -33,14 +33,14 @@ def _difficulty(name: str) -> dict:
 
 def countdown_config(tok, preset: str = "tiny"):  # noqa: ANN001, ANN201 - a CountdownTokenizer -> ModelConfig
     """The model `preset` ("tiny", "small", ...) with the countdown vocabulary."""
-    from zerokl.model import ModelConfig
+    from zerokl.kernels.model import ModelConfig
     return ModelConfig.preset(preset).replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
                                               eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
 
 
 def countdown_data(seed: int = 0, n_train: int = 20000, n_test: int = 200, difficulty: str = "demo"):  # noqa: ANN201
     """(train problems, test problems, tokenizer) of a countdown distribution (default: the demo's)."""
-    from zerokl.model.tokenizer import CountdownTokenizer
+    from zerokl.tokenizer import CountdownTokenizer
     from zerokl.tasks.countdown import generate_problems
     kw = _difficulty(difficulty)
     train = generate_problems(n_train, seed=seed, **kw)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
-from zerokl.model import Model, ModelConfig
-from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, RequestError, run_to_completion, sample_seed
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 

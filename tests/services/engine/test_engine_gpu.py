@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import zerokl.kernels as K
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine import scheduler as engine_module
 from zerokl.services.engine.blocks import block_hashes, prefix_cache_seed
 from zerokl.services.engine.engine import Engine, run_to_completion

@@ -13,8 +13,8 @@ from typing import AsyncIterator, Iterator
 import pytest
 import torch
 
-from zerokl.model import Model, ModelConfig
-from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.inference import AsyncEngine, Replica, ServingLimits

@@ -21,8 +21,8 @@ import torch
 from conftest import CONFIG, decode_server
 from zerokl.kernels import ops, stock_ops, trace
 from zerokl.kernels.trace import trace_sequence
-from zerokl.model import Model
-from zerokl.model.model import Router
+from zerokl.kernels.model import Model
+from zerokl.kernels.model.model import Router
 from zerokl.diff import Side, diff
 from zerokl.services.runtime import ServerOptions, ServiceServer
 from zerokl.services.runtime.auth import AuthConfig

@@ -19,7 +19,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CONFIG, WEIGHTS, decode_server, offline, prompt
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import GenerateRequest, SamplingOptions
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
 from zerokl.services.inference.replica import Replica

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from zerokl.kernels import __version__ as numerics_version
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import GenerateResult, InferenceRequest

@@ -214,8 +214,8 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
 
     import torch
 
-    from zerokl.model import Model, ModelConfig
-    from zerokl.model.checkpoint import load_pretrained
+    from zerokl.kernels.model import Model, ModelConfig
+    from zerokl.kernels.model.checkpoint import load_pretrained
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.services.weightstore.client import WeightStoreClient
 

@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from zerokl.model import Model, ModelConfig
-from zerokl.model.tokenizer import CountdownTokenizer
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.rl.loop import RLConfig, StaleRolloutError, Task, _version_index, run_rl
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort, Sampled
 from zerokl.services.trainer.checkpointing import default_version

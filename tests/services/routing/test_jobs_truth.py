@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from zerokl.kernels import __version__ as numerics_version
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig, SamplingOptions
 from zerokl.services.inference import AsyncEngine, InferenceClient, Replica

@@ -21,7 +21,7 @@ import pytest
 import torch
 from conftest import CONFIG, WEIGHTS, numbers, offline, replica_server
 from kube_api_fake import FakeKubeAPI, endpoint_slice
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer

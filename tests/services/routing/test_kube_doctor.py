@@ -18,7 +18,7 @@ import torch
 from conftest import CONFIG, WEIGHTS, replica_server
 from kube_api_fake import FakeKubeAPI, config_map, pod
 from zerokl.kernels import __version__ as numerics_version
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 
 NS = "zerokl"
 RELEASE = "r1"

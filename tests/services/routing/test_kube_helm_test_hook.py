@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from conftest import replica_server, scheduler_server
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

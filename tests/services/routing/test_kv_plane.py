@@ -22,7 +22,7 @@ from conftest import CONFIG, numbers, offline
 from prometheus_client.parser import text_string_to_metric_families
 from test_scheduler_cli import _lines, _read_until, _reap
 
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 

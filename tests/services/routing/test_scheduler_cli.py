@@ -15,7 +15,7 @@ import pytest
 
 from conftest import numbers, offline
 from zerokl.kernels import fingerprint
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.types import SampleResult
 from zerokl.services.routing.registry import load_static_config

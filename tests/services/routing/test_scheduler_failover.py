@@ -28,7 +28,7 @@ from conftest import (
     stop,
     wait_listening,
 )
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.inference.types import GenerateResult

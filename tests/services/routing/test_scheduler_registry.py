@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from conftest import WEIGHTS, numbers, offline, replica_server, routed, scheduler_server
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.info import ServiceIdentity

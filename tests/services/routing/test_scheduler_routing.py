@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TOKENIZER, WEIGHTS, numbers, offline, prompt, replica_server, routed, scheduler_server
 from zerokl.kernels import fingerprint
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.errors import field_violations, status_details

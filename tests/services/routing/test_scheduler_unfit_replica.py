@@ -8,7 +8,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CONFIG, numbers, offline, replica_server, scheduler_server
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest, Replica
 from zerokl.services.inference.types import GenerateResult

@@ -17,7 +17,7 @@ import pytest
 from conftest import WEIGHTS, numbers, offline, prompt, replica_server, routed, scheduler_server, serve_decode, stop, \
     wait_listening
 from zerokl.kernels import __version__ as numerics_version
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.server import make_identity

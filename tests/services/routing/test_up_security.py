@@ -32,7 +32,7 @@ from cryptography.x509.oid import NameOID
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import fingerprint
-from zerokl.model import Model
+from zerokl.kernels.model import Model
 from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest

@@ -43,7 +43,7 @@ def _rollouts(seqs, logprobs):
 
 
 def _trainer():
-    from zerokl.model import Model, ModelConfig
+    from zerokl.kernels.model import Model, ModelConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     return Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=1e-3))
 
@@ -158,7 +158,7 @@ def test_sft_and_grpo_updates_match_one_process(runs, ref, world, layout):
 def test_updated_weights_serve_the_one_process_bits(runs, world, layout):
     """After the updates, the layout's logprobs are those of a one-device model holding the
     layout's own (gathered) weights: the sharded forward stays exact after training."""
-    from zerokl.model import Model, ModelConfig
+    from zerokl.kernels.model import Model, ModelConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     r = runs[world][0][layout]
     m = Model(ModelConfig.preset("tiny"), seed=0)
@@ -232,7 +232,7 @@ def test_served_group_survives_a_killed_rank_and_stays_on_policy(tmp_path):
     published version and an RL step on engine-sampled rollouts of it has KL exactly 0."""
     import asyncio
     import signal
-    from zerokl.model import Model
+    from zerokl.kernels.model import Model
     from zerokl.services.trainer.client import TrainerClient
     seqs = _data()
     want = _trainer().forward_logprobs(seqs)

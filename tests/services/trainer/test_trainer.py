@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
@@ -139,7 +139,7 @@ def test_a_step_that_makes_a_weight_non_finite_is_undone():
 
 @pytest.mark.parametrize("coef", [0.0, 1.0])
 def test_indexer_loss_coef_trains_the_indexer_only_when_set(coef):
-    """TrainConfig.indexer_loss_coef adds the indexer's KL loss (zerokl.model.indexer_loss): with
+    """TrainConfig.indexer_loss_coef adds the indexer's KL loss (zerokl.kernels.model.indexer_loss): with
     sequences longer than index_topk the indexer gets gradients; at the default 0 it gets none."""
     trainer = Trainer(Model(TINY.replace(num_hidden_layers=2), seed=2), TrainConfig(indexer_loss_coef=coef))
     rng = random.Random(3)

@@ -15,7 +15,7 @@ import torch
 
 from zerokl.kernels import device_name, use_backend
 from zerokl.kernels.backend import default_backend
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint

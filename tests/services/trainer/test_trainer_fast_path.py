@@ -21,7 +21,7 @@ import torch
 from zerokl.kernels import use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.sampling import sampling_logprobs
-from zerokl.model import Model, ModelConfig
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.losses import sft_loss
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
 

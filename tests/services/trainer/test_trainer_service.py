@@ -26,8 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import fingerprint
-from zerokl.model import Model, ModelConfig
-from zerokl.model.checkpoint import config_to_hf
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details

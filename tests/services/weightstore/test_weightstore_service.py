@@ -20,7 +20,7 @@ from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violat
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, Chunk, chunk_to_proto, make_chunk
 from zerokl.services.weightstore import VersionSpec, VersionStore, WeightStoreClient
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
-from zerokl.model.checkpoint import load_tensors
+from zerokl.kernels.model.checkpoint import load_tensors
 from zerokl.services.weightstore.server import backend_from_args, build_parser
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import weights_pb2, weights_pb2_grpc

@@ -6,8 +6,8 @@ sequences (prefilling or decoding) at random batch positions, shuffled KV pages.
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zerokl.model import ModelConfig
-from zerokl.model.verify import three_path_parity
+from zerokl.kernels.model import ModelConfig
+from zerokl.kernels.model.verify import three_path_parity
 
 
 def test_three_paths_give_identical_logits():
@@ -20,7 +20,7 @@ def test_three_paths_give_identical_logits():
 
 
 def test_three_paths_give_identical_logits_triton():
-    # On CPU this uses the interpreter-sized config (zerokl.model.verify.INTERPRETER_CONFIG).
+    # On CPU this uses the interpreter-sized config (zerokl.kernels.model.verify.INTERPRETER_CONFIG).
     cases, mismatches = three_path_parity("triton", 11, prompts=2)
     assert cases == 6 and mismatches == 0
 

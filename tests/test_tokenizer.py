@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from zerokl.model.tokenizer import CountdownTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from zerokl.tokenizer import CountdownTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from zerokl.tasks.countdown import format_demonstration, format_prompt, generate_problems
 
 

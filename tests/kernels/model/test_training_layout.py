@@ -12,10 +12,10 @@ if not torch.cuda.is_available():
 
 import pytest
 from zerokl.kernels import use_backend
-from zerokl.model import ModelConfig
-from zerokl.model.indexer_loss import attention_distribution, indexer_kl_loss, indexer_losses
-from zerokl.model.model import AttentionBatch, Model
-from zerokl.model.verify import INTERPRETER_CONFIG
+from zerokl.kernels.model import ModelConfig
+from zerokl.kernels.model.indexer_loss import attention_distribution, indexer_kl_loss, indexer_losses
+from zerokl.kernels.model.model import AttentionBatch, Model
+from zerokl.kernels.model.verify import INTERPRETER_CONFIG
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

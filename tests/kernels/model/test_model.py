@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from zerokl.model import Model, ModelConfig
-from zerokl.model.checkpoint import CheckpointError
-from zerokl.model.lora import apply_lora, lora_parameters, merge_lora, unmerge_lora
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.checkpoint import CheckpointError
+from zerokl.kernels.model.lora import apply_lora, lora_parameters, merge_lora, unmerge_lora
 
 TINY = ModelConfig.preset("tiny")
 

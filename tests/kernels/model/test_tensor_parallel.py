@@ -1,7 +1,7 @@
 """Tensor parallelism, exact: TP = 1, 2 and 4 give identical logits and logprobs.
 
 CPU processes joined by gloo on 127.0.0.1 (torch.multiprocessing spawn), torch backend.
-Each TP group runs one fixed workload (zerokl.model.verify.sharded_outputs): a trainer-style
+Each TP group runs one fixed workload (zerokl.kernels.model.verify.sharded_outputs): a trainer-style
 batched full forward, and prompts below and above index_topk through full forward, chunked
 prefill, a prefix-cache hit and decode, among random neighbour sequences in a shuffled paged
 cache. Every rank's result must equal the single-process (TP = 1) result bit for bit, in
@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from zerokl.kernels import ops, use_backend
-from zerokl.model import Model, ModelConfig
-from zerokl.model.parallel import MODES, apply_tensor_parallel, supported_tp_degrees
-from zerokl.model.verify import sharded_outputs
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.parallel import MODES, apply_tensor_parallel, supported_tp_degrees
+from zerokl.kernels.model.verify import sharded_outputs
 
 TINY = ModelConfig.preset("tiny")
 SEED = 5
@@ -166,7 +166,7 @@ def test_split_linear_partials_join_to_the_single_device_bits():
 
 
 def test_unsupported_layouts_are_refused():
-    from zerokl.model.parallel import _check
+    from zerokl.kernels.model.parallel import _check
     assert supported_tp_degrees() == (1, 2, 4)
     with pytest.raises(ValueError, match="does not divide REDUCTION_SPLITS"):
         _check(_model(torch.float32), 3, "exact")
