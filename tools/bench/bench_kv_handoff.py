@@ -1,6 +1,7 @@
 """The prefill -> decode KV handoff on loopback: what it adds to time-to-first-token, and who carries the bytes.
 
     python tools/bench/bench_kv_handoff.py [--preset tiny] [--lengths 128,256,511] [--repeats 15] [--out FILE]
+                                           [--device cuda --dtype bfloat16]
 
 Starts real services (``zerokl serve decode``, ``prefill``, ``scheduler``, one torch thread each) on
 127.0.0.1 and sends Generates of one token (``max_tokens=1``, greedy) through the scheduler, side by
@@ -30,6 +31,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,6 +58,8 @@ def _serve(service: str, *flags: str) -> tuple[subprocess.Popen, str]:
 
 def tcp_received(pid: int) -> int:
     """Bytes received so far on the open TCP sockets of process ``pid`` (``ss -tinp``)."""
+    if shutil.which("ss") is None:           # no iproute2 on this machine: the byte count is not reported
+        return 0
     out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout.splitlines()
     total, mine = 0, False
     for line in out:
@@ -100,11 +104,15 @@ def main() -> None:
     p.add_argument("--lengths", default="128,256,511", help="prompt lengths (comma-separated)")
     p.add_argument("--repeats", type=int, default=15, help="timed requests per length and arm")
     p.add_argument("--out", default=None, help="also write the results as JSON here")
+    p.add_argument("--device", default="cpu", help="the replicas' torch device: on cuda the KV goes device -> "
+                   "pinned host -> wire -> pinned host -> device")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the replicas' dtype")
     args = p.parse_args()
     config = ModelConfig.preset(args.preset)
     lengths = [int(x) for x in args.lengths.split(",")]
     model = ["--preset", args.preset, "--seed", "0", "--threads", "1", "--max-num-batched-tokens", "512",
-             "--num-blocks", "256"]
+             "--num-blocks", "256", "--device", args.device, "--dtype", args.dtype]
+    dtype_size = 2 if args.dtype == "bfloat16" else 4
     procs = []
     try:
         dec, daddr = _serve("decode", *model)
@@ -128,7 +136,7 @@ def main() -> None:
         rows = []
         for n in lengths:
             local, hand = arms["local"][n], arms["handoff"][n]
-            kv = kv_bytes(config, n - 1)
+            kv = kv_bytes(config, n - 1, dtype_size)
             added = hand["ttft_s"] - local["ttft_s"]
             added_min = hand["ttft_min_s"] - local["ttft_min_s"]
             rows.append({"prompt_tokens": n, "kv_bytes": kv, "ttft_local_ms": local["ttft_s"] * 1e3,
@@ -140,8 +148,9 @@ def main() -> None:
                          "effective_MB_s": kv / added / 1e6 if added > 0 else float("inf"),
                          "scheduler_tcp_KB_per_request_local": local["scheduler_read_bytes_per_request"] / 1e3,
                          "scheduler_tcp_KB_per_request_handoff": hand["scheduler_read_bytes_per_request"] / 1e3})
-        result = {"commit": commit(), "preset": args.preset, "repeats": args.repeats, "rows": rows}
-        print(f"commit {result['commit']}, preset {args.preset}, {args.repeats} requests per cell, medians "
+        result = {"commit": commit(), "preset": args.preset, "device": args.device, "dtype": args.dtype,
+                  "repeats": args.repeats, "rows": rows}
+        print(f"commit {result['commit']}, preset {args.preset}, {args.device} {args.dtype}, {args.repeats} requests per cell, medians "
               f"(fastest in brackets)")
         print(f"{'tokens':>6} {'KV KB':>8} {'local ms':>16} {'handoff ms':>16} {'added ms':>16} {'us/token':>9} "
               f"{'MB/s':>8} {'scheduler TCP KB/req (local, handoff)':>38}")
