@@ -33,6 +33,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def cpu_backend(monkeypatch):
+    """The backend a CPU-only machine defaults to (torch), also on a CUDA machine, whose default
+    is triton: for CPU-tier tests whose tensors live on the CPU. An environment variable, not
+    `use_backend`, so threads the test starts compute with it too."""
+    monkeypatch.setenv("ZEROKL_BACKEND", "torch")
+
+
 def _tree_sum_last(x: torch.Tensor) -> torch.Tensor:
     """A pairwise fp32 tree over the last dim by explicit slice additions (IEEE, any machine)."""
     while x.shape[-1] > 1:

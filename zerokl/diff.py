@@ -465,11 +465,11 @@ def run(args: argparse.Namespace) -> int:
     import grpc
 
     from zerokl.connect import client_security
-    if args.prompt_ids is None and args.prompt is None:
-        print("zerokl diff: give --prompt-ids or --prompt", file=sys.stderr)
-        return 2
     try:
         a, b = parse_side(args.a), parse_side(args.b)
+        if args.prompt_ids is None and args.prompt is None and "file" not in (a.kind, b.kind):
+            print("zerokl diff: give --prompt-ids or --prompt (a trace file carries its own)", file=sys.stderr)
+            return 2
         security = client_security(args, operator=True)
         sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
         report = asyncio.run(diff(a, b, args.prompt_ids, args.prompt, sampling, security, args.save))

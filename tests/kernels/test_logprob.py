@@ -76,6 +76,7 @@ def test_gradient_matches_the_unfused_path_and_is_deterministic(mode):
         assert all(torch.equal(x, r) for x, r in zip(whole, ref))
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_gradient_reaches_only_what_requires_it():
     _, hidden, targets, head, weights = _case()
     weights[0].requires_grad_(False)

@@ -48,12 +48,14 @@ def test_indexer_topk_zero_plateau_goes_to_lower_positions(backend):
     assert K.topk_positions(scores, pos, 8).tolist() == [[10, 11, 12, 13, 14, -1, -1, -1]]
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_greedy_ties_to_lowest_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
     tokens = K.sample(logits, SamplingParams.make(2, temperature=0.0)).tokens
     assert tokens.tolist() == [1, 0]
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_seeded_sample_independent_of_batch_slot_and_neighbours():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 500, generator=g) * 2
@@ -70,6 +72,7 @@ def test_seeded_sample_independent_of_batch_slot_and_neighbours():
         assert got[slot] == want[0] and torch.equal(got_lp[slot], want_lp[0])
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_different_seeds_differ_and_same_seed_repeats():
     logits = torch.zeros(64, 1000)                # uniform: the draw is all noise
     a = K.sample(logits, SamplingParams.make(64, seed=1, position=torch.arange(64))).tokens
@@ -79,6 +82,7 @@ def test_different_seeds_differ_and_same_seed_repeats():
     assert (a != b).sum() > 50
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_noise_is_uniform_enough():
     u = uniform_noise(torch.tensor([7]), torch.tensor([3]), 200000)[0]
     assert 0.0 < float(u.min()) and float(u.max()) < 1.0
@@ -87,6 +91,7 @@ def test_noise_is_uniform_enough():
     assert float(hist.min()) > 0.95 * 20000
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_filtered_distribution_is_top_k_then_top_p_renormalized():
     logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
     lp = K.filtered_logprobs(logits, SamplingParams.make(1, temperature=1.0, top_k=3, top_p=0.75))
@@ -100,6 +105,7 @@ def test_filtered_distribution_is_top_k_then_top_p_renormalized():
     assert torch.equal(tok_lp, K.sampling_logprobs(logits, tokens, SamplingParams.make(1, temperature=1.0, top_k=3, top_p=0.75)))
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_sampling_frequencies_follow_the_distribution():
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125])
     logits = torch.log(probs).expand(4000, 4)
@@ -118,6 +124,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TOP_CELL_HITS = [(261600, 12, 22), (280273, 12, 62), (425994, 14, 0), (484629, 14, 37), (526226, 14, 20)]
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_noise_stays_inside_the_open_interval_and_gumbel_is_finite():
     from zerokl.kernels.sampling import _cell_midpoint
     extremes = _cell_midpoint(torch.tensor([0, (1 << 32) - 1, (1 << 32) - 257], dtype=torch.int64))

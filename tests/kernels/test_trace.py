@@ -12,6 +12,8 @@ from zerokl.kernels.trace import MODEL_LAYER, Trace, recording, row_digests, tra
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.model import AttentionBatch, KVCache
 
+pytestmark = pytest.mark.usefixtures("cpu_backend")   # CPU tensors; the default backend of a CPU machine
+
 CONFIG = ModelConfig.preset("tiny")
 
 

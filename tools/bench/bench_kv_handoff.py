@@ -46,9 +46,13 @@ def commit() -> str:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
+LOGS: pathlib.Path | None = None     # --logs: each service's stderr goes to LOGS/<service>.log
+
+
 def _serve(service: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    err = open(LOGS / f"{service}.log", "a") if LOGS else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", service, "--port", "0", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
         if " listening on " in line:
@@ -107,7 +111,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="the replicas' torch device: on cuda the KV goes device -> "
                    "pinned host -> wire -> pinned host -> device")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the replicas' dtype")
+    p.add_argument("--logs", default=None, help="write each service's stderr to DIR/<service>.log")
     args = p.parse_args()
+    global LOGS
+    if args.logs:
+        LOGS = pathlib.Path(args.logs)
+        LOGS.mkdir(parents=True, exist_ok=True)
     config = ModelConfig.preset(args.preset)
     lengths = [int(x) for x in args.lengths.split(",")]
     model = ["--preset", args.preset, "--seed", "0", "--threads", "1", "--max-num-batched-tokens", "512",
@@ -128,6 +137,7 @@ def main() -> None:
             for n in lengths:
                 prompts = [tuple(rng.randrange(3, config.vocab_size) for _ in range(n))] * args.repeats
                 ttfts, received = asyncio.run(_ttfts(saddr, prompts, sched.pid))
+                print(f"{arm} {n} tokens: median TTFT {statistics.median(ttfts) * 1e3:.1f} ms", flush=True)
                 read = received / args.repeats
                 arms[arm][n] = {"ttft_s": statistics.median(ttfts), "ttft_min_s": min(ttfts),
                                 "scheduler_read_bytes_per_request": read}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.kernels.model.checkpoint import CheckpointError
+from zerokl.kernels.model.checkpoint import CheckpointError, transformers_config
 from zerokl.kernels.model.lora import apply_lora, lora_parameters, merge_lora, unmerge_lora
 
 TINY = ModelConfig.preset("tiny")
@@ -36,6 +36,7 @@ def test_presets_and_sizes():
         ModelConfig.preset("huge")
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_forward_shape_and_batch_rows_independent():
     m = _model()
     ids = _ids(3, 70)
@@ -44,6 +45,7 @@ def test_forward_shape_and_batch_rows_independent():
     assert torch.equal(m(ids[1:2])[0], logits[1])
 
 
+@pytest.mark.usefixtures("cpu_backend")
 @pytest.mark.parametrize("seq_len", [TINY.index_topk, 3 * TINY.index_topk])
 def test_matches_transformers_reference(tmp_path, seq_len):
     """Dense (seq <= index_topk) and sparse: a zerokl checkpoint in transformers' GlmMoeDsaForCausalLM."""
@@ -55,7 +57,9 @@ def test_matches_transformers_reference(tmp_path, seq_len):
     config = TINY.replace(index_n_heads=16)
     m = _model(1, config)
     m.save_pretrained(tmp_path)
-    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    # The config through transformers_config: releases name the attention layer type differently.
+    hf = transformers.GlmMoeDsaForCausalLM.from_pretrained(
+        tmp_path, config=transformers_config(config, torch.float32), dtype=torch.float32).eval()
     ids = _ids(2, seq_len, seed=5)
     with torch.no_grad():
         torch.testing.assert_close(m(ids), hf(ids).logits, rtol=1e-5, atol=2e-5)
@@ -105,6 +109,7 @@ def test_missing_extra_and_misshaped_tensors_are_named(tmp_path):
         Model.from_pretrained(tmp_path)
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_shared_indexer_layers_have_no_indexer_weights(tmp_path):
     config = TINY.replace(indexer_types=("full", "shared", "shared", "full"))
     m = _model(config=config)
@@ -139,6 +144,7 @@ def test_backward_is_deterministic(backend):
     assert all(torch.equal(a[n], b[n]) for n in a)
 
 
+@pytest.mark.usefixtures("cpu_backend")
 def test_lora_trains_adapters_only_and_merge_is_exact():
     m = _model(5)
     base = {n: p.detach().clone() for n, p in m.named_parameters()}
