@@ -401,16 +401,38 @@ def mla_attention_sequences(
     (positions [T]). Without `selection` each query attends its causal prefix; with
     `selection` [T, K] (ascending token slots, -1 padded) that list. Same bits as
     mla_attention over the explicit list."""
-    t = q_latent.shape[0]
-    if positions.shape != (t,) or kv_latent.shape[0] != t or k_rope.shape[0] != t \
-            or (selection is not None and selection.shape[0] != t):
-        raise ValueError(f"mla_attention_sequences: q_latent {tuple(q_latent.shape)}, positions "
-                         f"{tuple(positions.shape)}, kv_latent {tuple(kv_latent.shape)}: keys must be the T query tokens")
+    _check_sequences(q_latent, q_rope, kv_latent, k_rope, positions, selection)
     if get_backend() == "triton" and _needs_grad(q_latent, q_rope, kv_latent, k_rope):
         return _MLAttentionGrad.apply(q_latent, q_rope, kv_latent, k_rope, selection, positions, float(scale))
     if selection is None:
         return _call("mla_attention_sequences", q_latent, q_rope, kv_latent, k_rope, positions, float(scale))
     return _call("mla_attention_sequences", q_latent, q_rope, kv_latent, k_rope, positions, float(scale), selection)
+
+
+def _check_sequences(q_latent, q_rope, kv_latent, k_rope, positions, selection) -> None:
+    """mla_attention_sequences' argument checks, the only ones: every backend assumes them."""
+    op = "mla_attention_sequences"
+    floats = (q_latent, q_rope, kv_latent, k_rope)
+    if [x.dim() for x in floats] != [3, 3, 2, 2]:
+        raise ValueError(f"{op}: q_latent, q_rope must be [T, H, R], [T, H, P] and kv_latent, k_rope [T, R], [T, P], "
+                         f"got {[tuple(x.shape) for x in floats]}")
+    t, h, r = q_latent.shape
+    p = q_rope.shape[2]
+    if q_rope.shape[:2] != (t, h) or tuple(kv_latent.shape) != (t, r) or tuple(k_rope.shape) != (t, p):
+        raise ValueError(f"{op}: q_latent {tuple(q_latent.shape)}, q_rope {tuple(q_rope.shape)}, kv_latent "
+                         f"{tuple(kv_latent.shape)}, k_rope {tuple(k_rope.shape)}: the keys are the T query tokens")
+    dtypes = {x.dtype for x in floats}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+        raise ValueError(f"{op}: q_latent, q_rope, kv_latent and k_rope must share one dtype (float32, bfloat16 "
+                         f"or float16), got {[x.dtype for x in floats]}")
+    for name, x, ndim in (("positions", positions, 1), ("selection", selection, 2)):
+        if x is not None and (x.dtype not in (torch.int32, torch.int64) or x.dim() != ndim or x.shape[0] != t):
+            raise ValueError(f"{op}: {name} must be int32/int64 with {ndim} dim(s) and T = {t} rows, "
+                             f"got {x.dtype} {tuple(x.shape)}")
+    # Sequences are packed from position 0, so position <= token index (not checked on CUDA: a sync).
+    if selection is None and positions.device.type != "cuda" and t \
+            and bool((positions > torch.arange(t, device=positions.device)).any()):
+        raise ValueError(f"{op}: a position exceeds its token index (sequences must start at position 0)")
 
 
 class _MLAttentionGrad(torch.autograd.Function):

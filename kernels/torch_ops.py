@@ -197,6 +197,7 @@ def mla_attention_sequences(
     list is built per query chunk (at most [chunk, L]), never for all T: same bits as
     mla_attention over the full [T, L] list, since queries are independent.
     """
+    # Arguments checked by ops.mla_attention_sequences (the public op).
     if selection is not None:
         return mla_attention(q_latent, q_rope, kv_latent, k_rope, selection, scale)
     t = q_latent.shape[0]

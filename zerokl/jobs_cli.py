@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 from typing import Callable
 
 __all__ = ["add_arguments", "run"]

@@ -165,18 +165,10 @@ def mla_attention_sequences(
     padded: the sparse rows' indexer choice) that is the key list. Bits equal mla_attention's
     over the explicit list.
     """
-    op = "mla_attention_sequences"
-    _check(op, q_latent, q_rope, kv_latent, k_rope)
-    check_index(op, "positions", positions, ndim=1)
-    t = q_latent.shape[0]
-    if positions.shape[0] != t or kv_latent.shape[0] != t:
-        raise ValueError(f"{op}: positions {tuple(positions.shape)} and kv_latent {tuple(kv_latent.shape)} "
-                         f"must have T = {t} rows (the keys are the query tokens)")
+    # Arguments checked by ops.mla_attention_sequences (the public op); here only the launch guard.
     if selection is not None:
         return mla_attention(q_latent, q_rope, kv_latent, k_rope, selection, scale, block_h, num_warps, return_lse)
-    check_launchable(op, _mla_attention_kernel, q_latent, q_rope, kv_latent, k_rope, positions)
-    if positions.device.type != "cuda" and t and bool((positions > torch.arange(t)).any()):
-        raise ValueError(f"{op}: a position exceeds its token index (sequences must start at position 0)")
+    check_launchable("mla_attention_sequences", _mla_attention_kernel, q_latent, q_rope, kv_latent, k_rope, positions)
     return _launch(q_latent, q_rope, kv_latent, k_rope, None, None, positions.contiguous(),
                    scale, block_h, num_warps, return_lse)
 

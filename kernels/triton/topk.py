@@ -36,7 +36,6 @@ TOPK_MAX_CHUNK = 4096  # entries sorted by one program (raised to 2*next_pow2(k)
 # Compiled kernels may sort with tl.sort instead of _sort_ascending (the interpreter runs tl.sort's
 # xor-reduction in Python, ~10x slower). Sorting integers has one answer, so either gives the same bits.
 TOPK_USE_TL_SORT = True
-_INT64_MAX = 2**63 - 1
 
 
 @triton.jit

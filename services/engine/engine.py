@@ -266,13 +266,7 @@ class Engine:
             if not good:
                 self._fail(s, ValueError("the logits have no sampling distribution (NaN or +inf, or none finite)"))
                 continue
-            s.token_ids.append(tok)
-            s.output_logprobs.append(lp)
-            self.stats["generation_tokens"] += 1
-            try:        # detokenizing and stop strings: per request
-                out.append(self._after_token(s, tok, lp))
-            except Exception as err:  # noqa: BLE001
-                self._fail(s, err)
+            self._accept(s, tok, lp, out)
         return out
 
     def _forward(self, work: list[tuple[_Sample, int]]) -> dict[tuple[int, int], torch.Tensor]:
@@ -399,13 +393,7 @@ class Engine:
             if s.state is _State.FINISHED:
                 continue
             tok, lp = drawn[id(s)]
-            s.token_ids.append(tok)
-            s.output_logprobs.append(lp)
-            self.stats["generation_tokens"] += 1
-            try:        # detokenizing and stop strings: per request
-                out.append(self._after_token(s, tok, lp))
-            except Exception as err:  # noqa: BLE001
-                self._fail(s, err)
+            self._accept(s, tok, lp, out)
         return out
 
     @staticmethod
@@ -439,6 +427,17 @@ class Engine:
         family = [s, *children]
         self._by_request[s.request.request_id] = family
         return family
+
+    def _accept(self, s: _Sample, tok: int, lp: float, out: list[SampleOutput]) -> None:
+        """Append a drawn token and its logprob to ``s`` and its output (detokenized, stops
+        checked) to ``out``; the decode path and the general path both end here."""
+        s.token_ids.append(tok)
+        s.output_logprobs.append(lp)
+        self.stats["generation_tokens"] += 1
+        try:        # detokenizing and stop strings: per request
+            out.append(self._after_token(s, tok, lp))
+        except Exception as err:  # noqa: BLE001
+            self._fail(s, err)
 
     def _after_token(self, s: _Sample, tok: int, lp: float) -> SampleOutput:
         o, mc = s.opts, self.model.config

@@ -27,7 +27,6 @@ __all__ = [
     "request_to_proto",
     "request_from_proto",
     "score_request_to_proto",
-    "score_request_from_proto",
     "score_trace_from_proto",
     "delta_to_proto",
     "delta_from_proto",
@@ -107,8 +106,9 @@ def request_to_proto(r: InferenceRequest) -> inference_pb2.GenerateRequest:
     return msg
 
 
-def request_from_proto(msg: inference_pb2.GenerateRequest) -> InferenceRequest:
-    """``zerokl.v1.GenerateRequest`` -> InferenceRequest (no prompt at all leaves both fields None)."""
+def request_from_proto(msg: inference_pb2.GenerateRequest | inference_pb2.ScoreRequest) -> InferenceRequest:
+    """``zerokl.v1.GenerateRequest`` or ``ScoreRequest`` (the same fields) -> InferenceRequest
+    (no prompt at all leaves both fields None)."""
     ids, text = _get_prompt(msg)
     return InferenceRequest(ids, text, sampling_from_proto(msg.sampling), msg.request_id, msg.weights_version,
                             msg.numerics_fingerprint)
@@ -122,13 +122,6 @@ def score_request_to_proto(r: InferenceRequest) -> inference_pb2.ScoreRequest:
                                               top_k=r.options.top_k))
     _set_prompt(msg, r)
     return msg
-
-
-def score_request_from_proto(msg: inference_pb2.ScoreRequest) -> InferenceRequest:
-    """``zerokl.v1.ScoreRequest`` -> InferenceRequest."""
-    ids, text = _get_prompt(msg)
-    return InferenceRequest(ids, text, sampling_from_proto(msg.sampling), msg.request_id, msg.weights_version,
-                            msg.numerics_fingerprint)
 
 
 def score_trace_from_proto(msg: inference_pb2.ScoreRequest) -> tuple[str, ...] | None:

@@ -75,7 +75,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         capture = convert.score_trace_from_proto(request)
         if capture is not None:
             require_operator("a Score with a trace")
-        scored = convert.score_request_from_proto(request)
+        scored = convert.request_from_proto(request)
         if capture is not None and not hasattr(self._backend, "trace"):
             raise FailedPrecondition("this service does not trace: ask a replica (or the trainer) directly")
         result = await self._backend.score(scored)

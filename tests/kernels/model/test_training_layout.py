@@ -111,3 +111,32 @@ def test_no_indexer_loss_without_request_or_gradient():
             model(ids[:, :20])                                   # every row <= index_topk: nothing to train
         assert losses == []
     assert all(m.self_attn.indexer_losses is None for m in model.layers)
+
+
+@pytest.mark.parametrize("backend", ["torch", "stock", "triton"])
+def test_sequences_arguments_are_checked_by_the_public_op(backend):
+    """ops.mla_attention_sequences checks its arguments once, for every backend (the backends
+    assume checked inputs): the same error whichever backend is active."""
+    from zerokl.kernels import ops
+    t, h, r, p = 4, 2, 16, 16
+    ql, qr = torch.zeros(t, h, r, device=DEVICE), torch.zeros(t, h, p, device=DEVICE)
+    kv, kr = torch.zeros(t, r, device=DEVICE), torch.zeros(t, p, device=DEVICE)
+    pos = torch.tensor([0, 1, 0, 1], device=DEVICE)
+    bad = [
+        ((ql, qr, kv[:3], kr, pos), "the keys are the T query tokens"),
+        ((ql, qr[:, :1], kv, kr, pos), "the keys are the T query tokens"),
+        ((ql, qr, kv, kr[:, :8], pos), "the keys are the T query tokens"),
+        ((ql[0], qr, kv, kr, pos), r"must be \[T, H, R\]"),
+        ((ql, qr, kv.double(), kr, pos), "share one dtype"),
+        ((ql, qr, kv, kr, pos.float()), "positions must be int32/int64"),
+        ((ql, qr, kv, kr, pos[:3]), "positions must be int32/int64"),
+    ]
+    if DEVICE == "cpu":
+        bad.append(((ql, qr, kv, kr, torch.tensor([0, 1, 2, 4])), "exceeds its token index"))
+    with use_backend(backend):
+        for args, message in bad:
+            with pytest.raises(ValueError, match=message):
+                ops.mla_attention_sequences(*args, 1.0)
+        with pytest.raises(ValueError, match="selection must be int32/int64"):
+            ops.mla_attention_sequences(ql, qr, kv, kr, pos, 1.0, torch.zeros(3, 2, dtype=torch.long, device=DEVICE))
+        assert ops.mla_attention_sequences(ql, qr, kv, kr, pos, 1.0).shape == (t, h, r)   # the valid call runs
