@@ -1,7 +1,8 @@
 """The distributed trainer (FSDP2 x TP x EP on gloo) against the one-process trainer and the engine.
 
-One spawned world per size (4, then 2) runs every layout of that size in turn: each rank is
-`python this_file RANK WORLD PORT OUT` and writes what it saw to OUT; the tests read it.
+One spawned group of 4 processes (`python this_file RANK PORT4 PORT2 OUT`) runs every layout
+of world 4 in turn, then its ranks 0 and 1 form a world of 2 and run those layouts; each
+writes what it saw to OUT, the tests read it.
 Per layout: forward logprobs torch.equal to the one-process trainer's and to the inference
 engine's behaviour logprobs; a GRPO step on engine-sampled rollouts (on-policy: KL exactly 0)
 then an SFT step, whose updated weights equal the one-process updates within UPDATE_ATOL (the
@@ -96,41 +97,45 @@ def _run(t, seqs, rollouts) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, out: str) -> None:
+def _run_world(world: int, rank: int, port: int, out: str, seqs, rollouts) -> dict:
+    """Every layout of `world` ranks in turn; world 4 saves a sharded checkpoint at SAVE_LAYOUT,
+    world 2 then loads it at each of its layouts."""
     import torch.distributed as dist
     from zerokl.services.trainer.checkpointing import load_sharded, save_sharded
     from zerokl.services.trainer.distributed import DistributedTrainer, Layout, ParallelGroup
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    seqs, rollouts = _data(), torch.load(os.path.join(out, "..", "rollouts.pt"), weights_only=False)
-    results = {}
+    ckpt, results = os.path.join(out, "ckpt"), {}
     for layout in LAYOUTS[world]:
         dt = DistributedTrainer(_trainer(), ParallelGroup(Layout(*layout), torch.device("cpu")))
         results[layout] = r = _run(dt, seqs, rollouts)
         if world == 4 and layout == SAVE_LAYOUT:
-            save_sharded(dt, os.path.join(out, "ckpt"))
+            save_sharded(dt, ckpt)
             r["opt"] = dt.full_optimizer_state()
-    saved = os.path.join(out, "..", "w4", "ckpt")
-    if world == 2 and os.path.exists(saved):
+    if world == 2:
         for layout in LAYOUTS[2]:
             dt = DistributedTrainer(_trainer(), ParallelGroup(Layout(*layout), torch.device("cpu")))
-            load_sharded(dt, saved)
+            load_sharded(dt, ckpt)
             results[("loaded", *layout)] = {"lp": dt.forward_logprobs(seqs), "w": dt.full_state_dict(),
                                             "opt": dt.full_optimizer_state(), "step": dt.step}
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
+    return results
 
 
-def _spawn(world: int, out: str) -> None:
+def worker(rank: int, port4: int, port2: int, out: str) -> None:
+    """One process of the spawned group: rank `rank` of the world-4 run, then (ranks 0 and 1)
+    of a world-2 run in the same process (a new default group: no second start-up)."""
+    torch.set_num_threads(1)
+    seqs, rollouts = _data(), torch.load(os.path.join(out, "rollouts.pt"), weights_only=False)
+    results = {4: _run_world(4, rank, port4, out, seqs, rollouts)}
+    if rank < 2:
+        results[2] = _run_world(2, rank, port2, out, seqs, rollouts)
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.makedirs(out, exist_ok=True)
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), out], env=env)
-             for r in range(world)]
-    codes = [p.wait(timeout=600) for p in procs]
-    assert codes == [0] * world, f"ranks exited with {codes}"
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +145,20 @@ def rollouts():
 
 @pytest.fixture(scope="module")
 def runs(rollouts):
-    with tempfile.TemporaryDirectory(prefix="zerokl-dist-") as tmp:
-        torch.save(rollouts, os.path.join(tmp, "rollouts.pt"))
-        _spawn(4, os.path.join(tmp, "w4"))
-        _spawn(2, os.path.join(tmp, "w2"))
-        yield {w: [torch.load(os.path.join(tmp, f"w{w}", f"rank{r}.pt"), weights_only=False) for r in range(w)]
-               for w in (2, 4)}
+    """{world: [rank 0's results, rank 1's, ...]} from one spawned group of 4 processes."""
+    with tempfile.TemporaryDirectory(prefix="zerokl-dist-") as out:
+        torch.save(rollouts, os.path.join(out, "rollouts.pt"))
+        ports = [str(_free_port()), str(_free_port())]
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen([sys.executable, __file__, str(r), *ports, out], env=env) for r in range(4)]
+        try:
+            codes = [p.wait(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert codes == [0] * 4, f"ranks exited with {codes}"
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(4)]
+    yield {4: [r[4] for r in ranks], 2: [r[2] for r in ranks[:2]]}
 
 
 @pytest.fixture(scope="module")
