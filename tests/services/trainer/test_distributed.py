@@ -326,32 +326,14 @@ def test_lora_and_kl_reference_are_refused_under_parallel_flags(flags, capsys):
 
 
 @pytest.mark.slow
-def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path):
+def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path, zerokl_up):
     """`zerokl up --trainer-flag=--dp=2`: the Jobs API is unchanged, and an RL job's every step
     reports the exact train/inference KL 0.0 (TP = 1 replicas sample, the dp = 2 trainer scores)."""
     import asyncio
-    import json
-    import signal
-    import time
     from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
-    workdir = tmp_path / "up"
-    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--trainer-flag=--dp=2", "--trainer-flag=--ep=2",
-                             "--trainer-flag=--run=dist"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, "zerokl up exited"
-            state = workdir / "up.json"
-            if state.exists():
-                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-                if all(s["status"] == "SERVING" for s in services.values()):
-                    break
-            assert time.monotonic() < deadline, "the services did not come up"
-            time.sleep(0.25)
-
+    flags = ("--trainer-flag=--dp=2", "--trainer-flag=--ep=2", "--trainer-flag=--run=dist")
+    with zerokl_up(tmp_path / "up", *flags, timeout=240) as services:
         async def job():
             async with JobsClient(services["scheduler"]["address"]) as jobs:
                 spec = RLJobSpec(2, countdown=CountdownTask(seed=0), prompts_per_step=2, group_size=4,
@@ -359,13 +341,10 @@ def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path):
                 submitted = await jobs.submit(spec, "dp2 grpo")
                 return [ev async for ev in jobs.watch(submitted.job_id)]
         events = asyncio.run(job())
-        assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
-        steps = [ev for ev in events if ev.step is not None]
-        assert len(steps) == 2
-        assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0 for ev in steps)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+    assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+    steps = [ev for ev in events if ev.step is not None]
+    assert len(steps) == 2
+    assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0 for ev in steps)
 
 
 if __name__ == "__main__":
