@@ -12,7 +12,9 @@ world-4 run at one layout is loaded by the world-2 run at its layouts, with the 
 Layouts, each for a path no other covers: dp2 (FSDP over blocks holding the experts), tp2 (the
 TP backward, experts split over TP), dp2 x ep2 (all-to-all dispatch, experts outside FSDP),
 dp2 x tp2 x ep2 (dispatch with each EP rank's experts split over TP, FSDP over TP shards),
-dp4 x ep2 (four-way FSDP; the experts' dp / ep replicas all-reduce their gradients).
+dp4 x ep2 (four-way FSDP; the experts' dp / ep replicas all-reduce their gradients). The
+dp2 x tp2 x ep2 trainer also recomputes its blocks' activations in the backward (activation
+checkpointing inside FSDP units); the one-process reference does not.
 The model is the tiny preset cut to its smallest shapes that still run every path: one dense
 and one MoE block, index_topk below the sequence lengths (the sparse attention rows).
 """
@@ -33,6 +35,7 @@ UPDATE_ATOL = 5e-5
 
 LAYOUTS = {2: [(2, 1, 1), (1, 2, 1), (2, 1, 2)], 4: [(2, 2, 2), (4, 1, 2)]}
 SAVE_LAYOUT = (2, 2, 2)            # world 4 saves here; world 2 loads at each of its layouts
+CHECKPOINTED = {(2, 2, 2)}         # layouts whose trainer recomputes block activations in the backward
 GROUP = 4                          # engine samples per prompt (the GRPO group)
 
 
@@ -80,9 +83,9 @@ def _engine_rollouts(model, version: str = "", prompts: int = 2):
     return rollouts
 
 
-def _trainer():
+def _trainer(activation_checkpointing: bool = False):
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
-    return Trainer(_model(), TrainConfig(lr=1e-3))
+    return Trainer(_model(), TrainConfig(lr=1e-3, activation_checkpointing=activation_checkpointing))
 
 
 def _run(t, seqs, rollouts) -> dict:
@@ -106,7 +109,7 @@ def _run_world(world: int, rank: int, port: int, out: str, seqs, rollouts) -> di
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ckpt, results = os.path.join(out, "ckpt"), {}
     for layout in LAYOUTS[world]:
-        dt = DistributedTrainer(_trainer(), ParallelGroup(Layout(*layout), torch.device("cpu")))
+        dt = DistributedTrainer(_trainer(layout in CHECKPOINTED), ParallelGroup(Layout(*layout), torch.device("cpu")))
         results[layout] = r = _run(dt, seqs, rollouts)
         if world == 4 and layout == SAVE_LAYOUT:
             save_sharded(dt, ckpt)
