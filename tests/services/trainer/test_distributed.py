@@ -41,7 +41,7 @@ GROUP = 4                          # engine samples per prompt (the GRPO group)
 
 def _config():
     from zerokl.kernels.model import ModelConfig
-    # Sequences of 9-30 tokens against index_topk = 8: dense and sparse attention rows.
+    # Sequences of 9-21 tokens against index_topk = 8: dense and sparse attention rows.
     return ModelConfig.preset("tiny").replace(num_hidden_layers=2, index_topk=8, max_position_embeddings=64)
 
 
