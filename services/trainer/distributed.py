@@ -18,7 +18,7 @@ group whose members dispatch tokens to each other's experts by all-to-all
   gradients and AdamW state sharded; the forward all-gathers the weights (bytes only), so its
   bits are unchanged. Experts of a DispatchMoE are ignored by FSDP (already split by EP; the
   dp / ep replicas of one EP shard all-reduce their gradients).
-* Gradients: each data rank scales dL/dlogits by dp times its share of the batch's units
+* Gradients: each data rank scales its loss by dp times its share of the batch's units
   (tokens for SFT and PPO, pairs for DPO) and FSDP averages over the dp ranks (experts under
   EP: their replicas' sum over dp here), so the update is the one-process one up to the order
   of the sums (not bitwise: docs/scale.md gives the tolerance).
@@ -200,8 +200,6 @@ class DistributedTrainer:
         self.trainer.step, self.trainer.tokens_seen = trainer.step, trainer.tokens_seen
         self._params = dict(model.named_parameters())
         self._load_optimizer_state({n: {k: v for k, v in s.items()} for n, s in full_opt.items()})
-        self._scale: float | None = None
-        model.register_forward_hook(self._scale_hook)
 
     # ------------------------------------------------------------------ setup
 
@@ -216,14 +214,9 @@ class DistributedTrainer:
         fully_shard(model.norm, mesh=self.group.dp_mesh)
         fully_shard(model.lm_head, mesh=self.group.dp_mesh)
         # FSDP averages gradients over the dp ranks (a pre-divide by dp, then a sum: gloo has no
-        # pre-multiplied sum); each rank's dL/dlogits is pre-scaled by dp * its share of the batch.
+        # pre-multiplied sum); each rank's loss is pre-scaled by dp * its share of the batch.
         fully_shard(model, mesh=self.group.dp_mesh, ignored_params=ignored or None)
         register_fsdp_forward_method(model, "hidden_states")
-
-    def _scale_hook(self, module, inputs, out):
-        if self._scale is not None and isinstance(out, torch.Tensor) and out.requires_grad:
-            scale = self._scale
-            out.register_hook(lambda g: g * scale)
 
     @property
     def step(self) -> int:
@@ -359,13 +352,12 @@ class DistributedTrainer:
             units = [float(len(s.completion_ids)) for s in seqs]
         total = sum(units)
         fsdp = self.layout.dp if self.layout.dp > 1 else 1
-        self._scale = fsdp * sum(units[share]) / total if total else 0.0
+        # The loss (a mean over this rank's units) weighted by dp * its share of the batch's units:
+        # FSDP's average over the dp ranks is then the one-process batch mean's gradient.
+        scale = fsdp * sum(units[share]) / total if total else 0.0
         if "advantages" in kw:
             kw = dict(kw, advantages=kw["advantages"][share])
-        try:
-            m = self.trainer.forward_backward(method, items[share], **kw)
-        finally:
-            self._scale = None
+        m = self.trainer.forward_backward(method, items[share], loss_scale=scale, **kw)
         for name in sorted(self.experts):           # EP experts: outside FSDP, so its average is done here
             g = self._params[name].grad
             if g is not None:

@@ -182,8 +182,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ low-level steps
 
-    def forward_backward(self, method: str, batch_items: Sequence, **kw) -> dict:
-        """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics."""
+    def forward_backward(self, method: str, batch_items: Sequence, *, loss_scale: float = 1.0, **kw) -> dict:
+        """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics.
+
+        loss_scale multiplies the loss before the backward (not the reported metrics): the
+        distributed trainer weights each data rank's share of a batch with it."""
         start = time.perf_counter()
         self.model.train()
         coef = self.config.indexer_loss_coef
@@ -201,7 +204,7 @@ class Trainer:
                 raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
         if indexer_kl:                              # the indexer's own loss (zerokl.kernels.model.indexer_loss)
             loss = loss + coef * torch.stack(indexer_kl).mean()
-        loss.backward()
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         self.tokens_seen += tokens
         metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)

@@ -23,7 +23,10 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.parallel import MODES, apply_tensor_parallel, supported_tp_degrees
 from zerokl.kernels.model.verify import sharded_outputs
 
-TINY = ModelConfig.preset("tiny")
+# The tiny preset at its smallest shapes that still run every path: a dense and a MoE block,
+# prompts below and above index_topk (dense and sparse attention rows), decode steps of a few
+# dozen tokens instead of a hundred (the workload's cost is its decode steps times layers).
+TINY = ModelConfig.preset("tiny").replace(num_hidden_layers=2, index_topk=8, max_position_embeddings=64)
 SEED = 5
 DEGREES = (2, 4)
 
@@ -72,7 +75,7 @@ def _gradients(m: Model) -> dict[str, torch.Tensor]:
     """Logits of a training batch and the gradients of a token-level loss through them."""
     for p in m.parameters():
         p.requires_grad_(True)
-    tokens = torch.randint(0, TINY.vocab_size, (2, 40), generator=torch.Generator().manual_seed(SEED))
+    tokens = torch.randint(0, TINY.vocab_size, (2, 24), generator=torch.Generator().manual_seed(SEED))
     logits = m(tokens)
     loss = ops.log_softmax(logits.reshape(-1, TINY.vocab_size)).gather(1, tokens.reshape(-1, 1)).sum()
     loss.backward()
@@ -80,14 +83,19 @@ def _gradients(m: Model) -> dict[str, torch.Tensor]:
     return {"train/logits": logits.detach(), **{f"grad/{k}": params[k].grad.detach().clone() for k in GRADIENTS}}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank: int, ports: dict[int, int], out_dir: str) -> None:
+    """One process of the spawned group: rank `rank` of TP = 4, then (ranks 0 and 1) of TP = 2
+    in a new default group (the same processes: no second start-up)."""
     torch.set_num_threads(1)      # world processes share the CI machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        torch.save(_workload(sharded=True), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    for world in sorted(ports, reverse=True):
+        if rank >= world:
+            break
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[world]}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        try:
+            torch.save(_workload(sharded=True), os.path.join(out_dir, f"tp{world}-rank{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -98,12 +106,13 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict[str, torch.Tensor]]]:
-    """{tp: [rank 0 results, rank 1 results, ...]}, with tp = 1 computed in this process."""
+    """{tp: [rank 0 results, rank 1 results, ...]}, with tp = 1 computed in this process and
+    every TP > 1 degree by one spawned group of max(DEGREES) processes."""
     out = {1: [_workload(sharded=False)]}
+    d = tmp_path_factory.mktemp("tp")
+    mp.spawn(_worker, args=({w: _free_port() for w in DEGREES}, str(d)), nprocs=max(DEGREES), join=True)
     for world in DEGREES:
-        d = tmp_path_factory.mktemp(f"tp{world}")
-        mp.spawn(_worker, args=(world, _free_port(), str(d)), nprocs=world, join=True)
-        out[world] = [torch.load(d / f"rank{r}.pt") for r in range(world)]
+        out[world] = [torch.load(d / f"tp{world}-rank{r}.pt") for r in range(world)]
     return out
 
 

@@ -14,7 +14,6 @@ import math
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import grpc.aio
@@ -39,28 +38,10 @@ TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):  # noqa: ANN001, ANN201
+def cluster(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
     """`zerokl up` (weight store, decode, prefill, trainer, scheduler); yields the scheduler's address."""
-    workdir = tmp_path_factory.mktemp("jobs-up")
-    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--trainer-flag=--lr=3e-3",
-                             "--trainer-flag=--run=jobs"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "zerokl up exited"
-            state = workdir / "up.json"
-            if state.exists():
-                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-                if all(s["status"] == "SERVING" for s in services.values()):
-                    break
-            assert time.monotonic() < deadline, "the services did not come up"
-            time.sleep(0.25)
+    with zerokl_up(tmp_path_factory.mktemp("jobs-up"), "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=jobs") as services:
         yield services["scheduler"]["address"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 async def _events(client: JobsClient, job_id: str) -> list:
@@ -205,7 +186,7 @@ def test_the_jobs_command_line(cluster: str) -> None:
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
 
 
-def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path) -> None:
+def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:
     """SIGKILL the trainer mid-SFT-job and start it again on the same port: the job waits, continues from
     the trainer's newest published step, reports each step once, and the final weights equal (torch.equal) an
     uninterrupted in-process Trainer fed the same batches from the same start."""
@@ -219,67 +200,53 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.services.weightstore.client import WeightStoreClient
 
-    workdir = tmp_path / "up"
-    up = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                           "--threads", "1", "--grace", "2", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=crash"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     restarted = None
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            state = workdir / "up.json"
-            if state.exists():
-                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-                if all(s["status"] == "SERVING" for s in services.values()):
-                    break
-            assert time.monotonic() < deadline and up.poll() is None
-            time.sleep(0.25)
-        trainer, store = services["trainer"], services["weight-store"]["address"]
-        prompts = [(1, 5 + i, 7, 9, 11 + i) for i in range(16)]
-        examples = tuple(Completion(p, (20 + i % 5, 21, 22, 2)) for i, p in enumerate(prompts))
-        steps, batch, seed = 12, 4, 7
+    with zerokl_up(tmp_path / "up", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=crash") as services:
+        try:
+            trainer, store = services["trainer"], services["weight-store"]["address"]
+            prompts = [(1, 5 + i, 7, 9, 11 + i) for i in range(16)]
+            examples = tuple(Completion(p, (20 + i % 5, 21, 22, 2)) for i, p in enumerate(prompts))
+            steps, batch, seed = 12, 4, 7
 
-        async def main() -> str:
-            nonlocal restarted
-            async with JobsClient(services["scheduler"]["address"]) as jobs:
-                job = await jobs.submit(SFTJobSpec(steps=steps, examples=examples, batch_size=batch, publish_every=2,
-                                                   seed=seed), "crash")
-                seen = []
-                async for ev in jobs.watch(job.job_id):
-                    if ev.step is not None:
-                        seen.append(ev.step)
-                        if ev.step == 3 and restarted is None:
-                            os.kill(trainer["pid"], signal.SIGKILL)
-                            await asyncio.sleep(1.0)
-                            port = trainer["address"].rsplit(":", 1)[1]
-                            restarted = subprocess.Popen(
-                                [sys.executable, "-m", "zerokl", "serve", "trainer", "--weight-store", store, "--init",
-                                 "1", "--threads", "1", "--port", port, "--replica-id", "trainer", "--lr=3e-3",
-                                 "--run=crash"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    last = ev
-                assert last.status.state is JobState.SUCCEEDED, last.status.error
-                assert last.status.step == steps and seen[-1] == steps
-                # Step 3 is redone after the restart (the trainer resumed from step 2): watchers see it once.
-                assert restarted is not None and seen == list(range(1, steps + 1))
-                return last.status.weights_version
+            async def main() -> str:
+                nonlocal restarted
+                async with JobsClient(services["scheduler"]["address"]) as jobs:
+                    job = await jobs.submit(SFTJobSpec(steps=steps, examples=examples, batch_size=batch, publish_every=2,
+                                                       seed=seed), "crash")
+                    seen = []
+                    async for ev in jobs.watch(job.job_id):
+                        if ev.step is not None:
+                            seen.append(ev.step)
+                            if ev.step == 3 and restarted is None:
+                                os.kill(trainer["pid"], signal.SIGKILL)
+                                await asyncio.sleep(1.0)
+                                port = trainer["address"].rsplit(":", 1)[1]
+                                restarted = subprocess.Popen(
+                                    [sys.executable, "-m", "zerokl", "serve", "trainer", "--weight-store", store, "--init",
+                                     "1", "--threads", "1", "--port", port, "--replica-id", "trainer", "--lr=3e-3",
+                                     "--run=crash"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        last = ev
+                    assert last.status.state is JobState.SUCCEEDED, last.status.error
+                    assert last.status.step == steps and seen[-1] == steps
+                    # Step 3 is redone after the restart (the trainer resumed from step 2): watchers see it once.
+                    assert restarted is not None and seen == list(range(1, steps + 1))
+                    return last.status.weights_version
 
-        final = asyncio.run(main())
+            final = asyncio.run(main())
 
-        async def fetch() -> None:
-            async with WeightStoreClient(store) as client:
-                await client.fetch(final, tmp_path / "final", serving_only=True)
-        asyncio.run(fetch())
-        served = load_pretrained(tmp_path / "final").state_dict()
+            async def fetch() -> None:
+                async with WeightStoreClient(store) as client:
+                    await client.fetch(final, tmp_path / "final", serving_only=True)
+            asyncio.run(fetch())
+            served = load_pretrained(tmp_path / "final").state_dict()
 
-        reference = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
-        for step in range(steps):
-            reference.sft_step(random.Random(f"{seed}:{step}").sample(list(examples), batch))
-        want = reference.serving_state_dict()
-        assert served.keys() == want.keys()
-        assert all(torch.equal(served[k], want[k]) for k in want)
-    finally:
-        if restarted is not None:
-            restarted.send_signal(signal.SIGTERM)
-            restarted.wait(30)
-        up.send_signal(signal.SIGTERM)
-        up.wait(60)
+            reference = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
+            for step in range(steps):
+                reference.sft_step(random.Random(f"{seed}:{step}").sample(list(examples), batch))
+            want = reference.serving_state_dict()
+            assert served.keys() == want.keys()
+            assert all(torch.equal(served[k], want[k]) for k in want)
+        finally:
+            if restarted is not None:
+                restarted.send_signal(signal.SIGTERM)
+                restarted.wait(30)

@@ -1,0 +1,50 @@
+"""Fixtures shared by the service tests: a whole `zerokl up` fleet on loopback."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, ContextManager, Iterator
+
+import pytest
+
+
+@contextlib.contextmanager
+def _up(workdir: pathlib.Path, *flags: str, timeout: float = 180.0) -> Iterator[dict[str, dict]]:
+    """`zerokl up --workdir WORKDIR ... FLAGS`; yields its services (name -> up.json entry) once
+    every one is SERVING; SIGTERM on exit (the whole process group killed if it does not stop)."""
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                             "--threads", "1", "--grace", "2", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        state = workdir / "up.json"
+        while True:
+            assert proc.poll() is None, "zerokl up exited"
+            if state.exists():
+                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
+                if all(s["status"] == "SERVING" for s in services.values()):
+                    break
+            assert time.monotonic() < deadline, "the services did not come up"
+            time.sleep(0.25)
+        yield services
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def zerokl_up() -> Callable[..., ContextManager[dict[str, dict]]]:
+    """`with zerokl_up(workdir, *flags, timeout=180) as services:` a `zerokl up` fleet (weight
+    store, decode, prefill, trainer, scheduler) started with FLAGS; `services` maps each
+    service's name to its up.json entry (address, pid, status)."""
+    return _up
