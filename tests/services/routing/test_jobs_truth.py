@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import pathlib
 import signal
 import subprocess
 import sys
 import time
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator
 
 import grpc
 import grpc.aio
@@ -60,28 +59,7 @@ def _numbers(result: GenerateResult) -> list[tuple]:
     return [(s.token_ids, s.logprobs, s.prompt_logprobs) for s in result.samples]
 
 
-@contextlib.contextmanager
-def _up(workdir: pathlib.Path) -> Iterator[dict[str, dict]]:
-    """`zerokl up` on ``workdir``; yields its services (name -> up.json entry) once all serve."""
-    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--trainer-flag=--lr=3e-3",
-                             "--trainer-flag=--run=truth"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        state = workdir / "up.json"
-        while True:
-            assert proc.poll() is None, "zerokl up exited"
-            if state.exists():
-                services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-                if all(s["status"] == "SERVING" for s in services.values()):
-                    break
-            assert time.monotonic() < deadline, "the services did not come up"
-            time.sleep(0.25)
-        yield services
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+TRUTH_FLAGS = ("--trainer-flag=--lr=3e-3", "--trainer-flag=--run=truth")
 
 
 async def _run(jobs: JobsClient, spec: SFTJobSpec, name: str) -> list:
@@ -89,9 +67,9 @@ async def _run(jobs: JobsClient, spec: SFTJobSpec, name: str) -> list:
     return [ev async for ev in jobs.watch(job.job_id)]
 
 
-def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_serving_bit_exactly(tmp_path) -> None:
+def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_serving_bit_exactly(tmp_path, zerokl_up) -> None:
     workdir = tmp_path / "up"
-    with _up(workdir) as services:
+    with zerokl_up(workdir, *TRUTH_FLAGS) as services:
         scheduler, store = services["scheduler"]["address"], services["weight-store"]["address"]
 
         async def poisoned() -> tuple[str, str]:
@@ -130,7 +108,7 @@ def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_servin
 
     # A fresh `zerokl up` on the same state directory serves the last good version, bit for bit,
     # remembers the jobs of the scheduler before it, and runs the next job.
-    with _up(workdir) as services:
+    with zerokl_up(workdir, *TRUTH_FLAGS) as services:
         scheduler = services["scheduler"]["address"]
 
         async def restarted() -> None:
