@@ -9,8 +9,10 @@ shards), committed atomically with its manifest written last:
 - ``trainer-state.safetensors`` + ``trainer-state.json`` (absent when
   published ``weights_only``): everything else needed to continue the job
   bit for bit: the training model's own state dict (base weights and LoRA
-  adapters), AdamW's moments and step counts, the frozen KL/DPO reference,
-  the step counters, the TrainConfig and the version lineage.
+  adapters), AdamW's moments and step counts, the fp32 master weights (when
+  the trainer keeps them: a bf16 model's serving weights are only their
+  rounding), the frozen KL/DPO reference, the step counters, the TrainConfig
+  and the version lineage.
 
 Why the state rides in the same version instead of a separate "state" entry:
 the weights and the state they resume with are committed by one manifest, so
@@ -161,6 +163,10 @@ def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run
                 tensors[f"optimizer/{index}/{key}"] = _plain(value)
             else:
                 scalars.setdefault(str(index), {})[key] = value
+    if trainer.masters is not None:
+        # fp32 masters in trainer.params order: the serving (bf16) weights are their rounding,
+        # so a run resumed without them would not continue bit for bit.
+        tensors.update({f"master/{i}": _plain(m) for i, m in enumerate(trainer.masters)})
     if trainer.reference is not None:
         # Merged: a plain model with these weights computes the parametrized reference's bits.
         tensors.update({f"reference/{k}": _plain(v) for k, v in merged_state_dict(trainer.reference).items()})
@@ -173,6 +179,7 @@ def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run
         "config": config_to_json(trainer.config),
         "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
         "has_reference": trainer.reference is not None,
+        "masters": len(trainer.masters) if trainer.masters is not None else 0,
         "model_in_state": lora,
         "lineage": [[e.version, e.step] for e in lineage[-MAX_LINEAGE:]],
     }
@@ -247,7 +254,15 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
     try:
+        masters = [tensors[f"master/{i}"] for i in range(int(doc.get("masters", 0)))]
+    except KeyError as err:
+        raise DataLoss(f"{path.name}: trainer state lacks master weight {err}") from None
+    # A state written before master weights existed has none: the trainer takes them from its weights.
+    if masters and trainer.masters is None:
+        raise DataLoss(f"{path.name}: trainer state has {len(masters)} master weight(s) but the trainer keeps none")
+    try:
         trainer.load_state_dict({"model": model_state, "optimizer": {"state": opt_state, "param_groups": groups},
+                                 "masters": masters,
                                  "step": int(doc["step"]), "tokens_seen": int(doc["tokens_seen"])})
     except (RuntimeError, ValueError, KeyError) as err:
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None

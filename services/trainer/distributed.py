@@ -29,6 +29,7 @@ serving replicas do (services/inference/tensor_parallel.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -179,7 +180,7 @@ class DistributedTrainer:
     """
 
     def __init__(self, trainer: Trainer, group: ParallelGroup):
-        c = trainer.config
+        c = _without_masters(trainer)
         if c.lora_rank > 0 or c.kl_coef > 0 or trainer.reference is not None:
             raise ValueError("the distributed trainer trains full weights without a reference model "
                              "(lora_rank = 0, kl_coef = 0)")
@@ -187,8 +188,7 @@ class DistributedTrainer:
         full = trainer.model
         self.model_config, self.dtype = full.config, full.dtype
         self.full_shapes = {k: tuple(v.shape) for k, v in full.state_dict().items()}
-        names = {id(p): n for n, p in full.named_parameters()}
-        full_opt = {names[id(p)]: s for p, s in trainer.optimizer.state.items()}
+        full_opt = _named_optimizer_state(trainer)
         model = apply_training_parallel(full, group.tp_group, group.ep_group)
         self.experts = {n for n, p in model.named_parameters()
                         if isinstance(_owner(model, n), DispatchMoE) and n.rsplit(".", 1)[1] in ("gate_proj", "up_proj", "down_proj")}
@@ -546,12 +546,31 @@ def _trainer_from(doc: dict, device: torch.device) -> Trainer:
     return t
 
 
-def _trainer_doc(t: Trainer) -> dict:
+def _without_masters(t: Trainer):
+    """t's TrainConfig for the distributed trainer, which keeps no fp32 master weights.
+
+    FSDP2-sharded masters (and their gather/shard for checkpoints) are not built: the distributed
+    trainer steps its parameters in their own dtype, as before master weights existed. Asked for
+    explicitly they are refused; on by default (a bf16 model) they are turned off."""
+    if t.config.master_weights:
+        raise ValueError("the distributed trainer does not keep fp32 master weights: use "
+                         "TrainConfig(master_weights=False) (steps in the model's dtype) or train in one process")
+    return dataclasses.replace(t.config, master_weights=False) if t.masters is not None else t.config
+
+
+def _named_optimizer_state(t: Trainer) -> dict[str, dict]:
+    """t's AdamW state per parameter name (state of fp32 masters under their parameter's name;
+    _shard casts it to the parameter's dtype)."""
     names = {id(p): n for n, p in t.model.named_parameters()}
-    return {"model_config": t.model.config, "dtype": t.model.dtype, "config": t.config,
+    names.update({id(m): names[id(p)] for p, m in zip(t.params, t.masters or [], strict=False)})
+    return {names[id(p)]: s for p, s in t.optimizer.state.items()}
+
+
+def _trainer_doc(t: Trainer) -> dict:
+    return {"model_config": t.model.config, "dtype": t.model.dtype, "config": _without_masters(t),
             "model": {k: v.detach().cpu() for k, v in t.model.state_dict().items()},
-            "optimizer": {names[id(p)]: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                                         for k, v in st.items()} for p, st in t.optimizer.state.items()},
+            "optimizer": {n: {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                          for n, st in _named_optimizer_state(t).items()},
             "step": t.step, "tokens_seen": t.tokens_seen}
 
 
@@ -571,6 +590,7 @@ class ServedTrainer:
     def __init__(self, lockstep: LockstepTrainer):
         self.lockstep, self.dt = lockstep, lockstep.trainer
         self.model, self.config, self.reference = self.dt.model, self.dt.config, None
+        self.masters = None                 # the distributed trainer keeps none (_refuse_masters)
         self._full: Trainer | None = None
 
     step = property(lambda self: self.dt.step)

@@ -51,6 +51,12 @@ class TrainConfig:
     indexer_loss_coef: float = 0.0      # > 0: add the DSA indexer's KL loss toward the attention distribution
     activation_checkpointing: bool = False   # recompute each block's activations in the backward
     logprob_chunk_rows: int = 0         # rows per chunk of the fused head + logprob (0 = by vocab size)
+    # fp32 master weights: AdamW steps fp32 copies of the trained parameters and the model gets
+    # them rounded to its dtype after each step. None = on when a trained parameter is not fp32:
+    # a bf16 weight updated in bf16 loses any update below ~2^-8 of its value (8 mantissa bits),
+    # so small-lr RL (1e-5..1e-4) barely moves it. The forward runs on the model's own weights
+    # either way, so logprobs stay bitwise the engine's.
+    master_weights: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -102,11 +108,21 @@ class Trainer:
         else:
             params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
+        self.master_weights = (config.master_weights if config.master_weights is not None
+                               else any(p.dtype != torch.float32 for p in params))
+        # With master weights the optimizer owns fp32 copies of the trained parameters (same order
+        # as self.params); the model's Parameters stay the objects everything else references.
+        self.masters = [p.detach().float().clone() for p in params] if self.master_weights else None
         # foreach=False: one fixed loop over parameters (deterministic on every backend).
-        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas,
+        self.optimizer = torch.optim.AdamW(self._optimized, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, foreach=False)
         self.step = 0
         self.tokens_seen = 0
+
+    @property
+    def _optimized(self) -> list[torch.Tensor]:
+        """The tensors AdamW steps: the fp32 masters, or the trained parameters themselves."""
+        return self.masters if self.masters is not None else self.params
 
     @property
     def device(self) -> torch.device:
@@ -266,8 +282,16 @@ class Trainer:
         are as before it, the gradients are dropped, and :class:`NonFiniteStep`
         (or the error) is raised. Undoing costs one copy of the trained
         parameters and their optimizer state per step.
+
+        With master weights the gradients are cast to fp32 onto the masters (the
+        clip runs on those), AdamW steps the masters, and the model's parameters
+        are set in place to the masters rounded to their dtype (round to nearest).
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
+        if self.masters is not None:
+            for p, m in zip(self.params, self.masters, strict=True):
+                m.grad = None if p.grad is None else p.grad.detach().float()
+                p.grad = None
+        grads = [p.grad for p in self._optimized if p.grad is not None]
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
         lr = lr or self.lr_at(self.step)
         before = self._snapshot()
@@ -285,6 +309,10 @@ class Trainer:
                 if "overflow" not in str(err):
                     raise
                 raise NonFiniteStep(f"the optimizer step at lr={lr:g} overflows: {err}") from None
+            if self.masters is not None:
+                with torch.no_grad():
+                    for p, m in zip(self.params, self.masters, strict=True):
+                        p.copy_(m.to(p.dtype))
             bad = self._non_finite()
             if bad:
                 raise NonFiniteStep(f"the optimizer step at lr={lr:g} (gradient norm {float(norm):g}) made "
@@ -294,20 +322,25 @@ class Trainer:
             raise
         finally:
             self.optimizer.zero_grad(set_to_none=True)
+            for p in self.params:
+                p.grad = None
         self.step += 1
         return {"grad_norm": float(norm), "lr": lr, "step": self.step}
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], dict, list[float]]:
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
         params = [p.detach().clone() for p in self.params]
+        masters = [m.detach().clone() for m in self.masters] if self.masters is not None else []
         state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
                  for p, s in self.optimizer.state.items()}
-        return params, state, [g["lr"] for g in self.optimizer.param_groups]
+        return params, masters, state, [g["lr"] for g in self.optimizer.param_groups]
 
     @torch.no_grad()
-    def _restore(self, snapshot: tuple[list[torch.Tensor], dict, list[float]]) -> None:
-        params, state, lrs = snapshot
+    def _restore(self, snapshot: tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]) -> None:
+        params, masters, state, lrs = snapshot
         for p, saved in zip(self.params, params, strict=True):
             p.copy_(saved)
+        for m, saved in zip(self.masters or [], masters, strict=True):
+            m.copy_(saved)
         self.optimizer.state.clear()
         self.optimizer.state.update(state)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
@@ -317,11 +350,11 @@ class Trainer:
         """Names of trained parameters (or their optimizer state) holding a NaN or infinity."""
         names = {id(p): n for n, p in self.model.named_parameters()}
         bad = []
-        for i, p in enumerate(self.params):
+        for i, (p, o) in enumerate(zip(self.params, self._optimized, strict=True)):
             name = names.get(id(p), f"params[{i}]")
-            if not bool(torch.isfinite(p).all()):
+            if not bool(torch.isfinite(p).all()) or not bool(torch.isfinite(o).all()):
                 bad.append(name)
-            bad += [f"{name} ({k})" for k, v in self.optimizer.state.get(p, {}).items()
+            bad += [f"{name} ({k})" for k, v in self.optimizer.state.get(o, {}).items()
                     if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
         return bad
 
@@ -353,11 +386,24 @@ class Trainer:
         return m.eval()
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: model (incl. adapters), optimizer, step counters."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "step": self.step, "tokens_seen": self.tokens_seen}
+        """Everything needed to resume: model (incl. adapters), optimizer, fp32 master weights
+        (a list in self.params order; absent without them), step counters."""
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step, "tokens_seen": self.tokens_seen}
+        if self.masters is not None:
+            state["masters"] = [m.detach().clone() for m in self.masters]
+        return state
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        """Inverse of state_dict. Master weights missing from `state` (a checkpoint written
+        without them) are taken from the loaded parameters."""
         self.model.load_state_dict(state["model"])
+        if self.masters is not None:
+            saved = state.get("masters") or [p.detach() for p in self.params]
+            for m, t in zip(self.masters, saved, strict=True):
+                if t.shape != m.shape:
+                    raise ValueError(f"master weight of shape {tuple(t.shape)} for a parameter of shape {tuple(m.shape)}")
+                m.copy_(t)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
