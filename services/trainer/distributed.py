@@ -590,7 +590,7 @@ class ServedTrainer:
     def __init__(self, lockstep: LockstepTrainer):
         self.lockstep, self.dt = lockstep, lockstep.trainer
         self.model, self.config, self.reference = self.dt.model, self.dt.config, None
-        self.masters = None                 # the distributed trainer keeps none (_refuse_masters)
+        self.masters = None                 # the distributed trainer keeps none (_without_masters)
         self._full: Trainer | None = None
 
     step = property(lambda self: self.dt.step)
