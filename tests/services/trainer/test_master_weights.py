@@ -196,3 +196,21 @@ def test_fp32_models_are_unchanged_by_master_weights():
 def test_distributed_trainer_refuses_master_weights():
     with pytest.raises(ValueError, match="master weights"):
         DistributedTrainer(_bf16_trainer(master_weights=True), group=None)
+
+
+def test_distributed_trainer_turns_default_masters_off_and_keeps_their_state():
+    """A bf16 trainer with masters by default enters the distributed trainer without them: its config
+    says so, and its AdamW state (kept on the masters) is found under the parameters' names."""
+    from zerokl.services.trainer.distributed import _named_optimizer_state, _without_masters
+
+    trainer = _bf16_trainer(lr=1e-3)
+    trainer.sft_step(_sft_data())
+    assert trainer.config.master_weights is None and _without_masters(trainer).master_weights is False
+    named = _named_optimizer_state(trainer)
+    by_name = dict(trainer.model.named_parameters())
+    assert len(named) == len(trainer.optimizer.state) > 0
+    for name, state in named.items():
+        master = trainer.masters[next(i for i, p in enumerate(trainer.params) if p is by_name[name])]
+        assert state is trainer.optimizer.state[master] and state["exp_avg"].dtype == torch.float32
+    fp32 = Trainer(Model(TINY, seed=1), TrainConfig())
+    assert _without_masters(fp32) is fp32.config
