@@ -89,9 +89,8 @@ def test_pieces_resume_bitwise(tmp_path):
             assert torch.equal(v, b["trainer"]["model"][k]), k
         for i, s in a["trainer"]["optimizer"]["state"].items():
             assert all(torch.equal(s[k], b["trainer"]["optimizer"]["state"][i][k]) for k in s)
-    strip = lambda rs: [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rs]  # noqa: E731
     ma, mb = _metrics(whole), _metrics(pieces)
-    assert strip(ma["zerokl"] + ma["mismatch"]) == strip(mb["zerokl"] + mb["mismatch"])
+    assert _strip(ma["zerokl"] + ma["mismatch"]) == _strip(mb["zerokl"] + mb["mismatch"])
     assert any(r["kl"] != 0.0 for r in ma["mismatch"])          # the mismatch arm resumed with its mismatch
     # A finished run re-run: nothing trained, the same report; another setting refuses the checkpoints.
     assert experiment.main([*base, "--out", str(pieces), "--max-steps-this-run", "0"]) == 0
@@ -107,6 +106,39 @@ def test_sweep_reports_every_point(tmp_path):
     assert "| tiny-demo-lr0.0001 | 1 |" in md and "| tiny-demo-lr0.001 | 1 |" in md
     points = {json.loads(line)["point"] for line in (tmp_path / "sweep.jsonl").read_text().splitlines()}
     assert points == {"tiny-demo-lr0.0001", "tiny-demo-lr0.001"}
+
+
+def _strip(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_processes_run_the_arms_at_once_with_the_same_bits(tmp_path):
+    """--processes 2: each arm in its own process of the same command, sharing the device; the
+    metrics are the one-process run's (timings aside) and the report says they shared it."""
+    base = [*TOY, "--start", "scratch", "--steps", "2", "--arms", "zerokl,mismatch", "--eval-every", "0"]
+    assert experiment.main([*base, "--out", str(tmp_path / "one")]) == 0
+    assert experiment.main([*base, "--out", str(tmp_path / "two"), "--processes", "2"]) == 0
+    one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert _strip(one["zerokl"] + one["mismatch"]) == _strip(two["zerokl"] + two["mismatch"])
+    assert any(r["kl"] != 0.0 for r in two["mismatch"])
+    assert "- arms at once: up to 2, one process each" in (tmp_path / "two" / "report.md").read_text()
+    assert "arms at once" not in (tmp_path / "one" / "report.md").read_text()
+
+
+def test_the_zerokl_arm_continues_the_sweep_point_of_its_setting(tmp_path):
+    """The sweep's zerokl run at the main run's setting is that arm's first steps: the arm continues it
+    (its first metrics line is the sweep's, wall times included) and ends where a direct run ends."""
+    common = [*TOY, "--start", "scratch", "--eval-every", "0"]
+    assert experiment.main([*common, "--out", str(tmp_path), "--sweep", "--steps", "1", "--sweep-lrs", "1e-4,1e-3",
+                            "--processes", "2"]) == 0
+    sweep = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert sorted(r["point"] for r in sweep) == ["tiny-demo-lr0.0001", "tiny-demo-lr0.001"]
+    assert experiment.main([*common, "--out", str(tmp_path), "--steps", "2", "--arms", "zerokl"]) == 0
+    arm = _metrics(tmp_path)["zerokl"]
+    point = next(r for r in sweep if r["point"] == "tiny-demo-lr0.0001")
+    assert arm[0] == {k: v for k, v in point.items() if k != "point"}
+    assert experiment.main([*common, "--out", str(tmp_path / "direct"), "--steps", "2", "--arms", "zerokl"]) == 0
+    assert _strip(arm) == _strip(_metrics(tmp_path / "direct")["zerokl"])
 
 
 def test_tis_loss_truncates_and_reports_the_discarded_weight():

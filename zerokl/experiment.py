@@ -26,17 +26,21 @@ The report records what happens; it does not assume the mismatch arm learns wors
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import itertools
 import json
 import math
+import os
 import pathlib
 import random
 import shlex
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -98,7 +102,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="stop, checkpointed, before this many minutes; exit 75 if work is left")
     ap.add_argument("--max-steps-this-run", type=int, default=None,
                     help="stop, checkpointed, after this many steps (SFT and RL); exit 75 if work is left")
-    ap.add_argument("--checkpoint-every", type=int, default=10, help="also checkpoint every N steps")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="also checkpoint every N steps (0: only when a "
+                    "piece stops)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="run up to N arms (or sweep points) at once, each in a process of this same command sharing "
+                         "the device; their tokens/s are then measured under that sharing")
     ap.add_argument("--update-doc", default=None,
                     help=f"replace the block between {_DOC_BEGIN} and {_DOC_END} in this file with the summary")
     ap.add_argument("--sweep", action="store_true",
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(ap)
     args = ap.parse_args(argv)
     if argv is not None:
-        args.command_line = "zerokl experiment " + shlex.join(argv)
+        args.argv = list(argv)
     return run(args)
 
 
@@ -173,8 +181,10 @@ def _data(s: Setting, state_dir: pathlib.Path):  # noqa: ANN202
         return load(d["train"]), load(d["test"]), CountdownTokenizer()
     train, test, tok = countdown_data(s.seed, s.train_problems, difficulty=s.difficulty)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({k: [[list(p.numbers), p.target, p.solution] for p in v]
-                                for k, v in (("train", train), ("test", test))}))
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")        # processes of one run may draw it at once
+    tmp.write_text(json.dumps({k: [[list(p.numbers), p.target, p.solution] for p in v]
+                               for k, v in (("train", train), ("test", test))}))
+    os.replace(tmp, path)
     return train, test, tok
 
 
@@ -301,10 +311,15 @@ def _first_part(s: Setting, device: torch.device, state_dir: pathlib.Path, data,
 # ----------------------------------------------------------------------------- one arm
 
 def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib.Path, state_path: pathlib.Path,  # noqa: ANN001
-            steps: int, budget, checkpoint_every: int, on_step=None) -> tuple[list[dict], bool]:  # noqa: ANN001
-    """Run (or continue) one arm up to `steps` RL steps; returns (metrics lines so far, finished)."""
-    from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, RLConfig, capture_rng, load_state,
-                                         restore_rng, run_steps, save_state)
+            steps: int, budget, checkpoint_every: int, on_step=None,  # noqa: ANN001
+            same_run: pathlib.Path | None = None) -> tuple[list[dict], bool]:
+    """Run (or continue) one arm up to `steps` RL steps; returns (metrics lines so far, finished).
+
+    `same_run`: another checkpoint of this very run (the sweep's point at the same setting: the
+    zerokl arm's first steps), continued from when `state_path` holds none and its setting matches.
+    """
+    from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, RLConfig, capture_rng, load_records,
+                                         load_state, restore_rng, run_steps, save_records, save_state)
     from zerokl.kernels.model import Model
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
@@ -313,7 +328,15 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
     train, test, tok = data
     meta = dataclasses.asdict(s) | {"arm": arm}
+    # A finished arm is answered from its records: its checkpoint holds GBs of optimizer state.
+    done_meta, done_records = load_records(state_path)
+    if done_meta is not None and len(done_records) >= steps and done_meta == json.loads(json.dumps(meta)):
+        return done_records[:steps], True
     saved = load_state(state_path)
+    if saved is None and same_run is not None:
+        saved = load_state(same_run)
+        if saved is not None and saved["meta"] != meta:
+            saved = None
     if saved is not None and saved["meta"] != meta:
         diff = sorted(k for k in meta if saved["meta"].get(k) != meta[k])
         raise SystemExit(f"{state_path} was made by another setting (differs in {', '.join(diff)}): use another "
@@ -343,6 +366,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         save_state(state_path, {"meta": meta, "trainer": trainer.state_dict(), "loop_rng": rng.getstate(),
                                 "rng": capture_rng(), "step": state.step, "records": state.records,
                                 "done": state.done})
+        save_records(state_path, meta, state.records)
 
     def each(record: dict) -> None:
         record["arm"] = arm
@@ -503,15 +527,31 @@ def _step_printer(arm: str, total: int):  # noqa: ANN202
 def _prepare(s: Setting, device: torch.device, state_dir: pathlib.Path, budget, args) -> tuple | None:  # noqa: ANN001
     """Data and warm start for setting `s`; None when the budget ran out during SFT."""
     data = _data(s, state_dir)
-    if s.start == "sft" and not sft_warm_start(s, device, data, _sft_folder(state_dir, s), budget,
-                                               args.checkpoint_every, args.sft_eval_every, args.eval_prompts):
-        return None
+    if s.start == "sft":
+        folder = _sft_folder(state_dir, s)
+        with _locked(folder.with_name(folder.name + ".lock")):     # processes of one run share the warm start
+            if not sft_warm_start(s, device, data, folder, budget, args.checkpoint_every, args.sft_eval_every,
+                                  args.eval_prompts):
+                return None
     return data
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):  # noqa: ANN202
+    """An exclusive lock on `path` across processes (released when the holder exits, however it exits)."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run (or continue) the experiment; 0 when every arm is done, INCOMPLETE (75) when work is left."""
-    from zerokl.experiment_state import load_state
+    from zerokl.experiment_state import load_records
     from zerokl.kernels import __version__, fingerprint
     from zerokl.kernels.backend import get_backend
     device = torch.device(args.device)
@@ -522,8 +562,9 @@ def run(args: argparse.Namespace) -> int:
     out = pathlib.Path(args.out)
     state_dir = pathlib.Path(args.state_dir) if args.state_dir else out / "state"
     budget = _budget(args)
-    command = getattr(args, "command_line", None) or \
-        "zerokl experiment " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["experiment"] else sys.argv[1:])
+    command = "zerokl experiment " + shlex.join(_argv(args))
+    if args.processes < 1:
+        raise SystemExit(f"--processes must be at least 1, got {args.processes}")
     if args.sweep:
         return _sweep(args, device, out, state_dir, budget, command)
     bad = [a for a in args.arms if a not in ARMS]
@@ -534,18 +575,23 @@ def run(args: argparse.Namespace) -> int:
     data = _prepare(s, device, state_dir, budget, args)
     arms: dict[str, list[dict]] = {a: [] for a in args.arms}
     complete = data is not None
-    if data is not None:
+    failed = []
+    if data is not None and args.processes > 1 and len(args.arms) > 1:
+        codes = _fan_out(args, budget, state_dir, [(arm, ["--arms", arm]) for arm in args.arms])
+        failed = [f"{arm} (exit {c})" for arm, c in codes.items() if c not in (0, INCOMPLETE)]
+        complete = all(c == 0 for c in codes.values())
+    elif data is not None:
         for arm in args.arms:
             records, done = run_arm(arm, s, device, data, state_dir, state_dir / f"arm-{arm}.pt", args.steps, budget,
-                                    args.checkpoint_every, _step_printer(arm, args.steps))
+                                    args.checkpoint_every, _step_printer(arm, args.steps),
+                                    same_run=_sweep_path(state_dir, s) if arm == "zerokl" else None)
             arms[arm] = records
             if not done:
                 complete = False
                 break
-        for arm in args.arms:                       # arms not reached in this piece: what earlier pieces did
-            if not arms[arm]:
-                saved = load_state(state_dir / f"arm-{arm}.pt")
-                arms[arm] = saved["records"][: args.steps] if saved else []
+    for arm in args.arms:                           # arms not run in this process: what their checkpoints hold
+        if not arms[arm]:
+            arms[arm] = load_records(state_dir / f"arm-{arm}.pt")[1][: args.steps]
     if s.start == "sft":
         start = f"SFT on {device.type}, {s.sft[0]} steps × {s.sft[1]} demonstrations, lr {s.sft[2]}"
     else:
@@ -567,6 +613,9 @@ def run(args: argparse.Namespace) -> int:
               "start": start, "problems": f"{s.difficulty} ({s.train_problems} train)",
               "steps per arm": args.steps, "samples per step": f"{s.prompts} prompts × {s.group}",
               "learning rate": s.lr, "seed": s.seed, "wall time of this piece (s)": f"{time.monotonic() - t0:.0f}"}
+    if args.processes > 1:
+        header["arms at once"] = (f"up to {args.processes}, one process each, sharing the {device.type} device "
+                                  "(tokens/s are measured under that sharing)")
     if first_part is not None:
         header["where the stock path first parts (zerokl diff, first test prompt)"] = first_part
     rows = write_report(arms, out, header, args.steps)
@@ -576,9 +625,47 @@ def run(args: argparse.Namespace) -> int:
     if args.update_doc:
         _update_doc(pathlib.Path(args.update_doc), rows, {k: header[k] for k in
                                                           ("model", "status", "command", "numerics", "start")})
+    if failed:
+        print(f"failed: {', '.join(failed)} (their output is above); report: {out / 'report.md'}", flush=True)
+        return 1
     print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
           f"report: {out / 'report.md'}", flush=True)
     return 0 if complete else INCOMPLETE
+
+
+# ----------------------------------------------------------------------------- processes
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The command's own arguments (after `zerokl experiment`)."""
+    if getattr(args, "argv", None) is not None:
+        return args.argv
+    return sys.argv[2:] if sys.argv[1:2] == ["experiment"] else sys.argv[1:]
+
+
+def _fan_out(args: argparse.Namespace, budget, state_dir: pathlib.Path,  # noqa: ANN001
+             units: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Run each unit (name, flags that narrow the command to it) as a process of this same command,
+    up to --processes at once; returns each unit's exit status.
+
+    A unit's flags come last, so they override the command's (argparse keeps the last value). Each
+    gets the time this invocation has left when it starts, writes its checkpoint where this one
+    would, and its report under STATE/parts/NAME: the caller assembles the report from the
+    checkpoints. Units of one SFT warm start wait for it on its lock.
+    """
+    def one(unit: tuple[str, list[str]]) -> tuple[str, int]:
+        name, flags = unit
+        common = ["--processes", "1", "--update-doc", "", "--out", str(state_dir / "parts" / name),
+                  "--state-dir", str(state_dir)]
+        if args.max_minutes is not None:
+            left = args.max_minutes - (time.monotonic() - budget.start) / 60
+            common += ["--max-minutes", f"{max(left, 0.0):.4f}"]
+        if args.max_steps_this_run is not None:
+            common += ["--max-steps-this-run", str(max(0, args.max_steps_this_run - budget.steps))]
+        cmd = [sys.executable, "-m", "zerokl", "experiment", *_argv(args), *common, *flags]
+        return name, subprocess.run(cmd, check=False).returncode
+
+    with ThreadPoolExecutor(max_workers=args.processes) as pool:
+        return dict(pool.map(one, units))
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -586,19 +673,29 @@ def run(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, state_dir: pathlib.Path, budget,  # noqa: ANN001
            command: str) -> int:
     """The zerokl arm at every (preset, difficulty, lr) of the grid; sweep.md ranks the points by t."""
+    from zerokl.experiment_state import load_records
     grid = list(itertools.product(args.sweep_presets or [args.preset], args.sweep_difficulties or [args.difficulty],
                                   args.sweep_lrs or [args.lr]))
-    results, complete = [], True
-    for preset, difficulty, lr in grid:
-        s = _setting(args, preset=preset, difficulty=difficulty, lr=lr)
-        name = f"{preset}-{difficulty}-lr{lr:g}"
-        data = _prepare(s, device, state_dir, budget, args) if complete else None
-        records, done = [], False
-        if data is not None:
-            records, done = run_arm("zerokl", s, device, data, state_dir, state_dir / "sweep" / f"{name}.pt",
-                                    args.steps, budget, args.checkpoint_every, _step_printer(name, args.steps))
-        complete = complete and done
-        results.append((name, s, records))
+    settings = [_setting(args, preset=preset, difficulty=difficulty, lr=lr) for preset, difficulty, lr in grid]
+    results, complete, failed = [], True, []
+    if args.processes > 1 and len(settings) > 1:
+        codes = _fan_out(args, budget, state_dir, [
+            (_point_name(s), ["--sweep-presets", s.preset, "--sweep-difficulties", s.difficulty,
+                              "--sweep-lrs", repr(s.lr)]) for s in settings])
+        failed = [f"{name} (exit {c})" for name, c in codes.items() if c not in (0, INCOMPLETE)]
+        complete = all(c == 0 for c in codes.values())
+        for s in settings:
+            results.append((_point_name(s), s, load_records(_sweep_path(state_dir, s))[1][: args.steps]))
+    else:
+        for s in settings:
+            name = _point_name(s)
+            data = _prepare(s, device, state_dir, budget, args) if complete else None
+            records, done = [], False
+            if data is not None:
+                records, done = run_arm("zerokl", s, device, data, state_dir, _sweep_path(state_dir, s),
+                                        args.steps, budget, args.checkpoint_every, _step_printer(name, args.steps))
+            complete = complete and done
+            results.append((name, s, records))
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sweep.jsonl", "w") as f:
         for name, _, records in results:
@@ -621,9 +718,21 @@ def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, st
                      (f" {accs[0]:.3f} → {accs[-1]:.3f} |" if accs else " - |"))
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(results) - 2:]))
+    if failed:
+        print(f"failed: {', '.join(failed)} (their output is above); sweep: {out / 'sweep.md'}", flush=True)
+        return 1
     print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
           f"sweep: {out / 'sweep.md'}", flush=True)
     return 0 if complete else INCOMPLETE
+
+
+def _point_name(s: Setting) -> str:
+    return f"{s.preset}-{s.difficulty}-lr{s.lr:g}"
+
+
+def _sweep_path(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
+    """The sweep's checkpoint of the zerokl arm at setting `s` (the main run's zerokl arm continues it)."""
+    return state_dir / "sweep" / f"{_point_name(s)}.pt"
 
 
 def _nan0(x: float) -> float:

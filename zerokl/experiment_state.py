@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 import pathlib
 import random
@@ -31,7 +32,8 @@ from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
 
 __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
-           "save_state", "load_state", "rl_step", "run_steps", "tis_ppo_loss", "tis_grpo_step"]
+           "save_state", "load_state", "save_records", "load_records", "rl_step", "run_steps", "tis_ppo_loss",
+           "tis_grpo_step"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
 TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "rollout_tokens_per_s")
@@ -101,6 +103,25 @@ def load_state(path: pathlib.Path) -> dict | None:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def save_records(path: pathlib.Path, meta: dict, records: list[dict]) -> None:
+    """Checkpoint `path`'s setting and metrics lines beside it (PATH.records.json): a report, or a
+    finished arm's re-run, reads them without loading GBs of optimizer state."""
+    side = path.with_name(path.name + ".records.json")
+    tmp = side.with_name(side.name + ".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "records": records}))
+    os.replace(tmp, side)
+
+
+def load_records(path: pathlib.Path) -> tuple[dict | None, list[dict]]:
+    """(setting, metrics lines) saved with checkpoint `path`; (None, []) when it has none. The setting
+    is as JSON gives it back (tuples are lists)."""
+    side = path.with_name(path.name + ".records.json")
+    if not side.exists():
+        return None, []
+    d = json.loads(side.read_text())
+    return d["meta"], d["records"]
+
+
 @dataclass
 class ArmState:
     """An arm's progress (its checkpoint also holds the trainer, the data cursor and the RNGs)."""
@@ -136,17 +157,39 @@ class ArmTrainerPort(LocalTrainerPort):
 
 
 class ArmEnginePort(LocalEnginePort):
-    """LocalEnginePort that loads each version into one served model in place: a new Model per step
-    re-runs the seeded init (portable normal draws on the CPU: tens of seconds for `small`). The
-    served model starts as a copy of the trainer's (no init at all). Same weights, same bits."""
+    """LocalEnginePort that serves every version from one Engine, its model reloaded in place.
+
+    A new Model per version re-runs the seeded init (portable normal draws on the CPU: tens of
+    seconds for `small`), and a new Engine per step re-allocates the KV cache and re-captures
+    its CUDA graphs (the graphs replay on the same parameter storage, so they survive a reload).
+    The served model starts as a copy of the trainer's (no init at all). Each `generate` starts
+    with an empty prefix cache, as a fresh engine would: a run resumed from a checkpoint (a fresh
+    engine) computes what the uninterrupted run did, on the stock backend too, whose bits do
+    depend on cache hits.
+    """
+
+    def __init__(self, trainer_port: LocalTrainerPort, tokenizer, engine_config=None, backend: str | None = None):  # noqa: ANN001
+        super().__init__(trainer_port, tokenizer, engine_config, backend)
+        self._engine = None
 
     def _model_for(self, version: str):  # noqa: ANN202
         if self._model is None:
             self._model = copy.deepcopy(self.trainer_port.trainer.model).eval().requires_grad_(False)
         if version != self._loaded:
-            self._model.load_state_dict(self.trainer_port.versions[version])
+            if self._engine is None:
+                self._model.load_state_dict(self.trainer_port.versions[version])
+            else:
+                self._engine.load_weights(self.trainer_port.versions[version], version)
             self._loaded = version
         return self._model
+
+    def _engine_for(self, version: str):  # noqa: ANN202
+        from zerokl.services.engine.engine import Engine
+        model = self._model_for(version)
+        if self._engine is None:
+            self._engine = Engine(model, self.engine_config, tokenizer=self.tokenizer)
+        self._engine.blocks.reset_prefix_cache()
+        return self._engine
 
 
 # ----------------------------------------------------------------------------- truncated importance sampling

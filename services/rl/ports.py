@@ -91,16 +91,20 @@ class LocalEnginePort:
             self._model, self._loaded = model.eval(), version
         return self._model
 
+    def _engine_for(self, version: str):
+        """A fresh Engine on the version's model (each call: no state carries between calls)."""
+        from zerokl.services.engine.engine import Engine
+        return Engine(self._model_for(version), self.engine_config, tokenizer=self.tokenizer)
+
     def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
         from zerokl.kernels import use_backend
         from zerokl.kernels.backend import get_backend
-        from zerokl.services.engine.engine import Engine, run_to_completion
+        from zerokl.services.engine.engine import run_to_completion
         from zerokl.services.engine.types import GenerateRequest, SamplingOptions
         opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
         reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=seed + i)) for i, p in enumerate(prompts)]
         with use_backend(self.backend or get_backend()):
-            engine = Engine(self._model_for(weights_version), self.engine_config, tokenizer=self.tokenizer)
-            outs = run_to_completion(engine, reqs)
+            outs = run_to_completion(self._engine_for(weights_version), reqs)
         groups = []
         for r in reqs:
             per: dict[int, list] = {}
