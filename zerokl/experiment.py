@@ -304,8 +304,11 @@ def _first_part(s: Setting, device: torch.device, state_dir: pathlib.Path, data,
     from zerokl.diff import describe, diff_backends
     from zerokl.tasks.setup import encode_prompt
     _, test, tok = data
-    model = _start_model(s, device, tok, state_dir)
-    return describe(diff_backends(model, encode_prompt(test[0], tok), backend, ARMS["mismatch"]))
+    try:
+        model = _start_model(s, device, tok, state_dir)
+        return describe(diff_backends(model, encode_prompt(test[0], tok), backend, ARMS["mismatch"]))
+    except Exception as err:  # noqa: BLE001 - a detail of the report must not cost the run its report
+        return f"not computed ({type(err).__name__}: {err})"
 
 
 # ----------------------------------------------------------------------------- one arm
