@@ -40,7 +40,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     r = rewards.float().view(-1, group_size)
     mean = r.mean(dim=1, keepdim=True)
     std = r.std(dim=1, keepdim=True, unbiased=False)
-    return ((r - mean) / (std + eps)).view(-1)
+    # Exactly zero for equal rewards: the fp32 mean of eight 0.1s is not 0.1, and (r - mean) / (std + eps)
+    # would then give every sample the same nonzero advantage (-0.0074), a push on every sampled token.
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(equal, torch.zeros_like(r), (r - mean) / (std + eps)).view(-1)
 
 
 @dataclass
