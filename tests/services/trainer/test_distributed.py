@@ -29,6 +29,8 @@ import tempfile
 import pytest
 import torch
 
+from conftest import below_16, engine_rollouts
+
 # |one-process update - distributed update| per weight, at lr 1e-3 (AdamW's first steps move a
 # weight by about lr): measured max 2.1e-6 over these layouts; the bound leaves 20x (docs/scale.md).
 UPDATE_ATOL = 5e-5
@@ -37,6 +39,7 @@ LAYOUTS = {2: [(2, 1, 1), (1, 2, 1), (2, 1, 2)], 4: [(2, 2, 2), (4, 1, 2)]}
 SAVE_LAYOUT = (2, 2, 2)            # world 4 saves here; world 2 loads at each of its layouts
 CHECKPOINTED = {(2, 2, 2)}         # layouts whose trainer recomputes block activations in the backward
 GROUP = 4                          # engine samples per prompt (the GRPO group)
+PROMPTS = [tuple(range(5 + i, 15 + 2 * i)) for i in range(2)]   # what the engine samples GROUP completions of
 
 
 def _config():
@@ -59,28 +62,6 @@ def _data():
         c = torch.randint(3, 64, (3 + 3 * (i % 2) + i,), generator=g).tolist()
         seqs.append(Completion(tuple(p), tuple(c)))
     return seqs
-
-
-def _engine_rollouts(model, version: str = "", prompts: int = 2):
-    """Sampled by the inference engine (TP = 1) on `model`: real behaviour logprobs, GROUP per prompt."""
-    from zerokl.services.engine.engine import Engine, run_to_completion
-    from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-    from zerokl.services.trainer.trainer import Completion, Rollout
-    engine = Engine(model, EngineConfig(max_num_batched_tokens=64))
-    opts = SamplingOptions(temperature=1.0, max_tokens=6, n=GROUP, seed=3, ignore_eos=True)
-    requests = [GenerateRequest(f"p{i}", tuple(range(5 + i, 15 + 2 * i)), opts) for i in range(prompts)]
-    outs = run_to_completion(engine, requests)
-    rollouts = []
-    for r in requests:
-        per: dict[int, tuple[list[int], list[float]]] = {}
-        for d in outs[r.request_id]:
-            toks, lps = per.get(d.index, ([], []))
-            per[d.index] = (toks + list(d.token_ids), lps + list(d.logprobs))
-        for i in range(GROUP):
-            toks, lps = per[i]
-            rollouts.append(Rollout(Completion(r.prompt_ids, tuple(toks)), tuple(lps),
-                                    sum(t < 16 for t in toks) / len(toks), version))
-    return rollouts
 
 
 def _trainer(activation_checkpointing: bool = False):
@@ -143,7 +124,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def rollouts():
-    return _engine_rollouts(_model())
+    """Sampled by the inference engine (TP = 1) on the layouts' initial weights: real behaviour logprobs."""
+    return engine_rollouts(_model(), PROMPTS, below_16, n=GROUP, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +288,7 @@ def test_served_group_survives_a_killed_rank_and_stays_on_policy(tmp_path):
         proc.kill()
         proc.wait()
     served = Model.from_pretrained(weights / "versions" / "job-step000001")
-    rollouts = _engine_rollouts(served, "job-step000001")
+    rollouts = engine_rollouts(served, PROMPTS, below_16, n=GROUP, seed=3, version="job-step000001")
     proc, address, line = _start(weights, init, "--dp", "2", "--ep", "2")
     try:
         assert " step: 1 " in line and "resumed from job-step000001" in line

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.distributed import DistributedTrainer
-from zerokl.services.trainer.trainer import Completion, NonFiniteStep, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import Completion, NonFiniteStep, TrainConfig, Trainer
+
+from conftest import engine_rollouts
 
 TINY = ModelConfig.preset("tiny")
 
@@ -26,22 +26,6 @@ def _sft_data() -> list[Completion]:
 
 def _bf16_trainer(**kw) -> Trainer:
     return Trainer(Model(TINY, seed=1, dtype=torch.bfloat16), TrainConfig(**kw))
-
-
-def _rollouts(trainer: Trainer, seed: int) -> list[Rollout]:
-    """Engine samples on the trainer's serving (bf16) weights, with the engine's logprobs."""
-    engine = Engine(trainer.serving_model(), EngineConfig(max_num_batched_tokens=64))
-    opts = SamplingOptions(temperature=1.0, max_tokens=6, n=2, seed=seed, ignore_eos=True)
-    reqs = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(_prompts(2, seed))]
-    outs = run_to_completion(engine, reqs)
-    rollouts = []
-    for r in reqs:
-        for index in range(2):
-            deltas = [d for d in outs[r.request_id] if d.index == index]
-            toks = tuple(t for d in deltas for t in d.token_ids)
-            lps = tuple(lp for d in deltas for lp in d.logprobs)
-            rollouts.append(Rollout(Completion(r.prompt_ids, toks), lps, float(sum(t < 16 for t in toks))))
-    return rollouts
 
 
 def test_master_weights_default_on_for_bf16_off_for_fp32():
@@ -88,7 +72,9 @@ def test_logprobs_after_master_steps_are_the_engines(lora, master_weights):
     assert trainer.masters is not None
     start = {k: v.clone() for k, v in trainer.serving_state_dict().items()}
     for step in range(2):                     # the second step samples from the updated weights
-        rollouts = _rollouts(trainer, step)
+        # Engine samples on the trainer's serving (bf16) weights, with the engine's logprobs.
+        rollouts = engine_rollouts(trainer.serving_model(), _prompts(2, step),
+                                   lambda toks: float(sum(t < 16 for t in toks)), n=2, seed=step)
         recomputed = trainer.forward_logprobs([r.sequence for r in rollouts])
         for r, lp in zip(rollouts, recomputed):
             assert torch.equal(lp, torch.tensor(r.logprobs, dtype=torch.float32))

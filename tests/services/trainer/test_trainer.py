@@ -5,31 +5,11 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+
+from conftest import below_16, engine_rollouts
 
 TINY = ModelConfig.preset("tiny")
-
-
-def _rollouts(trainer: Trainer, prompts, reward_fn, n=4, temperature=1.0, top_p=1.0, max_tokens=10,
-              engine_model=None, seed=0):
-    """Sample with the inference engine on the trainer's serving weights."""
-    eng = Engine(engine_model or trainer.serving_model(), EngineConfig(max_num_batched_tokens=64))
-    opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed, ignore_eos=True)
-    reqs = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(prompts)]
-    outs = run_to_completion(eng, reqs)
-    rollouts = []
-    for r in reqs:
-        per = {}
-        for d in outs[r.request_id]:
-            toks, lps = per.get(d.index, ([], []))
-            per[d.index] = (toks + d.token_ids, lps + d.logprobs)
-        for i in range(n):
-            toks, lps = per[i]
-            seq = Completion(r.prompt_ids, tuple(toks), temperature, 0, top_p)
-            rollouts.append(Rollout(seq, tuple(lps), reward_fn(toks)))
-    return rollouts
 
 
 def _prompts(k, seed=0):
@@ -42,7 +22,8 @@ def test_kl_is_exactly_zero_on_real_rollouts(lora, top_p):
     trainer = Trainer(Model(TINY, seed=1), TrainConfig(lr=3e-3, lora_rank=lora))
     reward = lambda toks: sum(t == 7 for t in toks) / len(toks)   # noqa: E731
     for step in range(2):                     # the second step samples from updated weights
-        rollouts = _rollouts(trainer, _prompts(3, step), reward, top_p=top_p, seed=step)
+        rollouts = engine_rollouts(trainer.serving_model(), _prompts(3, step), reward, top_p=top_p, max_tokens=10,
+                                   seed=step)
         recomputed = trainer.forward_logprobs([r.sequence for r in rollouts])
         for r, lp in zip(rollouts, recomputed):
             assert torch.equal(lp, torch.tensor(r.logprobs, dtype=torch.float32))
@@ -55,7 +36,7 @@ def test_mismatched_numerics_show_kl():
     """The check can fail: inference in bf16 while the trainer computes in fp32."""
     trainer = Trainer(Model(TINY, seed=1))
     served = trainer.serving_model().to(torch.bfloat16)
-    rollouts = _rollouts(trainer, _prompts(2), lambda t: 0.0, engine_model=served)
+    rollouts = engine_rollouts(served, _prompts(2), lambda t: 0.0, max_tokens=10)
     m = trainer.grpo_step(rollouts, group_size=4)
     assert m["mismatched_tokens"] > 0 and m["kl"] != 0.0
 
@@ -78,10 +59,9 @@ def test_dpo_loss_falls():
 
 def test_grpo_learns_a_toy_reward():
     trainer = Trainer(Model(TINY, seed=4), TrainConfig(lr=1e-2))
-    reward = lambda toks: sum(t < 16 for t in toks) / len(toks)   # noqa: E731  (a quarter of the vocab)
     history = []
     for step in range(6):
-        rollouts = _rollouts(trainer, _prompts(4, step), reward, n=4, max_tokens=8, seed=step)
+        rollouts = engine_rollouts(trainer.serving_model(), _prompts(4, step), below_16, n=4, max_tokens=8, seed=step)
         history.append(trainer.grpo_step(rollouts, group_size=4)["reward"])
     assert sum(history[-2:]) / 2 > history[0] + 0.15, history
 
@@ -111,7 +91,8 @@ def test_kl_penalty_to_reference_is_finite_under_top_p():
     """The reference may give a top-p-sampled token probability 0; the penalty compares full distributions."""
     trainer = Trainer(Model(TINY, seed=6), TrainConfig(lr=3e-3, kl_coef=0.1))
     for step in range(2):
-        rollouts = _rollouts(trainer, _prompts(2, step), lambda t: float(t[0] % 2), top_p=0.5, seed=step)
+        rollouts = engine_rollouts(trainer.serving_model(), _prompts(2, step), lambda t: float(t[0] % 2), top_p=0.5,
+                                   max_tokens=10, seed=step)
         m = trainer.grpo_step(rollouts, group_size=4)
         assert m["kl"] == 0.0 and 0.0 <= m["kl_reference"] < float("inf") and m["loss"] == m["loss"]
     assert m["kl_reference"] > 0.0          # the policy has moved away from the reference

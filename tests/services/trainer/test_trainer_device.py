@@ -16,11 +16,11 @@ import torch
 from zerokl.kernels import device_name, use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+
+from conftest import engine_rollouts
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 TINY = ModelConfig.preset("tiny")
@@ -40,21 +40,6 @@ def _on(device: str, trainer: Trainer) -> None:
     assert {t.device.type for t in tensors} == {device}
 
 
-def _rollouts(trainer: Trainer, top_k: int, top_p: float) -> list[Rollout]:
-    engine = Engine(trainer.serving_model(), EngineConfig(max_num_batched_tokens=24))
-    opts = SamplingOptions(temperature=1.0, top_k=top_k, top_p=top_p, max_tokens=6, n=2, seed=3, ignore_eos=True)
-    reqs = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(_prompts(2, 4))]
-    outs = run_to_completion(engine, reqs)
-    rollouts = []
-    for r in reqs:
-        for index in range(2):
-            deltas = [d for d in outs[r.request_id] if d.index == index]
-            toks = tuple(t for d in deltas for t in d.token_ids)
-            lps = tuple(lp for d in deltas for lp in d.logprobs)
-            rollouts.append(Rollout(Completion(r.prompt_ids, toks, 1.0, top_k, top_p), lps, float(sum(toks) % 3)))
-    return rollouts
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lora,kl_coef", [(0, 0.0), (4, 0.05)])
 def test_every_trainer_call_runs_on_the_models_device(device, lora, kl_coef, tmp_path: pathlib.Path):
@@ -69,7 +54,8 @@ def test_every_trainer_call_runs_on_the_models_device(device, lora, kl_coef, tmp
         assert metrics["tokens"] == 12 and torch.isfinite(torch.tensor(metrics["loss"]))
         assert trainer.optim_step()["step"] == 1
         assert trainer.dpo_step(pairs)["tokens"] == 12
-        rollouts = _rollouts(trainer, top_k=20, top_p=0.9)
+        rollouts = engine_rollouts(trainer.serving_model(), _prompts(2, 4), lambda toks: float(sum(toks) % 3), n=2,
+                                   top_k=20, top_p=0.9, seed=3, max_num_batched_tokens=24)
         step = trainer.grpo_step(rollouts, group_size=2)
         assert (step["kl"], step["mismatched_tokens"], step["clip_fraction"]) == (0.0, 0, 0.0)
         _on(device, trainer)

@@ -28,8 +28,6 @@ from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.checkpoint import config_to_hf
-from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details
 from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
 from zerokl.services.trainer.client import TrainerClient
@@ -40,6 +38,8 @@ from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import trainer_pb2, trainer_pb2_grpc
+
+from conftest import below_16, engine_rollouts
 
 TINY = ModelConfig.preset("tiny")
 INIT = "preset-tiny-seed0"                  # the weights version of --init preset:tiny:seed0
@@ -70,31 +70,16 @@ def _reference(config: TrainConfig) -> Trainer:
     return Trainer(Model(TINY, seed=0), config)
 
 
-def _engine_rollouts(trainer: Trainer, prompts: Sequence[tuple[int, ...]], version: str, n: int = 4,
-                     seed: int = 0, top_p: float = 0.9) -> list[Rollout]:
-    """Sample with the inference engine on the trainer's serving weights: real behaviour logprobs.
+def _rollouts(trainer: Trainer, prompts: Sequence[tuple[int, ...]], version: str, seed: int = 0,
+              top_p: float = 0.9) -> list[Rollout]:
+    """Four engine samples of each prompt on the trainer's serving weights, rewarded by `below_16`;
+    the rewards must differ, or the advantages are all zero.
 
-    The reward is the fraction of ids below 16 (a quarter of the vocabulary), so
-    rewards differ within a group and the advantages are not all zero.
     With a KL reference use top_p 1: a sampled token outside the reference's own
     nucleus has reference logprob -inf, and the k3 penalty is then inf on both sides.
     """
-    engine = Engine(trainer.serving_model(), EngineConfig(max_num_batched_tokens=64))
-    opts = SamplingOptions(temperature=1.0, top_p=top_p, max_tokens=6, n=n, seed=seed, ignore_eos=True)
-    requests = [GenerateRequest(f"p{i}", p, opts) for i, p in enumerate(prompts)]
-    outs = run_to_completion(engine, requests)
-    rollouts = []
-    for r in requests:
-        per: dict[int, tuple[list[int], list[float]]] = {}
-        for d in outs[r.request_id]:
-            toks, lps = per.get(d.index, ([], []))
-            per[d.index] = (toks + list(d.token_ids), lps + list(d.logprobs))
-        for i in range(n):
-            toks, lps = per[i]
-            rollouts.append(Rollout(Completion(r.prompt_ids, tuple(toks), 1.0, 0, top_p), tuple(lps),
-                                    sum(t < 16 for t in toks) / len(toks), version))
+    rollouts = engine_rollouts(trainer.serving_model(), prompts, below_16, n=4, top_p=top_p, seed=seed, version=version)
     assert len({r.reward for r in rollouts}) > 1
-
     return rollouts
 
 
@@ -189,7 +174,7 @@ def test_sft_dpo_grpo_steps_over_grpc_give_bitwise_the_in_process_weights(tmp_pa
             # GRPO on real engine rollouts of the current (published) weights: KL exactly 0.
             manifest, created = await client.save_weights()
             assert created and manifest.version == "default-step000002"
-            rollouts = _engine_rollouts(reference, _prompts(2, 5), manifest.version, top_p=1.0 if lora else 0.9)
+            rollouts = _rollouts(reference, _prompts(2, 5), manifest.version, top_p=1.0 if lora else 0.9)
             fb, opt = await client.grpo_step(rollouts, group_size=4)
             want = reference.grpo_step(rollouts, group_size=4)
             assert fb.ppo is not None
@@ -367,7 +352,7 @@ def test_a_killed_trainer_resumes_at_its_last_version_and_continues_bitwise(tmp_
             await client.optim_step()
             assert (await client.save_weights())[0].version == "job-step000001"
             reference.sft_step(data)
-            rollouts = _engine_rollouts(reference, _prompts(2, 7), "job-step000001", seed=1, top_p=1.0)
+            rollouts = _rollouts(reference, _prompts(2, 7), "job-step000001", seed=1, top_p=1.0)
             await client.grpo_step(rollouts, group_size=4)
             await client.save_weights()
             reference.grpo_step(rollouts, group_size=4)
@@ -378,7 +363,7 @@ def test_a_killed_trainer_resumes_at_its_last_version_and_continues_bitwise(tmp_
             state = await client.get_state()
             assert (state.step, state.weights_version, state.accumulated_batches, state.config) == \
                 (2, "job-step000002", 0, config)
-            rollouts = _engine_rollouts(reference, _prompts(2, 8), "job-step000002", seed=2, top_p=1.0)
+            rollouts = _rollouts(reference, _prompts(2, 8), "job-step000002", seed=2, top_p=1.0)
             for got, want in zip(await client.forward_logprobs([r.sequence for r in rollouts]),
                                  reference.forward_logprobs([r.sequence for r in rollouts]), strict=True):
                 assert torch.equal(got, want)           # identical weights after the restart
@@ -414,7 +399,7 @@ def test_a_killed_trainer_resumes_at_its_last_version_and_continues_bitwise(tmp_
 
 def test_rollouts_from_other_weights_are_refused_unless_max_staleness_admits_them(tmp_path: pathlib.Path) -> None:
     reference = _reference(TrainConfig())
-    rollouts = _engine_rollouts(reference, _prompts(1, 9), INIT)
+    rollouts = _rollouts(reference, _prompts(1, 9), INIT)
 
     async def main() -> None:
         async with trainer_server(tmp_path / "w") as (client, _):
