@@ -516,9 +516,9 @@ def _update_doc(path: pathlib.Path, rows: list[str], header: dict) -> None:
         raise SystemExit(f"{path} has no {_DOC_BEGIN} ... {_DOC_END} block")
     head, rest = text.split(_DOC_BEGIN, 1)
     _, tail = rest.split(_DOC_END, 1)
-    block = [f"{k}: {v}." for k, v in header.items()]
+    block = [f"{k}: {v}" for k, v in header.items()]
     path.write_text(head + _DOC_BEGIN + "\n" + "\n".join(["<!-- written by zerokl experiment --update-doc -->",
-                                                          "; ".join(block), "", *rows]) + "\n" + _DOC_END + tail)
+                                                          "; ".join(block) + ".", "", *rows]) + "\n" + _DOC_END + tail)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -347,16 +347,24 @@ class Trainer:
             group["lr"] = lr
 
     def _non_finite(self) -> list[str]:
-        """Names of trained parameters (or their optimizer state) holding a NaN or infinity."""
+        """Names of trained parameters (or their optimizer state) holding a NaN or infinity.
+
+        One device-to-host read for all of them (a read per tensor costs a sync each on a GPU:
+        four per parameter); names are looked up only when something is non-finite."""
         names = {id(p): n for n, p in self.model.named_parameters()}
-        bad = []
+        checked: list[tuple[str, torch.Tensor]] = []
         for i, (p, o) in enumerate(zip(self.params, self._optimized, strict=True)):
             name = names.get(id(p), f"params[{i}]")
-            if not bool(torch.isfinite(p).all()) or not bool(torch.isfinite(o).all()):
-                bad.append(name)
-            bad += [f"{name} ({k})" for k, v in self.optimizer.state.get(o, {}).items()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
-        return bad
+            checked += [(name, p), (name, o)]
+            checked += [(f"{name} ({k})", v) for k, v in self.optimizer.state.get(o, {}).items()
+                        if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if not checked:
+            return []
+        finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, t in checked])
+        if bool(finite.all()):
+            return []
+        bad = [name for (name, _), ok in zip(checked, finite.tolist(), strict=True) if not ok]
+        return list(dict.fromkeys(bad))                 # a parameter and its master: one name
 
     # ------------------------------------------------------------------ high-level steps
 
