@@ -5,7 +5,8 @@
 # $OUTBACK/results.tgz (the report folders, the sweep, the logs, docs/rl.md).
 # Env (defaults are the H200 run): DEVICE PRESETS DIFFS LRS SWEEP_STEPS STEPS SWEEP_PROCS ARM_PROCS
 #   DEADLINE_MIN DTYPE OUTBACK EXTRA (flags appended to both commands; the last value of a flag wins)
-# Problem sets may be pre-drawn into .gpu/problems (4-number sets take minutes of CPU to draw).
+# Problem sets may be pre-drawn into .gpu/problems (tools/draw_countdown_problems.py; the 4-number set
+# takes ~8 CPU minutes).
 set -u
 T0=$(date +%s)
 DEVICE=${DEVICE:-cuda}; PRESETS=${PRESETS:-small}; DIFFS=${DIFFS:-demo,hard}; LRS=${LRS:-3e-5,1e-4,3e-4}
