@@ -593,9 +593,7 @@ def run(args: argparse.Namespace) -> int:
     complete = data is not None
     failed = []
     if data is not None and args.processes > 1 and len(args.arms) > 1:
-        codes = _fan_out(args, budget, state_dir, [(arm, ["--arms", arm]) for arm in args.arms])
-        failed = [f"{arm} (exit {c})" for arm, c in codes.items() if c not in (0, INCOMPLETE)]
-        complete = all(c == 0 for c in codes.values())
+        complete, failed = _fan_out(args, budget, state_dir, [(arm, ["--arms", arm]) for arm in args.arms])
     elif data is not None:
         for arm in args.arms:
             records, done = run_arm(arm, s, device, data, state_dir, state_dir / f"arm-{arm}.pt", args.steps, budget,
@@ -641,12 +639,7 @@ def run(args: argparse.Namespace) -> int:
     if args.update_doc:
         _update_doc(pathlib.Path(args.update_doc), rows, {k: header[k] for k in
                                                           ("model", "status", "command", "numerics", "start")})
-    if failed:
-        print(f"failed: {', '.join(failed)} (their output is above); report: {out / 'report.md'}", flush=True)
-        return 1
-    print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
-          f"report: {out / 'report.md'}", flush=True)
-    return 0 if complete else INCOMPLETE
+    return _exit_status(complete, failed, out / "report.md")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -659,9 +652,9 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def _fan_out(args: argparse.Namespace, budget, state_dir: pathlib.Path,  # noqa: ANN001
-             units: list[tuple[str, list[str]]]) -> dict[str, int]:
+             units: list[tuple[str, list[str]]]) -> tuple[bool, list[str]]:
     """Run each unit (name, flags that narrow the command to it) as a process of this same command,
-    up to --processes at once; returns each unit's exit status.
+    up to --processes at once; returns (every unit complete, "name (exit N)" of each that failed).
 
     A unit's flags come last, so they override the command's (argparse keeps the last value). Each
     gets the time this invocation has left when it starts, writes its checkpoint where this one
@@ -681,7 +674,19 @@ def _fan_out(args: argparse.Namespace, budget, state_dir: pathlib.Path,  # noqa:
         return name, subprocess.run(cmd, check=False).returncode
 
     with ThreadPoolExecutor(max_workers=args.processes) as pool:
-        return dict(pool.map(one, units))
+        codes = dict(pool.map(one, units))
+    return (all(c == 0 for c in codes.values()),
+            [f"{name} (exit {c})" for name, c in codes.items() if c not in (0, INCOMPLETE)])
+
+
+def _exit_status(complete: bool, failed: list[str], report: pathlib.Path) -> int:
+    """Say how the invocation ended; 1 if a process failed, else 0 or INCOMPLETE."""
+    if failed:
+        print(f"failed: {', '.join(failed)} (their output is above); {report.stem}: {report}", flush=True)
+        return 1
+    print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
+          f"{report.stem}: {report}", flush=True)
+    return 0 if complete else INCOMPLETE
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -695,11 +700,9 @@ def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, st
     settings = [_setting(args, preset=preset, difficulty=difficulty, lr=lr) for preset, difficulty, lr in grid]
     results, complete, failed = [], True, []
     if args.processes > 1 and len(settings) > 1:
-        codes = _fan_out(args, budget, state_dir, [
+        complete, failed = _fan_out(args, budget, state_dir, [
             (_point_name(s), ["--sweep-presets", s.preset, "--sweep-difficulties", s.difficulty,
                               "--sweep-lrs", repr(s.lr)]) for s in settings])
-        failed = [f"{name} (exit {c})" for name, c in codes.items() if c not in (0, INCOMPLETE)]
-        complete = all(c == 0 for c in codes.values())
         for s in settings:
             results.append((_point_name(s), s, load_records(_sweep_path(state_dir, s))[1][: args.steps]))
     else:
@@ -734,12 +737,7 @@ def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, st
                      (f" {accs[0]:.3f} → {accs[-1]:.3f} |" if accs else " - |"))
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(results) - 2:]))
-    if failed:
-        print(f"failed: {', '.join(failed)} (their output is above); sweep: {out / 'sweep.md'}", flush=True)
-        return 1
-    print(f"{'complete' if complete else 'INCOMPLETE (exit 75): run the same command again'}; "
-          f"sweep: {out / 'sweep.md'}", flush=True)
-    return 0 if complete else INCOMPLETE
+    return _exit_status(complete, failed, out / "sweep.md")
 
 
 def _point_name(s: Setting) -> str:

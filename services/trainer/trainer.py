@@ -351,19 +351,22 @@ class Trainer:
 
         One device-to-host read for all of them (a read per tensor costs a sync each on a GPU:
         four per parameter); names are looked up only when something is non-finite."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        checked: list[tuple[str, torch.Tensor]] = []
+        checked: list[tuple[int, str, torch.Tensor]] = []        # (parameter index, state key or "", tensor)
         for i, (p, o) in enumerate(zip(self.params, self._optimized, strict=True)):
-            name = names.get(id(p), f"params[{i}]")
-            checked += [(name, p), (name, o)]
-            checked += [(f"{name} ({k})", v) for k, v in self.optimizer.state.get(o, {}).items()
+            checked += [(i, "", p), (i, "", o)]
+            checked += [(i, k, v) for k, v in self.optimizer.state.get(o, {}).items()
                         if isinstance(v, torch.Tensor) and v.is_floating_point()]
         if not checked:
             return []
-        finite = torch.stack([torch.isfinite(t).all().to(self.device) for _, t in checked])
+        finite = torch.stack([torch.isfinite(t).all() for _, _, t in checked])
         if bool(finite.all()):
             return []
-        bad = [name for (name, _), ok in zip(checked, finite.tolist(), strict=True) if not ok]
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        bad = []
+        for (i, key, _), ok in zip(checked, finite.tolist(), strict=True):
+            name = names.get(id(self.params[i]), f"params[{i}]")
+            if not ok:
+                bad.append(f"{name} ({key})" if key else name)
         return list(dict.fromkeys(bad))                 # a parameter and its master: one name
 
     # ------------------------------------------------------------------ high-level steps
