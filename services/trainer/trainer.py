@@ -358,7 +358,9 @@ class Trainer:
                         if isinstance(v, torch.Tensor) and v.is_floating_point()]
         if not checked:
             return []
-        finite = torch.stack([torch.isfinite(t).all() for _, _, t in checked])
+        # AdamW keeps its step count on the CPU beside GPU moments: one device for the stack.
+        device = self.params[0].device
+        finite = torch.stack([torch.isfinite(t).all().to(device) for _, _, t in checked])
         if bool(finite.all()):
             return []
         names = {id(p): n for n, p in self.model.named_parameters()}
