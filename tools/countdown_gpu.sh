@@ -3,14 +3,14 @@
 # best point, in pieces. Run it again until it exits 0 (75: work left); state lives in runs/.
 # Each piece stops by DEADLINE_MIN minutes after it starts and packs what exists into
 # $OUTBACK/results.tgz (the report folders, the sweep, the logs, docs/rl.md).
-# Env (defaults are the H200 run): DEVICE PRESETS DIFFS LRS SWEEP_STEPS STEPS SWEEP_PROCS ARM_PROCS
+# Env (defaults are the H200 run): DEVICE PRESETS DIFFS LRS SWEEP_STEPS STEPS PROMPTS SWEEP_PROCS ARM_PROCS
 #   DEADLINE_MIN DTYPE OUTBACK EXTRA (flags appended to both commands; the last value of a flag wins)
 # Problem sets may be pre-drawn into .gpu/problems (tools/draw_countdown_problems.py; the 4-number set
 # takes ~8 CPU minutes).
 set -u
 T0=$(date +%s)
-DEVICE=${DEVICE:-cuda}; PRESETS=${PRESETS:-small}; DIFFS=${DIFFS:-demo,hard}; LRS=${LRS:-3e-5,1e-4,3e-4}
-SWEEP_STEPS=${SWEEP_STEPS:-40}; STEPS=${STEPS:-100}; SWEEP_PROCS=${SWEEP_PROCS:-6}; DEADLINE_MIN=${DEADLINE_MIN:-8.2}
+DEVICE=${DEVICE:-cuda}; PRESETS=${PRESETS:-small}; DIFFS=${DIFFS:-demo}; LRS=${LRS:-1e-5,3e-5,1e-4}
+SWEEP_STEPS=${SWEEP_STEPS:-100}; STEPS=${STEPS:-100}; SWEEP_PROCS=${SWEEP_PROCS:-3}; PROMPTS=${PROMPTS:-64}; DEADLINE_MIN=${DEADLINE_MIN:-8.2}
 DTYPE=${DTYPE:-bfloat16}; OUTBACK=${OUTBACK:-${OUT:-runs/gpu-back}}; EXTRA=${EXTRA:-}; ARM_PROCS=${ARM_PROCS:-3}
 STATE=runs/gpu-state; RES=runs/gpu-out
 mkdir -p $STATE $RES $OUTBACK
@@ -26,8 +26,8 @@ fi
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30
 cp -n .gpu/problems/problems-*.json $STATE/ 2>/dev/null || true
 left() { python3 -c "import time; print(f'{max(0.0, $DEADLINE_MIN - (time.time() - $T0) / 60):.3f}')"; }
-COMMON="--device $DEVICE --dtype $DTYPE --prompts 16 --group 8 --eval-every 10 --eval-prompts 128 \
- --max-num-seqs 128 --max-num-batched-tokens 4096 --num-blocks 4096 --checkpoint-every 0 --state-dir $STATE $EXTRA"
+COMMON="--device $DEVICE --dtype $DTYPE --prompts $PROMPTS --group 8 --eval-every 10 --eval-prompts 128 \
+ --max-num-seqs 512 --max-num-batched-tokens 8192 --num-blocks 4096 --checkpoint-every 0 --state-dir $STATE $EXTRA"
 pack() {
   cp docs/rl.md $RES/rl.md 2>/dev/null
   tar czf $OUTBACK/results.tgz -C $RES . && cp $RES/gpu/experiment.png $OUTBACK/ 2>/dev/null
@@ -41,7 +41,7 @@ rc=${PIPESTATUS[0]}; echo "sweep exit $rc"
 if [ $rc -ne 0 ]; then pack; exit $rc; fi
 if [ ! -f $STATE/choice.env ]; then
   python3 - $RES/sweep/sweep.jsonl > $STATE/choice.env <<'PY' || exit 5
-import collections, json, math, sys
+import collections, json, math, re, sys
 from zerokl.experiment import trend
 points = collections.defaultdict(list)
 for line in open(sys.argv[1]):
@@ -50,8 +50,8 @@ for line in open(sys.argv[1]):
 t = {p: trend(rs)["t"] for p, rs in points.items()}
 # The documented rule: a point learns at t >= 2; of those (all one size here) the clearest rise.
 best = max(points, key=lambda p: -math.inf if math.isnan(t[p]) else t[p])
-preset, difficulty, lr = best.split("-")
-print(f"PRESET={preset} DIFF={difficulty} LR={float(lr[2:])!r} # t={t[best]:.2f} of {sorted(t.items())}")
+preset, difficulty, lr = re.fullmatch(r"(.+?)-(.+?)-lr(.+)", best).groups()     # "small-demo-lr3e-05"
+print(f"PRESET={preset} DIFF={difficulty} LR={float(lr)!r} # t={t[best]:.2f} of {sorted(t.items())}")
 PY
 fi
 cat $STATE/choice.env; eval "$(cut -d'#' -f1 $STATE/choice.env)"
