@@ -141,6 +141,20 @@ def test_the_zerokl_arm_continues_the_sweep_point_of_its_setting(tmp_path):
     assert _strip(arm) == _strip(_metrics(tmp_path / "direct")["zerokl"])
 
 
+def test_a_sweep_point_that_already_ran_every_step_is_the_zerokl_arm_in_the_report(tmp_path):
+    """The H200 run's case: the sweep ran the chosen point for all the arms' steps, and the arms run as
+    processes; the report's zerokl arm is that point's run, every step of it (not an empty row)."""
+    common = [*TOY, "--start", "scratch", "--eval-every", "0", "--steps", "2", "--state-dir", str(tmp_path / "state")]
+    assert experiment.main([*common, "--out", str(tmp_path), "--sweep", "--sweep-lrs", "1e-4"]) == 0
+    point = [json.loads(line) for line in (tmp_path / "sweep.jsonl").read_text().splitlines()]
+    assert experiment.main([*common, "--out", str(tmp_path / "arms"), "--arms", "zerokl,mismatch",
+                            "--processes", "2"]) == 0
+    arms = _metrics(tmp_path / "arms")
+    assert arms["zerokl"] == [{k: v for k, v in r.items() if k != "point"} for r in point]
+    assert len(arms["mismatch"]) == 2
+    assert "| zerokl | 2 / 2 |" in (tmp_path / "arms" / "report.md").read_text()
+
+
 def test_tis_loss_truncates_and_reports_the_discarded_weight():
     # Two sequences of two tokens; pi_train / pi_infer = 0.5, 1 (equal logprobs), 3, 4 (masked out).
     train = torch.log(torch.tensor([[0.2, 0.3], [0.6, 0.4]])).requires_grad_()

@@ -358,6 +358,9 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         raise SystemExit(f"{state_path} was made by another setting (differs in {', '.join(diff)}): use another "
                          "--state-dir or remove it")
     if saved is not None and saved["done"] and saved["step"] >= steps:
+        # Finished already (the sweep's point may have run every step): record it as this arm's, so a
+        # parent process assembling the report from the arms' records finds it.
+        save_records(state_path, meta, saved["records"])
         return saved["records"][:steps], True
     if saved is None:
         model = _start_model(s, device, tok, state_dir)
