@@ -174,7 +174,7 @@ class Decoder:
                     # weights or numerics are a state (FAILED_PRECONDITION); a malformed header is a fault.
                     try:
                         check_header(header, replica.identity, replica.model_config, replica.dtype,
-                                     replica.max_model_len)
+                                     replica.max_model_len, r.options.n)
                     except InvalidArgument as err:
                         raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
                                              prefill) from None
