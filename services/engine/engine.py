@@ -148,6 +148,9 @@ class Engine:
             raise RequestError(f"a KV handoff with first tokens is for generating, not mode {request.mode!r}")
         if tuple(h.prompt_ids) != tuple(request.prompt_ids) or h.num_tokens != len(request.prompt_ids):
             raise RequestError("KV handoff does not match the prompt (with first tokens it must cover all of it)")
+        if request.options.prompt_logprobs:
+            raise RequestError("a KV handoff with first tokens has no prompt logits here: its prompt logprobs "
+                               "come from the prefill replica")
         if len(h.first_token_ids) != n or len(h.first_logprobs) != n:
             raise RequestError(f"KV handoff carries {len(h.first_token_ids)} first tokens and "
                                f"{len(h.first_logprobs)} logprobs for n={n} samples")
@@ -240,6 +243,11 @@ class Engine:
         """
         ready, self._ready = self._ready, []
         work = self.scheduler.schedule()
+        # Whole prompts handed off with their first tokens compute nothing: they reach their sampling
+        # point after the forward (a fork there may preempt newer samples), and the others' step keeps
+        # its path (a decode-only step stays on the runner's decode path).
+        handed = [(s, n) for s, n in work if n == 0]
+        work = [(s, n) for s, n in work if n > 0]
         if work and self._decode_only(work):
             try:
                 ready += self._decode(work)
@@ -255,6 +263,10 @@ class Engine:
                 self.scheduler.computed(s, n)
             self._prompt_logprobs(work, logits_of)
             ready += self._sample_and_finish(work, logits_of)
+        if handed:
+            for s, _ in handed:
+                self.scheduler.computed(s, 0)       # offers the handed-off full blocks to the prefix cache
+            ready += self._sample_and_finish(handed, {})
         failed, self._failed = self._failed, []
         return ready + failed
 
@@ -294,9 +306,6 @@ class Engine:
         It writes the KV of exactly these tokens, into slots no committed token uses,
         so running it again (on a subset, see :meth:`_isolating`) rewrites the same bits.
         """
-        work = [(s, n) for s, n in work if n > 0]    # a handed-off whole prompt computes nothing
-        if not work:
-            return {}
         chunks = [SequenceChunk(tuple(s.blocks), s.num_computed, n) for s, n in work]
         tokens = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
         rows, row_owner, at = [], [], 0

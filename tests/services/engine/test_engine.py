@@ -272,6 +272,39 @@ def test_handoff_first_token_stop_conditions_match_local(model):
     assert _hand_off(eos_model, req)[0] == want
 
 
+def test_handoff_joins_a_busy_decode_engine_exactly(model):
+    """Handed-off requests (n > 1) arrive while neighbours decode, prefill in chunks and get preempted
+    (a small cache): each sample's tokens and logprobs are its local run's."""
+    rng = random.Random(13)
+    targets = [_req(f"h{i}", _prompt(rng, 14, 40), temperature=1.0, top_p=0.9, seed=30 + i, n=2, max_tokens=8)
+               for i in range(3)]
+    handoffs = {}
+    for t in targets:
+        out = run_to_completion(Engine(model), [GenerateRequest(t.request_id, t.prompt_ids, t.options,
+                                                                mode="prefill")])[t.request_id]
+        handoffs[t.request_id] = GenerateRequest(t.request_id, t.prompt_ids, t.options, handoff=out[-1].handoff)
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=24, block_size=8, num_blocks=24))
+    neighbours = [_req(f"n{i}", _prompt(rng, 5, 50), temperature=0.8, seed=i, max_tokens=rng.randint(3, 12))
+                  for i in range(5)]
+    arrivals = {0: neighbours[:3], 2: [handoffs["h0"]], 3: neighbours[3:], 4: [handoffs["h1"], handoffs["h2"]]}
+    preempted = []
+    real = eng.scheduler.preempt
+    eng.scheduler.preempt = lambda s: preempted.append((s.request.request_id, s.num_output)) or real(s)
+    outs, step = {}, 0
+    while step <= max(arrivals) or eng.has_work():
+        for r in arrivals.get(step, []):
+            eng.add_request(r)
+            outs[r.request_id] = []
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        step += 1
+    got = _collect(outs)
+    # Handed-off samples past their first token were preempted, then recomputed from the imported KV.
+    assert any(rid.startswith("h") and done > 0 for rid, done in preempted), preempted
+    for t in targets:
+        assert got[t.request_id] == _run_alone(model, t), t.request_id
+
+
 def test_handoff_from_a_prefill_that_hit_its_prefix_cache_is_exact(model):
     rng = random.Random(8)
     shared = tuple(rng.randrange(3, CONFIG.vocab_size) for _ in range(40))
@@ -295,6 +328,8 @@ def test_malformed_first_tokens_are_refused_by_the_engine(model):
     for handoff, match in bad:
         with pytest.raises(RequestError, match=match):
             eng.add_request(GenerateRequest("d", prompt, SamplingOptions(n=2), handoff=handoff))
+    with pytest.raises(RequestError, match="prompt logprobs"):
+        eng.add_request(GenerateRequest("d", prompt, SamplingOptions(n=2, prompt_logprobs=True), handoff=h))
     with pytest.raises(RequestError, match="cover all of it"):
         eng.add_request(GenerateRequest("d", prompt + (4,), SamplingOptions(n=2), handoff=h))
 
