@@ -390,7 +390,7 @@ class Engine:
 
     def _params(self, s: _Sample, rows: int, positions: Sequence[int], index: int | None = None) -> SamplingParams:
         """``s``'s request's parameters for ``rows`` rows at ``positions``, keyed by sample ``index``
-        (``s``'s own by default; a prefill draws every sample's first token from sample 0)."""
+        (``s``'s own by default; a prefill request's one sample draws the first token of each of its n)."""
         o = s.opts
         return SamplingParams(
             temperature=torch.full((rows,), float(o.temperature), device=self.device),

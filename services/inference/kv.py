@@ -5,9 +5,10 @@ A :class:`~zerokl.services.engine.types.KVHandoff` holds three tensors
 the whole prompt, and the first token each sample drew from it on the prefill
 replica. The tensors travel as ONE blob, their raw little-endian row-major bytes
 back to back, described by a :class:`KVHeader` (layouts, total size, SHA-256,
-the first tokens and their logprobs) and sent as checksummed 4 MiB chunks. Nothing is converted on the way: the receiver
-reinterprets the same bytes as the same dtype, so the decode replica's cache
-holds the bits the prefill replica computed.
+the first tokens and their logprobs) and sent as checksummed 4 MiB chunks.
+Nothing is converted on the way: the receiver reinterprets the same bytes as
+the same dtype, so the decode replica's cache holds the bits the prefill
+replica computed.
 
 On GPUs the bytes go device -> pinned host buffer (the engine's export) ->
 wire -> pinned host buffer (:class:`KVReceiver` assembles into one) -> device
