@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import struct
 from typing import Callable, Sequence, TypeVar
 
@@ -128,13 +129,37 @@ class Engine:
             raise RequestError(f"unknown mode {request.mode!r}")
         if request.handoff is not None:
             h = request.handoff
-            if tuple(h.prompt_ids) != tuple(ids[: h.num_tokens]) or h.num_tokens >= len(ids):
-                raise RequestError("KV handoff does not match the prompt (it must cover a strict prefix)")
+            if h.first_token_ids or h.first_logprobs:
+                self._validate_first_tokens(request)
+            elif tuple(h.prompt_ids) != tuple(ids[: h.num_tokens]) or h.num_tokens >= len(ids):
+                raise RequestError("KV handoff does not match the prompt (without first tokens it must cover "
+                                   "a strict prefix)")
             c = self.model.config
             want = [(c.num_hidden_layers, h.num_tokens, c.kv_lora_rank), (c.num_hidden_layers, h.num_tokens, c.qk_rope_head_dim),
                     (c.num_hidden_layers, h.num_tokens, c.index_head_dim)]
             if [tuple(t.shape) for t in (h.latent, h.rope, h.index_k)] != want or h.latent.dtype != self.model.dtype:
                 raise RequestError("KV handoff shapes or dtype do not match this model")
+
+    def _validate_first_tokens(self, request: GenerateRequest) -> None:
+        """A handoff carrying first tokens: the KV of the whole prompt and one finite draw per sample."""
+        h, n = request.handoff, request.options.n
+        assert h is not None
+        if request.mode != "generate":
+            raise RequestError(f"a KV handoff with first tokens is for generating, not mode {request.mode!r}")
+        if tuple(h.prompt_ids) != tuple(request.prompt_ids) or h.num_tokens != len(request.prompt_ids):
+            raise RequestError("KV handoff does not match the prompt (with first tokens it must cover all of it)")
+        if request.options.prompt_logprobs:
+            raise RequestError("a KV handoff with first tokens has no prompt logits here: its prompt logprobs "
+                               "come from the prefill replica")
+        if len(h.first_token_ids) != n or len(h.first_logprobs) != n:
+            raise RequestError(f"KV handoff carries {len(h.first_token_ids)} first tokens and "
+                               f"{len(h.first_logprobs)} logprobs for n={n} samples")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in h.first_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"KV handoff first token id {bad} is outside the vocabulary [0, {vocab})")
+        if not all(math.isfinite(lp) for lp in h.first_logprobs):
+            raise RequestError("KV handoff first-token logprobs must be finite")
 
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request (validated first; raises RequestError)."""
@@ -142,9 +167,6 @@ class Engine:
         first = _Sample(request, 0, list(request.prompt_ids), self.scheduler.next_arrival())
         self._by_request[request.request_id] = [first]
         self.stats["prompt_tokens"] += len(request.prompt_ids)
-        if request.mode == "prefill" and first.target == 0:      # a 1-token prompt: nothing to export
-            self._ready.append(self._finish(first, [], [], "stop", handoff=self._export(first)))
-            return
         self.waiting.append(first)
 
     def abort(self, request_id: str) -> list[SampleOutput]:
@@ -221,6 +243,11 @@ class Engine:
         """
         ready, self._ready = self._ready, []
         work = self.scheduler.schedule()
+        # Whole prompts handed off with their first tokens compute nothing: they reach their sampling
+        # point after the forward (a fork there may preempt newer samples), and the others' step keeps
+        # its path (a decode-only step stays on the runner's decode path).
+        handed = [(s, n) for s, n in work if n == 0]
+        work = [(s, n) for s, n in work if n > 0]
         if work and self._decode_only(work):
             try:
                 ready += self._decode(work)
@@ -236,6 +263,10 @@ class Engine:
                 self.scheduler.computed(s, n)
             self._prompt_logprobs(work, logits_of)
             ready += self._sample_and_finish(work, logits_of)
+        if handed:
+            for s, _ in handed:
+                self.scheduler.computed(s, 0)       # offers the handed-off full blocks to the prefix cache
+            ready += self._sample_and_finish(handed, {})
         failed, self._failed = self._failed, []
         return ready + failed
 
@@ -284,7 +315,7 @@ class Engine:
             for i in range(n):
                 pos = s.num_computed + i
                 if (want_prompt and pos < s.num_prompt - 1) or (pos == end - 1 and end == s.target
-                                                                and s.request.mode == "generate"):
+                                                                and s.request.mode in ("generate", "prefill")):
                     rows.append(at + i)
                     row_owner.append((s, pos))
             at += n
@@ -357,19 +388,25 @@ class Engine:
                     continue
                 s.prompt_logprobs.extend(lp.tolist())
 
-    def _params(self, s: _Sample, rows: int, positions: Sequence[int]) -> SamplingParams:
+    def _params(self, s: _Sample, rows: int, positions: Sequence[int], index: int | None = None) -> SamplingParams:
+        """``s``'s request's parameters for ``rows`` rows at ``positions``, keyed by sample ``index``
+        (``s``'s own by default; a prefill request's one sample draws the first token of each of its n)."""
         o = s.opts
         return SamplingParams(
             temperature=torch.full((rows,), float(o.temperature), device=self.device),
             top_k=torch.full((rows,), o.top_k, dtype=torch.int64, device=self.device),
             top_p=torch.full((rows,), float(o.top_p), device=self.device),
-            seed=torch.full((rows,), sample_seed(o.seed, s.index), dtype=torch.int64, device=self.device),
+            seed=torch.full((rows,), sample_seed(o.seed, s.index if index is None else index), dtype=torch.int64,
+                            device=self.device),
             position=torch.tensor(list(positions), dtype=torch.int64, device=self.device),
         )
 
     def _sample_and_finish(self, work, logits_of) -> list[SampleOutput]:
         out: list[SampleOutput] = []
-        to_sample: list[tuple[_Sample, torch.Tensor, SamplingParams]] = []
+        # (sample, index of the sample whose key draws, logits row, parameters)
+        to_sample: list[tuple[_Sample, int, torch.Tensor, SamplingParams]] = []
+        given: list[_Sample] = []           # first tokens that came with a handoff of the whole prompt
+        prefilled: list[_Sample] = []       # prefill requests: every sample's first token drawn, then exported
         for s, _ in work:
             if s.state is _State.FINISHED:      # failed earlier in this step
                 continue
@@ -379,35 +416,61 @@ class Engine:
                 if s.request.mode == "score" and s.num_computed >= s.target:
                     out.append(self._finish(s, [], [], "stop"))
                 elif s.request.mode == "prefill" and s.num_computed >= s.target:
-                    out.append(self._finish(s, [], [], "stop", handoff=self._export(s)))
+                    # The local sampling point, here: sample i's first token from the last prompt
+                    # position's row with sample i's key (seed, i, position len(prompt)), exactly
+                    # as a local n > 1 request's forked siblings draw from their parent's row.
+                    row = logits_of[(id(s), s.target - 1)]
+                    for i in range(s.opts.n):
+                        to_sample.append((s, i, row, self._params(s, 1, [s.num_prompt], index=i)))
+                    prefilled.append(s)
                 elif s.request.mode == "generate" and s.num_computed == len(s.token_ids):
+                    h = s.request.handoff
+                    takes_given = s.num_output == 0 and h is not None and bool(h.first_token_ids)
                     for q in self._fork(s):     # forked siblings read their parent's row
+                        if takes_given:
+                            given.append(q)
+                            continue
                         row = logits_of[(id(q if not q.forked else self._parent(q)), len(q.token_ids) - 1)]
-                        to_sample.append((q, row, self._params(q, 1, [len(q.token_ids)])))
+                        to_sample.append((q, q.index, row, self._params(q, 1, [len(q.token_ids)])))
             except Exception as err:  # noqa: BLE001
                 self._fail(s, err)
         # Each sample draws from its own logits row with its own (seed, position) key: sampling is
         # row-wise, so it is isolated like the forward.
         drawn = self._isolating(to_sample, self._draw, lambda item: item[0])
-        for s, _, _ in to_sample:
+        for s in given:                         # drawn by the prefill replica: accepted like a draw
+            if s.state is not _State.FINISHED:
+                h = s.request.handoff
+                self._accept(s, h.first_token_ids[s.index], h.first_logprobs[s.index], out)
+        for s, index, _, _ in to_sample:
+            if s.state is _State.FINISHED or s.request.mode == "prefill":
+                continue
+            tok, lp = drawn[(id(s), index)]
+            self._accept(s, tok, lp, out)
+        for s in prefilled:
             if s.state is _State.FINISHED:
                 continue
-            tok, lp = drawn[id(s)]
-            self._accept(s, tok, lp, out)
+            try:
+                first = [drawn[(id(s), i)] for i in range(s.opts.n)]
+                handoff = dataclasses.replace(self._export(s), first_token_ids=tuple(t for t, _ in first),
+                                              first_logprobs=tuple(lp for _, lp in first))
+                out.append(self._finish(s, [], [], "stop", handoff=handoff))
+            except Exception as err:  # noqa: BLE001
+                self._fail(s, err)
         return out
 
     @staticmethod
-    def _draw(to_sample: list[tuple[_Sample, torch.Tensor, SamplingParams]]) -> dict[int, tuple[int, float]]:
-        """One token for each (sample, logits row, parameters): (token, logprob) by id of the sample."""
-        logits = torch.stack([row for _, row, _ in to_sample])
+    def _draw(to_sample: list[tuple[_Sample, int, torch.Tensor, SamplingParams]]) -> dict[tuple[int, int], tuple[int, float]]:
+        """One token for each (sample, index, logits row, parameters): (token, logprob) by (id of the sample, index)."""
+        logits = torch.stack([row for _, _, row, _ in to_sample])
         params = SamplingParams(*(torch.cat(parts) for parts in zip(*(dataclasses.astuple(p)
-                                                                      for _, _, p in to_sample))))
+                                                                      for _, _, _, p in to_sample))))
         draw = sample(logits.float(), params)
         if not bool(draw.ok.all()):
             # Raised for the whole draw: the isolating caller bisects it down to the request whose
             # logits have no distribution (NaN or +inf, or none finite) and fails that one alone.
             raise ValueError("the logits have no sampling distribution (NaN or +inf, or none finite)")
-        return {id(s): (tok, lp) for (s, _, _), tok, lp in zip(to_sample, draw.tokens.tolist(), draw.logprobs.tolist())}
+        return {(id(s), i): (tok, lp) for (s, i, _, _), tok, lp in zip(to_sample, draw.tokens.tolist(),
+                                                                        draw.logprobs.tolist())}
 
     def _parent(self, s: _Sample) -> _Sample:
         return self._by_request[s.request.request_id][0]
@@ -479,7 +542,7 @@ class Engine:
         return out
 
     def _export(self, s: _Sample) -> KVHandoff:
-        return self.runner.export(s.blocks, tuple(s.token_ids[: s.target]))
+        return self.runner.export(s.blocks, tuple(s.token_ids[: s.num_prompt]))
 
 
 

@@ -60,8 +60,8 @@ class Sample:
 
     @property
     def target(self) -> int:
-        """Tokens to compute before the next sampling point (the prefill mode stops one short)."""
-        return self.num_prompt - 1 if self.request.mode == "prefill" else len(self.token_ids)
+        """Tokens to compute before the next sampling point (every mode computes the whole prompt)."""
+        return len(self.token_ids)
 
 
 class KVMover(Protocol):
@@ -94,7 +94,10 @@ class Scheduler:
     # ------------------------------------------------------------------ the step's work
 
     def schedule(self) -> list[tuple[Sample, int]]:
-        """(sample, number of new tokens) for the next forward, decode entries first."""
+        """(sample, number of new tokens) for the next forward, decode entries first.
+
+        A waiting sample whose whole prompt is already here (a handoff that covers it) comes
+        with 0 new tokens: it reaches its sampling point without a forward."""
         budget = self.config.max_num_batched_tokens
         work: list[tuple[Sample, int]] = []
         scheduled: set[int] = set()
@@ -124,7 +127,12 @@ class Scheduler:
                     continue
             n = min(budget, s.target - s.num_computed)
             if n <= 0:
-                continue                    # fully cached / handed-off prefix: sampled below
+                # A handoff of the whole prompt (with its first tokens): nothing to compute, the
+                # engine takes the tokens at this step's sampling point. It holds a slot like a prefill.
+                work.append((s, 0))
+                scheduled.add(id(s))
+                prefilling += 1
+                continue
             if not self.ensure_slots_or_reclaim(s, s.num_computed + n, scheduled):
                 n = self.fit(s, n)
             if n <= 0:

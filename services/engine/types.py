@@ -94,13 +94,18 @@ class SamplingOptions:
 
 @dataclass(frozen=True)
 class KVHandoff:
-    """The exact KV of a prompt prefix, as computed by a prefill replica.
+    """The exact KV of a prompt (or a prefix of it), as computed by a prefill replica.
 
     latent [layers, n, kv_lora_rank], rope [layers, n, qk_rope_head_dim],
     index_k [layers, n, index_head_dim] in the model dtype, for positions 0..n-1 of the
     prompt. Never re-quantized: the decode replica writes these bits into its cache.
     ``trusted``: it came from an authenticated peer (or this process), so its blocks may
     enter the prefix cache; untrusted KV serves its own request only.
+
+    A prefill replica's handoff covers the WHOLE prompt and carries the first token each
+    sample drew there (``first_token_ids[i]`` for sample i, with its logprob): the decode
+    replica emits them without a forward and goes on from the second token. Without first
+    tokens the handoff covers a strict prefix and the decode engine computes the rest.
     """
 
     prompt_ids: tuple[int, ...]
@@ -108,6 +113,8 @@ class KVHandoff:
     rope: torch.Tensor
     index_k: torch.Tensor
     trusted: bool = False
+    first_token_ids: tuple[int, ...] = ()    # [n]: sample i's token at position len(prompt)
+    first_logprobs: tuple[float, ...] = ()   # [n]: their logprobs under the sampling distribution
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +127,8 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...]
     options: SamplingOptions = SamplingOptions()
     handoff: KVHandoff | None = None         # prompt KV computed elsewhere (prefill replica)
-    mode: str = "generate"                   # "generate" | "score" (prompt logprobs only) | "prefill" (export KV)
+    mode: str = "generate"                   # "generate" | "score" (prompt logprobs only) | "prefill" (export KV
+                                             # and draw each sample's first token)
 
 
 @dataclass
@@ -137,7 +145,7 @@ class SampleOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0               # prompt tokens served from the prefix cache
     text: str = ""                           # detokenized delta (engines with a tokenizer)
-    handoff: KVHandoff | None = None         # mode "prefill": the KV of prompt[:-1]
+    handoff: KVHandoff | None = None         # mode "prefill": the KV of the prompt and each sample's first token
     error: str | None = None                 # finish_reason "error": the exception, "Type: message"
 
 

@@ -183,7 +183,8 @@ def kv_header_to_proto(h: KVHeader) -> inference_pb2.KVHeader:
                                             nbytes=t.nbytes) for t in h.tensors],
         total_bytes=h.total_bytes, sha256=h.sha256, weights_version=h.weights_version,
         numerics_fingerprint=h.numerics_fingerprint, model_config_hash=h.model_config_hash,
-        num_cached_tokens=h.num_cached_tokens)
+        num_cached_tokens=h.num_cached_tokens, first_token_ids=list(h.first_token_ids),
+        first_logprobs=list(h.first_logprobs))
     if h.prompt_logprobs is not None:
         msg.prompt_logprobs.values.extend(h.prompt_logprobs)
         msg.prompt_logprobs.SetInParent()
@@ -198,4 +199,5 @@ def kv_header_from_proto(msg: inference_pb2.KVHeader) -> KVHeader:
         total_bytes=msg.total_bytes, sha256=msg.sha256, weights_version=msg.weights_version,
         numerics_fingerprint=msg.numerics_fingerprint, model_config_hash=msg.model_config_hash,
         num_cached_tokens=msg.num_cached_tokens,
-        prompt_logprobs=tuple(msg.prompt_logprobs.values) if msg.HasField("prompt_logprobs") else None)
+        prompt_logprobs=tuple(msg.prompt_logprobs.values) if msg.HasField("prompt_logprobs") else None,
+        first_token_ids=tuple(msg.first_token_ids), first_logprobs=tuple(msg.first_logprobs))

@@ -5,8 +5,11 @@ names a prefill replica, this replica reads the prompt's KV straight from it
 (``Prefill.PrefillKV``, one server stream of checksummed chunks paced by
 HTTP/2 flow control), checks the header before buffering a byte (weights,
 numerics and model config must be this replica's; the sizes are then fixed by
-the model), verifies every chunk and the whole blob, and generates from the
-exact tensors. The scheduler sees only the request and the tokens.
+the model; one first token per sample, in the vocabulary, with a finite
+logprob), verifies every chunk and the whole blob, and generates from the
+exact tensors: the first token of each sample (drawn by the prefill replica
+with the request's sampling key) is emitted at once, the rest computed here.
+The scheduler sees only the request and the tokens.
 
 Trust: this replica presents the peer token to the prefill replica, and the
 KV may enter its prefix cache only when the caller who named the prefill
@@ -174,7 +177,7 @@ class Decoder:
                     # weights or numerics are a state (FAILED_PRECONDITION); a malformed header is a fault.
                     try:
                         check_header(header, replica.identity, replica.model_config, replica.dtype,
-                                     replica.max_model_len)
+                                     replica.max_model_len, r.options.n)
                     except InvalidArgument as err:
                         raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
                                              prefill) from None

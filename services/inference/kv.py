@@ -1,12 +1,14 @@
 """The KV handoff as bytes: exact cache rows out of one replica, into another.
 
 A :class:`~zerokl.services.engine.types.KVHandoff` holds three tensors
-[layers, num_tokens, dim] (normalized latent, rotated rope key, indexer key).
-They travel as ONE blob, the tensors' raw little-endian row-major bytes back to
-back, described by a :class:`KVHeader` (layouts, total size, SHA-256) and sent
-as checksummed 4 MiB chunks. Nothing is converted on the way: the receiver
-reinterprets the same bytes as the same dtype, so the decode replica's cache
-holds the bits the prefill replica computed.
+[layers, num_tokens, dim] (normalized latent, rotated rope key, indexer key) of
+the whole prompt, and the first token each sample drew from it on the prefill
+replica. The tensors travel as ONE blob, their raw little-endian row-major bytes
+back to back, described by a :class:`KVHeader` (layouts, total size, SHA-256,
+the first tokens and their logprobs) and sent as checksummed 4 MiB chunks.
+Nothing is converted on the way: the receiver reinterprets the same bytes as
+the same dtype, so the decode replica's cache holds the bits the prefill
+replica computed.
 
 On GPUs the bytes go device -> pinned host buffer (the engine's export) ->
 wire -> pinned host buffer (:class:`KVReceiver` assembles into one) -> device
@@ -15,6 +17,7 @@ wire -> pinned host buffer (:class:`KVReceiver` assembles into one) -> device
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 
 import torch
@@ -53,8 +56,9 @@ def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIde
                     prompt_logprobs: list[float] | None = None) -> tuple[KVHeader, memoryview]:
     """The header and the blob of ``handoff`` (computed by ``identity``'s replica).
 
-    ``prompt_ids`` is the whole prompt; the handoff covers prompt[:-1]. The
-    blob is one host buffer (the three tensors' bytes back to back: one copy).
+    ``prompt_ids`` is the whole prompt; the handoff covers all of it and carries
+    each sample's first token. The blob is one host buffer (the three tensors'
+    bytes back to back: one copy).
     """
     parts, layouts, offset = [], [], 0
     for name in KV_TENSORS:
@@ -70,7 +74,8 @@ def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIde
         sha256=hashlib.sha256(blob).digest(), weights_version=identity.weights_version,
         numerics_fingerprint=identity.numerics_fingerprint, model_config_hash=identity.model_config_hash,
         num_cached_tokens=num_cached_tokens,
-        prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None)
+        prompt_logprobs=tuple(prompt_logprobs) if prompt_logprobs is not None else None,
+        first_token_ids=tuple(handoff.first_token_ids), first_logprobs=tuple(handoff.first_logprobs))
     return header, blob
 
 
@@ -88,13 +93,15 @@ def expected_layouts(config: ModelConfig, dtype: torch.dtype, num_tokens: int) -
 
 
 def check_header(header: KVHeader, identity: ServiceIdentity, config: ModelConfig, dtype: torch.dtype,
-                 max_model_len: int) -> None:
+                 max_model_len: int, num_samples: int) -> None:
     """Refuse a header this replica cannot use, before any byte of the blob is buffered.
 
     FAILED_PRECONDITION when the KV was computed with other weights, numerics
     or model config (its bits would not be this replica's); INVALID_ARGUMENT
-    for a malformed header. Sizes are fixed by the model, so a verified header
-    also bounds the memory the blob may take.
+    for a malformed header, first tokens included (one per sample of the
+    request's ``num_samples``, in the vocabulary, finite logprobs). Sizes are
+    fixed by the model, so a verified header also bounds the memory the blob
+    may take.
     """
     mismatches = [
         PreconditionViolation(kind, theirs or "(none)", f"the KV was computed with {kind} {theirs or '(none)'!r}; "
@@ -109,12 +116,23 @@ def check_header(header: KVHeader, identity: ServiceIdentity, config: ModelConfi
     n = len(header.prompt_ids)
     if n < 1:
         raise InvalidArgument.field("kv.prompt_token_ids", "the prompt is empty")
-    if header.num_tokens != n - 1:
+    if header.num_tokens != n:
         raise InvalidArgument.field("kv.num_tokens", f"got {header.num_tokens}; the KV of a {n}-token prompt "
-                                                     f"covers prompt[:-1], {n - 1} positions")
+                                                     f"covers the whole prompt, {n} positions")
     if n >= max_model_len:
         raise InvalidArgument.field("kv.prompt_token_ids",
                                     f"prompt of {n} tokens does not fit the context of {max_model_len}")
+    if len(header.first_token_ids) != num_samples or len(header.first_logprobs) != num_samples:
+        raise InvalidArgument.field("kv.first_token_ids", f"got {len(header.first_token_ids)} first tokens and "
+                                                          f"{len(header.first_logprobs)} logprobs; the request has "
+                                                          f"{num_samples} samples, one of each per sample")
+    bad = next((t for t in header.first_token_ids if not 0 <= t < config.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument.field("kv.first_token_ids", f"token id {bad} is outside the vocabulary "
+                                                          f"[0, {config.vocab_size})")
+    if not all(math.isfinite(lp) for lp in header.first_logprobs):
+        raise InvalidArgument.field("kv.first_logprobs", f"got {list(header.first_logprobs)}; a drawn token's "
+                                                         f"logprob is finite")
     want = expected_layouts(config, dtype, header.num_tokens)
     if header.tensors != want:
         raise InvalidArgument.field("kv.tensors", f"got {[_describe(t) for t in header.tensors]}, this model needs "
@@ -179,4 +197,5 @@ class KVReceiver:
                    for t in self.header.tensors}
         h = self.header
         return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"],
-                         trusted=trusted)
+                         trusted=trusted, first_token_ids=tuple(h.first_token_ids),
+                         first_logprobs=tuple(h.first_logprobs))

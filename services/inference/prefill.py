@@ -1,11 +1,14 @@
 """The prefill service: ``zerokl.v1.Inference`` (Score, Info) and ``zerokl.v1.Prefill``.
 
 A prefill replica reads prompts. ``PrefillKV`` builds a prompt's KV in its
-own engine (prefill mode: every prompt position but the last) and streams the
-exact bytes to whoever asked: a decode replica the scheduler paired it with
+own engine (prefill mode: every prompt position, the local path's one step),
+draws each sample's first token there with the request's sampling key (seed,
+sample index, position), and streams the tokens (in the header) and the exact
+KV bytes to whoever asked: a decode replica the scheduler paired it with
 (``Decode.GenerateFromPrefill``), which checks that the KV was computed with
-its own weights, numerics and model config, so the client gets the tokens a
-decode replica alone would have produced, bit for bit. The stream is one
+its own weights, numerics and model config, emits the first tokens at once and
+generates from the second, so the client gets the tokens a decode replica alone
+would have produced, bit for bit. The stream is one
 server stream of checksummed chunks, paced by HTTP/2 flow control. ``Score``
 is served locally; ``Generate`` is refused (it goes to the scheduler, or a
 decode replica).

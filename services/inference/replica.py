@@ -155,22 +155,23 @@ class Replica:
         async for d in self.stream_deltas(await self.engine.submit(request, r.weights_version)):
             yield d
 
-    async def generate_from_handoff(self, r: InferenceRequest, ids: tuple[int, ...], handoff: KVHandoff | None,
+    async def generate_from_handoff(self, r: InferenceRequest, ids: tuple[int, ...], handoff: KVHandoff,
                                     prompt_logprobs: Sequence[float] | None,
                                     cached_tokens: int, kv_weights_version: str) -> AsyncIterator[GenerateDelta]:
         """Generate from prompt KV computed elsewhere (pins and header already checked).
 
-        The handed-over positions have no logits here, so prompt logprobs come
-        from the prefill replica (``prompt_logprobs``) and the engine is not
-        asked for them.
+        The handoff covers the whole prompt and carries each sample's first
+        token: the engine emits those in its next step, without a forward, and
+        computes from the second token on. The handed-over positions have no
+        logits here, so prompt logprobs come from the prefill replica
+        (``prompt_logprobs``) and the engine is not asked for them.
         """
         self.check_generate(ids, r.options)
         if r.options.prompt_logprobs and prompt_logprobs is None:
             raise InvalidArgument.field("kv.prompt_logprobs", "the request asks for prompt logprobs and the KV "
                                                               "header carries none")
         options = dataclasses.replace(r.options, prompt_logprobs=False)
-        request = GenerateRequest(r.request_id or self.new_request_id(), ids, options,
-                                  handoff=handoff if handoff is not None and handoff.num_tokens else None)
+        request = GenerateRequest(r.request_id or self.new_request_id(), ids, options, handoff=handoff)
         # Admitted only while this replica still holds the weights that computed the KV.
         stream = await self.engine.submit(request, kv_weights_version)
         injected = list(prompt_logprobs) if r.options.prompt_logprobs and prompt_logprobs is not None else None
@@ -235,8 +236,8 @@ class Replica:
 
     async def prefill(self, request_id: str, ids: tuple[int, ...], options: SamplingOptions,
                       pinned_version: str = "") -> tuple[SampleOutput, str] | None:
-        """Run the prompt through the engine in prefill mode: the output carrying the KV handoff,
-        and the weights version that computed it.
+        """Run the prompt through the engine in prefill mode: the output carrying the KV handoff
+        (the whole prompt's KV and each sample's first token), and the weights version that computed it.
 
         None when the request was aborted before its KV was complete.
         """

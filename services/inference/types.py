@@ -148,7 +148,8 @@ class TensorLayout:
 
 @dataclass(frozen=True)
 class KVHeader:
-    """What precedes a KV blob: the prompt, the blob's layout and checksum, who computed it."""
+    """What precedes a KV blob: the prompt, the blob's layout and checksum, who computed it, and
+    the first token each sample drew from it (``first_token_ids[i]``, ``first_logprobs[i]``)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -161,3 +162,5 @@ class KVHeader:
     model_config_hash: str
     num_cached_tokens: int = 0
     prompt_logprobs: tuple[float, ...] | None = None
+    first_token_ids: tuple[int, ...] = ()
+    first_logprobs: tuple[float, ...] = ()

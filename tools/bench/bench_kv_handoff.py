@@ -8,8 +8,8 @@ Starts real services (``zerokl serve decode``, ``prefill``, ``scheduler``, one t
 side in one run:
 
 - ``local``: the scheduler knows only the decode replica, which prefills the prompt itself;
-- ``handoff``: the scheduler also knows the prefill replica, so the prompt's KV (``prompt[:-1]``) is
-  computed there and handed to the decode replica.
+- ``handoff``: the scheduler also knows the prefill replica, so the prompt's KV (the whole prompt) and
+  the first token are computed there and handed to the decode replica.
 
 Each prompt is sent once untimed, then ``--repeats`` times timed: the repeats find the prompt in the
 prefix cache (the decode replica's in ``local``, the prefill replica's in ``handoff``), so neither arm
@@ -146,7 +146,7 @@ def main() -> None:
         rows = []
         for n in lengths:
             local, hand = arms["local"][n], arms["handoff"][n]
-            kv = kv_bytes(config, n - 1, dtype_size)
+            kv = kv_bytes(config, n, dtype_size)       # the KV of the whole prompt
             added = hand["ttft_s"] - local["ttft_s"]
             added_min = hand["ttft_min_s"] - local["ttft_min_s"]
             rows.append({"prompt_tokens": n, "kv_bytes": kv, "ttft_local_ms": local["ttft_s"] * 1e3,

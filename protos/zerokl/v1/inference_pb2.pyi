@@ -173,7 +173,7 @@ class TensorLayout(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "num_tokens", "tensors", "total_bytes", "sha256", "weights_version", "numerics_fingerprint", "model_config_hash", "num_cached_tokens", "prompt_logprobs")
+    __slots__ = ("request_id", "prompt_token_ids", "num_tokens", "tensors", "total_bytes", "sha256", "weights_version", "numerics_fingerprint", "model_config_hash", "num_cached_tokens", "prompt_logprobs", "first_token_ids", "first_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,8 @@ class KVHeader(_message.Message):
     MODEL_CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
@@ -196,7 +198,9 @@ class KVHeader(_message.Message):
     model_config_hash: str
     num_cached_tokens: int
     prompt_logprobs: PromptLogprobs
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., model_config_hash: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    first_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorLayout, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., weights_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., model_config_hash: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., first_token_ids: _Optional[_Iterable[int]] = ..., first_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillKVRequest(_message.Message):
     __slots__ = ("request",)

@@ -313,7 +313,9 @@ class PrefillServicer:
     """
 
     def PrefillKV(self, request, context):
-        """Reads the prompt and streams the KV of prompt[:-1]: one KVHeader, then
+        """Reads the whole prompt, draws each sample's first token (the request's
+        sampling key: seed, sample index, position) and streams the prompt's KV:
+        one KVHeader (it carries the first tokens), then
         the raw bytes in BytesChunks of at most 4 MiB with contiguous offsets
         (at least one chunk, the last one possibly empty), each with its sha256.
         The bytes are the cache rows exactly as computed, never re-quantized.

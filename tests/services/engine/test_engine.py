@@ -181,12 +181,157 @@ def test_prefill_handoff_to_another_engine_is_exact(model):
     prompt = _prompt(rng, 40, 70)
     req = _req("h", prompt, temperature=1.0, seed=5)
     prefill = Engine(model, EngineConfig(max_num_batched_tokens=16))
-    out = run_to_completion(prefill, [GenerateRequest("h", prompt, mode="prefill")])["h"]
+    out = run_to_completion(prefill, [GenerateRequest("h", prompt, req.options, mode="prefill")])["h"]
     handoff = out[-1].handoff
-    assert handoff is not None and handoff.num_tokens == len(prompt) - 1
+    assert handoff is not None and handoff.num_tokens == len(prompt) and len(handoff.first_token_ids) == 1
     decode = Engine(model, EngineConfig(block_size=8))
     got = _collect(run_to_completion(decode, [GenerateRequest("h", prompt, req.options, handoff=handoff)]))["h"]
     assert got == _run_alone(model, req)
+    # A prefix handoff without first tokens (the engine-level form): the decode engine computes the rest.
+    import dataclasses
+    prefix = dataclasses.replace(handoff, prompt_ids=prompt[:-1], latent=handoff.latent[:, :-1],
+                                 rope=handoff.rope[:, :-1], index_k=handoff.index_k[:, :-1],
+                                 first_token_ids=(), first_logprobs=())
+    decode = Engine(model, EngineConfig(block_size=8))
+    got = _collect(run_to_completion(decode, [GenerateRequest("h", prompt, req.options, handoff=prefix)]))["h"]
+    assert got == _run_alone(model, req)
+
+
+def _hand_off(model, req, prefill_cfg=EngineConfig(), decode_cfg=EngineConfig(), warm=()):
+    """``req`` prefilled on one engine (after ``warm`` requests filled its prefix cache), then generated
+    on another from the handoff: (result, the prefill's output, the decode engine's first step's outputs)."""
+    prefill = Engine(model, prefill_cfg)
+    if warm:
+        run_to_completion(prefill, list(warm))
+    out = run_to_completion(prefill, [GenerateRequest(req.request_id, req.prompt_ids, req.options,
+                                                      mode="prefill")])[req.request_id]
+    assert len(out) == 1 and out[0].finished and out[0].token_ids == []
+    decode = Engine(model, decode_cfg)
+    decode.add_request(GenerateRequest(req.request_id, req.prompt_ids, req.options, handoff=out[0].handoff))
+    forwards = []
+    real = decode.runner.forward
+    decode.runner.forward = lambda *a: forwards.append(a) or real(*a)
+    first = decode.step()
+    assert forwards == [], "the first tokens came with the handoff: the decode engine's first step computes nothing"
+    decode.runner.forward = real
+    outs = {req.request_id: list(first)}
+    while decode.has_work():
+        outs[req.request_id] += decode.step()
+    return _collect(outs)[req.request_id], out[0], first
+
+
+@pytest.mark.parametrize("length", [15, 16, 17, 31, 32, 33])
+def test_the_prefill_draws_the_first_token_the_local_run_draws(model, length):
+    """Tokens AND logprobs bitwise: n > 1, temperature, top-k / top-p, prompts around a 16-token
+    block boundary. The decode engine's first step emits every sample's first token with no
+    forward (nothing scheduled to compute), and its state then continues the local run's."""
+    rng = random.Random(length)
+    prompt = tuple(rng.randrange(3, CONFIG.vocab_size) for _ in range(length))
+    for opts in (dict(temperature=1.0, top_p=0.9, seed=7, n=3), dict(temperature=0.7, top_k=12, seed=3, n=2),
+                 dict(temperature=0.0, n=1), dict(temperature=1.3, seed=11, n=1)):
+        req = _req("h", prompt, max_tokens=6, **opts)
+        want = _run_alone(model, req)
+        got, prefilled, first = _hand_off(model, req, decode_cfg=EngineConfig(block_size=16))
+        assert got == want, opts
+        n = req.options.n
+        h = prefilled.handoff
+        assert h.num_tokens == length and h.prompt_ids == prompt
+        assert list(h.first_token_ids) == [want[i][0][0] for i in range(n)]
+        assert list(h.first_logprobs) == [want[i][1][0] for i in range(n)]
+        assert sorted((o.index, o.token_ids) for o in first) == [(i, [want[i][0][0]]) for i in range(n)]
+
+
+def test_handoff_first_token_stop_conditions_match_local(model):
+    """max_tokens == 1, and a first token that is a stop id or eos: the same finish as a local run,
+    per sample (an n > 1 request whose samples end differently: the others go on)."""
+    import dataclasses
+    rng = random.Random(5)
+    prompt = _prompt(rng, 20, 30)
+    probe = _run_alone(model, _req("p", prompt, temperature=1.0, seed=9, n=4, max_tokens=3))
+    firsts = [probe[i][0][0] for i in range(4)]
+    cases = [dict(max_tokens=1, n=4), dict(max_tokens=1, n=1, temperature=0.0),
+             dict(stop_token_ids=(firsts[1],), n=4, max_tokens=5),
+             dict(stop_token_ids=(firsts[0],), n=1, max_tokens=5)]
+    for opts in cases:
+        opts.setdefault("temperature", 1.0)
+        req = _req("h", prompt, seed=9, **opts)
+        want = _run_alone(model, req)
+        got, _, _ = _hand_off(model, req)
+        assert got == want, opts
+        if opts["max_tokens"] == 1:
+            assert all(len(want[i][0]) == 1 and want[i][2] == "length" for i in range(req.options.n))
+        else:   # the stopped sample ended on its first token, the others did not
+            stopped = [i for i in range(req.options.n) if want[i][0][0] in opts["stop_token_ids"]]
+            assert stopped and all(want[i][2] == "stop" and len(want[i][0]) == 1 for i in stopped)
+            assert req.options.n == 1 or any(len(want[i][0]) == 5 for i in range(req.options.n))
+    # eos as the first token (ignore_eos off): the same weights under a config whose eos is sample 2's draw.
+    eos_model = Model(dataclasses.replace(CONFIG, eos_token_id=firsts[2]), seed=0)
+    req = _req("h", prompt, seed=9, temperature=1.0, n=4, max_tokens=5, ignore_eos=False)
+    want = _run_alone(eos_model, req)
+    assert want[2] == ([firsts[2]], [probe[2][1][0]], "stop")
+    assert _hand_off(eos_model, req)[0] == want
+
+
+def test_handoff_joins_a_busy_decode_engine_exactly(model):
+    """Handed-off requests (n > 1) arrive while neighbours decode, prefill in chunks and get preempted
+    (a small cache): each sample's tokens and logprobs are its local run's."""
+    rng = random.Random(13)
+    targets = [_req(f"h{i}", _prompt(rng, 14, 40), temperature=1.0, top_p=0.9, seed=30 + i, n=2, max_tokens=8)
+               for i in range(3)]
+    handoffs = {}
+    for t in targets:
+        out = run_to_completion(Engine(model), [GenerateRequest(t.request_id, t.prompt_ids, t.options,
+                                                                mode="prefill")])[t.request_id]
+        handoffs[t.request_id] = GenerateRequest(t.request_id, t.prompt_ids, t.options, handoff=out[-1].handoff)
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=24, block_size=8, num_blocks=24))
+    neighbours = [_req(f"n{i}", _prompt(rng, 5, 50), temperature=0.8, seed=i, max_tokens=rng.randint(3, 12))
+                  for i in range(5)]
+    arrivals = {0: neighbours[:3], 2: [handoffs["h0"]], 3: neighbours[3:], 4: [handoffs["h1"], handoffs["h2"]]}
+    preempted = []
+    real = eng.scheduler.preempt
+    eng.scheduler.preempt = lambda s: preempted.append((s.request.request_id, s.num_output)) or real(s)
+    outs, step = {}, 0
+    while step <= max(arrivals) or eng.has_work():
+        for r in arrivals.get(step, []):
+            eng.add_request(r)
+            outs[r.request_id] = []
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        step += 1
+    got = _collect(outs)
+    # Handed-off samples past their first token were preempted, then recomputed from the imported KV.
+    assert any(rid.startswith("h") and done > 0 for rid, done in preempted), preempted
+    for t in targets:
+        assert got[t.request_id] == _run_alone(model, t), t.request_id
+
+
+def test_handoff_from_a_prefill_that_hit_its_prefix_cache_is_exact(model):
+    rng = random.Random(8)
+    shared = tuple(rng.randrange(3, CONFIG.vocab_size) for _ in range(40))
+    req = _req("h", shared + (5, 9, 11), temperature=0.9, top_p=0.8, seed=21, n=2, max_tokens=5)
+    want = _run_alone(model, req)
+    warm = [_req("w", shared + (7,), temperature=0.0, max_tokens=2)]
+    got, prefilled, _ = _hand_off(model, req, prefill_cfg=EngineConfig(block_size=16), warm=warm)
+    assert prefilled.num_cached_tokens == 32 and got == want
+
+
+def test_malformed_first_tokens_are_refused_by_the_engine(model):
+    import dataclasses
+    prompt = tuple(range(3, 23))
+    out = run_to_completion(Engine(model), [GenerateRequest("p", prompt, SamplingOptions(n=2), mode="prefill")])
+    h = out["p"][-1].handoff
+    eng = Engine(model)
+    bad = [(dataclasses.replace(h, first_token_ids=h.first_token_ids[:1]), "for n=2 samples"),
+           (dataclasses.replace(h, first_token_ids=(3, CONFIG.vocab_size)), "outside the vocabulary"),
+           (dataclasses.replace(h, first_logprobs=(float("nan"), -1.0)), "finite"),
+           (dataclasses.replace(h, first_logprobs=(float("-inf"), -1.0)), "finite")]
+    for handoff, match in bad:
+        with pytest.raises(RequestError, match=match):
+            eng.add_request(GenerateRequest("d", prompt, SamplingOptions(n=2), handoff=handoff))
+    with pytest.raises(RequestError, match="prompt logprobs"):
+        eng.add_request(GenerateRequest("d", prompt, SamplingOptions(n=2, prompt_logprobs=True), handoff=h))
+    with pytest.raises(RequestError, match="cover all of it"):
+        eng.add_request(GenerateRequest("d", prompt + (4,), SamplingOptions(n=2), handoff=h))
 
 
 def test_abort_frees_blocks(model):

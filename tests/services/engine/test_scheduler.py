@@ -117,6 +117,26 @@ def test_handoff_is_imported_through_the_runner():
     assert runner.imports == [(s.blocks[:3], 9)] and work == [(s, 1)]
 
 
+def test_a_handoff_of_the_whole_prompt_is_scheduled_with_nothing_to_compute():
+    """Its first tokens came with it: admitted (imported, holding a slot) with 0 new tokens, within
+    max_num_seqs; after it reaches its sampling point it decodes like any running sample."""
+    import torch
+    sched, runner, _ = _make(max_num_batched_tokens=64, num_blocks=16, block_size=4, max_num_seqs=2)
+    prompt = tuple(range(3, 11))                # 8 tokens: two full blocks
+    h = KVHandoff(prompt, torch.zeros(1, 8, 1), torch.zeros(1, 8, 1), torch.zeros(1, 8, 1),
+                  first_token_ids=(9,), first_logprobs=(-1.0,))
+    s = Sample(GenerateRequest("h", prompt, handoff=h), 0, list(prompt), sched.next_arrival())
+    sched.waiting.append(s)
+    other, third = _add(sched, "o", 5), _add(sched, "t", 5)
+    work = sched.schedule()
+    assert runner.imports == [(s.blocks, 8)] and len(s.blocks) == 2 and s.num_computed == 8
+    assert work == [(s, 0), (other, 5)]         # the third waits: two samples hold the slots
+    _run_step(sched, work)
+    assert s.state is SampleState.RUNNING and s.token_ids[-1] == 7
+    work = sched.schedule()
+    assert (s, 1) in work and len(s.blocks) == 3 and third.blocks == []
+
+
 def test_fork_copies_the_partial_block_or_preempts_under_pressure():
     sched, runner, _ = _make(max_num_batched_tokens=64, num_blocks=8, block_size=4)
     s = _add(sched, "f", 6, n=3)

@@ -174,6 +174,14 @@ def test_malformed_and_corrupted_kv_streams_are_refused_naming_the_prefill_and_d
                                                                   header.tensors[2]))
                 other_prompt = dataclasses.replace(header, prompt_ids=(3, 4))
                 other_request = dataclasses.replace(header, request_id="someone-else")
+                no_first = dataclasses.replace(header, first_token_ids=(), first_logprobs=())
+                two_first = dataclasses.replace(header, first_token_ids=header.first_token_ids * 2,
+                                                first_logprobs=header.first_logprobs * 2)
+                unpaired = dataclasses.replace(header, first_logprobs=())
+                out_of_vocab = dataclasses.replace(header, first_token_ids=(model.config.vocab_size,))
+                negative = dataclasses.replace(header, first_token_ids=(-1,))
+                nan_lp = dataclasses.replace(header, first_logprobs=(float("nan"),))
+                inf_lp = dataclasses.replace(header, first_logprobs=(float("-inf"),))
                 fault = (DATA_LOSS, fake.address)  # the prefill side's fault: not the client's, not retried blindly
                 cases = [
                     ("a chunk's bytes do not match its sha256", [head(), *lying], fault),
@@ -186,7 +194,14 @@ def test_malformed_and_corrupted_kv_streams_are_refused_naming_the_prefill_and_d
                     ("oversize chunk", [head(), inference_pb2.PrefillKVResponse(chunk=chunk_to_proto(
                         make_chunk(0, b"\0" * (MAX_CHUNK_BYTES + 1))))], fault),
                     ("KV from another fingerprint", [head(other_fp), *chunks()], (FAILED, None)),
-                    ("num_tokens not len(prompt) - 1", [head(short), *chunks()], fault),
+                    ("num_tokens not len(prompt)", [head(short), *chunks()], fault),
+                    ("no first token", [head(no_first), *chunks()], fault),
+                    ("a first token per sample, twice", [head(two_first), *chunks()], fault),
+                    ("a first token without its logprob", [head(unpaired), *chunks()], fault),
+                    ("a first token outside the vocabulary", [head(out_of_vocab), *chunks()], fault),
+                    ("a negative first token", [head(negative), *chunks()], fault),
+                    ("a NaN first logprob", [head(nan_lp), *chunks()], fault),
+                    ("a -inf first logprob", [head(inf_lp), *chunks()], fault),
                     ("total size beyond the layouts", [head(huge)], fault),
                     ("tensors out of order", [head(bad_layout), *chunks()], fault),
                     ("the KV of another prompt", [head(other_prompt), *chunks()], fault),
@@ -195,6 +210,13 @@ def test_malformed_and_corrupted_kv_streams_are_refused_naming_the_prefill_and_d
                 for name, messages, want in cases:
                     assert await exchange(messages) == want, name
                     assert dec.engine.num_in_flight == 0, name
+                # A malformed first token is named like any other bad header field.
+                for bad, words in ((out_of_vocab, ("kv.first_token_ids", "outside the vocabulary")),
+                                   (nan_lp, ("first_logprobs", "finite")), (two_first, ("2 first tokens", "1 samples"))):
+                    scripted.messages = [head(bad), *chunks()]
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        _ = [d async for d in dclient.generate_from_prefill(request, fake.address)]
+                    assert all(w in err.value.details() for w in words), err.value.details()
                 # The same stream, well formed, gives the solo run: decode still serves.
                 assert await exchange([head(), *chunks()]) == (grpc.StatusCode.OK, None)
                 assert await exchange([head(), *chunks(size=5000)]) == (grpc.StatusCode.OK, None)

@@ -125,7 +125,7 @@ def test_prefill_to_decode_handoff_equals_decode_alone(model) -> None:
     rng = random.Random(2)
     seeded = _req(prompt(rng, 40, 60), temperature=0.9, top_k=20, seed=99, n=2, max_tokens=6, prompt_logprobs=True)
     text = _req(text="nums 1 2 3 target 6\n", temperature=0.0, max_tokens=6)
-    one_token = _req((7,), temperature=0.0, max_tokens=4)   # no KV to hand over: decode reads the prompt itself
+    one_token = _req((7,), temperature=0.0, max_tokens=4)   # one position of KV, and the first token
     c = model.config
 
     async def main() -> None:
@@ -137,18 +137,63 @@ def test_prefill_to_decode_handoff_equals_decode_alone(model) -> None:
                 received = _metric('zerokl_kv_handoff_bytes_total', direction="received")
                 got = GenerateResult.collect([d async for d in decode.generate_from_prefill(r, psrv.address)])
                 _assert_same(got, ids, r.options, model)
-                # The decode replica read the KV of prompt[:-1] from the prefill replica: exactly its bytes.
+                # The decode replica read the KV of the whole prompt from the prefill replica: exactly its bytes.
                 assert _metric('zerokl_kv_handoff_bytes_total', direction="received") - received == \
-                    (len(ids) - 1) * c.num_hidden_layers * 4 * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
+                    len(ids) * c.num_hidden_layers * 4 * (c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
             # What PrefillKV streams: a header and the exact bytes, in 1000-byte chunks.
             header, blob = await prefill.prefill_kv(dataclasses.replace(seeded, request_id="by-hand"))
-            assert header.num_tokens == len(seeded.prompt_ids) - 1 and header.request_id == "by-hand"
+            assert header.num_tokens == len(seeded.prompt_ids) and header.request_id == "by-hand"
+            # ... and each sample's first token, with its logprob: the ones the local run draws.
+            want = offline(model, seeded.prompt_ids, seeded.options)
+            assert header.first_token_ids == tuple(w.token_ids[0] for w in want)
+            assert header.first_logprobs == tuple(w.logprobs[0] for w in want)
             assert len(blob) == header.total_bytes == header.num_tokens * c.num_hidden_layers * 4 * (
                 c.kv_lora_rank + c.qk_rope_head_dim + c.index_head_dim)
             # Score on the prefill replica is the engine's score.
             ids = prompt(rng, 20, 50)
             scored = await prefill.score(InferenceRequest(prompt_ids=ids))
             assert list(scored.logprobs) == offline_score(model, ids) and scored.token_ids == ids
+    asyncio.run(main())
+
+
+def test_handoff_first_tokens_are_the_local_draws_bit_for_bit(model) -> None:
+    """The prefill replica draws every sample's first token; the decode replica emits it and goes on.
+
+    Tokens and fp32 logprobs of every sample equal a local run's (torch.equal on the logprobs), for
+    n > 1, temperature, top-k / top-p, max_tokens 1, a first token that is a stop id, prompts of 15,
+    16 and 17 tokens (the 16-token block boundary of both replicas) and a prompt whose first two
+    blocks the prefill replica takes from its prefix cache.
+    """
+    rng = random.Random(11)
+    shared = prompt(rng, 40, 40)
+    requests = []
+    for length in (15, 16, 17):
+        ids = prompt(rng, length, length)
+        requests.append(_req(ids, temperature=1.0, top_p=0.9, seed=5, n=3, max_tokens=4))
+        requests.append(_req(ids, temperature=0.8, top_k=7, seed=6, n=2, max_tokens=1))
+    requests.append(_req(shared + (5, 6), temperature=0.9, top_p=0.85, seed=8, n=2, max_tokens=3))
+    probe = offline(model, requests[0].prompt_ids, requests[0].options)
+    stop = dataclasses.replace(requests[0].options, stop_token_ids=(probe[1].token_ids[0],), max_tokens=5)
+    requests.append(_req(requests[0].prompt_ids, **dataclasses.asdict(stop)))
+
+    async def main() -> None:
+        async with decode_server(model) as (dsrv, _), prefill_server(model) as (psrv, _), \
+                InferenceClient(dsrv.address) as decode, InferenceClient(psrv.address) as prefill:
+            await prefill.prefill_kv(_req(shared + (9,), temperature=0.0))      # fills the prefix cache
+            results = []
+            for r in requests:
+                got = GenerateResult.collect([d async for d in decode.generate_from_prefill(r, psrv.address)])
+                want = offline(model, r.prompt_ids, r.options)
+                assert [s.token_ids for s in got.samples] == [w.token_ids for w in want]
+                for s, w in zip(got.samples, want, strict=True):
+                    assert torch.equal(torch.tensor(s.logprobs), torch.tensor(w.logprobs))
+                    assert s.finish_reason == w.finish_reason
+                _assert_same(got, r.prompt_ids, r.options, model)
+                results.append((got, want))
+            assert results[-2][0].usage.cached_tokens == 32                     # the prefix-cache hit
+            assert [len(s.token_ids) for s in results[1][0].samples] == [1, 1]  # max_tokens 1
+            stopped = results[-1][1][1]                                         # sample 1 stops on its first token
+            assert stopped.finish_reason == "stop" and stopped.token_ids == [probe[1].token_ids[0]]
     asyncio.run(main())
 
 

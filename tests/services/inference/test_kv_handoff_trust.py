@@ -29,7 +29,7 @@ from zerokl.services.runtime import AuthConfig, ServerOptions, ServiceServer
 from zerokl.services.runtime.chunks import chunk_to_proto, split_bytes
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 
-PROMPT = tuple(range(3, 43))          # 40 tokens: the KV of prompt[:-1] fills two 16-token blocks
+PROMPT = tuple(range(3, 43))          # 40 tokens: the KV of the prompt fills two 16-token blocks (and 8 rows)
 REQUEST = InferenceRequest(prompt_ids=PROMPT, options=SamplingOptions(temperature=0.0, max_tokens=4, ignore_eos=True),
                            request_id="handoff")
 LATER = InferenceRequest(prompt_ids=PROMPT, options=SamplingOptions(temperature=1.0, seed=5, max_tokens=4,

@@ -5,7 +5,7 @@ Twenty Generates with 400-token prompts go through the scheduler of a real
 scheduler's own byte counter (serialized size of every message it received
 from replicas) stays under 64 KB per request, while the decode replica
 reports having received, and the prefill replica having sent, exactly the KV
-of every prompt (layers x (prompt - 1) x (latent + rope + index_k) x 4 bytes).
+of every prompt (layers x prompt x (latent + rope + index_k) x 4 bytes).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from zerokl.services.inference import InferenceClient, InferenceRequest
 
 REQUESTS, PROMPT_TOKENS = 20, 400
 OPTIONS = SamplingOptions(temperature=0.8, seed=11, max_tokens=4, ignore_eos=True)
-KV_BYTES = CONFIG.num_hidden_layers * (PROMPT_TOKENS - 1) * (
+KV_BYTES = CONFIG.num_hidden_layers * PROMPT_TOKENS * (
     CONFIG.kv_lora_rank + CONFIG.qk_rope_head_dim + CONFIG.index_head_dim) * 4
 
 
