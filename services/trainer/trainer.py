@@ -354,13 +354,13 @@ class Trainer:
         checked: list[tuple[int, str, torch.Tensor]] = []        # (parameter index, state key or "", tensor)
         for i, (p, o) in enumerate(zip(self.params, self._optimized, strict=True)):
             checked += [(i, "", p), (i, "", o)]
+            # AdamW's "step" is a count (kept on the CPU beside GPU moments), not a value a bad
+            # gradient can make non-finite: the moments are what the check is for.
             checked += [(i, k, v) for k, v in self.optimizer.state.get(o, {}).items()
-                        if isinstance(v, torch.Tensor) and v.is_floating_point()]
+                        if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()]
         if not checked:
             return []
-        # AdamW keeps its step count on the CPU beside GPU moments: one device for the stack.
-        device = self.params[0].device
-        finite = torch.stack([torch.isfinite(t).all().to(device) for _, _, t in checked])
+        finite = torch.stack([torch.isfinite(t).all() for _, _, t in checked])
         if bool(finite.all()):
             return []
         names = {id(p): n for n, p in self.model.named_parameters()}

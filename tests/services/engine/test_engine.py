@@ -41,6 +41,19 @@ def _collect(outs):
     return res
 
 
+def _run_arrivals(eng, arrivals):
+    """Step `eng` until idle, adding arrivals[step] (a list of requests) before each step; _collect's result."""
+    outs, step = {}, 0
+    while step <= max(arrivals) or eng.has_work():
+        for r in arrivals.get(step, []):
+            eng.add_request(r)
+            outs[r.request_id] = []
+        for d in eng.step():
+            outs[d.request_id].append(d)
+        step += 1
+    return _collect(outs)
+
+
 def _run_alone(model, req, **cfg):
     return _collect(run_to_completion(Engine(model, EngineConfig(**cfg)), [req]))[req.request_id]
 
@@ -54,15 +67,7 @@ def _busy_run(model, target, rng, cfg, n_neighbours=6):
                  top_k=rng.choice([0, 5]), seed=rng.randrange(1000), max_tokens=rng.randint(1, 20))
         arrivals.setdefault(rng.randint(0, 8), []).append(r)
     arrivals.setdefault(rng.randint(0, 4), []).append(target)
-    outs, step = {}, 0
-    while step <= max(arrivals) or eng.has_work():
-        for r in arrivals.get(step, []):
-            eng.add_request(r)
-            outs[r.request_id] = []
-        for d in eng.step():
-            outs[d.request_id].append(d)
-        step += 1
-    return _collect(outs)[target.request_id], eng
+    return _run_arrivals(eng, arrivals)[target.request_id], eng
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -290,15 +295,7 @@ def test_handoff_joins_a_busy_decode_engine_exactly(model):
     preempted = []
     real = eng.scheduler.preempt
     eng.scheduler.preempt = lambda s: preempted.append((s.request.request_id, s.num_output)) or real(s)
-    outs, step = {}, 0
-    while step <= max(arrivals) or eng.has_work():
-        for r in arrivals.get(step, []):
-            eng.add_request(r)
-            outs[r.request_id] = []
-        for d in eng.step():
-            outs[d.request_id].append(d)
-        step += 1
-    got = _collect(outs)
+    got = _run_arrivals(eng, arrivals)
     # Handed-off samples past their first token were preempted, then recomputed from the imported KV.
     assert any(rid.startswith("h") and done > 0 for rid, done in preempted), preempted
     for t in targets:
