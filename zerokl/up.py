@@ -1,16 +1,22 @@
 """``zerokl up``: every zerokl service on loopback, as supervised child processes of one command.
 
-    zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--port 50050]
+    zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32]
+              [--decode-replicas 1] [--prefill-replicas 0] [--port 50050]
               [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
 
 1. starts the weight store on a local directory (``WORKDIR/weights``); when
    it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
-   by default) as version ``1`` with the numerics it was made under;
+   by default, made in the fleet's ``--dtype``) as version ``1`` with the
+   numerics it was made under;
 2. fetches the version to serve (``--weights-version``, else the newest) into
-   ``WORKDIR/models/VERSION`` and starts the decode and prefill replicas from
-   it, the trainer (when this install has ``zerokl.services.trainer.server``)
-   and the scheduler in front of the replicas, all at once on free loopback
-   ports, each with its log in ``WORKDIR/logs``;
+   ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
+   their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
+   replicas, for several devices) from it in ``--dtype``, the trainer (when
+   this install has ``zerokl.services.trainer.server``) and the scheduler in
+   front of the replicas, all at once on free loopback ports, each with its
+   log in ``WORKDIR/logs``; Triton's compile cache lives in
+   ``WORKDIR/cache/triton`` (unless ``TRITON_CACHE_DIR`` says otherwise), so
+   a second start is warm;
 3. waits until every service answers grpc.health.v1 SERVING, prints a table
    of services, addresses, weights versions and fingerprints and a
    ``zerokl generate`` line to try, and writes the same to ``WORKDIR/up.json``;
@@ -81,6 +87,7 @@ _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
 # How often the supervisor reads the weights version the scheduler routes to (a replica restarts at it).
 _FLEET_POLL_S = 2.0
+_DTYPES = ("bfloat16", "float32")
 
 
 @dataclass
@@ -195,10 +202,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
     m.add_argument("--weights-version", default=None,
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
+    m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="the fleet's model dtype: a preset is published in it, every replica serves in it (and "
+                        "the trainer, which trains in the published checkpoint's dtype with fp32 master weights). "
+                        "Default: bfloat16 where CUDA is available, else float32")
     s = p.add_argument_group("services")
     s.add_argument("--port", type=int, default=50050, help="scheduler port, 0 picks one (default %(default)s)")
     s.add_argument("--decode-replicas", type=int, default=1)
-    s.add_argument("--prefill-replicas", type=int, default=1)
+    s.add_argument("--prefill-replicas", type=int, default=0,
+                   help="disaggregated prefill: this many prefill replicas whose KV the decode replicas read "
+                        "(for several devices; on one device a decode replica's own prefill costs no KV "
+                        "handoff). Default %(default)s: the decode replicas prefill themselves")
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
     s.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve prefill|decode` flag for every replica, e.g. --replica-flag=--tp=2 "
@@ -339,6 +353,23 @@ def _source_name(args: argparse.Namespace) -> str:
     return args.model if args.model else f"the {args.preset} preset (seed {args.seed})"
 
 
+def _fleet_dtype(args: argparse.Namespace) -> str:
+    """``--dtype``, else bfloat16 where CUDA is available (the GPU kernels' serving dtype), else float32."""
+    if args.dtype:
+        return args.dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
+
+
+def _replica_devices() -> list[str]:
+    """The CUDA devices replicas are spread over (none: each child's default device)."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"cuda:{i}" for i in range(count)] if count > 1 else []
+
+
 async def _publish(client: object, args: argparse.Namespace, version: str) -> None:
     import torch
 
@@ -351,13 +382,15 @@ async def _publish(client: object, args: argparse.Namespace, version: str) -> No
         await client.publish(args.model, version, metadata={"source": str(args.model)})  # type: ignore[attr-defined]
         return
     try:
-        model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=torch.float32)
+        # Made and published in the serving dtype: replicas fetch and load only the bytes they serve.
+        dtype = getattr(torch, args.dtype)
+        model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=dtype)
     except ValueError as err:
         raise UpError(str(err)) from None
     with tempfile.TemporaryDirectory(prefix="zerokl-up-") as tmp:
         model.save_pretrained(tmp)
         await client.publish(tmp, version, numerics_version=numerics_version,  # type: ignore[attr-defined]
-                             numerics_fingerprint=fingerprint(dtype=torch.float32),
+                             numerics_fingerprint=fingerprint(dtype=dtype),
                              metadata={"source": f"preset-{args.preset}-seed{args.seed}"})
 
 
@@ -370,23 +403,25 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     compute = args.decode_replicas + args.prefill_replicas + int(trainer)
     threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
     # Replicas fetch from the store what they switch to (SwitchWeights: RL steps, jobs).
-    model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address, *threads]
+    model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address,
+             "--dtype", args.dtype, *threads]
     if not (model_dir / "tokenizer.json").exists():
         model += ["--tokenizer", "countdown"]  # the presets speak countdown
     common = ["--grace", str(args.grace), *secure]
     children: list[Child] = []
     decode = [Child(f"decode-{i}", "decode", _free_port(), [], logs / f"decode-{i}.log")
               for i in range(args.decode_replicas)]
-    for d in decode:
-        d.flags = [*model, "--port", str(d.port), "--replica-id", d.name, *d.serve_metrics(), *common,
+    prefill = [Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
+               for i in range(args.prefill_replicas)]
+    # Several GPUs: the replicas take turns over them (decode first); one GPU or none: each child's default.
+    devices = _replica_devices()
+    for i, r in enumerate([*decode, *prefill]):
+        placed = ["--device", devices[i % len(devices)]] if devices else []
+        # A prefill replica is paired with a decode replica per request by the scheduler; that replica
+        # reads the KV from it directly.
+        r.flags = [*model, *placed, "--port", str(r.port), "--replica-id", r.name, *r.serve_metrics(), *common,
                    *args.replica_flag]
-    children += decode
-    for i in range(args.prefill_replicas):
-        p = Child(f"prefill-{i}", "prefill", _free_port(), [], logs / f"prefill-{i}.log")
-        # The scheduler pairs it with a decode replica per request; that replica reads the KV from it directly.
-        p.flags = [*model, "--port", str(p.port), "--replica-id", p.name, *p.serve_metrics(), *common,
-                   *args.replica_flag]
-        children.append(p)
+    children += [*decode, *prefill]
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         t.flags = ["--weight-store", store.address, "--init", version, *threads, "--port", str(t.port),
@@ -562,6 +597,9 @@ async def run(args: argparse.Namespace) -> int:
     if args.decode_replicas < 1 or args.prefill_replicas < 0:
         raise SystemExit("zerokl up: need at least one decode replica and no negative counts")
     security = _security(args, workdir)
+    args.dtype = _fleet_dtype(args)
+    # Compiled kernels stay with the workdir: a second `zerokl up` (and every restart) starts warm.
+    os.environ.setdefault("TRITON_CACHE_DIR", str(workdir / "cache" / "triton"))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

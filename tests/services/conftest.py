@@ -45,6 +45,6 @@ def _up(workdir: pathlib.Path, *flags: str, timeout: float = 180.0) -> Iterator[
 @pytest.fixture(scope="session")
 def zerokl_up() -> Callable[..., ContextManager[dict[str, dict]]]:
     """`with zerokl_up(workdir, *flags, timeout=180) as services:` a `zerokl up` fleet (weight
-    store, decode, prefill, trainer, scheduler) started with FLAGS; `services` maps each
+    store, decode, trainer, scheduler; prefill replicas with --prefill-replicas) started with FLAGS; `services` maps each
     service's name to its up.json entry (address, pid, status)."""
     return _up

@@ -39,7 +39,7 @@ TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
-    """`zerokl up` (weight store, decode, prefill, trainer, scheduler); yields the scheduler's address."""
+    """`zerokl up` (weight store, decode, trainer, scheduler); yields the scheduler's address."""
     with zerokl_up(tmp_path_factory.mktemp("jobs-up"), "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=jobs") as services:
         yield services["scheduler"]["address"]
 

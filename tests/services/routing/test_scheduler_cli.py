@@ -96,7 +96,7 @@ def test_zerokl_up_serves_through_the_scheduler_restarts_a_dead_service_and_stop
         services = {s["name"]: s for s in state["services"]}
         trainer = ["trainer"] if "trainer" in services else []
         assert trainer or "not starting the trainer" in out
-        assert list(services) == ["weight-store", "decode-0", "decode-1", "prefill-0", *trainer, "scheduler"]
+        assert list(services) == ["weight-store", "decode-0", "decode-1", *trainer, "scheduler"]
         for name, s in services.items():
             assert s["status"] == "SERVING" and f"{name} " in out and s["address"] in out
             assert (workdir / "logs" / f"{name}.log").exists()
