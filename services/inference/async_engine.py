@@ -4,9 +4,11 @@ Every call into :class:`~zerokl.services.engine.engine.Engine` happens on ONE
 background thread (the engine is not thread-safe, and a forward must not block
 the event loop). The event loop talks to it through an inbox guarded by a
 condition: ``add`` and ``abort`` commands go in, the thread drains them before
-each step, and it sleeps on the condition while there is no work. Outputs go
-back with ``loop.call_soon_threadsafe`` into the :class:`RequestStream` of
-their request.
+each step, and it sleeps on the condition while there is no work. A step's
+outputs go back in one ``loop.call_soon_threadsafe`` (one wake-up of the loop
+per step, not per request) into the :class:`RequestStream` of each request,
+where a consumer that fell behind takes all that arrived meanwhile at once
+(:meth:`RequestStream.batches`).
 
 A request the engine refuses (RequestError) fails only its own submit, as
 INVALID_ARGUMENT; nothing else in the batch notices. A request the engine
@@ -38,7 +40,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from zerokl.services.engine.engine import Engine, RequestError, WeightsCorrupted, device_failed
 from zerokl.services.engine.types import GenerateRequest, SampleOutput
@@ -97,9 +99,10 @@ class LatencyTracker:
 class RequestStream:
     """The outputs of one submitted request, in engine order; ends when the request is done.
 
-    Iterate with ``async for``. Use as an async context manager (or call
-    :meth:`aclose`) so a consumer that stops early, or is cancelled because its
-    client went away, aborts the request in the engine.
+    Iterate with ``async for`` (one output at a time) or :meth:`batches` (everything that
+    arrived since the last batch: what a consumer that fell behind forwards at once). Use
+    as an async context manager (or call :meth:`aclose`) so a consumer that stops early,
+    or is cancelled because its client went away, aborts the request in the engine.
     """
 
     def __init__(self, owner: "AsyncEngine", request: GenerateRequest, pinned_version: str = "") -> None:
@@ -107,7 +110,9 @@ class RequestStream:
         self.pinned_version = pinned_version   # "" = any; else admission requires this weights version
         self.weights_version = ""              # the version that computes this request (set at admission)
         self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._buffer: list[Any] = []           # outputs not yet consumed, then maybe _END or an error
+        self._waiter: asyncio.Future[None] | None = None
+        self._complete = False  # the end marker (or an error) was delivered
         self._ended = False     # the consumer saw the end (or an error)
         self._detached = False  # the consumer left: drop outputs, keep only the end marker
 
@@ -119,16 +124,42 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> SampleOutput:
-        if self._ended:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
+        if not self._buffer:
+            await self._arrival()
+        item = self._buffer.pop(0)
+        if item is _END or isinstance(item, BaseException):
             self._ended = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._ended = True
+            if item is _END:
+                raise StopAsyncIteration
             raise item
         return item
+
+    async def batches(self) -> AsyncIterator[list[SampleOutput]]:
+        """The outputs, in batches of all that arrived since the last one (never empty); raises the
+        stream's error after the outputs that came before it."""
+        while not self._ended:
+            if not self._buffer:
+                await self._arrival()
+            items, self._buffer = self._buffer, []
+            last = items[-1]
+            if last is not _END and not isinstance(last, BaseException):
+                yield items
+                continue
+            self._ended = True
+            if len(items) > 1:
+                yield items[:-1]
+            if last is not _END:
+                raise last
+
+    async def _arrival(self) -> None:
+        """Wait until the engine thread delivered something (StopAsyncIteration once ended)."""
+        if self._ended:
+            raise StopAsyncIteration
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     async def __aenter__(self) -> "RequestStream":
         return self
@@ -142,13 +173,21 @@ class RequestStream:
             self._ended = self._detached = True
             self._owner._post_abort(self)
 
-    # Called on the event loop (via call_soon_threadsafe) by the engine thread.
+    # Called on the event loop (via call_soon_threadsafe) by the engine thread. ``items`` ends with the
+    # end marker or an error when the request is done; whatever comes after that (a second marker
+    # from an abort that crossed the end) is dropped.
     def _put(self, items: list[Any]) -> None:
-        for item in items:
-            if item is _END or isinstance(item, BaseException):
-                self._owner._unregister(self)
-            if not self._detached:
-                self._queue.put_nowait(item)
+        if not items or self._complete:
+            return
+        last = items[-1]
+        if last is _END or isinstance(last, BaseException):
+            self._complete = True
+            self._owner._unregister(self)
+        if self._detached:
+            return
+        self._buffer.extend(items)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 @dataclasses.dataclass
@@ -499,11 +538,12 @@ class AsyncEngine:
                 live.finished.add(out.index)
         if aborted is not None:
             by_request.setdefault(aborted, [])
+        deliveries: list[tuple[RequestStream, list[Any]]] = []
         for rid, error in failed.items():
             live = self._live.pop(rid)
             if live.latency is not None:
                 live.latency.done(now)
-            self._deliver(live.stream, [*by_request.pop(rid, []), error])
+            deliveries.append((live.stream, [*by_request.pop(rid, []), error]))
         for rid, items in by_request.items():
             live = self._live[rid]
             if rid == aborted or any(o.finish_reason == "abort" for o in items):
@@ -519,7 +559,10 @@ class AsyncEngine:
                 if live.latency is not None:
                     live.latency.done(now)
                 items.append(_END)
-            self._deliver(live.stream, items)
+            deliveries.append((live.stream, items))
+        # One hop to the event loop per step, whatever the batch size: it wakes every consumer at once.
+        if deliveries:
+            self._call_soon(_deliver_all, deliveries)
 
     def _fail_all(self, error: ServiceError) -> None:
         for rid, live in list(self._live.items()):
@@ -542,6 +585,11 @@ class AsyncEngine:
         if stats["generation_tokens"] > self._stats["generation_tokens"]:
             metrics.GENERATION_TOKENS.inc(stats["generation_tokens"] - self._stats["generation_tokens"])
         self._stats = dict(stats)
+
+
+def _deliver_all(deliveries: list[tuple[RequestStream, list[Any]]]) -> None:
+    for stream, items in deliveries:
+        stream._put(items)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

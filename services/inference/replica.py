@@ -19,7 +19,7 @@ from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
 from zerokl.services.inference.errors import Cancelled, Internal, ResourceExhausted
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage, coalesce
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.optrace import identity_meta
@@ -185,19 +185,24 @@ class Replica:
         ``prompt_logprobs`` replaces the engine's (a handoff); otherwise the
         first output's are used. The first output is always sample 0's (its
         siblings fork after it), and the siblings share the prompt, so once
-        per request is enough.
+        per request is enough. When the consumer fell behind the engine, the
+        steps that arrived meanwhile go out as one delta per sample (coalesce).
         """
         completion: dict[int, int] = {}
         first = True
         async with stream:
-            async for out in stream:
-                completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)
-                if first:
-                    plp = prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs
-                    first = False
-                else:
-                    plp = None
-                yield self.delta(out, completion[out.index], plp, cached_tokens, stream.weights_version)
+            async for batch in stream.batches():
+                deltas = []
+                for out in batch:
+                    completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)
+                    if first:
+                        plp = prompt_logprobs if prompt_logprobs is not None else out.prompt_logprobs
+                        first = False
+                    else:
+                        plp = None
+                    deltas.append(self.delta(out, completion[out.index], plp, cached_tokens, stream.weights_version))
+                for d in coalesce(deltas):
+                    yield d
 
     async def score(self, r: InferenceRequest) -> ScoreResult:
         """Per-token logprobs of the prompt under the request's temperature / top-k / top-p."""

@@ -44,10 +44,13 @@ from zerokl.services.runtime.server import (ServiceServer, add_server_arguments,
                                             serve)
 from zerokl.services.weightstore.client import WeightStoreClient
 
-__all__ = ["DEFAULT_PORTS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_engine", "build_replica", "main",
+__all__ = ["DEFAULT_PORTS", "DEFAULT_GIL_SWITCH_MS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_engine", "build_replica", "main",
            "prefill_main", "decode_main"]
 
 DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
+# The engine thread releases the interpreter in every torch call and must win it back from the event
+# loop, which is busy with the last step's messages: at Python's 5 ms each such call could wait that long.
+DEFAULT_GIL_SWITCH_MS = 0.5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -90,6 +93,10 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     m.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree (1, 2, 4): this process serves and spawns N-1 followers, one "
                         "GPU each; outputs equal a --tp 1 replica's bit for bit (default %(default)s)")
+    m.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS, metavar="MS",
+                   help="the interpreter's thread switch interval: how soon the engine thread gets the "
+                        "interpreter back from the gRPC event loop after each torch call (Python's default is 5; "
+                        "default %(default)s)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
                         "small CPU host 1 avoids threads spinning against the server's own")
@@ -173,6 +180,9 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     options = options_from_args(args)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.gil_switch_ms > 0:
+        parser.error("--gil-switch-ms must be > 0")
+    sys.setswitchinterval(args.gil_switch_ms / 1000)
     tp: TensorParallelGroup | None = None
     lockstep: LockstepEngine | None = None
     if args.tp != 1:

@@ -8,7 +8,7 @@ a response, and the header of a KV handoff.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from zerokl.services.engine.types import FinishReason, SamplingOptions
 
@@ -16,6 +16,7 @@ __all__ = [
     "InferenceRequest",
     "Usage",
     "GenerateDelta",
+    "coalesce",
     "SampleResult",
     "fold_samples",
     "GenerateResult",
@@ -63,6 +64,41 @@ class GenerateDelta:
     usage: Usage = Usage()
     weights_version: str = ""
     numerics_fingerprint: str = ""
+
+
+def coalesce(deltas: Sequence[GenerateDelta]) -> list[GenerateDelta]:
+    """``deltas`` (one request's, in stream order) with each sample's consecutive deltas merged into one.
+
+    What a stream that fell behind sends: the same tokens, logprobs and text in the same
+    per-sample order, in fewer messages. A merged delta keeps its first part's prompt
+    logprobs and its last part's finish reason and usage (usage counts are running totals);
+    deltas stamped with another identity are never merged. Samples keep the order in which
+    they first appear (clients fold deltas per sample, so only the order within one counts).
+    """
+    if len(deltas) < 2:
+        return list(deltas)
+    merged: dict[int, list[GenerateDelta]] = {}
+    out: list[list[GenerateDelta]] = []
+    for d in deltas:
+        group = merged.get(d.index)
+        last = group[-1] if group else None
+        if (last is None or last.finish_reason is not None or d.prompt_logprobs is not None
+                or (last.weights_version, last.numerics_fingerprint) != (d.weights_version, d.numerics_fingerprint)):
+            group = merged[d.index] = [d]
+            out.append(group)
+        else:
+            group.append(d)
+    return [g[0] if len(g) == 1 else _merge(g) for g in out]
+
+
+def _merge(group: list[GenerateDelta]) -> GenerateDelta:
+    first, last = group[0], group[-1]
+    return GenerateDelta(
+        request_id=first.request_id, index=first.index,
+        token_ids=tuple(t for d in group for t in d.token_ids), logprobs=tuple(x for d in group for x in d.logprobs),
+        text="".join(d.text for d in group), finish_reason=last.finish_reason,
+        prompt_logprobs=first.prompt_logprobs, usage=last.usage, weights_version=first.weights_version,
+        numerics_fingerprint=first.numerics_fingerprint)
 
 
 @dataclass

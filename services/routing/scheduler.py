@@ -49,7 +49,7 @@ from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.errors import RelayedError, handoff_peer
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, coalesce
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -61,7 +61,7 @@ from zerokl.services.runtime.errors import (
 )
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
 from zerokl.services.runtime.server import ServiceServer
-from zerokl.services.runtime.streams import until_set
+from zerokl.services.runtime.streams import batches_until_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.services.routing import metrics
 from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
@@ -334,20 +334,22 @@ class Scheduler:
                                                       handoff_timeout=self.config.handoff_timeout_s)
             stopped = ""
             try:
-                async with aclosing(until_set(stream, flight.cut)) as upstream:
-                    async for delta in upstream:
+                # What arrived while the client took the last message goes on as one message per sample.
+                async with aclosing(batches_until_set(stream, flight.cut)) as upstream:
+                    async for batch in upstream:
                         prefill_lease.close()
-                        if delta.finish_reason == "abort" and not flight.aborted:
-                            # Nobody asked: the replica is shutting down. Keep its tokens, retry the rest.
-                            stopped = "it ended the request with ABORT (shutting down?)"
-                            delta = dataclasses.replace(delta, finish_reason=None)
-                        try:
-                            out = ledger.accept(delta)
-                        except DataLoss:
-                            metrics.REPLAY_MISMATCHES.inc()
-                            raise
-                        if out is not None:
-                            yield out
+                        for delta in coalesce(batch):
+                            if delta.finish_reason == "abort" and not flight.aborted:
+                                # Nobody asked: the replica is shutting down. Keep its tokens, retry the rest.
+                                stopped = "it ended the request with ABORT (shutting down?)"
+                                delta = dataclasses.replace(delta, finish_reason=None)
+                            try:
+                                out = ledger.accept(delta)
+                            except DataLoss:
+                                metrics.REPLAY_MISMATCHES.inc()
+                                raise
+                            if out is not None:
+                                yield out
             except grpc.aio.AioRpcError as err:
                 if flight.aborted:
                     return

@@ -1,7 +1,8 @@
 """Stopping an await or a stream when an event is set (an Abort, a shutdown).
 
 The one copy of this logic: the scheduler stops relaying a request that was
-aborted, a decode replica stops reading a KV handoff that was aborted.
+aborted (:func:`batches_until_set`, which also hands it what arrived meanwhile
+in one batch), a decode replica stops reading a KV handoff that was aborted.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 import grpc.aio
 
-__all__ = ["unless_set", "until_set"]
+__all__ = ["unless_set", "batches_until_set"]
 
 T = TypeVar("T")
 
@@ -34,14 +35,48 @@ async def unless_set(awaitable: Awaitable[T], stop: asyncio.Event) -> T | None:
                 await task
 
 
-async def until_set(stream: AsyncIterator[T], stop: asyncio.Event) -> AsyncIterator[T]:
-    """Items of ``stream`` until it ends or ``stop`` is set (checked while waiting for each item)."""
-    it = aiter(stream)
-    while True:
+async def batches_until_set(stream: AsyncIterator[T], stop: asyncio.Event) -> AsyncIterator[list[T]]:
+    """Items of ``stream`` until it ends or ``stop`` is set, in batches: everything that arrived
+    while the consumer was busy with the last batch (never an empty one).
+
+    A relay's hop per item: one task reads ``stream`` ahead into a buffer, so a consumer
+    that falls behind handles (and forwards) many items at once instead of waiting once
+    per item. An error of ``stream`` is raised after the items that came before it.
+    """
+    buffer: list[T] = []
+    wake = asyncio.Event()
+
+    async def read() -> None:
         try:
-            item = await unless_set(anext(it), stop)
-        except StopAsyncIteration:
-            return
-        if item is None:  # stopped (a stream never yields None)
-            return
-        yield item
+            async for item in stream:
+                buffer.append(item)
+                wake.set()
+        finally:
+            wake.set()
+
+    async def watch() -> None:
+        await stop.wait()
+        wake.set()
+
+    reader = asyncio.ensure_future(read())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        while not stop.is_set():
+            if buffer:
+                batch = buffer[:]
+                buffer.clear()
+                yield batch
+            elif reader.done():
+                reader.result()   # the stream's error, if it ended with one
+                return
+            else:
+                wake.clear()
+                await wake.wait()
+    finally:
+        watcher.cancel()
+        if not reader.done():
+            reader.cancel()
+        # Let the cancelled read unwind before the caller closes what it was reading; an error
+        # it ended with after the consumer left is nobody's to handle any more.
+        with suppress(asyncio.CancelledError, Exception):
+            await reader
