@@ -201,6 +201,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every arm's engine step budget")
     p.add_argument("--alone", type=int, default=None,
                    help="how many requests to run alone as the reference (default: all of the largest wave)")
+    p.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
+                   help="an extra `zerokl serve decode` flag for the fleet's replicas, e.g. --replica-flag=--gil-switch-ms=0.1")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="where the fleet lives (default: a temporary directory)")
     p.add_argument("--json", default=None, help="write the results here")
@@ -212,11 +214,11 @@ def main() -> None:
     engine_flags = {"max_num_seqs": top, "num_blocks": top * seq_blocks + 64,
                     "max_num_batched_tokens": args.max_num_batched_tokens}
     replica_flags = [f"--replica-flag=--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()]
-    replica_flags.append("--replica-flag=--no-prefix-caching")
+    replica_flags += ["--replica-flag=--no-prefix-caching", *(f"--replica-flag={f}" for f in args.replica_flag)]
     fleet = ["--preset", args.preset, "--dtype", args.dtype, *replica_flags]
     report: dict = {"date": datetime.date.today().isoformat(), "commit": commit(), "preset": args.preset,
                     "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                    "engine_config": engine_flags, "torch": torch.__version__}
+                    "engine_config": engine_flags, "replica_flags": args.replica_flag, "torch": torch.__version__}
 
     def save() -> None:
         if args.json:
