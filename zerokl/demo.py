@@ -203,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
                      f"--trainer-flag=--lora-rank={args.lora_rank}", f"--trainer-flag=--seed={args.seed}"]
     with tempfile.TemporaryDirectory(prefix="zerokl-demo-") as tmp:
         print(f"starting the five services on loopback ({origin}) ...", flush=True)
-        cluster = _Cluster(pathlib.Path(tmp), [*start, "--threads", "1", *trainer_flags])
+        # A prefill replica too (not `zerokl up`'s one-device default): the demo shows all five services.
+        cluster = _Cluster(pathlib.Path(tmp), [*start, "--threads", "1", "--prefill-replicas", "1", *trainer_flags])
         try:
             services = cluster.wait_ready()
             for name, s in services.items():

@@ -203,9 +203,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--weights-version", default=None,
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
     m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                   help="the fleet's model dtype: a preset is published in it, every replica serves in it (and "
-                        "the trainer, which trains in the published checkpoint's dtype with fp32 master weights). "
-                        "Default: bfloat16 where CUDA is available, else float32")
+                   help="the fleet's model dtype: a preset is made and published in it, so the replicas serve "
+                        "and the trainer trains in it (with fp32 master weights). Default for a preset: bfloat16 "
+                        "where CUDA is available, else float32. A --model checkpoint is published as it is: "
+                        "the replicas serve it in --dtype when given, the trainer in the checkpoint's own dtype")
     s = p.add_argument_group("services")
     s.add_argument("--port", type=int, default=50050, help="scheduler port, 0 picks one (default %(default)s)")
     s.add_argument("--decode-replicas", type=int, default=1)
@@ -353,9 +354,10 @@ def _source_name(args: argparse.Namespace) -> str:
     return args.model if args.model else f"the {args.preset} preset (seed {args.seed})"
 
 
-def _fleet_dtype(args: argparse.Namespace) -> str:
-    """``--dtype``, else bfloat16 where CUDA is available (the GPU kernels' serving dtype), else float32."""
-    if args.dtype:
+def _fleet_dtype(args: argparse.Namespace) -> str | None:
+    """``--dtype``; else a checkpoint's own (None), and for a preset bfloat16 where CUDA is available
+    (the GPU kernels' serving dtype), else float32."""
+    if args.dtype or args.model:
         return args.dtype
     import torch
 
@@ -403,8 +405,9 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     compute = args.decode_replicas + args.prefill_replicas + int(trainer)
     threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
     # Replicas fetch from the store what they switch to (SwitchWeights: RL steps, jobs).
-    model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address,
-             "--dtype", args.dtype, *threads]
+    dtype = ["--dtype", args.dtype] if args.dtype else []
+    model = ["--model", str(model_dir), "--weights-version", version, "--weight-store", store.address, *dtype,
+             *threads]
     if not (model_dir / "tokenizer.json").exists():
         model += ["--tokenizer", "countdown"]  # the presets speak countdown
     common = ["--grace", str(args.grace), *secure]
