@@ -88,6 +88,7 @@ _STABLE_S = 60.0
 # How often the supervisor reads the weights version the scheduler routes to (a replica restarts at it).
 _FLEET_POLL_S = 2.0
 _DTYPES = ("bfloat16", "float32")
+_STREAM_INTERVAL = 8   # the decode replicas' --stream-interval
 
 
 @dataclass
@@ -419,10 +420,14 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     # Several GPUs: the replicas take turns over them (decode first); one GPU or none: each child's default.
     devices = _replica_devices()
     for i, r in enumerate([*decode, *prefill]):
-        placed = ["--device", devices[i % len(devices)]] if devices else []
+        extra = ["--device", devices[i % len(devices)]] if devices else []
+        if r.service == "decode":
+            # Behind the scheduler every message is relayed once more: a message per 8 steps after
+            # the first token (docs/perf.md, issue 32). A --replica-flag=--stream-interval=N wins.
+            extra += ["--stream-interval", str(_STREAM_INTERVAL)]
         # A prefill replica is paired with a decode replica per request by the scheduler; that replica
         # reads the KV from it directly.
-        r.flags = [*model, *placed, "--port", str(r.port), "--replica-id", r.name, *r.serve_metrics(), *common,
+        r.flags = [*model, *extra, "--port", str(r.port), "--replica-id", r.name, *r.serve_metrics(), *common,
                    *args.replica_flag]
     children += [*decode, *prefill]
     if trainer:

@@ -112,6 +112,7 @@ class RequestStream:
         self._owner = owner
         self._buffer: list[Any] = []           # outputs not yet consumed, then maybe _END or an error
         self._waiter: asyncio.Future[None] | None = None
+        self._want = 1                         # buffered outputs that wake the consumer (see batches)
         self._complete = False  # the end marker (or an error) was delivered
         self._ended = False     # the consumer saw the end (or an error)
         self._detached = False  # the consumer left: drop outputs, keep only the end marker
@@ -124,6 +125,7 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> SampleOutput:
+        self._want = 1
         if not self._buffer:
             await self._arrival()
         item = self._buffer.pop(0)
@@ -134,11 +136,18 @@ class RequestStream:
             raise item
         return item
 
-    async def batches(self) -> AsyncIterator[list[SampleOutput]]:
+    async def batches(self, every: int = 1) -> AsyncIterator[list[SampleOutput]]:
         """The outputs, in batches of all that arrived since the last one (never empty); raises the
-        stream's error after the outputs that came before it."""
+        stream's error after the outputs that came before it.
+
+        After the first batch, a batch waits for ``every`` outputs (engine steps of a sample), or
+        the end: fewer, larger messages for a stream whose tokens are relayed one message each.
+        """
+        first = True
         while not self._ended:
-            if not self._buffer:
+            self._want = 1 if first else every
+            first = False
+            if len(self._buffer) < self._want and not self._complete:
                 await self._arrival()
             items, self._buffer = self._buffer, []
             last = items[-1]
@@ -186,7 +195,8 @@ class RequestStream:
         if self._detached:
             return
         self._buffer.extend(items)
-        if self._waiter is not None and not self._waiter.done():
+        if (self._waiter is not None and not self._waiter.done()
+                and (len(self._buffer) >= self._want or self._complete)):
             self._waiter.set_result(None)
 
 

@@ -32,6 +32,7 @@ class ServingLimits:
     """Per-request limits a replica enforces on top of the engine's own checks."""
 
     max_n: int = 16                      # samples per request
+    stream_interval: int = 1             # after a stream's first message, engine outputs per message
 
 
 class Replica:
@@ -186,12 +187,14 @@ class Replica:
         first output's are used. The first output is always sample 0's (its
         siblings fork after it), and the siblings share the prompt, so once
         per request is enough. When the consumer fell behind the engine, the
-        steps that arrived meanwhile go out as one delta per sample (coalesce).
+        steps that arrived meanwhile go out as one delta per sample (coalesce);
+        after the first, a message waits for ``limits.stream_interval`` outputs.
         """
         completion: dict[int, int] = {}
         first = True
         async with stream:
-            async for batch in stream.batches():
+            # n samples produce n outputs a step: the interval counts steps.
+            async for batch in stream.batches(self.limits.stream_interval * stream.request.options.n):
                 deltas = []
                 for out in batch:
                     completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)

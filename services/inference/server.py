@@ -111,6 +111,10 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse full prompt blocks")
     e.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA: no graph capture)")
     e.add_argument("--max-n", type=int, default=16, help="samples per request at most")
+    e.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="after a stream's first token, send a message once N engine steps' tokens are there (or "
+                        "the stream ended): fewer messages for the scheduler and clients to relay (default "
+                        "%(default)s: every step)")
     if service == "prefill":
         e.add_argument("--kv-chunk-bytes", type=int, default=None,
                        help="KV chunk size streamed to decode replicas (default and maximum 4 MiB)")
@@ -171,7 +175,7 @@ def build_replica(service: str, loaded: LoadedModel, args: argparse.Namespace, e
     (the driver is not started)."""
     identity = make_identity(service, loaded.model, loaded.weights_version, args.replica_id)
     return Replica(AsyncEngine(engine or build_engine(loaded, args), name=f"zerokl-{service}-engine"), identity,
-                   loaded.tokenizer, ServingLimits(max_n=args.max_n))
+                   loaded.tokenizer, ServingLimits(max_n=args.max_n, stream_interval=args.stream_interval))
 
 
 def main(service: str, argv: Sequence[str] | None = None) -> int:
@@ -184,6 +188,8 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if not args.gil_switch_ms > 0:
         parser.error("--gil-switch-ms must be > 0")
+    if args.stream_interval < 1:
+        parser.error("--stream-interval must be >= 1")
     sys.setswitchinterval(args.gil_switch_ms / 1000)
     tp: TensorParallelGroup | None = None
     lockstep: LockstepEngine | None = None
