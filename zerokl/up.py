@@ -11,7 +11,9 @@
 2. fetches the version to serve (``--weights-version``, else the newest) into
    ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
    their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
-   replicas, for several devices) from it in ``--dtype``, the trainer (when
+   replicas, for several devices) from it in ``--dtype`` (each decode replica
+   streaming a message per 8 steps after the first token, since the scheduler
+   relays every message once more), the trainer (when
    this install has ``zerokl.services.trainer.server``) and the scheduler in
    front of the replicas, all at once on free loopback ports, each with its
    log in ``WORKDIR/logs``; Triton's compile cache lives in

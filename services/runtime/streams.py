@@ -39,9 +39,9 @@ async def batches_until_set(stream: AsyncIterator[T], stop: asyncio.Event) -> As
     """Items of ``stream`` until it ends or ``stop`` is set, in batches: everything that arrived
     while the consumer was busy with the last batch (never an empty one).
 
-    A relay's hop per item: one task reads ``stream`` ahead into a buffer, so a consumer
-    that falls behind handles (and forwards) many items at once instead of waiting once
-    per item. An error of ``stream`` is raised after the items that came before it.
+    One task reads ``stream`` ahead into a buffer (the stop is watched once, not per item),
+    so a consumer that falls behind handles and forwards many items at once instead of
+    waiting once per item. An error of ``stream`` is raised after the items before it.
     """
     buffer: list[T] = []
     wake = asyncio.Event()
