@@ -18,7 +18,7 @@ from zerokl.kernels.portable import standard_normal, uniform
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.version import __version__
 
-__all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_key"]
+__all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_of", "fingerprint_key"]
 
 def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     """Seeded inputs, the same on every machine (portable.standard_normal)."""
@@ -86,12 +86,16 @@ def fingerprint_key(backend: str | None = None, device: str | None = None, dtype
     return f"{backend}/{device or device_name(backend=backend)}/{str(dtype).removeprefix('torch.')}"
 
 
+def fingerprint_of(digests: dict[str, str]) -> str:
+    """The fingerprint of per-op golden digests under this numerics version."""
+    blob = __version__ + "".join(f"{k}={v};" for k, v in sorted(digests.items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def _fingerprint(backend: str, device: str, dtype: torch.dtype) -> str:
     with use_backend(backend):
-        digests = golden_digests(device, dtype)
-    blob = __version__ + "".join(f"{k}={v};" for k, v in digests.items())
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return fingerprint_of(golden_digests(device, dtype))
 
 
 def fingerprint(backend: str | None = None, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:

@@ -13,8 +13,9 @@ machine (see NUMERICS.md):
   perform no rounding at all, so no blocking, batch size, column shard, thread count or
   BLAS library can change a bit; the result is rounded once to fp32;
 * transcendentals (exp, log, sigmoid, silu, cos, sin) are float64 polynomials of IEEE
-  basic operations, rounded once to fp32;
-* the rest is correctly rounded element-wise arithmetic (+ - * / sqrt, max) and order-free
+  basic operations, rounded once to fp32; sqrt is correctly rounded from division
+  (`portable.sqrt`: torch.sqrt on a CPU is MKL's vector math, whose bits follow the CPU);
+* the rest is correctly rounded element-wise arithmetic (+ - * /, max) and order-free
   selections (max, stable sorts with explicit tie-breaks).
 
 All functions take fp32 or bf16 inputs and accumulate in fp32 or better.
@@ -82,7 +83,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, output in x.dtype."""
     x32 = x.float()
     mean_sq = row_sum(x32 * x32) / x.shape[-1]
-    inv = 1.0 / torch.sqrt(mean_sq + eps)
+    inv = 1.0 / portable.sqrt(mean_sq + eps)
     return (x32 * inv.unsqueeze(-1) * weight.float()).to(x.dtype)
 
 
@@ -93,7 +94,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     mean = row_sum(x32) / d
     centered = x32 - mean.unsqueeze(-1)
     var = row_sum(centered * centered) / d
-    inv = 1.0 / torch.sqrt(var + eps)
+    inv = 1.0 / portable.sqrt(var + eps)
     return (centered * inv.unsqueeze(-1) * weight.float() + bias.float()).to(x.dtype)
 
 

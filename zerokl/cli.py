@@ -43,6 +43,9 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             cases, mismatches = PARITY_CHECKS[name](backend, args.seed)
             rows.append((backend, name, cases, mismatches))
+    if "torch" in backends:   # the CPU primitives against their references (kernels/portable_check.py)
+        from zerokl.kernels.portable_check import check_primitives
+        rows += [("torch", f"primitive: {r.name}", r.cases, r.mismatches) for r in check_primitives()]
     print(f"zerokl numerics {__version__}")
     print(format_table(rows))
     bad = sum(m for *_, m in rows)
