@@ -26,8 +26,20 @@ def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Outputs of every op on fixed seeded inputs (made on CPU, moved to `device`)."""
+    """Outputs of every op on fixed seeded inputs (made on CPU, moved to `device`).
+
+    dtype float8_e4m3fn is the FP8 fleet's key: its activations are bf16, so it holds the bf16
+    outputs plus the FP8 ops (quantization and the block-scaled GEMM) on bf16 inputs.
+    """
     dev = torch.device(device)
+    if dtype == torch.float8_e4m3fn:
+        out = golden_outputs(device, torch.bfloat16)
+        act = _inputs(35, 7, 300, scale=2.0).to(device=dev, dtype=torch.bfloat16)
+        q, s = ops.fp8_quantize(act)
+        w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
+        out["fp8_quantize"] = torch.cat([q.float(), s], 1)
+        out["fp8_linear"] = ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev))
+        return out
 
     def x(seed, *shape, scale=1.0, dt=dtype):
         return _inputs(seed, *shape, scale=scale).to(device=dev, dtype=dt)

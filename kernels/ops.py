@@ -47,6 +47,11 @@ __all__ = [
     "moe_combine",
     "swiglu",
     "swiglu_mlp",
+    "FP8_BLOCK",
+    "fp8_quantize",
+    "fp8_quantize_weight",
+    "fp8_dequantize_weight",
+    "fp8_linear",
 ]
 
 # Row-parallel projections (attention o_proj, MLP down_proj) reduce over K in this many
@@ -661,3 +666,73 @@ def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     for j in range(1, out.shape[1]):
         total = total + w[:, j:j + 1] * out[:, j]
     return total
+
+
+# ---------------------------------------------------------------- FP8 (block-scaled e4m3)
+
+FP8_BLOCK = 128   # channels per activation scale; a weight has one scale per FP8_BLOCK x FP8_BLOCK block
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+
+
+def fp8_quantize(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (q [M, K] float8_e4m3fn, scale [M, ceil(K/128)] fp32): per row and
+    128-channel group, s = amax / 448 (1 for an all-zero group), q = the nearest e4m3 value to
+    clamp(x / s, +-448), ties to even.
+    A row's values depend only on the row."""
+    if input.dim() != 2:
+        raise ValueError(f"fp8_quantize: input must be [M, K], got {tuple(input.shape)}")
+    return backend_module().fp8_quantize(input)
+
+
+def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (q [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] fp32), one scale
+    per 128 x 128 block: s = amax / 448 (1 for an all-zero block), q = the nearest e4m3 value to
+    clamp(w / s, +-448), ties to even (torch_ops.round_to_e4m3).
+
+    The layout of DeepSeek-V3 / GLM-5-FP8 checkpoints (`weight_scale_inv` is `scale`: w ~= q * s).
+    Every step is exact or correctly rounded (max, IEEE division, the e4m3 cast), so the trainer
+    quantizing its fp32 masters and a converter quantizing a checkpoint get the same bits.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_quantize_weight: weight must be [N, K], got {tuple(weight.shape)}")
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    w = torch.nn.functional.pad(weight.detach().float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
+    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
+    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX)).to(torch.float8_e4m3fn)
+    return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
+
+
+def fp8_dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] float8_e4m3fn and its block scales -> q * s in `dtype` (exact in fp32)."""
+    n, k = weight.shape
+    s = scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return (weight.float() * s).to(dtype)
+
+
+def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = fp8_quantize(input) @ (weight * weight_scale).T (+ bias) by the block-scaled definition.
+
+    input [..., K] fp32/bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/128), ceil(K/128)]
+    fp32. For the K blocks b in ascending order: acc += dot_b(q_x[m], q_w[n]) * (s_x[m, b] *
+    s_w[n // 128, b]) in fp32, the block dot in fp32 (NUMERICS.md, "FP8"). An element depends
+    only on its row of input and its column of weight. No autograd: the trainer's FP8 forward
+    differentiates its bf16 path (straight-through).
+    """
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"fp8_linear: weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if input.shape[-1] != k:
+        raise ValueError(f"fp8_linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
+    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+        raise ValueError(f"fp8_linear: weight_scale must be float32 {list(want)}, got {weight_scale.dtype} "
+                         f"{list(weight_scale.shape)}")
+    fn = backend_module().fp8_linear
+    if get_backend() == "torch":
+        return _single_threaded(fn, (input, weight, weight_scale, bias, out_dtype))
+    return fn(input, weight, weight_scale, bias, out_dtype)

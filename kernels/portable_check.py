@@ -13,7 +13,7 @@ way: numpy's IEEE arithmetic, and integer arithmetic where a sum must be exact.
   op: for + - * / and sqrt, float64 holds more than 2 x 24 + 2 bits, so the double rounding
   is innocuous);
 * exactly defined (`row_sum`, `contract`, `rms_norm`, `layer_norm`, float64 `cumsum`,
-  `round`, stable sort): equal bits to the definition in NUMERICS.md evaluated with numpy
+  `round`, stable sort, rounding onto the e4m3 grid, `fp8_linear`): equal bits to the definition in NUMERICS.md evaluated with numpy
   (integer slice sums in int64, the same element-wise float64 steps, IEEE fp32 arithmetic);
 * transcendentals (`exp`, `log`, `cos_sin`, `sigmoid`, `silu`): their definition is the
   fixed polynomial, so the reference is an accuracy bound (ulps from the float64 result),
@@ -259,6 +259,51 @@ def _check_cumsum_and_sort(g, n):
     return cs.numel() + order.numel(), bad, _digest(cs, order)
 
 
+def _e4m3_grid() -> np.ndarray:
+    """Every finite non-negative float8_e4m3fn value, ascending, as float64 (codes 0..126)."""
+    return torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).double().numpy()
+
+
+def _round_e4m3_np(y: np.ndarray) -> np.ndarray:
+    """Nearest e4m3 value, ties to the even code, by search in the table of values."""
+    grid = _e4m3_grid()
+    a = np.abs(y.astype(np.float64))
+    hi = np.clip(np.searchsorted(grid, a), 1, len(grid) - 1)
+    lo = hi - 1
+    dlo, dhi = a - grid[lo], grid[hi] - a
+    pick = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    return (np.sign(y) * grid[pick]).astype(np.float32)
+
+
+def _check_fp8(g, n):
+    """FP8 (NUMERICS.md, "FP8"): rounding onto the e4m3 grid (random values, every grid point
+    and every midpoint between neighbours) and fp8_linear's block-scaled sum, against the
+    definition with int64 block dots (e4m3 values are integers times 2^-9)."""
+    grid = torch.from_numpy(_e4m3_grid()).float()
+    mids = (grid[:-1].double() + grid[1:].double()) * 0.5
+    y = torch.cat([((_uniform64(g, n) * 2 - 1) * _pow2(torch.randint(-12, 9, (n,), generator=g))).clamp(-448, 448).float(),
+                   grid, -grid, mids.float(), -mids.float()])
+    r = torch_ops.round_to_e4m3(y)
+    bad = int((r != torch.from_numpy(_round_e4m3_np(y.numpy()))).sum())
+    rows = max(4, n // 8192)
+    x = portable.standard_normal((rows, 300), g) * _pow2(torch.randint(-8, 8, (rows, 1), generator=g)).float()
+    w = portable.standard_normal((130, 300), g) * 0.05
+    from zerokl.kernels.ops import fp8_quantize_weight
+    qw, sw = fp8_quantize_weight(w)
+    out = torch_ops.fp8_linear(x, qw, sw)
+    qx, sx = torch_ops.fp8_quantize(x)
+    ia = np.rint(qx.double().numpy() * 512).astype(np.int64)
+    iw = np.rint(qw.double().numpy() * 512).astype(np.int64)
+    acc = np.zeros((rows, 130), np.float32)
+    swn, sxn = sw.numpy(), sx.numpy()
+    for b in range(sx.shape[1]):
+        sl = slice(b * 128, min(300, b * 128 + 128))
+        part = ((ia[:, sl] @ iw[:, sl].T).astype(np.float64) * 2.0 ** -18).astype(np.float32)
+        acc = acc + part * (sxn[:, b:b + 1] * np.repeat(swn[:, b], 128)[:130][None, :])
+    bad += _equal_bits(out, acc)
+    return r.numel() + out.numel(), bad, _digest(r, qx.float(), out)
+
+
 # ----------------------------------------------------------------------------- transcendentals
 
 def _ulps(got: torch.Tensor, want: np.ndarray) -> torch.Tensor:
@@ -295,6 +340,7 @@ PRIMITIVE_CHECKS: dict[str, Callable[[torch.Generator, int], tuple[int, int, str
     "contract, row_sum": _check_contract,
     "rms_norm, layer_norm": _check_norms,
     "cumsum, stable sort": _check_cumsum_and_sort,
+    "fp8 rounding, fp8_linear": _check_fp8,
     "exp, log, cos_sin, sigmoid, silu": _check_transcendentals,
 }
 

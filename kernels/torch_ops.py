@@ -42,9 +42,14 @@ __all__ = [
     "mla_attention_sequences",
     "indexer_scores",
     "topk_positions",
+    "round_to_e4m3",
+    "fp8_quantize",
+    "fp8_linear",
 ]
 
 KV_BLOCK = 16  # keys per online-softmax step in attention and per indexer scoring step
+FP8_BLOCK = 128   # channels per FP8 activation scale; FP8 weights carry one scale per 128 x 128 block
+FP8_MAX = 448.0   # the largest finite float8_e4m3fn value
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -283,3 +288,55 @@ def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
     if chosen.shape[1] < k:                                       # fewer keys than k: pad to width k
         chosen = torch.cat([chosen, chosen.new_full((t, k - chosen.shape[1]), -1)], dim=1)
     return chosen
+
+
+def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y with |y| <= 448 rounded to the nearest e4m3 value, ties to even, as fp32 (exact in
+    e4m3). The grid's quantum at y is 2^(max(e, -6) - 3) for y in [2^e, 2^(e+1)) (3 mantissa bits;
+    subnormals below 2^-6 step by 2^-9), and adding then subtracting C = 1.5 * 2^23 * quantum
+    rounds to a multiple of it by IEEE's round-to-nearest-even: no library conversion decides a
+    bit. Values that round to zero give +0."""
+    e = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+    quantum = ((torch.clamp(e, min=-6) - 3 + 127) << 23).view(torch.float32)
+    c = quantum * 12582912.0                                          # 1.5 * 2^23 quanta: exact
+    return (y + c) - c
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, ceil(K/128)] fp32): per row, per group of
+    128 channels, s = amax / 448 (1 for an all-zero group), q = round_to_e4m3(clamp(x / s, +-448)).
+    Every step is exact or correctly rounded (max, IEEE division and addition); the final cast
+    only re-encodes values already on the e4m3 grid."""
+    m, k = x.shape
+    kb = -(-k // FP8_BLOCK)
+    xp = torch.nn.functional.pad(x.float(), (0, kb * FP8_BLOCK - k)).view(m, kb, FP8_BLOCK)
+    amax = xp.abs().amax(-1)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = round_to_e4m3((xp / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
+    return q.view(m, kb * FP8_BLOCK)[:, :k], s
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Block-scaled FP8 GEMM (NUMERICS.md, "FP8"): x [..., K] quantized by fp8_quantize, weight
+    [N, K] float8_e4m3fn with weight_scale [ceil(N/128), ceil(K/128)] fp32. For K blocks b in
+    ascending order, acc += fp32(dot_b) * (s_x[m, b] * s_w[n // 128, b]) in fp32.
+
+    A block's dot of e4m3 values is exact in float64 in any order (products have 8 significant
+    bits between 2^-18 and 2^18, 128 of them sum within 43 bits), so the float64 GEMM computes
+    it exactly whatever BLAS does, and it is rounded once to fp32.
+    """
+    lead, (n, k) = x.shape[:-1], weight.shape
+    q, sx = fp8_quantize(x.reshape(-1, k))
+    m, kb = q.shape[0], sx.shape[1]
+    pad = kb * FP8_BLOCK - k
+    qa = torch.nn.functional.pad(q.double(), (0, pad)).view(m, kb, FP8_BLOCK).transpose(0, 1)      # [KB, M, 128]
+    qw = torch.nn.functional.pad(weight.double(), (0, pad)).view(n, kb, FP8_BLOCK).permute(1, 2, 0)  # [KB, 128, N]
+    parts = torch.matmul(qa, qw).float()                                   # [KB, M, N]: exact, rounded once
+    sw = weight_scale.repeat_interleave(FP8_BLOCK, dim=0)[:n].t()          # [KB, N]: each column's block scale
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    for b in range(kb):                                                    # ascending K blocks
+        acc = acc + parts[b] * (sx[:, b:b + 1] * sw[b:b + 1])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype or x.dtype).reshape(*lead, n)

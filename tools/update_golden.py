@@ -27,7 +27,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "assets" / "golden" / "numerics.json"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 def current_entries(backends: list[str]) -> dict[str, dict]:

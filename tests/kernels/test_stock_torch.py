@@ -119,7 +119,7 @@ from zerokl.kernels import use_backend
 from zerokl.kernels.fingerprint import golden_digests
 from zerokl.kernels.portable_check import check_primitives
 out = {}
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
     with use_backend("torch"):
         out[str(dtype)] = golden_digests("cpu", dtype)
 out["primitives"] = {r.name: [r.mismatches, r.digest] for r in check_primitives(1 << 18)}
