@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._common import check_float, check_launchable, is_interpreted, unit_last
 
-__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_linear"]
+__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_gemm", "fp8_linear"]
 
 FP8_BLOCK = 128          # channels per activation scale; weight blocks are FP8_BLOCK x FP8_BLOCK
 FP8_MAX = 448.0          # largest finite e4m3 (float8_e4m3fn) value
@@ -137,22 +137,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         check_float(op, "bias", bias, ndim=1)
     check_launchable(op, _fp8_linear_kernel, x, weight, weight_scale, bias)
-    lead = x.shape[:-1]
     q, sx = fp8_quantize(x.reshape(-1, k))
-    m = q.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    return fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], n)
+
+
+def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled product of quantized activations (q [M, K], sx [M, KB]) and a quantized
+    weight: fp8_linear after its quantization (arguments as fp8_linear checks them)."""
+    (m, k), n = q.shape, weight.shape[0]
+    y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
-        return y.reshape(*lead, n)
+        return y
     weight, weight_scale = unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
     block_m = _block_m(m, interpreted)
-    grid = (triton.cdiv(m, block_m), nb)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK))
     _fp8_linear_kernel[grid](
         q, sx, weight, weight_scale, bias if bias is not None else weight_scale, y,
-        m, n, k, kb,
+        m, n, k, sx.shape[1],
         q.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, UPCAST=interpreted,
         BLOCK_M=block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK,
         num_warps=4 if interpreted or block_m == 64 else 8, num_stages=1 if interpreted else 3,
     )
-    return y.reshape(*lead, n)
+    return y
