@@ -39,6 +39,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
         w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
         out["fp8_quantize"] = torch.cat([q.float(), s], 1)
         out["fp8_linear"] = ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev))
+        out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)
         return out
 
     def x(seed, *shape, scale=1.0, dt=dtype):
@@ -75,9 +76,13 @@ def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor
     """The model graph is part of the definition: logits of the seeded tiny model on a prompt
     longer than its index_topk (so the sparse path counts too)."""
     from zerokl.kernels.model import Model, ModelConfig   # the model is built on these kernels
-    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=dtype).to(device)
+    fp8 = dtype == torch.float8_e4m3fn                   # the FP8 model: bf16 with quantized projections
+    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=torch.bfloat16 if fp8 else dtype)
+    if fp8:
+        from zerokl.kernels.model.fp8 import quantize_fp8
+        quantize_fp8(model)
     prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)   # integers: portable
-    return model(prompt)
+    return model.to(device)(prompt)
 
 
 def _digest(t: torch.Tensor) -> str:

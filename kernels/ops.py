@@ -15,7 +15,7 @@ mla_attention has its own fused Triton backward (kernels/triton/attention_backwa
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "swiglu",
     "swiglu_mlp",
     "FP8_BLOCK",
+    "Fp8Weight",
     "fp8_quantize",
     "fp8_quantize_weight",
     "fp8_dequantize_weight",
@@ -205,14 +206,37 @@ def _single_threaded(fn: Callable, args: tuple):
 
 # ---------------------------------------------------------------- elementary ops
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+class Fp8Weight(NamedTuple):
+    """A block-scaled FP8 weight as the GEMM ops take it in place of a tensor (NUMERICS.md, "FP8"):
+    data [..., N, K] float8_e4m3fn and scale [..., ceil(N/128), ceil(K/128)] fp32, w ~= data * scale.
+    linear, split_linear and grouped_linear (so swiglu, the MLPs and the MoE experts) accept it."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def __getitem__(self, g: int) -> "Fp8Weight":   # group g of a stacked [G, N, K] weight
+        return Fp8Weight(self.data[g], self.scale[g])
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = input @ weight.T + bias with weight [N, K]; fp32 accumulation, K order fixed by weight's K.
 
     The result is rounded to out_dtype (default input.dtype); out_dtype=torch.float32 returns
     the fp32 accumulator itself. An output column's bits never depend on M or N, so a column
-    shard of the weight computes exactly the matching columns (column parallelism).
+    shard of the weight computes exactly the matching columns (column parallelism). An
+    Fp8Weight runs fp8_linear.
     """
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear(input, weight.data, weight.scale, bias, out_dtype)
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
     if out_dtype not in (None, input.dtype, torch.float32):
@@ -250,6 +274,8 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
     """
     _check_splits(splits)
     k = input.shape[-1]
+    if isinstance(weight, Fp8Weight):
+        return _fp8_split_partial(input, weight, splits)
     if k % splits:
         raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
     if weight.shape[-1] != k:
@@ -294,7 +320,7 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     input.dtype. A TP rank holding 1/tp of K computes its subtree and the ranks' subtrees
     are joined by the same tree, so any tp dividing `splits` gives these exact bits.
     """
-    if bias is None:
+    if bias is None and not isinstance(weight, Fp8Weight):
         fused = _fused_split(input, weight)
         if fused is not None:
             _check_splits(splits)
@@ -305,13 +331,21 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
 
 
-def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offsets: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of input [M, K] times weight[g].T, weight [G, N, K] -> [M, N].
 
     offsets: G + 1 non-decreasing ints from 0 to M, a list or an int32/int64 tensor on input's
     device. The Triton backend never reads a tensor back on the host (no sync, CUDA-graph
     capturable), so only its shape is checked here: its values are the caller's promise.
+    An Fp8Weight runs fp8_linear per group (offsets read to the host: one sync).
     """
+    if isinstance(weight, Fp8Weight):
+        bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+        out = input.new_empty((input.shape[0], weight.shape[1]))
+        for g in range(weight.shape[0]):
+            if bounds[g + 1] > bounds[g]:
+                out[bounds[g]:bounds[g + 1]] = fp8_linear(input[bounds[g]:bounds[g + 1]], *weight[g])
+        return out
     if isinstance(offsets, torch.Tensor):
         if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"grouped_linear: offsets tensor {offsets.dtype} {tuple(offsets.shape)} is not int [G + 1] "
@@ -732,7 +766,31 @@ def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
         raise ValueError(f"fp8_linear: weight_scale must be float32 {list(want)}, got {weight_scale.dtype} "
                          f"{list(weight_scale.shape)}")
-    fn = backend_module().fp8_linear
-    if get_backend() == "torch":
-        return _single_threaded(fn, (input, weight, weight_scale, bias, out_dtype))
-    return fn(input, weight, weight_scale, bias, out_dtype)
+    if _needs_grad(input) or (bias is not None and _needs_grad(bias)):
+        raise ValueError("fp8_linear has no gradient: a trainer's FP8 forward differentiates its bf16 path "
+                         "(straight-through), not the FP8 product")
+    return _fp8_call("fp8_linear", input, weight, weight_scale, bias, out_dtype)
+
+
+def _fp8_call(name: str, *args):
+    fn = getattr(backend_module(), name)
+    return _single_threaded(fn, args) if get_backend() == "torch" else fn(*args)
+
+
+def _fp8_split_partial(input: torch.Tensor, weight: Fp8Weight, splits: int) -> torch.Tensor:
+    """split_partial of an FP8 weight: the row is quantized once over all of K; segment s is the
+    block-scaled sum over K blocks [s KB / splits, (s + 1) KB / splits) (floors; a segment may
+    hold none, a zero partial) in fp32, and the segments are joined by tree_sum."""
+    k = input.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"split_linear: input has K={k} but weight is {tuple(weight.shape)}")
+    lead = input.shape[:-1]
+    q, sx = fp8_quantize(input.reshape(-1, k))
+    kb = sx.shape[1]
+    parts = []
+    for s in range(splits):
+        b0, b1 = s * kb // splits, (s + 1) * kb // splits
+        k0, k1 = b0 * FP8_BLOCK, min(k, b1 * FP8_BLOCK)
+        parts.append(_fp8_call("fp8_gemm", q[:, k0:k1], sx[:, b0:b1], weight.data[:, k0:k1], weight.scale[:, b0:b1],
+                               None, torch.float32))
+    return tree_sum(parts).reshape(*lead, weight.shape[0])

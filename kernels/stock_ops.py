@@ -14,7 +14,7 @@ import torch.nn.functional as F
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
     "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions", "fp8_quantize",
-    "fp8_linear",
+    "fp8_linear", "fp8_gemm",
 ]
 
 
@@ -31,12 +31,16 @@ def fp8_quantize(x):
 def fp8_linear(x, weight, weight_scale, bias=None, out_dtype=None):
     """The FP8 product as a stock engine would compute it: the same quantized operands,
     dequantized and multiplied by one BLAS GEMM (sum order by M and the library)."""
-    from zerokl.kernels.ops import fp8_dequantize_weight
     k = weight.shape[1]
     q, s = fp8_quantize(x.reshape(-1, k))
-    xs = (q.float() * s.repeat_interleave(128, 1)[:, :k])
+    return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype):
+    from zerokl.kernels.ops import fp8_dequantize_weight
+    xs = q.float() * sx.repeat_interleave(128, 1)[:, :q.shape[1]]
     out = F.linear(xs, fp8_dequantize_weight(weight, weight_scale), None if bias is None else bias.float())
-    return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(out_dtype)
 
 
 def grouped_linear(x, weight, offsets):

@@ -44,6 +44,7 @@ __all__ = [
     "topk_positions",
     "round_to_e4m3",
     "fp8_quantize",
+    "fp8_gemm",
     "fp8_linear",
 ]
 
@@ -328,15 +329,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     lead, (n, k) = x.shape[:-1], weight.shape
     q, sx = fp8_quantize(x.reshape(-1, k))
-    m, kb = q.shape[0], sx.shape[1]
+    return fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*lead, n)
+
+
+def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled product of quantized activations q [M, K], sx [M, KB] and an FP8 weight
+    (fp8_linear after its quantization); KB = 0 gives zeros (an empty split segment)."""
+    (m, k), n, kb = q.shape, weight.shape[0], sx.shape[1]
     pad = kb * FP8_BLOCK - k
     qa = torch.nn.functional.pad(q.double(), (0, pad)).view(m, kb, FP8_BLOCK).transpose(0, 1)      # [KB, M, 128]
     qw = torch.nn.functional.pad(weight.double(), (0, pad)).view(n, kb, FP8_BLOCK).permute(1, 2, 0)  # [KB, 128, N]
     parts = torch.matmul(qa, qw).float()                                   # [KB, M, N]: exact, rounded once
     sw = weight_scale.repeat_interleave(FP8_BLOCK, dim=0)[:n].t()          # [KB, N]: each column's block scale
-    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(m, n, dtype=torch.float32, device=q.device)
     for b in range(kb):                                                    # ascending K blocks
         acc = acc + parts[b] * (sx[:, b:b + 1] * sw[b:b + 1])
     if bias is not None:
         acc = acc + bias.float()
-    return acc.to(out_dtype or x.dtype).reshape(*lead, n)
+    return acc.to(out_dtype)

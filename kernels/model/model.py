@@ -265,6 +265,13 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def gemm_weight(module: nn.Module, name: str = "weight") -> torch.Tensor | ops.Fp8Weight:
+    """A weight as the GEMM ops take it: the tensor, or, in an FP8 model (zerokl.kernels.model.fp8),
+    its e4m3 values with the `<name>_scale_inv` block scales beside them."""
+    scale = getattr(module, name + "_scale_inv", None)
+    return getattr(module, name) if scale is None else ops.Fp8Weight(getattr(module, name), scale)
+
+
 class Linear(nn.Module):
     """A bias-free projection through the invariant GEMM (weight [out, in], as nn.Linear)."""
 
@@ -273,7 +280,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return ops.linear(x, gemm_weight(self))
 
 
 class SplitLinear(Linear):
@@ -281,7 +288,7 @@ class SplitLinear(Linear):
     (ops.split_linear), so a tensor-parallel run joins the ranks' partials in this order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.split_linear(x, self.weight)
+        return ops.split_linear(x, gemm_weight(self))
 
 
 class Indexer(nn.Module):
@@ -425,7 +432,7 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = Linear(dim, hidden), Linear(dim, hidden), Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return ops.swiglu_mlp(x, gemm_weight(self.gate_proj), gemm_weight(self.up_proj), gemm_weight(self.down_proj))
 
 
 class Router(nn.Module):
@@ -459,8 +466,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        trace.record_experts(x, ids, self.gate_proj, self.up_proj, self.down_proj)
-        routed = ops.moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+        experts = gemm_weight(self, "gate_proj"), gemm_weight(self, "up_proj"), gemm_weight(self, "down_proj")
+        trace.record_experts(x, ids, *experts)
+        routed = ops.moe_experts(x, weights, ids, *experts)
         trace.record("mlp.combine", routed)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
@@ -502,8 +510,19 @@ class Model(nn.Module):
         self.to(dtype)
 
     def to(self, *args, **kwargs):
-        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32."""
+        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32, and an
+        FP8 model's e4m3 weights and their scales keep their dtypes (they only move)."""
+        keep = {name: t.data for name, t in [*self.named_parameters(), *self.named_buffers()]
+                if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")}
         super().to(*args, **kwargs)
+        for name, t in keep.items():           # nn.Module.to replaces buffers: look each one up again
+            owner, _, attr = name.rpartition(".")
+            module = self.get_submodule(owner)
+            moved = getattr(module, attr)
+            if isinstance(moved, nn.Parameter):
+                moved.data = t.to(moved.device)
+            else:
+                module.register_buffer(attr, t.to(moved.device))
         for m in self.modules():
             if isinstance(m, Router):
                 m.weight.data = m.weight.data.float()

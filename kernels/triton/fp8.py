@@ -149,7 +149,7 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return y
-    weight, weight_scale = unit_last(weight), weight_scale.contiguous()
+    sx, weight, weight_scale = sx.contiguous(), unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
     block_m = _block_m(m, interpreted)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK))
