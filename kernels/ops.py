@@ -337,15 +337,14 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offset
     offsets: G + 1 non-decreasing ints from 0 to M, a list or an int32/int64 tensor on input's
     device. The Triton backend never reads a tensor back on the host (no sync, CUDA-graph
     capturable), so only its shape is checked here: its values are the caller's promise.
-    An Fp8Weight runs fp8_linear per group (offsets read to the host: one sync).
+    An Fp8Weight runs each row through fp8_linear's product with its group's weight (Triton: one
+    grouped launch from the device offsets; torch backend: per group).
     """
     if isinstance(weight, Fp8Weight):
-        bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
-        out = input.new_empty((input.shape[0], weight.shape[1]))
-        for g in range(weight.shape[0]):
-            if bounds[g + 1] > bounds[g]:
-                out[bounds[g]:bounds[g + 1]] = fp8_linear(input[bounds[g]:bounds[g + 1]], *weight[g])
-        return out
+        if _needs_grad(input):
+            raise ValueError("fp8 grouped_linear has no gradient: a trainer's FP8 forward differentiates its bf16 "
+                             "path (straight-through), not the FP8 product")
+        return _fp8_call("fp8_grouped_linear", input, weight.data, weight.scale, offsets)
     if isinstance(offsets, torch.Tensor):
         if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"grouped_linear: offsets tensor {offsets.dtype} {tuple(offsets.shape)} is not int [G + 1] "

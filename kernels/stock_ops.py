@@ -14,7 +14,7 @@ import torch.nn.functional as F
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
     "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions", "fp8_quantize",
-    "fp8_linear", "fp8_gemm",
+    "fp8_linear", "fp8_gemm", "fp8_grouped_linear",
 ]
 
 
@@ -34,6 +34,11 @@ def fp8_linear(x, weight, weight_scale, bias=None, out_dtype=None):
     k = weight.shape[1]
     q, s = fp8_quantize(x.reshape(-1, k))
     return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_grouped_linear(x, weight, weight_scale, offsets):
+    from zerokl.kernels import torch_ops
+    return torch_ops.fp8_grouped_linear(x, weight, weight_scale, offsets)
 
 
 def fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype):

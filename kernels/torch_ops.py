@@ -45,6 +45,7 @@ __all__ = [
     "round_to_e4m3",
     "fp8_quantize",
     "fp8_gemm",
+    "fp8_grouped_linear",
     "fp8_linear",
 ]
 
@@ -348,3 +349,16 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     if bias is not None:
         acc = acc + bias.float()
     return acc.to(out_dtype)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       offsets: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [M, K] times FP8 weight[g] -> [M, N] in x.dtype: each
+    group's rows through fp8_linear (a row's result is its own whatever its group holds)."""
+    bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    for g in range(weight.shape[0]):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            out[lo:hi] = fp8_linear(x[lo:hi], weight[g], weight_scale[g])
+    return out

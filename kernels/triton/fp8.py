@@ -12,6 +12,11 @@ it, in ascending order, no split-K; a row's quantization reads only that row; BL
 quantization group (128) and BLOCK_N the weight block (128), so a tile's columns share one
 weight scale per K block whatever the batch.
 
+`fp8_grouped_linear` (the MoE experts) is the same kernel over a grouped GEMM's row tiles:
+each group's rows cut into tiles from its first row, found from device offsets (no host sync,
+as kernels/triton/gemm.py's grouped GEMM), so a token's result never depends on how many tokens
+its expert received.
+
 Under the interpreter the block dot is the exact contraction rounded once to fp32
 (kernels/triton/interpreter.py), which is the torch backend's definition, so interpreted bits
 equal the torch backend's. Compiled on Hopper the block dot is the tensor cores' FP8 MMA,
@@ -24,9 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_launchable, is_interpreted, unit_last
+from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
+from .gemm import _device_offsets, _group_tile
 
-__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_gemm", "fp8_linear"]
+__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_gemm", "fp8_grouped_linear", "fp8_linear"]
 
 FP8_BLOCK = 128          # channels per activation scale; weight blocks are FP8_BLOCK x FP8_BLOCK
 FP8_MAX = 448.0          # largest finite e4m3 (float8_e4m3fn) value
@@ -77,18 +83,28 @@ def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
-    q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr,
-    M, N, K, KB,
-    stride_qm, stride_wn, stride_swn, stride_ym,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, offs_ptr,
+    M, N, K, KB, G,
+    stride_qm, stride_wg, stride_wn, stride_sg, stride_swn, stride_ym,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUPED: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0).to(tl.int64)
+    # GROUPED (MoE experts): program_id(0) is a row tile of one group, found from the device
+    # offsets as the bf16 grouped GEMM finds it (gemm._group_tile); tiles never span two groups.
+    if GROUPED:
+        g, row0, row_end = _group_tile(offs_ptr, tl.program_id(0), G, BLOCK_M, BLOCK_G)
+        if g >= G:
+            return
+        rm = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+        m_mask = rm < row_end
+        w_ptr += g.to(tl.int64) * stride_wg
+        sw_ptr += g.to(tl.int64) * stride_sg
+    else:
+        rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = rm < M
     pid_n = tl.program_id(1).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, KB):                              # K blocks in ascending order, one per scale
@@ -154,11 +170,51 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     block_m = _block_m(m, interpreted)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK))
     _fp8_linear_kernel[grid](
-        q, sx, weight, weight_scale, bias if bias is not None else weight_scale, y,
-        m, n, k, sx.shape[1],
-        q.stride(0), weight.stride(0), weight_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=interpreted,
+        q, sx, weight, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
+        m, n, k, sx.shape[1], 1,
+        q.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=interpreted, GROUPED=False, BLOCK_G=1,
         BLOCK_M=block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK,
         num_warps=4 if interpreted or block_m == 64 else 8, num_stages=1 if interpreted else 3,
+    )
+    return y
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       offsets: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [M, K] times FP8 weight[g] ([G, N, K] e4m3, scales
+    [G, ceil(N/128), ceil(K/128)]) -> [M, N] in x.dtype. Each row is quantized once and its
+    product is fp8_linear's; the offsets may be a device tensor (no host sync)."""
+    op = "fp8_grouped_linear"
+    check_float(op, "x", x, ndim=2)
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 3:
+        raise ValueError(f"{op}: weight must be a 3-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+    g, n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"{op}: x's last dim {x.shape[1]} != weight's K {k}")
+    nb, kb = triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK)
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (g, nb, kb):
+        raise ValueError(f"{op}: weight_scale must be float32 [{g}, {nb}, {kb}], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    offs_t, offs = _device_offsets(op, offsets, g, m, x.device)
+    check_launchable(op, _fp8_linear_kernel, x, weight, weight_scale)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    q, sx = fp8_quantize(x)
+    weight, weight_scale = unit_last(weight), weight_scale.contiguous()
+    interpreted = is_interpreted(_fp8_linear_kernel)
+    block_m = 16 if interpreted else 64
+    tiles = m // block_m + min(g, m) if offs is None else sum(-(-(b - a) // block_m) for a, b in zip(offs, offs[1:]))
+    if tiles == 0:
+        return y
+    _fp8_linear_kernel[(tiles, nb)](
+        q, sx, weight, weight_scale, weight_scale, y, offs_t,
+        m, n, k, kb, g,
+        q.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
+        HAS_BIAS=False, UPCAST=interpreted, GROUPED=True, BLOCK_G=max(16, next_pow2(g)),
+        BLOCK_M=block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK,
+        num_warps=4, num_stages=1 if interpreted else 3,
     )
     return y

@@ -112,3 +112,24 @@ def test_bad_fp8_arguments_are_refused_by_name():
         ops.fp8_linear(x, q.float(), s)
     with pytest.raises(ValueError, match="K=299"):
         ops.fp8_linear(x[:, :299], q, s)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_experts_a_tokens_result_is_its_own_whatever_its_expert_received(backend):
+    """Grouped FP8 (MoE): a row's output equals fp8_linear with its group's weight, for any group
+    sizes (empty groups too) and with host or device offsets."""
+    w = _normal(19, 3, 130, 200, scale=0.05)
+    parts = [ops.fp8_quantize_weight(w[g]) for g in range(3)]
+    weight = ops.Fp8Weight(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    x = _normal(20, 37, 200, scale=3.0).to(torch.bfloat16)
+    with K.use_backend(backend):
+        for offsets in ([0, 5, 5, 37], [0, 0, 30, 37], torch.tensor([0, 17, 18, 37])):
+            out = ops.grouped_linear(x, weight, offsets)
+            bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets
+            for g in range(3):
+                rows = slice(bounds[g], bounds[g + 1])
+                if bounds[g + 1] > bounds[g]:
+                    assert torch.equal(out[rows], ops.fp8_linear(x[rows], *weight[g]))
+            group = next(g for g in range(3) if bounds[g] <= 20 < bounds[g + 1])
+            alone = [0] * (group + 1) + [1] * (3 - group)                  # row 20 alone in its group
+            assert torch.equal(ops.grouped_linear(x[20:21], weight, alone), out[20:21])
