@@ -209,10 +209,16 @@ def _single_threaded(fn: Callable, args: tuple):
 class Fp8Weight(NamedTuple):
     """A block-scaled FP8 weight as the GEMM ops take it in place of a tensor (NUMERICS.md, "FP8"):
     data [..., N, K] float8_e4m3fn and scale [..., ceil(N/128), ceil(K/128)] fp32, w ~= data * scale.
-    linear, split_linear and grouped_linear (so swiglu, the MLPs and the MoE experts) accept it."""
+    linear, split_linear and grouped_linear (so swiglu, the MLPs and the MoE experts) accept it.
+
+    master: the trainer's weight that data and scale were quantized from. When a gradient is
+    needed the op's forward is still the FP8 product (the bits the replicas compute) and its
+    backward is the model-dtype op's on the master (straight-through: quantization counts as
+    the identity)."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    master: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -223,7 +229,33 @@ class Fp8Weight(NamedTuple):
         return self.data.dtype
 
     def __getitem__(self, g: int) -> "Fp8Weight":   # group g of a stacked [G, N, K] weight
-        return Fp8Weight(self.data[g], self.scale[g])
+        return Fp8Weight(self.data[g], self.scale[g], None if self.master is None else self.master[g])
+
+    def trains(self, input: torch.Tensor) -> bool:
+        """A gradient is wanted through this weight's product (its master, or the input)."""
+        return self.master is not None and _needs_grad(input, self.master)
+
+
+class _Fp8StraightThrough(torch.autograd.Function):
+    """forward: the FP8 product (no graph); backward: the gradient of `reference(x, master)`, the
+    model-dtype op on the master weight, recomputed (the reference forward is paid again)."""
+
+    @staticmethod
+    def forward(ctx, fp8_product, reference, x, master):
+        ctx.reference = reference
+        ctx.save_for_backward(x, master)
+        with torch.no_grad():
+            return fp8_product(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, master = ctx.saved_tensors
+        wrt = [t.detach().requires_grad_(need) for t, need in zip((x, master), ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            out = ctx.reference(*wrt)
+        want = [t for t in wrt if t.requires_grad]
+        got = iter(torch.autograd.grad(out, want, grad)) if want else iter(())
+        return (None, None) + tuple(next(got) if t.requires_grad else None for t in wrt)
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
@@ -236,6 +268,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Te
     Fp8Weight runs fp8_linear.
     """
     if isinstance(weight, Fp8Weight):
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(lambda x: fp8_linear(x, weight.data, weight.scale, bias, out_dtype),
+                                             lambda x, w: linear(x, w, bias, out_dtype), input, weight.master)
         return fp8_linear(input, weight.data, weight.scale, bias, out_dtype)
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
@@ -275,6 +310,9 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
     _check_splits(splits)
     k = input.shape[-1]
     if isinstance(weight, Fp8Weight):
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(lambda x: _fp8_split_partial(x, weight, splits),
+                                             lambda x, w: split_partial(x, w, splits), input, weight.master)
         return _fp8_split_partial(input, weight, splits)
     if k % splits:
         raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
@@ -341,10 +379,12 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offset
     grouped launch from the device offsets; torch backend: per group).
     """
     if isinstance(weight, Fp8Weight):
+        product = lambda x: _fp8_call("fp8_grouped_linear", x, weight.data, weight.scale, offsets)  # noqa: E731
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(product, lambda x, w: grouped_linear(x, w, offsets), input, weight.master)
         if _needs_grad(input):
-            raise ValueError("fp8 grouped_linear has no gradient: a trainer's FP8 forward differentiates its bf16 "
-                             "path (straight-through), not the FP8 product")
-        return _fp8_call("fp8_grouped_linear", input, weight.data, weight.scale, offsets)
+            raise ValueError("fp8 grouped_linear has no gradient without a master weight (Fp8Weight.master)")
+        return product(input)
     if isinstance(offsets, torch.Tensor):
         if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"grouped_linear: offsets tensor {offsets.dtype} {tuple(offsets.shape)} is not int [G + 1] "
@@ -766,8 +806,8 @@ def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
         raise ValueError(f"fp8_linear: weight_scale must be float32 {list(want)}, got {weight_scale.dtype} "
                          f"{list(weight_scale.shape)}")
     if _needs_grad(input) or (bias is not None and _needs_grad(bias)):
-        raise ValueError("fp8_linear has no gradient: a trainer's FP8 forward differentiates its bf16 path "
-                         "(straight-through), not the FP8 product")
+        raise ValueError("fp8_linear has no gradient: a trainer's FP8 forward passes its master weight "
+                         "(ops.Fp8Weight.master) and differentiates the model-dtype op (straight-through)")
     return _fp8_call("fp8_linear", input, weight, weight_scale, bias, out_dtype)
 
 

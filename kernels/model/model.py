@@ -267,9 +267,15 @@ class LayerNorm(nn.Module):
 
 def gemm_weight(module: nn.Module, name: str = "weight") -> torch.Tensor | ops.Fp8Weight:
     """A weight as the GEMM ops take it: the tensor, or, in an FP8 model (zerokl.kernels.model.fp8),
-    its e4m3 values with the `<name>_scale_inv` block scales beside them."""
+    its e4m3 values with the `<name>_scale_inv` block scales beside them; a trainer's FP8 model
+    keeps `<name>` as the master and its quantized values in `<name>_fp8`."""
     scale = getattr(module, name + "_scale_inv", None)
-    return getattr(module, name) if scale is None else ops.Fp8Weight(getattr(module, name), scale)
+    if scale is None:
+        return getattr(module, name)
+    values = getattr(module, name + "_fp8", None)
+    if values is None:
+        return ops.Fp8Weight(getattr(module, name), scale)
+    return ops.Fp8Weight(values, scale, master=getattr(module, name))
 
 
 class Linear(nn.Module):

@@ -86,3 +86,28 @@ def test_an_fp8_forward_under_autograd_is_refused_by_name(models):
     x = fp8.embed_tokens(PROMPT[0]).detach().requires_grad_(True)
     with pytest.raises(ValueError, match="no gradient"):
         fp8.layers[0].self_attn.q_a_proj(x)
+
+
+def test_the_trainers_fp8_forward_is_the_replicas_and_trains_its_masters():
+    """quantize_fp8(masters=True): logits equal to the served FP8 model's bit for bit (KL 0), a
+    loss reaches every master through the straight-through backward, and after an optimizer
+    step and refresh_fp8 the replica loading serving_state_dict computes the trainer's bits again."""
+    from zerokl.kernels.model.fp8 import refresh_fp8, serving_state_dict
+    trainer = quantize_fp8(Model(ModelConfig.preset("tiny"), seed=0, dtype=torch.bfloat16), masters=True)
+    replica = quantize_fp8(Model(ModelConfig.preset("tiny"), seed=0, dtype=torch.bfloat16))
+    logits = trainer(PROMPT)
+    with torch.no_grad():
+        assert torch.equal(logits, replica(PROMPT))
+    torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 64), PROMPT[:, 1:].reshape(-1)).backward()
+    masters = [trainer.layers[0].self_attn.q_a_proj.weight, trainer.layers[1].mlp.up_proj,
+               trainer.layers[0].self_attn.o_proj.weight, trainer.layers[0].mlp.down_proj.weight]
+    assert all(m.grad is not None and m.grad.abs().sum() > 0 and torch.isfinite(m.grad).all() for m in masters)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            if p.grad is not None:
+                p -= 0.5 * p.grad
+    refresh_fp8(trainer)
+    replica.load_state_dict(serving_state_dict(trainer))
+    with torch.no_grad():
+        after = trainer(PROMPT)
+        assert not torch.equal(after, logits) and torch.equal(after, replica(PROMPT))
