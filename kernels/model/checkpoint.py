@@ -243,15 +243,20 @@ def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes:
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
-    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape."""
+    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+
+    dtype float8_e4m3fn asks for an FP8 model (bf16 activations): an FP8 checkpoint is read as it
+    is, any other is quantized on load (zerokl.kernels.model.fp8, deterministic)."""
     path = Path(directory)
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    fp8 = stored_dtype == torch.float8_e4m3fn
-    model = Model(config, seed=0, dtype=(dtype or torch.bfloat16) if fp8 else (dtype or stored_dtype))
+    from zerokl.kernels.model.fp8 import quantize_fp8
+    fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
+    to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
+    act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
+    model = Model(config, seed=0, dtype=act)
     if fp8:
-        from zerokl.kernels.model.fp8 import quantize_fp8
         quantize_fp8(model)                     # the layout; every value is then read from the checkpoint
     state = _from_hf(load_tensors(path), config)
     want = model.state_dict()
@@ -271,4 +276,4 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     with torch.no_grad():
         for name, target in want.items():
             target.copy_(state[name].to(target.dtype))
-    return model
+    return quantize_fp8(model) if to_fp8 else model

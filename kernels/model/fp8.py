@@ -25,7 +25,7 @@ from torch import nn
 from zerokl.kernels import ops
 from zerokl.kernels.model.model import MLP, MLAttention, Model, MoE
 
-__all__ = ["QUANTIZED_PROJECTIONS", "is_fp8", "quantize_fp8", "refresh_fp8", "serving_state_dict"]
+__all__ = ["QUANTIZED_PROJECTIONS", "is_fp8", "numerics_dtype", "quantize_fp8", "refresh_fp8", "serving_state_dict"]
 
 # (module type, attribute names) whose weights an FP8 model holds in e4m3.
 QUANTIZED_PROJECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -38,6 +38,11 @@ _EXPERTS = ("gate_proj", "up_proj", "down_proj")    # MoE's stacked [E, out, in]
 def is_fp8(model: nn.Module) -> bool:
     """True when the model's projections compute in e4m3 (served or trained)."""
     return any(name.endswith("_scale_inv") for name, _ in model.named_buffers())
+
+
+def numerics_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype that keys the model's fingerprint: float8_e4m3fn for an FP8 model, else its own."""
+    return torch.float8_e4m3fn if is_fp8(model) else next(model.parameters()).dtype
 
 
 def _quantized(model: Model):

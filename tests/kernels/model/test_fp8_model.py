@@ -71,6 +71,16 @@ def test_a_checkpoint_that_quantizes_kv_b_proj_loads_it_dequantized(models, tmp_
     assert got.dtype == torch.bfloat16 and torch.equal(got, ops.fp8_dequantize_weight(q, s, torch.bfloat16))
 
 
+def test_a_bf16_checkpoint_loads_quantized_when_fp8_is_asked_for(models, tmp_path):
+    from zerokl.kernels.model.fp8 import numerics_dtype
+    bf16, fp8 = models
+    bf16.save_pretrained(tmp_path)
+    back = Model.from_pretrained(tmp_path, dtype=torch.float8_e4m3fn)
+    assert numerics_dtype(back) == torch.float8_e4m3fn and numerics_dtype(bf16) == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(back(PROMPT), fp8(PROMPT))       # the same bytes as quantizing in memory
+
+
 def test_moving_an_fp8_model_keeps_its_bytes(models):
     _, fp8 = models
     before = fp8.layers[0].self_attn.q_a_proj.weight.view(torch.uint8).clone()
