@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the weight store the trainer publishes to: tells a store outage from a trainer restart, "
                         "and versions that fail their canary are deleted there (so no restart serves them)")
     j.add_argument("--state-dir", metavar="DIR", default=None,
-                   help="keep job records here (jobs.json) so they survive a restart (default: memory only)")
+                   help="keep job records (jobs.json) and the fleet's target weights version (fleet.json) here, "
+                        "so they survive a restart (default: memory only)")
     r = p.add_argument_group("routing")
     r.add_argument("--pin-weights-version", default="",
                    help="serve requests that pin no weights version with this one (default: the one every "
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = Registry(sources, poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
                             info_interval_s=args.info_interval,
                             token=options.auth.peer_token, credentials=credentials, tracer_provider=provider)
-        scheduler = Scheduler(registry, config, args.replica_id)
+        scheduler = Scheduler(registry, config, args.replica_id, state_dir=args.state_dir)
         scheduler.attach(server)
         trainer = TrainerClient(args.trainer, token=options.auth.peer_token, credentials=peers) if args.trainer else None
         store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
