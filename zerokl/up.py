@@ -207,6 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(repeatable)")
     s.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
+    s.add_argument("--scheduler-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `zerokl serve scheduler` flag, e.g. --scheduler-flag=--fleet-wait=30 (repeatable)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of each compute service (default: the CPU cores shared out "
                         "among the replicas and the trainer; threads spinning against each other on a small "
@@ -402,7 +404,8 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
-               "--replica-id", "scheduler", "--state-dir", str(workdir / "scheduler"), *s.serve_metrics(), *common]
+               "--replica-id", "scheduler", "--state-dir", str(workdir / "scheduler"), *s.serve_metrics(), *common,
+               *args.scheduler_flag]
     if trainer:
         s.flags += ["--trainer", t.address, "--weight-store", store.address]
     if args.prefill_replicas:

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--weight-store", metavar="ADDR", default=None,
                    help="the weight store the trainer publishes to: tells a store outage from a trainer restart, "
                         "and versions that fail their canary are deleted there (so no restart serves them)")
+    j.add_argument("--fleet-wait", type=float, default=120.0, metavar="S",
+                   help="seconds a job waits for a restarting prefill/decode replica before it fails "
+                        "(default %(default)s)")
     j.add_argument("--state-dir", metavar="DIR", default=None,
                    help="keep job records (jobs.json) and the fleet's target weights version (fleet.json) here, "
                         "so they survive a restart (default: memory only)")
@@ -158,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
                  if args.weight_store else None)
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
-                          state_dir=args.state_dir)
+                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:
