@@ -199,8 +199,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
     s = p.add_argument_group("services")
     s.add_argument("--port", type=int, default=50050, help="scheduler port, 0 picks one (default %(default)s)")
-    s.add_argument("--decode-replicas", type=int, default=1)
-    s.add_argument("--prefill-replicas", type=int, default=1)
+    s.add_argument("--decode-replicas", type=int, default=1, help="decode replicas, at least 1 (default %(default)s)")
+    s.add_argument("--prefill-replicas", type=int, default=1,
+                   help="prefill replicas; 0: each decode replica reads its own prompts (default %(default)s)")
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
     s.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve prefill|decode` flag for every replica, e.g. --replica-flag=--tp=2 "
@@ -698,25 +699,31 @@ async def _probe(entry: dict, security: ClientSecurity) -> dict:
     return row
 
 
-def status(workdir: str, as_json: bool = False, security: ClientSecurity = ClientSecurity()) -> int:
+def status(workdir: str, as_json: bool = False, security: ClientSecurity = ClientSecurity(),
+           wait_s: float = 0.0) -> int:
     """`zerokl status`: each service's health, supervisor state, restarts, fingerprint and weights version.
 
     Exit status 0 only when every service is SERVING and the compute services agree on one
     numerics fingerprint and one weights version. A service the supervisor is restarting is
     named DOWN or RESTARTING (with its restart count and last exit status) until it is back.
+    ``wait_s``: wait up to this long for that (a `zerokl up` still starting, a restart), then report.
     """
-    state = read_state(workdir)
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = read_state(workdir)
+        if state is not None:
+            rows = asyncio.run(_gather_probes(state["services"], security.with_state(state)))
+            ok, down, fingerprints, versions = _verdict(rows)
+            if ok:
+                break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     if state is None:
         print(f"no running `zerokl up` found ({pathlib.Path(os.path.expanduser(workdir)) / 'up.json'} "
-              f"does not exist)", file=sys.stderr)
+              f"does not exist" + (f" after {wait_s:g}s" if wait_s else "; `zerokl status --wait 60` waits for "
+                                   "one that is starting") + ")", file=sys.stderr)
         return 1
-    rows = asyncio.run(_gather_probes(state["services"], security.with_state(state)))
-    compute = [r for r in rows if r["service"] != "weight-store"]
-    fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
-    versions = sorted({r["weights_version"] for r in compute})
-    healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
-    down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
-    ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
     if as_json:
         print(json.dumps({"ok": ok, "down": down, "fingerprints": fingerprints, "weights_versions": versions,
                           "services": rows}, indent=2))
@@ -731,6 +738,17 @@ def status(workdir: str, as_json: bool = False, security: ClientSecurity = Clien
               f"fingerprints {fingerprints or ['-']}, weights versions {versions or ['-']}"
               + (f"; down: {', '.join(down)}" if down else ""))
     return 0 if ok else 1
+
+
+def _verdict(rows: list[dict]) -> tuple[bool, list[str], list[str], list[str]]:
+    """(ok, names not serving, fingerprints, weights versions) of probed rows (see :func:`status`)."""
+    compute = [r for r in rows if r["service"] != "weight-store"]
+    fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
+    versions = sorted({r["weights_version"] for r in compute})
+    healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
+    down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
+    ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
+    return ok, down, fingerprints, versions
 
 
 async def _gather_probes(entries: list[dict], security: ClientSecurity) -> list[dict]:

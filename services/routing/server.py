@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pin-fingerprint", default="",
                    help="serve requests that pin no numerics fingerprint with this one (default: the one every "
                         "healthy replica agrees on)")
-    r.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LEAST_LOADED.value)
+    r.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LEAST_LOADED.value,
+                   help="how to pick among replicas that compute alike (default %(default)s)")
     r.add_argument("--max-attempts", type=int, default=3, help="replicas one request may fail on before UNAVAILABLE")
     r.add_argument("--route-wait", type=float, default=5.0,
                    help="seconds a request waits for a healthy replica of its pin before failing")

@@ -170,7 +170,9 @@ def test_the_jobs_command_line(cluster: str) -> None:
 
     r = zerokl("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    events = [json.loads(line) for line in r.stdout.splitlines()[1:]]
+    # JSON lines only: the queued job first, then its events.
+    queued, *events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert queued["state"] == "queued" and queued["kind"] == "sft" and queued["total_steps"] == 2
     assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
     assert events[-1]["state"] == "succeeded"
     job_id = events[-1]["job_id"]
