@@ -45,7 +45,7 @@ import os
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 import grpc.aio
@@ -63,6 +63,7 @@ from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
+    InvalidArgument,
     ServiceError,
     Unavailable,
     status_details,
@@ -145,12 +146,14 @@ class _Attempt(Exception):
 _STALE_VIOLATIONS = frozenset({"WEIGHTS_VERSION", "NUMERICS_FINGERPRINT", "MODEL_CONFIG_HASH"})
 
 
-def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception:
+def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError,
+                      views: Sequence[ReplicaView] = ()) -> Exception:
     """A replica's error as a retryable :class:`_Attempt`, or as the status to relay to the client.
 
     Retryable: UNAVAILABLE (gone, draining), and FAILED_PRECONDITION about the
     pin itself, since requests are only routed to replicas whose polled
     identity matches: the refusal means the poll is stale, not the request bad.
+    A relayed status names replicas (``views``: the fleet), never their internal addresses.
     """
     code = err.code()
     if code is grpc.StatusCode.UNAVAILABLE:
@@ -160,7 +163,27 @@ def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception
                  for v in d.violations}
         if kinds and kinds <= _STALE_VIOLATIONS:
             return _Attempt(view, f"it no longer serves the pin its last poll showed: {err.details()}")
-    return RelayedError(err, view.describe())
+    details = err.details() or ""
+    for v in views:
+        details = details.replace(v.address, _name(v))
+    return RelayedError(err, _name(view), details=details)
+
+
+def _name(view: ReplicaView) -> str:
+    """A replica as a client may see it: role and replica id, no address (``decode replica decode-0``)."""
+    name = view.endpoint.name or (view.identity.replica_id if view.identity is not None else "")
+    return f"{view.role} replica {name}".rstrip()
+
+
+def _check_prompt(r: InferenceRequest) -> None:
+    """INVALID_ARGUMENT at the front door for a prompt no replica could read (what needs no model: the replicas
+    check the vocabulary and the context, naming the same fields)."""
+    if r.prompt_ids is not None and r.prompt_text is not None:
+        raise InvalidArgument.field("prompt", "set only one of prompt_text and prompt_token_ids")
+    if r.prompt_ids is None and r.prompt_text is None:
+        raise InvalidArgument.field("prompt", "set prompt_text or prompt_token_ids")
+    if not (r.prompt_ids if r.prompt_ids is not None else r.prompt_text):
+        raise InvalidArgument.field("prompt", "the prompt is empty")
 
 
 class Scheduler:
@@ -278,6 +301,7 @@ class Scheduler:
             metrics.REQUESTS.labels("Generate", code.name).inc()
 
     async def _generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        _check_prompt(r)
         rid = r.request_id or uuid.uuid4().hex
         tag_request(rid)
         if rid in self._flights:
@@ -376,7 +400,7 @@ class Scheduler:
                     return
                 # A failure of the prefill side, as the decode replica reports it, is the prefill replica's.
                 blamed = prefill if prefill is not None and handoff_peer(err) == prefill.address else view
-                raise _attempt_or_relay(blamed, err) from None
+                raise _attempt_or_relay(blamed, err, self.registry.views()) from None
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             if stopped and not ledger.done:
@@ -426,6 +450,7 @@ class Scheduler:
             metrics.REQUESTS.labels("Score", code.name).inc()
 
     async def _score(self, r: InferenceRequest) -> ScoreResult:
+        _check_prompt(r)
         pin = await self._resolve(r, ("prefill", "decode"))
         request = dataclasses.replace(r, weights_version=pin.weights_version,
                                       numerics_fingerprint=pin.numerics_fingerprint)
@@ -440,7 +465,7 @@ class Scheduler:
                 try:
                     return await client.score(request)
                 except grpc.aio.AioRpcError as err:
-                    failure = _attempt_or_relay(view, err)
+                    failure = _attempt_or_relay(view, err, self.registry.views())
                     if not isinstance(failure, _Attempt):
                         raise failure from None
                     reason = failure.reason
