@@ -63,7 +63,7 @@ from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
-from zerokl.services.rl.ports import Sampled
+from zerokl.services.rl.ports import Sampled, sampling_seed
 from zerokl.services.routing.router import UnservedPin
 from zerokl.services.routing.scheduler import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
@@ -555,7 +555,7 @@ class _FleetRollouts:
     def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):  # noqa: ANN001, ANN201
         async def one(i: int, ids: tuple[int, ...]) -> GenerateResult:
             options = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                                      seed=seed + i)
+                                      seed=sampling_seed(seed + i))
             request = InferenceRequest(prompt_ids=ids, options=options, weights_version=weights_version)
             return GenerateResult.collect([d async for d in self.manager._generate(request)])
 
