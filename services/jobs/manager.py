@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import json
 import logging
@@ -482,10 +483,9 @@ class JobManager:
             raise
 
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
-        from zerokl.tasks.setup import countdown_data, encode_prompt
+        from zerokl.tasks.setup import encode_prompt
         from zerokl.tasks.countdown import reward
-        train, test, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
-                                          spec.countdown.test_problems)
+        train, test, tok = _countdown_data(spec.countdown)
         task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
         config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                           max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
@@ -503,9 +503,8 @@ class JobManager:
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
             if spec.countdown is not None:
-                from zerokl.tasks.setup import countdown_data, demonstration_batch
-                train, _, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
-                                               spec.countdown.test_problems)
+                from zerokl.tasks.setup import demonstration_batch
+                train, _, tok = _countdown_data(spec.countdown)
                 data: Sequence[Any] = demonstration_batch(train, tok)
             else:
                 data = spec.examples
@@ -533,6 +532,15 @@ class JobManager:
                 log.warning("trainer restarted; job %s continues at step %d", job.job_id, step + 1)
                 continue
             self._step_done(job, step, published, m)
+
+
+@functools.lru_cache(maxsize=4)
+def _countdown_data(task: CountdownTask) -> tuple[Any, Any, Any]:
+    """(train, test, tokenizer) of ``task``, made once per task: generating 20000 problems (each solved to
+    check it is reachable) is most of a job's first step on a small CPU, and the next job of the same task,
+    as the demo's RL job after its SFT job, reads the same problems."""
+    from zerokl.tasks.setup import countdown_data
+    return countdown_data(task.seed, task.train_problems, task.test_problems)
 
 
 def _describe(err: BaseException) -> str:
