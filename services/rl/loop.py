@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from zerokl.services.rl.ports import RolloutPort, TrainerPort
+from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
 from zerokl.services.trainer.trainer import Completion, Rollout
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
@@ -97,7 +97,8 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         t0 = time.perf_counter()
         groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
                                         config.max_tokens, config.temperature, config.top_p,
-                                        seed=config.seed * 1_000_003 + step, weights_version=version)
+                                        seed=sampling_seed(config.seed * 1_000_003 + step),
+                                        weights_version=version)
         rollout_s = time.perf_counter() - t0
         batch, stale = [], 0
         for problem, group in zip(problems, groups):

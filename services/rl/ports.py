@@ -17,7 +17,13 @@ from typing import Protocol, Sequence
 
 from zerokl.services.trainer.trainer import Rollout
 
-__all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort"]
+__all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort", "sampling_seed"]
+
+
+def sampling_seed(value: int) -> int:
+    """``value`` as a request's seed: wrapped into the proto's uint64 (a job's seed may be any uint64)."""
+    return value % 2**64
+
 
 @dataclass(frozen=True)
 class Sampled:
@@ -102,7 +108,8 @@ class LocalEnginePort:
         from zerokl.services.engine.engine import run_to_completion
         from zerokl.services.engine.types import GenerateRequest, SamplingOptions
         opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
-        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=seed + i)) for i, p in enumerate(prompts)]
+        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=sampling_seed(seed + i)))
+                for i, p in enumerate(prompts)]
         with use_backend(self.backend or get_backend()):
             outs = run_to_completion(self._engine_for(weights_version), reqs)
         groups = []

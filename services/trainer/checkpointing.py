@@ -352,6 +352,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {
     grpc.StatusCode.DATA_LOSS: DataLoss,
 }
 
+# A weight store's statuses that mean "out for now": retried by the trainer's callers.
+_OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 
 class RemoteWeights:
     """A weight-store service over gRPC, through ``channel`` (closed by :meth:`close`)."""
@@ -368,10 +371,16 @@ class RemoteWeights:
         try:
             return await fn()
         except grpc.aio.AioRpcError as err:
-            # Anything but the statuses above (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-            # means the store cannot be used now; the trainer's caller may retry.
-            cls = _BY_CODE.get(err.code(), Unavailable)
-            raise cls(f"weight store {self.target}: {err.details()}") from None
+            code = err.code()
+            if code in _BY_CODE:
+                raise _BY_CODE[code](f"weight store {self.target}: {err.details()}") from None
+            if code in _OUTAGE:
+                # The store (or the way to it) is out for now; the trainer's caller may retry.
+                raise Unavailable(f"weight store {self.target}: {err.details()}") from None
+            # Anything else (UNKNOWN for a PermissionError writing an upload, INTERNAL, PERMISSION_DENIED, ...)
+            # will fail the same way on a retry: said at once, by name, never as an outage.
+            raise FailedPrecondition(f"weight store {self.target} failed the call ({code.name}): "
+                                     f"{err.details()}") from None
 
     async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
         return await self._call(lambda: self.client.publish(

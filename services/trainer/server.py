@@ -89,17 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (a resumed run keeps its own)")
     d = TrainConfig()
     t.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"))
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay (default %(default)s)")
+    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"),
+                   help="AdamW betas (default %(default)s)")
     t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm, 0 = off")
-    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="linear learning-rate warmup steps (default %(default)s)")
     t.add_argument("--total-steps", type=int, default=d.total_steps,
                    help="> 0: cosine decay to 10%% of lr by this step; 0: constant after warmup")
     t.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train LoRA adapters only")
-    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
+    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
+                   help="LoRA scale alpha (update x alpha/rank) (default %(default)s)")
     t.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO clip range")
     t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
-    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta)
+    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO temperature beta (default %(default)s)")
     t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
     par = p.add_argument_group("parallelism (zerokl.services.trainer.distributed; world = dp * tp ranks)")
     par.add_argument("--dp", type=int, default=1, metavar="N",

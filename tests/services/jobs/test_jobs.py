@@ -170,7 +170,9 @@ def test_the_jobs_command_line(cluster: str) -> None:
 
     r = zerokl("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    events = [json.loads(line) for line in r.stdout.splitlines()[1:]]
+    # JSON lines only: the queued job first, then its events.
+    queued, *events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert queued["state"] == "queued" and queued["kind"] == "sft" and queued["total_steps"] == 2
     assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
     assert events[-1]["state"] == "succeeded"
     job_id = events[-1]["job_id"]
@@ -250,3 +252,12 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
             if restarted is not None:
                 restarted.send_signal(signal.SIGTERM)
                 restarted.wait(30)
+
+
+def test_an_sft_spec_naming_no_data_defaults_to_countdown_as_rl_does() -> None:
+    from zerokl.services.jobs.service import spec_from_proto
+    sft = spec_from_proto(jobs_pb2.JobSpec(sft=jobs_pb2.SFTJob(steps=2)))
+    rl = spec_from_proto(jobs_pb2.JobSpec(rl=jobs_pb2.RLJob(steps=2)))
+    assert isinstance(sft, SFTJobSpec) and sft.countdown == rl.countdown == CountdownTask() and not sft.examples
+    given = spec_from_proto(jobs_pb2.JobSpec(sft=jobs_pb2.SFTJob(steps=2, countdown=jobs_pb2.CountdownTask(seed=3))))
+    assert given.countdown.seed == 3

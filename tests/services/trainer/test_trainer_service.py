@@ -12,6 +12,7 @@ import math
 import pathlib
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -307,6 +308,31 @@ def test_checkpoints_through_a_weight_store_service_pinned_against_retention(tmp
                     assert torch.equal(got, w)
                 err = await _status(client.load_weights("remote-step000001"))  # deleted by retention
                 assert err.code() is grpc.StatusCode.NOT_FOUND
+        finally:
+            await weight_store.drain(0)
+    asyncio.run(main())
+
+
+def test_a_weight_store_that_cannot_write_is_reported_at_once_by_name_not_as_unreachable(tmp_path) -> None:
+    """A store whose uploads cannot be written (a file where its uploads directory goes: NotADirectoryError,
+    as a PermissionError would) fails SaveWeights with FAILED_PRECONDITION naming the error, not UNAVAILABLE
+    (which a job retries for minutes as an outage)."""
+    async def main() -> None:
+        store = VersionStore(LocalDirBackend(tmp_path / "store"))
+        weight_store = ServiceServer("weight-store")
+        add_weight_store(weight_store, store, ServiceIdentity("weight-store", "ws-test"), watch_poll_s=0.2)
+        await weight_store.start()
+        try:
+            async with trainer_server(weight_store.address, "--run", "broken") as (client, _):
+                await client.forward_backward("sft", _sft_data(5))
+                await client.optim_step()
+                uploads = tmp_path / "store" / "uploads"
+                shutil.rmtree(uploads, ignore_errors=True)
+                uploads.write_text("not a directory")
+                err = await _status(client.save_weights())
+                assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, (err.code(), err.details())
+                assert "NotADirectoryError" in err.details() and "unreachable" not in err.details(), err.details()
+                assert (await client.get_state()).step == 1     # the trainer keeps its step for a retry
         finally:
             await weight_store.drain(0)
     asyncio.run(main())
