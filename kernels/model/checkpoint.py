@@ -218,7 +218,7 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    model = Model(config, seed=0, dtype=dtype or stored_dtype)
+    model = Model.empty(config, dtype or stored_dtype)
     state = _from_hf(load_tensors(path), config)
     want = model.state_dict()
     missing = sorted(set(want) - set(state))

@@ -86,7 +86,7 @@ class LocalEnginePort:
         if version != self._loaded:
             trainer = self.trainer_port.trainer
             # On the trainer's device: KL == 0 is promised per device type.
-            model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device)
+            model = Model.empty(trainer.model.config, trainer.model.dtype).to(trainer.device)
             model.load_state_dict(self.trainer_port.versions[version])
             self._model, self._loaded = model.eval(), version
         return self._model

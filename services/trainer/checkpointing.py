@@ -267,7 +267,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     except (RuntimeError, ValueError, KeyError) as err:
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
     if doc.get("has_reference"):
-        reference = Model(model_config, seed=0, dtype=dtype).to(device)
+        reference = Model.empty(model_config, dtype).to(device)
         reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
                                    if k.startswith("reference/")})
         for p in reference.parameters():
