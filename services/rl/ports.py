@@ -36,6 +36,13 @@ class RolloutPort(Protocol):
 
 
 class TrainerPort(Protocol):
+    """One GRPO update, then its weights published and served.
+
+    A port may publish inside grpo_step (as one unit with the update, so a restart redoes
+    both); its metrics then carry ``sync_s``, the seconds from the optimizer step's end to
+    the new version served, and publish() only names that version.
+    """
+
     @property
     def weights_version(self) -> str: ...
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict: ...
