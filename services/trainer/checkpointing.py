@@ -139,8 +139,9 @@ def config_from_json(d: Mapping[str, Any]) -> TrainConfig:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     # safetensors refuses tensors that share storage (tied weights, views); a
-    # private contiguous copy of each is always safe.
-    return t.detach().cpu().contiguous().clone()
+    # private contiguous copy of each is always safe. One copy: a device tensor's
+    # move to the host is that copy (.cpu() then .clone() copied it twice).
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,

@@ -1,7 +1,8 @@
 """The RL step's trainer work through the trainer service vs the in-process Trainer, same rollouts (issue 37).
 
     python tools/bench/bench_rl_step.py --device cuda --dtype bfloat16 --preset small --out docs/bench
-    python tools/bench/bench_rl_step.py --device cpu --preset small --prompts 2 --group 4 --steps 3
+    python tools/bench/bench_rl_step.py --device cpu --preset small --layers 2 --prompts 2 --group 4 --steps 3 \
+        --threads 1
 
 Each step draws fresh random-length rollouts (--prompts x --group), takes their behaviour
 logprobs from the in-process trainer's forward_logprobs (the same weights the service holds,
@@ -23,7 +24,8 @@ each version (the rest of an RL step's sync_s) is not in this bench: the job eve
 
 The starting weights are Normal(0, 0.02) drawn by torch's generator on --device (fast; any
 weights do), published as the store's first version; the service starts from it (--init) and
-the in-process trainer loads the same files, so both begin with the same bits.
+the in-process trainer loads the same files, so both begin with the same bits. On the CPU give
+--threads 1: the backward's bits depend on the intra-op thread count there (docs/perf.md).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import torch
 
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
@@ -146,7 +149,6 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                 version = manifest.version
                 saved = sum(s.size for s in manifest.shards)
                 t4 = time.perf_counter()
-                from zerokl.services.trainer.losses import group_advantages
                 adv = group_advantages(torch.tensor([r.reward for r in batch]), args.group)
                 m = reference.forward_backward("ppo", batch, advantages=adv)
                 sync(device)
