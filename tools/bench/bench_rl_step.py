@@ -190,7 +190,8 @@ def summarize(args: argparse.Namespace, steps: list[dict], bitwise: bool) -> dic
     result = {
         "date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
-        "torch": torch.__version__, "cpus": os.cpu_count(), "threads": args.threads, "preset": args.preset,
+        "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
+        "threads": args.threads, "preset": args.preset,
         "layers": args.layers or ModelConfig.preset(args.preset).num_hidden_layers,
         "dtype": args.dtype, "master_weights": args.master_weights, "prompts": args.prompts, "group": args.group,
         "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": steps,
