@@ -502,7 +502,7 @@ class Model(nn.Module):
         tensor of the state dict (a checkpoint load, a copy of another model's weights).
 
         The seeded draw of ``Model(config, seed)`` runs the portable RNG over every weight on
-        the CPU: about 76 s for ``small`` on a 2-core host, which a load would only overwrite."""
+        the CPU, far slower than any load that would then overwrite it (docs/perf.md, issue 37)."""
         model = cls.__new__(cls)
         nn.Module.__init__(model)
         model._build(config)

@@ -96,13 +96,16 @@ def rollouts(rng: random.Random, args: argparse.Namespace, vocab: int, version: 
 
 
 def start(argv: list[str], log: pathlib.Path, what: str) -> tuple[subprocess.Popen, str]:
-    """A service subprocess and the address from its listening line (stderr to ``log``)."""
-    proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if " listening on " in line:
-            return proc, line.split(" listening on ")[1].split()[0]
-    raise SystemExit(f"{what} exited with {proc.wait()} before listening; see {log}")
+    """A service subprocess (its output to ``log``: a pipe nobody reads could fill and block it)
+    and the address from its listening line."""
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", *argv], stdout=out, stderr=subprocess.STDOUT)
+    while proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if " listening on " in line:
+                return proc, line.split(" listening on ")[1].split()[0]
+        time.sleep(0.2)
+    raise SystemExit(f"{what} exited with {proc.returncode} before listening; see {log}")
 
 
 async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
@@ -115,7 +118,7 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
     model.save_pretrained(init_dir)
     store = VersionStore(LocalDirBackend(work / "weights"))
     store.publish_dir(init_dir, INIT, VersionSpec())
-    train = TrainConfig(lr=args.lr, master_weights=args.master_weights)
+    train = TrainConfig(lr=args.lr, master_weights={"auto": None, "on": True, "off": False}[args.master_weights])
     reference = Trainer(Model.from_pretrained(init_dir).to(device), train)
     del model
 
@@ -124,8 +127,7 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
         torch.set_num_threads(args.threads)
     ws, ws_addr = start(["zerokl.services.weightstore", "--root", str(work / "weights"), "--port", "0"],
                         work / "weight-store.log", "the weight store")
-    flags = ["--lr", repr(args.lr)] + ([] if args.master_weights is None
-                                      else ["--master-weights", "on" if args.master_weights else "off"])
+    flags = ["--lr", repr(args.lr), "--master-weights", args.master_weights]
     tr, tr_addr = start(["zerokl.services.trainer", "--weight-store", ws_addr, "--init", INIT, "--run", RUN,
                          "--device", args.device, "--port", "0", *threads, *flags], work / "trainer.log",
                         "the trainer")
@@ -215,8 +217,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="> 0: the preset with this many layers (default: its own)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--master-weights", default=None, type=lambda s: {"on": True, "off": False}[s],
-                   help="on | off (default: the trainer's choice, on for bf16)")
+    p.add_argument("--master-weights", default="auto", choices=("auto", "on", "off"),
+                   help="fp32 master weights: auto = on for bf16 (default %(default)s)")
     p.add_argument("--prompts", type=int, default=64, help="prompts per step (default %(default)s)")
     p.add_argument("--group", type=int, default=8, help="samples per prompt (default %(default)s)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
