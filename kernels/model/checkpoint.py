@@ -255,9 +255,9 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
     to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
     act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
-    model = Model(config, seed=0, dtype=act)
+    model = Model.empty(config, act)
     if fp8:
-        quantize_fp8(model)                     # the layout; every value is then read from the checkpoint
+        quantize_fp8(model)                     # the layout (of unset values): every value is then read from the checkpoint
     state = _from_hf(load_tensors(path), config)
     want = model.state_dict()
     if fp8:

@@ -506,14 +506,29 @@ class Model(nn.Module):
 
     def __init__(self, config: ModelConfig, seed: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        self._build(config)
+        self.init_weights(seed)
+        self.to(dtype)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> "Model":
+        """A Model whose weights are left as allocated, nothing drawn: for a caller that sets every
+        tensor of the state dict (a checkpoint load, a copy of another model's weights).
+
+        The seeded draw of ``Model(config, seed)`` runs the portable RNG over every weight on
+        the CPU, far slower than any load that would then overwrite it (docs/perf.md, issue 37)."""
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model._build(config)
+        return model.to(dtype)
+
+    def _build(self, config: ModelConfig) -> None:
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta), persistent=False)
-        self.init_weights(seed)
-        self.to(dtype)
 
     def to(self, *args, **kwargs):
         """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32, and an

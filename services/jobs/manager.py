@@ -788,7 +788,10 @@ class _TrainerSession:
                           "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
                           "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
                           "lr": opt.lr, "tokens": fb.tokens}
+            optimized = time.perf_counter()
             self.publish_now()
+            # The optimizer step's end -> every replica serving the new version (TrainerPort's sync_s).
+            self._last["sync_s"] = time.perf_counter() - optimized
             return self._last
         return self._unit(work)
 

@@ -42,6 +42,13 @@ class RolloutPort(Protocol):
 
 
 class TrainerPort(Protocol):
+    """One GRPO update, then its weights published and served.
+
+    A port may publish inside grpo_step (as one unit with the update, so a restart redoes
+    both); its metrics then carry ``sync_s``, the seconds from the optimizer step's end to
+    the new version served, and publish() only names that version.
+    """
+
     @property
     def weights_version(self) -> str: ...
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict: ...
@@ -92,7 +99,7 @@ class LocalEnginePort:
         if version != self._loaded:
             trainer = self.trainer_port.trainer
             # On the trainer's device: KL == 0 is promised per device type.
-            model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device)
+            model = Model.empty(trainer.model.config, trainer.model.dtype).to(trainer.device)
             model.load_state_dict(self.trainer_port.versions[version])
             self._model, self._loaded = model.eval(), version
         return self._model

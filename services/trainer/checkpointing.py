@@ -139,8 +139,9 @@ def config_from_json(d: Mapping[str, Any]) -> TrainConfig:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     # safetensors refuses tensors that share storage (tied weights, views); a
-    # private contiguous copy of each is always safe.
-    return t.detach().cpu().contiguous().clone()
+    # private contiguous copy of each is always safe. One copy: a device tensor's
+    # move to the host is that copy (.cpu() then .clone() copied it twice).
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,
@@ -267,7 +268,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     except (RuntimeError, ValueError, KeyError) as err:
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
     if doc.get("has_reference"):
-        reference = Model(model_config, seed=0, dtype=dtype).to(device)
+        reference = Model.empty(model_config, dtype).to(device)
         reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
                                    if k.startswith("reference/")})
         for p in reference.parameters():

@@ -66,6 +66,8 @@ def test_rl_job_has_exactly_zero_kl_and_switches_the_fleet_every_step(cluster: s
             for ev in steps:
                 assert ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0
                 assert ev.metrics["tokens"] > 0 and ev.metrics["tokens_per_s"] > 0
+                # Where the step's time went: sampling, the update, the new version reaching the fleet.
+                assert {"rollout_s", "train_s", "sync_s"} <= ev.metrics.keys()
             assert "test_accuracy" in steps[-1].metrics
             versions = [ev.weights_version for ev in steps]
             assert len(set(versions)) == 3  # one published version per step
