@@ -18,7 +18,7 @@ from zerokl.kernels.portable import standard_normal, uniform
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.version import __version__
 
-__all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_key"]
+__all__ = ["golden_outputs", "golden_digests", "fingerprint", "fingerprint_of", "fingerprint_key"]
 
 def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
     """Seeded inputs, the same on every machine (portable.standard_normal)."""
@@ -26,8 +26,21 @@ def _inputs(seed: int, *shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Outputs of every op on fixed seeded inputs (made on CPU, moved to `device`)."""
+    """Outputs of every op on fixed seeded inputs (made on CPU, moved to `device`).
+
+    dtype float8_e4m3fn is the FP8 fleet's key: its activations are bf16, so it holds the bf16
+    outputs plus the FP8 ops (quantization and the block-scaled GEMM) on bf16 inputs.
+    """
     dev = torch.device(device)
+    if dtype == torch.float8_e4m3fn:
+        out = golden_outputs(device, torch.bfloat16)
+        act = _inputs(35, 7, 300, scale=2.0).to(device=dev, dtype=torch.bfloat16)
+        q, s = ops.fp8_quantize(act)
+        w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
+        out["fp8_quantize"] = torch.cat([q.float(), s], 1)
+        out["fp8_linear"] = ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev))
+        out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)
+        return out
 
     def x(seed, *shape, scale=1.0, dt=dtype):
         return _inputs(seed, *shape, scale=scale).to(device=dev, dtype=dt)
@@ -63,9 +76,13 @@ def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor
     """The model graph is part of the definition: logits of the seeded tiny model on a prompt
     longer than its index_topk (so the sparse path counts too)."""
     from zerokl.kernels.model import Model, ModelConfig   # the model is built on these kernels
-    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=dtype).to(device)
+    fp8 = dtype == torch.float8_e4m3fn                   # the FP8 model: bf16 with quantized projections
+    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=torch.bfloat16 if fp8 else dtype)
+    if fp8:
+        from zerokl.kernels.model.fp8 import quantize_fp8
+        quantize_fp8(model)
     prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)   # integers: portable
-    return model(prompt)
+    return model.to(device)(prompt)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -86,12 +103,16 @@ def fingerprint_key(backend: str | None = None, device: str | None = None, dtype
     return f"{backend}/{device or device_name(backend=backend)}/{str(dtype).removeprefix('torch.')}"
 
 
+def fingerprint_of(digests: dict[str, str]) -> str:
+    """The fingerprint of per-op golden digests under this numerics version."""
+    blob = __version__ + "".join(f"{k}={v};" for k, v in sorted(digests.items()))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 @functools.lru_cache(maxsize=None)
 def _fingerprint(backend: str, device: str, dtype: torch.dtype) -> str:
     with use_backend(backend):
-        digests = golden_digests(device, dtype)
-    blob = __version__ + "".join(f"{k}={v};" for k, v in digests.items())
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return fingerprint_of(golden_digests(device, dtype))
 
 
 def fingerprint(backend: str | None = None, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:

@@ -15,7 +15,7 @@ mla_attention has its own fused Triton backward (kernels/triton/attention_backwa
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -47,6 +47,12 @@ __all__ = [
     "moe_combine",
     "swiglu",
     "swiglu_mlp",
+    "FP8_BLOCK",
+    "Fp8Weight",
+    "fp8_quantize",
+    "fp8_quantize_weight",
+    "fp8_dequantize_weight",
+    "fp8_linear",
 ]
 
 # Row-parallel projections (attention o_proj, MLP down_proj) reduce over K in this many
@@ -200,14 +206,72 @@ def _single_threaded(fn: Callable, args: tuple):
 
 # ---------------------------------------------------------------- elementary ops
 
-def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+class Fp8Weight(NamedTuple):
+    """A block-scaled FP8 weight as the GEMM ops take it in place of a tensor (NUMERICS.md, "FP8"):
+    data [..., N, K] float8_e4m3fn and scale [..., ceil(N/128), ceil(K/128)] fp32, w ~= data * scale.
+    linear, split_linear and grouped_linear (so swiglu, the MLPs and the MoE experts) accept it.
+
+    master: the trainer's weight that data and scale were quantized from. When a gradient is
+    needed the op's forward is still the FP8 product (the bits the replicas compute) and its
+    backward is the model-dtype op's on the master (straight-through: quantization counts as
+    the identity)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    master: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def __getitem__(self, g: int) -> "Fp8Weight":   # group g of a stacked [G, N, K] weight
+        return Fp8Weight(self.data[g], self.scale[g], None if self.master is None else self.master[g])
+
+    def trains(self, input: torch.Tensor) -> bool:
+        """A gradient is wanted through this weight's product (its master, or the input)."""
+        return self.master is not None and _needs_grad(input, self.master)
+
+
+class _Fp8StraightThrough(torch.autograd.Function):
+    """forward: the FP8 product (no graph); backward: the gradient of `reference(x, master)`, the
+    model-dtype op on the master weight, recomputed (the reference forward is paid again)."""
+
+    @staticmethod
+    def forward(ctx, fp8_product, reference, x, master):
+        ctx.reference = reference
+        ctx.save_for_backward(x, master)
+        with torch.no_grad():
+            return fp8_product(x.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, master = ctx.saved_tensors
+        wrt = [t.detach().requires_grad_(need) for t, need in zip((x, master), ctx.needs_input_grad[2:])]
+        with torch.enable_grad():
+            out = ctx.reference(*wrt)
+        want = [t for t in wrt if t.requires_grad]
+        got = iter(torch.autograd.grad(out, want, grad)) if want else iter(())
+        return (None, None) + tuple(next(got) if t.requires_grad else None for t in wrt)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = input @ weight.T + bias with weight [N, K]; fp32 accumulation, K order fixed by weight's K.
 
     The result is rounded to out_dtype (default input.dtype); out_dtype=torch.float32 returns
     the fp32 accumulator itself. An output column's bits never depend on M or N, so a column
-    shard of the weight computes exactly the matching columns (column parallelism).
+    shard of the weight computes exactly the matching columns (column parallelism). An
+    Fp8Weight runs fp8_linear.
     """
+    if isinstance(weight, Fp8Weight):
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(lambda x: fp8_linear(x, weight.data, weight.scale, bias, out_dtype),
+                                             lambda x, w: linear(x, w, bias, out_dtype), input, weight.master)
+        return fp8_linear(input, weight.data, weight.scale, bias, out_dtype)
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
     if out_dtype not in (None, input.dtype, torch.float32):
@@ -245,6 +309,11 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
     """
     _check_splits(splits)
     k = input.shape[-1]
+    if isinstance(weight, Fp8Weight):
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(lambda x: _fp8_split_partial(x, weight, splits),
+                                             lambda x, w: split_partial(x, w, splits), input, weight.master)
+        return _fp8_split_partial(input, weight, splits)
     if k % splits:
         raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
     if weight.shape[-1] != k:
@@ -289,7 +358,7 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     input.dtype. A TP rank holding 1/tp of K computes its subtree and the ranks' subtrees
     are joined by the same tree, so any tp dividing `splits` gives these exact bits.
     """
-    if bias is None:
+    if bias is None and not isinstance(weight, Fp8Weight):
         fused = _fused_split(input, weight)
         if fused is not None:
             _check_splits(splits)
@@ -300,13 +369,22 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
 
 
-def grouped_linear(input: torch.Tensor, weight: torch.Tensor, offsets: list[int] | torch.Tensor) -> torch.Tensor:
+def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offsets: list[int] | torch.Tensor) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of input [M, K] times weight[g].T, weight [G, N, K] -> [M, N].
 
     offsets: G + 1 non-decreasing ints from 0 to M, a list or an int32/int64 tensor on input's
     device. The Triton backend never reads a tensor back on the host (no sync, CUDA-graph
     capturable), so only its shape is checked here: its values are the caller's promise.
+    An Fp8Weight runs each row through fp8_linear's product with its group's weight (Triton: one
+    grouped launch from the device offsets; torch backend: per group).
     """
+    if isinstance(weight, Fp8Weight):
+        product = lambda x: _fp8_call("fp8_grouped_linear", x, weight.data, weight.scale, offsets)  # noqa: E731
+        if weight.trains(input):
+            return _Fp8StraightThrough.apply(product, lambda x, w: grouped_linear(x, w, offsets), input, weight.master)
+        if _needs_grad(input):
+            raise ValueError("fp8 grouped_linear has no gradient without a master weight (Fp8Weight.master)")
+        return product(input)
     if isinstance(offsets, torch.Tensor):
         if offsets.dim() != 1 or offsets.shape[0] != weight.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"grouped_linear: offsets tensor {offsets.dtype} {tuple(offsets.shape)} is not int [G + 1] "
@@ -661,3 +739,97 @@ def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     for j in range(1, out.shape[1]):
         total = total + w[:, j:j + 1] * out[:, j]
     return total
+
+
+# ---------------------------------------------------------------- FP8 (block-scaled e4m3)
+
+FP8_BLOCK = 128   # channels per activation scale; a weight has one scale per FP8_BLOCK x FP8_BLOCK block
+_FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+
+
+def fp8_quantize(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (q [M, K] float8_e4m3fn, scale [M, ceil(K/128)] fp32): per row and
+    128-channel group, s = amax / 448 (1 for an all-zero group), q = the nearest e4m3 value to
+    clamp(x / s, +-448), ties to even.
+    A row's values depend only on the row."""
+    if input.dim() != 2:
+        raise ValueError(f"fp8_quantize: input must be [M, K], got {tuple(input.shape)}")
+    return backend_module().fp8_quantize(input)
+
+
+def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] -> (q [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] fp32), one scale
+    per 128 x 128 block: s = amax / 448 (1 for an all-zero block), q = the nearest e4m3 value to
+    clamp(w / s, +-448), ties to even (torch_ops.round_to_e4m3).
+
+    The layout of DeepSeek-V3 / GLM-5-FP8 checkpoints (`weight_scale_inv` is `scale`: w ~= q * s).
+    Every step is exact or correctly rounded (max, IEEE division, the e4m3 cast), so the trainer
+    quantizing its fp32 masters and a converter quantizing a checkpoint get the same bits.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_quantize_weight: weight must be [N, K], got {tuple(weight.shape)}")
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    w = torch.nn.functional.pad(weight.detach().float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
+    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
+    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX)).to(torch.float8_e4m3fn)
+    return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
+
+
+def fp8_dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] float8_e4m3fn and its block scales -> q * s in `dtype` (exact in fp32)."""
+    n, k = weight.shape
+    s = scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return (weight.float() * s).to(dtype)
+
+
+def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = fp8_quantize(input) @ (weight * weight_scale).T (+ bias) by the block-scaled definition.
+
+    input [..., K] fp32/bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/128), ceil(K/128)]
+    fp32. For the K blocks b in ascending order: acc += dot_b(q_x[m], q_w[n]) * (s_x[m, b] *
+    s_w[n // 128, b]) in fp32, the block dot in fp32 (NUMERICS.md, "FP8"). An element depends
+    only on its row of input and its column of weight. No autograd: the trainer's FP8 forward
+    differentiates its bf16 path (straight-through).
+    """
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"fp8_linear: weight must be a 2-D float8_e4m3fn tensor, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if input.shape[-1] != k:
+        raise ValueError(f"fp8_linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
+    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+        raise ValueError(f"fp8_linear: weight_scale must be float32 {list(want)}, got {weight_scale.dtype} "
+                         f"{list(weight_scale.shape)}")
+    if _needs_grad(input) or (bias is not None and _needs_grad(bias)):
+        raise ValueError("fp8_linear has no gradient: a trainer's FP8 forward passes its master weight "
+                         "(ops.Fp8Weight.master) and differentiates the model-dtype op (straight-through)")
+    return _fp8_call("fp8_linear", input, weight, weight_scale, bias, out_dtype)
+
+
+def _fp8_call(name: str, *args):
+    fn = getattr(backend_module(), name)
+    return _single_threaded(fn, args) if get_backend() == "torch" else fn(*args)
+
+
+def _fp8_split_partial(input: torch.Tensor, weight: Fp8Weight, splits: int) -> torch.Tensor:
+    """split_partial of an FP8 weight: the row is quantized once over all of K; segment s is the
+    block-scaled sum over K blocks [s KB / splits, (s + 1) KB / splits) (floors; a segment may
+    hold none, a zero partial) in fp32, and the segments are joined by tree_sum."""
+    k = input.shape[-1]
+    if weight.shape[-1] != k:
+        raise ValueError(f"split_linear: input has K={k} but weight is {tuple(weight.shape)}")
+    lead = input.shape[:-1]
+    q, sx = fp8_quantize(input.reshape(-1, k))
+    kb = sx.shape[1]
+    parts = []
+    for s in range(splits):
+        b0, b1 = s * kb // splits, (s + 1) * kb // splits
+        k0, k1 = b0 * FP8_BLOCK, min(k, b1 * FP8_BLOCK)
+        parts.append(_fp8_call("fp8_gemm", q[:, k0:k1], sx[:, b0:b1], weight.data[:, k0:k1], weight.scale[:, b0:b1],
+                               None, torch.float32))
+    return tree_sum(parts).reshape(*lead, weight.shape[0])

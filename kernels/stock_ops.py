@@ -13,13 +13,39 @@ import torch.nn.functional as F
 
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
-    "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions",
+    "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions", "fp8_quantize",
+    "fp8_linear", "fp8_gemm", "fp8_grouped_linear",
 ]
 
 
 def linear(x, weight, bias=None, out_dtype=None):
     out = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     return out.to(out_dtype or x.dtype)
+
+
+def fp8_quantize(x):
+    from zerokl.kernels import torch_ops   # the quantization is a definition, not a kernel choice
+    return torch_ops.fp8_quantize(x)
+
+
+def fp8_linear(x, weight, weight_scale, bias=None, out_dtype=None):
+    """The FP8 product as a stock engine would compute it: the same quantized operands,
+    dequantized and multiplied by one BLAS GEMM (sum order by M and the library)."""
+    k = weight.shape[1]
+    q, s = fp8_quantize(x.reshape(-1, k))
+    return fp8_gemm(q, s, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_grouped_linear(x, weight, weight_scale, offsets):
+    from zerokl.kernels import torch_ops
+    return torch_ops.fp8_grouped_linear(x, weight, weight_scale, offsets)
+
+
+def fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype):
+    from zerokl.kernels.ops import fp8_dequantize_weight
+    xs = q.float() * sx.repeat_interleave(128, 1)[:, :q.shape[1]]
+    out = F.linear(xs, fp8_dequantize_weight(weight, weight_scale), None if bias is None else bias.float())
+    return out.to(out_dtype)
 
 
 def grouped_linear(x, weight, offsets):

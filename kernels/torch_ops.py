@@ -13,8 +13,9 @@ machine (see NUMERICS.md):
   perform no rounding at all, so no blocking, batch size, column shard, thread count or
   BLAS library can change a bit; the result is rounded once to fp32;
 * transcendentals (exp, log, sigmoid, silu, cos, sin) are float64 polynomials of IEEE
-  basic operations, rounded once to fp32;
-* the rest is correctly rounded element-wise arithmetic (+ - * / sqrt, max) and order-free
+  basic operations, rounded once to fp32; sqrt is correctly rounded from division
+  (`portable.sqrt`: torch.sqrt on a CPU is MKL's vector math, whose bits follow the CPU);
+* the rest is correctly rounded element-wise arithmetic (+ - * /, max) and order-free
   selections (max, stable sorts with explicit tie-breaks).
 
 All functions take fp32 or bf16 inputs and accumulate in fp32 or better.
@@ -41,9 +42,16 @@ __all__ = [
     "mla_attention_sequences",
     "indexer_scores",
     "topk_positions",
+    "round_to_e4m3",
+    "fp8_quantize",
+    "fp8_gemm",
+    "fp8_grouped_linear",
+    "fp8_linear",
 ]
 
 KV_BLOCK = 16  # keys per online-softmax step in attention and per indexer scoring step
+FP8_BLOCK = 128   # channels per FP8 activation scale; FP8 weights carry one scale per 128 x 128 block
+FP8_MAX = 448.0   # the largest finite float8_e4m3fn value
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -82,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.
     """x / sqrt(mean(x^2) + eps) * weight, computed in fp32, output in x.dtype."""
     x32 = x.float()
     mean_sq = row_sum(x32 * x32) / x.shape[-1]
-    inv = 1.0 / torch.sqrt(mean_sq + eps)
+    inv = 1.0 / portable.sqrt(mean_sq + eps)
     return (x32 * inv.unsqueeze(-1) * weight.float()).to(x.dtype)
 
 
@@ -93,7 +101,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     mean = row_sum(x32) / d
     centered = x32 - mean.unsqueeze(-1)
     var = row_sum(centered * centered) / d
-    inv = 1.0 / torch.sqrt(var + eps)
+    inv = 1.0 / portable.sqrt(var + eps)
     return (centered * inv.unsqueeze(-1) * weight.float() + bias.float()).to(x.dtype)
 
 
@@ -282,3 +290,75 @@ def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
     if chosen.shape[1] < k:                                       # fewer keys than k: pad to width k
         chosen = torch.cat([chosen, chosen.new_full((t, k - chosen.shape[1]), -1)], dim=1)
     return chosen
+
+
+def round_to_e4m3(y: torch.Tensor) -> torch.Tensor:
+    """fp32 y with |y| <= 448 rounded to the nearest e4m3 value, ties to even, as fp32 (exact in
+    e4m3). The grid's quantum at y is 2^(max(e, -6) - 3) for y in [2^e, 2^(e+1)) (3 mantissa bits;
+    subnormals below 2^-6 step by 2^-9), and adding then subtracting C = 1.5 * 2^23 * quantum
+    rounds to a multiple of it by IEEE's round-to-nearest-even: no library conversion decides a
+    bit. Values that round to zero give +0."""
+    e = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+    quantum = ((torch.clamp(e, min=-6) - 3 + 127) << 23).view(torch.float32)
+    c = quantum * 12582912.0                                          # 1.5 * 2^23 quanta: exact
+    return (y + c) - c
+
+
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M, ceil(K/128)] fp32): per row, per group of
+    128 channels, s = amax / 448 (1 for an all-zero group), q = round_to_e4m3(clamp(x / s, +-448)).
+    Every step is exact or correctly rounded (max, IEEE division and addition); the final cast
+    only re-encodes values already on the e4m3 grid."""
+    m, k = x.shape
+    kb = -(-k // FP8_BLOCK)
+    xp = torch.nn.functional.pad(x.float(), (0, kb * FP8_BLOCK - k)).view(m, kb, FP8_BLOCK)
+    amax = xp.abs().amax(-1)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = round_to_e4m3((xp / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
+    return q.view(m, kb * FP8_BLOCK)[:, :k], s
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Block-scaled FP8 GEMM (NUMERICS.md, "FP8"): x [..., K] quantized by fp8_quantize, weight
+    [N, K] float8_e4m3fn with weight_scale [ceil(N/128), ceil(K/128)] fp32. For K blocks b in
+    ascending order, acc += fp32(dot_b) * (s_x[m, b] * s_w[n // 128, b]) in fp32.
+
+    A block's dot of e4m3 values is exact in float64 in any order (products have 8 significant
+    bits between 2^-18 and 2^18, 128 of them sum within 43 bits), so the float64 GEMM computes
+    it exactly whatever BLAS does, and it is rounded once to fp32.
+    """
+    lead, (n, k) = x.shape[:-1], weight.shape
+    q, sx = fp8_quantize(x.reshape(-1, k))
+    return fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*lead, n)
+
+
+def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-scaled product of quantized activations q [M, K], sx [M, KB] and an FP8 weight
+    (fp8_linear after its quantization); KB = 0 gives zeros (an empty split segment)."""
+    (m, k), n, kb = q.shape, weight.shape[0], sx.shape[1]
+    pad = kb * FP8_BLOCK - k
+    qa = torch.nn.functional.pad(q.double(), (0, pad)).view(m, kb, FP8_BLOCK).transpose(0, 1)      # [KB, M, 128]
+    qw = torch.nn.functional.pad(weight.double(), (0, pad)).view(n, kb, FP8_BLOCK).permute(1, 2, 0)  # [KB, 128, N]
+    parts = torch.matmul(qa, qw).float()                                   # [KB, M, N]: exact, rounded once
+    sw = weight_scale.repeat_interleave(FP8_BLOCK, dim=0)[:n].t()          # [KB, N]: each column's block scale
+    acc = torch.zeros(m, n, dtype=torch.float32, device=q.device)
+    for b in range(kb):                                                    # ascending K blocks
+        acc = acc + parts[b] * (sx[:, b:b + 1] * sw[b:b + 1])
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       offsets: list[int] | torch.Tensor) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [M, K] times FP8 weight[g] -> [M, N] in x.dtype: each
+    group's rows through fp8_linear (a row's result is its own whatever its group holds)."""
+    bounds = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    for g in range(weight.shape[0]):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi > lo:
+            out[lo:hi] = fp8_linear(x[lo:hi], weight[g], weight_scale[g])
+    return out

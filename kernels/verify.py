@@ -394,7 +394,9 @@ def check_sharding(backend: str, seed: int, dims: dict | None = None, degrees: S
 
 def format_table(rows: list[tuple[str, str, int, int]]) -> str:
     """(backend, check, cases, mismatches) rows as a fixed-width table."""
-    head = f"{'backend':<8} {'check':<22} {'cases':>6} {'mismatches':>10}"
+    wc = max([22] + [len(c) for _, c, _, _ in rows])
+    wn = max([6] + [len(str(n)) for _, _, n, _ in rows])
+    head = f"{'backend':<8} {'check':<{wc}} {'cases':>{wn}} {'mismatches':>10}"
     lines = [head, "-" * len(head)]
-    lines += [f"{b:<8} {c:<22} {n:>6} {m:>10}" for b, c, n, m in rows]
+    lines += [f"{b:<8} {c:<{wc}} {n:>{wn}} {m:>10}" for b, c, n, m in rows]
     return "\n".join(lines)

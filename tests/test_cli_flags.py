@@ -86,3 +86,11 @@ def test_jobs_submit_refuses_bad_numbers_in_one_line(argv, message, capsys) -> N
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and message in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("name", sorted(PARSERS))
+def test_every_flag_and_argument_says_what_it_does(name: str) -> None:
+    silent = [f"{sub.prog} {' '.join(a.option_strings) or a.dest}" for sub in _every_parser(PARSERS[name])
+              for a in sub._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+              and not a.help]
+    assert not silent, f"no help text: {silent}"

@@ -43,6 +43,9 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             cases, mismatches = PARITY_CHECKS[name](backend, args.seed)
             rows.append((backend, name, cases, mismatches))
+    if "torch" in backends:   # the CPU primitives against their references (kernels/portable_check.py)
+        from zerokl.kernels.portable_check import check_primitives
+        rows += [("torch", f"primitive: {r.name}", r.cases, r.mismatches) for r in check_primitives()]
     print(f"zerokl numerics {__version__}")
     print(format_table(rows))
     bad = sum(m for *_, m in rows)
@@ -174,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _WholeFlagsParser(prog="zerokl", description="RL post-training and serving with train/inference KL exactly 0")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="batch-invariance and three-path parity self-test on this machine")
-    v.add_argument("--backend", choices=["torch", "triton", "all"], default="all")
-    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--backend", choices=["torch", "triton", "all"], default="all",
+                   help="which backend's ops to check (all: each one this machine can run; default %(default)s)")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random inputs and model (default %(default)s)")
     v.add_argument("--ops-only", action="store_true", help="skip the model parity checks")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
     v.set_defaults(run=_verify)
@@ -185,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run one service: " + ", ".join(SERVICES),
                        description="Run one service until SIGTERM/SIGINT. "
                                    "`zerokl serve SERVICE --help` lists its flags.")
-    s.add_argument("service", choices=sorted(SERVICES))
+    s.add_argument("service", choices=sorted(SERVICES), help="the service to run")
     s.add_argument("args", nargs=argparse.REMAINDER, help="the service's own flags")
     s.set_defaults(run=_serve)
 
@@ -198,11 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(run=_up)
 
     st = sub.add_parser("status", help="health, address, fingerprint and weights version of `zerokl up`'s services")
-    st.add_argument("--workdir", default=os.environ.get("ZEROKL_UP_DIR", "~/.zerokl/up"))
+    st.add_argument("--workdir", default=os.environ.get("ZEROKL_UP_DIR", "~/.zerokl/up"),
+                    help="the `zerokl up` workdir (default $ZEROKL_UP_DIR or %(default)s)")
     st.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    st.add_argument("--wait", type=float, default=0.0, metavar="S",
+                    help="wait up to S seconds for every service to be SERVING on one version (a `zerokl up` "
+                         "still starting, a service restarting), then report (default: report now)")
     from zerokl.connect import add_connection_arguments, add_security_arguments, client_security
     add_security_arguments(st)
-    st.set_defaults(run=lambda a: up.status(a.workdir, a.json, client_security(a)))
+    st.set_defaults(run=lambda a: up.status(a.workdir, a.json, client_security(a), a.wait))
 
     from zerokl import doctor
     dr = sub.add_parser("doctor", help="check that every replica of a Kubernetes release reports the same numerics "
@@ -232,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.set_defaults(run=diff.run)
 
     g = sub.add_parser(
-        "generate", help="stream a completion from a prefill or decode replica",
+        "generate", help="stream a completion through the scheduler (or straight from a decode replica)",
         description="Stream a completion. --json prints ONE object instead: token_ids, logprobs, text, "
                     "finish_reason (of sample 0), samples (every sample, each with index, token_ids, logprobs, "
                     "text, finish_reason, and prompt_logprobs when asked), usage, request_id, weights_version "
@@ -242,16 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt token ids")
     add_connection_arguments(g, "the scheduler (as `zerokl up` starts it) or of a replica")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default %(default)s)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--seed", type=int, default=0,
+                   help="with the sample index and position, fixes every draw (default %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per sample (default %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=_int_list, default=(), metavar="1,2")
+    g.add_argument("--stop-token-ids", type=_int_list, default=(), metavar="1,2",
+                   help="extra token ids that end a sample (included in the output, like eos)")
     g.add_argument("--n", type=int, default=1, help="samples of the prompt")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past eos")
     g.add_argument("--prompt-logprobs", action="store_true", help="also return the prompt tokens' logprobs")
-    g.add_argument("--request-id", default=None)
+    g.add_argument("--request-id", default=None, help="the id to abort or trace it by (default: generated)")
     g.add_argument("--weights-version", default=None, help="refuse unless the server serves this version")
     g.add_argument("--numerics-fingerprint", default=None, help="refuse unless the server has this fingerprint")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds")

@@ -91,13 +91,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--lr", type=float, default=1e-4, help="the trainer's learning rate")
     ap.add_argument("--eval-every", type=int, default=5, help="greedy test accuracy every N steps")
-    ap.add_argument("--eval-prompts", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-prompts", type=int, default=64,
+                    help="test problems of each greedy evaluation (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seeds the problems, their order and the sampling (default %(default)s)")
     ap.add_argument("--sft-steps", type=int, default=0,
                     help="> 0: warm start by an SFT job of N steps from the seeded tiny model instead of the "
                          "shipped checkpoint")
-    ap.add_argument("--sft-batch", type=int, default=32)
-    ap.add_argument("--train-problems", type=int, default=20000)
+    ap.add_argument("--sft-batch", type=int, default=32,
+                    help="with --sft-steps: demonstrations per SFT step (default %(default)s)")
+    ap.add_argument("--train-problems", type=int, default=20000,
+                    help="countdown training problems (default %(default)s)")
     ap.add_argument("--lora-rank", type=int, default=0, help="> 0: the trainer trains LoRA adapters only")
 
 
@@ -156,7 +160,7 @@ async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
         if args.sft_steps:
             job = await jobs.submit(SFTJobSpec(args.sft_steps, countdown=task, batch_size=args.sft_batch,
                                                seed=args.seed), "countdown SFT warm start")
-            bar = tqdm(total=args.sft_steps, desc="SFT job", unit="step")
+            bar = tqdm(total=args.sft_steps, desc="SFT job", unit="step", disable=None)  # None: no bar off a TTY
             async for ev in jobs.watch(job.job_id):
                 if ev.step is not None:
                     bar.update(1)
@@ -167,7 +171,7 @@ async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
         spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
                          seed=args.seed, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
         job = await jobs.submit(spec, "countdown GRPO")
-        bar = tqdm(total=args.steps, desc="GRPO job", unit="step")
+        bar = tqdm(total=args.steps, desc="GRPO job", unit="step", disable=None)
         async for ev in jobs.watch(job.job_id):
             if ev.step is not None:
                 m = ev.metrics

@@ -75,21 +75,25 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="checkpoints, the cached SFT warm start and problem sets (default: OUT/state)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the trainer and the engine run")
     ap.add_argument("--preset", default="tiny", help="model size: a ModelConfig preset with the countdown vocabulary")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+                    help="weights and compute dtype of both arms (default %(default)s)")
     ap.add_argument("--arms", type=_csv(str), default=["zerokl", "mismatch"],
                     help=f"comma-separated, from {', '.join(ARMS)}")
     ap.add_argument("--difficulty", default="demo", help="problem distribution (zerokl.tasks.setup.DIFFICULTIES)")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per arm (raise it to extend a finished run)")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (default %(default)s)")
+    ap.add_argument("--group", type=int, default=8, help="samples per prompt (default %(default)s)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (default %(default)s)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="sampling temperature of the rollouts (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="sampled tokens per completion (default zerokl.tasks.setup.MAX_TOKENS, 24)")
     ap.add_argument("--tis-cap", type=float, default=2.0, help="truncation C of the mismatch-tis arm's weights")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps (0: never)")
-    ap.add_argument("--eval-prompts", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-prompts", type=int, default=64,
+                    help="test problems of each greedy evaluation (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seeds the model, the problems and the sampling (default %(default)s)")
     ap.add_argument("--train-problems", type=int, default=None,
                     help="training problems (default 20000; 2000 for the small 'easy' space)")
     ap.add_argument("--start", choices=["auto", "shipped", "sft", "scratch"], default="auto",
@@ -97,11 +101,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "auto: shipped for tiny/float32 on the demo's problems, else sft")
     ap.add_argument("--sft-steps", type=int, default=None,
                     help="SFT recipe: steps (default per preset: 1200 for tiny, tools/train_countdown_sft.py's; 600)")
-    ap.add_argument("--sft-batch", type=int, default=32)
+    ap.add_argument("--sft-batch", type=int, default=32,
+                    help="SFT recipe: demonstrations per step (default %(default)s)")
     ap.add_argument("--sft-lr", type=float, default=None, help="SFT peak learning rate (default per preset: 3e-3 "
                     "for tiny; 3e-4)")
-    ap.add_argument("--sft-warmup", type=int, default=50)
-    ap.add_argument("--sft-eval-every", type=int, default=250)
+    ap.add_argument("--sft-warmup", type=int, default=50,
+                    help="SFT recipe: learning-rate warmup steps (default %(default)s)")
+    ap.add_argument("--sft-eval-every", type=int, default=250,
+                    help="SFT recipe: greedy test accuracy every N steps (default %(default)s)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="engine: running samples at most")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine: tokens per step")
     ap.add_argument("--num-blocks", type=int, default=2048, help="engine: KV blocks of 16 tokens")
@@ -256,7 +263,8 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
                                 "rng": capture_rng(), "step": step, "curve": curve,
                                 "wall_s": wall + time.monotonic() - t_start})
 
-    bar = tqdm(total=steps, initial=step, desc=f"SFT {s.preset} {s.dtype}", unit="step")
+    bar = tqdm(total=steps, initial=step, desc=f"SFT {s.preset} {s.dtype}", unit="step",
+               disable=None)  # None: no \r bar interleaved with the step lines when piped
     since = 0
     while step < steps and budget.allows_step():
         t0 = time.monotonic()

@@ -47,11 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # Submitting and cancelling are internal RPCs: they need the operator token when auth is on.
     add_connection_arguments(p)
     sub = p.add_subparsers(dest="action", required=True)
-    s = sub.add_parser("submit", help="queue a job on countdown and follow it")
-    s.add_argument("kind", choices=["rl", "sft"])
-    s.add_argument("--steps", type=_int_in(1, _UINT32_MAX), required=True)
-    s.add_argument("--name", default="")
-    s.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=0)
+    s = sub.add_parser("submit", help="queue a job on countdown and follow it",
+                       description="Queue an SFT (solver demonstrations) or RL (GRPO) job on the built-in countdown "
+                                   "task and follow it. DPO jobs take preference pairs, which have no command-line "
+                                   "form: submit them through the Jobs API (zerokl.v1.Jobs; in Python, "
+                                   "zerokl.services.jobs.service.JobsClient with a DPOJobSpec).")
+    s.add_argument("kind", choices=["rl", "sft"], help="rl: GRPO with exact KL per step; sft: supervised")
+    s.add_argument("--steps", type=_int_in(1, _UINT32_MAX), required=True, help="optimizer steps of the job")
+    s.add_argument("--name", default="", help="a name shown by `zerokl jobs list` (default: the kind)")
+    s.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=0,
+                   help="seeds the countdown problems, their order and the sampling (default %(default)s)")
     s.add_argument("--batch-size", type=_int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
     s.add_argument("--prompts", type=_int_in(1, _UINT32_MAX), default=8, help="rl: prompts per step")
     s.add_argument("--group", type=_int_in(2, _UINT32_MAX), default=8, help="rl: samples per prompt")
@@ -60,13 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--lr", type=_learning_rate, default=0.0,
                    help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
-    s.add_argument("--json", action="store_true", help="one JSON object per event")
+    s.add_argument("--json", action="store_true",
+                   help="JSON lines only: the queued job, then one object per event")
     sub.add_parser("list", help="every job, in submission order")
     w = sub.add_parser("watch", help="the job's steps (past ones first) until it ends")
-    w.add_argument("job_id")
+    w.add_argument("job_id", help="as `zerokl jobs submit` or `list` printed it")
     w.add_argument("--json", action="store_true", help="one JSON object per event")
     c = sub.add_parser("cancel", help="stop a job at its next step boundary")
-    c.add_argument("job_id")
+    c.add_argument("job_id", help="as `zerokl jobs submit` or `list` printed it")
 
 
 def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
@@ -124,7 +130,11 @@ async def _main(args: argparse.Namespace) -> int:
             spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed,
                               learning_rate=args.lr)
         status = await client.submit(spec, args.name)
-        print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps)", flush=True)
+        if args.json:
+            print(json.dumps({"job_id": status.job_id, "state": status.state.value, "kind": status.kind,
+                              "total_steps": status.total_steps}), flush=True)
+        else:
+            print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps)", flush=True)
         return 0 if args.detach else await _watch(client, status.job_id, args.json)
 
 

@@ -8,7 +8,9 @@
    it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
    by default, made in the fleet's ``--dtype``) as version ``1`` with the
    numerics it was made under;
-2. fetches the version to serve (``--weights-version``, else the newest) into
+2. fetches the version to serve (``--weights-version``, else the one the fleet
+   last served as a whole, recorded in ``WORKDIR/scheduler/fleet.json``: the
+   newest that passed a canary, else the store's newest) into
    ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
    their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
    replicas, for several devices) from it in ``--dtype`` (each decode replica
@@ -23,10 +25,11 @@
    of services, addresses, weights versions and fingerprints and a
    ``zerokl generate`` line to try, and writes the same to ``WORKDIR/up.json``;
 4. supervises: a child that dies is restarted on the same port with
-   exponential backoff (a replica at the weights version the fleet serves
-   now, which may be newer than the one it started with); meanwhile the scheduler routes around it and ``up.json`` (so ``zerokl
-   status``) names it DOWN or RESTARTING, with its restart count and last exit
-   status, until it is SERVING again;
+   exponential backoff (a replica at the fleet's target version, which the
+   scheduler records durably at each switch and which may be newer than the
+   one it started with); meanwhile the scheduler routes around it and
+   ``up.json`` (so ``zerokl status``) names it DOWN or RESTARTING, with its
+   restart count and last exit status, until it is SERVING again;
 5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
    is routed to a replica that is going away) and waits for them.
 
@@ -67,6 +70,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
+from zerokl.services.routing.fleet import read_fleet_version, write_fleet_version
 from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FILE_ENV, PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV,
                                           AuthConfig, TlsConfig, load_auth_token)
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
@@ -87,8 +91,6 @@ _STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
-# How often the supervisor reads the weights version the scheduler routes to (a replica restarts at it).
-_FLEET_POLL_S = 2.0
 _DTYPES = ("bfloat16", "float32")
 _STREAM_INTERVAL = 8   # the decode replicas' --stream-interval
 
@@ -212,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the replicas serve it in --dtype when given, the trainer in the checkpoint's own dtype")
     s = p.add_argument_group("services")
     s.add_argument("--port", type=int, default=50050, help="scheduler port, 0 picks one (default %(default)s)")
-    s.add_argument("--decode-replicas", type=int, default=1)
+    s.add_argument("--decode-replicas", type=int, default=1, help="decode replicas, at least 1 (default %(default)s)")
     s.add_argument("--prefill-replicas", type=int, default=0,
                    help="disaggregated prefill: this many prefill replicas whose KV the decode replicas read "
                         "(for several devices; on one device a decode replica's own prefill costs no KV "
@@ -223,6 +225,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(repeatable)")
     s.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
+    s.add_argument("--scheduler-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `zerokl serve scheduler` flag, e.g. --scheduler-flag=--fleet-wait=30 (repeatable)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of each compute service (default: the CPU cores shared out "
                         "among the replicas and the trainer; threads spinning against each other on a small "
@@ -332,9 +336,10 @@ async def _info(channel: grpc.aio.Channel, service: str) -> ServiceIdentity | No
         return None
 
 
-async def _prepare_weights(args: argparse.Namespace, store: Child, models_dir: pathlib.Path,
+async def _prepare_weights(args: argparse.Namespace, store: Child, workdir: pathlib.Path,
                            security: UpSecurity) -> tuple[str, pathlib.Path]:
-    """Publish the model into an empty store, then fetch the version to serve; (version, directory)."""
+    """Publish the model into an empty store, then fetch the version to serve and record it as the fleet's
+    target (for the scheduler and the supervisor); (version, directory)."""
     from zerokl.services.weightstore.client import WeightStoreClient
 
     async with security.channel(store.address) as channel, WeightStoreClient(channel=channel) as client:
@@ -347,9 +352,13 @@ async def _prepare_weights(args: argparse.Namespace, store: Child, models_dir: p
             versions = [version]
         if args.weights_version and args.weights_version not in versions:
             raise UpError(f"--weights-version {args.weights_version}: the store holds {versions}, not that one")
-        version = args.weights_version or (await client.manifest("latest")).version
-        dest = models_dir / version
+        # What the fleet last served as a whole passed a canary; a version saved after it may not have.
+        recorded = read_fleet_version(workdir / "scheduler")
+        version = args.weights_version or (recorded if recorded in versions else "") \
+            or (await client.manifest("latest")).version
+        dest = workdir / "models" / version
         await client.fetch(version, dest)  # resumable; files already complete and verified are kept
+    write_fleet_version(workdir / "scheduler", version)
     return version, dest
 
 
@@ -440,9 +449,10 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
-               "--replica-id", "scheduler", *s.serve_metrics(), *common]
+               "--replica-id", "scheduler", "--state-dir", str(workdir / "scheduler"), *s.serve_metrics(), *common,
+               *args.scheduler_flag]
     if trainer:
-        s.flags += ["--trainer", t.address, "--weight-store", store.address, "--state-dir", str(workdir / "scheduler")]
+        s.flags += ["--trainer", t.address, "--weight-store", store.address]
     if args.prefill_replicas:
         s.flags += ["--prefill", ",".join(c.address for c in children if c.service == "prefill")]
     children.append(s)
@@ -516,28 +526,30 @@ def _stop(children: Sequence[Child], timeout_s: float) -> bool:
 class _Supervisor:
     """Restarts children that die, with backoff, and keeps ``up.json`` current.
 
-    A replica comes back at the weights version the fleet serves: the one the
-    scheduler routes unpinned requests to, read every few seconds (jobs switch
-    the fleet to the versions they publish; a replica back at its first version
-    would roll the cluster back, or make a mixed fleet the scheduler refuses).
+    A replica comes back at the fleet's target version: the one the scheduler
+    recorded in ``WORKDIR/scheduler/fleet.json`` at its last whole-fleet
+    switch (jobs switch the fleet to the versions they publish; a replica back
+    at its first version would roll the cluster back, or make a mixed fleet).
+    The record is written before the switch returns, so it is current even
+    while the scheduler cannot answer (its only decode replica down); should
+    a replica still come back at another version, the scheduler switches it.
     """
 
     def __init__(self, args: argparse.Namespace, workdir: pathlib.Path, children: list[Child], store: Child,
                  security: UpSecurity, fleet_version: str) -> None:
         self.args, self.workdir, self.children, self.store, self.security = args, workdir, children, store, security
-        self.scheduler = next(c for c in children if c.service == "scheduler")
         self.fleet_version = fleet_version
-        self._fleet_read_at = 0.0
+
+    def _read_fleet_version(self) -> str:
+        return read_fleet_version(self.workdir / "scheduler") or self.fleet_version
 
     async def tick(self) -> None:
         """Notice deaths, start restarts that are due, follow the fleet's version, record what changed."""
         now = time.monotonic()
         changed = False
-        if now - self._fleet_read_at >= _FLEET_POLL_S:
-            self._fleet_read_at = now
-            version = await self._scheduler_version()
-            if version and version != self.fleet_version:
-                self.fleet_version, changed = version, True
+        version = self._read_fleet_version()
+        if version != self.fleet_version:
+            self.fleet_version, changed = version, True
         for c in self.children:
             if c.restarting is not None:
                 if not c.restarting.done():
@@ -568,14 +580,6 @@ class _Supervisor:
         if changed:
             _write_state(self.workdir, self.children, self.security, self.fleet_version)
 
-    async def _scheduler_version(self) -> str:
-        """The version the scheduler serves now ("" while it cannot say: no healthy decode replica, or down)."""
-        if self.scheduler.status != "SERVING":
-            return ""
-        async with self.security.channel(self.scheduler.address) as channel:
-            ident = await _info(channel, "scheduler")
-        return ident.weights_version if ident is not None else ""
-
     async def _restart(self, c: Child) -> None:
         c.status = "RESTARTING"
         c.restarts += 1
@@ -586,8 +590,8 @@ class _Supervisor:
         await _wait_serving(c, time.monotonic() + self.args.startup_timeout, self.security)
 
     async def _follow_fleet_version(self, c: Child) -> None:
-        """Point the replica's --model/--weights-version at the version the fleet serves now."""
-        version = await self._scheduler_version() or self.fleet_version
+        """Point the replica's --model/--weights-version at the fleet's target version."""
+        version = self.fleet_version = self._read_fleet_version()
         if not version or version == c.flags[c.flags.index("--weights-version") + 1]:
             return
         from zerokl.services.weightstore.client import WeightStoreClient
@@ -625,7 +629,7 @@ async def run(args: argparse.Namespace) -> int:
         deadline = started + args.startup_timeout
         _launch(store)
         await _until(_wait_serving(store, deadline, security), stop)
-        version, model_dir = await _until(_prepare_weights(args, store, workdir / "models", security), stop)
+        version, model_dir = await _until(_prepare_weights(args, store, workdir, security), stop)
         children += _plan(args, workdir, store, version, model_dir, security)
         for child in children[1:]:
             _launch(child)
@@ -742,25 +746,31 @@ async def _probe(entry: dict, security: ClientSecurity) -> dict:
     return row
 
 
-def status(workdir: str, as_json: bool = False, security: ClientSecurity = ClientSecurity()) -> int:
+def status(workdir: str, as_json: bool = False, security: ClientSecurity = ClientSecurity(),
+           wait_s: float = 0.0) -> int:
     """`zerokl status`: each service's health, supervisor state, restarts, fingerprint and weights version.
 
     Exit status 0 only when every service is SERVING and the compute services agree on one
     numerics fingerprint and one weights version. A service the supervisor is restarting is
     named DOWN or RESTARTING (with its restart count and last exit status) until it is back.
+    ``wait_s``: wait up to this long for that (a `zerokl up` still starting, a restart), then report.
     """
-    state = read_state(workdir)
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = read_state(workdir)
+        if state is not None:
+            rows = asyncio.run(_gather_probes(state["services"], security.with_state(state)))
+            ok, down, fingerprints, versions = _verdict(rows)
+            if ok:
+                break
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
     if state is None:
         print(f"no running `zerokl up` found ({pathlib.Path(os.path.expanduser(workdir)) / 'up.json'} "
-              f"does not exist)", file=sys.stderr)
+              f"does not exist" + (f" after {wait_s:g}s" if wait_s else "; `zerokl status --wait 60` waits for "
+                                   "one that is starting") + ")", file=sys.stderr)
         return 1
-    rows = asyncio.run(_gather_probes(state["services"], security.with_state(state)))
-    compute = [r for r in rows if r["service"] != "weight-store"]
-    fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
-    versions = sorted({r["weights_version"] for r in compute})
-    healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
-    down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
-    ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
     if as_json:
         print(json.dumps({"ok": ok, "down": down, "fingerprints": fingerprints, "weights_versions": versions,
                           "services": rows}, indent=2))
@@ -775,6 +785,17 @@ def status(workdir: str, as_json: bool = False, security: ClientSecurity = Clien
               f"fingerprints {fingerprints or ['-']}, weights versions {versions or ['-']}"
               + (f"; down: {', '.join(down)}" if down else ""))
     return 0 if ok else 1
+
+
+def _verdict(rows: list[dict]) -> tuple[bool, list[str], list[str], list[str]]:
+    """(ok, names not serving, fingerprints, weights versions) of probed rows (see :func:`status`)."""
+    compute = [r for r in rows if r["service"] != "weight-store"]
+    fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
+    versions = sorted({r["weights_version"] for r in compute})
+    healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
+    down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
+    ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""
+    return ok, down, fingerprints, versions
 
 
 async def _gather_probes(entries: list[dict], security: ClientSecurity) -> list[dict]:

@@ -19,15 +19,17 @@ from safetensors.torch import load_file, save_file
 from zerokl.kernels.model.model import Model, ModelConfig
 
 __all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
-           "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES"]
+           "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "FP8_QUANTIZATION"]
 
 CONFIG_FILE = "config.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _FUSED_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# config.json's quantization_config of an FP8 model (GLM-5-FP8 / DeepSeek-V3 layout, NUMERICS.md "FP8")
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
 class CheckpointError(ValueError):
@@ -40,6 +42,9 @@ def config_to_hf(c: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json as transformers writes it for GlmMoeDsaConfig."""
     d = c.to_dict()
     d.pop("rope_theta")
+    if dtype == torch.float8_e4m3fn:          # an FP8 model: bf16 activations, e4m3 projections
+        d["quantization_config"] = dict(FP8_QUANTIZATION)
+        dtype = torch.bfloat16
     d.update(
         architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
         dtype=str(dtype).removeprefix("torch."),
@@ -70,7 +75,8 @@ def transformers_config(c: ModelConfig, dtype: torch.dtype):
 
 
 def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:
-    """ModelConfig (and the stored dtype) from a glm_moe_dsa config.json; unknown keys are ignored."""
+    """ModelConfig (and the stored dtype) from a glm_moe_dsa config.json; unknown keys are ignored.
+    An FP8 checkpoint (quantization_config fp8, 128 x 128 blocks) reports float8_e4m3fn."""
     if d.get("model_type", "glm_moe_dsa") != "glm_moe_dsa":
         raise CheckpointError(f"model_type {d.get('model_type')!r} is not glm_moe_dsa")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
@@ -93,6 +99,11 @@ def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:
         if isinstance(kw.get(key), list):
             kw[key] = kw[key][0]        # zerokl keeps one id; a tokenizer may add more stop ids
     dtype = _DTYPES.get(str(d.get("dtype", d.get("torch_dtype", "float32"))), torch.float32)
+    quant = d.get("quantization_config")
+    if quant:
+        if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size", [])) != [128, 128]:
+            raise CheckpointError(f"quantization_config {quant} is not supported (only fp8 with 128 x 128 weight blocks)")
+        dtype = torch.float8_e4m3fn
     return ModelConfig(**kw), dtype
 
 
@@ -110,10 +121,10 @@ def _to_hf(state: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torch.Te
     """zerokl module names -> HF names (stacked experts split per expert)."""
     out = {}
     for name, t in state.items():
-        m = re.match(r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)$", name)
+        m = re.match(r"^layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)(_scale_inv)?$", name)
         if m and c.mlp_layer_types[int(m.group(1))] == "sparse":
             for e in range(t.shape[0]):
-                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}.weight"] = t[e].contiguous()
+                out[f"model.layers.{m.group(1)}.mlp.experts.{e}.{m.group(2)}.weight{m.group(3) or ''}"] = t[e].contiguous()
         elif name == "lm_head.weight":
             out[name] = t
         else:
@@ -129,7 +140,7 @@ def _from_hf(tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torc
         if m and int(m.group(1)) >= c.num_hidden_layers:
             continue    # multi-token-prediction layers (num_nextn_predict_layers): not part of this model
         if (em := _EXPERT_KEY.match(name)):
-            layer, e, proj = int(em.group(1)), int(em.group(2)), em.group(3)
+            layer, e, proj = int(em.group(1)), int(em.group(2)), em.group(3) + (em.group(4) or "")
             experts.setdefault((layer, proj), {})[e] = t
         elif (fm := _FUSED_KEY.match(name)):
             layer, proj = int(fm.group(1)), fm.group(2)
@@ -143,13 +154,30 @@ def _from_hf(tensors: dict[str, torch.Tensor], c: ModelConfig) -> dict[str, torc
     for (layer, proj), per in experts.items():
         missing = [e for e in range(c.n_routed_experts) if e not in per]
         if missing:
-            raise CheckpointError(f"missing tensors: model.layers.{layer}.mlp.experts.{missing[0]}.{proj}.weight"
+            raise CheckpointError(f"missing tensors: model.layers.{layer}.mlp.experts.{missing[0]}.{_hf_leaf(proj)}"
                                   + (f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""))
         extra = sorted(set(per) - set(range(c.n_routed_experts)))
         if extra:
-            raise CheckpointError(f"unexpected tensors: model.layers.{layer}.mlp.experts.{extra[0]}.{proj}.weight")
+            raise CheckpointError(f"unexpected tensors: model.layers.{layer}.mlp.experts.{extra[0]}.{_hf_leaf(proj)}")
         out[f"layers.{layer}.mlp.{proj}"] = torch.stack([per[e] for e in range(c.n_routed_experts)])
     return out
+
+
+def _hf_leaf(proj: str) -> str:
+    """gate_proj -> gate_proj.weight, gate_proj_scale_inv -> gate_proj.weight_scale_inv."""
+    base, scale = proj.removesuffix("_scale_inv"), proj.endswith("_scale_inv")
+    return f"{base}.weight" + ("_scale_inv" if scale else "")
+
+
+def _dequantize_unwanted(state: dict[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
+    """An FP8 checkpoint's weights that this model keeps unquantized (kv_b_proj, which the absorbed
+    attention folds in; anything else the model holds in its dtype): value times block scale."""
+    from zerokl.kernels.ops import fp8_dequantize_weight
+    for name in [n for n in state if n.endswith("_scale_inv") and n not in want]:
+        base = name.removesuffix("_scale_inv")
+        scale, weight = state.pop(name), state[base]
+        state[base] = (torch.stack([fp8_dequantize_weight(w, s) for w, s in zip(weight, scale)]) if weight.dim() == 3
+                       else fp8_dequantize_weight(weight, scale))
 
 
 # ----------------------------------------------------------------------------- save / load
@@ -208,19 +236,32 @@ def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write config.json and the weights under HF names (sharded with an index when large)."""
+    from zerokl.kernels.model.fp8 import is_fp8
     save_tensors(_to_hf(model.state_dict(), model.config), directory, max_shard_bytes)
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config, model.dtype), indent=2) + "\n")
+    dtype = torch.float8_e4m3fn if is_fp8(model) else model.dtype
+    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
-    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape."""
+    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+
+    dtype float8_e4m3fn asks for an FP8 model (bf16 activations): an FP8 checkpoint is read as it
+    is, any other is quantized on load (zerokl.kernels.model.fp8, deterministic)."""
     path = Path(directory)
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    model = Model(config, seed=0, dtype=dtype or stored_dtype)
+    from zerokl.kernels.model.fp8 import quantize_fp8
+    fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
+    to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
+    act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
+    model = Model.empty(config, act)
+    if fp8:
+        quantize_fp8(model)                     # the layout (of unset values): every value is then read from the checkpoint
     state = _from_hf(load_tensors(path), config)
     want = model.state_dict()
+    if fp8:
+        _dequantize_unwanted(state, want)
     missing = sorted(set(want) - set(state))
     extra = sorted(set(state) - set(want))
     if missing or extra:
@@ -235,4 +276,4 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     with torch.no_grad():
         for name, target in want.items():
             target.copy_(state[name].to(target.dtype))
-    return model
+    return quantize_fp8(model) if to_fp8 else model

@@ -265,6 +265,19 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def gemm_weight(module: nn.Module, name: str = "weight") -> torch.Tensor | ops.Fp8Weight:
+    """A weight as the GEMM ops take it: the tensor, or, in an FP8 model (zerokl.kernels.model.fp8),
+    its e4m3 values with the `<name>_scale_inv` block scales beside them; a trainer's FP8 model
+    keeps `<name>` as the master and its quantized values in `<name>_fp8`."""
+    scale = getattr(module, name + "_scale_inv", None)
+    if scale is None:
+        return getattr(module, name)
+    values = getattr(module, name + "_fp8", None)
+    if values is None:
+        return ops.Fp8Weight(getattr(module, name), scale)
+    return ops.Fp8Weight(values, scale, master=getattr(module, name))
+
+
 class Linear(nn.Module):
     """A bias-free projection through the invariant GEMM (weight [out, in], as nn.Linear)."""
 
@@ -273,7 +286,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight)
+        return ops.linear(x, gemm_weight(self))
 
 
 class SplitLinear(Linear):
@@ -281,7 +294,7 @@ class SplitLinear(Linear):
     (ops.split_linear), so a tensor-parallel run joins the ranks' partials in this order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.split_linear(x, self.weight)
+        return ops.split_linear(x, gemm_weight(self))
 
 
 class Indexer(nn.Module):
@@ -425,7 +438,7 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = Linear(dim, hidden), Linear(dim, hidden), Linear(hidden, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.swiglu_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+        return ops.swiglu_mlp(x, gemm_weight(self.gate_proj), gemm_weight(self.up_proj), gemm_weight(self.down_proj))
 
 
 class Router(nn.Module):
@@ -459,8 +472,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        trace.record_experts(x, ids, self.gate_proj, self.up_proj, self.down_proj)
-        routed = ops.moe_experts(x, weights, ids, self.gate_proj, self.up_proj, self.down_proj)
+        experts = gemm_weight(self, "gate_proj"), gemm_weight(self, "up_proj"), gemm_weight(self, "down_proj")
+        trace.record_experts(x, ids, *experts)
+        routed = ops.moe_experts(x, weights, ids, *experts)
         trace.record("mlp.combine", routed)
         return (routed + self.shared_experts(x).float()).to(x.dtype)
 
@@ -492,18 +506,44 @@ class Model(nn.Module):
 
     def __init__(self, config: ModelConfig, seed: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
+        self._build(config)
+        self.init_weights(seed)
+        self.to(dtype)
+
+    @classmethod
+    def empty(cls, config: ModelConfig, dtype: torch.dtype = torch.float32) -> "Model":
+        """A Model whose weights are left as allocated, nothing drawn: for a caller that sets every
+        tensor of the state dict (a checkpoint load, a copy of another model's weights).
+
+        The seeded draw of ``Model(config, seed)`` runs the portable RNG over every weight on
+        the CPU, far slower than any load that would then overwrite it (docs/perf.md, issue 37)."""
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model._build(config)
+        return model.to(dtype)
+
+    def _build(self, config: ModelConfig) -> None:
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.register_buffer("inv_freq", ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta), persistent=False)
-        self.init_weights(seed)
-        self.to(dtype)
 
     def to(self, *args, **kwargs):
-        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32."""
+        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32, and an
+        FP8 model's e4m3 weights and their scales keep their dtypes (they only move)."""
+        keep = {name: t.data for name, t in [*self.named_parameters(), *self.named_buffers()]
+                if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")}
         super().to(*args, **kwargs)
+        for name, t in keep.items():           # nn.Module.to replaces buffers: look each one up again
+            owner, _, attr = name.rpartition(".")
+            module = self.get_submodule(owner)
+            moved = getattr(module, attr)
+            if isinstance(moved, nn.Parameter):
+                moved.data = t.to(moved.device)
+            else:
+                module.register_buffer(attr, t.to(moved.device))
         for m in self.modules():
             if isinstance(m, Router):
                 m.weight.data = m.weight.data.float()

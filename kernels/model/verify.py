@@ -84,15 +84,21 @@ def run_paths(model: Model, prompt: torch.Tensor, rng: random.Random, block_size
 
 def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelConfig | None = None,
                       dtype: torch.dtype = torch.float32, neighbours: int = 3) -> tuple[int, int]:
-    """(cases, mismatching paths) over random prompts shorter and longer than index_topk."""
+    """(cases, mismatching paths) over random prompts shorter and longer than index_topk.
+    dtype float8_e4m3fn: the bf16 model with its projections quantized (zerokl.kernels.model.fp8)."""
     rng = random.Random(seed)
     if config is None:
         interpreted = backend == "triton" and not torch.cuda.is_available()
         config = INTERPRETER_CONFIG if interpreted else ModelConfig.preset("tiny")
         neighbours = 1 if interpreted else neighbours
     cases = mismatches = 0
-    with use_backend(backend):
-        model = Model(config, seed=seed, dtype=dtype).to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    fp8 = dtype == torch.float8_e4m3fn
+    with use_backend(backend), torch.no_grad():
+        model = Model(config, seed=seed, dtype=torch.bfloat16 if fp8 else dtype)
+        if fp8:
+            from zerokl.kernels.model.fp8 import quantize_fp8
+            quantize_fp8(model)
+        model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
         for i in range(prompts):
             s = rng.randint(2, config.index_topk) if i % 2 == 0 else rng.randint(config.index_topk + 1, 3 * config.index_topk)
             prompt = torch.randint(0, config.vocab_size, (s,), generator=torch.Generator().manual_seed(seed * 1000 + i))

@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":      # CPU: tl.dot exact, whatever
 
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .elementwise import sigmoid, silu
+from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm
@@ -28,6 +29,10 @@ from .topk import topk_positions
 
 __all__ = [
     "KV_BLOCK",
+    "fp8_gemm",
+    "fp8_grouped_linear",
+    "fp8_linear",
+    "fp8_quantize",
     "gemm_config",
     "grouped_linear",
     "grouped_linear_wgrad",

@@ -59,9 +59,13 @@ def device_failed(err: BaseException) -> bool:
 
 
 def sample_seed(seed: int, index: int) -> int:
-    """The RNG key of sample `index` of a request: sample 0 uses the request's seed itself."""
+    """The RNG key of sample `index` of a request (an int64): sample 0 uses the request's seed itself.
+
+    A uint64 seed of 2**63 or more is keyed by the int64 with the same 64 bits: the noise hashes the
+    bit pattern (kernels.sampling.uniform_noise), so every uint64 seed draws its own numbers.
+    """
     if index == 0:
-        return seed
+        return seed - 2**64 if seed >= 2**63 else seed
     digest = hashlib.sha256(struct.pack("<QQ", seed, index)).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 

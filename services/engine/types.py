@@ -72,8 +72,8 @@ class SamplingOptions:
                                               f"got {self.max_tokens}")
         if not 1 <= self.n <= _INT32_MAX:
             raise InvalidOption("n", f"n must be >= 1, got {self.n}")
-        if not 0 <= self.seed < 2**63:
-            raise InvalidOption("seed", f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidOption("seed", f"seed must be in [0, 2**64) (the proto's uint64), got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidOption("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for text in self.stop:

@@ -43,8 +43,9 @@ class RelayedError(ServiceError):
     """
 
     def __init__(self, err: grpc.aio.AioRpcError, via: str, code: grpc.StatusCode | None = None,
-                 handoff_from: str | None = None) -> None:
-        super().__init__(f"{via}: {err.details()}")
+                 handoff_from: str | None = None, details: str | None = None) -> None:
+        # ``details``: the peer's text as passed on (default: as it was), e.g. with internal addresses named.
+        super().__init__(f"{via}: {err.details() if details is None else details}")
         self.code = code or err.code()
         try:
             status = rpc_status.from_call(err)  # type: ignore[arg-type]

@@ -15,6 +15,10 @@ replayed first), once per step: a step redone after a trainer restart computes
 the same bits and is not reported again. A trainer that restarts mid-job (it
 resumes from its newest published version) is waited for and the interrupted
 step is redone from the trainer's state, so no step is lost or applied twice.
+A prefill or decode replica that restarts mid-job is waited for the same way
+(bounded by ``fleet_wait_s``): rollouts that failed on it are generated again,
+pinned and seeded as before, so they are the same bits, and a fleet switch is
+tried again once the fleet is back.
 
 A job succeeds only when every step it trained is published. A weight-store
 outage is told apart from a trainer restart (the trainer still holds its
@@ -23,7 +27,9 @@ fails with :class:`WeightStoreUnavailable`. Each new version is served only
 after its canary passes (:meth:`Scheduler.switch_weights`); a version that
 fails it fails the job with :class:`CanaryFailed`, the trainer is rolled back
 to the last good version and the rejected one is deleted from the store, so no
-restart serves or resumes from it.
+restart serves or resumes from it. A job that fails after saving a version but
+before the fleet switched to it deletes that version the same way: it never
+passed a canary, and the next job's step of the same number must be free to publish.
 
 With a state directory, job records (status and step events) are kept in
 ``jobs.json`` there and survive a scheduler restart; a job that was queued or
@@ -37,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import itertools
 import json
 import logging
@@ -57,7 +64,8 @@ from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
-from zerokl.services.rl.ports import Sampled
+from zerokl.services.rl.ports import Sampled, sampling_seed
+from zerokl.services.routing.router import UnservedPin
 from zerokl.services.routing.scheduler import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import Completion, Rollout
@@ -65,7 +73,8 @@ from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.store import WeightsManifest
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
-           "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "JOBS_FILE"]
+           "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",
+           "JOBS_FILE"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -223,6 +232,19 @@ class TrainerUnavailable(Unavailable):
     """The trainer stayed unreachable longer than the job waits for a restart."""
 
 
+class FleetUnavailable(Unavailable):
+    """The prefill/decode fleet could not serve the job longer than it waits for a replica restart."""
+
+
+def _fleet_outage(err: BaseException) -> bool:
+    """Whether ``err`` says the fleet cannot serve right now (a replica down or coming back), not that the
+    request or the weights are bad: UNAVAILABLE, or a pinned version no replica serves at the moment."""
+    if isinstance(err, UnservedPin):
+        return True
+    code = err.code() if isinstance(err, grpc.aio.AioRpcError) else getattr(err, "code", None)
+    return code in _OUTAGE
+
+
 @dataclass
 class _Job:
     job_id: str
@@ -281,19 +303,21 @@ class JobManager:
     ``weight_store``: the store the trainer publishes to, where versions that
     fail their canary are deleted (without one they stay, and the job says so).
     ``state_dir``: where job records are kept across restarts (None: memory
-    only). A job waits up to ``trainer_wait_s`` for a restarting trainer and
+    only). A job waits up to ``trainer_wait_s`` for a restarting trainer,
+    ``fleet_wait_s`` for a restarting prefill/decode replica and
     ``store_wait_s`` for an unreachable weight store.
     """
 
     def __init__(self, trainer: TrainerClient | None, generate: Callable[[InferenceRequest], AsyncIterator[Any]],
                  switch_weights: Callable[[str], Awaitable[Any]], *, weight_store: WeightStoreClient | None = None,
                  state_dir: str | os.PathLike[str] | None = None, trainer_wait_s: float = 120.0,
-                 store_wait_s: float = 120.0) -> None:
+                 fleet_wait_s: float = 120.0, store_wait_s: float = 120.0) -> None:
         self.trainer = trainer
         self.weight_store = weight_store
         self._generate = generate
         self._switch = switch_weights
         self.trainer_wait_s = trainer_wait_s
+        self.fleet_wait_s = fleet_wait_s
         self.store_wait_s = store_wait_s
         self._records = pathlib.Path(state_dir) / JOBS_FILE if state_dir is not None else None
         self._jobs: dict[str, _Job] = {}
@@ -404,6 +428,20 @@ class JobManager:
                 log.exception("job %s failed", job.job_id)
                 self._finish(job, JobState.FAILED, _describe(err))
 
+    async def _wait_fleet(self, job: _Job, deadline: float | None, what: str, err: BaseException) -> float:
+        """Wait a moment while the fleet is out (on the event loop); the deadline to keep; FleetUnavailable
+        past ``fleet_wait_s``."""
+        now = time.monotonic()
+        deadline = deadline or now + self.fleet_wait_s
+        if now > deadline:
+            raise FleetUnavailable(f"the fleet could not serve the job for {self.fleet_wait_s:g} s ({what}): "
+                                   f"{err}") from None
+        log.warning("job %s: %s (%s); waiting for the fleet", job.job_id, what, err)
+        await asyncio.sleep(0.5)
+        if job.cancel.is_set():
+            raise JobCancelled()
+        return deadline
+
     def _call(self, coro: Awaitable[T]) -> T:
         """From the job's thread: run ``coro`` on the event loop and wait for it."""
         assert self._loop is not None
@@ -445,10 +483,9 @@ class JobManager:
             raise
 
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
-        from zerokl.tasks.setup import countdown_data, encode_prompt
+        from zerokl.tasks.setup import encode_prompt
         from zerokl.tasks.countdown import reward
-        train, test, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
-                                          spec.countdown.test_problems)
+        train, test, tok = _countdown_data(spec.countdown)
         task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
         config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                           max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
@@ -466,9 +503,8 @@ class JobManager:
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
             if spec.countdown is not None:
-                from zerokl.tasks.setup import countdown_data, demonstration_batch
-                train, _, tok = countdown_data(spec.countdown.seed, spec.countdown.train_problems,
-                                               spec.countdown.test_problems)
+                from zerokl.tasks.setup import demonstration_batch
+                train, _, tok = _countdown_data(spec.countdown)
                 data: Sequence[Any] = demonstration_batch(train, tok)
             else:
                 data = spec.examples
@@ -498,6 +534,15 @@ class JobManager:
             self._step_done(job, step, published, m)
 
 
+@functools.lru_cache(maxsize=4)
+def _countdown_data(task: CountdownTask) -> tuple[Any, Any, Any]:
+    """(train, test, tokenizer) of ``task``, made once per task: generating 20000 problems (each solved to
+    check it is reachable) is most of a job's first step on a small CPU, and the next job of the same task,
+    as the demo's RL job after its SFT job, reads the same problems."""
+    from zerokl.tasks.setup import countdown_data
+    return countdown_data(task.seed, task.train_problems, task.test_problems)
+
+
 def _describe(err: BaseException) -> str:
     """A failed job's error: the cause by name, then what was done about it (the exception's notes)."""
     if isinstance(err, grpc.aio.AioRpcError):
@@ -518,12 +563,29 @@ class _FleetRollouts:
     def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):  # noqa: ANN001, ANN201
         async def one(i: int, ids: tuple[int, ...]) -> GenerateResult:
             options = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                                      seed=seed + i)
+                                      seed=sampling_seed(seed + i))
             request = InferenceRequest(prompt_ids=ids, options=options, weights_version=weights_version)
             return GenerateResult.collect([d async for d in self.manager._generate(request)])
 
         async def all_prompts() -> list[GenerateResult]:
-            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+            results: list[GenerateResult | None] = [None] * len(prompts)
+            deadline = None
+            while True:
+                todo = [i for i, r in enumerate(results) if r is None]
+                outs = await asyncio.gather(*(one(i, prompts[i]) for i in todo), return_exceptions=True)
+                failed = []
+                for i, out in zip(todo, outs, strict=True):
+                    if not isinstance(out, BaseException):
+                        results[i] = out
+                    elif _fleet_outage(out):
+                        failed.append(out)
+                    else:
+                        raise out
+                if not failed:
+                    return results  # type: ignore[return-value]
+                # A replica is restarting: the same pinned, seeded requests give the same bits when it is back.
+                deadline = await self.manager._wait_fleet(self.job, deadline, f"{len(failed)} rollouts failed",
+                                                          failed[0])
 
         results = self.manager._call(all_prompts())
         return [[Sampled(tuple(p), tuple(s.token_ids), tuple(s.logprobs), s.text, r.weights_version)
@@ -547,6 +609,7 @@ class _TrainerSession:
         self.weights_version = ""
         self.base_step = 0
         self.trainer_step = 0           # the trainer's step counter after our last OptimStep
+        self.unswitched = ""            # a version saved that the fleet has not switched to yet
         self._last: dict[str, Any] = {}
 
     def _call(self, coro: Awaitable[T]) -> T:
@@ -645,35 +708,58 @@ class _TrainerSession:
                                         err.details())
 
     def _switch_fleet(self, version: str) -> None:
-        """Switch the fleet (after its canary), retried while the weight store the replicas fetch from is out."""
-        deadline = None
+        """Switch the fleet (after its canary), retried while the weight store the replicas fetch from is out
+        and while a replica restarts (up to ``fleet_wait_s``)."""
+        deadline = fleet_deadline = None
         while True:
             try:
                 self._call(self.manager._switch(version))
                 return
             except (CanaryFailed, JobCancelled):
                 raise
-            except Exception as err:  # noqa: BLE001 - any failure is retried only while the store is out
+            except Exception as err:  # noqa: BLE001 - retried only while the store or a replica is out
                 if self._store_reachable():
-                    raise
+                    if not _fleet_outage(err):
+                        raise
+                    fleet_deadline = self._call(self.manager._wait_fleet(
+                        self.job, fleet_deadline, f"switching the fleet to {version} failed", err))
+                    continue
                 deadline = self._outage(deadline, f"the replicas switched to {version}", str(err))
 
     def discard_unpublished(self) -> str:
-        """Roll the trainer back to the version the fleet serves if it holds steps beyond it; what was done."""
+        """Roll the trainer back to the version the fleet serves if it holds steps beyond it, and delete a
+        version saved that the fleet never switched to; what was done."""
         if not self.weights_version:
             return ""
+        notes = []
         try:
             state = self._call(self.client.get_state(timeout=10))
-            if (state.weights_version, state.step, state.accumulated_batches) == \
+            if (state.weights_version, state.step, state.accumulated_batches) != \
                     (self.weights_version, state.weights_step, 0):
-                return ""
-            state = self._call(self.client.load_weights(self.weights_version, restore_state=True))
+                state = self._call(self.client.load_weights(self.weights_version, restore_state=True))
+                notes.append(f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
+                             f"(step {state.step})")
         except grpc.aio.AioRpcError as err:
             log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version,
                       err.details())
-            return f"rolling the trainer back to {self.weights_version} failed ({err.code().name}: {err.details()})"
-        return (f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
-                f"(step {state.step})")
+            notes.append(f"rolling the trainer back to {self.weights_version} failed "
+                         f"({err.code().name}: {err.details()})")
+        if self.unswitched:
+            notes.append(self._delete(self.unswitched, "no replica serves it"))
+        return "; ".join(notes)
+
+    def _delete(self, version: str, why: str) -> str:
+        """Delete ``version`` (never served by the fleet) from the weight store; a clause saying what happened."""
+        self.unswitched = ""
+        store = self.manager.weight_store
+        if store is None:
+            return f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
+        try:
+            self._call(store.delete(version))
+        except grpc.aio.AioRpcError as err:
+            log.error("job %s: could not delete %s from the weight store: %s", self.job.job_id, version, err.details())
+            return f"deleting {version} from the weight store failed ({err.details()})"
+        return f"{version} was deleted from the weight store ({why})"
 
     def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
@@ -685,15 +771,7 @@ class _TrainerSession:
         except grpc.aio.AioRpcError as load_err:
             rolled = (f"The fleet keeps serving {good}, but rolling the trainer back to it failed "
                       f"({load_err.code().name}: {load_err.details()})")
-        store = self.manager.weight_store
-        if store is None:
-            fate = f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
-        else:
-            try:
-                self._call(store.delete(version))
-                fate = f"{version} was deleted from the weight store"
-            except grpc.aio.AioRpcError as delete_err:
-                fate = f"deleting {version} from the weight store failed ({delete_err.details()})"
+        fate = self._delete(version, "it failed its canary")
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
     # ---- TrainerPort (zerokl.services.rl.ports) ----
@@ -710,7 +788,10 @@ class _TrainerSession:
                           "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
                           "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
                           "lr": opt.lr, "tokens": fb.tokens}
+            optimized = time.perf_counter()
             self.publish_now()
+            # The optimizer step's end -> every replica serving the new version (TrainerPort's sync_s).
+            self._last["sync_s"] = time.perf_counter() - optimized
             return self._last
         return self._unit(work)
 
@@ -720,10 +801,13 @@ class _TrainerSession:
     def publish_now(self) -> None:
         """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""
         manifest = self._save()
+        if manifest.version != self.weights_version:
+            self.unswitched = manifest.version
         try:
             self._switch_fleet(manifest.version)
         except CanaryFailed as err:
             self._reject(manifest.version, err)
+        self.unswitched = ""
         self.weights_version = manifest.version
 
     # ---- SFT / DPO (the job loop handles UNAVAILABLE: state only survives a restart when published) ----

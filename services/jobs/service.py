@@ -77,8 +77,10 @@ def spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
     if kind == "sft":
         m = msg.sft
         d = SFTJobSpec(steps=1)
-        countdown = _countdown_from_proto(m.countdown) if m.WhichOneof("data") == "countdown" else None
+        data = m.WhichOneof("data")
         examples = tuple(completion_from_proto(c) for c in m.examples.completions)
+        # No data named: the built-in countdown demonstrations, as an RL job defaults its task.
+        countdown = _countdown_from_proto(m.countdown) if data == "countdown" else None if data else CountdownTask()
         return SFTJobSpec(m.steps, countdown, examples, m.batch_size or d.batch_size, m.publish_every, m.seed,
                           msg.learning_rate)
     if kind == "dpo":

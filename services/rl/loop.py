@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from zerokl.services.rl.ports import RolloutPort, TrainerPort
+from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
 from zerokl.services.trainer.trainer import Completion, Rollout
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
@@ -58,11 +58,14 @@ class StepRecord:
     grad_norm: float
     lr: float                   # the learning rate the step used
     tokens: int
-    tokens_per_s: float
-    rollout_s: float
-    train_s: float
+    tokens_per_s: float         # tokens / train_s
+    rollout_s: float            # sampling the step's rollouts
+    train_s: float              # the update (ForwardBackward + OptimStep), up to the optimizer step's end
     stale_rollouts: int = 0
     test_accuracy: float | None = None
+    # The optimizer step's end -> the new version served (SaveWeights and every replica switched,
+    # through the services); None where the caller does not say (zerokl experiment's own loop).
+    sync_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         t0 = time.perf_counter()
         groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
                                         config.max_tokens, config.temperature, config.top_p,
-                                        seed=config.seed * 1_000_003 + step, weights_version=version)
+                                        seed=sampling_seed(config.seed * 1_000_003 + step),
+                                        weights_version=version)
         rollout_s = time.perf_counter() - t0
         batch, stale = [], 0
         for problem, group in zip(problems, groups):
@@ -114,14 +118,18 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
                 batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
         t1 = time.perf_counter()
         m = trainer.grpo_step(batch, config.group_size)
+        t2 = time.perf_counter()
         new_version = trainer.publish()
-        train_s = time.perf_counter() - t1
+        # A port publishes in publish(), or already inside grpo_step (the services' port, one
+        # restartable unit with the update) and then says how long that took as m["sync_s"].
+        sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
+        train_s = time.perf_counter() - t1 - sync_s
         record = StepRecord(
             step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
             mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
             ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
             lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
-            train_s=train_s, stale_rollouts=stale,
+            train_s=train_s, stale_rollouts=stale, sync_s=sync_s,
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

@@ -17,7 +17,13 @@ from typing import Protocol, Sequence
 
 from zerokl.services.trainer.trainer import Rollout
 
-__all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort"]
+__all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort", "sampling_seed"]
+
+
+def sampling_seed(value: int) -> int:
+    """``value`` as a request's seed: wrapped into the proto's uint64 (a job's seed may be any uint64)."""
+    return value % 2**64
+
 
 @dataclass(frozen=True)
 class Sampled:
@@ -36,6 +42,13 @@ class RolloutPort(Protocol):
 
 
 class TrainerPort(Protocol):
+    """One GRPO update, then its weights published and served.
+
+    A port may publish inside grpo_step (as one unit with the update, so a restart redoes
+    both); its metrics then carry ``sync_s``, the seconds from the optimizer step's end to
+    the new version served, and publish() only names that version.
+    """
+
     @property
     def weights_version(self) -> str: ...
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict: ...
@@ -86,7 +99,7 @@ class LocalEnginePort:
         if version != self._loaded:
             trainer = self.trainer_port.trainer
             # On the trainer's device: KL == 0 is promised per device type.
-            model = Model(trainer.model.config, seed=0, dtype=trainer.model.dtype).to(trainer.device)
+            model = Model.empty(trainer.model.config, trainer.model.dtype).to(trainer.device)
             model.load_state_dict(self.trainer_port.versions[version])
             self._model, self._loaded = model.eval(), version
         return self._model
@@ -102,7 +115,8 @@ class LocalEnginePort:
         from zerokl.services.engine.engine import run_to_completion
         from zerokl.services.engine.types import GenerateRequest, SamplingOptions
         opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
-        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=seed + i)) for i, p in enumerate(prompts)]
+        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=sampling_seed(seed + i)))
+                for i, p in enumerate(prompts)]
         with use_backend(self.backend or get_backend()):
             outs = run_to_completion(self._engine_for(weights_version), reqs)
         groups = []

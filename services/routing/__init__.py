@@ -8,7 +8,9 @@
 - :mod:`.replay`: :class:`StreamLedger`, exact replay checks when a stream
   is retried on another replica.
 - :mod:`.scheduler`: :class:`Scheduler`: pins, (prefill, decode) pairs,
-  retries; served by the shared ``zerokl.v1.Inference`` servicer.
+  retries, the fleet brought to its target weights version; served by the
+  shared ``zerokl.v1.Inference`` servicer.
+- :mod:`.fleet`: the fleet's target weights version, kept in ``fleet.json``.
 - :mod:`.server`: ``zerokl serve scheduler`` (routing, and the Jobs API of
   :mod:`zerokl.services.jobs`).
 """

@@ -26,6 +26,13 @@ Generate/Abort/Score/Info messages). For each request the scheduler
 Errors other than UNAVAILABLE pass through with the replica's code and
 details. Health is NOT_SERVING until a decode replica matching the current
 pin is healthy.
+
+The fleet converges on its own: the version of the last whole-fleet switch is the
+fleet's target (kept in ``fleet.json`` of the state directory, so a restarted
+scheduler knows it too). Unpinned requests are served at the target, and a healthy
+replica found on another version (restarted at an old one, or left behind by a
+switch that could not put it back) is switched to the target by the scheduler
+itself, without a canary: the target passed one.
 """
 from __future__ import annotations
 
@@ -34,10 +41,11 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 import grpc.aio
@@ -55,6 +63,7 @@ from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
+    InvalidArgument,
     ServiceError,
     Unavailable,
     status_details,
@@ -64,6 +73,7 @@ from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.runtime.streams import batches_until_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.services.routing import metrics
+from zerokl.services.routing.fleet import read_fleet_version, write_fleet_version
 from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
 from zerokl.services.routing.replay import StreamLedger
 from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
@@ -72,6 +82,9 @@ from zerokl.v1 import inference_pb2_grpc
 __all__ = ["SchedulerConfig", "Scheduler", "add_scheduler_service", "CanaryFailed", "CANARY_PROMPT", "CANARY_TOKENS"]
 
 log = logging.getLogger(__name__)
+
+# Seconds before the scheduler tries again to bring a replica to the fleet's target version after a failure.
+_CONVERGE_RETRY_S = 2.0
 
 # The canary of new weights: a fixed probe (ids every vocabulary has) generated greedily on one replica.
 CANARY_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
@@ -133,12 +146,14 @@ class _Attempt(Exception):
 _STALE_VIOLATIONS = frozenset({"WEIGHTS_VERSION", "NUMERICS_FINGERPRINT", "MODEL_CONFIG_HASH"})
 
 
-def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception:
+def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError,
+                      views: Sequence[ReplicaView] = ()) -> Exception:
     """A replica's error as a retryable :class:`_Attempt`, or as the status to relay to the client.
 
     Retryable: UNAVAILABLE (gone, draining), and FAILED_PRECONDITION about the
     pin itself, since requests are only routed to replicas whose polled
     identity matches: the refusal means the poll is stale, not the request bad.
+    A relayed status names replicas (``views``: the fleet), never their internal addresses.
     """
     code = err.code()
     if code is grpc.StatusCode.UNAVAILABLE:
@@ -148,26 +163,52 @@ def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError) -> Exception
                  for v in d.violations}
         if kinds and kinds <= _STALE_VIOLATIONS:
             return _Attempt(view, f"it no longer serves the pin its last poll showed: {err.details()}")
-    return RelayedError(err, view.describe())
+    details = err.details() or ""
+    for v in views:
+        details = details.replace(v.address, _name(v))
+    return RelayedError(err, _name(view), details=details)
+
+
+def _name(view: ReplicaView) -> str:
+    """A replica as a client may see it: role and replica id, no address (``decode replica decode-0``)."""
+    name = view.endpoint.name or (view.identity.replica_id if view.identity is not None else "")
+    return f"{view.role} replica {name}".rstrip()
+
+
+def _check_prompt(r: InferenceRequest) -> None:
+    """INVALID_ARGUMENT at the front door for a prompt no replica could read (what needs no model: the replicas
+    check the vocabulary and the context, naming the same fields)."""
+    if r.prompt_ids is not None and r.prompt_text is not None:
+        raise InvalidArgument.field("prompt", "set only one of prompt_text and prompt_token_ids")
+    if r.prompt_ids is None and r.prompt_text is None:
+        raise InvalidArgument.field("prompt", "set prompt_text or prompt_token_ids")
+    if not (r.prompt_ids if r.prompt_ids is not None else r.prompt_text):
+        raise InvalidArgument.field("prompt", "the prompt is empty")
 
 
 class Scheduler:
     """Routes Generate/Score/Abort over the replicas of a :class:`Registry`.
 
     Use in process (tests) or behind the shared Inference servicer (:meth:`attach`). Call
-    :meth:`start` before serving and :meth:`close` after.
+    :meth:`start` before serving and :meth:`close` after. ``state_dir``: where the
+    fleet's target version is kept (:mod:`.fleet`; None: memory only).
     """
 
     def __init__(self, registry: Registry, config: SchedulerConfig = SchedulerConfig(),
-                 replica_id: str | None = None) -> None:
+                 replica_id: str | None = None, state_dir: str | os.PathLike[str] | None = None) -> None:
         self.registry = registry
         self.config = config
         self.router = Router(config.policy)
         self.replica_id = replica_id or default_replica_id("scheduler")
+        self.state_dir = state_dir
+        # The version of the last whole-fleet switch ("" before the first one, when nothing was recorded).
+        self.target_version = read_fleet_version(state_dir) if state_dir is not None else ""
         self._flights: dict[str, _Flight] = {}
         self._server: ServiceServer | None = None
         self._health_dirty = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self._converging: asyncio.Task[None] | None = None
+        self._switching = asyncio.Lock()     # one fleet switch or convergence at a time
         self._published: ServiceIdentity | None = None
         registry.add_listener(self._on_fleet_change)
 
@@ -180,10 +221,11 @@ class Scheduler:
         self._on_fleet_change()
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._health_task
+        for task in (self._health_task, self._converging):
+            if task is not None:
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
         await self.registry.close()
 
     def attach(self, server: ServiceServer) -> None:
@@ -205,10 +247,14 @@ class Scheduler:
         """The pin of a request that pins nothing, when one resolves and a decode replica serves it."""
         views = self.registry.views()
         try:
-            pin = resolve_pin(views, Pin(), self.config.pin)
+            pin = resolve_pin(views, Pin(), self._fallback_pin())
         except ServiceError:
             return None
         return pin if self.router.candidates(views, "decode", pin) else None
+
+    def _fallback_pin(self) -> Pin:
+        """What a request gets for the fields it does not pin: the configured pin, else the fleet's target."""
+        return self.config.pin.over(Pin(weights_version=self.target_version))
 
     @property
     def identity(self) -> ServiceIdentity:
@@ -255,6 +301,7 @@ class Scheduler:
             metrics.REQUESTS.labels("Generate", code.name).inc()
 
     async def _generate(self, r: InferenceRequest) -> AsyncIterator[GenerateDelta]:
+        _check_prompt(r)
         rid = r.request_id or uuid.uuid4().hex
         tag_request(rid)
         if rid in self._flights:
@@ -355,7 +402,7 @@ class Scheduler:
                     return
                 # A failure of the prefill side, as the decode replica reports it, is the prefill replica's.
                 blamed = prefill if prefill is not None and handoff_peer(err) == prefill.address else view
-                raise _attempt_or_relay(blamed, err) from None
+                raise _attempt_or_relay(blamed, err, self.registry.views()) from None
             finally:
                 await stream.aclose()  # type: ignore[attr-defined]
             if stopped and not ledger.done:
@@ -405,6 +452,7 @@ class Scheduler:
             metrics.REQUESTS.labels("Score", code.name).inc()
 
     async def _score(self, r: InferenceRequest) -> ScoreResult:
+        _check_prompt(r)
         pin = await self._resolve(r, ("prefill", "decode"))
         request = dataclasses.replace(r, weights_version=pin.weights_version,
                                       numerics_fingerprint=pin.numerics_fingerprint)
@@ -419,7 +467,7 @@ class Scheduler:
                 try:
                     return await client.score(request)
                 except grpc.aio.AioRpcError as err:
-                    failure = _attempt_or_relay(view, err)
+                    failure = _attempt_or_relay(view, err, self.registry.views())
                     if not isinstance(failure, _Attempt):
                         raise failure from None
                     reason = failure.reason
@@ -446,8 +494,20 @@ class Scheduler:
         scheduler's identity once the registry has seen every replica serve
         the new version; requests pinned to the old one then stop finding
         replicas, which is the point of a step boundary. A configured weights
-        pin follows the switch.
+        pin follows the switch, and the new version becomes the fleet's target
+        (recorded in the state directory).
+
+        A replica that becomes unreachable meanwhile, the canary's included,
+        fails the switch with UNAVAILABLE (after the switch back), never with
+        :class:`CanaryFailed`: the caller may try again once it is back.
         """
+        try:
+            async with self._switching:
+                return await self._switch_all(version)
+        finally:
+            self._health_dirty.set()   # a replica that lagged while the switch held the fleet converges now
+
+    async def _switch_all(self, version: str) -> ServiceIdentity:
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
@@ -458,23 +518,18 @@ class Scheduler:
         canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
         before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
-        async def one(view: ReplicaView, to: str) -> ServiceIdentity:
-            with self.registry.lease(view.endpoint) as client:
-                try:
-                    return await client.switch_weights(to)
-                except grpc.aio.AioRpcError as err:
-                    failure = _attempt_or_relay(view, err)
-                    raise (failure if not isinstance(failure, _Attempt)
-                           else Unavailable(f"{view.describe()}: {failure.reason}")) from None
-
-        first = await one(canary, version)
+        first = await self._switch_one(canary, version)
         new = first.weights_version             # "latest" resolved once: every other replica gets this id
-        problem = await self._canary(canary, new)
+        try:
+            problem = await self._canary(canary, new)
+        except Unavailable as err:
+            undone = await self._switch_back([canary], before)
+            raise Unavailable(f"the canary of {new} could not run: {err.message}{undone}") from None
         if problem:
             undone = await self._switch_back([canary], before)
             raise CanaryFailed(f"weights version {new} failed its canary on {canary.describe()}: {problem}; "
                                f"no other replica switched{undone}")
-        results = await asyncio.gather(*(one(v, new) for v in rest), return_exceptions=True)
+        results = await asyncio.gather(*(self._switch_one(v, new) for v in rest), return_exceptions=True)
         failed = [(v, r) for v, r in zip(rest, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             switched = [canary, *(v for v, r in zip(rest, results, strict=True) if not isinstance(r, BaseException))]
@@ -485,8 +540,21 @@ class Scheduler:
         if self.config.pin.weights_version:
             self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
                                                                                    weights_version=new))
+        self.target_version = new
+        if self.state_dir is not None:
+            write_fleet_version(self.state_dir, new)
         await self.registry.refresh(read_info=True)
         return self.identity
+
+    async def _switch_one(self, view: ReplicaView, to: str) -> ServiceIdentity:
+        """SwitchWeights on one replica; its refusal relayed, UNAVAILABLE naming it."""
+        with self.registry.lease(view.endpoint) as client:
+            try:
+                return await client.switch_weights(to)
+            except grpc.aio.AioRpcError as err:
+                failure = _attempt_or_relay(view, err)
+                raise (failure if not isinstance(failure, _Attempt)
+                       else Unavailable(f"{view.describe()}: {failure.reason}")) from None
 
     async def _canary(self, view: ReplicaView, version: str) -> str:
         """Why ``view`` cannot serve ``version`` ("" when it can): the probe must complete on that version with
@@ -498,6 +566,9 @@ class Scheduler:
             try:
                 result = await client.generate_all(request, timeout=self.config.canary_timeout_s)
             except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.UNAVAILABLE:
+                    # The replica went away: that says nothing about the weights.
+                    raise Unavailable(f"{view.describe()}: {err.details()}") from None
                 return f"the probe Generate failed with {err.code().name}: {err.details()}"
         if result.weights_version != version:
             return f"the probe was computed by {result.weights_version!r}"
@@ -536,7 +607,7 @@ class Scheduler:
         while True:
             views = self.registry.views()
             try:
-                pin = resolve_pin(views, Pin(r.weights_version, r.numerics_fingerprint), self.config.pin)
+                pin = resolve_pin(views, Pin(r.weights_version, r.numerics_fingerprint), self._fallback_pin())
                 if any(self.router.candidates(views, role, pin) for role in roles):
                     return pin
                 raise NoReplica(f"no healthy {' or '.join(roles)} replica serves {pin.describe()}")
@@ -565,6 +636,37 @@ class Scheduler:
     def _on_fleet_change(self) -> None:
         self._health_dirty.set()
 
+    def _laggards(self) -> list[ReplicaView]:
+        """Healthy replicas that serve another weights version than the fleet's target."""
+        if not self.target_version:
+            return []
+        return [v for v in self.registry.views()
+                if v.healthy and v.identity is not None and v.identity.weights_version != self.target_version]
+
+    def _converge_soon(self) -> None:
+        """Start bringing laggards to the target, unless that or a fleet switch is under way."""
+        if self._laggards() and not self._switching.locked() and (self._converging is None or self._converging.done()):
+            self._converging = asyncio.ensure_future(self._converge())
+
+    async def _converge(self) -> None:
+        """Switch every laggard to the fleet's target version (see the module docstring); on a failure, try
+        again in a moment."""
+        async with self._switching:
+            laggards, target = self._laggards(), self.target_version
+            if not laggards:
+                return
+            results = await asyncio.gather(*(self._switch_one(v, target) for v in laggards), return_exceptions=True)
+            for view, result in zip(laggards, results, strict=True):
+                was = view.identity.weights_version if view.identity is not None else "?"
+                if isinstance(result, BaseException):
+                    log.warning("could not bring %s from %s to the fleet's version %s: %s", view.describe(), was,
+                                target, result)
+                else:
+                    log.warning("%s served %s; switched it to the fleet's version %s", view.describe(), was, target)
+            await self.registry.refresh(read_info=True)
+            if any(isinstance(r, BaseException) for r in results):
+                asyncio.get_running_loop().call_later(_CONVERGE_RETRY_S, self._health_dirty.set)
+
     async def _health_loop(self) -> None:
         """One task applies fleet changes to health, gauges and serving info, in order."""
         while True:
@@ -573,6 +675,7 @@ class Scheduler:
             try:
                 await self.sync_health()
                 self._publish()
+                self._converge_soon()
             except Exception:  # noqa: BLE001 - health reporting must outlive one bad update
                 log.exception("updating the scheduler's health failed")
 

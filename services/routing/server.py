@@ -78,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--weight-store", metavar="ADDR", default=None,
                    help="the weight store the trainer publishes to: tells a store outage from a trainer restart, "
                         "and versions that fail their canary are deleted there (so no restart serves them)")
+    j.add_argument("--fleet-wait", type=float, default=120.0, metavar="S",
+                   help="seconds a job waits for a restarting prefill/decode replica before it fails "
+                        "(default %(default)s)")
     j.add_argument("--state-dir", metavar="DIR", default=None,
-                   help="keep job records here (jobs.json) so they survive a restart (default: memory only)")
+                   help="keep job records (jobs.json) and the fleet's target weights version (fleet.json) here, "
+                        "so they survive a restart (default: memory only)")
     r = p.add_argument_group("routing")
     r.add_argument("--pin-weights-version", default="",
                    help="serve requests that pin no weights version with this one (default: the one every "
@@ -87,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pin-fingerprint", default="",
                    help="serve requests that pin no numerics fingerprint with this one (default: the one every "
                         "healthy replica agrees on)")
-    r.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LEAST_LOADED.value)
+    r.add_argument("--policy", choices=[x.value for x in Policy], default=Policy.LEAST_LOADED.value,
+                   help="how to pick among replicas that compute alike (default %(default)s)")
     r.add_argument("--max-attempts", type=int, default=3, help="replicas one request may fail on before UNAVAILABLE")
     r.add_argument("--route-wait", type=float, default=5.0,
                    help="seconds a request waits for a healthy replica of its pin before failing")
@@ -151,13 +156,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = Registry(sources, poll_interval_s=args.poll_interval, poll_timeout_s=args.poll_timeout,
                             info_interval_s=args.info_interval,
                             token=options.auth.peer_token, credentials=credentials, tracer_provider=provider)
-        scheduler = Scheduler(registry, config, args.replica_id)
+        scheduler = Scheduler(registry, config, args.replica_id, state_dir=args.state_dir)
         scheduler.attach(server)
         trainer = TrainerClient(args.trainer, token=options.auth.peer_token, credentials=peers) if args.trainer else None
         store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
                  if args.weight_store else None)
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
-                          state_dir=args.state_dir)
+                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:

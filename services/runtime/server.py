@@ -287,7 +287,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     g.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port (0 picks one)")
     g.add_argument("--grace", type=float, default=10.0, help="seconds in-flight calls get to finish on SIGTERM")
     g.add_argument("--drain-delay", type=float, default=0.0, help="seconds to stay NOT_SERVING but accepting before stopping")
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest gRPC message sent or received (default %(default)s)")
     g.add_argument("--tls-cert", help="PEM certificate (enables TLS together with --tls-key)")
     g.add_argument("--tls-key", help="PEM private key")
     g.add_argument("--tls-client-ca", help="PEM CA; clients must present a certificate it signed (mTLS)")

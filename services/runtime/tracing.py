@@ -11,6 +11,7 @@ outgoing calls (e.g. prefill -> decode) continue the same trace.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Mapping
@@ -26,7 +27,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from zerokl.services.runtime.auth import HEALTH_METHOD_PREFIX
-from zerokl.services.runtime.interceptors import ClientInterceptor, with_metadata, wrap_handler
+from zerokl.services.runtime.interceptors import (ClientInterceptor, method_behavior_attr, replace_behavior,
+                                                  with_metadata, wrap_handler)
 
 __all__ = [
     "OTLP_ENDPOINT_ENVS",
@@ -120,25 +122,60 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         carrier = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
         parent = _PROPAGATOR.extract(carrier)
 
+        name, attributes = method.lstrip("/"), _rpc_attributes(method)
+
         @asynccontextmanager
         async def around(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-            with tracer.start_as_current_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
-                                              attributes=_rpc_attributes(method),
+            with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes,
                                               record_exception=False, set_status_on_exception=False) as span:
                 try:
                     yield
                 except BaseException as exc:
-                    # context.abort() raises; the code it set is the truth. Any
-                    # other exception becomes UNKNOWN on the wire.
-                    code = context.code() if context.code() is not None else grpc.StatusCode.UNKNOWN
-                    if isinstance(exc, asyncio.CancelledError):
-                        code = grpc.StatusCode.CANCELLED
-                    elif code is grpc.StatusCode.UNKNOWN:
-                        span.record_exception(exc)
-                    _record_code(span, code)
+                    _record_failure(span, context, exc)
                     raise
                 _record_code(span, context.code())
-        return wrap_handler(handler, around)
+
+        behavior = getattr(handler, method_behavior_attr(handler))
+        if not inspect.isasyncgenfunction(behavior):
+            return wrap_handler(handler, around)
+
+        async def streamed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            # The span is current only while the handler computes an item, never across a yield: gRPC may
+            # close a cancelled stream from another context, where detaching the span's context would fail
+            # (OpenTelemetry's "Failed to detach context" traceback after every client cancel).
+            span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
+            current = trace.set_span_in_context(span, parent)
+            items = behavior(request, context)
+            try:
+                while True:
+                    token = otel_context.attach(current)
+                    try:
+                        item = await anext(items)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        otel_context.detach(token)
+                    yield item
+            except BaseException as exc:
+                _record_failure(span, context, exc)
+                raise
+            else:
+                _record_code(span, context.code())
+            finally:
+                await items.aclose()
+                span.end()
+        return replace_behavior(handler, streamed)
+
+
+def _record_failure(span: Span, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """A handler raised: context.abort() raises, and the code it set is the truth; any other exception
+    becomes UNKNOWN on the wire (recorded on the span), a cancellation CANCELLED."""
+    code = context.code() if context.code() is not None else grpc.StatusCode.UNKNOWN
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        code = grpc.StatusCode.CANCELLED
+    elif code is grpc.StatusCode.UNKNOWN:
+        span.record_exception(exc)
+    _record_code(span, code)
 
 
 class TracingClientInterceptor(ClientInterceptor):

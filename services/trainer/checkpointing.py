@@ -139,8 +139,9 @@ def config_from_json(d: Mapping[str, Any]) -> TrainConfig:
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
     # safetensors refuses tensors that share storage (tied weights, views); a
-    # private contiguous copy of each is always safe.
-    return t.detach().cpu().contiguous().clone()
+    # private contiguous copy of each is always safe. One copy: a device tensor's
+    # move to the host is that copy (.cpu() then .clone() copied it twice).
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,
@@ -267,7 +268,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     except (RuntimeError, ValueError, KeyError) as err:
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
     if doc.get("has_reference"):
-        reference = Model(model_config, seed=0, dtype=dtype).to(device)
+        reference = Model.empty(model_config, dtype).to(device)
         reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
                                    if k.startswith("reference/")})
         for p in reference.parameters():
@@ -352,6 +353,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {
     grpc.StatusCode.DATA_LOSS: DataLoss,
 }
 
+# A weight store's statuses that mean "out for now": retried by the trainer's callers.
+_OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
 
 class RemoteWeights:
     """A weight-store service over gRPC, through ``channel`` (closed by :meth:`close`)."""
@@ -368,10 +372,16 @@ class RemoteWeights:
         try:
             return await fn()
         except grpc.aio.AioRpcError as err:
-            # Anything but the statuses above (UNAVAILABLE, DEADLINE_EXCEEDED, ...)
-            # means the store cannot be used now; the trainer's caller may retry.
-            cls = _BY_CODE.get(err.code(), Unavailable)
-            raise cls(f"weight store {self.target}: {err.details()}") from None
+            code = err.code()
+            if code in _BY_CODE:
+                raise _BY_CODE[code](f"weight store {self.target}: {err.details()}") from None
+            if code in _OUTAGE:
+                # The store (or the way to it) is out for now; the trainer's caller may retry.
+                raise Unavailable(f"weight store {self.target}: {err.details()}") from None
+            # Anything else (UNKNOWN for a PermissionError writing an upload, INTERNAL, PERMISSION_DENIED, ...)
+            # will fail the same way on a retry: said at once, by name, never as an outage.
+            raise FailedPrecondition(f"weight store {self.target} failed the call ({code.name}): "
+                                     f"{err.details()}") from None
 
     async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
         return await self._call(lambda: self.client.publish(

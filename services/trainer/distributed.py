@@ -312,7 +312,7 @@ class DistributedTrainer:
         """A one-process Trainer holding this trainer's weights, AdamW state and counters (collective):
         what the existing publish path (checkpointing.write_checkpoint) writes."""
         sd, opt = self.full_state_dict(), self.full_optimizer_state()
-        model = Model(self.model_config, seed=0, dtype=self.dtype)
+        model = Model.empty(self.model_config, self.dtype)
         model.load_state_dict(sd)
         t = Trainer(model, self.config)
         by_name = dict(model.named_parameters())
@@ -536,7 +536,7 @@ def _watch(dead, why: str) -> None:
 
 
 def _trainer_from(doc: dict, device: torch.device) -> Trainer:
-    model = Model(doc["model_config"], seed=0, dtype=doc["dtype"]).to(device)
+    model = Model.empty(doc["model_config"], doc["dtype"]).to(device)
     model.load_state_dict(doc["model"])
     t = Trainer(model, doc["config"])
     by_name = dict(model.named_parameters())

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50053
 DEFAULT_INIT = "preset:tiny:seed0"
 _PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
+_MASTER_WEIGHTS = {"auto": None, "on": True, "off": False}     # --master-weights -> TrainConfig.master_weights
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,18 +90,32 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training (a resumed run keeps its own)")
     d = TrainConfig()
     t.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"))
+    t.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay (default %(default)s)")
+    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"),
+                   help="AdamW betas (default %(default)s)")
     t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm, 0 = off")
-    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="linear learning-rate warmup steps (default %(default)s)")
     t.add_argument("--total-steps", type=int, default=d.total_steps,
                    help="> 0: cosine decay to 10%% of lr by this step; 0: constant after warmup")
     t.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train LoRA adapters only")
-    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha)
+    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
+                   help="LoRA scale alpha (update x alpha/rank) (default %(default)s)")
     t.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO clip range")
     t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
-    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta)
+    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO temperature beta (default %(default)s)")
     t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
+    t.add_argument("--indexer-loss-coef", type=float, default=d.indexer_loss_coef,
+                   help="> 0: add the DSA indexer's KL loss toward the attention distribution")
+    t.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=d.activation_checkpointing,
+                   help="recompute each block's activations in the backward (less memory, same bits)")
+    t.add_argument("--logprob-chunk-rows", type=int, default=d.logprob_chunk_rows,
+                   help="rows per chunk of the fused head + logprob (0 = by vocabulary size)")
+    t.add_argument("--master-weights", choices=sorted(_MASTER_WEIGHTS), default="auto",
+                   help="fp32 master weights for AdamW: auto = on when a trained parameter is not fp32 "
+                        "(default %(default)s)")
     par = p.add_argument_group("parallelism (zerokl.services.trainer.distributed; world = dp * tp ranks)")
     par.add_argument("--dp", type=int, default=1, metavar="N",
                      help="data-parallel ranks (FSDP2: weights, gradients and AdamW state sharded) (default %(default)s)")
@@ -113,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
                    help="prompt + completion ids per request at most (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
-                        "small CPU host 1 avoids threads spinning against the server's own")
+                   help="torch intra-op threads (default: torch's choice). Logprob bits do not depend on it; "
+                        "on the CPU an update's do (docs/perf.md, issue 37). On a small CPU host 1 avoids "
+                        "threads spinning against the server's own")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p
@@ -125,7 +141,9 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
                        warmup_steps=args.warmup_steps, total_steps=args.total_steps, lora_rank=args.lora_rank,
                        lora_alpha=args.lora_alpha, clip_eps=args.clip_eps, kl_coef=args.kl_coef,
-                       dpo_beta=args.dpo_beta, seed=args.seed)
+                       dpo_beta=args.dpo_beta, seed=args.seed, indexer_loss_coef=args.indexer_loss_coef,
+                       activation_checkpointing=args.activation_checkpointing,
+                       logprob_chunk_rows=args.logprob_chunk_rows, master_weights=_MASTER_WEIGHTS[args.master_weights])
 
 
 async def open_repo(args: argparse.Namespace) -> WeightsRepo:

@@ -394,7 +394,7 @@ class Trainer:
 
     def serving_model(self) -> Model:
         """A separate Model with the serving weights (for an in-process engine)."""
-        m = Model(self.model.config, seed=0, dtype=self.model.dtype).to(self.device)
+        m = Model.empty(self.model.config, self.model.dtype).to(self.device)
         m.load_state_dict(self.serving_state_dict())
         return m.eval()
 

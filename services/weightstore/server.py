@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--s3-endpoint", help="S3/MinIO host:port; use a bucket instead of --root")
     g.add_argument("--s3-bucket", help="bucket name (created if missing)")
     g.add_argument("--s3-prefix", default="", help="key prefix inside the bucket, ending in '/'")
-    g.add_argument("--s3-region", default=None)
+    g.add_argument("--s3-region", default=None, help="S3 region (default: the SDK's own resolution)")
     g.add_argument("--s3-insecure", action="store_true", help="plain HTTP to the S3 endpoint")
     r = p.add_argument_group("retention")
     r.add_argument("--keep-last", type=int, default=None,

@@ -25,7 +25,7 @@ def test_changelog_names_this_version():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_bits_match_golden(backend, dtype):
     key = fingerprint_key(backend, dtype=dtype)
     if key not in GOLDEN["entries"]:

@@ -117,18 +117,24 @@ _DIGESTS = """
 import json, torch
 from zerokl.kernels import use_backend
 from zerokl.kernels.fingerprint import golden_digests
+from zerokl.kernels.portable_check import check_primitives
 out = {}
-for dtype in (torch.float32, torch.bfloat16):
+for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
     with use_backend("torch"):
         out[str(dtype)] = golden_digests("cpu", dtype)
+out["primitives"] = {r.name: [r.mismatches, r.digest] for r in check_primitives(1 << 18)}
 print(json.dumps(out))
 """
 
 # ATen's vectorized kernels (exp/log/sin/cos, lane-wise sums, randn) follow ATEN_CPU_CAPABILITY;
-# MKL's kernels follow MKL_ENABLE_INSTRUCTIONS (and the CPU vendor, which a test cannot switch).
+# MKL's kernels (GEMMs, and the vector math behind torch.sqrt) follow MKL_ENABLE_INSTRUCTIONS
+# (and the CPU vendor, which a test cannot switch). On an Intel AVX-512 CPU MKL's native, AVX2
+# and SSE4.2 square roots are three different functions (kernels/portable.py).
 _CODE_PATHS = {
     "native": {},
+    "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
     "aten-default+mkl-sse4_2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 
@@ -136,7 +142,9 @@ _CODE_PATHS = {
 def test_torch_backend_bits_do_not_depend_on_the_cpu_code_path():
     """Every op's golden digests (fp32 and bf16, the tiny model's logits included) are the same
     when ATen and MKL run their AVX-512, AVX2 or baseline code: what differs between an Intel
-    and an AMD machine, or an old and a new one, never reaches the torch backend's bits."""
+    and an AMD machine, or an old and a new one, never reaches the torch backend's bits. And on
+    random inputs (~2^18 per primitive, kernels/portable_check.py), each primitive matches its
+    correctly rounded or exactly defined reference under every path, with the same digest."""
     digests = {}
     for name, extra in _CODE_PATHS.items():
         env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
@@ -144,6 +152,9 @@ def test_torch_backend_bits_do_not_depend_on_the_cpu_code_path():
                            timeout=600)
         assert r.returncode == 0, r.stderr
         digests[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, got in digests.items():
+        wrong = {p: m for p, (m, _) in got["primitives"].items() if m}
+        assert not wrong, f"{name}: primitives disagree with their references (mismatching elements): {wrong}"
     native = digests.pop("native")
     for name, got in digests.items():
         for dtype, ops in got.items():

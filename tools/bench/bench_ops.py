@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 import zerokl.kernels as K
+from zerokl.kernels import portable
 from zerokl.kernels import reference as ref
 
 
@@ -46,6 +47,10 @@ def cases(device: str, dtype: torch.dtype, scale: str):
     h = r(m, k)
     nw = torch.ones(k, device=device)
     yield "rms_norm", f"{m}x{k}", (lambda: K.rms_norm(h, nw)), (lambda: ref.rms_norm(h, nw))
+    if device == "cpu":   # the torch backend's IEEE square root vs MKL's vector math (torch.sqrt)
+        row_ms, flat = h.float().pow(2).mean(-1) + 1e-6, h.float().abs().reshape(-1)
+        yield "sqrt", f"{m} (one per row)", (lambda: portable.sqrt(row_ms)), (lambda: torch.sqrt(row_ms))
+        yield "sqrt", f"{flat.numel()}", (lambda: portable.sqrt(flat)), (lambda: torch.sqrt(flat))
     t, heads, rank, rope, keys = (2048, 64, 512, 64, 2048) if big else (128, 4, 32, 16, 64)
     ql, qr = r(t, heads, rank), r(t, heads, rope)
     kv, kr = r(keys, rank), r(keys, rope)

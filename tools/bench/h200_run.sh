@@ -28,6 +28,26 @@ if [ "$MODE" = zerokl ]; then
     -k 'cuda or gpu or golden' > "$OUT/zerokl_tests.log" 2>&1
   timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/model -k 'triton or gpu' \
     > "$OUT/gputests.log" 2>&1
+elif [ "$MODE" = numerics3 ]; then
+  # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
+  # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on
+  # CUDA, the FP8 GEMM bench; meanwhile, on the host CPU, the code-path test under eight xdist workers
+  # with this tree's torch_ops, then (when .carry/torch_ops_ea27dcc.py is carried) with ea27dcc's torch.sqrt
+  lscpu | grep -E "Model name|Vendor ID" > "$OUT/cpu.log"
+  cp -r . /tmp/cputree && (
+    cd /tmp/cputree
+    for tree in new old; do
+      if [ $tree = old ]; then [ -f .carry/torch_ops_ea27dcc.py ] || break; cp .carry/torch_ops_ea27dcc.py kernels/torch_ops.py; fi
+      CUDA_VISIBLE_DEVICES= ZEROKL_BACKEND=torch timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+        tests/kernels/test_stock_torch.py tests/kernels/test_portable_check.py tests/kernels/test_invariance.py \
+        -k "torch or code_path or portable or primitive" > "$OUT/cpupath-$tree.log" 2>&1
+    done ) &
+  timeout 120 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
+  cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8.py tests/kernels/test_golden.py \
+    tests/kernels/model/test_fp8_model.py tests/kernels/model/test_parity.py -k "fp8 or golden" > "$OUT/fp8tests.log" 2>&1
+  timeout 100 python3 tools/bench/bench_fp8.py --json "$FINAL_OUT/fp8-linear.json" > "$OUT/fp8bench.log" 2>&1
+  wait
 elif [ "$MODE" = wave2 ]; then
   # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
   # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches

@@ -67,6 +67,20 @@ def test_matches_transformers_reference(tmp_path, seq_len):
     assert torch.equal(Model.from_pretrained(tmp_path / "from_hf")(ids), m(ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_empty_model_is_the_seeded_model_without_the_draw(dtype):
+    """Model.empty (for loaders that set every tensor) builds what Model(config, seed) builds: the same
+    state dict names, shapes and dtypes (router weights and correction biases fp32 in bf16 too) and
+    the same rope frequencies; loading the seeded weights into it gives the seeded model's forward."""
+    seeded, empty = Model(TINY, seed=0, dtype=dtype), Model.empty(TINY, dtype)
+    want, got = seeded.state_dict(), empty.state_dict()
+    assert [(k, v.shape, v.dtype) for k, v in got.items()] == [(k, v.shape, v.dtype) for k, v in want.items()]
+    assert torch.equal(empty.inv_freq, seeded.inv_freq)
+    empty.load_state_dict(want)
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    assert torch.equal(empty(ids), seeded(ids))
+
+
 def test_checkpoint_round_trip_is_bitwise_and_sharded(tmp_path):
     m = _model(2)
     m.save_pretrained(tmp_path, max_shard_bytes=1_500_000)

@@ -3,6 +3,7 @@
 Random prompts below and above index_topk, random chunk sizes, random neighbour
 sequences (prefilling or decoding) at random batch positions, shuffled KV pages.
 """
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -27,6 +28,18 @@ def test_three_paths_give_identical_logits_triton():
 
 def test_three_paths_bf16():
     cases, mismatches = three_path_parity("torch", 7, prompts=2, dtype=torch.bfloat16)
+    assert cases == 6 and mismatches == 0
+
+
+def test_three_paths_fp8():
+    """The FP8 model (bf16 with block-scaled e4m3 projections): the same three-path parity."""
+    cases, mismatches = three_path_parity("torch", 5, prompts=2, dtype=torch.float8_e4m3fn)
+    assert cases == 6 and mismatches == 0
+
+
+@pytest.mark.gpu   # interpreted, minutes on a CPU: the FP8 kernels' CPU checks are tests/kernels/test_fp8.py
+def test_three_paths_fp8_triton():
+    cases, mismatches = three_path_parity("triton", 13, prompts=2, dtype=torch.float8_e4m3fn)
     assert cases == 6 and mismatches == 0
 
 

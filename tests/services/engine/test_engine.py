@@ -331,6 +331,19 @@ def test_malformed_first_tokens_are_refused_by_the_engine(model):
         eng.add_request(GenerateRequest("d", prompt + (4,), SamplingOptions(n=2), handoff=h))
 
 
+def test_every_uint64_seed_is_served_and_fixes_its_draws(model):
+    """The proto's seed is uint64: seeds of 2**63 and more are served, their draws a function of the request."""
+    prompt = (3, 4, 5, 6, 7)
+    runs = {}
+    for seed in (2**63, 2**64 - 1):
+        req = _req("big", prompt, temperature=1.0, seed=seed, n=2)
+        runs[seed] = _run_alone(model, req)
+        assert runs[seed] == _run_alone(model, req, max_num_batched_tokens=3, block_size=4)
+    assert runs[2**63] != runs[2**64 - 1]
+    with pytest.raises(RequestError, match="seed"):
+        Engine(model, EngineConfig()).add_request(GenerateRequest("b", prompt, SamplingOptions(seed=2**64)))
+
+
 def test_abort_frees_blocks(model):
     eng = Engine(model, EngineConfig(num_blocks=64))
     eng.add_request(_req("x", tuple(range(3, 60)), max_tokens=50))

@@ -66,6 +66,8 @@ def test_rl_job_has_exactly_zero_kl_and_switches_the_fleet_every_step(cluster: s
             for ev in steps:
                 assert ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0
                 assert ev.metrics["tokens"] > 0 and ev.metrics["tokens_per_s"] > 0
+                # Where the step's time went: sampling, the update, the new version reaching the fleet.
+                assert {"rollout_s", "train_s", "sync_s"} <= ev.metrics.keys()
             assert "test_accuracy" in steps[-1].metrics
             versions = [ev.weights_version for ev in steps]
             assert len(set(versions)) == 3  # one published version per step
@@ -170,7 +172,9 @@ def test_the_jobs_command_line(cluster: str) -> None:
 
     r = zerokl("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
-    events = [json.loads(line) for line in r.stdout.splitlines()[1:]]
+    # JSON lines only: the queued job first, then its events.
+    queued, *events = [json.loads(line) for line in r.stdout.splitlines()]
+    assert queued["state"] == "queued" and queued["kind"] == "sft" and queued["total_steps"] == 2
     assert [e["step"] for e in events if e["step"] is not None] == [1, 2]
     assert events[-1]["state"] == "succeeded"
     job_id = events[-1]["job_id"]
@@ -250,3 +254,12 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
             if restarted is not None:
                 restarted.send_signal(signal.SIGTERM)
                 restarted.wait(30)
+
+
+def test_an_sft_spec_naming_no_data_defaults_to_countdown_as_rl_does() -> None:
+    from zerokl.services.jobs.service import spec_from_proto
+    sft = spec_from_proto(jobs_pb2.JobSpec(sft=jobs_pb2.SFTJob(steps=2)))
+    rl = spec_from_proto(jobs_pb2.JobSpec(rl=jobs_pb2.RLJob(steps=2)))
+    assert isinstance(sft, SFTJobSpec) and sft.countdown == rl.countdown == CountdownTask() and not sft.examples
+    given = spec_from_proto(jobs_pb2.JobSpec(sft=jobs_pb2.SFTJob(steps=2, countdown=jobs_pb2.CountdownTask(seed=3))))
+    assert given.countdown.seed == 3

@@ -35,6 +35,8 @@ def test_every_step_has_exactly_zero_kl_and_moves_the_weights():
     assert all(r.mismatched_tokens == 0 and r.clip_fraction == 0.0 and r.ratio_max == 1.0 for r in records)
     assert [r.weights_version for r in records] == ["run-00001", "run-00002", "run-00003"]
     assert records[-1].test_accuracy is not None
+    # The in-process port publishes in publish(): that is the step's sync, apart from train_s.
+    assert all(r.sync_s is not None and r.tokens_per_s == r.tokens / r.train_s for r in records)
     assert not torch.equal(trainer.versions["run-00000"]["lm_head.weight"], trainer.versions["run-00003"]["lm_head.weight"])
 
 

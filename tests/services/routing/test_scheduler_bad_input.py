@@ -56,12 +56,16 @@ def test_the_scheduler_refuses_bad_requests_by_meaning_before_any_work(model) ->
                                                  "(max_model_len)"),
                 (_r(text="nums 1 2 3\ntarget ü€ 7 ü"), "prompt_text",
                  "characters outside the tokenizer's vocabulary: 'ü', '€'"),
+                (_r(()), "prompt", "the prompt is empty"),
+                (_r(text=""), "prompt", "the prompt is empty"),
             ]
             read_before = prefill.engine.engine.stats["prompt_tokens"]
             for request, field, message in cases:
                 err = await _refused(client.generate_all(request))
                 assert err.code() is INVALID and message in err.details(), (field, err.code(), err.details())
                 assert [v.field for v in field_violations(err)] == [field], err.details()
+                # Clients are told which replica refused, never where the replicas listen.
+                assert "127.0.0.1" not in err.details(), err.details()
             assert prefill.engine.engine.stats["prompt_tokens"] == read_before, "nothing was prefilled"
             for request in (_r(temperature=1e300), _r(temperature=float("nan"))):
                 err = await _refused(client.score(request))

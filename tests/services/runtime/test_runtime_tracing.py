@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent import futures
 
@@ -127,3 +128,34 @@ def test_otlp_export_only_when_endpoint_is_set(monkeypatch: pytest.MonkeyPatch) 
         assert [s.name for ss in resource_spans.scope_spans for s in ss.spans] == ["decode-step"]
     finally:
         server.stop(0)
+
+
+def test_a_client_cancelling_a_stream_leaves_no_detach_error_and_a_cancelled_span(caplog) -> None:
+    """gRPC closes a cancelled stream from another context; the SERVER span must not be detached there
+    (OpenTelemetry used to log "Failed to detach context" with a traceback after every cancel)."""
+    async def main() -> list[ReadableSpan]:
+        provider, exporter = _provider()
+        server = await start_echo_server(ServiceServer("trainer", ServerOptions(tracer_provider=provider)))
+        async with create_channel(server.address, tracer_provider=provider) as ch:
+            for _ in range(3):
+                call = EchoClient(ch).stream("Count")(b"100000000", timeout=5)
+                async for i, _ in aenumerate(call):
+                    if i == 20:
+                        break
+                call.cancel()
+            spans = await _spans(exporter, 6)
+        await server.drain(0)
+        return spans
+
+    async def aenumerate(it):  # noqa: ANN001, ANN202
+        i = 0
+        async for item in it:
+            yield i, item
+            i += 1
+
+    with caplog.at_level(logging.ERROR):
+        spans = asyncio.run(main())
+    assert "Failed to detach context" not in caplog.text
+    served = [s for s in spans if s.kind == SpanKind.SERVER]
+    assert len(served) == 3
+    assert all(s.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0] for s in served)

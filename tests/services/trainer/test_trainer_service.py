@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -31,7 +33,7 @@ from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details
 from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+from zerokl.services.trainer.server import build_parser, open_repo, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
 from zerokl.services.trainer.types import PPOBatch
@@ -125,6 +127,30 @@ def _fields(err: grpc.aio.AioRpcError) -> list[str]:
 def _preconditions(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
     return [(v.type, v.subject) for d in status_details(err) if isinstance(d, error_details_pb2.PreconditionFailure)
             for v in d.violations]
+
+
+# ----------------------------------------------------------------------------- flags
+
+def test_every_train_config_field_has_a_flag() -> None:
+    """`zerokl serve trainer` reaches every TrainConfig field (the GPU-speed ones too: activation
+    checkpointing, master weights, the logprob chunk): flags giving a non-default value for each
+    field build exactly that TrainConfig, and no flags build the defaults."""
+    want = TrainConfig(lr=3e-4, weight_decay=0.1, betas=(0.8, 0.9), grad_clip=0.5, warmup_steps=3, total_steps=9,
+                       lora_rank=2, lora_alpha=8.0, clip_eps=0.3, kl_coef=0.01, dpo_beta=0.2, seed=5,
+                       indexer_loss_coef=0.5, activation_checkpointing=True, logprob_chunk_rows=64,
+                       master_weights=False)
+    defaults = TrainConfig()
+    # A field added to TrainConfig must be added here (and get its flag).
+    assert [f.name for f in dataclasses.fields(TrainConfig) if getattr(want, f.name) == getattr(defaults, f.name)] == []
+    flags = ["--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.8", "0.9", "--grad-clip", "0.5",
+             "--warmup-steps", "3", "--total-steps", "9", "--lora-rank", "2", "--lora-alpha", "8", "--clip-eps", "0.3",
+             "--kl-coef", "0.01", "--dpo-beta", "0.2", "--seed", "5", "--indexer-loss-coef", "0.5",
+             "--activation-checkpointing", "--logprob-chunk-rows", "64", "--master-weights", "off"]
+    assert train_config_from_args(build_parser().parse_args(flags)) == want
+    assert train_config_from_args(build_parser().parse_args([])) == defaults
+    assert train_config_from_args(build_parser().parse_args(["--master-weights", "on"])).master_weights is True
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--master-weights", "sometimes"])
 
 
 # ----------------------------------------------------------------------------- parity
@@ -307,6 +333,31 @@ def test_checkpoints_through_a_weight_store_service_pinned_against_retention(tmp
                     assert torch.equal(got, w)
                 err = await _status(client.load_weights("remote-step000001"))  # deleted by retention
                 assert err.code() is grpc.StatusCode.NOT_FOUND
+        finally:
+            await weight_store.drain(0)
+    asyncio.run(main())
+
+
+def test_a_weight_store_that_cannot_write_is_reported_at_once_by_name_not_as_unreachable(tmp_path) -> None:
+    """A store whose uploads cannot be written (a file where its uploads directory goes: NotADirectoryError,
+    as a PermissionError would) fails SaveWeights with FAILED_PRECONDITION naming the error, not UNAVAILABLE
+    (which a job retries for minutes as an outage)."""
+    async def main() -> None:
+        store = VersionStore(LocalDirBackend(tmp_path / "store"))
+        weight_store = ServiceServer("weight-store")
+        add_weight_store(weight_store, store, ServiceIdentity("weight-store", "ws-test"), watch_poll_s=0.2)
+        await weight_store.start()
+        try:
+            async with trainer_server(weight_store.address, "--run", "broken") as (client, _):
+                await client.forward_backward("sft", _sft_data(5))
+                await client.optim_step()
+                uploads = tmp_path / "store" / "uploads"
+                shutil.rmtree(uploads, ignore_errors=True)
+                uploads.write_text("not a directory")
+                err = await _status(client.save_weights())
+                assert err.code() is grpc.StatusCode.FAILED_PRECONDITION, (err.code(), err.details())
+                assert "NotADirectoryError" in err.details() and "unreachable" not in err.details(), err.details()
+                assert (await client.get_state()).step == 1     # the trainer keeps its step for a retry
         finally:
             await weight_store.drain(0)
     asyncio.run(main())

@@ -1,0 +1,98 @@
+"""An FP8 model: the block-scaled e4m3 weights of GLM-5-FP8 / DeepSeek-V3 checkpoints, applied
+from outside the model (as parallelism and LoRA are).
+
+`quantize_fp8(model)` replaces, in place, every quantized projection's weight by its e4m3
+values (`ops.fp8_quantize_weight`: one fp32 scale per 128 x 128 block, stored beside it as
+`<name>_scale_inv`, the checkpoints' name) so the model's GEMMs run `ops.fp8_linear`
+(`model.gemm_weight`). Quantized, as in those checkpoints: the attention's q_a/q_b/kv_a/o
+projections, the dense and shared MLPs and the routed experts. Kept in the model dtype:
+embeddings, lm_head, norms, the router (fp32), the indexer, and kv_b_proj, which the absorbed
+attention folds into the queries and values (DeepSeek's inference dequantizes it too).
+Activations between the GEMMs stay in the model dtype (bf16 for an FP8 fleet).
+
+`quantize_fp8(model, masters=True)` is the trainer's FP8 model: each quantized weight stays a
+trainable parameter (the master), its e4m3 values sit in `<name>_fp8`, the forward is the same
+FP8 product the replicas compute (so trainer and replica logprobs are equal bit for bit) and
+the backward is the model-dtype op's on the master (straight-through, ops.Fp8Weight).
+`refresh_fp8` re-quantizes after each optimizer step; `serving_state_dict` is what a replica
+loads (the e4m3 values under the weights' own names).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerokl.kernels import ops
+from zerokl.kernels.model.model import MLP, MLAttention, Model, MoE
+
+__all__ = ["QUANTIZED_PROJECTIONS", "is_fp8", "numerics_dtype", "quantize_fp8", "refresh_fp8", "serving_state_dict"]
+
+# (module type, attribute names) whose weights an FP8 model holds in e4m3.
+QUANTIZED_PROJECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
+    (MLAttention, ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
+    (MLP, ("gate_proj", "up_proj", "down_proj")),
+)
+_EXPERTS = ("gate_proj", "up_proj", "down_proj")    # MoE's stacked [E, out, in] expert weights
+
+
+def is_fp8(model: nn.Module) -> bool:
+    """True when the model's projections compute in e4m3 (served or trained)."""
+    return any(name.endswith("_scale_inv") for name, _ in model.named_buffers())
+
+
+def numerics_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype that keys the model's fingerprint: float8_e4m3fn for an FP8 model, else its own."""
+    return torch.float8_e4m3fn if is_fp8(model) else next(model.parameters()).dtype
+
+
+def _quantized(model: Model):
+    """(module, attribute name) of every weight an FP8 model quantizes."""
+    for module in model.modules():
+        for kind, names in QUANTIZED_PROJECTIONS:
+            if isinstance(module, kind):
+                yield from ((getattr(module, name), "weight") for name in names)
+        if isinstance(module, MoE):
+            yield from ((module, name) for name in _EXPERTS)
+
+
+@torch.no_grad()
+def quantize_fp8(model: Model, masters: bool = False) -> Model:
+    """Quantize the model's projections to block-scaled e4m3 in place (see the module docstring);
+    returns the model. masters=True keeps each weight trainable beside its e4m3 values (the
+    trainer's FP8 model). Deterministic: the same weights give the same bytes on any device."""
+    if is_fp8(model):
+        raise ValueError("quantize_fp8: the model is FP8 already")
+    for module, name in _quantized(model):
+        q, scale = _quantize(getattr(module, name))
+        if masters:
+            module.register_buffer(name + "_fp8", q)
+        else:
+            setattr(module, name, nn.Parameter(q, requires_grad=False))
+        module.register_buffer(name + "_scale_inv", scale)
+    return model
+
+
+@torch.no_grad()
+def refresh_fp8(model: Model) -> None:
+    """Re-quantize a trainer's FP8 model from its masters (after an optimizer step)."""
+    for module, name in _quantized(model):
+        q, scale = _quantize(getattr(module, name))
+        getattr(module, name + "_fp8").copy_(q)
+        getattr(module, name + "_scale_inv").copy_(scale)
+
+
+def serving_state_dict(model: Model) -> dict[str, torch.Tensor]:
+    """A trainer's FP8 model as a replica holds it: each quantized weight's e4m3 values under the
+    weight's own name, its scales beside it (the checkpoint layout of save_pretrained)."""
+    state = model.state_dict()
+    for name in [n for n in state if n.endswith("_fp8")]:
+        state[name.removesuffix("_fp8")] = state.pop(name)
+    return state
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.fp8_quantize_weight of a weight [N, K] or of each expert of a stacked [E, N, K]."""
+    if w.dim() == 2:
+        return ops.fp8_quantize_weight(w)
+    parts = [ops.fp8_quantize_weight(e) for e in w]
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])

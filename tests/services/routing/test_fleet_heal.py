@@ -1,0 +1,146 @@
+"""A `zerokl up` fleet heals without a person (issue 31), over real processes killed with SIGKILL.
+
+* A replica killed right after a weight switch comes back on the fleet's version, and
+  the scheduler serves again within seconds: no mixed fleet left for a person to mend.
+* A decode replica killed mid-RL-job is waited for like a trainer restart: the job
+  succeeds, every step once, KL == 0.0 at each.
+* A job that fails between SaveWeights and the fleet switch (its decode replica cannot
+  come back in time) leaves no version behind: the store ends at the served version
+  and the next job, of other contents at the same step, publishes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import time
+
+import pytest
+
+from zerokl.services.engine.types import SamplingOptions
+from zerokl.services.inference import InferenceClient
+from zerokl.services.inference.types import InferenceRequest
+from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.service import JobsClient
+from zerokl.services.trainer.trainer import Completion
+from zerokl.services.weightstore.client import WeightStoreClient
+
+pytestmark = pytest.mark.timeout(300)
+
+FLAGS = ("--trainer-flag=--lr=3e-3", "--trainer-flag=--run=heal", "--restart-backoff", "0.2")
+EXAMPLES = tuple(Completion((1, 5 + i, 7, 9), (20 + i % 3, 21, 22, 2)) for i in range(8))
+PROBE = InferenceRequest(prompt_ids=(1, 5, 7, 9), options=SamplingOptions(temperature=0.0, max_tokens=4))
+
+
+def _service(workdir: pathlib.Path, name: str) -> dict:
+    return next(s for s in json.loads((workdir / "up.json").read_text())["services"] if s["name"] == name)
+
+
+def _kill(workdir: pathlib.Path, name: str) -> dict:
+    entry = _service(workdir, name)
+    os.kill(entry["pid"], signal.SIGKILL)
+    return entry
+
+
+async def _events(jobs: JobsClient, spec, name: str) -> list:  # noqa: ANN001
+    job = await jobs.submit(spec, name)
+    return [ev async for ev in jobs.watch(job.job_id)]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
+    """`zerokl up` with restarts after 0.2 s; yields (workdir, services)."""
+    workdir = tmp_path_factory.mktemp("heal") / "up"
+    with zerokl_up(workdir, *FLAGS) as services:
+        yield workdir, services
+
+
+def test_a_replica_killed_right_after_a_switch_comes_back_on_the_fleets_version(fleet) -> None:  # noqa: ANN001
+    workdir, services = fleet
+    scheduler = services["scheduler"]["address"]
+
+    async def main() -> None:
+        async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs:
+            done = await _events(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4), "newer")
+            assert done[-1].status.state is JobState.SUCCEEDED, done[-1].status.error
+            newer = done[-1].status.weights_version
+            assert (await inference.info()).weights_version == newer
+            # Back to version 1, then decode-0 dies at once: it must rejoin on 1, not on `newer`.
+            assert (await inference.switch_weights("1")).weights_version == "1"
+            killed = _kill(workdir, "decode-0")
+            deadline = time.monotonic() + 60
+            while True:
+                entry = _service(workdir, "decode-0")
+                if entry["pid"] != killed["pid"] and entry["status"] == "SERVING" \
+                        and (await inference.info()).weights_version == "1":
+                    break
+                assert time.monotonic() < deadline, f"the fleet did not converge on version 1: {entry}"
+                await asyncio.sleep(0.25)
+            async with InferenceClient(entry["address"]) as decode:
+                assert (await decode.info()).weights_version == "1"
+            # Unpinned requests are served again, on the fleet's version.
+            assert (await inference.generate_all(PROBE)).weights_version == "1"
+    asyncio.run(main())
+
+
+def test_a_decode_replica_killed_mid_rl_job_is_waited_for_and_kl_stays_zero(fleet) -> None:  # noqa: ANN001
+    workdir, services = fleet
+
+    async def main() -> None:
+        async with JobsClient(services["scheduler"]["address"]) as jobs:
+            spec = RLJobSpec(steps=3, countdown=CountdownTask(train_problems=100, test_problems=4),
+                             prompts_per_step=2, group_size=4, max_tokens=12, seed=5, eval_every=0)
+            job = await jobs.submit(spec, "rl-decode-restart")
+            killed, events = None, []
+            async for ev in jobs.watch(job.job_id):
+                events.append(ev)
+                if ev.step == 1 and killed is None:
+                    killed = _kill(workdir, "decode-0")   # step 2's rollouts need it
+            final = events[-1].status
+            assert killed is not None and final.state is JobState.SUCCEEDED, final.error
+            steps = [ev for ev in events if ev.step is not None]
+            assert [ev.step for ev in steps] == [1, 2, 3]
+            assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0 for ev in steps)
+            assert _service(workdir, "decode-0")["restarts"] >= 1
+    asyncio.run(main())
+
+
+def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_job_runs(tmp_path, zerokl_up) -> None:
+    workdir = tmp_path / "up"
+    # A job waits 3 s for a replica here; decode-0 stays down longer (its supervisor is stopped meanwhile).
+    with zerokl_up(workdir, *FLAGS, "--scheduler-flag=--fleet-wait=3") as services:
+        scheduler, store = services["scheduler"]["address"], services["weight-store"]["address"]
+        supervisor = json.loads((workdir / "up.json").read_text())["pid"]
+
+        async def main() -> None:
+            async with JobsClient(scheduler) as jobs, WeightStoreClient(store) as weights, \
+                    InferenceClient(scheduler) as inference:
+                try:
+                    job = await jobs.submit(SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=1), "doomed")
+                    events = []
+                    async for ev in jobs.watch(job.job_id):
+                        events.append(ev)
+                        if ev.step == 1:
+                            # Step 2 trains and saves; the switch to it finds no decode replica.
+                            os.kill(supervisor, signal.SIGSTOP)
+                            _kill(workdir, "decode-0")
+                    final = events[-1].status
+                    assert final.state is JobState.FAILED and final.error.startswith("FleetUnavailable:"), final
+                    assert "was deleted from the weight store" in final.error, final.error
+                    # The store ends at the version the fleet served; step 2's is gone.
+                    served = final.weights_version
+                    versions = [e.manifest.version for e in await weights.list()]
+                    assert versions[-1] == served and served.endswith("step000000"), (versions, served)
+                finally:
+                    os.kill(supervisor, signal.SIGCONT)
+                # decode-0 comes back on that version, and the next job publishes
+                # step 2 anew, with other contents.
+                deadline = time.monotonic() + 90
+                while (await inference.info()).weights_version != served:
+                    assert time.monotonic() < deadline, "decode-0 did not come back"
+                    await asyncio.sleep(0.25)
+                after = await _events(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=2), "next")
+                assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+        asyncio.run(main())
