@@ -11,6 +11,7 @@ from zerokl.kernels.model.checkpoint import load_tensors, save_tensors
 from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8
 
 PROMPT = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+pytestmark = pytest.mark.usefixtures("cpu_backend")   # CPU models (the parity tests cover Triton on the GPU)
 
 
 @pytest.fixture(scope="module")
