@@ -42,9 +42,12 @@ def test_cli_smoke_sft_then_three_arms_side_by_side(tmp_path):
     for rec in arms["zerokl"]:
         assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["clip_fraction"] == 0.0
         assert rec["ratio_min"] == rec["ratio_max"] == 1.0
-    # The stock backend's logprobs differ from the trainer's: the check that can fail.
+    # The stock backend's logprobs differ from the trainer's: the check that can fail. (A step's KL,
+    # a mean of per-token log-ratios, can still come out exactly 0.0 when 1-ulp differences cancel:
+    # seen on an Intel CPU at numerics 0.3.2 with 19 of 64 tokens differing.)
     for rec in arms["mismatch"]:
-        assert rec["kl"] != 0.0 and 0 < rec["mismatched_fraction"] <= 1.0
+        assert 0 < rec["mismatched_fraction"] <= 1.0
+    assert any(rec["kl"] != 0.0 for rec in arms["mismatch"])
     # Same warm start, seeds and backend: the TIS arm's first rollouts are the mismatch arm's.
     first, tis = arms["mismatch"][0], arms["mismatch-tis"][0]
     assert (tis["kl"], tis["mismatched_tokens"], tis["reward"]) == (first["kl"], first["mismatched_tokens"],
