@@ -46,11 +46,15 @@ import time
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
+
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_train import build_model  # noqa: E402  (its seeded on-device init, no portable draw)
 
 INIT = "bench-init"
 RUN = "bench"
@@ -64,24 +68,6 @@ def commit() -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def initial_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int) -> Model:
-    """Model.init_weights' recipe (Normal(0, 0.02), down/out projections scaled by depth, unit norms,
-    zero biases), drawn by torch's generator on ``device``, on the CPU in ``dtype``."""
-    model = Model.empty(config, dtype)
-    g = torch.Generator(device=device).manual_seed(seed)
-    depth = (2 * config.num_hidden_layers) ** -0.5
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.fill_(1.0)
-            elif name.endswith("norm.bias"):
-                p.zero_()
-            else:
-                std = 0.02 * (depth if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
-                p.copy_(torch.empty(p.shape, device=device).normal_(0.0, std, generator=g).to(p.dtype))
-    return model
 
 
 def rollouts(rng: random.Random, args: argparse.Namespace, vocab: int, version: str) -> list[Rollout]:
@@ -113,7 +99,7 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
     config = ModelConfig.preset(args.preset)
     if args.layers:
         config = config.replace(num_hidden_layers=args.layers)
-    model = initial_model(config, dtype, device, args.seed)
+    model = build_model(config, str(device), dtype, args.seed)   # bench_train's: seeded on the device, no portable draw
     init_dir = work / "init"
     model.save_pretrained(init_dir)
     store = VersionStore(LocalDirBackend(work / "weights"))
