@@ -1,0 +1,313 @@
+"""Rollout-shaped work on the engine: long prompts, long answers (issue 33's benchmark).
+
+    python tools/bench/bench_rollout.py --json rollout.json                       # the default cases
+    python tools/bench/bench_rollout.py --cases small:64x1024x512,slice:16x2048x32 --json out.json
+    python tools/bench/bench_rollout.py --cases tiny:4x64x8 --device cpu           # a smoke run
+
+A case is ``MODEL:BxLxG``: B requests of L random prompt tokens each, G generated tokens each
+(temperature 1, ignore_eos, seeds 0..B-1), all submitted at once to one Engine (bf16 on CUDA,
+the invariant backend, CUDA graphs on, --budget tokens per step). MODEL is a preset (`small`,
+`tiny`) or `slice` (GLM-5 at real dimensions, --slice-layers layers, the first dense).
+Reported per case, from the engine's own steps timed on the host (each step ends in its one
+device->host copy):
+  prefill   prompt tokens / time of the steps that ran prompt tokens; MFU = (2 x active
+            parameters + causal attention FLOPs) x tokens / s over --peak-tflops
+  decode    generated tokens / time of the steps that ran decode rows only; the median step
+  end2end   generated tokens / wall time from the first add_request to the last token
+  warm-up   the same case first runs once with 2 requests (compiles, graph captures at these
+            lengths); its wall time is reported as `first_call_s`
+  invariant 2 requests of the batch run again alone: tokens and logprobs equal (==) or not.
+The `scaling` part times decode steps at batch --scaling-batch with a short and a long context
+and profiles a few steps of each (kernels per step, GPU busy fraction = summed kernel time over
+wall time). The `transformers` part runs GlmMoeDsaForCausalLM.generate on the same config and
+prompts (B x L, --hf-new-tokens new tokens) for the outside reference.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+import zerokl.kernels as K
+from zerokl.kernels.model import ModelConfig
+from zerokl.services.engine.engine import Engine
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_train import active_params, build_model, commit, hf_model  # noqa: E402
+
+DEFAULT_CASES = "small:64x1024x512,small:256x1024x1024,small:16x2048x4,slice:16x2048x32"
+
+
+# ----------------------------------------------------------------------------- the workload
+
+def parse_case(text: str) -> tuple[str, int, int, int]:
+    """'small:64x1024x512' -> ('small', 64, 1024, 512)."""
+    model, _, shape = text.partition(":")
+    b, l, g = (int(x) for x in shape.split("x"))
+    return model, b, l, g
+
+
+def make_requests(n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0) -> list[GenerateRequest]:
+    rng = random.Random(seed)
+    return [GenerateRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(prompt_len)),
+                            SamplingOptions(temperature=1.0, seed=i, max_tokens=new_tokens, ignore_eos=True))
+            for i in range(n)]
+
+
+def model_config(name: str, slice_layers: int) -> ModelConfig:
+    if name == "slice":
+        return ModelConfig.preset("glm5").replace(num_hidden_layers=slice_layers, first_k_dense_replace=1)
+    return ModelConfig.preset(name)
+
+
+def attention_flops_forward(config: ModelConfig, prompt_len: int) -> float:
+    """Forward attention FLOPs per prompt token (absorbed MLA: scores over r + rope, output over r;
+    the indexer's scores over every earlier key where the prompt is longer than its top-k)."""
+    c = config
+    causal = (prompt_len + 1) / 2
+    attended = causal if prompt_len <= c.index_topk else sum(min(i + 1, c.index_topk) for i in range(prompt_len)) / prompt_len
+    flops = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim) * attended * c.num_hidden_layers
+    if prompt_len > c.index_topk:
+        flops += 2 * c.index_n_heads * c.index_head_dim * causal * c.num_hidden_layers
+    return flops
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(model, reqs: list[GenerateRequest], budget: int, max_len: int) -> dict:
+    """One pass: every request submitted at once, stepped to completion; per-step host times."""
+    blocks = sum(-(-(len(r.prompt_ids) + r.options.max_tokens) // 16) for r in reqs) + 64
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=budget, num_blocks=blocks, max_num_seqs=len(reqs),
+                                     max_model_len=max_len))
+    out: dict[str, tuple[list[int], list[float]]] = {r.request_id: ([], []) for r in reqs}
+    prefill_s = decode_s = 0.0
+    decode_steps: list[float] = []
+    decode_tokens = 0
+    _sync(model_device(model))
+    start = time.perf_counter()
+    for r in reqs:
+        eng.add_request(r)
+    while eng.has_work():
+        prefilling = prompt_pending(eng)
+        t0 = time.perf_counter()
+        deltas = eng.step()
+        dt = time.perf_counter() - t0
+        n = 0
+        for d in deltas:
+            out[d.request_id][0].extend(d.token_ids)
+            out[d.request_id][1].extend(d.logprobs)
+            n += len(d.token_ids)
+        if prefilling:
+            prefill_s += dt
+        else:
+            decode_s += dt
+            decode_steps.append(dt)
+            decode_tokens += n
+    wall = time.perf_counter() - start
+    generated = sum(len(t) for t, _ in out.values())
+    return {"wall_s": wall, "prefill_s": prefill_s, "decode_s": decode_s, "decode_tokens": decode_tokens,
+            "decode_step_median_s": statistics.median(decode_steps) if decode_steps else None,
+            "generated": generated, "outputs": out}
+
+
+def prompt_pending(eng: Engine) -> bool:
+    """Whether the next step runs prompt tokens (a request waits, or one has not read its whole prompt)."""
+    return bool(eng.waiting) or any(s.num_computed < len(s.request.prompt_ids) for s in eng.running)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def run_case(model, config: ModelConfig, b: int, l: int, g: int, args) -> dict:
+    reqs = make_requests(b, l, g, config.vocab_size)
+    max_len = l + g + 16
+    t0 = time.perf_counter()
+    run_engine(model, reqs[:2], args.budget, max_len)                     # compiles and captures at these lengths
+    first_call = time.perf_counter() - t0
+    r = run_engine(model, reqs, args.budget, max_len)
+    prompt_tokens = b * l
+    flops = (2 * active_params(config) + attention_flops_forward(config, l)) * prompt_tokens
+    row = {"case": f"{args.model_name}:{b}x{l}x{g}", "first_call_s": first_call, "wall_s": r["wall_s"],
+           "prefill_tok_s": prompt_tokens / r["prefill_s"],
+           "prefill_mfu": flops / r["prefill_s"] / (args.peak_tflops * 1e12),
+           "decode_tok_s": r["decode_tokens"] / r["decode_s"] if r["decode_s"] else None,
+           "decode_step_median_ms": 1e3 * r["decode_step_median_s"] if r["decode_step_median_s"] else None,
+           "end2end_tok_s": r["generated"] / r["wall_s"], "generated": r["generated"]}
+    same = True
+    for req in reqs[:2]:
+        alone = run_engine(model, [req], args.budget, max_len)["outputs"][req.request_id]
+        same &= alone == r["outputs"][req.request_id]
+    row["alone_equals_batch"] = same
+    print(f"  {row['case']}: prefill {row['prefill_tok_s']:,.0f} tok/s (MFU {row['prefill_mfu']:.1%}), decode "
+          f"{row['decode_tok_s'] or 0:,.0f} tok/s (step {row['decode_step_median_ms'] or 0:.2f} ms), end-to-end "
+          f"{row['end2end_tok_s']:,.0f} tok/s, first call {first_call:.1f} s, alone==batch {same}", flush=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- decode scaling with context
+
+def profile_decode(model, reqs, args, steps: int) -> dict:
+    """Decode steps of ``reqs`` after their prefill: the median step, and a profile of ``steps``
+    of them (kernels per step, summed kernel time over wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+    dev = model_device(model)
+    max_len = max(len(r.prompt_ids) for r in reqs) + reqs[0].options.max_tokens + 16
+    blocks = sum(-(-max_len // 16) for _ in reqs) + 64
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=args.budget, num_blocks=blocks, max_num_seqs=len(reqs),
+                                     max_model_len=max_len))
+    for r in reqs:
+        eng.add_request(r)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    _sync(dev)
+    with profile(activities=acts) as p:
+        t0, n = time.perf_counter(), 0
+        while prompt_pending(eng):
+            eng.step()
+            n += 1
+        _sync(dev)
+        prefill = _summary(p, time.perf_counter() - t0, n)
+    for _ in range(8):                 # past the prefill: every row decodes; graphs captured at this width
+        eng.step()
+    times = []
+    for _ in range(16):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    _sync(dev)
+    with profile(activities=acts) as p:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        _sync(dev)
+        decode = _summary(p, time.perf_counter() - t0, steps)
+    return {"step_median_ms": 1e3 * statistics.median(times), **decode, "prefill_profile": prefill}
+
+
+def _summary(p, wall: float, steps: int) -> dict:
+    """Kernels per step, GPU busy (summed kernel time / wall) and the top kernels (ms in all) of a profile."""
+    kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e6                       # us -> s
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name] = top.get(e.name, 0.0) + e.device_time / 1e3
+    return {"steps": steps, "wall_ms": 1e3 * wall, "kernels_per_step": len(kernels) / max(steps, 1),
+            "gpu_busy": busy / wall if wall else None,
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:10])}
+
+
+def scaling(model, config, args) -> dict:
+    out = {}
+    for ctx in (64, args.scaling_context):
+        reqs = make_requests(args.scaling_batch, ctx, 64, config.vocab_size, seed=3)
+        out[str(ctx)] = profile_decode(model, reqs, args, steps=8)
+        print(f"  decode batch {args.scaling_batch} at context {ctx}: step {out[str(ctx)]['step_median_ms']:.2f} ms, "
+              f"{out[str(ctx)]['kernels_per_step']:.0f} kernels/step, GPU busy {out[str(ctx)]['gpu_busy'] or 0:.2f}",
+              flush=True)
+    a, b = out["64"]["step_median_ms"], out[str(args.scaling_context)]["step_median_ms"]
+    out["ratio_long_over_short"] = b / a
+    return out
+
+
+# ----------------------------------------------------------------------------- transformers beside it
+
+def transformers_generate(config: ModelConfig, b: int, l: int, new_tokens: int, device: str) -> dict:
+    model, note = hf_model(config, device, torch.bfloat16)
+    if model is None:
+        return {"note": note}
+    model.eval()
+    reqs = make_requests(b, l, new_tokens, config.vocab_size)
+    ids = torch.tensor([r.prompt_ids for r in reqs], device=device)
+    row = {"note": note, "shape": f"{b}x{l}x{new_tokens}"}
+    try:
+        with torch.no_grad():
+            times = {}
+            for n in (1, new_tokens):
+                _sync(torch.device(device))
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=True, temperature=1.0, top_k=0)
+                _sync(torch.device(device))
+                times[n] = time.perf_counter() - t0
+    except Exception as err:  # noqa: BLE001 - an out-of-memory or unsupported generate is a result
+        row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        return row
+    row["prefill_tok_s"] = b * l / times[1]
+    row["decode_tok_s"] = b * (new_tokens - 1) / (times[new_tokens] - times[1]) if new_tokens > 1 else None
+    row["end2end_tok_s"] = b * new_tokens / times[new_tokens]
+    print(f"  transformers {row['shape']}: prefill {row['prefill_tok_s']:,.0f} tok/s, decode "
+          f"{row['decode_tok_s'] or 0:,.0f} tok/s ({note})", flush=True)
+    del model
+    torch.cuda.empty_cache() if device == "cuda" else None
+    return row
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of MODEL:BxLxG")
+    ap.add_argument("--parts", default="cases,scaling,transformers", help="comma list of: cases, scaling, transformers")
+    ap.add_argument("--budget", type=int, default=8192, help="tokens per engine step")
+    ap.add_argument("--slice-layers", type=int, default=4, help="layers of the GLM-5 slice")
+    ap.add_argument("--scaling-batch", type=int, default=64)
+    ap.add_argument("--scaling-context", type=int, default=2048)
+    ap.add_argument("--hf-shape", default="small:64x1024x32", help="transformers' case, MODEL:BxLxG")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H200: 989)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    device = args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    stamp = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+             "commit": commit(), "numerics": K.__version__, "budget": args.budget}
+    print(stamp, flush=True)
+    results: dict = {"meta": stamp, "cases": []}
+    models: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in models:
+            models.clear()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            config = model_config(name, args.slice_layers)
+            models[name] = (build_model(config, device, dtype).eval(), config)
+        return models[name]
+
+    with K.use_backend("triton" if device == "cuda" else "torch"):
+        if "cases" in parts:
+            for text in args.cases.split(","):
+                name, b, l, g = parse_case(text)
+                model, config = get(name)
+                args.model_name = name
+                try:
+                    results["cases"].append(run_case(model, config, b, l, g, args))
+                except torch.cuda.OutOfMemoryError as err:
+                    results["cases"].append({"case": text, "error": f"out of memory: {str(err)[:160]}"})
+                    print(f"  {text}: out of memory", flush=True)
+        if "scaling" in parts:
+            name = args.cases.split(",")[0].partition(":")[0]
+            model, config = get(name)
+            results["scaling"] = scaling(model, config, args)
+    if "transformers" in parts:
+        name, b, l, g = parse_case(args.hf_shape)
+        models.clear()
+        results["transformers"] = transformers_generate(model_config(name, args.slice_layers), b, l, g, device)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
