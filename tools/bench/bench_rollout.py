@@ -179,7 +179,8 @@ def profile_decode(model, reqs, args, steps: int) -> dict:
             eng.step()
             n += 1
         _sync(dev)
-        prefill = _summary(p, time.perf_counter() - t0, n)
+        wall = time.perf_counter() - t0
+    prefill = _summary(p, wall, n)
     for _ in range(8):                 # past the prefill: every row decodes; graphs captured at this width
         eng.step()
     times = []
@@ -193,7 +194,8 @@ def profile_decode(model, reqs, args, steps: int) -> dict:
         for _ in range(steps):
             eng.step()
         _sync(dev)
-        decode = _summary(p, time.perf_counter() - t0, steps)
+        wall = time.perf_counter() - t0
+    decode = _summary(p, wall, steps)
     return {"step_median_ms": 1e3 * statistics.median(times), **decode, "prefill_profile": prefill}
 
 
