@@ -561,10 +561,12 @@ def _rank_desc(scores: torch.Tensor) -> torch.Tensor:
     return torch.sort(_canonical(scores), dim=-1, descending=True, stable=True).indices
 
 
-def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor | None, k: int) -> torch.Tensor:
     """The k highest-scoring positions of each row, returned ascending.
 
-    scores [T, L] fp32 with -inf at invalid entries; positions [T, L] int64. Ties go to the
+    scores [T, L] fp32 with -inf at invalid entries; positions [T, L] int64, or None for
+    "the column index" (the same answer as arange(L) in every row; the Triton backend then
+    selects without sorting). Ties go to the
     lower position and -0.0 equals +0.0, so the order is total and the selected set is
     the same on every backend; -inf and NaN scores and negative positions are never
     selected. Returns [T, k] int64 (a width independent of L, so a row's result never

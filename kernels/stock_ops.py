@@ -131,6 +131,8 @@ def indexer_scores(q, k_cache, head_weights, key_index):
 
 
 def topk_positions(scores, positions, k):
+    if positions is None:
+        positions = torch.arange(scores.shape[1], device=scores.device).expand(scores.shape)
     take = min(k, scores.shape[-1])
     vals, order = torch.topk(scores.float(), take, dim=-1)
     chosen = torch.where(vals > float("-inf"), positions.gather(1, order), torch.full_like(order, -1))

@@ -277,6 +277,8 @@ def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
     """Deterministic top-k (see ops.topk_positions): a stable descending sort over the rows
     pre-sorted by position, so ties fall to the lower position; then ascending positions."""
     t, l = scores.shape
+    if positions is None:                                         # the column index
+        positions = torch.arange(l, device=scores.device).expand(t, l)
     by_pos = torch.sort(positions, dim=-1, stable=True).indices
     pos = positions.gather(1, by_pos)
     s = (scores.float() + 0.0).gather(1, by_pos)                  # +0.0: -0.0 ties with +0.0

@@ -330,8 +330,7 @@ class Indexer(nn.Module):
         """Selected key slots [N, <= index_topk] in ascending position order, -1 padded."""
         scores = self.scores(x, q_latent, positions, inv_freq, key_store, key_slots)
         trace.record("self_attn.indexer.scores", scores)
-        key_pos = torch.arange(key_slots.shape[1], device=x.device).expand_as(key_slots)
-        chosen = ops.topk_positions(scores, key_pos, self.topk)                       # ascending positions
+        chosen = ops.topk_positions(scores, None, self.topk)          # ascending columns of key_slots
         trace.record("self_attn.indexer.chosen", chosen)
         return torch.where(chosen >= 0, key_slots.gather(1, chosen.clamp(min=0)), chosen)
 

@@ -26,21 +26,30 @@ class SequenceChunk:
 
 
 def batch_for_chunks(chunks: list[SequenceChunk], block_size: int, device: torch.device | str = "cpu") -> AttentionBatch:
-    """AttentionBatch for the chunks' new tokens, concatenated in the given order."""
+    """AttentionBatch for the chunks' new tokens, concatenated in the given order.
+
+    Only [T] positions, [T] chunk ids and the [C, NB] block tables travel to ``device``; the
+    [T, width] key-slot table (prefill: 8,192 tokens x 2,048 keys is 134 MB of int64) is formed
+    there: row t is ``table[c][col // bs] * bs + col % bs`` for col <= positions[t], else -1.
+    """
     width = max(ch.start + ch.n_new for ch in chunks)
-    positions, key_slots, write_slots = [], [], []
-    cols = torch.arange(width)
-    for ch in chunks:
+    nb = -(-width // block_size)                 # table columns the widest row reaches
+    tables = torch.zeros((len(chunks), nb), dtype=torch.int64)
+    for i, ch in enumerate(chunks):
         end = ch.start + ch.n_new
         if len(ch.block_table) * block_size < end:
             raise ValueError(f"block table of {len(ch.block_table)} blocks cannot hold {end} tokens")
-        table = torch.tensor(ch.block_table, dtype=torch.int64)
-        slots = table[cols.clamp(max=end - 1) // block_size] * block_size + cols % block_size   # [width]
-        pos = torch.arange(ch.start, end)
-        positions.append(pos)
-        key_slots.append(torch.where(cols.view(1, -1) <= pos.view(-1, 1), slots.view(1, -1), torch.tensor(-1)))
-        write_slots.append(slots[ch.start:end])
-    return AttentionBatch(torch.cat(positions).to(device), torch.cat(key_slots).to(device), torch.cat(write_slots).to(device))
+        used = ch.block_table[:nb]
+        tables[i, :len(used)] = torch.tensor(used, dtype=torch.int64)
+    positions = torch.cat([torch.arange(ch.start, ch.start + ch.n_new) for ch in chunks])
+    owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([ch.n_new for ch in chunks]))
+    positions, owner, tables = positions.to(device), owner.to(device), tables.to(device)
+    cols = torch.arange(width, device=tables.device)
+    rows = tables.index_select(0, owner)                                                    # [T, NB]
+    slots = rows.gather(1, (cols // block_size).expand(len(owner), width)) * block_size + cols % block_size
+    key_slots = torch.where(cols.view(1, -1) <= positions.view(-1, 1), slots, torch.full_like(slots, -1))
+    write = rows.gather(1, (positions // block_size).view(-1, 1)).view(-1) * block_size + positions % block_size
+    return AttentionBatch(positions, key_slots, write)
 
 
 def decode_batch(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, width: int) -> AttentionBatch:

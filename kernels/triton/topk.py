@@ -21,6 +21,15 @@ and the survivors are reduced again the same way until one chunk is left. The gl
 top-k of a strict total order is always among the per-chunk top-k, so the tournament
 returns exactly what one big sort would. (A single-program sort of a whole 128k-entry
 row would not fit on-chip; the tournament keeps every sort at TOPK_MAX_CHUNK entries.)
+
+Columns (`positions=None`: a row's position is its column, the model's case): no sort at all.
+`_topk_columns_kernel`, one program per row, finds the k-th highest score key exactly by a
+radix select (8 passes over the row, one 4-bit digit of the 32-bit monotone key each: the
+counts of entries at or above 16 candidate thresholds at once), counts the entries strictly
+above it, and emits in one last pass, in column order, every entry above the threshold plus
+the lowest-column entries equal to it until k are chosen. That is the same set as the packed
+order's k smallest (ties to the lower column), already ascending: the same bits as the sort,
+at ~10 passes over the row instead of a bitonic network of log2(L)^2 / 2 stages.
 """
 from __future__ import annotations
 
@@ -30,12 +39,13 @@ import triton.language as tl
 
 from ._common import check_launchable, is_interpreted, next_pow2
 
-__all__ = ["TOPK_MAX_CHUNK", "topk_positions"]
+__all__ = ["TOPK_COLUMNS_BLOCK", "TOPK_MAX_CHUNK", "topk_positions"]
 
 TOPK_MAX_CHUNK = 4096  # entries sorted by one program (raised to 2*next_pow2(k) for large k)
 # Compiled kernels may sort with tl.sort instead of _sort_ascending (the interpreter runs tl.sort's
 # xor-reduction in Python, ~10x slower). Sorting integers has one answer, so either gives the same bits.
 TOPK_USE_TL_SORT = True
+TOPK_COLUMNS_BLOCK = 1024  # entries of a row one pass of _topk_columns_kernel reads per tile
 
 
 @triton.jit
@@ -67,6 +77,64 @@ def _sort_ascending(x, LOG_N: tl.constexpr):
         for i in tl.static_range(stage):
             h = _compare_and_swap(h, flip, stage - 1 - i, LOG_N)
     return tl.reshape(h, [2**LOG_N])
+
+
+@triton.jit
+def _monotone_key(sc):
+    """fp32 scores [BLOCK] -> (unsigned monotone key as int64 in [0, 2**32), valid): -0.0 as +0.0."""
+    valid = sc > float("-inf")  # NaN compares false: never selected
+    sc = tl.where(sc == 0.0, 0.0, sc)
+    bits = sc.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-monotone in the score
+    return key.to(tl.int64) + 2147483648, valid
+
+
+@triton.jit(do_not_specialize=["W", "K"])
+def _topk_columns_kernel(score_ptr, out_ptr, W, K, s_score, s_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = score_ptr + row * s_score
+    offs = tl.arange(0, BLOCK)
+    digits = tl.arange(0, 16).to(tl.int64)
+    # Radix select: tau = the largest key with at least K valid entries >= it, one nibble per pass.
+    tau = tl.zeros((), dtype=tl.int64)
+    n_valid = tl.zeros((), dtype=tl.int32)
+    for p in tl.static_range(8):
+        shift = 28 - 4 * p
+        cand = tau + (digits << shift)                                   # [16] thresholds
+        counts = tl.zeros((16,), dtype=tl.int32)
+        for start in range(0, W, BLOCK):
+            j = start + offs
+            key, valid = _monotone_key(tl.load(base + j, mask=j < W, other=float("-inf")).to(tl.float32))
+            hit = (key[:, None] >= cand[None, :]) & valid[:, None]          # [BLOCK, 16]
+            counts += tl.sum(hit.to(tl.int32), axis=0)
+        if p == 0:
+            n_valid = tl.sum(tl.where(digits == 0, counts, 0))           # threshold 0: every valid entry
+        # counts fall as the digit rises: the chosen digit is how many of 1..15 still reach K
+        step = tl.sum(((counts >= K) & (digits >= 1)).to(tl.int64))
+        tau = tau + (step << shift)
+    take_all = n_valid <= K
+    above = tl.zeros((), dtype=tl.int32)
+    for start in range(0, W, BLOCK):
+        j = start + offs
+        key, valid = _monotone_key(tl.load(base + j, mask=j < W, other=float("-inf")).to(tl.float32))
+        above += tl.sum((valid & (key > tau)).to(tl.int32))
+    need = K - above                                                     # ties at tau to take, lowest columns first
+    written = tl.zeros((), dtype=tl.int32)
+    ties = tl.zeros((), dtype=tl.int32)
+    for start in range(0, W, BLOCK):
+        j = start + offs
+        key, valid = _monotone_key(tl.load(base + j, mask=j < W, other=float("-inf")).to(tl.float32))
+        eq = valid & (key == tau)
+        tie_rank = ties + tl.cumsum(eq.to(tl.int32), axis=0)            # 1-based among ties so far
+        sel = valid & ((key > tau) | (eq & (tie_rank <= need)))
+        sel = tl.where(take_all, valid, sel)
+        slot = written + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(out_ptr + row * s_out + slot, j.to(tl.int64), mask=sel)
+        written += tl.sum(sel.to(tl.int32))
+        ties += tl.sum(eq.to(tl.int32))
+    for start in range(0, K, BLOCK):                                     # -1 after the chosen
+        i = start + offs
+        tl.store(out_ptr + row * s_out + i, tl.full((BLOCK,), -1, dtype=tl.int64), mask=(i >= written) & (i < K))
 
 
 @triton.jit(do_not_specialize=["W"])
@@ -111,11 +179,14 @@ def _topk_kernel(
         tl.store(dst_ptr + row * s_dst + chunk * KP + idx, ordered, mask=idx < KP)
 
 
-def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
-    """Deterministic top-k positions per row, sorted ascending, -1 padded. See the module doc."""
+def topk_positions(scores: torch.Tensor, positions: torch.Tensor | None, k: int) -> torch.Tensor:
+    """Deterministic top-k positions per row, sorted ascending, -1 padded. See the module doc.
+    ``positions=None``: each entry's position is its column (the radix-select kernel)."""
     op = "topk_positions"
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.dtype.is_floating_point:
         raise ValueError(f"{op}: scores must be a 2-D float tensor [T, L]")
+    if positions is None:
+        return _topk_columns(op, scores, k)
     if not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"{op}: positions must be an int64 (or int32) tensor [T, L]")
     if positions.shape != scores.shape:
@@ -151,3 +222,20 @@ def topk_positions(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
         if final:
             return out
         src, width = dst, n_chunks * kp
+
+
+def _topk_columns(op: str, scores: torch.Tensor, k: int) -> torch.Tensor:
+    """topk_positions with positions = columns: the radix-select kernel, one program per row."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"{op}: k must be a non-negative int, got {k!r}")
+    check_launchable(op, _topk_columns_kernel, scores)
+    t, l = scores.shape
+    if t == 0 or k == 0 or l == 0:
+        return torch.full((t, k), -1, dtype=torch.int64, device=scores.device)
+    scores = scores.float().contiguous()
+    out = torch.empty((t, k), dtype=torch.int64, device=scores.device)
+    # One tile size for every length: the block is not part of the answer (a set), and a fixed
+    # constexpr means one compiled kernel for all L (no compile when a longer row first arrives).
+    _topk_columns_kernel[(t,)](scores, out, l, k, scores.stride(0), out.stride(0), BLOCK=TOPK_COLUMNS_BLOCK,
+                               num_warps=8)
+    return out

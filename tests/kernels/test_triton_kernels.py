@@ -587,6 +587,29 @@ def test_topk_tournament_matches_one_sort(max_chunk, monkeypatch):
             assert torch.equal(zt.topk_positions(s, pos, k), e)
 
 
+@pytest.mark.parametrize("block", [16, 1024])
+def test_topk_columns_equals_the_sort(block, monkeypatch):
+    """positions=None (the radix-select kernel) == positions=arange (the sort), bit for bit: ties
+    at the threshold, signed zeros, -inf/NaN, fewer valid than k, k beyond L, rows over several tiles."""
+    monkeypatch.setattr(zt_topk, "TOPK_COLUMNS_BLOCK", block)
+    g = gen_of(41 + block)
+    s = torch.tensor([[float("inf"), -3e38, 3e38, -1e-45, 1e-45, 0.0, -0.0, 5.0, float("nan"), float("-inf")]])
+    rows = [s.to(DEVICE)]
+    for width in ((1, 33, 100) if block == 16 else (33,)):
+        r = torch.randn(5, width, generator=g)
+        r[0] = torch.relu(r[0].round())                                   # plateaus of exact zeros
+        r[1] = r[1].round()                                               # heavy ties at the threshold
+        r[2, ::3] = float("-inf")
+        r[3] = torch.where(torch.rand(width, generator=g) < 0.3, -0.0, r[3])
+        r[4, ::5] = float("nan")
+        rows.append(r.to(DEVICE))
+    for r in rows:
+        pos = torch.arange(r.shape[1], device=DEVICE).expand(r.shape).contiguous()
+        for k in (2, 64, r.shape[1] + 3):
+            assert torch.equal(zt.topk_positions(r, None, k), _check_topk(r, pos, k)), (r.shape, k)
+    assert zt.topk_positions(rows[1], None, 0).shape == (rows[1].shape[0], 0)
+
+
 @SETTINGS
 @given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 8), frac=st.floats(0.0, 1.0),
        own=st.integers(1, 200), k=st.integers(1, 70), ties=st.booleans())
