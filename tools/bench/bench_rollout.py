@@ -209,9 +209,13 @@ def _summary(p, wall: float, steps: int) -> dict:
     top: dict[str, float] = {}
     for name, ns in kernels:
         top[name[:80]] = top.get(name[:80], 0.0) + ns / 1e6
+    # The host side: the ops with the most self CPU time (a sync shows as cudaStreamSynchronize /
+    # aten::item / aten::_local_scalar_dense; a host-built tensor as aten::copy_ or aten::to).
+    host = sorted(p.key_averages(), key=lambda a: -a.self_cpu_time_total)[:12]
     return {"steps": steps, "wall_ms": 1e3 * wall, "kernels_per_step": len(kernels) / max(steps, 1),
             "gpu_busy": busy / wall if wall else None,
-            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:10])}
+            "top_kernels_ms": dict(sorted(top.items(), key=lambda kv: -kv[1])[:10]),
+            "top_host_ms": {a.key[:60]: [round(a.self_cpu_time_total / 1e3, 2), a.count] for a in host}}
 
 
 def scaling(model, config, args) -> dict:
