@@ -1,0 +1,108 @@
+"""Training on the FP8 forward (TrainConfig.dtype "fp8"): the trainer's logprobs are the FP8 engine's
+bit for bit at every step (KL exactly 0), its e4m3 values are re-quantized from the fp32 masters
+after each step, what it publishes is what an FP8 replica loads (the same bytes), and a run resumed
+from a published version continues bit for bit."""
+import random
+
+import pytest
+import torch
+
+from zerokl.kernels import ops
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.fp8 import has_fp8_masters, is_fp8, numerics_dtype, quantize_fp8
+from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
+from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+
+from conftest import below_16, engine_rollouts
+
+TINY = ModelConfig.preset("tiny")
+pytestmark = pytest.mark.usefixtures("cpu_backend")
+
+
+def _prompts(k: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(3, 64) for _ in range(rng.randint(4, 24))) for _ in range(k)]
+
+
+def _fp8_trainer(**kw) -> Trainer:
+    return Trainer(Model(TINY, seed=1), TrainConfig(dtype="fp8", lr=kw.pop("lr", 1e-3), **kw))
+
+
+def _bytes(state: dict) -> dict:
+    return {k: v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v for k, v in state.items()}
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    a, b = _bytes(a), _bytes(b)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp8_trainer_logprobs_are_the_fp8_engines_at_every_step():
+    trainer = _fp8_trainer()
+    assert has_fp8_masters(trainer.model) and numerics_dtype(trainer.model) == torch.float8_e4m3fn
+    assert trainer.masters is not None and all(m.dtype == torch.float32 for m in trainer.masters)
+    # Step 0: the e4m3 bytes are those a replica gets quantizing the same (bf16-rounded) seeded weights.
+    replica = quantize_fp8(Model(TINY, seed=1, dtype=torch.bfloat16))
+    assert _equal_states(trainer.serving_state_dict(), replica.state_dict())
+    for step in range(3):
+        served = trainer.serving_model()
+        assert is_fp8(served) and not has_fp8_masters(served)
+        rollouts = engine_rollouts(served, _prompts(3, step), below_16, n=2, seed=step)
+        recomputed = trainer.forward_logprobs([r.sequence for r in rollouts])
+        for r, lp in zip(rollouts, recomputed):
+            assert torch.equal(lp, torch.tensor(r.logprobs, dtype=torch.float32))
+        before = trainer.model.layers[0].self_attn.q_a_proj.weight_fp8.clone()
+        m = trainer.grpo_step(rollouts, group_size=2)
+        assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0 and m["clip_fraction"] == 0.0
+        assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0
+        after = trainer.model.layers[0].self_attn.q_a_proj
+        assert not torch.equal(after.weight_fp8.view(torch.uint8), before.view(torch.uint8))
+        # One rounding fp32 master -> e4m3 (not of its bf16 rounding); the bf16 weight is the master's rounding.
+        master = trainer.masters[[id(p) for p in trainer.params].index(id(after.weight))]
+        q, s = ops.fp8_quantize_weight(master)
+        assert torch.equal(after.weight_fp8.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(after.weight_scale_inv, s) and torch.equal(after.weight.detach(), master.to(torch.bfloat16))
+
+
+def test_published_fp8_weights_are_what_a_replica_serves_and_resume_bit_for_bit(tmp_path):
+    data = [Completion(p, (7, 8, 9, 10)) for p in _prompts(4, 1)]
+    trainer = _fp8_trainer()
+    trainer.sft_step(data)
+    write_checkpoint(trainer, tmp_path, run="r", lineage=[])
+    replica = Model.from_pretrained(tmp_path)                # what an FP8 replica loads from the store
+    assert is_fp8(replica) and not has_fp8_masters(replica)
+    assert _equal_states(replica.state_dict(), trainer.serving_state_dict())
+    prompt = torch.tensor([_prompts(1, 5)[0]])
+    with torch.no_grad():
+        assert torch.equal(replica(prompt), trainer.model(prompt))
+    resumed = read_checkpoint(tmp_path, restore_state=True, config=TrainConfig(), run="r").trainer
+    assert resumed.fp8 and resumed.config.dtype == "fp8"
+    for t in (trainer, resumed):
+        t.sft_step(data)
+    assert _equal_states(resumed.serving_state_dict(), trainer.serving_state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(resumed.masters, trainer.masters, strict=True))
+
+
+def test_a_trainer_started_from_served_fp8_bytes_keeps_them(tmp_path):
+    """From a published FP8 version (no trainer state): until its first step the trainer computes
+    exactly what the replicas serving that version compute (its bytes, not a re-quantization)."""
+    quantize_fp8(Model(TINY, seed=2, dtype=torch.bfloat16)).save_pretrained(tmp_path)
+    served = Model.from_pretrained(tmp_path)
+    trainer = Trainer(Model.from_pretrained(tmp_path), TrainConfig())        # an FP8 model: its FP8 forward
+    assert trainer.fp8 and has_fp8_masters(trainer.model)
+    assert _equal_states(trainer.serving_state_dict(), served.state_dict())
+    rollouts = engine_rollouts(served, _prompts(2, 3), below_16, n=2, seed=1)
+    assert trainer.grpo_step(rollouts, group_size=2)["kl"] == 0.0
+
+
+def test_fp8_training_refuses_what_it_cannot_hold_by_name():
+    with pytest.raises(ValueError, match="LoRA"):
+        _fp8_trainer(lora_rank=4)
+    with pytest.raises(ValueError, match="master weights"):
+        _fp8_trainer(master_weights=False)
+    with pytest.raises(ValueError, match="dtype 'float16'"):
+        Trainer(Model(TINY, seed=1), TrainConfig(dtype="float16"))
+    fp8 = quantize_fp8(Model(TINY, seed=1, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="on an FP8 model"):
+        Trainer(fp8, TrainConfig(dtype="bfloat16"))
+    assert Trainer(Model(TINY, seed=1), TrainConfig(dtype="bfloat16")).model.dtype == torch.bfloat16
