@@ -106,3 +106,49 @@ def test_fp8_training_refuses_what_it_cannot_hold_by_name():
     with pytest.raises(ValueError, match="on an FP8 model"):
         Trainer(fp8, TrainConfig(dtype="bfloat16"))
     assert Trainer(Model(TINY, seed=1), TrainConfig(dtype="bfloat16")).model.dtype == torch.bfloat16
+
+
+def test_the_fp8_trainer_service_matches_fp8_replicas_and_publishes_their_bytes(tmp_path):
+    """`zerokl serve trainer --dtype fp8` from the preset the FP8 replicas serve: it advertises the
+    FP8 fingerprint, its GRPO step on FP8 engine rollouts has KL exactly 0, and the version it
+    publishes (e4m3 + scales, quantization_config) is what an FP8 replica loads, bit for bit."""
+    import asyncio
+
+    from zerokl.kernels import fingerprint
+    from zerokl.services.runtime import ServiceServer
+    from zerokl.services.trainer.client import TrainerClient
+    from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+    from zerokl.services.trainer.service import add_trainer_service
+
+    fp8 = fingerprint(dtype=torch.float8_e4m3fn)
+    replica = quantize_fp8(Model(TINY, seed=0, dtype=torch.bfloat16))     # `serve decode --preset tiny --dtype fp8`
+
+    async def main() -> None:
+        args = build_parser().parse_args(["--weights-dir", str(tmp_path / "w"), "--port", "0", "--dtype", "fp8",
+                                          "--lr", "1e-3"])
+        service = (await start_trainer(args, await open_repo(args))).service
+        server = ServiceServer("trainer")
+        add_trainer_service(server, service)
+        await server.start()
+        try:
+            async with TrainerClient(server.address) as client:
+                info = await client.info()
+                assert (info.weights_version, info.numerics_fingerprint, info.dtype) == \
+                    ("preset-tiny-seed0", fp8, "float8_e4m3fn")
+                served = replica
+                for step in range(2):
+                    rollouts = engine_rollouts(served, _prompts(2, step), below_16, n=4, seed=step,
+                                               version=info.weights_version)
+                    fb, _ = await client.grpo_step(rollouts, group_size=4)
+                    assert (fb.ppo.kl, fb.ppo.mismatched_tokens, fb.ppo.clip_fraction) == (0.0, 0, 0.0)
+                    manifest, _ = await client.save_weights()
+                    assert manifest.spec.numerics_fingerprint == fp8
+                    assert manifest.spec.model_config["quantization_config"]["weight_block_size"] == [128, 128]
+                    served = Model.from_pretrained(tmp_path / "w" / "versions" / manifest.version)
+                    assert is_fp8(served)
+                    assert _equal_states(served.state_dict(), service.trainer.serving_state_dict())
+                    info = await client.info()
+        finally:
+            await server.drain(0)
+            await service.close()
+    asyncio.run(main())
