@@ -152,3 +152,21 @@ def test_the_fp8_trainer_service_matches_fp8_replicas_and_publishes_their_bytes(
             await server.drain(0)
             await service.close()
     asyncio.run(main())
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_fp8_trainer_is_the_fp8_engine_bit_for_bit(monkeypatch):
+    """GPU tier: the Triton FP8 kernels (tensor-core e4m3 MMA) in the engine, CUDA graphs on, and in
+    the trainer's forward: KL exactly 0 at every step on the device too."""
+    from zerokl.kernels import use_backend
+    monkeypatch.setenv("ZEROKL_BACKEND", "triton")
+    with use_backend("triton"):
+        trainer = Trainer(Model(TINY, seed=1).to("cuda"), TrainConfig(dtype="fp8", lr=1e-3))
+        for step in range(2):
+            rollouts = engine_rollouts(trainer.serving_model(), _prompts(4, step), below_16, n=2, seed=step,
+                                       max_num_batched_tokens=24)
+            recomputed = trainer.forward_logprobs([r.sequence for r in rollouts])
+            assert all(torch.equal(lp, torch.tensor(r.logprobs, dtype=torch.float32))
+                       for r, lp in zip(rollouts, recomputed))
+            m = trainer.grpo_step(rollouts, group_size=2)
+            assert (m["kl"], m["mismatched_tokens"], m["clip_fraction"]) == (0.0, 0, 0.0)
