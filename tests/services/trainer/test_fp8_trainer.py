@@ -11,7 +11,7 @@ from zerokl.kernels import ops
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import has_fp8_masters, is_fp8, numerics_dtype, quantize_fp8
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
-from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
 
 from conftest import below_16, engine_rollouts
 
@@ -170,3 +170,24 @@ def test_on_cuda_the_fp8_trainer_is_the_fp8_engine_bit_for_bit(monkeypatch):
                        for r, lp in zip(rollouts, recomputed))
             m = trainer.grpo_step(rollouts, group_size=2)
             assert (m["kl"], m["mismatched_tokens"], m["clip_fraction"]) == (0.0, 0, 0.0)
+
+
+def test_an_fp8_trainer_with_a_kl_reference_resumes_and_the_local_ports_serve_its_versions(tmp_path):
+    """The KL penalty's reference is an FP8 forward too and resumes from a checkpoint; the RL loop's
+    in-process ports (services.rl.ports) serve an FP8 trainer's versions with KL exactly 0."""
+    from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
+    from zerokl.tokenizer import CountdownTokenizer
+    trainer = _fp8_trainer(kl_coef=0.05)
+    port = LocalTrainerPort(trainer)
+    engine = LocalEnginePort(port, CountdownTokenizer())
+    for step in range(2):
+        groups = engine.generate(_prompts(2, step), 2, 6, 1.0, 1.0, seed=step, weights_version=port.weights_version)
+        rollouts = [Rollout(Completion(s.prompt_ids, s.completion_ids), s.logprobs, below_16(s.completion_ids))
+                    for g in groups for s in g]
+        m = port.grpo_step(rollouts, 2)
+        assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0
+        port.publish()
+    write_checkpoint(trainer, tmp_path, run="r", lineage=[])
+    resumed = read_checkpoint(tmp_path, restore_state=True, config=TrainConfig(), run="r").trainer
+    assert has_fp8_masters(resumed.reference)
+    assert _equal_states(resumed.reference.state_dict(), trainer.reference.state_dict())
