@@ -125,3 +125,10 @@ def test_fp8_replicas_serve_each_request_its_solo_bits(fp8_model):
             with pytest.raises(Exception, match="(?i)fingerprint"):
                 await client.generate_all(pinned)
     asyncio.run(main())
+
+
+def test_fp8_with_tensor_parallelism_is_refused_by_name(capsys):
+    from zerokl.services.inference.server import main
+    with pytest.raises(SystemExit):
+        main("decode", ["--preset", "tiny", "--dtype", "fp8", "--tp", "2", "--device", "cpu"])
+    assert "--dtype fp8 serves at --tp 1" in capsys.readouterr().err
