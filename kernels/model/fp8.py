@@ -160,5 +160,12 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.fp8_quantize_weight of a weight [N, K] or of each expert of a stacked [E, N, K]."""
     if w.dim() == 2:
         return ops.fp8_quantize_weight(w)
-    parts = [ops.fp8_quantize_weight(e) for e in w]
+    e, n, k = w.shape
+    if n % ops.FP8_BLOCK == 0:
+        # Whole 128-row blocks never straddle two experts: one call over [E * N, K] computes each
+        # expert's blocks exactly as alone (a block's amax and its elementwise rounding read only
+        # the block), without a Python loop over the experts at every optimizer step.
+        q, scale = ops.fp8_quantize_weight(w.reshape(e * n, k))
+        return q.view(e, n, k), scale.view(e, n // ops.FP8_BLOCK, scale.shape[-1])
+    parts = [ops.fp8_quantize_weight(x) for x in w]
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
