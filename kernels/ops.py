@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from zerokl.kernels.backend import backend_module, get_backend
+from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 
 __all__ = [
     "REDUCTION_SPLITS",
@@ -48,6 +49,7 @@ __all__ = [
     "swiglu",
     "swiglu_mlp",
     "FP8_BLOCK",
+    "FP8_MAX",
     "Fp8Weight",
     "fp8_quantize",
     "fp8_quantize_weight",
@@ -745,8 +747,8 @@ def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- FP8 (block-scaled e4m3)
 
-FP8_BLOCK = 128   # channels per activation scale; a weight has one scale per FP8_BLOCK x FP8_BLOCK block
-_FP8_MAX = 448.0  # the largest finite float8_e4m3fn value
+# FP8_BLOCK (channels per activation scale; one weight scale per 128 x 128 block) and FP8_MAX (448,
+# the largest e4m3 value) come from fp8_format, shared with both backends.
 
 
 def fp8_quantize(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -775,9 +777,9 @@ def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     w = torch.nn.functional.pad(weight.detach().float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
     blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
-    scale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
-    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX)).to(torch.float8_e4m3fn)
+    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
 
 

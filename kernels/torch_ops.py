@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from zerokl.kernels import portable
+from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 
 __all__ = [
     "KV_BLOCK",
@@ -50,8 +51,7 @@ __all__ = [
 ]
 
 KV_BLOCK = 16  # keys per online-softmax step in attention and per indexer scoring step
-FP8_BLOCK = 128   # channels per FP8 activation scale; FP8 weights carry one scale per 128 x 128 block
-FP8_MAX = 448.0   # the largest finite float8_e4m3fn value
+# FP8_BLOCK (channels per activation scale, 128 x 128 weight blocks) and FP8_MAX (448): fp8_format.
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

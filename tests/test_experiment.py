@@ -182,3 +182,21 @@ def test_trend_separates_a_rise_from_noise():
     assert abs(experiment.trend(flat)["t"]) < 2
     t = experiment.trend(rising)
     assert t["window"] == 5 and math.isclose(t["rise"], 0.304, rel_tol=1e-9) and t["t"] > 2
+
+
+def test_fp8_arms_smoke(tmp_path):
+    """CI's CPU smoke of the FP8 arms (`--arms zerokl-fp8,mismatch-fp8`, tiny, 2 steps): sampling
+    in FP8 and training on the same FP8 forward gives KL exactly 0.0 and no mismatched token at
+    every step; sampling in FP8 while training in bf16 (the industry's setup) mismatches."""
+    assert experiment.main([*TOY, "--start", "shipped", "--steps", "2", "--eval-every", "0",
+                            "--arms", "zerokl-fp8,mismatch-fp8", "--out", str(tmp_path)]) == 0
+    arms = _metrics(tmp_path)
+    assert {a: [x["step"] for x in v] for a, v in arms.items()} == {"zerokl-fp8": [1, 2], "mismatch-fp8": [1, 2]}
+    for rec in arms["zerokl-fp8"]:
+        assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["clip_fraction"] == 0.0
+        assert rec["ratio_min"] == rec["ratio_max"] == 1.0
+    assert any(rec["mismatched_tokens"] > 0 for rec in arms["mismatch-fp8"])
+    # Same warm start, seeds and FP8 engine at step 1: the two arms sampled the same rollouts.
+    assert arms["zerokl-fp8"][0]["reward"] == arms["mismatch-fp8"][0]["reward"]
+    report = (tmp_path / "report.md").read_text()
+    assert "| zerokl-fp8 | 2 / 2 | **0.0 at every step** | 0 of" in report and "| mismatch-fp8 | 2 / 2 |" in report

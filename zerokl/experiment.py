@@ -12,6 +12,13 @@ Arms, all from the same warm start with the same seeds, prompts and hyperparamet
 * **mismatch-tis** (optional): the mismatch arm with the usual correction,
   truncated importance sampling: each token weighted by min(pi_train/pi_infer, C);
   the weight mass above C is reported as discarded signal.
+* **zerokl-fp8**: inference samples in block-scaled FP8 (e4m3 projections, bf16
+  activations; zerokl.kernels.model.fp8) and the trainer trains on the same FP8 forward
+  (TrainConfig.dtype "fp8": fp32 masters quantized after every step, straight-through
+  backward), publishing the e4m3 bytes the engine serves: KL exactly 0.
+* **mismatch-fp8**: the industry's common setup: inference samples in FP8 from the
+  trainer's weights quantized at load, the trainer trains in bf16 (fp32 masters) on
+  the bf16 forward. Both kernels are invariant; the mismatch is FP8 vs bf16 numerics.
 
 Warm start: the shipped CPU SFT checkpoint (``tiny``), or SFT on the device from
 solver demonstrations with the same recipe at the chosen size, cached under the
@@ -45,10 +52,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
-__all__ = ["ARMS", "INCOMPLETE", "add_arguments", "main", "run", "run_arm", "sft_warm_start", "trend", "write_report"]
+__all__ = ["ARMS", "FP8_ARMS", "INCOMPLETE", "add_arguments", "main", "run", "run_arm", "sft_warm_start", "trend", "write_report"]
 
 #: arm name -> inference backend (None: the trainer's own)
-ARMS = {"zerokl": None, "mismatch": "stock", "mismatch-tis": "stock"}
+ARMS = {"zerokl": None, "mismatch": "stock", "mismatch-tis": "stock", "zerokl-fp8": None, "mismatch-fp8": None}
+#: FP8 arm -> the trainer's TrainConfig.dtype; their inference serves FP8 (the FP8 fleet's bf16
+#: activations whatever --dtype, which sets the other arms'; the warm start is rounded to bf16).
+FP8_ARMS = {"zerokl-fp8": "fp8", "mismatch-fp8": "bfloat16"}
 #: Exit status of an invocation that stopped for its budget with work left: run the same command again.
 INCOMPLETE = 75
 #: The published GLM countdown run without aligned numerics (README, "Why").
@@ -374,7 +384,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         model = _start_model(s, device, tok, state_dir)
     else:
         model = Model(countdown_config(tok, s.preset), seed=0, dtype=_DTYPES[s.dtype]).to(device)
-    trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed))
+    trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed, dtype=FP8_ARMS.get(arm)))
     rng = random.Random(s.seed)
     state = ArmState(step=0, records=[])
     if saved is not None:
@@ -382,7 +392,8 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         rng.setstate(saved["loop_rng"])
         restore_rng(saved["rng"])
         state = ArmState(step=saved["step"], records=saved["records"])
-    trainer_port = ArmTrainerPort(trainer, run=f"countdown-{arm}", tis_cap=s.tis_cap if arm == "mismatch-tis" else None)
+    trainer_port = ArmTrainerPort(trainer, run=f"countdown-{arm}", tis_cap=s.tis_cap if arm == "mismatch-tis" else None,
+                                  serve_fp8=arm in FP8_ARMS)
     engine_config = EngineConfig(max_num_batched_tokens=s.max_num_batched_tokens, num_blocks=s.num_blocks,
                                  max_num_seqs=s.max_num_seqs)
     engine = ArmEnginePort(trainer_port, tok, engine_config, backend=ARMS[arm])
@@ -635,6 +646,9 @@ def run(args: argparse.Namespace) -> int:
               "status": "complete" if complete else "INCOMPLETE: run the same command again to continue",
               "command": f"`{command}`", "numerics": f"{__version__} fingerprint {fingerprint()}",
               "trainer and zerokl-arm inference backend": backend, "mismatch-arm inference backend": "stock",
+              **({"FP8 arms (e4m3 projections, bf16 activations)": "zerokl-fp8 samples in FP8 and trains on the same "
+                  "FP8 forward; mismatch-fp8 samples in FP8 (the trainer's weights quantized at load) and trains "
+                  f"in bf16; both on the {backend} backend"} if set(args.arms) & set(FP8_ARMS) else {}),
               "start": start, "problems": f"{s.difficulty} ({s.train_problems} train)",
               "steps per arm": args.steps, "samples per step": f"{s.prompts} prompts × {s.group}",
               "learning rate": s.lr, "seed": s.seed, "wall time of this piece (s)": f"{time.monotonic() - t0:.0f}"}

@@ -26,6 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from zerokl.kernels.model.fp8 import serving_fp8_model
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import group_advantages
@@ -138,12 +139,21 @@ class ArmTrainerPort(LocalTrainerPort):
     of the weights) and names versions by the trainer's step, so a resumed port names them alike.
 
     With `tis_cap` set, updates are truncated-importance-sampling GRPO (:func:`tis_grpo_step`).
+    With `serve_fp8` each version is published as an FP8 engine serves it (e4m3 values + block
+    scales): an FP8 trainer's own bytes, or a bf16/fp32 trainer's weights quantized (the FP8 arms).
     """
 
-    def __init__(self, trainer: Trainer, run: str, tis_cap: float | None = None):
-        self.trainer, self.run, self.tis_cap = trainer, run, tis_cap
+    def __init__(self, trainer: Trainer, run: str, tis_cap: float | None = None, serve_fp8: bool = False):
+        self.trainer, self.run, self.tis_cap, self.serve_fp8 = trainer, run, tis_cap, serve_fp8
         self._version = f"{run}-{trainer.step:05d}"
-        self.versions = {self._version: trainer.serving_state_dict()}
+        self.versions = {self._version: self._serving()}
+
+    def _serving(self) -> dict[str, torch.Tensor]:
+        """The version's weights in the engine's form."""
+        if self.serve_fp8 and not self.trainer.fp8:
+            # The industry's FP8 rollouts: the trainer's weights quantized at load (deterministic).
+            return serving_fp8_model(self.trainer.model).state_dict()
+        return self.trainer.serving_state_dict()
 
     def grpo_step(self, rollouts, group_size):  # noqa: ANN001, ANN201
         if self.tis_cap is None:
@@ -152,7 +162,7 @@ class ArmTrainerPort(LocalTrainerPort):
 
     def publish(self) -> str:
         self._version = f"{self.run}-{self.trainer.step:05d}"
-        self.versions = {self._version: self.trainer.serving_state_dict()}
+        self.versions = {self._version: self._serving()}
         return self._version
 
 
@@ -174,7 +184,12 @@ class ArmEnginePort(LocalEnginePort):
 
     def _model_for(self, version: str):  # noqa: ANN202
         if self._model is None:
-            self._model = copy.deepcopy(self.trainer_port.trainer.model).eval().requires_grad_(False)
+            trainer = self.trainer_port.trainer
+            if getattr(self.trainer_port, "serve_fp8", False):
+                # A served FP8 model (e4m3 weights, no masters), whatever the trainer trains in.
+                self._model = serving_fp8_model(trainer.model)
+            else:
+                self._model = copy.deepcopy(trainer.model).eval().requires_grad_(False)
         if version != self._loaded:
             if self._engine is None:
                 self._model.load_state_dict(self.trainer_port.versions[version])

@@ -1,6 +1,6 @@
 """``zerokl up``: every zerokl service on loopback, as supervised child processes of one command.
 
-    zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32]
+    zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32|fp8]
               [--decode-replicas 1] [--prefill-replicas 0] [--port 50050]
               [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
 
@@ -91,7 +91,7 @@ _STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
-_DTYPES = ("bfloat16", "float32")
+_DTYPES = ("bfloat16", "float32", "fp8")   # fp8: e4m3 projections + bf16 activations (NUMERICS.md, "FP8")
 _STREAM_INTERVAL = 8   # the decode replicas' --stream-interval
 
 
@@ -211,7 +211,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fleet's model dtype: a preset is made and published in it, so the replicas serve "
                         "and the trainer trains in it (with fp32 master weights). Default for a preset: bfloat16 "
                         "where CUDA is available, else float32. A --model checkpoint is published as it is: "
-                        "the replicas serve it in --dtype when given, the trainer in the checkpoint's own dtype")
+                        "the replicas serve it in --dtype when given, the trainer in the checkpoint's own dtype. "
+                        "fp8: a preset is published quantized (e4m3 values + block scales: 1 byte a weight), "
+                        "the replicas serve it and the trainer trains on the same FP8 forward (--dtype fp8, fp32 "
+                        "masters) and publishes each version in that form; a --model checkpoint that is not FP8 "
+                        "is quantized on load by replicas and trainer alike (deterministic: the same bytes)")
     s = p.add_argument_group("services")
     s.add_argument("--port", type=int, default=50050, help="scheduler port, 0 picks one (default %(default)s)")
     s.add_argument("--decode-replicas", type=int, default=1, help="decode replicas, at least 1 (default %(default)s)")
@@ -395,10 +399,17 @@ async def _publish(client: object, args: argparse.Namespace, version: str) -> No
         # An imported checkpoint was not trained under these numerics: no fingerprint is claimed for it.
         await client.publish(args.model, version, metadata={"source": str(args.model)})  # type: ignore[attr-defined]
         return
+    from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
+
     try:
-        # Made and published in the serving dtype: replicas fetch and load only the bytes they serve.
-        dtype = getattr(torch, args.dtype)
-        model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=dtype)
+        # Made and published in the serving dtype: replicas fetch and load only the bytes they serve
+        # (FP8: the bf16 preset quantized, e4m3 values and scales, as the trainer publishes each version).
+        if args.dtype == "fp8":
+            dtype = torch.float8_e4m3fn
+            model = quantize_fp8(Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=FP8_ACTIVATIONS))
+        else:
+            dtype = getattr(torch, args.dtype)
+            model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=dtype)
     except ValueError as err:
         raise UpError(str(err)) from None
     with tempfile.TemporaryDirectory(prefix="zerokl-up-") as tmp:
@@ -443,7 +454,10 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     children += [*decode, *prefill]
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
-        t.flags = ["--weight-store", store.address, "--init", version, *threads, "--port", str(t.port),
+        # An FP8 fleet's trainer trains on the FP8 forward (from a non-FP8 --model too); other dtypes
+        # train in the published version's own.
+        fp8 = ["--dtype", "fp8"] if args.dtype == "fp8" else []
+        t.flags = ["--weight-store", store.address, "--init", version, *fp8, *threads, "--port", str(t.port),
                    "--replica-id", "trainer", *common, *args.trainer_flag]
         children.append(t)
     port = args.port or _free_port()

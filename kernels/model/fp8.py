@@ -14,10 +14,19 @@ Activations between the GEMMs stay in the model dtype (bf16 for an FP8 fleet).
 trainable parameter (the master), its e4m3 values sit in `<name>_fp8`, the forward is the same
 FP8 product the replicas compute (so trainer and replica logprobs are equal bit for bit) and
 the backward is the model-dtype op's on the master (straight-through, ops.Fp8Weight).
-`refresh_fp8` re-quantizes after each optimizer step; `serving_state_dict` is what a replica
-loads (the e4m3 values under the weights' own names).
+`refresh_fp8` re-quantizes after each optimizer step (from the trainer's fp32 masters when it
+passes them: one rounding, fp32 -> e4m3); `serving_state_dict` is what a replica loads (the e4m3
+values under the weights' own names). `trainable_fp8` turns any model (fp32, bf16, or a served FP8
+one read from a checkpoint) into the trainer's form; a served FP8 model keeps its very bytes, so a
+trainer started from the version the replicas serve computes their bits at step 0.
+
+What an FP8 fleet moves between trainer and replicas is the served form: e4m3 values (1 byte per
+weight) and fp32 scales (4 bytes per 128 x 128 block), never the masters. Half the bytes of bf16
+weights, and no quantization on the replica: its bits are the trainer's by construction.
 """
 from __future__ import annotations
+
+from typing import Mapping
 
 import torch
 from torch import nn
@@ -25,7 +34,8 @@ from torch import nn
 from zerokl.kernels import ops
 from zerokl.kernels.model.model import MLP, MLAttention, Model, MoE
 
-__all__ = ["QUANTIZED_PROJECTIONS", "is_fp8", "numerics_dtype", "quantize_fp8", "refresh_fp8", "serving_state_dict"]
+__all__ = ["QUANTIZED_PROJECTIONS", "FP8_ACTIVATIONS", "is_fp8", "has_fp8_masters", "numerics_dtype", "quantize_fp8",
+           "refresh_fp8", "serving_state_dict", "serving_fp8_model", "trainable_fp8"]
 
 # (module type, attribute names) whose weights an FP8 model holds in e4m3.
 QUANTIZED_PROJECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
@@ -33,11 +43,20 @@ QUANTIZED_PROJECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
     (MLP, ("gate_proj", "up_proj", "down_proj")),
 )
 _EXPERTS = ("gate_proj", "up_proj", "down_proj")    # MoE's stacked [E, out, in] expert weights
+#: The dtype of everything an FP8 model keeps unquantized (activations, embeddings, norms, lm_head,
+#: kv_b_proj, the indexer): bf16, as GLM-5-FP8 / DeepSeek-V3 serve; the fingerprint key
+#: `.../float8_e4m3fn` means e4m3 projections with bf16 activations.
+FP8_ACTIVATIONS = torch.bfloat16
 
 
 def is_fp8(model: nn.Module) -> bool:
     """True when the model's projections compute in e4m3 (served or trained)."""
     return any(name.endswith("_scale_inv") for name, _ in model.named_buffers())
+
+
+def has_fp8_masters(model: nn.Module) -> bool:
+    """True for the trainer's FP8 form (quantize_fp8(masters=True)): masters beside `<name>_fp8` values."""
+    return any(name.endswith("_fp8") for name, _ in model.named_buffers())
 
 
 def numerics_dtype(model: nn.Module) -> torch.dtype:
@@ -73,12 +92,59 @@ def quantize_fp8(model: Model, masters: bool = False) -> Model:
 
 
 @torch.no_grad()
-def refresh_fp8(model: Model) -> None:
-    """Re-quantize a trainer's FP8 model from its masters (after an optimizer step)."""
+def refresh_fp8(model: Model, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Re-quantize a trainer's FP8 model from its masters (after an optimizer step).
+
+    masters: the tensor to quantize for a weight, keyed by the weight Parameter itself (identity,
+    as optimizer state is): the trainer's fp32 masters, so each e4m3 value is one rounding of the
+    fp32 weight (not of its bf16 rounding). A weight absent from it is quantized as it is."""
     for module, name in _quantized(model):
-        q, scale = _quantize(getattr(module, name))
+        w = getattr(module, name)
+        q, scale = _quantize(masters.get(w, w) if masters is not None else w)
         getattr(module, name + "_fp8").copy_(q)
         getattr(module, name + "_scale_inv").copy_(scale)
+
+
+@torch.no_grad()
+def trainable_fp8(model: Model) -> Model:
+    """The trainer's FP8 form of `model`, in place; returns it.
+
+    - An fp32 or bf16 model: rounded to bf16 (FP8_ACTIVATIONS) and quantized with masters
+      (quantize_fp8(masters=True)): the bytes a replica gets quantizing the same bf16 weights.
+    - A served FP8 model (e4m3 weights, e.g. read from a published version): each master is the
+      dequantized weight in bf16 and the e4m3 values and scales are kept as they are, so until
+      the first optimizer step the trainer computes exactly what the replicas serving that
+      version compute (re-quantizing a dequantized block need not give its bytes back).
+    - A trainer's FP8 model: unchanged.
+    """
+    if has_fp8_masters(model):
+        return model
+    if not is_fp8(model):
+        return quantize_fp8(model.to(FP8_ACTIVATIONS), masters=True)
+    model.to(FP8_ACTIVATIONS)                     # the rest of the model; e4m3 values and scales keep their bytes
+    for module, name in _quantized(model):
+        q = getattr(module, name).data
+        scale = getattr(module, name + "_scale_inv")
+        master = (ops.fp8_dequantize_weight(q, scale, FP8_ACTIVATIONS) if q.dim() == 2 else
+                  torch.stack([ops.fp8_dequantize_weight(e, s, FP8_ACTIVATIONS) for e, s in zip(q, scale)]))
+        setattr(module, name, nn.Parameter(master))
+        module.register_buffer(name + "_fp8", q)
+    return model
+
+
+@torch.no_grad()
+def serving_fp8_model(model: Model) -> Model:
+    """A separate served FP8 model (e4m3 weights, no masters) with `model`'s serving bytes: the
+    trainer's FP8 model's `serving_state_dict`, or a plain model quantized (quantize_fp8)."""
+    device = model.embed_tokens.weight.device
+    served = quantize_fp8(Model.empty(model.config, FP8_ACTIVATIONS).to(device))   # the layout; every value is set below
+    if is_fp8(model):
+        served.load_state_dict(serving_state_dict(model))
+    else:
+        src = Model.empty(model.config, FP8_ACTIVATIONS).to(device)
+        src.load_state_dict(model.state_dict())
+        served.load_state_dict(quantize_fp8(src).state_dict())
+    return served.eval().requires_grad_(False)
 
 
 def serving_state_dict(model: Model) -> dict[str, torch.Tensor]:
@@ -94,5 +160,12 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.fp8_quantize_weight of a weight [N, K] or of each expert of a stacked [E, N, K]."""
     if w.dim() == 2:
         return ops.fp8_quantize_weight(w)
-    parts = [ops.fp8_quantize_weight(e) for e in w]
+    e, n, k = w.shape
+    if n % ops.FP8_BLOCK == 0:
+        # Whole 128-row blocks never straddle two experts: one call over [E * N, K] computes each
+        # expert's blocks exactly as alone (a block's amax and its elementwise rounding read only
+        # the block), without a Python loop over the experts at every optimizer step.
+        q, scale = ops.fp8_quantize_weight(w.reshape(e * n, k))
+        return q.view(e, n, k), scale.view(e, n // ops.FP8_BLOCK, scale.shape[-1])
+    parts = [ops.fp8_quantize_weight(x) for x in w]
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])

@@ -29,13 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
+from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
+
 from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
 from .gemm import _device_offsets, _group_tile
 
 __all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_gemm", "fp8_grouped_linear", "fp8_linear"]
 
-FP8_BLOCK = 128          # channels per activation scale; weight blocks are FP8_BLOCK x FP8_BLOCK
-FP8_MAX = 448.0          # largest finite e4m3 (float8_e4m3fn) value
+# FP8_BLOCK (channels per activation scale; weight blocks FP8_BLOCK x FP8_BLOCK) and FP8_MAX (the
+# largest e4m3 value) are the library's (fp8_format); the kernels read FP8_MAX as a compile-time constant.
+_E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
 
 
 @triton.jit
@@ -47,8 +50,8 @@ def _fp8_quantize_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_xm, stride_qm, BLOCK
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -448.0), 448.0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -_E4M3_MAX), _E4M3_MAX)
     # Round onto the e4m3 grid with IEEE adds (torch_ops.round_to_e4m3), then write the byte
     # ourselves: Triton's own fp8 cast under the interpreter rounds ties away and flushes
     # subnormals, so no conversion routine may decide a bit.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
 from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, numerics_dtype, quantize_fp8
 from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_degrees
 from zerokl.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
@@ -53,7 +54,9 @@ DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
 # Measured on an H200 (docs/perf.md, issue 32), one replica at 64 / 256 streams: 4.1k / 7.8k tok/s at
 # 5 ms, 8.1k / 8.4k at 0.5 ms, 11.5k / 8.5k at 0.05 ms.
 DEFAULT_GIL_SWITCH_MS = 0.05
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --dtype -> the dtype Model.from_pretrained is asked for. fp8: block-scaled e4m3 projections with
+# bf16 activations (zerokl.kernels.model.fp8): an FP8 checkpoint as it is, any other quantized on load.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -81,7 +84,9 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     src.add_argument("--preset", help="a seeded random model of this preset (tiny, small): for demos and tests")
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
     m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
-                   help="model dtype (default: the checkpoint's, float32 for a preset)")
+                   help="model dtype (default: the checkpoint's, float32 for a preset). fp8: block-scaled e4m3 "
+                        "projections, bf16 activations (an FP8 checkpoint as it is; a bf16/fp32 one or a preset "
+                        "quantized on load, deterministically); the replica reports the FP8 fingerprint")
     m.add_argument("--weights-version", default=None,
                    help="weights version to report (default: the checkpoint directory's name)")
     m.add_argument("--tokenizer", default=None,
@@ -142,7 +147,10 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
             config = ModelConfig.preset(args.preset)
         except ValueError as err:
             raise SystemExit(str(err)) from None
-        model = Model(config, seed=args.seed, dtype=dtype or torch.float32)
+        if dtype == torch.float8_e4m3fn:     # the bf16 preset, quantized: what `zerokl up --dtype fp8` publishes
+            model = quantize_fp8(Model(config, seed=args.seed, dtype=FP8_ACTIVATIONS))
+        else:
+            model = Model(config, seed=args.seed, dtype=dtype or torch.float32)
         version = args.weights_version or f"preset-{args.preset}-seed{args.seed}"
         tok_spec = args.tokenizer or "countdown"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -154,10 +162,11 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
 def make_identity(service: str, model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
     """What this replica computes with: numerics version and fingerprint on its backend/device/dtype."""
     device = model.embed_tokens.weight.device
+    dtype = numerics_dtype(model)           # float8_e4m3fn for an FP8 model: its own fingerprint key
     return ServiceIdentity(
         service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
-        numerics_fingerprint=fingerprint(device=device, dtype=model.dtype), backend=get_backend(),
-        device=device_name(), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
+        numerics_fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
+        device=device_name(), dtype=str(dtype).removeprefix("torch."), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
@@ -194,6 +203,9 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     tp: TensorParallelGroup | None = None
     lockstep: LockstepEngine | None = None
     if args.tp != 1:
+        if args.dtype == "fp8":
+            # apply_tensor_parallel shards bf16/fp32 weights; the FP8 blocks and their scales are not sharded yet.
+            parser.error("--dtype fp8 serves at --tp 1 for now")
         if args.tp not in supported_tp_degrees():
             parser.error(f"--tp must be one of {supported_tp_degrees()}")
         tp = start_tensor_parallel(args.tp, service, argv, args.device)

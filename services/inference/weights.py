@@ -20,6 +20,8 @@ from typing import Callable
 
 import grpc.aio
 
+import torch
+
 from zerokl.kernels.model import Model
 from zerokl.services.inference.errors import RelayedError
 from zerokl.services.inference.replica import Replica
@@ -60,7 +62,10 @@ class WeightSwitcher:
         self._check_spec(manifest.version, manifest.spec.numerics_fingerprint)
         dest = self.cache / manifest.version
         await self.store.fetch(manifest.version, dest, serving_only=True)
-        model = await asyncio.to_thread(Model.from_pretrained, dest, dtype=self.replica.dtype)
+        # An FP8 replica (identity dtype float8_e4m3fn) loads FP8: a non-FP8 version is quantized on load.
+        fp8 = self.replica.identity.dtype == "float8_e4m3fn"
+        dtype = torch.float8_e4m3fn if fp8 else self.replica.dtype
+        model = await asyncio.to_thread(Model.from_pretrained, dest, dtype=dtype)
         if model.config != self.replica.model_config:
             raise FailedPrecondition(
                 f"version {manifest.version!r} has another model config than this replica serves",

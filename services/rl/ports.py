@@ -100,6 +100,9 @@ class LocalEnginePort:
             trainer = self.trainer_port.trainer
             # On the trainer's device: KL == 0 is promised per device type.
             model = Model.empty(trainer.model.config, trainer.model.dtype).to(trainer.device)
+            if getattr(trainer, "fp8", False):
+                from zerokl.kernels.model.fp8 import quantize_fp8
+                quantize_fp8(model)         # the served FP8 layout: the version's e4m3 values and scales go in
             model.load_state_dict(self.trainer_port.versions[version])
             self._model, self._loaded = model.eval(), version
         return self._model

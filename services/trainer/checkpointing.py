@@ -50,6 +50,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zerokl.kernels.model import Model
+from zerokl.kernels.model.fp8 import quantize_fp8
 from zerokl.kernels.model.checkpoint import CheckpointError
 from zerokl.kernels.model.lora import merged_state_dict
 from zerokl.services.runtime.errors import (
@@ -269,6 +270,8 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
         raise DataLoss(f"{path.name}: trainer state does not fit its model: {err}") from None
     if doc.get("has_reference"):
         reference = Model.empty(model_config, dtype).to(device)
+        if trainer.fp8:                 # the FP8 forward's reference: masters beside e4m3 values (its layout)
+            quantize_fp8(reference, masters=True)
         reference.load_state_dict({k.removeprefix("reference/"): v for k, v in tensors.items()
                                    if k.startswith("reference/")})
         for p in reference.parameters():

@@ -38,6 +38,7 @@ import torch
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
 from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
@@ -53,7 +54,7 @@ from zerokl.services.trainer.checkpointing import (
     read_checkpoint,
 )
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.trainer import DTYPES, TrainConfig, Trainer
 from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import VersionStore, validate_name
 
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recompute each block's activations in the backward (less memory, same bits)")
     t.add_argument("--logprob-chunk-rows", type=int, default=d.logprob_chunk_rows,
                    help="rows per chunk of the fused head + logprob (0 = by vocabulary size)")
+    t.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
+                   help="the forward's dtype (the fleet's): fp8 trains on the FP8 replicas' forward (fp32 "
+                        "masters quantized after every step, straight-through backward; publishes e4m3 + "
+                        "scales); bfloat16/float32 cast the model (default: the starting weights' own)")
     t.add_argument("--master-weights", choices=sorted(_MASTER_WEIGHTS), default="auto",
                    help="fp32 master weights for AdamW: auto = on when a trained parameter is not fp32 "
                         "(default %(default)s)")
@@ -143,7 +148,8 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
                        lora_alpha=args.lora_alpha, clip_eps=args.clip_eps, kl_coef=args.kl_coef,
                        dpo_beta=args.dpo_beta, seed=args.seed, indexer_loss_coef=args.indexer_loss_coef,
                        activation_checkpointing=args.activation_checkpointing,
-                       logprob_chunk_rows=args.logprob_chunk_rows, master_weights=_MASTER_WEIGHTS[args.master_weights])
+                       logprob_chunk_rows=args.logprob_chunk_rows, master_weights=_MASTER_WEIGHTS[args.master_weights],
+                       dtype=args.dtype)
 
 
 async def open_repo(args: argparse.Namespace) -> WeightsRepo:
@@ -170,10 +176,11 @@ def _token(args: argparse.Namespace) -> str | None:
 def make_identity(model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
     """What this trainer computes with (the same fields an inference replica reports)."""
     device = model.embed_tokens.weight.device
+    dtype = numerics_dtype(model)           # float8_e4m3fn for the FP8 forward: the FP8 replicas' fingerprint key
     return ServiceIdentity(
         service="trainer", replica_id=replica_id or default_replica_id("trainer"), numerics_version=numerics_version,
-        numerics_fingerprint=fingerprint(device=device, dtype=model.dtype), backend=get_backend(),
-        device=device_name(device), dtype=str(model.dtype).removeprefix("torch."), weights_version=weights_version,
+        numerics_fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
+        device=device_name(device), dtype=str(dtype).removeprefix("torch."), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
@@ -266,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--tp must be one of {supported_tp_degrees()}")
         if args.lora_rank > 0 or args.kl_coef > 0:
             parser.error("--dp/--tp/--ep train full weights without a reference (--lora-rank 0, --kl-coef 0)")
+        if args.dtype == "fp8":
+            parser.error("--dtype fp8 trains in one process for now (--dp/--tp/--ep 1)")
         if args.threads:
             torch.set_num_threads(args.threads)
         group = start_group(layout, argv, args.device)

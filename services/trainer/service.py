@@ -34,6 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
+from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
@@ -452,7 +453,7 @@ class TrainerService:
             spec = VersionSpec(
                 parent_version=parent, step=trainer.step, numerics_version=self._identity.numerics_version,
                 numerics_fingerprint=self._identity.numerics_fingerprint,
-                model_config=config_to_hf(trainer.model.config, trainer.model.dtype),
+                model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
                 metadata={**metadata, META_RUN: self.run, META_STATE: "none" if weights_only else "full"})
             with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
                 await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
@@ -527,7 +528,7 @@ class TrainerService:
         return TrainerState(
             run=self.run, step=t.step, weights_version=base.version, weights_step=base.step,
             tokens_seen=t.tokens_seen, accumulated_batches=self._accumulated, config=t.config,
-            model_config_json=json.dumps(config_to_hf(t.model.config, t.model.dtype), sort_keys=True),
+            model_config_json=json.dumps(config_to_hf(t.model.config, numerics_dtype(t.model)), sort_keys=True),
             numerics_version=numerics_version, numerics_fingerprint=self._identity.numerics_fingerprint)
 
     def _set_identity(self, identity: ServiceIdentity) -> None:

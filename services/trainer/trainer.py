@@ -25,13 +25,18 @@ import torch
 from zerokl.kernels.logprob import fused_logprobs
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.kernels.model import Model
+from zerokl.kernels.model.fp8 import is_fp8, refresh_fp8, serving_fp8_model, trainable_fp8
+from zerokl.kernels.model.fp8 import serving_state_dict as fp8_serving_state_dict
 from zerokl.kernels.model.indexer_loss import indexer_losses
 from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
 
-__all__ = ["TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
+__all__ = ["DTYPES", "TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
+
+#: TrainConfig.dtype's choices -> the model dtype (fp8: e4m3 projections, bf16 elsewhere).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,13 @@ class TrainConfig:
     # so small-lr RL (1e-5..1e-4) barely moves it. The forward runs on the model's own weights
     # either way, so logprobs stay bitwise the engine's.
     master_weights: bool | None = None
+    # The forward's dtype (the fleet's: `zerokl up --dtype`). None = the model's own. "bfloat16" /
+    # "float32": the model is cast to it. "fp8": the FP8 forward of an FP8 fleet (NUMERICS.md, "FP8"):
+    # fp32 masters (always on), each quantized projection's e4m3 values and block scales beside its
+    # bf16 weight, re-quantized from the fp32 master after every optimizer step; the forward is the
+    # replicas' FP8 product (logprobs equal bit for bit, KL 0), the backward the bf16 op's
+    # (straight-through); serving_state_dict is the served FP8 form (e4m3 + scales).
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,9 @@ class Trainer:
 
     def __init__(self, model: Model, config: TrainConfig = TrainConfig()):
         self.model, self.config = model, config
+        # A served FP8 model (an FP8 checkpoint) with no dtype asked for trains on its FP8 forward too.
+        self.fp8 = config.dtype == "fp8" or (config.dtype is None and is_fp8(model))
+        self._cast(model, config, self.fp8)
         self.reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
         if self.reference is not None:
             for p in self.reference.parameters():
@@ -109,7 +124,7 @@ class Trainer:
             params = [p for p in model.parameters() if p.requires_grad]
         self.params = params
         self.master_weights = (config.master_weights if config.master_weights is not None
-                               else any(p.dtype != torch.float32 for p in params))
+                               else self.fp8 or any(p.dtype != torch.float32 for p in params))
         # With master weights the optimizer owns fp32 copies of the trained parameters (same order
         # as self.params); the model's Parameters stay the objects everything else references.
         self.masters = [p.detach().float().clone() for p in params] if self.master_weights else None
@@ -118,6 +133,27 @@ class Trainer:
                                            weight_decay=config.weight_decay, foreach=False)
         self.step = 0
         self.tokens_seen = 0
+
+    @staticmethod
+    def _cast(model: Model, config: TrainConfig, fp8: bool) -> None:
+        """Bring `model` to config.dtype in place (see TrainConfig.dtype); refuse what cannot hold."""
+        if config.dtype is None and not fp8:
+            return
+        if config.dtype is not None and config.dtype not in DTYPES:
+            raise ValueError(f"TrainConfig.dtype {config.dtype!r}: expected one of {', '.join(DTYPES)} or None")
+        if not fp8:
+            if is_fp8(model):
+                raise ValueError(f"TrainConfig.dtype {config.dtype!r} on an FP8 model: load its checkpoint in "
+                                 f"{config.dtype} (Model.from_pretrained(dir, dtype)) to dequantize it")
+            model.to(DTYPES[config.dtype])
+            return
+        if config.lora_rank > 0:
+            raise ValueError("TrainConfig.dtype 'fp8' trains full weights: LoRA adapters would need their merged "
+                             "weights quantized per version (lora_rank 0)")
+        if config.master_weights is False:
+            raise ValueError("TrainConfig.dtype 'fp8' keeps fp32 master weights: the e4m3 values are quantized "
+                             "from them (master_weights None or True)")
+        trainable_fp8(model)
 
     @property
     def _optimized(self) -> list[torch.Tensor]:
@@ -317,6 +353,9 @@ class Trainer:
             if bad:
                 raise NonFiniteStep(f"the optimizer step at lr={lr:g} (gradient norm {float(norm):g}) made "
                                     f"{len(bad)} tensor(s) non-finite, e.g. {', '.join(bad[:3])}")
+            if self.fp8:
+                # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
+                self._refresh_fp8()
         except BaseException:
             self._restore(before)
             raise
@@ -326,6 +365,10 @@ class Trainer:
                 p.grad = None
         self.step += 1
         return {"grad_norm": float(norm), "lr": lr, "step": self.step}
+
+    def _refresh_fp8(self) -> None:
+        """Re-quantize the FP8 model's e4m3 values and scales from the fp32 masters (one rounding)."""
+        refresh_fp8(self.model, dict(zip(self.params, self.masters, strict=True)))
 
     def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
         params = [p.detach().clone() for p in self.params]
@@ -389,11 +432,16 @@ class Trainer:
     # ------------------------------------------------------------------ weights and state
 
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights as inference serves them (LoRA merged: bitwise the adapted forward's weights)."""
+        """Weights as inference serves them (LoRA merged: bitwise the adapted forward's weights; FP8:
+        the e4m3 values and scales under the checkpoint's names, zerokl.kernels.model.fp8)."""
+        if self.fp8:
+            return fp8_serving_state_dict(self.model)
         return merged_state_dict(self.model)
 
     def serving_model(self) -> Model:
-        """A separate Model with the serving weights (for an in-process engine)."""
+        """A separate Model with the serving weights (for an in-process engine; FP8: a served FP8 model)."""
+        if self.fp8:
+            return serving_fp8_model(self.model)
         m = Model.empty(self.model.config, self.model.dtype).to(self.device)
         m.load_state_dict(self.serving_state_dict())
         return m.eval()
@@ -418,5 +466,10 @@ class Trainer:
                 if t.shape != m.shape:
                     raise ValueError(f"master weight of shape {tuple(t.shape)} for a parameter of shape {tuple(m.shape)}")
                 m.copy_(t)
+            if self.fp8:
+                # The backward's bf16 weights are the masters' rounding (as after every step); the e4m3
+                # values stay those of the state (the bytes that version's replicas serve).
+                for p, m in zip(self.params, self.masters, strict=True):
+                    p.copy_(m.to(p.dtype))
         self.optimizer.load_state_dict(state["optimizer"])
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]

@@ -138,14 +138,14 @@ def test_every_train_config_field_has_a_flag() -> None:
     want = TrainConfig(lr=3e-4, weight_decay=0.1, betas=(0.8, 0.9), grad_clip=0.5, warmup_steps=3, total_steps=9,
                        lora_rank=2, lora_alpha=8.0, clip_eps=0.3, kl_coef=0.01, dpo_beta=0.2, seed=5,
                        indexer_loss_coef=0.5, activation_checkpointing=True, logprob_chunk_rows=64,
-                       master_weights=False)
+                       master_weights=False, dtype="fp8")
     defaults = TrainConfig()
     # A field added to TrainConfig must be added here (and get its flag).
     assert [f.name for f in dataclasses.fields(TrainConfig) if getattr(want, f.name) == getattr(defaults, f.name)] == []
     flags = ["--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.8", "0.9", "--grad-clip", "0.5",
              "--warmup-steps", "3", "--total-steps", "9", "--lora-rank", "2", "--lora-alpha", "8", "--clip-eps", "0.3",
              "--kl-coef", "0.01", "--dpo-beta", "0.2", "--seed", "5", "--indexer-loss-coef", "0.5",
-             "--activation-checkpointing", "--logprob-chunk-rows", "64", "--master-weights", "off"]
+             "--activation-checkpointing", "--logprob-chunk-rows", "64", "--master-weights", "off", "--dtype", "fp8"]
     assert train_config_from_args(build_parser().parse_args(flags)) == want
     assert train_config_from_args(build_parser().parse_args([])) == defaults
     assert train_config_from_args(build_parser().parse_args(["--master-weights", "on"])).master_weights is True
