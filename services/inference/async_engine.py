@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import array
 import asyncio
+import copy
 import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -76,7 +78,7 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 
-__all__ = ["AsyncEngine", "EngineInfo", "RequestStream", "LatencyTracker", "collect", "pack_outputs",
+__all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "LatencyTracker", "collect", "pack_outputs",
            "unpack_outputs"]
 
 log = logging.getLogger(__name__)
@@ -511,6 +513,20 @@ class _Core:
 
 
 # ---------------------------------------------------------------------------- the process transport
+
+def engine_of(model: Any, config: Any = None, tokenizer: Any = None) -> Callable[[], Engine]:
+    """A factory for :meth:`AsyncEngine.spawn` that builds an Engine on a private copy of ``model``.
+
+    The model's tensors reach the child by shared memory; the child copies them once, so a weight
+    swap there never writes into the sender's model (which would change the parent's weights too).
+    """
+    return functools.partial(_engine_of_copy, model, config, tokenizer)
+
+
+def _engine_of_copy(model: Any, config: Any, tokenizer: Any) -> Engine:
+    from zerokl.services.engine.types import EngineConfig
+    return Engine(copy.deepcopy(model), config if config is not None else EngineConfig(), tokenizer)
+
 
 def _dumps(obj: Any) -> bytes:
     """Pickle for the pipe: tensors by shared memory (CPU) or CUDA IPC (torch's reductions, registered
