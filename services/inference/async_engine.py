@@ -558,7 +558,10 @@ def _child_main(conn: Any, parent_pid: int, threads: int | None) -> None:
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the death signal was armed
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's Ctrl-C reaches the group: the parent stops us
+    # A Ctrl-C or a SIGTERM sent to the process group is the parent's to handle: it drains its calls and then
+    # stops this process through the pipe (a parent that dies instead takes this one with it: SIGKILL above).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s engine-core %(message)s")
     if threads:
         torch.set_num_threads(threads)

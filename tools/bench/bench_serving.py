@@ -3,7 +3,10 @@ directly over gRPC, and the scheduler of `zerokl up`, on the same weights, reque
 
     python tools/bench/bench_serving.py                                   # small, bf16, 64 and 256 streams
     python tools/bench/bench_serving.py --preset tiny --dtype float32 --streams 8 --new-tokens 16   # CPU smoke
-    python tools/bench/bench_serving.py --json out.json --alone 64
+    python tools/bench/bench_serving.py --preset small --dtype bfloat16 --out $OUT/serving.json   # the H200 run
+
+Every served replica runs its engine in an engine process (`zerokl serve --engine-process`, the default);
+``--replica-flag=--no-engine-process`` measures the engine on a thread of the gRPC server instead.
 
 Workload (issue 32): N requests of --prompt-len random tokens, --new-tokens generated with ignore_eos,
 temperature 1, seeds 0..N-1; the requests at N=64 are the first 64 of those at N=256. Steps:
@@ -199,13 +202,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every arm's engine step budget")
-    p.add_argument("--alone", type=int, default=None,
-                   help="how many requests to run alone as the reference (default: all of the largest wave)")
+    p.add_argument("--alone", type=int, default=64,
+                   help="how many requests to run alone as the reference (default %(default)s; every arm is also "
+                        "compared with the in-process engine's batch at every N)")
     p.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="an extra `zerokl serve decode` flag for the fleet's replicas, e.g. --replica-flag=--gil-switch-ms=0.1")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="where the fleet lives (default: a temporary directory)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--out", "--json", dest="json", default=None, help="write the results (JSON) here")
     args = p.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     top = max(streams)
