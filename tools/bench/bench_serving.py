@@ -72,12 +72,18 @@ class Wave:
     tokens: int
     ttft: list[float]
     results: dict[int, Result] = field(repr=False)
+    messages: int = 0          # gRPC messages the client received (0: the in-process engine)
 
     def row(self) -> dict:
         ttft = sorted(self.ttft)
-        return {"arm": self.arm, "streams": self.streams, "tok_s": self.tokens / self.seconds,
-                "seconds": self.seconds, "tokens": self.tokens, "ttft_p50_s": _pct(ttft, 50),
-                "ttft_p99_s": _pct(ttft, 99)}
+        row = {"arm": self.arm, "streams": self.streams, "tok_s": self.tokens / self.seconds,
+               "seconds": self.seconds, "tokens": self.tokens, "ttft_p50_s": _pct(ttft, 50),
+               "ttft_p99_s": _pct(ttft, 99)}
+        if self.messages:
+            # What each relay hop handles per request: a message, not a token (coalescing, --stream-interval).
+            row["messages"] = self.messages
+            row["tokens_per_message"] = self.tokens / self.messages
+        return row
 
 
 def _pct(sorted_values: list[float], p: float) -> float:
@@ -171,6 +177,7 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
         await ch.channel_ready()
         first: dict[int, float] = {}
         results: dict[int, Result] = {}
+        messages = [0]
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -181,6 +188,7 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
             tokens: list[int] = []
             logprobs: list[float] = []
             async for msg in stub.Generate(request):
+                messages[0] += 1
                 if msg.token_ids and i not in first:
                     first[i] = time.perf_counter() - t0
                 tokens += msg.token_ids
@@ -189,7 +197,8 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
 
         await asyncio.gather(*(one(i) for i in range(len(ids))))
         seconds = time.perf_counter() - t0
-    return Wave(arm, len(ids), seconds, sum(len(r[0]) for r in results.values()), list(first.values()), results)
+    return Wave(arm, len(ids), seconds, sum(len(r[0]) for r in results.values()), list(first.values()), results,
+                messages[0])
 
 
 # ----------------------------------------------------------------------------- main
@@ -290,10 +299,12 @@ def table(report: dict) -> str:
              f"{report['dtype']}: zerokl up SERVING cold {report['startup_s']['cold']:.1f}s, warm "
              f"{report['startup_s']['warm']:.1f}s; identical (tokens, logprobs) to alone and across arms: "
              f"{report['all_identical']} ({report['alone']['requests']} alone)",
-             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s |", "|---|---|---|---|---|---|---|"]
+             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s | tokens/message |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["waves"]:
+        per = f"{r['tokens_per_message']:.1f}" if "tokens_per_message" in r else "-"
         lines.append(f"| {r['arm']} | {r['streams']} | {r['tok_s']:,.0f} | {r['ratio_tok_s']:.2f} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} |")
+                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} | {per} |")
     return "\n".join(lines)
 
 
