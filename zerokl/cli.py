@@ -78,6 +78,12 @@ SERVICES = {
 
 def _serve(args: argparse.Namespace) -> int:
     # Each service owns its flags; everything after the service name is passed through.
+    if args.service in ("prefill", "decode") and "--no-engine-process" not in args.args \
+            and not {"-h", "--help"} & set(args.args):
+        # The engine process imports torch while this one does (start-up); the server takes it, or
+        # stops it when it runs the engine on a thread after all (--tp > 1).
+        from zerokl.services.engine_child import prestart
+        prestart()
     module, func = SERVICES[args.service].split(":")
     return getattr(importlib.import_module(module), func)(args.args)
 

@@ -566,7 +566,11 @@ def _child_main(conn: Any, parent_pid: int, threads: int | None) -> None:
     if threads:
         torch.set_num_threads(threads)
     try:
-        factory, weights_version = _loads(conn.recv_bytes())
+        first = conn.recv_bytes()
+    except (EOFError, OSError):  # a prestarted process nobody took (engine_child.discard)
+        return
+    try:
+        factory, weights_version = _loads(first)
         engine = factory()
         info = EngineInfo.of(engine, identify=True)
     except BaseException as err:  # noqa: BLE001 - the parent reports it
@@ -744,15 +748,23 @@ class AsyncEngine:
 
     @classmethod
     def spawn(cls, factory: Callable[[], Any], name: str = "zerokl-engine", weights_version: str = "",
-              threads: int | None = None) -> "AsyncEngine":
+              threads: int | None = None, started: tuple[Any, Any] | None = None) -> "AsyncEngine":
         """Build the engine in its own (spawned) process: ``factory()`` runs there and returns the
         Engine; ``factory`` is pickled by torch's ForkingPickler (a model's tensors go by shared
-        memory). Blocks until the engine is built; raises RuntimeError with the child's error."""
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=_child_main, args=(child, os.getpid(), threads), name=name, daemon=True)
-        process.start()
-        child.close()
+        memory). Blocks until the engine is built; raises RuntimeError with the child's error.
+
+        ``started``: a (process, pipe) spawned earlier (``engine_child.take()``) to use instead of a
+        new one. Call from a thread that lives as long as the engine (the main thread): the child is
+        armed to die with the thread that spawned it.
+        """
+        if started is not None:
+            process, parent = started
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            parent, child = ctx.Pipe(duplex=True)
+            process = ctx.Process(target=_child_main, args=(child, os.getpid(), threads), name=name, daemon=True)
+            process.start()
+            child.close()
         try:
             parent.send_bytes(_dumps((factory, weights_version)))
             if not parent.poll(_SPAWN_TIMEOUT_S):

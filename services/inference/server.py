@@ -30,6 +30,7 @@ from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_de
 from zerokl.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig
+from zerokl.services import engine_child
 from zerokl.services.inference.async_engine import AsyncEngine, EngineInfo
 from zerokl.services.inference.decode import DEFAULT_HANDOFF_TIMEOUT_S, Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
@@ -203,7 +204,7 @@ def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
     """
     version, tok_spec = model_source(args)
     engine = AsyncEngine.spawn(functools.partial(engine_from_args, args), name=f"zerokl-{service}-engine",
-                               weights_version=version, threads=args.threads)
+                               weights_version=version, threads=args.threads, started=engine_child.take())
     identity = identity_from_info(service, engine.info, version, args.replica_id)
     tokenizer = load_tokenizer(tok_spec) if tok_spec else None
     return Replica(engine, identity, tokenizer, ServingLimits(max_n=args.max_n, stream_interval=args.stream_interval))
@@ -249,6 +250,7 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     if tp is None and args.engine_process:
         replica = spawn_replica(service, args)
     else:
+        engine_child.discard()   # one `zerokl serve` may have prestarted (the engine runs on a thread here)
         loaded = load_model(args)
         if tp is not None:
             apply_tensor_parallel(loaded.model, tp.compute)
