@@ -102,9 +102,9 @@ def build_parser(service: str) -> argparse.ArgumentParser:
                    help="tensor-parallel degree (1, 2, 4): this process serves and spawns N-1 followers, one "
                         "GPU each; outputs equal a --tp 1 replica's bit for bit (default %(default)s)")
     m.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS, metavar="MS",
-                   help="the interpreter's thread switch interval: how soon the engine thread gets the "
-                        "interpreter back from the gRPC event loop after each torch call (Python's default is 5; "
-                        "default %(default)s)")
+                   help="the interpreter's thread switch interval: how soon an engine on a thread "
+                        "(--no-engine-process, --tp > 1) gets the interpreter back from the gRPC event loop after "
+                        "each torch call (Python's default is 5; default %(default)s)")
     m.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in its own process (it owns the device; the gRPC server's protobuf work "
                         "does not share its interpreter lock). --no-engine-process runs it on a thread of the "
