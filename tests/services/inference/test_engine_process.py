@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import operator
-import os
 import random
 import subprocess
 import sys
