@@ -78,8 +78,27 @@ SERVICES = {
 
 def _serve(args: argparse.Namespace) -> int:
     # Each service owns its flags; everything after the service name is passed through.
+    if args.service in ("prefill", "decode") and "--no-engine-process" not in args.args \
+            and not {"-h", "--help"} & set(args.args) and _tp_degree(args.args) == 1:
+        # The engine process imports torch while this one does (start-up); the server takes it, or
+        # stops it when it runs the engine on a thread after all (--tp > 1).
+        from zerokl.services.engine_child import prestart
+        prestart()
     module, func = SERVICES[args.service].split(":")
     return getattr(importlib.import_module(module), func)(args.args)
+
+
+def _tp_degree(argv: list[str]) -> int:
+    """The --tp a `zerokl serve` command line asks for (1 when absent or unreadable: the server says why)."""
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--tp=") else argv[i + 1] if a == "--tp" and i + 1 < len(argv) \
+            else None
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return 1
+    return 1
 
 
 def _up(args: argparse.Namespace) -> int:

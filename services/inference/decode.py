@@ -182,7 +182,7 @@ class Decoder:
                         raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
                                              prefill) from None
                     replica.check_generate(header.prompt_ids, r.options)
-                    receiver = KVReceiver(header)
+                    receiver = KVReceiver(header, shared=replica.engine.in_process)
                 else:
                     try:
                         receiver.add(item)   # offset, size and checksum: the prefill side's fault if bad

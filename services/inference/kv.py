@@ -156,12 +156,19 @@ class KVReceiver:
     host buffer of the header's size (pinned when a GPU will read it); the
     SHA-256 of the whole blob is computed as the chunks arrive and checked
     against the header's once complete. The tensors are views of that buffer.
+
+    ``shared``: the engine runs in another process: the buffer is shared memory from the start (the
+    tensors then cross to the engine without a copy, and this process never initialises CUDA for a
+    pinned allocation).
     """
 
-    def __init__(self, header: KVHeader) -> None:
+    def __init__(self, header: KVHeader, shared: bool = False) -> None:
         self.header = header
-        pin = torch.cuda.is_available() and header.total_bytes > 0
-        self._buf = torch.empty(header.total_bytes, dtype=torch.uint8, pin_memory=pin)
+        if shared:
+            self._buf = torch.empty(header.total_bytes, dtype=torch.uint8).share_memory_()
+        else:
+            pin = torch.cuda.is_available() and header.total_bytes > 0
+            self._buf = torch.empty(header.total_bytes, dtype=torch.uint8, pin_memory=pin)
         self._sha = hashlib.sha256()
         self._received = 0
 

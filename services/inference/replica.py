@@ -8,7 +8,6 @@ decode replica to generate, a prefill replica to prefill and score.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import uuid
 from dataclasses import dataclass
@@ -43,15 +42,17 @@ class Replica:
         self.engine = engine
         self._identity = identity
         engine.weights_version = identity.weights_version
-        engine.engine.set_cache_identity(identity.weights_version, identity.numerics_fingerprint)
+        engine.set_cache_identity(identity.weights_version, identity.numerics_fingerprint)
         self.tokenizer = tokenizer
         self.limits = limits
-        # Read-only after construction, so the event loop may read them while the engine thread runs.
-        self.model_config = engine.engine.model.config
-        self.dtype = engine.engine.model.dtype
-        self.max_model_len = engine.engine.max_model_len
-        self._block_size = engine.engine.config.block_size
-        self._num_blocks = engine.engine.config.num_blocks
+        # What the engine reported of itself (it may run in another process): read-only.
+        info = engine.info
+        self.model_config = info.model_config
+        self.dtype = info.dtype
+        self.max_model_len = info.max_model_len
+        self._block_size = info.block_size
+        self._num_blocks = info.num_blocks
+        self._lockstep = info.lockstep
 
     @property
     def identity(self) -> ServiceIdentity:
@@ -225,19 +226,18 @@ class Replica:
     async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...] = ()) -> Trace:
         """The per-op trace of ``ids`` (zerokl diff) on this replica's model, backend and dtype.
 
-        Computed off the engine thread (the forward only reads the weights; the recorder
-        ignores the engine's own forwards). A weights swap that lands meanwhile makes it
-        UNAVAILABLE; `zerokl diff` also checks the trace's logprobs against the Score's.
+        Computed by the engine's core between two steps (it may run in another process: the
+        model lives there). A weights swap that lands meanwhile makes it UNAVAILABLE; `zerokl diff`
+        also checks the trace's logprobs against the Score's.
         """
-        from zerokl.services.inference.tensor_parallel import LockstepEngine
-        if isinstance(self.engine.engine, LockstepEngine):
+        if self._lockstep:
             # Its forward runs collectives in lockstep with the followers' engines: not one rank alone.
             raise FailedPrecondition("a tensor-parallel replica cannot trace (trace a --tp 1 replica of the same "
                                      "fingerprint: it computes the same bits)")
         before = self.engine.weights_version
         identity = self.identity
-        trace = await asyncio.to_thread(trace_sequence, self.engine.engine.model, ids, options.temperature,
-                                        options.top_k, options.top_p, capture, identity_meta(identity))
+        trace = await self.engine.call(_trace, ids, options.temperature, options.top_k, options.top_p, capture,
+                                       identity_meta(identity))
         if self.engine.weights_version != before or self.engine.weights_version != identity.weights_version:
             raise Unavailable("the weights changed while the trace ran; ask again")
         return trace
@@ -260,3 +260,8 @@ class Replica:
     def abort(self, request_id: str) -> bool:
         """Abort a request running in this replica's engine."""
         return self.engine.abort(request_id)
+
+
+def _trace(engine, ids, temperature, top_k, top_p, capture, meta) -> Trace:  # noqa: ANN001
+    """Run by the engine core: the per-op trace of ``ids`` on the engine's model."""
+    return trace_sequence(engine.model, ids, temperature, top_k, top_p, capture, meta)

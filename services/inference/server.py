@@ -4,13 +4,17 @@ Weights come from a checkpoint directory (``--model DIR``, a glm_moe_dsa
 safetensors checkpoint) or, for demos and tests, a seeded preset (``--preset
 tiny --seed 0``: the same seed gives the same weights in every process). The
 weights version is ``--weights-version``, else the checkpoint directory's name,
-else ``preset-<name>-seed<seed>``. On start one line goes to stdout,
+else ``preset-<name>-seed<seed>``. The engine runs in its own process (``--engine-process``, the
+default: it loads the model, owns the device and computes the numerics fingerprint there; this
+process runs the gRPC server), or on a thread of the server (``--no-engine-process``; always for
+``--tp`` > 1). On start one line goes to stdout,
 ``<service> listening on HOST:PORT ...``, which ``zerokl up`` and the tests read.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import pathlib
 import sys
 from dataclasses import dataclass
@@ -27,7 +31,8 @@ from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_de
 from zerokl.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig
-from zerokl.services.inference.async_engine import AsyncEngine
+from zerokl.services import engine_child
+from zerokl.services.inference.async_engine import AsyncEngine, EngineInfo
 from zerokl.services.inference.decode import DEFAULT_HANDOFF_TIMEOUT_S, Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits
@@ -45,7 +50,8 @@ from zerokl.services.runtime.server import (ServiceServer, add_server_arguments,
                                             serve)
 from zerokl.services.weightstore.client import WeightStoreClient
 
-__all__ = ["DEFAULT_PORTS", "DEFAULT_GIL_SWITCH_MS", "LoadedModel", "build_parser", "load_model", "make_identity", "build_engine", "build_replica", "main",
+__all__ = ["DEFAULT_PORTS", "DEFAULT_GIL_SWITCH_MS", "LoadedModel", "build_parser", "model_source", "load_model", "engine_from_args",
+           "make_identity", "identity_from_info", "build_engine", "build_replica", "spawn_replica", "main",
            "prefill_main", "decode_main"]
 
 DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
@@ -101,9 +107,13 @@ def build_parser(service: str) -> argparse.ArgumentParser:
                    help="tensor-parallel degree (1, 2, 4): this process serves and spawns N-1 followers, one "
                         "GPU each; outputs equal a --tp 1 replica's bit for bit (default %(default)s)")
     m.add_argument("--gil-switch-ms", type=float, default=DEFAULT_GIL_SWITCH_MS, metavar="MS",
-                   help="the interpreter's thread switch interval: how soon the engine thread gets the "
-                        "interpreter back from the gRPC event loop after each torch call (Python's default is 5; "
-                        "default %(default)s)")
+                   help="the interpreter's thread switch interval: how soon an engine on a thread "
+                        "(--no-engine-process, --tp > 1) gets the interpreter back from the gRPC event loop after "
+                        "each torch call (Python's default is 5; default %(default)s)")
+    m.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in its own process (it owns the device; the gRPC server's protobuf work "
+                        "does not share its interpreter lock). --no-engine-process runs it on a thread of the "
+                        "server; --tp > 1 always does (rank 0 joins the followers' collectives). Default: on")
     m.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
                         "small CPU host 1 avoids threads spinning against the server's own")
@@ -132,31 +142,47 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     return p
 
 
-def load_model(args: argparse.Namespace) -> LoadedModel:
-    """The model, weights version and tokenizer the flags select."""
-    dtype = _DTYPES[args.dtype] if args.dtype else None
+def model_source(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The weights version and tokenizer spec the flags select, without loading the model."""
     if args.model:
         directory = pathlib.Path(args.model).expanduser()
         if not (directory / "config.json").exists():
             raise SystemExit(f"--model {args.model}: no config.json there")
-        model = Model.from_pretrained(directory, dtype=dtype)
         version = args.weights_version or directory.resolve().name
         tok_spec = args.tokenizer or (str(directory) if (directory / "tokenizer.json").exists() else None)
     else:
         try:
-            config = ModelConfig.preset(args.preset)
+            ModelConfig.preset(args.preset)
         except ValueError as err:
             raise SystemExit(str(err)) from None
+        version = args.weights_version or f"preset-{args.preset}-seed{args.seed}"
+        tok_spec = args.tokenizer or "countdown"
+    return version, tok_spec
+
+
+def load_model(args: argparse.Namespace) -> LoadedModel:
+    """The model, weights version and tokenizer the flags select."""
+    version, tok_spec = model_source(args)
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    if args.model:
+        model = Model.from_pretrained(pathlib.Path(args.model).expanduser(), dtype=dtype)
+    else:
+        config = ModelConfig.preset(args.preset)
         if dtype == torch.float8_e4m3fn:     # the bf16 preset, quantized: what `zerokl up --dtype fp8` publishes
             model = quantize_fp8(Model(config, seed=args.seed, dtype=FP8_ACTIVATIONS))
         else:
             model = Model(config, seed=args.seed, dtype=dtype or torch.float32)
-        version = args.weights_version or f"preset-{args.preset}-seed{args.seed}"
-        tok_spec = args.tokenizer or "countdown"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device).eval()
     tokenizer = load_tokenizer(tok_spec) if tok_spec else None
     return LoadedModel(model, version, tokenizer)
+
+
+def engine_from_args(args: argparse.Namespace) -> Engine:
+    """The engine the flags describe, model loaded here: what an engine process runs at start."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return build_engine(load_model(args), args)
 
 
 def make_identity(service: str, model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
@@ -168,6 +194,30 @@ def make_identity(service: str, model: Model, weights_version: str, replica_id: 
         numerics_fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
         device=device_name(), dtype=str(dtype).removeprefix("torch."), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
+
+
+def identity_from_info(service: str, info: EngineInfo, weights_version: str,
+                       replica_id: str | None = None) -> ServiceIdentity:
+    """:func:`make_identity` from what an engine process reported (it computed the fingerprint on its device)."""
+    assert info.fingerprint is not None and info.backend is not None and info.device_name is not None
+    return ServiceIdentity(
+        service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
+        numerics_fingerprint=info.fingerprint, backend=info.backend, device=info.device_name,
+        dtype=str(info.numerics_dtype).removeprefix("torch."), weights_version=weights_version,
+        model_config_hash=model_config_hash(info.model_config.to_dict()))
+
+
+def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
+    """The replica the flags describe, its engine built in an engine process (not started).
+
+    Call it from the main thread (the engine process is armed to die with the thread that spawns it).
+    """
+    version, tok_spec = model_source(args)
+    engine = AsyncEngine.spawn(functools.partial(engine_from_args, args), name=f"zerokl-{service}-engine",
+                               weights_version=version, threads=args.threads, started=engine_child.take())
+    identity = identity_from_info(service, engine.info, version, args.replica_id)
+    tokenizer = load_tokenizer(tok_spec) if tok_spec else None
+    return Replica(engine, identity, tokenizer, ServingLimits(max_n=args.max_n, stream_interval=args.stream_interval))
 
 
 def build_engine(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
@@ -210,15 +260,19 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
             parser.error(f"--tp must be one of {supported_tp_degrees()}")
         tp = start_tensor_parallel(args.tp, service, argv, args.device)
         args.device = str(tp.device)
-    loaded = load_model(args)
-    if tp is not None:
-        apply_tensor_parallel(loaded.model, tp.compute)
-        if tp.rank > 0:                           # a follower: no server, the engine in lockstep
-            follow(build_engine(loaded, args), tp)
-            dist.destroy_process_group()
-            return 0
-        lockstep = LockstepEngine(build_engine(loaded, args), tp)
-    replica = build_replica(service, loaded, args, lockstep)
+    if tp is None and args.engine_process:
+        replica = spawn_replica(service, args)
+    else:
+        engine_child.discard()   # one `zerokl serve` may have prestarted (the engine runs on a thread here)
+        loaded = load_model(args)
+        if tp is not None:
+            apply_tensor_parallel(loaded.model, tp.compute)
+            if tp.rank > 0:                           # a follower: no server, the engine in lockstep
+                follow(build_engine(loaded, args), tp)
+                dist.destroy_process_group()
+                return 0
+            lockstep = LockstepEngine(build_engine(loaded, args), tp)
+        replica = build_replica(service, loaded, args, lockstep)
     chunk = MAX_CHUNK_BYTES
     if service == "prefill":
         chunk = args.kv_chunk_bytes or MAX_CHUNK_BYTES

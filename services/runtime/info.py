@@ -8,6 +8,7 @@ converters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -30,7 +31,10 @@ __all__ = [
 SERVICES = ("prefill", "decode", "trainer", "weight-store", "scheduler")
 
 
+@functools.cache
 def _package_version() -> str:
+    # Read once per process: importlib.metadata parses the installed package's metadata from disk (~2 ms on
+    # the CI box), and the scheduler builds an identity at every fleet change (each request's start and end).
     try:
         return metadata.version("zerokl")
     except metadata.PackageNotFoundError:

@@ -3,7 +3,10 @@ directly over gRPC, and the scheduler of `zerokl up`, on the same weights, reque
 
     python tools/bench/bench_serving.py                                   # small, bf16, 64 and 256 streams
     python tools/bench/bench_serving.py --preset tiny --dtype float32 --streams 8 --new-tokens 16   # CPU smoke
-    python tools/bench/bench_serving.py --json out.json --alone 64
+    python tools/bench/bench_serving.py --preset small --dtype bfloat16 --out $OUT/serving.json   # the H200 run
+
+Every served replica runs its engine in an engine process (`zerokl serve --engine-process`, the default);
+``--replica-flag=--no-engine-process`` measures the engine on a thread of the gRPC server instead.
 
 Workload (issue 32): N requests of --prompt-len random tokens, --new-tokens generated with ignore_eos,
 temperature 1, seeds 0..N-1; the requests at N=64 are the first 64 of those at N=256. Steps:
@@ -69,12 +72,18 @@ class Wave:
     tokens: int
     ttft: list[float]
     results: dict[int, Result] = field(repr=False)
+    messages: int = 0          # gRPC messages the client received (0: the in-process engine)
 
     def row(self) -> dict:
         ttft = sorted(self.ttft)
-        return {"arm": self.arm, "streams": self.streams, "tok_s": self.tokens / self.seconds,
-                "seconds": self.seconds, "tokens": self.tokens, "ttft_p50_s": _pct(ttft, 50),
-                "ttft_p99_s": _pct(ttft, 99)}
+        row = {"arm": self.arm, "streams": self.streams, "tok_s": self.tokens / self.seconds,
+               "seconds": self.seconds, "tokens": self.tokens, "ttft_p50_s": _pct(ttft, 50),
+               "ttft_p99_s": _pct(ttft, 99)}
+        if self.messages:
+            # What each relay hop handles per request: a message, not a token (coalescing, --stream-interval).
+            row["messages"] = self.messages
+            row["tokens_per_message"] = self.tokens / self.messages
+        return row
 
 
 def _pct(sorted_values: list[float], p: float) -> float:
@@ -168,6 +177,7 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
         await ch.channel_ready()
         first: dict[int, float] = {}
         results: dict[int, Result] = {}
+        messages = [0]
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -178,6 +188,7 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
             tokens: list[int] = []
             logprobs: list[float] = []
             async for msg in stub.Generate(request):
+                messages[0] += 1
                 if msg.token_ids and i not in first:
                     first[i] = time.perf_counter() - t0
                 tokens += msg.token_ids
@@ -186,7 +197,8 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
 
         await asyncio.gather(*(one(i) for i in range(len(ids))))
         seconds = time.perf_counter() - t0
-    return Wave(arm, len(ids), seconds, sum(len(r[0]) for r in results.values()), list(first.values()), results)
+    return Wave(arm, len(ids), seconds, sum(len(r[0]) for r in results.values()), list(first.values()), results,
+                messages[0])
 
 
 # ----------------------------------------------------------------------------- main
@@ -199,13 +211,14 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every arm's engine step budget")
-    p.add_argument("--alone", type=int, default=None,
-                   help="how many requests to run alone as the reference (default: all of the largest wave)")
+    p.add_argument("--alone", type=int, default=64,
+                   help="how many requests to run alone as the reference (default %(default)s; every arm is also "
+                        "compared with the in-process engine's batch at every N)")
     p.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="an extra `zerokl serve decode` flag for the fleet's replicas, e.g. --replica-flag=--gil-switch-ms=0.1")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="where the fleet lives (default: a temporary directory)")
-    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--out", "--json", dest="json", default=None, help="write the results (JSON) here")
     args = p.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     top = max(streams)
@@ -286,10 +299,12 @@ def table(report: dict) -> str:
              f"{report['dtype']}: zerokl up SERVING cold {report['startup_s']['cold']:.1f}s, warm "
              f"{report['startup_s']['warm']:.1f}s; identical (tokens, logprobs) to alone and across arms: "
              f"{report['all_identical']} ({report['alone']['requests']} alone)",
-             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s |", "|---|---|---|---|---|---|---|"]
+             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s | tokens/message |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in report["waves"]:
+        per = f"{r['tokens_per_message']:.1f}" if "tokens_per_message" in r else "-"
         lines.append(f"| {r['arm']} | {r['streams']} | {r['tok_s']:,.0f} | {r['ratio_tok_s']:.2f} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} |")
+                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} | {per} |")
     return "\n".join(lines)
 
 

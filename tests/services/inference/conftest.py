@@ -18,6 +18,7 @@ from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
 from zerokl.services.inference import AsyncEngine, Replica, ServingLimits
+from zerokl.services.inference.async_engine import engine_of
 from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.server import make_identity
@@ -76,21 +77,29 @@ def offline_score(model: Model, ids: tuple[int, ...], options: SamplingOptions =
 
 
 def make_replica(model: Model, service: str, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
-                 limits: ServingLimits = ServingLimits()) -> Replica:
+                 limits: ServingLimits = ServingLimits(), process: bool = False) -> Replica:
+    """A replica of ``model``; ``process``: its engine in an engine process (the model's tensors go there
+    by shared memory: the same weights, so the offline references apply), else on a thread."""
     identity = make_identity(service, model, weights, f"{service}-test")
-    return Replica(AsyncEngine(Engine(model, config, TOKENIZER)), identity, TOKENIZER, limits)
+    if process:
+        engine = AsyncEngine.spawn(engine_of(model, config, TOKENIZER), weights_version=weights,
+                                   threads=1)
+    else:
+        engine = AsyncEngine(Engine(model, config, TOKENIZER))
+    return Replica(engine, identity, TOKENIZER, limits)
 
 
 @contextlib.asynccontextmanager
 async def decode_server(model: Model, config: EngineConfig = EngineConfig(), weights: str = WEIGHTS,
                         limits: ServingLimits = ServingLimits(), options: ServerOptions = ServerOptions(),
-                        weight_store: str | None = None, handoff_timeout_s: float = 60.0
+                        weight_store: str | None = None, handoff_timeout_s: float = 60.0, process: bool = False
                         ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
     """A decode replica on a loopback port (serving SwitchWeights from ``weight_store`` when given).
 
-    It reads prefill replicas' KV presenting ``options``' peer token, as `zerokl serve decode` does.
+    It reads prefill replicas' KV presenting ``options``' peer token, as `zerokl serve decode` does;
+    ``process``: its engine in an engine process.
     """
-    replica = make_replica(model, "decode", config, weights, limits)
+    replica = make_replica(model, "decode", config, weights, limits, process)
     replica.engine.start()
     server = ServiceServer("decode", options)
     decoder = Decoder(replica, token=options.auth.peer_token, tracer_provider=options.tracer_provider,
@@ -124,10 +133,11 @@ async def _switcher(replica: Replica, server: ServiceServer, weight_store: str |
 @contextlib.asynccontextmanager
 async def prefill_server(model: Model, config: EngineConfig = EngineConfig(),
                          chunk_bytes: int = 4096, weights: str = WEIGHTS, options: ServerOptions = ServerOptions(),
-                         weight_store: str | None = None) -> AsyncIterator[tuple[ServiceServer, Replica]]:
+                         weight_store: str | None = None, process: bool = False
+                         ) -> AsyncIterator[tuple[ServiceServer, Replica]]:
     """A prefill replica on a loopback port streaming KV in small chunks
-    (serving SwitchWeights from ``weight_store`` when given)."""
-    replica = make_replica(model, "prefill", config, weights)
+    (serving SwitchWeights from ``weight_store`` when given; ``process``: its engine in an engine process)."""
+    replica = make_replica(model, "prefill", config, weights, process=process)
     replica.engine.start()
     server = ServiceServer("prefill", options)
     async with _switcher(replica, server, weight_store) as switch:
