@@ -29,7 +29,8 @@ import torch
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+from zerokl.services.trainer.trainer import Trainer
+from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
            "save_state", "load_state", "save_records", "load_records", "rl_step", "run_steps", "tis_ppo_loss",

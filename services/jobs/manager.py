@@ -60,17 +60,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, 
 import grpc
 import grpc.aio
 
-from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from zerokl.services.runtime.errors import CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, Unavailable, UnservedPin
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
 from zerokl.services.rl.ports import Sampled, sampling_seed
-from zerokl.services.routing.router import UnservedPin
-from zerokl.services.routing.scheduler import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import Completion, Rollout
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.store import WeightsManifest
+from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
            "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",

@@ -16,7 +16,6 @@ import torch
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.trainer import convert
-from zerokl.services.trainer.trainer import Completion, Rollout
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -28,6 +27,7 @@ from zerokl.services.trainer.types import (
 )
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TrainerClient"]
 

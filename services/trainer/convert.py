@@ -15,7 +15,7 @@ import torch
 
 from zerokl.kernels.trace import Trace
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig
+from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -29,6 +29,7 @@ from zerokl.services.trainer.types import (
 from zerokl.services.weightstore.convert import manifest_from_proto, manifest_to_proto
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import trainer_pb2
+from zerokl.vocab import Completion, Rollout
 
 __all__ = [
     "completion_to_proto",

@@ -35,7 +35,6 @@ from prometheus_client import Counter, Gauge
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.checkpoint import config_to_hf
-from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
     FailedPrecondition,
     FieldViolation,
@@ -60,7 +59,7 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
 )
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, NonFiniteStep, Rollout, Trainer
+from zerokl.services.trainer.trainer import NonFiniteStep, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -73,6 +72,7 @@ from zerokl.services.trainer.types import (
 )
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
     "TRAINER_SERVICE",

@@ -30,8 +30,9 @@ from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
+from zerokl.vocab import Completion, Rollout
 
-__all__ = ["TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
+__all__ = ["TrainConfig", "Trainer", "NonFiniteStep"]
 
 
 @dataclass(frozen=True)
@@ -57,27 +58,6 @@ class TrainConfig:
     # so small-lr RL (1e-5..1e-4) barely moves it. The forward runs on the model's own weights
     # either way, so logprobs stay bitwise the engine's.
     master_weights: bool | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A prompt and its completion, with the sampling distribution the completion was drawn from."""
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    temperature: float = 1.0            # 0 = greedy: logprobs are the plain log_softmax
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """A sampled completion as inference reported it (behaviour logprobs) with its reward."""
-
-    sequence: Completion
-    logprobs: tuple[float, ...]
-    reward: float
-    weights_version: str = ""
 
 
 @dataclass

@@ -35,11 +35,12 @@ from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.server import build_parser, open_repo, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, Rollout
 
 from conftest import below_16, engine_rollouts
 
