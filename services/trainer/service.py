@@ -59,7 +59,8 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
 )
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import NonFiniteStep, Trainer
+from zerokl.services.trainer.optim import NonFiniteStep
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -489,8 +490,10 @@ class TrainerService:
             return
         self._pinned = version
 
-    async def load_weights(self, version: str, restore_state: bool = False) -> TrainerState:
-        """Switch to a published version (``latest`` names the newest); pending gradients are dropped."""
+    async def load_weights(self, version: str, restore_state: bool = False,
+                           config: TrainConfig | None = None) -> TrainerState:
+        """Switch to a published version (``latest`` names the newest); pending gradients are dropped.
+        Without ``restore_state`` the fresh trainer has ``config`` (default: the current one)."""
         if not version:
             raise InvalidArgument.field("version", "required (a version id, or 'latest')")
 
@@ -500,7 +503,7 @@ class TrainerService:
                 with tempfile.TemporaryDirectory(prefix="zerokl-trainer-load-") as tmp:
                     manifest = await self.repo.fetch(version, pathlib.Path(tmp))
                     ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
-                                               config=self._trainer.config, run=self.run,
+                                               config=config or self._trainer.config, run=self.run,
                                                device=self._trainer.device)
             trainer = ckpt.trainer
             lineage = ckpt.lineage if restore_state else []
@@ -575,7 +578,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
-        return convert.state_to_proto(await self._service.load_weights(request.version, request.restore_state))
+        config = convert.train_config_from_proto(request.config) if request.HasField("config") else None
+        return convert.state_to_proto(await self._service.load_weights(request.version, request.restore_state, config))
 
     async def GetState(self, request: trainer_pb2.GetStateRequest,
                        context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
