@@ -8,7 +8,7 @@ field's ``metadata["help"]``, else its trailing ``# comment``, else the comment 
 it. Types: int, float, str; ``bool`` (``--x`` / ``--no-x``); ``bool | None`` (``auto``, ``on``,
 ``off``: None, True, False); ``Literal[...]`` (its choices); ``tuple[T, T, ...]`` (``nargs``).
 A field of another type is an error when the parser is built, so a new field reaches the command
-line or fails loudly (tests/test_cli_flags.py checks every TrainConfig field).
+line or fails loudly (tests/services/trainer/test_trainer_service.py checks every TrainConfig field).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import types
 import typing
 from typing import Any, Literal
 
-__all__ = ["TRISTATE", "flag_name", "field_help", "add_dataclass_arguments", "dataclass_from_args"]
+__all__ = ["TRISTATE", "flag_name", "add_dataclass_arguments", "dataclass_from_args"]
 
 TRISTATE = {"auto": None, "on": True, "off": False}      # a `bool | None` field's choices
 
@@ -56,10 +56,6 @@ def _comments(cls: type) -> dict[str, str]:
             out[first.string] = " ".join(trailing or block)
         block = []
     return out
-
-
-def field_help(cls: type, field: dataclasses.Field) -> str:
-    return field.metadata.get("help") or _comments(cls).get(field.name, "")
 
 
 def _is_optional_bool(tp: Any) -> bool:

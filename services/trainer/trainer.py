@@ -40,8 +40,8 @@ __all__ = ["TrainConfig", "Trainer"]
 class TrainConfig:
     """The trainer's hyperparameters. Every field is a `zerokl serve trainer` flag (generated:
     services/runtime/dataclass_flags.py, its help from the field's comment) and a field of
-    ``zerokl.v1.TrainConfig`` (services/trainer/convert.py); tests/test_cli_flags.py fails for a
-    field that reaches either without being wired."""
+    ``zerokl.v1.TrainConfig`` (services/trainer/convert.py), so the Jobs API's ``train_config``;
+    tests/services/trainer/test_trainer_service.py fails for a field not wired through each."""
 
     lr: float = 1e-3                    # peak learning rate (AdamW)
     weight_decay: float = 0.0           # AdamW weight decay
@@ -68,6 +68,8 @@ class TrainConfig:
 
 @dataclass
 class TokenBatch:
+    """Completions laid out for the training forward (:meth:`Trainer.batch_of`)."""
+
     input_ids: torch.Tensor             # [B, S] padded
     targets: torch.Tensor               # [B, T] completion tokens, padded
     mask: torch.Tensor                  # [B, T]
@@ -114,6 +116,8 @@ class Trainer:
     # ------------------------------------------------------------------ logprobs
 
     def batch_of(self, seqs: Sequence[Completion]) -> TokenBatch:
+        """``seqs`` padded into one batch on the model's device, with each completion token's
+        predicting row and sampling parameters (what :meth:`token_logprobs` reads)."""
         pad = self.model.config.pad_token_id or 0
         full = [list(s.prompt_ids) + list(s.completion_ids) for s in seqs]
         width = max(len(f) for f in full) - 1             # the last token is only a target
@@ -294,6 +298,8 @@ class Trainer:
                               release=release)
 
     def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
+        """Copies of the trained tensors, fp32 masters, optimizer state and learning rates
+        (what :meth:`restore` puts back when an optimizer step is undone)."""
         params = [p.detach().clone() for p in self.params]
         masters = [m.detach().clone() for m in self.masters] if self.masters is not None else []
         state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
