@@ -16,7 +16,7 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
 from zerokl.vocab import Completion, Rollout

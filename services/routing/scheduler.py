@@ -65,6 +65,7 @@ from zerokl.services.runtime.errors import (
     RelayedError,
     ServiceError,
     Unavailable,
+    UnservedPin,
     handoff_peer,
     status_details,
 )
