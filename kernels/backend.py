@@ -23,6 +23,18 @@ BACKENDS = INVARIANT_BACKENDS + ("stock",)
 _active: contextvars.ContextVar[str | None] = contextvars.ContextVar("zerokl_backend", default=None)
 
 
+def _exact_interpreter_dot() -> None:
+    """Under TRITON_INTERPRET=1 make the interpreter's tl.dot the exact contraction
+    (kernels/interpreter.py). Runs when this module loads and again before the Triton package
+    is first imported (it sets the variable on a CPU), so it precedes every Triton kernel."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from zerokl.kernels.interpreter import install_exact_dot
+        install_exact_dot()
+
+
+_exact_interpreter_dot()
+
+
 def default_backend() -> str:
     """ZEROKL_BACKEND if set, else triton on CUDA machines and torch elsewhere."""
     name = os.environ.get("ZEROKL_BACKEND")
@@ -62,6 +74,7 @@ def backend_module(name: str | None = None) -> ModuleType:
     if not torch.cuda.is_available():
         # Triton decides at decoration time whether to interpret: set it before import.
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    _exact_interpreter_dot()
     from zerokl.kernels import triton as triton_ops
     return triton_ops
 
@@ -75,7 +88,7 @@ def device_name(device: torch.device | str | None = None, backend: str | None = 
       (kernels/portable.py), so every CPU computes the same bits, whatever its vendor or ISA.
     * CPU, triton backend: the interpreter evaluates Triton ops with numpy, whose exp/log are
       dispatched by numpy's SIMD target, so the key names it, e.g. ``cpu-interp-numpy2.4-AVX2``.
-      (tl.dot is the exact contraction there, kernels/triton/interpreter.py: BLAS plays no part.)
+      (tl.dot is the exact contraction there, kernels/interpreter.py: BLAS plays no part.)
     * CPU, stock backend (not fingerprinted): ATen's capability, e.g. ``cpu-avx512``.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

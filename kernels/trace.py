@@ -305,14 +305,13 @@ def trace_sequence(model, token_ids: Sequence[int], temperature: float = 1.0, to
     return them.
     """
     from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
-    from zerokl.kernels.model.model import AttentionBatch
     ids = list(token_ids)
     if not ids:
         raise ValueError("trace_sequence: no tokens")
     dev = model.embed_tokens.weight.device
     tokens = torch.tensor(ids, dtype=torch.int64, device=dev)
     with recording(model, capture) as rec:
-        logits = model.forward_tokens(tokens, AttentionBatch.for_sequences(1, len(ids), dev))
+        logits = model(tokens.view(1, -1)).view(len(ids), -1)   # the training path: forward_tokens, one sequence
         if len(ids) > 1:
             n = len(ids) - 1
             params = SamplingParams(torch.full((n,), float(temperature), device=dev),

@@ -30,7 +30,8 @@ from zerokl.kernels.model.fp8 import serving_fp8_model
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, Rollout, Trainer
+from zerokl.services.trainer.trainer import Trainer
+from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
            "save_state", "load_state", "save_records", "load_records", "rl_step", "run_steps", "tis_ppo_loss",
@@ -255,11 +256,11 @@ def tis_grpo_step(trainer: Trainer, rollouts: list[Rollout], group_size: int, ca
     start = time.perf_counter()
     trainer.model.train()
     adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size).to(trainer.device)
-    batch = trainer._batch([r.sequence for r in rollouts])
+    batch = trainer.batch_of([r.sequence for r in rollouts])
     behaviour = torch.zeros(batch.mask.shape)
     for b, r in enumerate(rollouts):
         behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-    logprobs = trainer._logprobs(trainer.model, batch)
+    logprobs = trainer.token_logprobs(trainer.model, batch)
     loss, metrics = tis_ppo_loss(logprobs, behaviour.to(trainer.device), adv, batch.mask, trainer.config.clip_eps, cap)
     loss.backward()
     trainer.tokens_seen += metrics["tokens"]

@@ -10,12 +10,9 @@ package is imported (triton.jit reads it when the kernels are decorated).
 """
 from __future__ import annotations
 
-import os
-
-if os.environ.get("TRITON_INTERPRET") == "1":      # CPU: tl.dot exact, whatever BLAS numpy has
-    from .interpreter import install_exact_dot
-    install_exact_dot()
-
+# Under TRITON_INTERPRET=1 (CPU) tl.dot is made exact, whatever BLAS numpy has, by the library
+# above this package (kernels/interpreter.py, installed from kernels/backend.py before this
+# package can be imported): a backend never imports the library that dispatches to it.
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .elementwise import sigmoid, silu
 from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize

@@ -18,7 +18,7 @@ as kernels/triton/gemm.py's grouped GEMM), so a token's result never depends on 
 its expert received.
 
 Under the interpreter the block dot is the exact contraction rounded once to fp32
-(kernels/triton/interpreter.py), which is the torch backend's definition, so interpreted bits
+(kernels/interpreter.py), which is the torch backend's definition, so interpreted bits
 equal the torch backend's. Compiled on Hopper the block dot is the tensor cores' FP8 MMA,
 whose accumulation is the hardware's own: other bits than the CPU's (another fingerprint key),
 the same for a row alone or in any batch.

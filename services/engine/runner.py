@@ -34,7 +34,8 @@ from zerokl.kernels.backend import get_backend
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.model import KVCache, Model
 from zerokl.kernels.model.paging import SequenceChunk, batch_for_chunks, decode_batch
-from zerokl.services.engine.types import EngineConfig, KVHandoff, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, KVHandoff
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["DecodeRow", "ModelRunner", "SamplingRow", "batch_buckets"]
 

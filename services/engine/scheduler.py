@@ -15,7 +15,8 @@ import enum
 from typing import Any, Callable, Protocol
 
 from zerokl.services.engine.blocks import BlockManager, block_hashes, prefix_cache_seed
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["KVMover", "Sample", "SampleState", "Scheduler"]
 

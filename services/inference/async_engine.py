@@ -67,19 +67,19 @@ from multiprocessing.reduction import ForkingPickler
 from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.engine import Engine, RequestError, WeightsCorrupted, device_failed
 from zerokl.services.engine.types import GenerateRequest, SampleOutput
-from zerokl.services.inference.errors import Internal
 from zerokl.services.runtime import metrics
 from zerokl.services.runtime.errors import (
     AlreadyExists,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     PreconditionViolation,
     ServiceError,
     Unavailable,
 )
+from zerokl.services.runtime.metrics import LatencyTracker
 
-__all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "LatencyTracker", "collect", "pack_outputs",
-           "unpack_outputs"]
+__all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "collect", "pack_outputs", "unpack_outputs"]
 
 log = logging.getLogger(__name__)
 
@@ -87,39 +87,6 @@ _END = object()  # a stream's last item: the request is done
 _PROBE_INTERVAL_S = 1.0  # how often a failed device is probed
 _SPAWN_TIMEOUT_S = 600.0  # building the engine in the child (model load, device init) may take this long
 _STOP_GRACE_S = 10.0     # a child whose parent went away gets this long to end its step before it exits
-
-
-class LatencyTracker:
-    """Observes one request's TTFT, inter-token latencies and end-to-end latency.
-
-    Used by the engine's front for local generation and by the prefill relay
-    for what its client sees; times are ``time.monotonic()`` seconds.
-    """
-
-    def __init__(self, arrival: float | None = None) -> None:
-        self.arrival = time.monotonic() if arrival is None else arrival
-        self._first: float | None = None
-        self._last: dict[int, float] = {}
-
-    def tokens(self, index: int, count: int, now: float | None = None) -> None:
-        """Sample ``index`` produced ``count`` tokens now."""
-        if count <= 0:
-            return
-        now = time.monotonic() if now is None else now
-        if self._first is None:
-            self._first = now
-            metrics.TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
-        last = self._last.get(index)
-        if last is not None:
-            # One delta usually carries one token; a larger one spreads its wait evenly.
-            for _ in range(count):
-                metrics.INTER_TOKEN_LATENCY.observe((now - last) / count)
-        self._last[index] = now
-
-    def done(self, now: float | None = None) -> None:
-        """The request finished (any reason)."""
-        now = time.monotonic() if now is None else now
-        metrics.E2E_REQUEST_LATENCY.observe(now - self.arrival)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,6 @@ home. Logprobs are fp32 numbers and travel as proto ``float``: exact.
 from __future__ import annotations
 
 from zerokl.kernels.trace import Trace
-from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import (
     GenerateDelta,
     InferenceRequest,
@@ -20,6 +19,7 @@ from zerokl.services.inference.types import (
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
 from zerokl.v1 import inference_pb2
+from zerokl.vocab import InvalidOption, SamplingOptions
 
 __all__ = [
     "sampling_to_proto",

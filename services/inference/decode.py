@@ -35,20 +35,27 @@ from opentelemetry import trace
 from zerokl.services.inference import convert
 from zerokl.services.inference.client import InferenceClient
 from zerokl.kernels.trace import Trace
-from zerokl.services.engine.types import KVHandoff, SamplingOptions
-from zerokl.services.inference.errors import RelayedError, handoff_error_info
+from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, Usage
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.auth import Role, caller_role
-from zerokl.services.runtime.errors import AlreadyExists, DataLoss, InvalidArgument, ServiceError
+from zerokl.services.runtime.errors import (
+    AlreadyExists,
+    DataLoss,
+    InvalidArgument,
+    RelayedError,
+    ServiceError,
+    handoff_error_info,
+)
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.server import ServiceServer, stream_out
 from zerokl.services.runtime.streams import unless_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["DECODE_SERVICE", "DEFAULT_HANDOFF_TIMEOUT_S", "Decoder", "DecodeServicer", "add_decode_service"]
 

@@ -23,20 +23,19 @@ import grpc
 import grpc.aio
 
 from zerokl.kernels.trace import Trace
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
-from zerokl.services.inference.errors import Cancelled
 from zerokl.services.inference.kv import handoff_to_blob
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, split_bytes
-from zerokl.services.runtime.errors import FailedPrecondition
+from zerokl.services.runtime.errors import Cancelled, FailedPrecondition
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["PREFILL_SERVICE", "Prefiller", "PrefillServicer", "add_prefill_service"]
 

@@ -15,13 +15,21 @@ from typing import AsyncIterator, Sequence
 
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.tokenizer import Tokenizer
-from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput, SamplingOptions
+from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
-from zerokl.services.inference.errors import Cancelled, Internal, ResourceExhausted
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage, coalesce
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation, Unavailable
+from zerokl.services.runtime.errors import (
+    Cancelled,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    PreconditionViolation,
+    ResourceExhausted,
+    Unavailable,
+)
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.optrace import identity_meta
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["ServingLimits", "Replica"]
 

@@ -16,7 +16,6 @@ from typing import AsyncIterator, Awaitable, Callable, Protocol
 import grpc.aio
 
 from zerokl.kernels.trace import Trace
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument
@@ -25,6 +24,7 @@ from zerokl.services.runtime.optrace import require_operator
 from zerokl.services.runtime.server import stream_out
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 __all__ = ["INFERENCE_SERVICE", "InferenceBackend", "InferenceServicer"]
 

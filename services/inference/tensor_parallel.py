@@ -17,12 +17,7 @@ the version, its full tensors are broadcast to the followers, and every rank loa
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import subprocess
-import sys
-import threading
-import time
 from typing import Any, Sequence
 
 import torch
@@ -30,6 +25,7 @@ import torch.distributed as dist
 
 from zerokl.kernels.model.parallel import shard_state_dict
 from zerokl.services.engine.engine import Engine, RequestError
+from zerokl.services.runtime import lockstep
 
 __all__ = ["ENV_RANK", "ENV_PORT", "LockstepEngine", "TensorParallelGroup", "follow", "start_tensor_parallel"]
 
@@ -46,32 +42,19 @@ class TensorParallelGroup:
     def __init__(self, tp: int, rank: int, port: int, device: torch.device, followers: list[subprocess.Popen]):
         self.tp, self.rank, self.device, self.followers = tp, rank, device, followers
         self.closing = False                      # rank 0: followers may exit now
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+        lockstep.join_world(rank, tp, port, device)
         self.compute = dist.group.WORLD
         self.control = dist.new_group(backend="gloo")
 
     def watch_followers(self) -> None:
         """Rank 0: exit the process if a follower dies while serving (its shard is gone; a
         supervisor restarts the whole replica)."""
-        def watch() -> None:
-            while not self.closing:
-                for p in self.followers:
-                    if p.poll() is not None and not self.closing:
-                        log.error("tensor-parallel follower pid %d exited with %s; stopping the replica",
-                                  p.pid, p.returncode)
-                        os._exit(1)
-                time.sleep(0.5)
-        threading.Thread(target=watch, name="zerokl-tp-follower-watch", daemon=True).start()
+        lockstep.watch_followers(self.followers, lambda: self.closing, "tensor-parallel replica")
 
     def close(self, timeout: float = 10.0) -> None:
         """Rank 0: wait for the followers (after LockstepEngine.stop), then end the group."""
         self.closing = True
-        for p in self.followers:
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        lockstep.reap(self.followers, timeout)
         dist.destroy_process_group()
 
 
@@ -81,39 +64,11 @@ def start_tensor_parallel(tp: int, service: str, argv: Sequence[str], device: st
     Followers run `python -m zerokl.services.inference <service> <argv>` with the rank in their
     environment; on GPUs rank r uses cuda:r of what this process sees.
     """
-    rank = int(os.environ.get(ENV_RANK, "0"))
-    followers: list[subprocess.Popen] = []
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for r in range(1, tp):
-            env = dict(os.environ, **{ENV_RANK: str(r), ENV_PORT: str(port)})
-            followers.append(subprocess.Popen([sys.executable, "-m", "zerokl.services.inference", service, *argv],
-                                              env=env, stdin=subprocess.DEVNULL))
-    else:
-        port = int(os.environ[ENV_PORT])
-        _exit_with_parent()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda":
-        dev = torch.device("cuda", rank)
-        torch.cuda.set_device(dev)
-    group = TensorParallelGroup(tp, rank, port, dev, followers)
+    rank, port, followers = lockstep.rendezvous(tp, ENV_RANK, ENV_PORT, ["-m", "zerokl.services.inference", service, *argv])
+    group = TensorParallelGroup(tp, rank, port, lockstep.rank_device(device, rank), followers)
     if followers:
         group.watch_followers()
     return group
-
-
-def _exit_with_parent() -> None:
-    """A follower ends when rank 0 (its parent) is gone, killed or not: an idle server sends
-    nothing for hours, so a collective timeout cannot tell."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, name="zerokl-tp-parent-watch", daemon=True).start()
 
 
 class LockstepEngine:
@@ -128,7 +83,7 @@ class LockstepEngine:
         return getattr(self.engine, name)
 
     def _send(self, *call: Any) -> None:
-        dist.broadcast_object_list([call], src=0, group=self.group.control)
+        lockstep.send(self.group.control, *call)
 
     def add_request(self, request: Any) -> None:
         self._send("add_request", request)
@@ -155,26 +110,18 @@ class LockstepEngine:
     def stop(self) -> None:
         """Tell the followers to exit (after the engine thread has stopped)."""
         self.group.closing = True
-        self._send("stop")
+        self._send(lockstep.STOP)
 
 
 def follow(engine: Engine, group: TensorParallelGroup) -> None:
-    """A follower's life: apply rank 0's engine calls in order until it says stop."""
-    while True:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=group.control)
-        name, *args = box[0]
-        if name == "stop":
-            return
-        try:
-            if name == "load_weights":
-                _load_shards(engine, _broadcast_state_dict(None, group), group, *args)
-            else:
-                getattr(engine, name)(*args)
-        except RequestError:
-            pass      # rank 0's engine refused the same request (same state, same check); it tells the client
-        except Exception:  # noqa: BLE001 - as rank 0's engine thread does: the same failure there, keep in step
-            log.exception("engine call %s failed on rank %d", name, group.rank)
+    """A follower's life: apply rank 0's engine calls in order until it says stop (a request
+    rank 0's engine refused is refused here too, by the same check: rank 0 tells the client)."""
+    def apply(name: str, args: tuple, kwargs: dict) -> None:
+        if name == "load_weights":
+            _load_shards(engine, _broadcast_state_dict(None, group), group, *args)
+        else:
+            getattr(engine, name)(*args, **kwargs)
+    lockstep.follow(group.control, apply, "engine", group.rank, expected=(RequestError,))
 
 
 def _broadcast_state_dict(state_dict: dict | None, group: TensorParallelGroup) -> dict:

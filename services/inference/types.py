@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from zerokl.services.engine.types import FinishReason, SamplingOptions
+from zerokl.vocab import FinishReason, SamplingOptions
 
 __all__ = [
     "InferenceRequest",

@@ -23,9 +23,13 @@ import grpc.aio
 import torch
 
 from zerokl.kernels.model import Model
-from zerokl.services.inference.errors import RelayedError
 from zerokl.services.inference.replica import Replica
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, PreconditionViolation
+from zerokl.services.runtime.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PreconditionViolation,
+    RelayedError,
+)
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.metrics import set_serving_info
 from zerokl.services.weightstore.client import WeightStoreClient

@@ -54,23 +54,22 @@ import random
 import threading
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import grpc
 import grpc.aio
 
-from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
-from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from zerokl.services.runtime.errors import CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, Unavailable, UnservedPin
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
 from zerokl.services.rl.ports import Sampled, sampling_seed
-from zerokl.services.routing.router import UnservedPin
-from zerokl.services.routing.scheduler import CanaryFailed
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.store import WeightsManifest
+from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
            "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",
@@ -104,6 +103,7 @@ class SFTJobSpec:
     publish_every: int = 0                          # 0: publish only at the end
     seed: int = 0
     learning_rate: float = 0.0                      # > 0: every step's lr; 0: the trainer's schedule
+    train_config: TrainConfig | None = None         # set: a fresh trainer with these hyperparameters
     kind = "sft"
 
 
@@ -115,6 +115,7 @@ class DPOJobSpec:
     publish_every: int = 0
     seed: int = 0
     learning_rate: float = 0.0
+    train_config: TrainConfig | None = None
     kind = "dpo"
 
 
@@ -132,6 +133,7 @@ class RLJobSpec:
     eval_every: int = 5
     eval_prompts: int = 32
     learning_rate: float = 0.0
+    train_config: TrainConfig | None = None
     kind = "rl"
 
 
@@ -150,6 +152,13 @@ def validate(spec: JobSpec) -> None:
     if not (math.isfinite(spec.learning_rate) and 0.0 <= spec.learning_rate <= _FLOAT32_MAX):
         raise InvalidArgument.field("learning_rate", f"must be finite, >= 0 and at most {_FLOAT32_MAX:.4g} "
                                                      f"(0: the trainer's schedule), got {spec.learning_rate!r}")
+    if spec.train_config is not None:
+        for f in dataclasses.fields(TrainConfig):
+            value = getattr(spec.train_config, f.name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= _FLOAT32_MAX) \
+                        or isinstance(v, int) and not isinstance(v, bool) and v < 0:
+                    raise InvalidArgument.field(f"train_config.{f.name}", f"must be finite (and >= 0), got {value!r}")
     if isinstance(spec, SFTJobSpec):
         if spec.batch_size <= 0:
             raise InvalidArgument.field("sft.batch_size", "must be > 0")
@@ -627,6 +636,11 @@ class _TrainerSession:
                                      "batches; OptimStep or LoadWeights first")
         self.base_step = self.trainer_step = state.step
         manifest = self._save()
+        if self.job.spec.train_config is not None:
+            # The job's hyperparameters: a fresh trainer (optimizer, adapters, step 0) on these weights.
+            state = self._call(self.client.load_weights(manifest.version, restore_state=False,
+                                                        config=self.job.spec.train_config))
+            self.base_step = self.trainer_step = state.step
         self._switch_fleet(manifest.version)
         self.weights_version = manifest.version
         return manifest.version

@@ -6,6 +6,7 @@ each default).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, AsyncIterator
 
 import grpc.aio
@@ -24,7 +25,12 @@ from zerokl.services.jobs.manager import (
     RLJobSpec,
     SFTJobSpec,
 )
-from zerokl.services.trainer.convert import completion_from_proto, completion_to_proto
+from zerokl.services.trainer.convert import (
+    completion_from_proto,
+    completion_to_proto,
+    train_config_from_proto,
+    train_config_to_proto,
+)
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
 
 __all__ = ["JOBS_SERVICE", "JobsServicer", "JobsClient", "add_jobs_service", "spec_to_proto", "spec_from_proto"]
@@ -55,24 +61,36 @@ def spec_to_proto(spec: JobSpec, name: str = "") -> jobs_pb2.JobSpec:
             sft.countdown.CopyFrom(_countdown_to_proto(spec.countdown))
         else:
             sft.examples.CopyFrom(trainer_pb2.SFTBatch(completions=[completion_to_proto(c) for c in spec.examples]))
-        return jobs_pb2.JobSpec(name=name, sft=sft, learning_rate=spec.learning_rate)
+        return _with_train_config(jobs_pb2.JobSpec(name=name, sft=sft, learning_rate=spec.learning_rate), spec)
     if isinstance(spec, DPOJobSpec):
         pairs = trainer_pb2.DPOBatch(pairs=[trainer_pb2.PreferencePair(chosen=completion_to_proto(c),
                                                                        rejected=completion_to_proto(r))
                                             for c, r in spec.pairs])
-        return jobs_pb2.JobSpec(name=name, dpo=jobs_pb2.DPOJob(pairs=pairs, steps=spec.steps,
-                                                               batch_size=spec.batch_size,
-                                                               publish_every=spec.publish_every, seed=spec.seed),
-                                learning_rate=spec.learning_rate)
+        return _with_train_config(jobs_pb2.JobSpec(name=name, dpo=jobs_pb2.DPOJob(
+            pairs=pairs, steps=spec.steps, batch_size=spec.batch_size, publish_every=spec.publish_every,
+            seed=spec.seed), learning_rate=spec.learning_rate), spec)
     rl = jobs_pb2.RLJob(countdown=_countdown_to_proto(spec.countdown), steps=spec.steps,
                         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
                         max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts)
-    return jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate)
+    return _with_train_config(jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate), spec)
+
+
+def _with_train_config(msg: jobs_pb2.JobSpec, spec: JobSpec) -> jobs_pb2.JobSpec:
+    if spec.train_config is not None:
+        msg.train_config.CopyFrom(train_config_to_proto(spec.train_config))
+    return msg
 
 
 def spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
     """``zerokl.v1.JobSpec`` -> JobSpec dataclass (INVALID_ARGUMENT when no kind is set)."""
+    spec = _spec_from_proto(msg)
+    if msg.HasField("train_config"):
+        spec = dataclasses.replace(spec, train_config=train_config_from_proto(msg.train_config))
+    return spec
+
+
+def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
     kind = msg.WhichOneof("job")
     if kind == "sft":
         m = msg.sft

@@ -16,10 +16,10 @@ import random
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
-from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.vocab import Completion, Rollout
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
 

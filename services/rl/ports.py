@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from zerokl.services.trainer.trainer import Rollout
+from zerokl.vocab import Rollout
 
 __all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort", "sampling_seed"]
 
@@ -116,7 +116,8 @@ class LocalEnginePort:
         from zerokl.kernels import use_backend
         from zerokl.kernels.backend import get_backend
         from zerokl.services.engine.engine import run_to_completion
-        from zerokl.services.engine.types import GenerateRequest, SamplingOptions
+        from zerokl.services.engine.types import GenerateRequest
+        from zerokl.vocab import SamplingOptions
         opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
         reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=sampling_seed(seed + i)))
                 for i, p in enumerate(prompts)]

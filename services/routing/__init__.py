@@ -26,7 +26,7 @@ _EXPORTS = {
     "StaticSource": "registry", "load_static_config": "registry",
     "StreamLedger": "replay",
     "MixedFleet": "router", "NoReplica": "router", "Pin": "router", "Policy": "router", "Router": "router",
-    "UnservedPin": "router", "resolve_pin": "router",
+    "resolve_pin": "router",
     "Scheduler": "scheduler", "SchedulerConfig": "scheduler",
     "add_scheduler_service": "scheduler",
 }
@@ -45,7 +45,6 @@ __all__ = [
     "SchedulerConfig",
     "StaticSource",
     "StreamLedger",
-    "UnservedPin",
     "add_scheduler_service",
     "load_static_config",
     "resolve_pin",

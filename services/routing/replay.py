@@ -14,10 +14,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from zerokl.services.engine.types import FinishReason
 from zerokl.services.inference.types import GenerateDelta, Usage
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.routing.router import Pin
+from zerokl.vocab import FinishReason
 
 __all__ = ["StreamLedger"]
 

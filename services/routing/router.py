@@ -20,11 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from zerokl.services.runtime.errors import FailedPrecondition, PreconditionViolation, Unavailable
+from zerokl.services.runtime.errors import FailedPrecondition, PreconditionViolation, Unavailable, UnservedPin
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.routing.registry import ReplicaView
 
-__all__ = ["Pin", "Policy", "resolve_pin", "Router", "NoReplica", "MixedFleet", "UnservedPin"]
+__all__ = ["Pin", "Policy", "resolve_pin", "Router", "NoReplica", "MixedFleet"]
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,6 @@ class NoReplica(Unavailable):
 
 class MixedFleet(FailedPrecondition):
     """Healthy replicas disagree on what they compute and nothing pins which one the request wants."""
-
-
-class UnservedPin(FailedPrecondition):
-    """No known replica serves the pinned weights version / fingerprint (it may be loading)."""
 
 
 # Identity fields that must agree among the replicas serving one pin, with the flag that pins each.

@@ -52,23 +52,25 @@ import grpc.aio
 from google.rpc import error_details_pb2
 from opentelemetry import trace
 
-from zerokl.services.engine.types import SamplingOptions
-from zerokl.services.inference.async_engine import LatencyTracker
 from zerokl.services.inference.client import InferenceClient
-from zerokl.services.inference.errors import RelayedError, handoff_peer
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, coalesce
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.errors import (
     AlreadyExists,
+    CanaryFailed,
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    RelayedError,
     ServiceError,
     Unavailable,
+    UnservedPin,
+    handoff_peer,
     status_details,
 )
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
+from zerokl.services.runtime.metrics import LatencyTracker
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.runtime.streams import batches_until_set
 from zerokl.services.runtime.tracing import tag_request
@@ -76,10 +78,11 @@ from zerokl.services.routing import metrics
 from zerokl.services.routing.fleet import read_fleet_version, write_fleet_version
 from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
 from zerokl.services.routing.replay import StreamLedger
-from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, UnservedPin, resolve_pin
+from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, resolve_pin
 from zerokl.v1 import inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
-__all__ = ["SchedulerConfig", "Scheduler", "add_scheduler_service", "CanaryFailed", "CANARY_PROMPT", "CANARY_TOKENS"]
+__all__ = ["SchedulerConfig", "Scheduler", "add_scheduler_service", "CANARY_PROMPT", "CANARY_TOKENS"]
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +92,6 @@ _CONVERGE_RETRY_S = 2.0
 # The canary of new weights: a fixed probe (ids every vocabulary has) generated greedily on one replica.
 CANARY_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
 CANARY_TOKENS = 4
-
-
-class CanaryFailed(FailedPrecondition):
-    """New weights failed their canary on one replica; no other replica switched to them."""
 
 
 @dataclass(frozen=True)

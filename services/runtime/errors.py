@@ -6,6 +6,12 @@ server's error interceptor turns it into a status code, a message and
 ``google.rpc.Status`` details (``BadRequest`` field violations,
 ``PreconditionFailure`` violations) in the ``grpc-status-details-bin``
 trailer. Clients read the details back with :func:`status_details`.
+
+This is the one error taxonomy of every service (inference, routing, jobs, trainer,
+weight store): the status-code classes, a peer's status relayed (:class:`RelayedError`,
+the ``KV_HANDOFF`` ErrorInfo), and the named failures one layer raises and another
+catches (:class:`CanaryFailed`, :class:`UnservedPin`), so no layer imports another's
+implementation for an exception.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+import grpc.aio
 from google.protobuf import any_pb2, message
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -27,6 +34,15 @@ __all__ = [
     "FailedPrecondition",
     "DataLoss",
     "Unavailable",
+    "ResourceExhausted",
+    "Cancelled",
+    "Internal",
+    "CanaryFailed",
+    "UnservedPin",
+    "RelayedError",
+    "KV_HANDOFF",
+    "handoff_error_info",
+    "handoff_peer",
     "rich_status",
     "clip",
     "abort",
@@ -151,6 +167,37 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class CanaryFailed(FailedPrecondition):
+    """New weights failed their canary on one replica; no other replica switched to them."""
+
+
+class UnservedPin(FailedPrecondition):
+    """No known replica serves the pinned weights version / fingerprint (it may be loading)."""
+
+
+#: ErrorInfo reason of a status caused by the prefill side of a KV handoff (metadata ``prefill``: its address).
+KV_HANDOFF = "KV_HANDOFF"
+_DOMAIN = "zerokl"
+
+
+class ResourceExhausted(ServiceError):
+    """The request is valid but cannot fit this replica (KV cache, sample count)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Cancelled(ServiceError):
+    """The request was stopped by an Abort before it produced its result."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class Internal(ServiceError):
+    """The engine failed while running the request (a bug, not the caller's fault)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 def rich_status(code: grpc.StatusCode, msg: str, details: Sequence[message.Message] = ()) -> status_pb2.Status:
     """Build a ``google.rpc.Status`` with each detail packed into an ``Any`` (the message clipped)."""
     packed = []
@@ -186,3 +233,50 @@ def field_violations(err: grpc.aio.AioRpcError | grpc.RpcError) -> list[FieldVio
     return [FieldViolation(v.field, v.description)
             for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
             for v in d.field_violations]
+
+
+class RelayedError(ServiceError):
+    """A status a peer replica returned, passed on to our caller with the same code and details.
+
+    The prefill replica relays decode's answer: the client must see the
+    decode replica's INVALID_ARGUMENT or DATA_LOSS, not a generic failure.
+    """
+
+    def __init__(self, err: grpc.aio.AioRpcError, via: str, code: grpc.StatusCode | None = None,
+                 handoff_from: str | None = None, details: str | None = None) -> None:
+        # ``details``: the peer's text as passed on (default: as it was), e.g. with internal addresses named.
+        super().__init__(f"{via}: {err.details() if details is None else details}")
+        self.code = code or err.code()
+        try:
+            status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        except ValueError:  # details trailer inconsistent with the status: keep code and message only
+            status = None
+        self._details = list(status.details) if status is not None else []
+        if handoff_from is not None:
+            self._details.append(handoff_error_info(handoff_from))
+
+    def to_status(self) -> status_pb2.Status:
+        status = rich_status(self.code, self.message)
+        status.details.extend(self._details)
+        return status
+
+
+def handoff_error_info(prefill: str) -> any_pb2.Any:
+    """The status detail saying the failure came from the prefill replica at ``prefill`` (a KV handoff)."""
+    packed = any_pb2.Any()
+    packed.Pack(error_details_pb2.ErrorInfo(reason=KV_HANDOFF, domain=_DOMAIN, metadata={"prefill": prefill}))
+    return packed
+
+
+def handoff_peer(err: grpc.aio.AioRpcError) -> str | None:
+    """The prefill address a failed GenerateFromPrefill blames (its KV_HANDOFF ErrorInfo), else None."""
+    try:
+        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    except ValueError:
+        return None
+    for detail in status.details if status is not None else ():
+        info = error_details_pb2.ErrorInfo()
+        if detail.Is(info.DESCRIPTOR) and detail.Unpack(info) and info.reason == KV_HANDOFF \
+                and info.domain == _DOMAIN:
+            return info.metadata.get("prefill", "")
+    return None

@@ -10,6 +10,7 @@ scrape target's labels.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -92,6 +93,39 @@ KV_HANDOFF_SECONDS = Histogram(
 SERVING_INFO = Info(
     "zerokl_serving", "What this process serves: service, numerics version and fingerprint, weights version.",
     registry=REGISTRY)
+
+
+class LatencyTracker:
+    """Observes one request's TTFT, inter-token latencies and end-to-end latency.
+
+    Used by a replica's engine for local generation and by the scheduler's relay
+    for what its client sees; times are ``time.monotonic()`` seconds.
+    """
+
+    def __init__(self, arrival: float | None = None) -> None:
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self._first: float | None = None
+        self._last: dict[int, float] = {}
+
+    def tokens(self, index: int, count: int, now: float | None = None) -> None:
+        """Sample ``index`` produced ``count`` tokens now."""
+        if count <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if self._first is None:
+            self._first = now
+            TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
+        last = self._last.get(index)
+        if last is not None:
+            # One delta usually carries one token; a larger one spreads its wait evenly.
+            for _ in range(count):
+                INTER_TOKEN_LATENCY.observe((now - last) / count)
+        self._last[index] = now
+
+    def done(self, now: float | None = None) -> None:
+        """The request finished (any reason)."""
+        now = time.monotonic() if now is None else now
+        E2E_REQUEST_LATENCY.observe(now - self.arrival)
 
 
 def set_serving_info(identity: "ServiceIdentity") -> None:

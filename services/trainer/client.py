@@ -16,7 +16,7 @@ import torch
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.trainer import convert
-from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -28,6 +28,7 @@ from zerokl.services.trainer.types import (
 )
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TrainerClient"]
 
@@ -101,10 +102,13 @@ class TrainerClient(ServiceClient):
         msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
         return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
 
-    async def load_weights(self, version: str, *, restore_state: bool = False,
+    async def load_weights(self, version: str, *, restore_state: bool = False, config: TrainConfig | None = None,
                            timeout: float | None = None) -> TrainerState:
-        """Switch to a published version (with its trainer state when ``restore_state``)."""
+        """Switch to a published version (with its trainer state when ``restore_state``; else a
+        fresh trainer with ``config``, default the current one)."""
         msg = trainer_pb2.LoadWeightsRequest(version=version, restore_state=restore_state)
+        if config is not None:
+            msg.config.CopyFrom(convert.train_config_to_proto(config))
         return convert.state_from_proto(await self._stub.LoadWeights(msg, timeout=timeout))
 
     async def get_state(self, *, timeout: float | None = None) -> TrainerState:

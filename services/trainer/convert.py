@@ -9,13 +9,15 @@ round trip gives back equal dataclasses and bit-identical tensors.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Sequence
 
 import torch
 
 from zerokl.kernels.trace import Trace
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig
+from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -29,6 +31,7 @@ from zerokl.services.trainer.types import (
 from zerokl.services.weightstore.convert import manifest_from_proto, manifest_to_proto
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import trainer_pb2
+from zerokl.vocab import Completion, Rollout
 
 __all__ = [
     "completion_to_proto",
@@ -195,20 +198,34 @@ def save_result_from_proto(msg: trainer_pb2.SaveWeightsResponse) -> tuple[Weight
     return manifest_from_proto(msg.manifest), msg.created
 
 
+# TrainConfig fields carried by several proto fields; every other field has a proto field of its name.
+_SPLIT_FIELDS = {"betas": ("beta1", "beta2")}
+
+
 def train_config_to_proto(c: TrainConfig) -> trainer_pb2.TrainConfig:
-    """TrainConfig -> ``zerokl.v1.TrainConfig``."""
-    return trainer_pb2.TrainConfig(
-        lr=c.lr, weight_decay=c.weight_decay, beta1=c.betas[0], beta2=c.betas[1], grad_clip=c.grad_clip,
-        warmup_steps=c.warmup_steps, total_steps=c.total_steps, lora_rank=c.lora_rank, lora_alpha=c.lora_alpha,
-        clip_eps=c.clip_eps, kl_coef=c.kl_coef, dpo_beta=c.dpo_beta, seed=c.seed)
+    """TrainConfig -> ``zerokl.v1.TrainConfig``, field by field by name (None: an unset optional)."""
+    msg = trainer_pb2.TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(c, f.name)
+        if f.name in _SPLIT_FIELDS:
+            for name, part in zip(_SPLIT_FIELDS[f.name], value, strict=True):
+                setattr(msg, name, part)
+        elif value is not None:
+            setattr(msg, f.name, value)
+    return msg
 
 
 def train_config_from_proto(msg: trainer_pb2.TrainConfig) -> TrainConfig:
-    """``zerokl.v1.TrainConfig`` -> TrainConfig."""
-    return TrainConfig(
-        lr=msg.lr, weight_decay=msg.weight_decay, betas=(msg.beta1, msg.beta2), grad_clip=msg.grad_clip,
-        warmup_steps=msg.warmup_steps, total_steps=msg.total_steps, lora_rank=msg.lora_rank,
-        lora_alpha=msg.lora_alpha, clip_eps=msg.clip_eps, kl_coef=msg.kl_coef, dpo_beta=msg.dpo_beta, seed=msg.seed)
+    """``zerokl.v1.TrainConfig`` -> TrainConfig (every field read; an unset optional is None)."""
+    values = {}
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _SPLIT_FIELDS:
+            values[f.name] = tuple(getattr(msg, name) for name in _SPLIT_FIELDS[f.name])
+        elif msg.DESCRIPTOR.fields_by_name[f.name].has_presence and not msg.HasField(f.name):
+            values[f.name] = None
+        else:
+            values[f.name] = getattr(msg, f.name)
+    return TrainConfig(**values)
 
 
 def state_to_proto(s: TrainerState) -> trainer_pb2.TrainerState:

@@ -31,12 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
-import os
-import socket
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -48,15 +43,15 @@ from torch import nn
 from zerokl.kernels.model import Model
 from zerokl.kernels.model.model import MoE
 from zerokl.kernels.model.parallel import DispatchMoE, apply_tensor_parallel
-from zerokl.services.trainer.trainer import NonFiniteStep, Trainer
+from zerokl.services.runtime import lockstep
+from zerokl.services.trainer.optim import optimizer_step
+from zerokl.services.trainer.trainer import Trainer
 
 __all__ = ["ENV_RANK", "ENV_PORT", "Layout", "ParallelGroup", "DistributedTrainer", "LockstepTrainer", "ServedTrainer",
            "follow", "apply_training_parallel", "start_group", "run_follower", "serve_distributed"]
 
 ENV_RANK = "ZEROKL_TRAINER_RANK"     # set on followers: their world rank (1 .. world - 1)
 ENV_PORT = "ZEROKL_TRAINER_PORT"     # rank 0's rendezvous port on 127.0.0.1
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,24 +117,15 @@ class ParallelGroup:
         self.closing = True
         if self.lockstep is not None:
             self.lockstep.stop()
-        for p in self.followers:
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        lockstep.reap(self.followers, timeout)
         dist.destroy_process_group()
 
     @staticmethod
     def init(layout: Layout, rank: int, port: int, device: str | torch.device | None = None) -> "ParallelGroup":
         """Join the world (tcp://127.0.0.1:port) as `rank` and build the groups: gloo on CPU,
         NCCL with cuda:rank on GPUs."""
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dev.type == "cuda":
-            dev = torch.device("cuda", rank)
-            torch.cuda.set_device(dev)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=rank, world_size=layout.world)
+        dev = lockstep.rank_device(device, rank)
+        lockstep.join_world(rank, layout.world, port, dev)
         return ParallelGroup(layout, dev)
 
 
@@ -388,31 +374,14 @@ class DistributedTrainer:
     def optim_step(self, lr: float | None = None) -> dict:
         """Trainer.optim_step's contract (clip to the global norm, AdamW, undo a non-finite step)."""
         t = self.trainer
-        norm = self._grad_norm()
-        lr = lr or t.lr_at(t.step)
-        before = t._snapshot()
-        try:
-            if self.config.grad_clip > 0 and norm > self.config.grad_clip:
-                scale = self.config.grad_clip / (norm + 1e-6)
-                for p in self._params.values():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
-            for g in t.optimizer.param_groups:
-                g["lr"] = lr
-            t.optimizer.step()
+
+        def non_finite() -> str | None:      # every rank's verdict, so all of them undo the step or none
             bad = torch.tensor([float(any(not bool(torch.isfinite(_local(p)).all()) for p in self._params.values()))])
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group.control)
-            if bad.item():
-                raise NonFiniteStep(f"the optimizer step at lr={lr:g} (gradient norm {norm:g}) made a weight "
-                                    "non-finite")
-        except BaseException:
-            t._restore(before)
-            raise
-        finally:
-            t.optimizer.zero_grad(set_to_none=True)
-            _forget_weight_slices()
-        t.step += 1
-        return {"grad_norm": norm, "lr": lr, "step": t.step}
+            return "a weight non-finite" if bad.item() else None
+
+        grads = [p.grad for p in self._params.values() if p.grad is not None]
+        return optimizer_step(t, grads, self._grad_norm(), lr, non_finite=non_finite, release=_forget_weight_slices)
 
     def sft_step(self, examples: Sequence) -> dict:
         return self.forward_backward("sft", examples) | self.optim_step()
@@ -463,13 +432,13 @@ class LockstepTrainer:
     def __getattr__(self, name: str) -> Any:
         if name in self.CALLS:
             def call(*args, **kwargs):
-                dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.trainer.group.control)
+                lockstep.send(self.trainer.group.control, name, *args, **kwargs)
                 return _dispatch(self.trainer, name, args, kwargs)
             return call
         return getattr(self.trainer, name)
 
     def stop(self) -> None:
-        dist.broadcast_object_list([("stop", (), {})], src=0, group=self.trainer.group.control)
+        lockstep.send(self.trainer.group.control, lockstep.STOP)
 
 
 def _dispatch(trainer: DistributedTrainer, name: str, args, kwargs):
@@ -482,16 +451,8 @@ def _dispatch(trainer: DistributedTrainer, name: str, args, kwargs):
 def follow(trainer: DistributedTrainer) -> None:
     """A follower's life: run rank 0's calls in order until it says stop. A call that fails
     here fails the same way on rank 0 (same state, same arguments), which reports it."""
-    while True:
-        box: list = [None]
-        dist.broadcast_object_list(box, src=0, group=trainer.group.control)
-        name, args, kwargs = box[0]
-        if name == "stop":
-            return
-        try:
-            _dispatch(trainer, name, args, kwargs)
-        except Exception:  # noqa: BLE001 - rank 0 raises the same error to its client; keep in step
-            log.exception("trainer call %s failed on rank %d", name, trainer.group.rank)
+    lockstep.follow(trainer.group.control, lambda name, args, kwargs: _dispatch(trainer, name, args, kwargs),
+                    "trainer", trainer.group.rank)
 
 
 # ----------------------------------------------------------------------------- the served group
@@ -501,38 +462,13 @@ def start_group(layout: Layout, argv: Sequence[str], device: str | None) -> Para
     <argv>` with their rank in the environment; rank r uses cuda:r) and join them; a follower:
     join. A follower ends when rank 0 is gone; rank 0 exits (status 1) when a follower dies, so
     the supervisor restarts the whole group, which resumes from the run's last checkpoint."""
-    rank = int(os.environ.get(ENV_RANK, "0"))
-    followers: list[subprocess.Popen] = []
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for r in range(1, layout.world):
-            env = dict(os.environ, **{ENV_RANK: str(r), ENV_PORT: str(port)})
-            followers.append(subprocess.Popen([sys.executable, "-m", "zerokl.services.trainer", *argv], env=env,
-                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
-    else:
-        port = int(os.environ[ENV_PORT])
-        _watch(lambda: os.getppid() != _PARENT, "rank 0 is gone")
+    rank, port, followers = lockstep.rendezvous(layout.world, ENV_RANK, ENV_PORT, ["-m", "zerokl.services.trainer", *argv],
+                                                stdout=subprocess.DEVNULL)
     group = ParallelGroup.init(layout, rank, port, device)
     group.followers = followers
     if followers:
-        def follower_died() -> bool:
-            return not group.closing and any(p.poll() is not None for p in followers)
-        _watch(follower_died, "a follower rank died; stopping the group (the supervisor restarts it)")
+        lockstep.watch_followers(followers, lambda: group.closing, "trainer group")
     return group
-
-
-_PARENT = os.getppid()
-
-
-def _watch(dead, why: str) -> None:
-    def watch() -> None:
-        while not dead():
-            time.sleep(0.5)
-        log.error("trainer rank %s: %s", os.environ.get(ENV_RANK, "0"), why)
-        os._exit(1)
-    threading.Thread(target=watch, name="zerokl-trainer-group-watch", daemon=True).start()
 
 
 def _trainer_from(doc: dict, device: torch.device) -> Trainer:

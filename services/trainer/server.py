@@ -39,6 +39,7 @@ from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import numerics_dtype
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
@@ -54,7 +55,7 @@ from zerokl.services.trainer.checkpointing import (
     read_checkpoint,
 )
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import DTYPES, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import VersionStore, validate_name
 
@@ -66,7 +67,6 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50053
 DEFAULT_INIT = "preset:tiny:seed0"
 _PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
-_MASTER_WEIGHTS = {"auto": None, "on": True, "off": False}     # --master-weights -> TrainConfig.master_weights
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,38 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weight-store-wait", type=float, default=30.0,
                    help="seconds to wait for the weight-store service to answer at start (default %(default)s)")
     t = p.add_argument_group("training (a resumed run keeps its own)")
-    d = TrainConfig()
-    t.add_argument("--lr", type=float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
-    t.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="AdamW weight decay (default %(default)s)")
-    t.add_argument("--betas", type=float, nargs=2, default=list(d.betas), metavar=("B1", "B2"),
-                   help="AdamW betas (default %(default)s)")
-    t.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max global grad norm, 0 = off")
-    t.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help="linear learning-rate warmup steps (default %(default)s)")
-    t.add_argument("--total-steps", type=int, default=d.total_steps,
-                   help="> 0: cosine decay to 10%% of lr by this step; 0: constant after warmup")
-    t.add_argument("--lora-rank", type=int, default=d.lora_rank, help="> 0: train LoRA adapters only")
-    t.add_argument("--lora-alpha", type=float, default=d.lora_alpha,
-                   help="LoRA scale alpha (update x alpha/rank) (default %(default)s)")
-    t.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO clip range")
-    t.add_argument("--kl-coef", type=float, default=d.kl_coef, help="> 0: k3 KL penalty to the initial policy")
-    t.add_argument("--dpo-beta", type=float, default=d.dpo_beta, help="DPO temperature beta (default %(default)s)")
-    t.add_argument("--seed", type=int, default=d.seed, help="LoRA initialization seed")
-    t.add_argument("--indexer-loss-coef", type=float, default=d.indexer_loss_coef,
-                   help="> 0: add the DSA indexer's KL loss toward the attention distribution")
-    t.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction,
-                   default=d.activation_checkpointing,
-                   help="recompute each block's activations in the backward (less memory, same bits)")
-    t.add_argument("--logprob-chunk-rows", type=int, default=d.logprob_chunk_rows,
-                   help="rows per chunk of the fused head + logprob (0 = by vocabulary size)")
-    t.add_argument("--dtype", choices=sorted(DTYPES), default=d.dtype,
-                   help="the forward's dtype (the fleet's): fp8 trains on the FP8 replicas' forward (fp32 "
-                        "masters quantized after every step, straight-through backward; publishes e4m3 + "
-                        "scales); bfloat16/float32 cast the model (default: the starting weights' own)")
-    t.add_argument("--master-weights", choices=sorted(_MASTER_WEIGHTS), default="auto",
-                   help="fp32 master weights for AdamW: auto = on when a trained parameter is not fp32 "
-                        "(default %(default)s)")
+    add_dataclass_arguments(t, TrainConfig)          # one flag per field, generated
     par = p.add_argument_group("parallelism (zerokl.services.trainer.distributed; world = dp * tp ranks)")
     par.add_argument("--dp", type=int, default=1, metavar="N",
                      help="data-parallel ranks (FSDP2: weights, gradients and AdamW state sharded) (default %(default)s)")
@@ -143,13 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags describe."""
-    return TrainConfig(lr=args.lr, weight_decay=args.weight_decay, betas=tuple(args.betas), grad_clip=args.grad_clip,
-                       warmup_steps=args.warmup_steps, total_steps=args.total_steps, lora_rank=args.lora_rank,
-                       lora_alpha=args.lora_alpha, clip_eps=args.clip_eps, kl_coef=args.kl_coef,
-                       dpo_beta=args.dpo_beta, seed=args.seed, indexer_loss_coef=args.indexer_loss_coef,
-                       activation_checkpointing=args.activation_checkpointing,
-                       logprob_chunk_rows=args.logprob_chunk_rows, master_weights=_MASTER_WEIGHTS[args.master_weights],
-                       dtype=args.dtype)
+    return dataclass_from_args(TrainConfig, args)
 
 
 async def open_repo(args: argparse.Namespace) -> WeightsRepo:

@@ -36,7 +36,6 @@ from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.kernels.model.checkpoint import config_to_hf
-from zerokl.services.engine.types import InvalidOption, SamplingOptions
 from zerokl.services.runtime.errors import (
     FailedPrecondition,
     FieldViolation,
@@ -61,7 +60,8 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
 )
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, NonFiniteStep, Rollout, Trainer
+from zerokl.services.trainer.optim import NonFiniteStep
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -74,6 +74,7 @@ from zerokl.services.trainer.types import (
 )
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
     "TRAINER_SERVICE",
@@ -490,8 +491,10 @@ class TrainerService:
             return
         self._pinned = version
 
-    async def load_weights(self, version: str, restore_state: bool = False) -> TrainerState:
-        """Switch to a published version (``latest`` names the newest); pending gradients are dropped."""
+    async def load_weights(self, version: str, restore_state: bool = False,
+                           config: TrainConfig | None = None) -> TrainerState:
+        """Switch to a published version (``latest`` names the newest); pending gradients are dropped.
+        Without ``restore_state`` the fresh trainer has ``config`` (default: the current one)."""
         if not version:
             raise InvalidArgument.field("version", "required (a version id, or 'latest')")
 
@@ -501,7 +504,7 @@ class TrainerService:
                 with tempfile.TemporaryDirectory(prefix="zerokl-trainer-load-") as tmp:
                     manifest = await self.repo.fetch(version, pathlib.Path(tmp))
                     ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
-                                               config=self._trainer.config, run=self.run,
+                                               config=config or self._trainer.config, run=self.run,
                                                device=self._trainer.device)
             trainer = ckpt.trainer
             lineage = ckpt.lineage if restore_state else []
@@ -576,7 +579,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
-        return convert.state_to_proto(await self._service.load_weights(request.version, request.restore_state))
+        config = convert.train_config_from_proto(request.config) if request.HasField("config") else None
+        return convert.state_to_proto(await self._service.load_weights(request.version, request.restore_state, config))
 
     async def GetState(self, request: trainer_pb2.GetStateRequest,
                        context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:

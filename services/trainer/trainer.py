@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -32,8 +32,10 @@ from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
+from zerokl.services.trainer.optim import NonFiniteStep, optimizer_step
+from zerokl.vocab import Completion, Rollout
 
-__all__ = ["DTYPES", "TrainConfig", "Completion", "Rollout", "Trainer", "NonFiniteStep"]
+__all__ = ["DTYPES", "TrainConfig", "Trainer"]
 
 #: TrainConfig.dtype's choices -> the model dtype (fp8: e4m3 projections, bf16 elsewhere).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -41,18 +43,23 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.flo
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The trainer's hyperparameters. Every field is a `zerokl serve trainer` flag (generated:
+    services/runtime/dataclass_flags.py, its help from the field's comment) and a field of
+    ``zerokl.v1.TrainConfig`` (services/trainer/convert.py), so the Jobs API's ``train_config``;
+    tests/services/trainer/test_trainer_service.py fails for a field not wired through each."""
+
     lr: float = 1e-3                    # peak learning rate (AdamW)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0           # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.95)   # AdamW betas
     grad_clip: float = 1.0              # max global grad norm (0 = off)
     warmup_steps: int = 0               # linear warmup from 0
     total_steps: int = 0                # > 0: cosine decay to 10% of lr by then; 0 = constant after warmup
     lora_rank: int = 0                  # > 0: train LoRA adapters only (zerokl.kernels.model.lora)
-    lora_alpha: float = 16.0
+    lora_alpha: float = 16.0            # LoRA scale alpha (update x alpha/rank)
     clip_eps: float = 0.2               # PPO clip range
     kl_coef: float = 0.0                # > 0: k3 KL penalty to the frozen initial policy
-    dpo_beta: float = 0.1
-    seed: int = 0
+    dpo_beta: float = 0.1               # DPO temperature beta
+    seed: int = 0                       # LoRA initialization seed
     indexer_loss_coef: float = 0.0      # > 0: add the DSA indexer's KL loss toward the attention distribution
     activation_checkpointing: bool = False   # recompute each block's activations in the backward
     logprob_chunk_rows: int = 0         # rows per chunk of the fused head + logprob (0 = by vocab size)
@@ -68,41 +75,18 @@ class TrainConfig:
     # bf16 weight, re-quantized from the fp32 master after every optimizer step; the forward is the
     # replicas' FP8 product (logprobs equal bit for bit, KL 0), the backward the bf16 op's
     # (straight-through); serving_state_dict is the served FP8 form (e4m3 + scales).
-    dtype: str | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A prompt and its completion, with the sampling distribution the completion was drawn from."""
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    temperature: float = 1.0            # 0 = greedy: logprobs are the plain log_softmax
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """A sampled completion as inference reported it (behaviour logprobs) with its reward."""
-
-    sequence: Completion
-    logprobs: tuple[float, ...]
-    reward: float
-    weights_version: str = ""
+    dtype: Literal["bfloat16", "float32", "fp8"] | None = None
 
 
 @dataclass
-class _Batch:
+class TokenBatch:
+    """Completions laid out for the training forward (:meth:`Trainer.batch_of`)."""
+
     input_ids: torch.Tensor             # [B, S] padded
     targets: torch.Tensor               # [B, T] completion tokens, padded
     mask: torch.Tensor                  # [B, T]
     rows: torch.Tensor                  # [Ntok] flat index into the B*S positions: the one predicting each completion token
     params: SamplingParams              # per completion token
-
-
-class NonFiniteStep(ArithmeticError):
-    """An optimizer step would have left a parameter or optimizer state non-finite; it was undone."""
 
 
 class Trainer:
@@ -167,7 +151,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ logprobs
 
-    def _batch(self, seqs: Sequence[Completion]) -> _Batch:
+    def batch_of(self, seqs: Sequence[Completion]) -> TokenBatch:
+        """``seqs`` padded into one batch on the model's device, with each completion token's
+        predicting row and sampling parameters (what :meth:`token_logprobs` reads)."""
         pad = self.model.config.pad_token_id or 0
         full = [list(s.prompt_ids) + list(s.completion_ids) for s in seqs]
         width = max(len(f) for f in full) - 1             # the last token is only a target
@@ -192,10 +178,10 @@ class Trainer:
                                 torch.zeros(n_tok, dtype=torch.int64, device=dev),
                                 torch.zeros(n_tok, dtype=torch.int64, device=dev))
         # Built on the CPU element by element (cheap), moved to the model's device in one copy each.
-        return _Batch(input_ids.to(dev), targets.to(dev), mask.to(dev),
+        return TokenBatch(input_ids.to(dev), targets.to(dev), mask.to(dev),
                       torch.tensor(rows, dtype=torch.int64, device=dev), params)
 
-    def _logprobs(self, model: Model, batch: _Batch, params: SamplingParams | None = None,
+    def token_logprobs(self, model: Model, batch: TokenBatch, params: SamplingParams | None = None,
                   hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token logprobs [B, T] of the completions under their sampling distributions
         (or `params`), from `hidden` [Ntok, D] (_token_hidden) when already computed.
@@ -216,7 +202,7 @@ class Trainer:
                                 self.config.logprob_chunk_rows or None)
         return torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(batch.mask > 0, lp)
 
-    def _token_hidden(self, model: Model, batch: _Batch) -> torch.Tensor:
+    def _token_hidden(self, model: Model, batch: TokenBatch) -> torch.Tensor:
         """The residual stream [Ntok, D] (before the final norm) at the positions that predict
         each completion token; blocks checkpointed when the config says so and a gradient is recorded."""
         b, s = batch.input_ids.shape
@@ -228,8 +214,8 @@ class Trainer:
     @torch.no_grad()
     def forward_logprobs(self, seqs: Sequence[Completion]) -> list[torch.Tensor]:
         """Logprobs of each completion's tokens (fp32, on the CPU), exactly as inference computes them for these weights."""
-        batch = self._batch(seqs)
-        lp = self._logprobs(self.model, batch)
+        batch = self.batch_of(seqs)
+        lp = self.token_logprobs(self.model, batch)
         return [lp[b, : len(s.completion_ids)].to("cpu", copy=True) for b, s in enumerate(seqs)]
 
     # ------------------------------------------------------------------ low-level steps
@@ -244,8 +230,8 @@ class Trainer:
         coef = self.config.indexer_loss_coef
         with indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
             if method == "sft":
-                batch = self._batch(batch_items)
-                loss = sft_loss(self._logprobs(self.model, batch), batch.mask)
+                batch = self.batch_of(batch_items)
+                loss = sft_loss(self.token_logprobs(self.model, batch), batch.mask)
                 metrics = {"loss": float(loss.detach())}
                 tokens = int(batch.mask.sum())
             elif method == "dpo":
@@ -264,11 +250,11 @@ class Trainer:
 
     def _dpo(self, pairs: Sequence[tuple[Completion, Completion]]):
         seqs = [p[0] for p in pairs] + [p[1] for p in pairs]
-        batch = self._batch(seqs)
-        policy = (self._logprobs(self.model, batch) * batch.mask).sum(1)
+        batch = self.batch_of(seqs)
+        policy = (self.token_logprobs(self.model, batch) * batch.mask).sum(1)
         with torch.no_grad():
             ref_model = self.reference or self.freeze_reference()
-            ref = (self._logprobs(ref_model, batch) * batch.mask).sum(1)
+            ref = (self.token_logprobs(ref_model, batch) * batch.mask).sum(1)
         n = len(pairs)
         loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
         return {"loss": float(loss.detach()), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
@@ -281,22 +267,22 @@ class Trainer:
         return self.reference
 
     def _ppo(self, rollouts: Sequence[Rollout], advantages: torch.Tensor):
-        batch = self._batch([r.sequence for r in rollouts])
+        batch = self.batch_of([r.sequence for r in rollouts])
         behaviour = torch.zeros(batch.mask.shape)
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
         behaviour = behaviour.to(self.device)
         hidden = self._token_hidden(self.model, batch)
-        logprobs = self._logprobs(self.model, batch, hidden=hidden)
+        logprobs = self.token_logprobs(self.model, batch, hidden=hidden)
         ref = policy_full = None
         if self.reference is not None:
             # The KL penalty compares full (temperature-only) distributions: under top-k/top-p
             # the reference may give a sampled token probability 0 and the penalty infinity.
             full = dataclasses.replace(batch.params, top_k=torch.zeros_like(batch.params.top_k),
                                        top_p=torch.ones_like(batch.params.top_p))
-            policy_full = self._logprobs(self.model, batch, full, hidden)
+            policy_full = self.token_logprobs(self.model, batch, full, hidden)
             with torch.no_grad():
-                ref = self._logprobs(self.reference, batch, full)
+                ref = self.token_logprobs(self.reference, batch, full)
         loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps,
                                     ref, self.config.kl_coef, policy_full)
         return dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, loss, stats.tokens
@@ -329,48 +315,35 @@ class Trainer:
                 p.grad = None
         grads = [p.grad for p in self._optimized if p.grad is not None]
         norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
-        lr = lr or self.lr_at(self.step)
-        before = self._snapshot()
-        try:
-            if self.config.grad_clip > 0 and float(norm) > self.config.grad_clip:
-                scale = self.config.grad_clip / (float(norm) + 1e-6)
-                for g in grads:
-                    g.mul_(scale)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            try:
-                self.optimizer.step()
-            except RuntimeError as err:
-                # AdamW casts lr / bias_correction to the parameters' dtype: an lr that overflows it fails mid-loop.
-                if "overflow" not in str(err):
-                    raise
-                raise NonFiniteStep(f"the optimizer step at lr={lr:g} overflows: {err}") from None
+
+        def masters_to_model() -> None:
             if self.masters is not None:
                 with torch.no_grad():
                     for p, m in zip(self.params, self.masters, strict=True):
                         p.copy_(m.to(p.dtype))
+
+        def non_finite() -> str | None:
             bad = self._non_finite()
-            if bad:
-                raise NonFiniteStep(f"the optimizer step at lr={lr:g} (gradient norm {float(norm):g}) made "
-                                    f"{len(bad)} tensor(s) non-finite, e.g. {', '.join(bad[:3])}")
-            if self.fp8:
-                # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
-                self._refresh_fp8()
-        except BaseException:
-            self._restore(before)
-            raise
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            return f"{len(bad)} tensor(s) non-finite, e.g. {', '.join(bad[:3])}" if bad else None
+
+        def release() -> None:
             for p in self.params:
                 p.grad = None
-        self.step += 1
-        return {"grad_norm": float(norm), "lr": lr, "step": self.step}
+
+        metrics = optimizer_step(self, grads, float(norm), lr, non_finite=non_finite, after_update=masters_to_model,
+                                 release=release)
+        if self.fp8:
+            # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
+            self._refresh_fp8()
+        return metrics
 
     def _refresh_fp8(self) -> None:
         """Re-quantize the FP8 model's e4m3 values and scales from the fp32 masters (one rounding)."""
         refresh_fp8(self.model, dict(zip(self.params, self.masters, strict=True)))
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
+    def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
+        """Copies of the trained tensors, fp32 masters, optimizer state and learning rates
+        (what :meth:`restore` puts back when an optimizer step is undone)."""
         params = [p.detach().clone() for p in self.params]
         masters = [m.detach().clone() for m in self.masters] if self.masters is not None else []
         state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
@@ -378,7 +351,7 @@ class Trainer:
         return params, masters, state, [g["lr"] for g in self.optimizer.param_groups]
 
     @torch.no_grad()
-    def _restore(self, snapshot: tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]) -> None:
+    def restore(self, snapshot: tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]) -> None:
         params, masters, state, lrs = snapshot
         for p, saved in zip(self.params, params, strict=True):
             p.copy_(saved)

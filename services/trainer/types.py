@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig
+from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.vocab import Completion, Rollout
 
 __all__ = [
     "METHODS",

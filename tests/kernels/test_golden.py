@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import zerokl.kernels.model  # noqa: F401  (registers the model's golden case)
 from zerokl.kernels import __version__, use_backend
 from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
 

@@ -65,7 +65,7 @@ class _SyncTrap:
     def _wrap(self, name, fn):
         def trapped(*args, **kwargs):
             caller = pathlib.Path(sys._getframe(1).f_code.co_filename).resolve()
-            # kernels/triton/interpreter.py is the CPU emulation of the device's tl.dot (its numpy
+            # kernels/interpreter.py is the CPU emulation of the device's tl.dot (its numpy
             # exchange is the emulator's arithmetic, not a read-back), as Triton's own interpreter is.
             if ZEROKL_SRC in caller.parents and "tests" not in caller.parts and caller != _EMULATED_DOT:
                 self.calls.append(f"{name} from {caller.name}:{sys._getframe(1).f_lineno}")

@@ -25,11 +25,12 @@ from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.services.rl.loop import RLConfig, Task, run_rl
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
-from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
+from zerokl.vocab import Completion, SamplingOptions
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

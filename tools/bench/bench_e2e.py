@@ -42,7 +42,8 @@ def _sync():
 
 
 def make_requests(n: int, max_tokens: int, vocab: int, seed: int = 0):
-    from zerokl.services.engine.types import GenerateRequest, SamplingOptions
+    from zerokl.services.engine.types import GenerateRequest
+    from zerokl.vocab import SamplingOptions
     rng = random.Random(seed)
     return [GenerateRequest(f"r{i}", tuple(rng.randrange(3, vocab) for _ in range(rng.randint(32, 96))),
                             SamplingOptions(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True))

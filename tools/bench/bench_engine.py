@@ -25,7 +25,8 @@ from tqdm import tqdm
 import zerokl.kernels as K
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 
 def requests(n: int, max_tokens: int, seed: int = 0) -> list[GenerateRequest]:

@@ -81,7 +81,7 @@ def kv_bytes(config: ModelConfig, tokens: int, dtype_size: int = 4) -> int:
 
 async def _ttfts(address: str, prompts: list[tuple[int, ...]], scheduler_pid: int) -> tuple[list[float], int]:
     """TTFT of each prompt, and the TCP bytes the scheduler received meanwhile."""
-    from zerokl.services.engine.types import SamplingOptions
+    from zerokl.vocab import SamplingOptions
     from zerokl.services.inference.client import InferenceClient
     from zerokl.services.inference.types import InferenceRequest
     out = []

@@ -49,9 +49,10 @@ from zerokl.kernels.model import Model, ModelConfig
 
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
+from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (its seeded on-device init, no portable draw)

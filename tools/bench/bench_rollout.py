@@ -40,7 +40,8 @@ import torch
 import zerokl.kernels as K
 from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.engine import Engine
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import active_params, build_model, commit, hf_model  # noqa: E402

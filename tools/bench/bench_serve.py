@@ -37,7 +37,8 @@ import torch
 import zerokl.kernels as K
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 PEAK_BF16 = 989e12        # H200 dense bf16 FLOP/s
 HBM = 4.8e12              # H200 HBM3e bytes/s

@@ -50,9 +50,10 @@ import torch
 from zerokl.kernels import device_name
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.tokenizer import load_tokenizer
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 Result = tuple[tuple[int, ...], tuple[float, ...]]   # one request's tokens and logprobs
 

@@ -42,7 +42,8 @@ import torch
 from zerokl.kernels import ops, use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion
 
 PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
 

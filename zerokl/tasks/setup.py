@@ -55,7 +55,7 @@ def encode_prompt(problem, tok) -> tuple[int, ...]:  # noqa: ANN001
 
 def demonstration_batch(problems, tok) -> list:  # noqa: ANN001
     """SFT completions: the solver's answer, then eos."""
-    from zerokl.services.trainer.trainer import Completion
+    from zerokl.vocab import Completion
     from zerokl.tasks.countdown import format_demonstration
     return [Completion(encode_prompt(p, tok), tuple(tok.encode(format_demonstration(p)) + [tok.eos_id]))
             for p in problems]
@@ -64,7 +64,8 @@ def demonstration_batch(problems, tok) -> list:  # noqa: ANN001
 def greedy_accuracy(model, problems, tok) -> float:  # noqa: ANN001
     """Share of `problems` whose greedy completion earns reward 1.0 (offline engine)."""
     from zerokl.services.engine.engine import Engine, run_to_completion
-    from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+    from zerokl.services.engine.types import EngineConfig, GenerateRequest
+    from zerokl.vocab import SamplingOptions
     from zerokl.tasks.countdown import reward
     opts = SamplingOptions(temperature=0.0, max_tokens=MAX_TOKENS)
     reqs = [GenerateRequest(str(i), encode_prompt(p, tok), opts) for i, p in enumerate(problems)]

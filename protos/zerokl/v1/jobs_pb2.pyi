@@ -90,18 +90,20 @@ class RLJob(_message.Message):
     def __init__(self, countdown: _Optional[_Union[CountdownTask, _Mapping]] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "sft", "dpo", "rl", "learning_rate")
+    __slots__ = ("name", "sft", "dpo", "rl", "learning_rate", "train_config")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SFT_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
     RL_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     name: str
     sft: SFTJob
     dpo: DPOJob
     rl: RLJob
     learning_rate: float
-    def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    train_config: _trainer_pb2.TrainConfig
+    def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ..., learning_rate: _Optional[float] = ..., train_config: _Optional[_Union[_trainer_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s")

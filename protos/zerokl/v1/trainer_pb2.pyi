@@ -191,19 +191,21 @@ class SaveWeightsResponse(_message.Message):
     def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("version", "restore_state")
+    __slots__ = ("version", "restore_state", "config")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STATE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
     version: str
     restore_state: bool
-    def __init__(self, version: _Optional[str] = ..., restore_state: _Optional[bool] = ...) -> None: ...
+    config: TrainConfig
+    def __init__(self, version: _Optional[str] = ..., restore_state: _Optional[bool] = ..., config: _Optional[_Union[TrainConfig, _Mapping]] = ...) -> None: ...
 
 class GetStateRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "total_steps", "lora_rank", "lora_alpha", "clip_eps", "kl_coef", "dpo_beta", "seed")
+    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "total_steps", "lora_rank", "lora_alpha", "clip_eps", "kl_coef", "dpo_beta", "seed", "indexer_loss_coef", "activation_checkpointing", "logprob_chunk_rows", "master_weights", "dtype")
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +219,11 @@ class TrainConfig(_message.Message):
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     DPO_BETA_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    INDEXER_LOSS_COEF_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_CHECKPOINTING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_CHUNK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     lr: float
     weight_decay: float
     beta1: float
@@ -230,7 +237,12 @@ class TrainConfig(_message.Message):
     kl_coef: float
     dpo_beta: float
     seed: int
-    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., clip_eps: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    indexer_loss_coef: float
+    activation_checkpointing: bool
+    logprob_chunk_rows: int
+    master_weights: bool
+    dtype: str
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., clip_eps: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., seed: _Optional[int] = ..., indexer_loss_coef: _Optional[float] = ..., activation_checkpointing: _Optional[bool] = ..., logprob_chunk_rows: _Optional[int] = ..., master_weights: _Optional[bool] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class TrainerState(_message.Message):
     __slots__ = ("run", "step", "weights_version", "weights_step", "tokens_seen", "accumulated_batches", "config", "model_config_json", "numerics_version", "numerics_fingerprint")

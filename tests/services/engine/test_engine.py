@@ -10,7 +10,8 @@ from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, RequestError, run_to_completion, sample_seed
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
 

@@ -14,7 +14,8 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine import scheduler as engine_module
 from zerokl.services.engine.blocks import block_hashes, prefix_cache_seed
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
 BLOCK = EngineConfig().block_size

@@ -10,7 +10,8 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.paging import SequenceChunk, batch_for_chunks, decode_batch
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.runner import ModelRunner, batch_buckets
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
 

@@ -2,7 +2,8 @@
 chunked prefill, preemption of the newest holder when blocks run out, forking under memory
 pressure, prefix-cache reuse. A fake runner records the KV moves the scheduler asks for."""
 from zerokl.services.engine.scheduler import Sample, SampleState, Scheduler
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff
+from zerokl.vocab import SamplingOptions
 
 
 class FakeRunner:

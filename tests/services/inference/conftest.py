@@ -16,7 +16,7 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.services.inference import AsyncEngine, Replica, ServingLimits
 from zerokl.services.inference.async_engine import engine_of
 from zerokl.services.inference.decode import Decoder, add_decode_service
@@ -26,6 +26,7 @@ from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime import ServerOptions, ServiceServer
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
 WEIGHTS = "tiny-seed0"

@@ -28,7 +28,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import CONFIG, TOKENIZER, decode_server, offline, offline_score, prompt
 from zerokl.kernels.model import Model
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SampleOutput, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, SampleOutput
+from zerokl.vocab import SamplingOptions
 from zerokl.services.inference import AsyncEngine, InferenceClient, InferenceRequest
 from zerokl.services.inference.async_engine import collect, engine_of, pack_outputs, unpack_outputs
 from zerokl.services.inference.types import fold_samples

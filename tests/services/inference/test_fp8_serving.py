@@ -16,7 +16,8 @@ from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model
 from zerokl.kernels.model.fp8 import is_fp8, numerics_dtype, quantize_fp8
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import SamplingOptions
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
 from zerokl.services.inference.server import build_parser, load_model, make_identity
 

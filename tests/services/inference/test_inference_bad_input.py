@@ -10,13 +10,14 @@ import grpc.aio
 import pytest
 
 from conftest import WEIGHTS, decode_server, offline, prefill_server
-from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest, KVHeader, ServingLimits
 from zerokl.services.inference import convert
-from zerokl.services.inference.errors import handoff_peer
+from zerokl.services.runtime.errors import handoff_peer
 from zerokl.services.runtime import ServiceServer, field_violations, status_details
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, make_chunk, split_bytes
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 INVALID, FAILED, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                               grpc.StatusCode.RESOURCE_EXHAUSTED)

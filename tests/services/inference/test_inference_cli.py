@@ -14,8 +14,8 @@ import pytest
 
 from conftest import TOKENIZER, offline, prompt
 from zerokl.kernels import fingerprint
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
+from zerokl.vocab import SamplingOptions
 
 MODEL_FLAGS = ["--preset", "tiny", "--seed", "0", "--port", "0", "--threads", "1"]
 IDS = tuple(range(3, 30))

@@ -20,9 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CONFIG, WEIGHTS, decode_server, offline, prompt
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import GenerateRequest
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
 from zerokl.services.inference.replica import Replica
+from zerokl.vocab import SamplingOptions
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 INTERNAL, UNAVAILABLE = grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE

@@ -27,11 +27,12 @@ from conftest import (
     prompt,
 )
 from zerokl.kernels import fingerprint, log_softmax
-from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference import GenerateResult, InferenceClient, InferenceRequest
-from zerokl.services.inference.errors import handoff_peer
+from zerokl.services.runtime.errors import handoff_peer
 from zerokl.services.runtime import metrics
 from zerokl.services.runtime.info import model_config_hash
+from zerokl.vocab import SamplingOptions
 
 FP = fingerprint()
 

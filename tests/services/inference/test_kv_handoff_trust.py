@@ -22,12 +22,12 @@ import pytest
 import torch
 from conftest import decode_server, offline, prefill_server
 
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, convert
 from zerokl.services.inference.types import GenerateResult, InferenceRequest, KVHeader
 from zerokl.services.runtime import AuthConfig, ServerOptions, ServiceServer
 from zerokl.services.runtime.chunks import chunk_to_proto, split_bytes
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 PROMPT = tuple(range(3, 43))          # 40 tokens: the KV of the prompt fills two 16-token blocks (and 8 rows)
 REQUEST = InferenceRequest(prompt_ids=PROMPT, options=SamplingOptions(temperature=0.0, max_tokens=4, ignore_eos=True),

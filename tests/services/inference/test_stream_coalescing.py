@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 
 from conftest import make_replica, offline
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.replica import ServingLimits
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, Usage, coalesce, fold_samples
+from zerokl.vocab import SamplingOptions
 
 
 def _d(index: int, tokens: tuple[int, ...], finish=None, plp=None, version="1") -> GenerateDelta:  # noqa: ANN001

@@ -20,7 +20,6 @@ import torch
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime import ServiceServer
@@ -29,6 +28,7 @@ from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.services.weightstore.store import VersionStore
+from zerokl.vocab import SamplingOptions
 
 from conftest import CONFIG, TOKENIZER, decode_server, make_replica, offline, offline_score, prefill_server
 

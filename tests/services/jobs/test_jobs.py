@@ -29,8 +29,8 @@ from zerokl.services.jobs.manager import (
     SFTJobSpec,
 )
 from zerokl.services.jobs.service import JobsClient
-from zerokl.services.trainer.trainer import Completion
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc
+from zerokl.vocab import Completion
 
 pytestmark = pytest.mark.timeout(600)
 

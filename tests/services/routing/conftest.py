@@ -18,7 +18,7 @@ import pytest
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.services.inference import AsyncEngine, Replica
 from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
@@ -26,6 +26,7 @@ from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import SampleResult, fold_samples
 from zerokl.services.runtime import ServerOptions, ServiceServer
 from zerokl.services.routing import Registry, ReplicaEndpoint, Scheduler, SchedulerConfig, StaticSource
+from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
 # What `zerokl serve decode --preset tiny --seed 0` reports, so in-process and subprocess replicas agree.

@@ -19,13 +19,12 @@ import time
 
 import pytest
 
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
-from zerokl.services.trainer.trainer import Completion
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import Completion, SamplingOptions
 
 pytestmark = pytest.mark.timeout(300)
 

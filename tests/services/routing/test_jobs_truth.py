@@ -29,7 +29,7 @@ import torch
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.model import Model
 from zerokl.services.engine.engine import Engine
-from zerokl.services.engine.types import EngineConfig, SamplingOptions
+from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference import AsyncEngine, InferenceClient, Replica
 from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.server import make_identity
@@ -40,10 +40,10 @@ from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.jobs.manager import JobState, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import Completion
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.service import add_weight_store
+from zerokl.vocab import Completion, SamplingOptions
 
 from conftest import CONFIG, TOKENIZER, scheduler_server
 

@@ -22,11 +22,11 @@ import torch
 from conftest import CONFIG, WEIGHTS, numbers, offline, replica_server
 from kube_api_fake import FakeKubeAPI, endpoint_slice
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer
 from zerokl.services.routing import Registry, Scheduler, SchedulerConfig
 from zerokl.services.routing.kube import EndpointSliceSource, load_api_client
+from zerokl.vocab import SamplingOptions
 
 NS = "zerokl"
 SERVICES = {"decode": "r1-zerokl-decode", "prefill": "r1-zerokl-prefill"}

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_scheduler_cli import _lines, _read_until, _reap
 
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
+from zerokl.vocab import SamplingOptions
 
 REQUESTS, PROMPT_TOKENS = 20, 400
 OPTIONS = SamplingOptions(temperature=0.8, seed=11, max_tokens=4, ignore_eos=True)

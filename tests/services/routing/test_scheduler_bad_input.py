@@ -15,13 +15,12 @@ import grpc.aio
 import pytest
 
 from conftest import offline, replica_server, scheduler_server
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer, field_violations
 from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import Completion
+from zerokl.vocab import Completion, SamplingOptions
 
 INVALID, FAILED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 RANGE = "temperature must be 0 (greedy) or in [1e-06, 1e+06]"

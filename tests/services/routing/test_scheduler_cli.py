@@ -16,10 +16,10 @@ import pytest
 from conftest import numbers, offline
 from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.types import SampleResult
 from zerokl.services.routing.registry import load_static_config
 from zerokl.services.routing.server import build_parser, sources_from_args
+from zerokl.vocab import SamplingOptions
 
 IDS = tuple(range(3, 25))
 OPTIONS = SamplingOptions(temperature=0.7, top_k=20, seed=3, max_tokens=8, ignore_eos=True)

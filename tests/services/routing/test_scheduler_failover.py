@@ -29,7 +29,6 @@ from conftest import (
     wait_listening,
 )
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.inference.types import GenerateResult
 from zerokl.services.engine.engine import Engine
@@ -41,6 +40,7 @@ from zerokl.services.inference.server import make_identity
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.routing import Policy, SchedulerConfig
 from zerokl.v1 import inference_pb2_grpc
+from zerokl.vocab import SamplingOptions
 
 # Round-robin over the registry order: the first request goes to the first decode replica listed (the victim).
 IN_TURN = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0)

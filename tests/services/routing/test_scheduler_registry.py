@@ -10,8 +10,8 @@ import pytest
 
 from conftest import WEIGHTS, numbers, offline, replica_server, routed, scheduler_server
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
+from zerokl.services.runtime.errors import UnservedPin
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.routing import (
     MixedFleet,
@@ -24,9 +24,9 @@ from zerokl.services.routing import (
     ReplicaView,
     Router,
     SchedulerConfig,
-    UnservedPin,
     resolve_pin,
 )
+from zerokl.vocab import SamplingOptions
 
 
 class QueueSource(ReplicaSource):

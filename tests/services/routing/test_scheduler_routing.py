@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from conftest import TOKENIZER, WEIGHTS, numbers, offline, prompt, replica_server, routed, scheduler_server
 from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime.errors import field_violations, status_details
 from zerokl.services.runtime.metrics import REGISTRY
 from zerokl.services.routing import Pin, SchedulerConfig
+from zerokl.vocab import SamplingOptions
 
 FP32 = fingerprint()
 SHORT_WAIT = SchedulerConfig(route_wait_s=0.3)

@@ -9,10 +9,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import CONFIG, numbers, offline, replica_server, scheduler_server
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient, InferenceRequest, Replica
 from zerokl.services.inference.types import GenerateResult
 from zerokl.services.routing import Policy, SchedulerConfig
+from zerokl.vocab import SamplingOptions
 
 IN_TURN = SchedulerConfig(policy=Policy.ROUND_ROBIN, route_wait_s=2.0)
 

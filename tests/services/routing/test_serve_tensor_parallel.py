@@ -18,11 +18,11 @@ from conftest import WEIGHTS, numbers, offline, prompt, replica_server, routed, 
     wait_listening
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import SamplingOptions
 
 
 def test_a_tp2_replica_serves_the_tp1_bits_beside_a_tp1_replica(model: Model) -> None:

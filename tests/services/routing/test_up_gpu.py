@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from zerokl.kernels import fingerprint
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
+from zerokl.vocab import SamplingOptions
 
 pytestmark = pytest.mark.gpu
 

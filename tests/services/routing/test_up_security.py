@@ -33,13 +33,13 @@ from cryptography.x509.oid import NameOID
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model
-from zerokl.services.engine.types import SamplingOptions
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.runtime import TlsConfig
 from zerokl.services.jobs.manager import CountdownTask, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import SamplingOptions
 
 CLIENT_TOKEN = "client-token-for-the-test"
 IDS = tuple(range(3, 25))

@@ -9,8 +9,8 @@ from typing import Callable, Sequence
 
 from zerokl.kernels.model import Model
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, SamplingOptions
-from zerokl.services.trainer.trainer import Completion, Rollout
+from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.vocab import Completion, Rollout, SamplingOptions
 
 __all__ = ["below_16", "engine_rollouts"]
 

@@ -54,7 +54,7 @@ def _model():
 
 
 def _data():
-    from zerokl.services.trainer.trainer import Completion
+    from zerokl.vocab import Completion
     g = torch.Generator().manual_seed(7)
     seqs = []
     for i in range(4):                      # uneven lengths: the ranks' shares of tokens differ

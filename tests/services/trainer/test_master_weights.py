@@ -8,7 +8,9 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.distributed import DistributedTrainer
-from zerokl.services.trainer.trainer import Completion, NonFiniteStep, TrainConfig, Trainer
+from zerokl.services.trainer.optim import NonFiniteStep
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion
 
 from conftest import engine_rollouts
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion
 
 from conftest import below_16, engine_rollouts
 
@@ -101,7 +102,7 @@ def test_kl_penalty_to_reference_is_finite_under_top_p():
 def test_a_step_that_makes_a_weight_non_finite_is_undone():
     """An infinite gradient (clipping turns it into NaN) would poison the weights: the step raises NonFiniteStep
     naming the tensor, and weights, optimizer state and step counter are bitwise as before it."""
-    from zerokl.services.trainer.trainer import NonFiniteStep
+    from zerokl.services.trainer.optim import NonFiniteStep
 
     trainer = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
     data = [Completion((5, 6, 7, 8), (9, 10, 11))] * 2

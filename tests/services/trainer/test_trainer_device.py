@@ -18,7 +18,8 @@ from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
-from zerokl.services.trainer.trainer import Completion, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion
 
 from conftest import engine_rollouts
 
@@ -78,7 +79,7 @@ def test_adapters_and_batches_are_built_on_the_models_device_not_the_cpu(lora):
     mixed with the model's (LoRA's adapters, _batch's index tensors) raises, as on CUDA."""
     trainer = Trainer(Model(TINY, seed=0).to("meta"), TrainConfig(lora_rank=lora, kl_coef=0.1))
     assert {p.device.type for p in [*trainer.model.parameters(), *trainer.reference.parameters()]} == {"meta"}
-    batch = trainer._batch([Completion((1, 2, 3), (4, 5)), Completion((1, 2), (4, 5, 6), 0.5, 3, 0.9)])
+    batch = trainer.batch_of([Completion((1, 2, 3), (4, 5)), Completion((1, 2), (4, 5, 6), 0.5, 3, 0.9)])
     tensors = [batch.input_ids, batch.targets, batch.mask, batch.rows, *vars(batch.params).values()]
     assert {t.device.type for t in tensors} == {"meta"}
 

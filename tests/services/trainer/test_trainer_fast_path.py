@@ -23,7 +23,8 @@ from zerokl.kernels.backend import default_backend
 from zerokl.kernels.sampling import sampling_logprobs
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.losses import sft_loss
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion, Rollout
 
 TINY = ModelConfig.preset("tiny")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -51,7 +52,7 @@ def _sequences(k: int = 6, seed: int = 0) -> list[Completion]:
 
 def _unfused_logprobs(trainer: Trainer, seqs):
     """(logprobs [Ntok], batch) by the trainer's previous path: logits of every position, the rows, sampling_logprobs."""
-    batch = trainer._batch(seqs)
+    batch = trainer.batch_of(seqs)
     logits = trainer.model(batch.input_ids)
     logits = logits.reshape(-1, logits.shape[-1])[batch.rows]
     return sampling_logprobs(logits, batch.targets[batch.mask > 0], batch.params), batch
@@ -68,7 +69,7 @@ def test_logprobs_are_bitwise_the_unfused_path_in_every_mode_and_chunking(device
         ref, batch = _unfused_logprobs(_trainer(device), seqs)
         for chunk, ckpt in [(0, False), (1, False), (7, True)]:
             trainer = _trainer(device, logprob_chunk_rows=chunk, activation_checkpointing=ckpt)
-            got = trainer._logprobs(trainer.model, batch)[batch.mask > 0]
+            got = trainer.token_logprobs(trainer.model, batch)[batch.mask > 0]
             assert torch.equal(got, ref), (chunk, ckpt)
             per_seq = trainer.forward_logprobs(seqs)
             assert torch.equal(torch.cat(per_seq), ref.cpu())

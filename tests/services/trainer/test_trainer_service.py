@@ -16,6 +16,7 @@ import signal
 import shutil
 import subprocess
 import sys
+import typing
 import urllib.request
 from typing import AsyncIterator, Awaitable, Iterator, Sequence
 
@@ -35,11 +36,12 @@ from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.server import build_parser, open_repo, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import Completion, Rollout, TrainConfig, Trainer
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import trainer_pb2, trainer_pb2_grpc
+from zerokl.vocab import Completion, Rollout
 
 from conftest import below_16, engine_rollouts
 
@@ -131,26 +133,80 @@ def _preconditions(err: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
 
 # ----------------------------------------------------------------------------- flags
 
+def _non_default(name: str, tp, default):
+    """A value other than ``default`` for a field of type ``tp`` (generated, so a new field is covered)."""
+    if tp is bool:
+        return not default
+    if typing.get_origin(tp) is typing.Literal:
+        return next(c for c in typing.get_args(tp) if c != default)
+    literal = [a for a in typing.get_args(tp) if typing.get_origin(a) is typing.Literal]
+    if literal and type(None) in typing.get_args(tp):                    # Literal[...] | None
+        return next(c for c in typing.get_args(literal[0]) if c != default)
+    if set(typing.get_args(tp)) == {bool, type(None)}:
+        return False if default is not False else True
+    if typing.get_origin(tp) is tuple:
+        return tuple(v / 2 for v in default)
+    if tp is int:
+        return default + 3
+    if tp is float:
+        return default / 2 + 0.25
+    raise AssertionError(f"TrainConfig.{name}: no test value for {tp}: teach _non_default (and the flags) its type")
+
+
+def _every_field_changed() -> TrainConfig:
+    hints, defaults = typing.get_type_hints(TrainConfig), TrainConfig()
+    return TrainConfig(**{f.name: _non_default(f.name, hints[f.name], getattr(defaults, f.name))
+                          for f in dataclasses.fields(TrainConfig)})
+
+
+def _flags_for(config: TrainConfig) -> list[str]:
+    hints, out = typing.get_type_hints(TrainConfig), []
+    for f in dataclasses.fields(TrainConfig):
+        flag, v = "--" + f.name.replace("_", "-"), getattr(config, f.name)
+        if hints[f.name] is bool:
+            out.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, tuple):
+            out += [flag, *map(repr, v)]
+        elif v is None or isinstance(v, bool):
+            out += [flag, {None: "auto", True: "on", False: "off"}[v]]
+        else:
+            out += [flag, str(v) if isinstance(v, str) else repr(v)]
+    return out
+
+
 def test_every_train_config_field_has_a_flag() -> None:
-    """`zerokl serve trainer` reaches every TrainConfig field (the GPU-speed ones too: activation
-    checkpointing, master weights, the logprob chunk): flags giving a non-default value for each
-    field build exactly that TrainConfig, and no flags build the defaults."""
-    want = TrainConfig(lr=3e-4, weight_decay=0.1, betas=(0.8, 0.9), grad_clip=0.5, warmup_steps=3, total_steps=9,
-                       lora_rank=2, lora_alpha=8.0, clip_eps=0.3, kl_coef=0.01, dpo_beta=0.2, seed=5,
-                       indexer_loss_coef=0.5, activation_checkpointing=True, logprob_chunk_rows=64,
-                       master_weights=False, dtype="fp8")
-    defaults = TrainConfig()
-    # A field added to TrainConfig must be added here (and get its flag).
+    """`zerokl serve trainer` reaches every TrainConfig field (the flags are generated from the
+    dataclass): flags giving a non-default value for each field build exactly that TrainConfig,
+    and no flags build the defaults. A field whose type has no flag fails here."""
+    want, defaults = _every_field_changed(), TrainConfig()
     assert [f.name for f in dataclasses.fields(TrainConfig) if getattr(want, f.name) == getattr(defaults, f.name)] == []
-    flags = ["--lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.8", "0.9", "--grad-clip", "0.5",
-             "--warmup-steps", "3", "--total-steps", "9", "--lora-rank", "2", "--lora-alpha", "8", "--clip-eps", "0.3",
-             "--kl-coef", "0.01", "--dpo-beta", "0.2", "--seed", "5", "--indexer-loss-coef", "0.5",
-             "--activation-checkpointing", "--logprob-chunk-rows", "64", "--master-weights", "off", "--dtype", "fp8"]
-    assert train_config_from_args(build_parser().parse_args(flags)) == want
+    assert train_config_from_args(build_parser().parse_args(_flags_for(want))) == want
     assert train_config_from_args(build_parser().parse_args([])) == defaults
     assert train_config_from_args(build_parser().parse_args(["--master-weights", "on"])).master_weights is True
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--master-weights", "sometimes"])
+    helps = {a.dest: a.help for a in build_parser()._actions}
+    assert all(helps[f.name] and not helps[f.name].startswith("(default") for f in dataclasses.fields(TrainConfig)), \
+        "every TrainConfig field needs a comment (its flag's help)"
+
+
+def test_every_train_config_field_crosses_the_trainer_and_jobs_apis() -> None:
+    """zerokl.v1.TrainConfig carries every TrainConfig field (GetState reports it, LoadWeights and a
+    job's JobSpec.train_config set it): round trips are exact, and no proto field is unread."""
+    from zerokl.services.jobs.manager import DPOJobSpec, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.service import spec_from_proto, spec_to_proto
+    from zerokl.services.trainer import convert
+    from zerokl.vocab import Completion
+    want = _every_field_changed()
+    for config in (want, TrainConfig(), TrainConfig(master_weights=True)):
+        assert convert.train_config_from_proto(convert.train_config_to_proto(config)) == config
+    proto_fields = set(convert.trainer_pb2.TrainConfig.DESCRIPTOR.fields_by_name)
+    wired = {f.name for f in dataclasses.fields(TrainConfig)} - {"betas"} | {"beta1", "beta2"}
+    assert proto_fields == wired
+    pair = (Completion((1, 2), (3,)), Completion((1, 2), (4,)))
+    for spec in (SFTJobSpec(steps=2, train_config=want), DPOJobSpec(steps=1, pairs=(pair,), train_config=want),
+                 RLJobSpec(steps=3, train_config=want), RLJobSpec(steps=3)):
+        assert spec_from_proto(spec_to_proto(spec)) == spec
 
 
 # ----------------------------------------------------------------------------- parity
@@ -296,6 +352,10 @@ def test_save_weights_publishes_a_version_with_manifest_and_state(tmp_path: path
             assert (step2[0].loss, step2[1].grad_norm) == (want["loss"], want["grad_norm"])
             fresh = await client.load_weights("job-light")
             assert (fresh.step, fresh.weights_version, fresh.tokens_seen) == (0, "job-light", 0)
+            # A fresh trainer with other hyperparameters (what a job's train_config does)
+            other = dataclasses.replace(config, lr=config.lr / 2, activation_checkpointing=True, master_weights=False)
+            assert (await client.load_weights("job-light", config=other)).config == other
+            assert (await client.get_state()).config == other
             assert (await _status(client.load_weights("no-such-version"))).code() is grpc.StatusCode.NOT_FOUND
 
         # A new trainer started from a published version (--init VERSION) serves exactly its weights.

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from zerokl.kernels.portable import contract
+
 __all__ = ["install_exact_dot"]
 
 _INSTALLED = False
@@ -29,7 +31,6 @@ def _exact_dot(original):
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         from triton.runtime.interpreter import TensorHandle
 
-        from zerokl.kernels.portable import contract
         acc = d.data
         # Only fp32 accumulation of float operands is ours (zerokl's kernels upcast every dot
         # operand to fp32 under the interpreter, kernels/triton/_common.dot_in_fp32).

@@ -1,0 +1,132 @@
+"""The import rule: no cycle between the packages of zerokl.
+
+The graph is built from the source, not from what a run happened to import: every
+``import`` / ``from ... import`` of every module, those inside functions included (an
+import moved into a function hides a cycle from Python, not from this test). A node is a
+package (``zerokl.kernels``, ``zerokl.kernels.model``, ``zerokl.services.routing``, ...);
+the modules directly in the root package ``zerokl`` are nodes of their own: the root holds
+the command-line application (one module a command, above everything), the shared
+vocabulary (``zerokl.vocab``) and the tokenizer (below everything), not one layer.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _modules() -> dict[str, tuple[pathlib.Path, bool]]:
+    """module name -> (file, is a package's __init__), over the packages pyproject installs."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs, out = setup["package-dir"], {}
+    for pkg in setup["packages"]:
+        top = max((p for p in dirs if pkg == p or pkg.startswith(p + ".")), key=len)
+        folder = ROOT / dirs[top] / pkg[len(top):].lstrip(".").replace(".", "/")
+        for f in folder.glob("*.py"):
+            out[pkg if f.name == "__init__.py" else f"{pkg}.{f.stem}"] = (f, f.name == "__init__.py")
+    return out
+
+
+MODULES = _modules()
+
+
+def node(module: str) -> str:
+    """The graph node of a module: its package, or itself for a module of the root package."""
+    if MODULES[module][1]:
+        return module
+    package = module.rpartition(".")[0]
+    return module if package == "zerokl" else package
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+@functools.lru_cache(maxsize=None)
+def import_edges() -> dict[str, dict[str, list[str]]]:
+    """node -> node it imports -> where ("module:line"), for every import between two nodes."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for module, (path, is_pkg) in sorted(MODULES.items()):
+        here = module if is_pkg else module.rpartition(".")[0]
+        for imp in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(imp, ast.Import):
+                names = [a.name for a in imp.names]
+            elif isinstance(imp, ast.ImportFrom):
+                base = imp.module or ""
+                if imp.level:
+                    parts = here.split(".")
+                    base = ".".join(parts[:len(parts) - imp.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in imp.names]   # `from pkg import submodule`
+            else:
+                continue
+            for target in {t for t in map(_resolve, names) if t}:
+                a, b = node(module), node(target)
+                if a != b:
+                    edges.setdefault(a, {}).setdefault(b, []).append(f"{module}:{imp.lineno}")
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted({node(m) for m in MODULES}):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_the_tree():
+    edges = import_edges()
+    assert {"zerokl.kernels", "zerokl.kernels.model", "zerokl.services.routing", "zerokl.vocab",
+            "zerokl.cli"} <= {node(m) for m in MODULES}
+    # imports inside functions count (the CLI imports its commands lazily)
+    assert "zerokl.services.inference" in edges["zerokl.cli"]
+    assert "zerokl.kernels" in edges["zerokl.kernels.model"]
+
+
+def test_no_import_cycle_between_packages():
+    edges = import_edges()
+    found = cycles(edges)
+    where = [f"{a} -> {b}: {', '.join(edges[a][b][:4])}" for c in found for a in c for b in c if b in edges.get(a, {})]
+    assert not found, "import cycles between packages:\n" + "\n".join(where)
+
+
+def test_the_vocabulary_imports_nothing_of_zerokl():
+    edges = import_edges()
+    for leaf in ("zerokl.vocab", "zerokl.tokenizer"):
+        assert leaf not in edges, f"{leaf} must stay below every package: {edges.get(leaf)}"
+
+
+def test_the_numerics_library_is_below_the_model_and_its_backends():
+    edges = import_edges()
+    assert "zerokl.kernels.model" not in edges.get("zerokl.kernels", {})
+    assert "zerokl.kernels" not in edges.get("zerokl.kernels.triton", {})   # kernels dispatch to triton, never back
+    assert not any(t.startswith("zerokl.services") for t in edges.get("zerokl.kernels.model", {}))
