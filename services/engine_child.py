@@ -50,6 +50,12 @@ def discard() -> None:
             process.kill()
 
 
+# The child's entry point, named rather than imported: this module stays free of the inference
+# package (which imports torch, and imports this module), as the CLI names each service's main.
+_CHILD_MAIN = "zerokl.services.inference.async_engine:_child_main"
+
+
 def _main(conn: Any, parent_pid: int) -> None:
-    from zerokl.services.inference.async_engine import _child_main
-    _child_main(conn, parent_pid, None)
+    import importlib
+    module, func = _CHILD_MAIN.split(":")
+    getattr(importlib.import_module(module), func)(conn, parent_pid, None)

@@ -1,7 +1,9 @@
 """The block-scaled FP8 format's constants, defined once (NUMERICS.md, "FP8").
 
-A leaf module (imports nothing of the library) so that the public ops (`ops`), the torch
-backend (`torch_ops`) and the Triton kernels (`triton/fp8.py`) read the same numbers. Both are
+A leaf package (imports nothing of the library; a package of its own so that the Triton backend
+reads it without importing zerokl.kernels, which imports the backend) so that the public ops
+(`ops`), the torch backend (`torch_ops`) and the Triton kernels (`triton/fp8.py`) read the same
+numbers. Both are
 part of the numerical definition: changing either changes bits (a numerics version bump).
 """
 from __future__ import annotations
