@@ -480,8 +480,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ weights
 
-    async def switch_weights(self, version: str) -> ServiceIdentity:
+    async def switch_weights(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         """Switch every replica to weight-store ``version`` (or ``latest``), after a canary, or not at all.
+
+        ``shared``: the trainer's in-memory copy of ``version`` (SaveWeights with share), passed to
+        every replica: one on the trainer's host copies it in place, another fetches from the store.
+        A switch back after a failure always reads the store (the versions before are recorded).
 
         One healthy decode replica switches first and serves a canary
         (:meth:`_canary`: a short greedy Generate of a fixed probe with prompt
@@ -503,11 +507,11 @@ class Scheduler:
         """
         try:
             async with self._switching:
-                return await self._switch_all(version)
+                return await self._switch_all(version, shared)
         finally:
             self._health_dirty.set()   # a replica that lagged while the switch held the fleet converges now
 
-    async def _switch_all(self, version: str) -> ServiceIdentity:
+    async def _switch_all(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
@@ -518,7 +522,7 @@ class Scheduler:
         canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
         before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
-        first = await self._switch_one(canary, version)
+        first = await self._switch_one(canary, version, shared)
         new = first.weights_version             # "latest" resolved once: every other replica gets this id
         try:
             problem = await self._canary(canary, new)
@@ -529,7 +533,7 @@ class Scheduler:
             undone = await self._switch_back([canary], before)
             raise CanaryFailed(f"weights version {new} failed its canary on {canary.describe()}: {problem}; "
                                f"no other replica switched{undone}")
-        results = await asyncio.gather(*(self._switch_one(v, new) for v in rest), return_exceptions=True)
+        results = await asyncio.gather(*(self._switch_one(v, new, shared) for v in rest), return_exceptions=True)
         failed = [(v, r) for v, r in zip(rest, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             switched = [canary, *(v for v, r in zip(rest, results, strict=True) if not isinstance(r, BaseException))]
@@ -546,11 +550,13 @@ class Scheduler:
         await self.registry.refresh(read_info=True)
         return self.identity
 
-    async def _switch_one(self, view: ReplicaView, to: str) -> ServiceIdentity:
+    async def _switch_one(self, view: ReplicaView, to: str,
+                          shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         """SwitchWeights on one replica; its refusal relayed, UNAVAILABLE naming it."""
         with self.registry.lease(view.endpoint) as client:
             try:
-                return await client.switch_weights(to)
+                return await client.switch_weights(to, shared=shared if shared is not None and
+                                                   shared.version == to else None)
             except grpc.aio.AioRpcError as err:
                 failure = _attempt_or_relay(view, err)
                 raise (failure if not isinstance(failure, _Attempt)
