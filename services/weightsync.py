@@ -26,6 +26,11 @@ the device: the buffer as int64 words in rows of 2^16, each row summed (integer 
 any order gives the same bits), the row sums weighted by odd multipliers 2r+1 and summed, all
 modulo 2^64. It catches corrupted or truncated transfers and misplaced rows, not an adversary
 (the descriptor only comes over an authenticated peer RPC).
+
+CUDA IPC lifetime: the trainer keeps the last two versions' buffers (TrainerService), far longer
+than a replica needs to copy one; a replica drops its mapping as soon as its copy is made, so
+torch's IPC reference counting (one ``_share_cuda_`` per export, which every replica on the host
+opens) never has to keep a freed block alive.
 """
 from __future__ import annotations
 
@@ -86,10 +91,10 @@ def checksum(buffer: torch.Tensor) -> str:
 def _sum64(buffer: torch.Tensor) -> int:
     """Exact on-device integer checksum; ``buffer``'s length is a multiple of 8 (export pads it)."""
     words = buffer.view(torch.int64)                        # [n]
-    pad = (-words.numel()) % _ROW_WORDS
-    if pad:
-        words = torch.cat([words, words.new_zeros(pad)])
-    rows = words.view(-1, _ROW_WORDS).sum(dim=1, dtype=torch.int64)   # [rows], wraps modulo 2^64
+    full = words.numel() // _ROW_WORDS * _ROW_WORDS
+    rows = words[:full].view(-1, _ROW_WORDS).sum(dim=1, dtype=torch.int64)   # [n // 2^16], wraps modulo 2^64
+    if full < words.numel():    # the last, short row (as if zero-padded: no copy of the buffer)
+        rows = torch.cat([rows, words[full:].sum(dtype=torch.int64).view(1)])
     weights = torch.arange(rows.numel(), device=rows.device, dtype=torch.int64) * 2 + 1
     return int((rows * weights).sum(dtype=torch.int64).item()) & (2**64 - 1)
 
@@ -233,7 +238,9 @@ def open_shared(desc: weights_pb2.SharedWeights, device: torch.device | str = "c
                 c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
         except (RuntimeError, TypeError) as err:
             raise SharedUnavailable(f"cannot open the CUDA IPC handle: {err}") from None
-        shared = torch.empty(0, dtype=torch.uint8, device=f"cuda:{c.device}").set_(storage)[:total]
+        # As rebuild_cuda_tensor does: a tensor over the opened storage (offset 0, the whole buffer).
+        shared = torch.empty(0, dtype=torch.uint8, device=f"cuda:{c.device}")
+        shared.set_(storage, 0, (total,), (1,))
         target = device if device.type == "cuda" else torch.device(f"cuda:{c.device}")
         received = torch.empty(total, dtype=torch.uint8, device=target)
         received.copy_(shared)
