@@ -843,21 +843,25 @@ class _TrainerSession:
                 "lr": opt.lr, "tokens": fb.tokens}
         optimized = time.perf_counter()
         parent = self.weights_version
-        nbytes = self.publish_shared()
-        sync_s = time.perf_counter() - optimized
+        nbytes, exported = self.publish_shared()
+        done = time.perf_counter()
+        sync_s = done - optimized
         self._unrecorded_parent, self._unrecorded_batch = parent, (tuple(rollouts), group_size)
-        # Bytes of the serving weights each replica received, and the rate of the whole sync.
+        # Bytes of the serving weights each replica received, and the rate of the whole sync; the sync split
+        # into the trainer's SaveWeights(share) and the fleet's switch (canary included).
         self._last = {**last, "sync_s": sync_s, "sync_bytes": float(nbytes),
-                      "sync_bytes_per_s": nbytes / max(sync_s, 1e-9)}
+                      "sync_bytes_per_s": nbytes / max(sync_s, 1e-9), "sync_export_s": exported - optimized,
+                      "sync_switch_s": done - exported}
 
     def publish(self) -> str:
         return self.weights_version  # grpo_step published as part of its unit
 
-    def publish_shared(self) -> int:
+    def publish_shared(self) -> tuple[int, float]:
         """SaveWeights(share): the new version from the trainer's memory to the fleet (replicas on its host
         copy it in place, others read the store once the trainer's background record lands), after its
-        canary; the serving bytes shared."""
+        canary; the serving bytes shared, and the perf_counter time the trainer answered."""
         manifest, _, shared = self._call(self.client.share_weights())
+        exported = time.perf_counter()
         if manifest.version != self.weights_version:
             self.unswitched = manifest.version
         try:
@@ -867,7 +871,7 @@ class _TrainerSession:
         self.unswitched = ""
         self.weights_version = manifest.version
         self.unrecorded = manifest.version
-        return int(shared.total_bytes)
+        return int(shared.total_bytes), exported
 
     def await_record(self) -> None:
         """Wait for the store's record of the version shared last (retried while the store is out); a

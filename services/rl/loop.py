@@ -68,6 +68,8 @@ class StepRecord:
     sync_s: float | None = None
     sync_bytes: float | None = None         # serving bytes each replica received (the version's size)
     sync_bytes_per_s: float | None = None   # sync_bytes / sync_s
+    sync_export_s: float | None = None      # of sync_s: the trainer's SaveWeights(share) (export + checksum)
+    sync_switch_s: float | None = None      # of sync_s: the fleet's switch (canary, every replica's copy)
     # Waiting, before the step trained, for the store's background record of the previous version
     # (in neither train_s nor sync_s: it overlaps the rollouts and is ~0 when the upload kept up).
     record_wait_s: float | None = None
@@ -135,7 +137,8 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
             lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
             train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
-            sync_bytes_per_s=m.get("sync_bytes_per_s"), record_wait_s=m.get("record_wait_s"),
+            sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
+            sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

@@ -267,7 +267,8 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[
                     rows.append({"step": ev.step, "weights_version": ev.weights_version, **ev.metrics})
                     m = ev.metrics
                     print(f"service step {ev.step}: rollout {m['rollout_s']:.2f} s train {m['train_s']:.2f} s "
-                          f"sync {m['sync_s']:.3f} s ({m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
+                          f"sync {m['sync_s']:.3f} s (export {m.get('sync_export_s', 0):.3f} s, switch "
+                          f"{m.get('sync_switch_s', 0):.3f} s; {m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
                           f"{m.get('record_wait_s', 0):.3f} s | {m['tokens']:.0f} tokens kl {m['kl']} mismatched "
                           f"{m['mismatched_tokens']:.0f}", flush=True)
                 elif ev.status.state.done:
@@ -319,12 +320,13 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
     local_tps = sum(r["tokens"] for r in warm_l) / sum(r["train_s"] for r in warm_l)
     sync = sum(r["sync_s"] for r in warm_s)
     moved = sum(r.get("sync_bytes", 0.0) for r in warm_s)
-    keys = ("rollout_s", "train_s", "sync_s", "record_wait_s", "sync_bytes", "tokens", "kl", "mismatched_tokens",
-            "loss", "reward")
+    keys = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "sync_bytes",
+            "tokens", "kl", "mismatched_tokens", "loss", "reward")
     result = {
         "date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
-        "torch": torch.__version__, "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
+        "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
+        "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
         "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
         "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens},
