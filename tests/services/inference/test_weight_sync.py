@@ -158,3 +158,39 @@ async def _falls_back(tmp_path: pathlib.Path) -> None:
                     assert torch.equal(got[name], t), name
     finally:
         export.close()
+
+
+_CHILD = """
+import sys, torch
+from safetensors.torch import save_file
+from zerokl.services.weightsync import open_shared
+from zerokl.v1 import weights_pb2
+desc = weights_pb2.SharedWeights.FromString(open(sys.argv[1], "rb").read())
+got = open_shared(desc, "cuda")
+assert all(t.is_cuda for t in got.values())
+save_file({k: v.cpu().contiguous() for k, v in got.items()}, sys.argv[2])
+"""
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_gives_another_process_the_trainers_exact_tensors(tmp_path: pathlib.Path) -> None:
+    """The GPU transport: CUDA IPC handles opened in another process (as a replica does), sum64 checked."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    state = {k: v.cuda() for k, v in _state(1, torch.bfloat16).items()}
+    export = export_shared(state, "v2")
+    try:
+        assert export.descriptor.transport == "cuda_ipc" and export.descriptor.checksum.startswith("sum64:")
+        (tmp_path / "desc.bin").write_bytes(export.descriptor.SerializeToString())
+        subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "desc.bin"), str(tmp_path / "got.safetensors")],
+                       check=True, timeout=300)
+        got = load_file(str(tmp_path / "got.safetensors"))
+        assert got.keys() == state.keys()
+        for name, t in state.items():
+            assert torch.equal(got[name], t.cpu()), name
+    finally:
+        export.close()
