@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
@@ -522,8 +523,10 @@ class Scheduler:
         canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
         before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
+        t0 = time.perf_counter()
         first = await self._switch_one(canary, version, shared)
         new = first.weights_version             # "latest" resolved once: every other replica gets this id
+        t1 = time.perf_counter()
         try:
             problem = await self._canary(canary, new)
         except Unavailable as err:
@@ -533,7 +536,9 @@ class Scheduler:
             undone = await self._switch_back([canary], before)
             raise CanaryFailed(f"weights version {new} failed its canary on {canary.describe()}: {problem}; "
                                f"no other replica switched{undone}")
+        t2 = time.perf_counter()
         results = await asyncio.gather(*(self._switch_one(v, new, shared) for v in rest), return_exceptions=True)
+        t3 = time.perf_counter()
         failed = [(v, r) for v, r in zip(rest, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             switched = [canary, *(v for v, r in zip(rest, results, strict=True) if not isinstance(r, BaseException))]
@@ -548,6 +553,9 @@ class Scheduler:
         if self.state_dir is not None:
             write_fleet_version(self.state_dir, new)
         await self.registry.refresh(read_info=True)
+        log.info("switched the fleet to %s%s: canary replica %.3f s, canary %.3f s, %d other replica(s) %.3f s, "
+                 "registry refresh %.3f s", new, " (shared in place)" if shared is not None else "", t1 - t0,
+                 t2 - t1, len(rest), t3 - t2, time.perf_counter() - t3)
         return self.identity
 
     async def _switch_one(self, view: ReplicaView, to: str,

@@ -57,8 +57,8 @@ def _rl_job_in_bf16(services: dict[str, dict], steps: int) -> list:
 
 
 def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zerokl_up) -> None:  # noqa: ANN001
-    with zerokl_up(tmp_path / "up", "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3",
-                   "--trainer-flag=--run=bf16") as services:
+    workdir = tmp_path / "up"
+    with zerokl_up(workdir, "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=bf16") as services:
         decode = next(s for name, s in services.items() if name.startswith("decode"))
         before = _shared_switches(decode["metrics"])
         events = _rl_job_in_bf16(services, steps=3)
@@ -66,7 +66,24 @@ def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zero
         assert _shared_switches(decode["metrics"]) - before == len(events)
         # And the store recorded every one of them (resume and audit).
         versions = {ev.weights_version for ev in events}
-        assert versions <= {p.name for p in (tmp_path / "up" / "weights" / "versions").iterdir()}
+        assert versions <= {p.name for p in (workdir / "weights" / "versions").iterdir()}
+        good = events[-1].weights_version
+
+        # A version shared in place that fails its canary: the job fails by name, the trainer is rolled
+        # back, the version is deleted from the store once its background record landed, and the fleet
+        # keeps serving the good one.
+        async def poisoned() -> str:
+            async with JobsClient(services["scheduler"]["address"]) as jobs:
+                job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=2, group_size=4,
+                                                  max_tokens=10, seed=4, eval_every=0, learning_rate=1e30), "poison")
+                final = [ev async for ev in jobs.watch(job.job_id)][-1].status
+            async with InferenceClient(services["scheduler"]["address"]) as inference:
+                assert (await inference.info()).weights_version == good
+            return final
+        final = asyncio.run(poisoned())
+        assert final.state is JobState.FAILED and "failed its canary" in final.error, final
+        assert f"rolled back to {good}" in final.error and "deleted from the weight store" in final.error, final.error
+        assert sorted(p.name for p in (workdir / "weights" / "versions").iterdir())[-1] == good
 
 
 @pytest.mark.gpu
