@@ -38,7 +38,7 @@ __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort
            "tis_grpo_step"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
-TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "rollout_tokens_per_s")
+TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "sync_s", "rollout_tokens_per_s")
 
 
 # ----------------------------------------------------------------------------- budget
@@ -288,13 +288,16 @@ def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, tr
     rollout_tokens = sum(len(r.sequence.completion_ids) for r in batch)
     t1 = time.perf_counter()
     m = trainer_port.grpo_step(batch, config.group_size)
+    t2 = time.perf_counter()
+    # The update alone: publishing (the serving copy the engine reloads from) is sync_s, as in a job's events.
+    train_s = t2 - t1
     new_version = trainer_port.publish()
-    train_s = time.perf_counter() - t1
+    sync_s = time.perf_counter() - t2
     record = as_dict(StepRecord(
         step=step, weights_version=new_version, reward=m["reward"], kl=m["kl"],
         mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"], ratio_min=m["ratio_min"],
         ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], tokens=m["tokens"],
-        tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s, train_s=train_s))
+        tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s))
     record["mismatched_fraction"] = m["mismatched_tokens"] / max(1, m["tokens"])
     record["rollout_tokens"] = rollout_tokens
     record["rollout_tokens_per_s"] = rollout_tokens / max(rollout_s, 1e-9)

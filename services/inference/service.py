@@ -88,4 +88,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise FailedPrecondition("this replica has no weight store configured (--weight-store)")
         if not request.version:
             raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
+        if request.HasField("shared"):
+            # The trainer's in-memory copy (issue 37): a replica on its host copies it in place.
+            return identity_to_proto(await self._switch_weights(request.version, request.shared))
         return identity_to_proto(await self._switch_weights(request.version))

@@ -7,60 +7,137 @@ fingerprint the replica computes with, when the manifest records one), reports
 NOT_SERVING, swaps the engine's weights between requests and reports SERVING
 again with the new weights version (the scheduler's registry re-reads Info on
 that transition).
+
+In place (issue 37): a switch that carries the trainer's
+:class:`~zerokl.v1.weights_pb2.SharedWeights` copies the version straight from the
+trainer's memory when the replica is on the trainer's host (CUDA IPC, or shared memory
+on a CPU fleet; :mod:`zerokl.services.weightsync`), checks the checksum of what arrived
+(DATA_LOSS otherwise: never served) and the names, shapes and dtypes against the model it
+serves, then swaps as above. On another host, or when the memory cannot be opened, it
+fetches the version from the store, waiting up to ``record_wait_s`` for the trainer's
+asynchronous record of it to appear there.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import pathlib
 import shutil
 import tempfile
+import time
 from contextlib import AbstractAsyncContextManager
 from typing import Callable
 
+import grpc
 import grpc.aio
+from prometheus_client import Counter
 
 import torch
 
 from zerokl.kernels.model import Model
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import (
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     PreconditionViolation,
     RelayedError,
 )
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.runtime.metrics import set_serving_info
+from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightsync import ChecksumMismatch, SharedUnavailable, open_shared
+from zerokl.v1 import weights_pb2
 
-__all__ = ["WeightSwitcher"]
+__all__ = ["WeightSwitcher", "SWITCHES"]
+
+log = logging.getLogger(__name__)
+
+SWITCHES = Counter("zerokl_replica_weight_switches", "Weight switches by where the bytes came from "
+                   "(shared: the trainer's memory on this host; store: the weight store).", ["path"],
+                   registry=REGISTRY)
 
 
 class WeightSwitcher:
     """Loads weight-store versions into one replica, one switch at a time."""
 
     def __init__(self, replica: Replica, store: WeightStoreClient, cache_dir: str | None = None,
-                 not_serving: Callable[[], AbstractAsyncContextManager[None]] | None = None) -> None:
+                 not_serving: Callable[[], AbstractAsyncContextManager[None]] | None = None,
+                 record_wait_s: float = 120.0) -> None:
         self.replica = replica
         self.store = store
         self._own_cache = cache_dir is None
         self.cache = pathlib.Path(cache_dir or tempfile.mkdtemp(prefix="zerokl-weights-"))
         self._not_serving = not_serving   # ServiceServer.not_serving (an async context manager factory)
         self._lock = asyncio.Lock()
+        self.record_wait_s = record_wait_s
+        self.last_path = ""         # "shared" | "store": where the last switch's bytes came from
 
-    async def switch(self, version: str) -> ServiceIdentity:
-        """Serve ``version`` (or ``latest``) from now on; returns the replica's new identity."""
+    async def switch(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
+        """Serve ``version`` (or ``latest``) from now on; returns the replica's new identity.
+
+        ``shared``: the trainer's in-memory copy of ``version`` (module docstring)."""
         if not version:
             raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
+        if shared is not None and shared.version != version:
+            raise InvalidArgument.field("shared.version", f"the shared weights are {shared.version!r}, the switch "
+                                                          f"names {version!r}")
         async with self._lock:
             try:
-                return await self._switch(version)
+                if shared is not None:
+                    if version == self.replica.identity.weights_version:
+                        return self.replica.identity
+                    try:
+                        return await self._switch_shared(shared)
+                    except SharedUnavailable as err:
+                        log.info("in-place weights of %s unavailable here (%s): fetching them from the store",
+                                 version, err)
+                return await self._switch(version, wait_for_record=shared is not None)
             except grpc.aio.AioRpcError as err:  # the store's NOT_FOUND / DATA_LOSS / UNAVAILABLE, relayed
                 raise RelayedError(err, f"weight store {self.store.target}") from None
 
-    async def _switch(self, version: str) -> ServiceIdentity:
-        manifest = await self.store.manifest(version)
+    async def _switch_shared(self, shared: weights_pb2.SharedWeights) -> ServiceIdentity:
+        """Copy the version from the trainer's memory, check it, swap."""
+        self._check_spec(shared.version, shared.numerics_fingerprint)
+        model = self.replica.engine.engine.model
+        own = model.state_dict()
+        device = next(iter(own.values())).device
+        try:
+            state = await asyncio.to_thread(open_shared, shared, device)
+        except ChecksumMismatch as err:
+            raise DataLoss(f"version {shared.version!r} from the trainer's memory: {err}; not served") from None
+        except ValueError as err:
+            raise InvalidArgument.field("shared", str(err)) from None
+        wrong = sorted(set(own) ^ set(state)) + sorted(
+            k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
+        if wrong:
+            # A dtype differs too: a trainer in another dtype than the fleet's shares what the store would
+            # convert; the store path then (its files are cast on load, as for any checkpoint).
+            raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
+        async with self._not_serving() if self._not_serving else contextlib.nullcontext():
+            await self.replica.load_weights(state, shared.version)
+        del state
+        self.last_path = "shared"
+        SWITCHES.labels("shared").inc()
+        identity = self.replica.identity
+        set_serving_info(identity)
+        return identity
+
+    async def _manifest(self, version: str, wait_for_record: bool):  # noqa: ANN202 - WeightsManifest
+        """The store's manifest; with ``wait_for_record``, NOT_FOUND is waited out (the trainer records a
+        version it shared asynchronously) for up to ``record_wait_s``."""
+        deadline = time.monotonic() + self.record_wait_s
+        while True:
+            try:
+                return await self.store.manifest(version)
+            except grpc.aio.AioRpcError as err:
+                if not wait_for_record or err.code() is not grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _switch(self, version: str, wait_for_record: bool = False) -> ServiceIdentity:
+        manifest = await self._manifest(version, wait_for_record)
         if manifest.version == self.replica.identity.weights_version:
             return self.replica.identity
         self._check_spec(manifest.version, manifest.spec.numerics_fingerprint)
@@ -78,6 +155,8 @@ class WeightSwitcher:
         async with self._not_serving() if self._not_serving else contextlib.nullcontext():
             await self.replica.load_weights(model.state_dict(), manifest.version)
         await asyncio.to_thread(shutil.rmtree, dest, True)  # the weights live in the engine now
+        self.last_path = "store"
+        SWITCHES.labels("store").inc()
         identity = self.replica.identity
         set_serving_info(identity)
         return identity

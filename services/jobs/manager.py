@@ -508,6 +508,9 @@ class JobManager:
             self._step_done(job, record.step, record.weights_version, metrics)
 
         run_rl(task, port, trainer, config, on_step)
+        # Every version the job served is in the store before it succeeds (resume, audit): the last one's
+        # record was uploading in the background (redone by _unit if the trainer restarted before it landed).
+        trainer._unit(lambda: (trainer.await_record(), {})[1])
 
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
@@ -601,6 +604,10 @@ class _FleetRollouts:
                  for s in r.samples] for p, r in zip(prompts, results, strict=True)]
 
 
+class _Restarted(Exception):
+    """The trainer forgot a version it shared (it restarted): :meth:`_TrainerSession._unit` recovers."""
+
+
 class _TrainerSession:
     """TrainerPort over TrainerClient, with the fleet switched after every publish.
 
@@ -620,6 +627,11 @@ class _TrainerSession:
         self.trainer_step = 0           # the trainer's step counter after our last OptimStep
         self.unswitched = ""            # a version saved that the fleet has not switched to yet
         self._last: dict[str, Any] = {}
+        # RL steps publish in place (SaveWeights with share): the version the fleet serves may not be in
+        # the store yet. What it took to make it, to redo it if the trainer restarts before recording it.
+        self.unrecorded = ""            # the version served whose store record is pending
+        self._unrecorded_parent = ""    # the version it was trained from
+        self._unrecorded_batch: tuple[Sequence[Rollout], int] | None = None
 
     def _call(self, coro: Awaitable[T]) -> T:
         return self.manager._call(coro)
@@ -659,12 +671,30 @@ class _TrainerSession:
         for attempt in itertools.count():
             try:
                 return work()
-            except grpc.aio.AioRpcError as err:
-                if err.code() is not grpc.StatusCode.UNAVAILABLE or attempt >= 3:
+            except (grpc.aio.AioRpcError, _Restarted) as err:
+                if isinstance(err, grpc.aio.AioRpcError) and err.code() is not grpc.StatusCode.UNAVAILABLE \
+                        or attempt >= 3:
                     raise
-                log.warning("trainer unavailable (%s); waiting for it to come back", err.details())
-                served = self.weights_version
-                if self.recover().weights_version != served:
+                log.warning("trainer unavailable (%s); waiting for it to come back",
+                            err.details() if isinstance(err, grpc.aio.AioRpcError) else err)
+                served, unrecorded = self.weights_version, self.unrecorded
+                state = self.recover()
+                if unrecorded and unrecorded == served and state.weights_version == self._unrecorded_parent:
+                    # The trainer went away before recording the version the fleet served (shared in place):
+                    # it resumed from the one before. Train that step again from the same rollouts: the same
+                    # bits, the same version name, so this step's rollouts (sampled under it) stay on-policy.
+                    assert self._unrecorded_batch is not None
+                    log.warning("job %s: the trainer restarted before recording %s; redoing that step",
+                                self.job.job_id, unrecorded)
+                    last = self._last
+                    self.unrecorded = ""
+                    self._train_and_publish(*self._unrecorded_batch)
+                    if self.weights_version != unrecorded:
+                        raise FailedPrecondition(f"redoing the step that made {unrecorded} published "
+                                                 f"{self.weights_version}: the trainer is not deterministic here")
+                    self._last = last
+                    continue
+                if state.weights_version != served:
                     # The interrupted step was published before the trainer went away.
                     return dict(self._last, resumed=1.0)
                 # Otherwise the trainer resumed from the version we serve: redo the step.
@@ -721,13 +751,13 @@ class _TrainerSession:
                 deadline = self._outage(deadline, f"trainer step {self.trainer_step} waited to be published",
                                         err.details())
 
-    def _switch_fleet(self, version: str) -> None:
+    def _switch_fleet(self, version: str, shared: Any = None) -> None:
         """Switch the fleet (after its canary), retried while the weight store the replicas fetch from is out
-        and while a replica restarts (up to ``fleet_wait_s``)."""
+        and while a replica restarts (up to ``fleet_wait_s``); ``shared``: the trainer's in-memory copy."""
         deadline = fleet_deadline = None
         while True:
             try:
-                self._call(self.manager._switch(version))
+                self._call(self.manager._switch(version) if shared is None else self.manager._switch(version, shared))
                 return
             except (CanaryFailed, JobCancelled):
                 raise
@@ -769,6 +799,12 @@ class _TrainerSession:
         if store is None:
             return f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
         try:
+            # A version shared in place is recorded in the background: let that land first, so deleting it is
+            # final (an upload finishing after the delete would bring it back).
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                self._call(self.client.record_weights(version))
+            if self.unrecorded == version:
+                self.unrecorded = ""
             self._call(store.delete(version))
         except grpc.aio.AioRpcError as err:
             log.error("job %s: could not delete %s from the weight store: %s", self.job.job_id, version, err.details())
@@ -778,6 +814,10 @@ class _TrainerSession:
     def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
         good = self.weights_version
+        # A version shared in place is still being recorded: let it land first, so the record's resume-point
+        # pin cannot move back to it after the rollback, and the delete below is final.
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            self._call(self.client.record_weights(version))
         try:
             state = self._call(self.client.load_weights(good, restore_state=True))
             self.trainer_step = state.step
@@ -791,26 +831,81 @@ class _TrainerSession:
     # ---- TrainerPort (zerokl.services.rl.ports) ----
 
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
-        max_staleness = self.job.spec.max_staleness if isinstance(self.job.spec, RLJobSpec) else 0
-
         def work() -> dict[str, Any]:
-            fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
-                                                       lr=self.job.spec.learning_rate or None))
-            assert fb.ppo is not None
-            self.trainer_step = opt.step
-            self._last = {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
-                          "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
-                          "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
-                          "lr": opt.lr, "tokens": fb.tokens}
-            optimized = time.perf_counter()
-            self.publish_now()
-            # The optimizer step's end -> every replica serving the new version (TrainerPort's sync_s).
-            self._last["sync_s"] = time.perf_counter() - optimized
+            # The previous version's store record was uploading during this step's rollouts; it is in the
+            # store before this step trains, so a trainer restart from here on resumes from what the fleet
+            # serves (at most one served version is ever unrecorded). Not train_s: publishing's tail.
+            t0 = time.perf_counter()
+            self.await_record()
+            record_wait_s = time.perf_counter() - t0
+            self._train_and_publish(rollouts, group_size)
+            self._last["record_wait_s"] = record_wait_s
             return self._last
         return self._unit(work)
 
+    def _train_and_publish(self, rollouts: Sequence[Rollout], group_size: int) -> None:
+        """ForwardBackward(ppo) + OptimStep, then the new version shared in place and served; its metrics
+        in ``self._last`` (with sync_s: the optimizer step's end -> every replica serving it)."""
+        max_staleness = self.job.spec.max_staleness if isinstance(self.job.spec, RLJobSpec) else 0
+        fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
+                                                   lr=self.job.spec.learning_rate or None))
+        assert fb.ppo is not None
+        self.trainer_step = opt.step
+        last = {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
+                "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
+                "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
+                "lr": opt.lr, "tokens": fb.tokens}
+        optimized = time.perf_counter()
+        parent = self.weights_version
+        nbytes, exported = self.publish_shared()
+        done = time.perf_counter()
+        sync_s = done - optimized
+        self._unrecorded_parent, self._unrecorded_batch = parent, (tuple(rollouts), group_size)
+        # Bytes of the serving weights each replica received, and the rate of the whole sync; the sync split
+        # into the trainer's SaveWeights(share) and the fleet's switch (canary included).
+        self._last = {**last, "sync_s": sync_s, "sync_bytes": float(nbytes),
+                      "sync_bytes_per_s": nbytes / max(sync_s, 1e-9), "sync_export_s": exported - optimized,
+                      "sync_switch_s": done - exported}
+
     def publish(self) -> str:
         return self.weights_version  # grpo_step published as part of its unit
+
+    def publish_shared(self) -> tuple[int, float]:
+        """SaveWeights(share): the new version from the trainer's memory to the fleet (replicas on its host
+        copy it in place, others read the store once the trainer's background record lands), after its
+        canary; the serving bytes shared, and the perf_counter time the trainer answered."""
+        manifest, _, shared = self._call(self.client.share_weights())
+        exported = time.perf_counter()
+        if manifest.version != self.weights_version:
+            self.unswitched = manifest.version
+        try:
+            self._switch_fleet(manifest.version, shared)
+        except CanaryFailed as err:
+            self._reject(manifest.version, err)
+        self.unswitched = ""
+        self.weights_version = manifest.version
+        self.unrecorded = manifest.version
+        return int(shared.total_bytes), exported
+
+    def await_record(self) -> None:
+        """Wait for the store's record of the version shared last (retried while the store is out); a
+        trainer that forgot it (restarted) is UNAVAILABLE to :meth:`_unit`, which redoes that step."""
+        if not self.unrecorded:
+            return
+        deadline = None
+        while True:
+            try:
+                self._call(self.client.record_weights(self.unrecorded))
+                self.unrecorded = ""
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.NOT_FOUND:
+                    raise _Restarted(f"the trainer no longer knows {self.unrecorded}: it restarted") from None
+                if err.code() not in _OUTAGE:
+                    raise
+                if self._wait_for_trainer().step != self.trainer_step:
+                    raise _Restarted(f"the trainer restarted before recording {self.unrecorded}") from None
+                deadline = self._outage(deadline, f"{self.unrecorded} waited to be recorded", err.details())
 
     def publish_now(self) -> None:
         """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""

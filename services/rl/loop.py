@@ -63,9 +63,16 @@ class StepRecord:
     train_s: float              # the update (ForwardBackward + OptimStep), up to the optimizer step's end
     stale_rollouts: int = 0
     test_accuracy: float | None = None
-    # The optimizer step's end -> the new version served (SaveWeights and every replica switched,
-    # through the services); None where the caller does not say (zerokl experiment's own loop).
+    # The optimizer step's end -> the new version served (through the services: SaveWeights(share)
+    # and every replica switched; in process: the serving copy made); None where the caller does not say.
     sync_s: float | None = None
+    sync_bytes: float | None = None         # serving bytes each replica received (the version's size)
+    sync_bytes_per_s: float | None = None   # sync_bytes / sync_s
+    sync_export_s: float | None = None      # of sync_s: the trainer's SaveWeights(share) (export + checksum)
+    sync_switch_s: float | None = None      # of sync_s: the fleet's switch (canary, every replica's copy)
+    # Waiting, before the step trained, for the store's background record of the previous version
+    # (in neither train_s nor sync_s: it overlaps the rollouts and is ~0 when the upload kept up).
+    record_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -123,13 +130,15 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         # A port publishes in publish(), or already inside grpo_step (the services' port, one
         # restartable unit with the update) and then says how long that took as m["sync_s"].
         sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
-        train_s = time.perf_counter() - t1 - sync_s
+        train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0)
         record = StepRecord(
             step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
             mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
             ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
             lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
-            train_s=train_s, stale_rollouts=stale, sync_s=sync_s,
+            train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
+            sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
+            sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

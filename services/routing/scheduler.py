@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 import uuid
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
@@ -479,8 +480,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ weights
 
-    async def switch_weights(self, version: str) -> ServiceIdentity:
+    async def switch_weights(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         """Switch every replica to weight-store ``version`` (or ``latest``), after a canary, or not at all.
+
+        ``shared``: the trainer's in-memory copy of ``version`` (SaveWeights with share), passed to
+        every replica: one on the trainer's host copies it in place, another fetches from the store.
+        A switch back after a failure always reads the store (the versions before are recorded).
 
         One healthy decode replica switches first and serves a canary
         (:meth:`_canary`: a short greedy Generate of a fixed probe with prompt
@@ -502,11 +507,11 @@ class Scheduler:
         """
         try:
             async with self._switching:
-                return await self._switch_all(version)
+                return await self._switch_all(version, shared)
         finally:
             self._health_dirty.set()   # a replica that lagged while the switch held the fleet converges now
 
-    async def _switch_all(self, version: str) -> ServiceIdentity:
+    async def _switch_all(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
@@ -517,8 +522,10 @@ class Scheduler:
         canary, rest = canaries[0], [v for v in views if v is not canaries[0]]
         before = {v.endpoint.key: v.identity.weights_version for v in views if v.identity is not None}
 
-        first = await self._switch_one(canary, version)
+        t0 = time.perf_counter()
+        first = await self._switch_one(canary, version, shared)
         new = first.weights_version             # "latest" resolved once: every other replica gets this id
+        t1 = time.perf_counter()
         try:
             problem = await self._canary(canary, new)
         except Unavailable as err:
@@ -528,7 +535,9 @@ class Scheduler:
             undone = await self._switch_back([canary], before)
             raise CanaryFailed(f"weights version {new} failed its canary on {canary.describe()}: {problem}; "
                                f"no other replica switched{undone}")
-        results = await asyncio.gather(*(self._switch_one(v, new) for v in rest), return_exceptions=True)
+        t2 = time.perf_counter()
+        results = await asyncio.gather(*(self._switch_one(v, new, shared) for v in rest), return_exceptions=True)
+        t3 = time.perf_counter()
         failed = [(v, r) for v, r in zip(rest, results, strict=True) if isinstance(r, BaseException)]
         if failed:
             switched = [canary, *(v for v, r in zip(rest, results, strict=True) if not isinstance(r, BaseException))]
@@ -543,13 +552,18 @@ class Scheduler:
         if self.state_dir is not None:
             write_fleet_version(self.state_dir, new)
         await self.registry.refresh(read_info=True)
+        log.info("switched the fleet to %s%s: canary replica %.3f s, canary %.3f s, %d other replica(s) %.3f s, "
+                 "registry refresh %.3f s", new, " (shared in place)" if shared is not None else "", t1 - t0,
+                 t2 - t1, len(rest), t3 - t2, time.perf_counter() - t3)
         return self.identity
 
-    async def _switch_one(self, view: ReplicaView, to: str) -> ServiceIdentity:
+    async def _switch_one(self, view: ReplicaView, to: str,
+                          shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
         """SwitchWeights on one replica; its refusal relayed, UNAVAILABLE naming it."""
         with self.registry.lease(view.endpoint) as client:
             try:
-                return await client.switch_weights(to)
+                return await client.switch_weights(to, shared=shared if shared is not None and
+                                                   shared.version == to else None)
             except grpc.aio.AioRpcError as err:
                 failure = _attempt_or_relay(view, err)
                 raise (failure if not isinstance(failure, _Attempt)

@@ -27,7 +27,7 @@ from zerokl.services.trainer.types import (
     TrainerState,
 )
 from zerokl.services.weightstore.store import WeightsManifest
-from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TrainerClient"]
@@ -101,6 +101,20 @@ class TrainerClient(ServiceClient):
         """Publish the current weights (and trainer state) as a version; (manifest, created)."""
         msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
         return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
+
+    async def share_weights(self, version: str = "", *, timeout: float | None = None
+                            ) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+        """SaveWeights(share): the new version in the trainer's shared memory for the replicas on its
+        host, recorded in the store in the background; (manifest to be, created, descriptor)."""
+        response = await self._stub.SaveWeights(trainer_pb2.SaveWeightsRequest(version=version, share=True),
+                                                timeout=timeout)
+        manifest, created = convert.save_result_from_proto(response)
+        return manifest, created, response.shared
+
+    async def record_weights(self, version: str, *, timeout: float | None = None) -> WeightsManifest:
+        """Wait until a version shared by :meth:`share_weights` is committed to the weight store."""
+        response = await self._stub.RecordWeights(trainer_pb2.RecordWeightsRequest(version=version), timeout=timeout)
+        return convert.save_result_from_proto(response)[0]
 
     async def load_weights(self, version: str, *, restore_state: bool = False, config: TrainConfig | None = None,
                            timeout: float | None = None) -> TrainerState:

@@ -19,11 +19,13 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import logging
 import math
 import pathlib
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
@@ -40,6 +42,7 @@ from zerokl.services.runtime.errors import (
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
+    NotFound,
     PreconditionViolation,
     Unavailable,
 )
@@ -73,7 +76,8 @@ from zerokl.services.trainer.types import (
     TrainerState,
 )
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
-from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+from zerokl.services.weightsync import SharedExport, export_shared
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
@@ -111,6 +115,27 @@ _T = TypeVar("_T")
 def pin_owner(run: str) -> str:
     """Who pins the run's latest resume point in the weight store (so retention never deletes it)."""
     return f"trainer.{run}"
+
+
+_SHARED_KEPT = 2            # versions kept in shared memory: the one being switched to and the one before
+
+
+def _provisional(name: str, spec: VersionSpec) -> WeightsManifest:
+    """The manifest a shared version will have in the store, before its shards are committed."""
+    return WeightsManifest(version=name, spec=spec, shards=(), created_at=datetime.datetime.now(datetime.timezone.utc))
+
+
+@dataclass
+class _Record:
+    """The weight store's record of a version saved with share: queued, written, uploaded."""
+
+    step: int
+    spec: VersionSpec | None = None
+    weights_only: bool = False
+    task: "asyncio.Future[WeightsManifest] | None" = None
+    directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
+    manifest: WeightsManifest | None = None     # set once the store committed it
+    failed_for_good: bool = False               # the trainer moved on before the checkpoint was written
 
 
 @dataclass(frozen=True)
@@ -185,6 +210,8 @@ class TrainerService:
         self._lineage = list(lineage)[-MAX_LINEAGE:]
         self._identity = identity
         self._pinned: str | None = None     # the resume point this trainer pins in the store
+        self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
+        self._records: dict[str, _Record] = {}        # versions saved with share: their store records
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -210,8 +237,15 @@ class TrainerService:
 
     async def close(self) -> None:
         """Wait for queued work, stop the compute thread and close the store."""
+        for record in list(self._records.values()):
+            if record.task is not None and not record.task.done():
+                with contextlib.suppress(Exception):
+                    await record.task   # a version the fleet serves is recorded before the store closes
         async with self._lock:
             self._executor.shutdown(wait=True)
+        for export in self._exports.values():
+            export.close()
+        self._exports.clear()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -425,11 +459,17 @@ class TrainerService:
         return await self._exclusive(work)
 
     async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
-                           weights_only: bool = False) -> tuple[WeightsManifest, bool]:
+                           weights_only: bool = False, share: bool = False
+                           ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
         """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
 
         Returns (manifest, created); created is False when the same checkpoint
-        was already published under that name (a retry).
+        was already published under that name (a retry). With ``share``: (manifest, created,
+        shared): the serving weights are put in shared memory (:mod:`zerokl.services.weightsync`,
+        one device copy) and the call answers at once; the checkpoint is written and uploaded to
+        the store in the background (:meth:`record_weights` waits for it), so the RL step's
+        critical path holds no file or store I/O. The manifest is then the one the store will hold
+        (no shards yet).
         """
         metadata = dict(metadata or {})
         reserved = sorted(k for k in metadata if k.startswith("zerokl."))
@@ -456,6 +496,8 @@ class TrainerService:
                 numerics_fingerprint=self._identity.numerics_fingerprint,
                 model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
                 metadata={**metadata, META_RUN: self.run, META_STATE: "none" if weights_only else "full"})
+            if share:
+                return await self._share(trainer, name, lineage, spec, weights_only)
             with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
                 await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
                                     weights_only=weights_only)
@@ -474,6 +516,86 @@ class TrainerService:
                 await self.pin_resume_point(name)
             return manifest, created
         return await self._exclusive(work)
+
+    # ------------------------------------------------------------------ in-place sharing (issue 37)
+
+    async def _share(self, trainer: Trainer, name: str, lineage: list[LineageEntry], spec: VersionSpec,
+                     weights_only: bool) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+        """SaveWeights(share)'s work, under the lock: export, then queue the store's record of ``name``."""
+        if name in self._records and not self._records[name].failed_for_good:
+            # A retry of the same save (same step, same bits): the same descriptor.
+            pending = self._records[name]
+            if pending.step != trainer.step:
+                raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
+                                         f"step {trainer.step}: name another version")
+            export = self._exports.get(name)
+            if export is not None:
+                return _provisional(name, spec), False, export.descriptor
+        state = await self._compute(trainer.serving_state_dict)
+        export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
+        self._exports[name] = export
+        while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
+            self._exports.pop(next(iter(self._exports))).close()
+        record = _Record(step=trainer.step, spec=spec, weights_only=weights_only)
+        self._records[name] = record
+        # Queued now (the lock is FIFO): the checkpoint is written before any later call changes the trainer.
+        record.task = asyncio.ensure_future(self._record(record, trainer, name, list(lineage), spec, weights_only))
+        record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._lineage = lineage[-MAX_LINEAGE:]
+        self._set_identity(self._identity.with_weights(name))
+        return _provisional(name, spec), True, export.descriptor
+
+    async def _record(self, record: "_Record", trainer: Trainer, name: str, lineage: list[LineageEntry],
+                      spec: VersionSpec, weights_only: bool) -> WeightsManifest:
+        """Write ``name``'s checkpoint (under the lock: the trainer as it was at ``record.step``), then
+        upload it (outside the lock: training goes on meanwhile) and pin it as the resume point."""
+        async def write() -> pathlib.Path:
+            if self._trainer is not trainer or trainer.step != record.step:
+                record.failed_for_good = True
+                raise FailedPrecondition(f"the trainer moved on from step {record.step} before {name}'s checkpoint "
+                                         "was written; it cannot be recorded")
+            tmp = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
+            await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
+                                weights_only=weights_only)
+            return tmp
+        record.directory = await self._exclusive(write)
+        return await self._upload(record, name, spec, weights_only)
+
+    async def _upload(self, record: "_Record", name: str, spec: VersionSpec, weights_only: bool) -> WeightsManifest:
+        assert record.directory is not None
+        try:
+            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, spec)
+        except grpc.aio.AioRpcError as err:
+            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
+                              f"{name} is not recorded yet (RecordWeights retries)") from None
+        record.manifest = manifest
+        await asyncio.to_thread(shutil.rmtree, record.directory, True)
+        if not weights_only:
+            await self.pin_resume_point(name)
+        return manifest
+
+    async def record_weights(self, version: str) -> WeightsManifest:
+        """Wait for the store's record of a version saved with share (retrying its upload after an
+        outage); NOT_FOUND when this trainer process never shared it."""
+        record = self._records.get(version)
+        if record is None:
+            raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
+                           "forgets what it had not recorded)")
+        if record.manifest is not None:
+            return record.manifest
+        assert record.task is not None
+        try:
+            return await asyncio.shield(record.task)
+        except Unavailable:
+            if record.directory is None:
+                raise
+            # The checkpoint is on disk: upload it again (the store may be back).
+            assert record.spec is not None
+            record.task = asyncio.ensure_future(self._upload(record, version, record.spec, record.weights_only))
+            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            return await asyncio.shield(record.task)
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -573,9 +695,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def SaveWeights(self, request: trainer_pb2.SaveWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
+        if request.share:
+            manifest, created, shared = await self._service.save_weights(
+                request.version, dict(request.metadata), request.weights_only, share=True)
+            response = convert.save_result_to_proto(manifest, created)
+            response.shared.CopyFrom(shared)
+            return response
         manifest, created = await self._service.save_weights(request.version, dict(request.metadata),
                                                              request.weights_only)
         return convert.save_result_to_proto(manifest, created)
+
+    async def RecordWeights(self, request: trainer_pb2.RecordWeightsRequest,
+                            context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
+        if not request.version:
+            raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
+        return convert.save_result_to_proto(await self._service.record_weights(request.version), True)
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:

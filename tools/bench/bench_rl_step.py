@@ -22,6 +22,27 @@ the service's step, over the steps after the first (the first compiles); the bit
 torch.equal of the two trainers' forward_logprobs after the last step. The fleet's switch to
 each version (the rest of an RL step's sync_s) is not in this bench: the job events carry it.
 
+With --job PATH (issue 37's targets) it instead runs a whole RL job twice on the same weights and
+seeds, and writes the per-step breakdown to PATH:
+
+    python tools/bench/bench_rl_step.py --job docs/bench/bench-rl-job-cuda-sm90.json --device cuda \
+        --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20
+
+- services: `zerokl up --preset P --dtype D` (weight store, one decode replica, trainer,
+  scheduler; the replica's engine sized by --num-blocks/--max-num-seqs/--max-num-batched-tokens),
+  then `zerokl jobs submit rl`'s RLJobSpec through the Jobs API; each step's event gives
+  rollout_s, train_s, sync_s (optimizer step's end -> the replica serving the new version, in
+  place from the trainer's memory), record_wait_s, sync_bytes, tokens, KL, mismatched tokens;
+- in process: the same RL loop (`run_rl`) on the same first version (the fleet's version 1 read
+  back from its store) with the experiment's in-process ports (one Engine of the same size,
+  reloaded in place; the Trainer), the same RLConfig and seeds.
+
+Summary (steps after the first, which compiles): the service step (rollout + train + sync +
+record wait) over the in-process rollout + train (target <= 1.25), train tok/s service / in
+process (>= 0.8), sync_s's share of the service step (<= 5%) with bytes and GB/s, and KL == 0.0
+with 0 mismatched tokens at every step; also whether the two runs took the same trajectory
+(equal loss, reward and tokens each step: the same numbers on the same device).
+
 The starting weights are Normal(0, 0.02) drawn by torch's generator on --device (fast; any
 weights do), published as the store's first version; the service starts from it (--init) and
 the in-process trainer loads the same files, so both begin with the same bits. On the CPU give
@@ -37,6 +58,7 @@ import os
 import pathlib
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -198,6 +220,155 @@ def summarize(args: argparse.Namespace, steps: list[dict], bitwise: bool) -> dic
     return result
 
 
+# ----------------------------------------------------------------------------- --job: a whole RL job, both ways
+
+def _wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    state = workdir / "up.json"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"zerokl up exited with {proc.returncode}; see {workdir / 'up.log'}")
+        if state.exists():
+            services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
+            if services and all(s["status"] == "SERVING" for s in services.values()):
+                return services
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the fleet did not come up in {timeout:g} s; see {workdir}/logs")
+        time.sleep(0.5)
+
+
+def _rl_config(args: argparse.Namespace):  # noqa: ANN202
+    from zerokl.services.rl.loop import RLConfig
+    return RLConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
+                    max_tokens=args.max_tokens, seed=args.seed, eval_every=0)
+
+
+async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[dict]:
+    """The RL job through `zerokl up`: its per-step events."""
+    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.service import JobsClient
+    engine = [f"--replica-flag=--num-blocks={args.num_blocks}", f"--replica-flag=--max-num-seqs={args.max_num_seqs}",
+              f"--replica-flag=--max-num-batched-tokens={args.max_num_batched_tokens}"]
+    argv = [sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0", "--preset", args.preset,
+            "--seed", str(args.seed), "--dtype", args.dtype, f"--trainer-flag=--lr={args.lr!r}",
+            f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench", *engine]
+    workdir.mkdir(parents=True, exist_ok=True)
+    with (workdir / "up.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        services = _wait_up(workdir, proc, args.up_timeout)
+        c = _rl_config(args)
+        spec = RLJobSpec(steps=c.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=c.prompts_per_step,
+                         group_size=c.group_size, max_tokens=c.max_tokens, seed=c.seed, eval_every=0)
+        async with JobsClient(services["scheduler"]["address"]) as jobs:
+            job = await jobs.submit(spec, "bench-rl-job")
+            rows = []
+            async for ev in jobs.watch(job.job_id):
+                if ev.step is not None:
+                    rows.append({"step": ev.step, "weights_version": ev.weights_version, **ev.metrics})
+                    m = ev.metrics
+                    print(f"service step {ev.step}: rollout {m['rollout_s']:.2f} s train {m['train_s']:.2f} s "
+                          f"sync {m['sync_s']:.3f} s (export {m.get('sync_export_s', 0):.3f} s, switch "
+                          f"{m.get('sync_switch_s', 0):.3f} s; {m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
+                          f"{m.get('record_wait_s', 0):.3f} s | {m['tokens']:.0f} tokens kl {m['kl']} mismatched "
+                          f"{m['mismatched_tokens']:.0f}", flush=True)
+                elif ev.status.state.done:
+                    if ev.status.state is not JobState.SUCCEEDED:
+                        raise SystemExit(f"the job ended {ev.status.state.value}: {ev.status.error}")
+        return rows
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path) -> list[dict]:
+    """The same job in this process: run_rl with the experiment's in-process ports on the fleet's first version."""
+    from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
+    from zerokl.services.engine.types import EngineConfig
+    from zerokl.services.jobs.manager import CountdownTask, _countdown_data
+    from zerokl.services.rl.loop import Task, as_dict, run_rl
+    from zerokl.tasks.countdown import reward
+    from zerokl.tasks.setup import encode_prompt
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = Model.from_pretrained(first_version, dtype=dtype).to(device)
+    trainer = Trainer(model, TrainConfig(lr=args.lr, master_weights={"auto": None, "on": True,
+                                                                      "off": False}[args.master_weights]))
+    train, test, tok = _countdown_data(CountdownTask(seed=args.seed))
+    task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
+    port = ArmTrainerPort(trainer, "bench")
+    engine = ArmEnginePort(port, tok, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+                                                   max_num_batched_tokens=args.max_num_batched_tokens))
+    rows = []
+
+    def on_step(r) -> None:  # noqa: ANN001
+        rows.append(as_dict(r))
+        print(f"in-process step {r.step}: rollout {r.rollout_s:.2f} s train {r.train_s:.2f} s publish "
+              f"{r.sync_s:.3f} s | {r.tokens} tokens kl {r.kl} mismatched {r.mismatched_tokens}", flush=True)
+
+    run_rl(task, engine, port, _rl_config(args), on_step)
+    return rows
+
+
+def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dict]) -> dict:
+    warm_s, warm_l = service[1:] or service, local[1:] or local
+    service_step = sum(r["rollout_s"] + r["train_s"] + r["sync_s"] + r.get("record_wait_s", 0.0) for r in warm_s)
+    local_step = sum(r["rollout_s"] + r["train_s"] for r in warm_l)
+    service_tps = sum(r["tokens"] for r in warm_s) / sum(r["train_s"] for r in warm_s)
+    local_tps = sum(r["tokens"] for r in warm_l) / sum(r["train_s"] for r in warm_l)
+    sync = sum(r["sync_s"] for r in warm_s)
+    moved = sum(r.get("sync_bytes", 0.0) for r in warm_s)
+    keys = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "sync_bytes",
+            "tokens", "kl", "mismatched_tokens", "loss", "reward")
+    result = {
+        "date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
+        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
+        "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
+        "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
+        "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+        "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens},
+        "service_steps": [{k: r.get(k) for k in ("step", *keys)} for r in service],
+        "in_process_steps": [{k: r.get(k) for k in ("step", *keys)} for r in local],
+        # Target 1 (<= 1.25): the service's whole step over the in-process rollout + train.
+        "step_ratio": (service_step / len(warm_s)) / (local_step / len(warm_l)),
+        # Target 2 (>= 0.8): training tok/s, service over in process.
+        "train_tokens_per_s_ratio": service_tps / local_tps,
+        "service_train_tokens_per_s": service_tps, "in_process_train_tokens_per_s": local_tps,
+        # Target 3 (<= 0.05): sync_s's share of the service step; what moved and how fast.
+        "sync_share_of_step": sync / service_step, "sync_mean_s": sync / len(warm_s),
+        "sync_mean_bytes": moved / len(warm_s), "sync_bytes_per_s": moved / max(sync, 1e-9),
+        # Target 4: KL == 0.0 and 0 mismatched tokens at every step.
+        "kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in service),
+        "in_process_kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in local),
+        "same_trajectory": [(r["loss"], r["reward"], r["tokens"]) for r in service]
+        == [(r["loss"], r["reward"], r["tokens"]) for r in local],
+    }
+    print(f"steps 2..{len(service)}: service step / in-process (rollout + train) {result['step_ratio']:.3f} "
+          f"(target <= 1.25); train tok/s service {service_tps:.0f} / in process {local_tps:.0f} = "
+          f"{result['train_tokens_per_s_ratio']:.3f} (>= 0.8); sync {100 * result['sync_share_of_step']:.2f}% of the "
+          f"step (<= 5%), {result['sync_mean_bytes'] / 1e6:.0f} MB at {result['sync_bytes_per_s'] / 1e9:.2f} GB/s; "
+          f"KL 0.0 every step: {result['kl_all_zero']}; same trajectory: {result['same_trajectory']}")
+    return result
+
+
+def job_main(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-job-") as tmp:
+        workdir = pathlib.Path(tmp) / "up"
+        service = asyncio.run(_service_job(args, workdir))
+        local = _in_process_job(args, workdir / "weights" / "versions" / "1")
+    result = summarize_job(args, service, local)
+    out = pathlib.Path(args.job)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="small")
@@ -215,7 +386,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads here and in the trainer")
     p.add_argument("--out", default=None, help="directory for bench-rl-step-<device>-<dtype>.json")
+    p.add_argument("--job", default=None, metavar="PATH",
+                   help="run a whole RL job through `zerokl up` and in process; the per-step JSON to PATH")
+    p.add_argument("--max-tokens", type=int, default=24, help="--job: sampled tokens per completion")
+    p.add_argument("--num-blocks", type=int, default=8192, help="--job: KV blocks of the engines")
+    p.add_argument("--max-num-seqs", type=int, default=512, help="--job: running samples at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--job: an engine step's token budget")
+    p.add_argument("--up-timeout", type=float, default=600.0, help="--job: seconds for the fleet to come up")
     args = p.parse_args()
+    if args.job:
+        job_main(args)
+        return
     with tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-step-") as tmp:
         result = asyncio.run(bench(args, pathlib.Path(tmp)))
     if args.out:

@@ -24,53 +24,54 @@ _sym_db = _symbol_database.Default()
 
 from zerokl.v1 import blob_pb2 as zerokl_dot_v1_dot_blob__pb2
 from zerokl.v1 import common_pb2 as zerokl_dot_v1_dot_common__pb2
+from zerokl.v1 import weights_pb2 as zerokl_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19zerokl/v1/inference.proto\x12\tzerokl.v1\x1a\x14zerokl/v1/blob.proto\x1a\x16zerokl/v1/common.proto\"\'\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\"\xa3\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\tB\x08\n\x06prompt\" \n\x0ePromptLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04text\x18\x05 \x01(\t\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.zerokl.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.zerokl.v1.Usage\x12\x17\n\x0fweights_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x80\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\t\x12&\n\x05trace\x18\x07 \x01(\x0b\x32\x17.zerokl.v1.TraceOptionsB\x08\n\x06prompt\"\xa0\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x05 \x01(\t\x12\x1f\n\x05trace\x18\x06 \x01(\x0b\x32\x10.zerokl.v1.Trace\"Z\n\x0cTensorLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xed\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.zerokl.v1.TensorLayout\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\x0c\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0e\x66irst_logprobs\x18\r \x03(\x02\"?\n\x10PrefillKVRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\"i\n\x11PrefillKVResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.KVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"~\n\x1aGenerateFromPrefillRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x1a\n\x12handoff_timeout_ms\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcc\x02\n\tInference\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12\x45\n\x08Generate\x12\x1a.zerokl.v1.GenerateRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.zerokl.v1.AbortRequest\x1a\x18.zerokl.v1.AbortResponse\x12:\n\x05Score\x12\x17.zerokl.v1.ScoreRequest\x1a\x18.zerokl.v1.ScoreResponse\x12H\n\rSwitchWeights\x12\x1f.zerokl.v1.SwitchWeightsRequest\x1a\x16.zerokl.v1.ServiceInfo2S\n\x07Prefill\x12H\n\tPrefillKV\x12\x1b.zerokl.v1.PrefillKVRequest\x1a\x1c.zerokl.v1.PrefillKVResponse0\x01\x32\x65\n\x06\x44\x65\x63ode\x12[\n\x13GenerateFromPrefill\x12%.zerokl.v1.GenerateFromPrefillRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19zerokl/v1/inference.proto\x12\tzerokl.v1\x1a\x14zerokl/v1/blob.proto\x1a\x16zerokl/v1/common.proto\x1a\x17zerokl/v1/weights.proto\"Q\n\x14SwitchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x06shared\x18\x02 \x01(\x0b\x32\x18.zerokl.v1.SharedWeights\"\xa3\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x04\n\x02_n\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\tB\x08\n\x06prompt\" \n\x0ePromptLogprobs\x12\x0e\n\x06values\x18\x01 \x03(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x0c\n\x04text\x18\x05 \x01(\t\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.zerokl.v1.FinishReason\x12\x32\n\x0fprompt_logprobs\x18\x07 \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.zerokl.v1.Usage\x12\x17\n\x0fweights_version\x18\t \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\n \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x80\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\x0bprompt_text\x18\x02 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.zerokl.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.zerokl.v1.SamplingParams\x12\x17\n\x0fweights_version\x18\x05 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x06 \x01(\t\x12&\n\x05trace\x18\x07 \x01(\x0b\x32\x17.zerokl.v1.TraceOptionsB\x08\n\x06prompt\"\xa0\x01\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x17\n\x0fweights_version\x18\x04 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x05 \x01(\t\x12\x1f\n\x05trace\x18\x06 \x01(\x0b\x32\x10.zerokl.v1.Trace\"Z\n\x0cTensorLayout\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xed\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12(\n\x07tensors\x18\x04 \x03(\x0b\x32\x17.zerokl.v1.TensorLayout\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\x0c\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x19\n\x11num_cached_tokens\x18\n \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0b \x01(\x0b\x32\x19.zerokl.v1.PromptLogprobs\x12\x17\n\x0f\x66irst_token_ids\x18\x0c \x03(\x05\x12\x16\n\x0e\x66irst_logprobs\x18\r \x03(\x02\"?\n\x10PrefillKVRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\"i\n\x11PrefillKVResponse\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.KVHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.zerokl.v1.BytesChunkH\x00\x42\x05\n\x03msg\"~\n\x1aGenerateFromPrefillRequest\x12+\n\x07request\x18\x01 \x01(\x0b\x32\x1a.zerokl.v1.GenerateRequest\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x1a\n\x12handoff_timeout_ms\x18\x03 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xcc\x02\n\tInference\x12\x36\n\x04Info\x12\x16.zerokl.v1.InfoRequest\x1a\x16.zerokl.v1.ServiceInfo\x12\x45\n\x08Generate\x12\x1a.zerokl.v1.GenerateRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.zerokl.v1.AbortRequest\x1a\x18.zerokl.v1.AbortResponse\x12:\n\x05Score\x12\x17.zerokl.v1.ScoreRequest\x1a\x18.zerokl.v1.ScoreResponse\x12H\n\rSwitchWeights\x12\x1f.zerokl.v1.SwitchWeightsRequest\x1a\x16.zerokl.v1.ServiceInfo2S\n\x07Prefill\x12H\n\tPrefillKV\x12\x1b.zerokl.v1.PrefillKVRequest\x1a\x1c.zerokl.v1.PrefillKVResponse0\x01\x32\x65\n\x06\x44\x65\x63ode\x12[\n\x13GenerateFromPrefill\x12%.zerokl.v1.GenerateFromPrefillRequest\x1a\x1b.zerokl.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zerokl.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2329
-  _globals['_FINISHREASON']._serialized_end=2449
-  _globals['_SWITCHWEIGHTSREQUEST']._serialized_start=86
-  _globals['_SWITCHWEIGHTSREQUEST']._serialized_end=125
-  _globals['_SAMPLINGPARAMS']._serialized_start=128
-  _globals['_SAMPLINGPARAMS']._serialized_end=419
-  _globals['_TOKENIDS']._serialized_start=421
-  _globals['_TOKENIDS']._serialized_end=444
-  _globals['_GENERATEREQUEST']._serialized_start=447
-  _globals['_GENERATEREQUEST']._serialized_end=666
-  _globals['_PROMPTLOGPROBS']._serialized_start=668
-  _globals['_PROMPTLOGPROBS']._serialized_end=700
-  _globals['_USAGE']._serialized_start=702
-  _globals['_USAGE']._serialized_end=782
-  _globals['_GENERATERESPONSE']._serialized_start=785
-  _globals['_GENERATERESPONSE']._serialized_end=1077
-  _globals['_ABORTREQUEST']._serialized_start=1079
-  _globals['_ABORTREQUEST']._serialized_end=1113
-  _globals['_ABORTRESPONSE']._serialized_start=1115
-  _globals['_ABORTRESPONSE']._serialized_end=1145
-  _globals['_SCOREREQUEST']._serialized_start=1148
-  _globals['_SCOREREQUEST']._serialized_end=1404
-  _globals['_SCORERESPONSE']._serialized_start=1407
-  _globals['_SCORERESPONSE']._serialized_end=1567
-  _globals['_TENSORLAYOUT']._serialized_start=1569
-  _globals['_TENSORLAYOUT']._serialized_end=1659
-  _globals['_KVHEADER']._serialized_start=1662
-  _globals['_KVHEADER']._serialized_end=2027
-  _globals['_PREFILLKVREQUEST']._serialized_start=2029
-  _globals['_PREFILLKVREQUEST']._serialized_end=2092
-  _globals['_PREFILLKVRESPONSE']._serialized_start=2094
-  _globals['_PREFILLKVRESPONSE']._serialized_end=2199
-  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_start=2201
-  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_end=2327
-  _globals['_INFERENCE']._serialized_start=2452
-  _globals['_INFERENCE']._serialized_end=2784
-  _globals['_PREFILL']._serialized_start=2786
-  _globals['_PREFILL']._serialized_end=2869
-  _globals['_DECODE']._serialized_start=2871
-  _globals['_DECODE']._serialized_end=2972
+  _globals['_FINISHREASON']._serialized_start=2396
+  _globals['_FINISHREASON']._serialized_end=2516
+  _globals['_SWITCHWEIGHTSREQUEST']._serialized_start=111
+  _globals['_SWITCHWEIGHTSREQUEST']._serialized_end=192
+  _globals['_SAMPLINGPARAMS']._serialized_start=195
+  _globals['_SAMPLINGPARAMS']._serialized_end=486
+  _globals['_TOKENIDS']._serialized_start=488
+  _globals['_TOKENIDS']._serialized_end=511
+  _globals['_GENERATEREQUEST']._serialized_start=514
+  _globals['_GENERATEREQUEST']._serialized_end=733
+  _globals['_PROMPTLOGPROBS']._serialized_start=735
+  _globals['_PROMPTLOGPROBS']._serialized_end=767
+  _globals['_USAGE']._serialized_start=769
+  _globals['_USAGE']._serialized_end=849
+  _globals['_GENERATERESPONSE']._serialized_start=852
+  _globals['_GENERATERESPONSE']._serialized_end=1144
+  _globals['_ABORTREQUEST']._serialized_start=1146
+  _globals['_ABORTREQUEST']._serialized_end=1180
+  _globals['_ABORTRESPONSE']._serialized_start=1182
+  _globals['_ABORTRESPONSE']._serialized_end=1212
+  _globals['_SCOREREQUEST']._serialized_start=1215
+  _globals['_SCOREREQUEST']._serialized_end=1471
+  _globals['_SCORERESPONSE']._serialized_start=1474
+  _globals['_SCORERESPONSE']._serialized_end=1634
+  _globals['_TENSORLAYOUT']._serialized_start=1636
+  _globals['_TENSORLAYOUT']._serialized_end=1726
+  _globals['_KVHEADER']._serialized_start=1729
+  _globals['_KVHEADER']._serialized_end=2094
+  _globals['_PREFILLKVREQUEST']._serialized_start=2096
+  _globals['_PREFILLKVREQUEST']._serialized_end=2159
+  _globals['_PREFILLKVRESPONSE']._serialized_start=2161
+  _globals['_PREFILLKVRESPONSE']._serialized_end=2266
+  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_start=2268
+  _globals['_GENERATEFROMPREFILLREQUEST']._serialized_end=2394
+  _globals['_INFERENCE']._serialized_start=2519
+  _globals['_INFERENCE']._serialized_end=2851
+  _globals['_PREFILL']._serialized_start=2853
+  _globals['_PREFILL']._serialized_end=2936
+  _globals['_DECODE']._serialized_start=2938
+  _globals['_DECODE']._serialized_end=3039
 # @@protoc_insertion_point(module_scope)

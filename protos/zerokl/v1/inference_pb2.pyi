@@ -1,5 +1,6 @@
 from zerokl.v1 import blob_pb2 as _blob_pb2
 from zerokl.v1 import common_pb2 as _common_pb2
+from zerokl.v1 import weights_pb2 as _weights_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -21,10 +22,12 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SwitchWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "shared")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     version: str
-    def __init__(self, version: _Optional[str] = ...) -> None: ...
+    shared: _weights_pb2.SharedWeights
+    def __init__(self, version: _Optional[str] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop", "stop_token_ids", "n", "ignore_eos", "prompt_logprobs")

@@ -166,7 +166,7 @@ class OptimStepResponse(_message.Message):
     def __init__(self, grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("version", "metadata", "weights_only")
+    __slots__ = ("version", "metadata", "weights_only", "share")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,18 +177,28 @@ class SaveWeightsRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     version: str
     metadata: _containers.ScalarMap[str, str]
     weights_only: bool
-    def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ...) -> None: ...
+    share: bool
+    def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ..., share: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "created")
+    __slots__ = ("manifest", "created", "shared")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightsManifest
     created: bool
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+    shared: _weights_pb2.SharedWeights
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ...) -> None: ...
+
+class RecordWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    def __init__(self, version: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
     __slots__ = ("version", "restore_state", "config")

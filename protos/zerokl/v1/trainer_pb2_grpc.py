@@ -65,6 +65,11 @@ class TrainerStub:
                 request_serializer=zerokl_dot_v1_dot_trainer__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=zerokl_dot_v1_dot_trainer__pb2.TrainerState.FromString,
                 _registered_method=True)
+        self.RecordWeights = channel.unary_unary(
+                '/zerokl.v1.Trainer/RecordWeights',
+                request_serializer=zerokl_dot_v1_dot_trainer__pb2.RecordWeightsRequest.SerializeToString,
+                response_deserializer=zerokl_dot_v1_dot_trainer__pb2.SaveWeightsResponse.FromString,
+                _registered_method=True)
         self.GetState = channel.unary_unary(
                 '/zerokl.v1.Trainer/GetState',
                 request_serializer=zerokl_dot_v1_dot_trainer__pb2.GetStateRequest.SerializeToString,
@@ -133,6 +138,16 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RecordWeights(self, request, context):
+        """Waits until a version saved with share is committed to the weight store
+        (retrying its upload after a store outage); its manifest. A version
+        already recorded answers at once. Errors: NOT_FOUND (never saved by this
+        trainer process), UNAVAILABLE (the store is unreachable: call again).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -171,6 +186,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.LoadWeights,
                     request_deserializer=zerokl_dot_v1_dot_trainer__pb2.LoadWeightsRequest.FromString,
                     response_serializer=zerokl_dot_v1_dot_trainer__pb2.TrainerState.SerializeToString,
+            ),
+            'RecordWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordWeights,
+                    request_deserializer=zerokl_dot_v1_dot_trainer__pb2.RecordWeightsRequest.FromString,
+                    response_serializer=zerokl_dot_v1_dot_trainer__pb2.SaveWeightsResponse.SerializeToString,
             ),
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
@@ -340,6 +360,33 @@ class Trainer:
             '/zerokl.v1.Trainer/LoadWeights',
             zerokl_dot_v1_dot_trainer__pb2.LoadWeightsRequest.SerializeToString,
             zerokl_dot_v1_dot_trainer__pb2.TrainerState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zerokl.v1.Trainer/RecordWeights',
+            zerokl_dot_v1_dot_trainer__pb2.RecordWeightsRequest.SerializeToString,
+            zerokl_dot_v1_dot_trainer__pb2.SaveWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

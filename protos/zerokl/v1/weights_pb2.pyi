@@ -226,3 +226,57 @@ class GarbageCollectResponse(_message.Message):
     kept_pinned: _containers.RepeatedScalarFieldContainer[str]
     expired_uploads: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, deleted: _Optional[_Iterable[str]] = ..., kept_pinned: _Optional[_Iterable[str]] = ..., expired_uploads: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SharedWeights(_message.Message):
+    __slots__ = ("version", "host_id", "transport", "path", "cuda", "total_bytes", "checksum", "tensors", "numerics_fingerprint")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    host_id: str
+    transport: str
+    path: str
+    cuda: SharedCudaBuffer
+    total_bytes: int
+    checksum: str
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    numerics_fingerprint: str
+    def __init__(self, version: _Optional[str] = ..., host_id: _Optional[str] = ..., transport: _Optional[str] = ..., path: _Optional[str] = ..., cuda: _Optional[_Union[SharedCudaBuffer, _Mapping]] = ..., total_bytes: _Optional[int] = ..., checksum: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ..., numerics_fingerprint: _Optional[str] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class SharedCudaBuffer(_message.Message):
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,254 @@
+"""Weight sync in place: a new weights version from the trainer's memory to the replicas on its host.
+
+The trainer packs its serving state dict (the tensors a replica loads: bf16 when the fleet
+serves bf16, LoRA merged) into ONE flat uint8 buffer, each tensor at a 64-byte aligned offset,
+and shares that buffer:
+
+- ``cuda_ipc``: the buffer is a CUDA allocation on the trainer's device; a replica opens it
+  with the IPC handles of ``UntypedStorage._share_cuda_()`` (what torch.multiprocessing
+  sends between processes; :func:`open_shared` rebuilds it as ``rebuild_cuda_tensor`` does)
+  and copies device to device;
+- ``cpu_shm``: the buffer is a file in shared memory (``/dev/shm``), mapped by both sides
+  (the same path on a CPU fleet, so CI exercises the mechanism).
+
+What travels over gRPC is only the descriptor (:class:`~zerokl.v1.weights_pb2.SharedWeights`:
+transport, handles or path, per-tensor name/dtype/shape/offset, the buffer's checksum). The
+receiver copies the bytes into a buffer of its own, recomputes the checksum over what it
+received and refuses a mismatch (:class:`ChecksumMismatch`, DATA_LOSS) before any byte is
+served. A replica on another host, or one that cannot open the memory, raises
+:class:`SharedUnavailable` and the caller falls back to the weight store, which records the
+same version (asynchronously, for resume and audit). The tensors are the bytes the trainer
+holds, so they are bit for bit what a store round trip gives (safetensors keeps raw bytes).
+
+Checksums: ``sha256`` over the bytes where they are on the host (CPU); on CUDA, hashing on the
+host would copy the whole buffer back, so ``sum64`` is an exact integer checksum computed on
+the device: the buffer as int64 words in rows of 2^16, each row summed (integer addition:
+any order gives the same bits), the row sums weighted by odd multipliers 2r+1 and summed, all
+modulo 2^64. It catches corrupted or truncated transfers and misplaced rows, not an adversary
+(the descriptor only comes over an authenticated peer RPC).
+
+CUDA IPC lifetime: the trainer keeps the last two versions' buffers (TrainerService), far longer
+than a replica needs to copy one; a replica drops its mapping as soon as its copy is made, so
+torch's IPC reference counting (one ``_share_cuda_`` per export, which every replica on the host
+opens) never has to keep a freed block alive.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import socket
+import tempfile
+import uuid
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from zerokl.v1 import weights_pb2
+
+__all__ = ["SharedExport", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
+           "checksum", "SHM_PREFIX"]
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64                     # bytes: every tensor view starts aligned for any dtype's loads
+_ROW_WORDS = 1 << 16            # sum64: int64 words per row
+SHM_PREFIX = "zerokl-weights-"  # the only files cpu_shm opens (a descriptor cannot name others)
+
+
+class SharedUnavailable(RuntimeError):
+    """The shared weights cannot be opened here (another host, no IPC, the memory gone): use the store."""
+
+
+class ChecksumMismatch(RuntimeError):
+    """What arrived is not what was sent: never served."""
+
+
+def host_id() -> str:
+    """This host's identity: hostname and boot id (a container on the same host shares the boot id)."""
+    try:
+        boot = pathlib.Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _shm_dir() -> pathlib.Path:
+    shm = pathlib.Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else pathlib.Path(tempfile.gettempdir())
+
+
+def checksum(buffer: torch.Tensor) -> str:
+    """``"<algorithm>:<hex>"`` of a flat uint8 buffer: sha256 on the CPU, sum64 on CUDA (module docstring)."""
+    assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+    if buffer.device.type == "cpu":
+        return "sha256:" + hashlib.sha256(memoryview(buffer.numpy())).hexdigest()
+    return "sum64:" + format(_sum64(buffer), "016x")
+
+
+def _sum64(buffer: torch.Tensor) -> int:
+    """Exact on-device integer checksum; ``buffer``'s length is a multiple of 8 (export pads it)."""
+    words = buffer.view(torch.int64)                        # [n]
+    full = words.numel() // _ROW_WORDS * _ROW_WORDS
+    rows = words[:full].view(-1, _ROW_WORDS).sum(dim=1, dtype=torch.int64)   # [n // 2^16], wraps modulo 2^64
+    if full < words.numel():    # the last, short row (as if zero-padded: no copy of the buffer)
+        rows = torch.cat([rows, words[full:].sum(dtype=torch.int64).view(1)])
+    weights = torch.arange(rows.numel(), device=rows.device, dtype=torch.int64) * 2 + 1
+    return int((rows * weights).sum(dtype=torch.int64).item()) & (2**64 - 1)
+
+
+def _check(expected: str, buffer: torch.Tensor) -> None:
+    """ChecksumMismatch unless ``buffer`` has checksum ``expected`` (recomputed by its algorithm)."""
+    algorithm = expected.split(":", 1)[0]
+    if algorithm == "sha256":
+        got = checksum(buffer.cpu())
+    elif algorithm == "sum64":
+        got = "sum64:" + format(_sum64(buffer), "016x")   # integer sums: the same bits on any device
+    else:
+        raise ChecksumMismatch(f"unknown checksum algorithm {algorithm!r}")
+    if got != expected:
+        raise ChecksumMismatch(f"the shared weights arrived with checksum {got}, the trainer sent {expected}")
+
+
+@dataclass
+class SharedExport:
+    """One version the trainer shares: the descriptor to send, and the memory behind it (kept alive
+    until :meth:`close`; on CUDA torch's IPC ref counter also keeps it until every importer let go)."""
+
+    descriptor: weights_pb2.SharedWeights
+    buffer: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.descriptor.total_bytes)
+
+    def close(self) -> None:
+        if self.descriptor.transport == "cpu_shm":
+            with _suppress_oserror():
+                os.unlink(self.descriptor.path)
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, value, tb) -> bool:  # noqa: ANN001
+        return kind is not None and issubclass(kind, OSError)
+
+
+def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[weights_pb2.SharedTensor], int]:
+    entries, offset = [], 0
+    for name, t in state.items():
+        entries.append(weights_pb2.SharedTensor(name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                                shape=list(t.shape), offset=offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return entries, offset
+
+
+def _views(buffer: torch.Tensor, tensors) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Each tensor as a view of ``buffer`` (no copy)."""
+    out = {}
+    for e in tensors:
+        dtype = getattr(torch, e.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"tensor {e.name!r}: unknown dtype {e.dtype!r}")
+        shape = tuple(int(s) for s in e.shape)
+        count = 1
+        for s in shape:
+            count *= s
+        size = count * torch.empty(0, dtype=dtype).element_size()
+        if e.offset % _ALIGN or e.offset + size > buffer.numel():
+            raise ValueError(f"tensor {e.name!r}: offset {e.offset} + {size} bytes outside the "
+                             f"{buffer.numel()}-byte buffer")
+        out[e.name] = buffer[e.offset:e.offset + size].view(dtype).view(shape)
+    return out
+
+
+def export_shared(state: Mapping[str, torch.Tensor], version: str, numerics_fingerprint: str = "",
+                  device: torch.device | None = None) -> SharedExport:
+    """Pack ``state`` (name -> tensor) into one shared buffer on ``device`` (default: the tensors').
+
+    Cost on the critical path: one device copy of the serving bytes and the checksum.
+    """
+    device = torch.device(device) if device is not None else next(iter(state.values())).device
+    entries, total = _layout(state)
+    total = max(total, 8)
+    desc = weights_pb2.SharedWeights(version=version, host_id=host_id(), total_bytes=total, tensors=entries,
+                                     numerics_fingerprint=numerics_fingerprint)
+    if device.type == "cuda":
+        buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+        desc.transport = "cuda_ipc"
+    elif device.type == "cpu":
+        path = _shm_dir() / f"{SHM_PREFIX}{uuid.uuid4().hex}"
+        path.touch(mode=0o600)
+        buffer = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        buffer.zero_()      # the padding between tensors too: the checksum covers every byte
+        desc.transport, desc.path = "cpu_shm", str(path)
+    else:
+        raise SharedUnavailable(f"no in-place transport for {device.type} tensors")
+    with torch.no_grad():
+        for e, t in zip(entries, state.values(), strict=True):
+            n = t.numel() * t.element_size()
+            buffer[e.offset:e.offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    desc.checksum = checksum(buffer)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)      # the bytes are in place before any importer reads them
+        (dev, handle, size, offset, rc_handle, rc_offset, event, sync) = buffer.untyped_storage()._share_cuda_()
+        desc.cuda.CopyFrom(weights_pb2.SharedCudaBuffer(
+            device=int(dev), handle=bytes(handle), storage_size_bytes=int(size), storage_offset_bytes=int(offset),
+            ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
+            event_handle=bytes(event or b""), event_sync_required=bool(sync)))
+    return SharedExport(desc, buffer)
+
+
+def open_shared(desc: weights_pb2.SharedWeights, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The shared version's tensors, copied into memory of our own on ``device`` and checked.
+
+    Raises :class:`SharedUnavailable` (another host, no CUDA here, the memory gone: fall back to the
+    store), :class:`ChecksumMismatch` (never serve them) and ValueError (a malformed descriptor).
+    """
+    device = torch.device(device)
+    if desc.host_id != host_id():
+        raise SharedUnavailable(f"shared on host {desc.host_id!r}, this is {host_id()!r}")
+    total = int(desc.total_bytes)
+    if desc.transport == "cpu_shm":
+        path = pathlib.Path(desc.path)
+        if not path.name.startswith(SHM_PREFIX) or path.parent != _shm_dir():
+            raise ValueError(f"shared path {desc.path!r} is not a zerokl shared-memory file")
+        try:
+            if path.stat().st_size != total:
+                raise SharedUnavailable(f"{path} holds {path.stat().st_size} bytes, the descriptor says {total}")
+            mapped = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        except (OSError, RuntimeError) as err:
+            raise SharedUnavailable(f"cannot map {path}: {err}") from None
+        received = torch.empty(total, dtype=torch.uint8, device=device)
+        received.copy_(mapped)      # ours now: the trainer may drop its buffer at any time
+        del mapped
+    elif desc.transport == "cuda_ipc":
+        if not torch.cuda.is_available():
+            raise SharedUnavailable("a CUDA IPC buffer and no CUDA here")
+        c = desc.cuda
+        try:
+            torch.cuda._lazy_init()
+            storage = torch.UntypedStorage._new_shared_cuda(
+                c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
+                c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
+        except (RuntimeError, TypeError) as err:
+            raise SharedUnavailable(f"cannot open the CUDA IPC handle: {err}") from None
+        # As rebuild_cuda_tensor does: a tensor over the opened storage (offset 0, the whole buffer).
+        shared = torch.empty(0, dtype=torch.uint8, device=f"cuda:{c.device}")
+        shared.set_(storage, 0, (total,), (1,))
+        target = device if device.type == "cuda" else torch.device(f"cuda:{c.device}")
+        received = torch.empty(total, dtype=torch.uint8, device=target)
+        received.copy_(shared)
+        torch.cuda.synchronize(target)
+        del shared, storage     # releases the IPC reference: the trainer may free its buffer
+    else:
+        raise ValueError(f"unknown shared-weights transport {desc.transport!r}")
+    _check(desc.checksum, received)
+    if received.device != device:
+        received = received.to(device)
+    return _views(received, desc.tensors)

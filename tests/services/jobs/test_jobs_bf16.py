@@ -1,0 +1,98 @@
+"""A bf16 fleet end to end (issue 37): `zerokl up --dtype bfloat16`, then an RL job through the services.
+
+The trainer keeps fp32 master weights and publishes bf16 serving weights; every new version reaches
+the decode replica in place from the trainer's memory (shared memory on the CPU: the mechanism the
+GPU's CUDA IPC path shares), its checksum checked, while the weight store records it in the
+background. Every step: KL == 0.0 exactly and 0 mismatched tokens; its events say where the time
+went (rollout_s, train_s, sync_s) and how many bytes moved. The GPU tier runs the same job on CUDA.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import pytest
+import torch
+
+from zerokl.services.inference import InferenceClient
+from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.service import JobsClient
+
+pytestmark = pytest.mark.timeout(600)
+
+TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
+
+
+def _shared_switches(metrics_address: str) -> float:
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    m = re.search(r'^zerokl_replica_weight_switches_total\{path="shared"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _rl_job_in_bf16(services: dict[str, dict], steps: int) -> list:
+    address = services["scheduler"]["address"]
+
+    async def main() -> list:
+        async with JobsClient(address) as jobs:
+            spec = RLJobSpec(steps=steps, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=10, seed=3,
+                             eval_every=0)
+            job = await jobs.submit(spec, "rl-bf16")
+            events = [ev async for ev in jobs.watch(job.job_id)]
+            assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+            async with InferenceClient(address) as inference:
+                info = await inference.info()
+            assert info.dtype == "bfloat16"
+            return [ev for ev in events if ev.step is not None], info
+    steps_events, info = asyncio.run(main())
+    assert [ev.step for ev in steps_events] == list(range(1, steps + 1))
+    for ev in steps_events:
+        m = ev.metrics
+        assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
+        assert m["tokens"] > 0
+        assert {"rollout_s", "train_s", "sync_s", "sync_bytes", "sync_bytes_per_s"} <= m.keys()
+        assert m["sync_bytes"] > 0
+    assert info.weights_version == steps_events[-1].weights_version
+    return steps_events
+
+
+def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zerokl_up) -> None:  # noqa: ANN001
+    workdir = tmp_path / "up"
+    with zerokl_up(workdir, "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=bf16") as services:
+        decode = next(s for name, s in services.items() if name.startswith("decode"))
+        before = _shared_switches(decode["metrics"])
+        events = _rl_job_in_bf16(services, steps=3)
+        # Every step's version reached the replica from the trainer's memory, not the store.
+        assert _shared_switches(decode["metrics"]) - before == len(events)
+        # And the store recorded every one of them (resume and audit).
+        versions = {ev.weights_version for ev in events}
+        assert versions <= {p.name for p in (workdir / "weights" / "versions").iterdir()}
+        good = events[-1].weights_version
+
+        # A version shared in place that fails its canary: the job fails by name, the trainer is rolled
+        # back, the version is deleted from the store once its background record landed, and the fleet
+        # keeps serving the good one.
+        async def poisoned() -> str:
+            async with JobsClient(services["scheduler"]["address"]) as jobs:
+                job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=2, group_size=4,
+                                                  max_tokens=10, seed=4, eval_every=0, learning_rate=1e30), "poison")
+                final = [ev async for ev in jobs.watch(job.job_id)][-1].status
+            async with InferenceClient(services["scheduler"]["address"]) as inference:
+                assert (await inference.info()).weights_version == good
+            return final
+        final = asyncio.run(poisoned())
+        assert final.state is JobState.FAILED and "failed its canary" in final.error, final
+        assert f"rolled back to {good}" in final.error and "deleted from the weight store" in final.error, final.error
+        assert sorted(p.name for p in (workdir / "weights" / "versions").iterdir())[-1] == good
+
+
+@pytest.mark.gpu
+def test_an_rl_job_on_a_bf16_fleet_on_cuda_has_zero_kl_every_step(tmp_path, zerokl_up) -> None:  # noqa: ANN001
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with zerokl_up(tmp_path / "up", "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3",
+                   "--trainer-flag=--run=bf16-cuda", timeout=600) as services:
+        decode = next(s for name, s in services.items() if name.startswith("decode"))
+        before = _shared_switches(decode["metrics"])
+        events = _rl_job_in_bf16(services, steps=4)
+        assert _shared_switches(decode["metrics"]) - before == len(events)   # CUDA IPC, not the store

@@ -1,0 +1,67 @@
+"""SaveWeights(share) and RecordWeights (issue 37): the new version leaves the trainer in place, at once,
+and the weight store records the same bits in the background.
+
+Over real loopback gRPC against the trainer as `zerokl serve trainer` builds it, its store a local
+version directory: the shared tensors equal the trainer's serving weights and the recorded version's
+files (torch.equal), a retried share gives the same descriptor, the next step trains while the record
+lands, and bad calls get clear statuses.
+"""
+from __future__ import annotations
+
+import asyncio
+import pathlib
+
+import grpc
+import pytest
+import torch
+
+from zerokl.kernels.model import Model
+from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.weightsync import open_shared
+from zerokl.v1 import trainer_pb2
+
+from test_trainer_service import _flags, _prompts, _reference, _rollouts, _status, trainer_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_a_shared_version_is_the_trainers_serving_weights_and_the_store_records_the_same_bits(
+        tmp_path: pathlib.Path) -> None:
+    config = TrainConfig(lr=3e-3)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config), "--run", "share") as (client, service):
+            state = await client.get_state()
+            rollouts = _rollouts(service.trainer, _prompts(2, 1), state.weights_version)
+            await client.grpo_step(rollouts, 4)
+            manifest, created, shared = await client.share_weights()
+            assert created and manifest.version == shared.version == "share-step000001"
+            assert (await client.info()).weights_version == "share-step000001"
+            want = service.trainer.serving_state_dict()
+            got = open_shared(shared)
+            assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+            # A retry (the reply was lost): the same version, the same memory.
+            again, created, repeat = await client.share_weights()
+            assert not created and repeat == shared
+            recorded = await client.record_weights("share-step000001")
+            assert {s.name for s in recorded.shards} >= {"config.json", "model.safetensors"}
+            stored = Model.from_pretrained(tmp_path / "w" / "versions" / recorded.version).state_dict()
+            assert all(torch.equal(stored[k], got[k]) for k in want)
+            # The next step is on-policy for rollouts sampled under the shared version.
+            rollouts = _rollouts(service.trainer, _prompts(2, 2), "share-step000001")
+            fb, _ = await client.grpo_step(rollouts, 4)
+            assert fb.ppo.kl == 0.0 and fb.ppo.mismatched_tokens == 0
+            _, _, second = await client.share_weights()
+            assert second.version == "share-step000002"
+            assert (await client.record_weights(second.version)).version == second.version
+            # Bad calls: clear statuses, the trainer keeps serving.
+            err = await _status(client.record_weights("never-shared"))
+            assert err.code() is grpc.StatusCode.NOT_FOUND
+            err = await _status(client._stub.RecordWeights(trainer_pb2.RecordWeightsRequest()))
+            assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert (await client.get_state()).step == 2
+        # A new trainer resumes from the recorded version, exactly.
+        async with trainer_server(tmp_path / "w", *_flags(config), "--run", "share") as (client, service):
+            state = await client.get_state()
+            assert (state.step, state.weights_version) == (2, "share-step000002")
+    asyncio.run(main())
