@@ -48,6 +48,27 @@ elif [ "$MODE" = numerics3 ]; then
     tests/kernels/model/test_fp8_model.py tests/kernels/model/test_parity.py -k "fp8 or golden" > "$OUT/fp8tests.log" 2>&1
   timeout 100 python3 tools/bench/bench_fp8.py --json "$FINAL_OUT/fp8-linear.json" > "$OUT/fp8bench.log" 2>&1
   wait
+elif [ "$MODE" = wave3-services ]; then
+  # issues 32 and 37 through the product: serving (engine / replica / scheduler, start-up) and an
+  # RL job of 20 steps through `zerokl up --dtype bfloat16` beside the same job in process
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  timeout 290 python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 --out "$FINAL_OUT/serving.json" \
+    > "$OUT/serving.log" 2>&1
+  timeout 290 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
+    --preset small --prompts 64 --group 8 --steps 20 > "$OUT/rl-job.log" 2>&1
+elif [ "$MODE" = wave3-engine ]; then
+  # issue 33's rollout shapes, then issue 35's FP8 serving bench; the GPU tier's new tests beside the FP8 bench
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  timeout 140 python3 tools/bench/bench_rollout.py --parts cases,scaling \
+    --cases small:64x1024x512,small:256x1024x1024,small:16x2048x4,slice:16x2048x32 --json "$FINAL_OUT/rollout.json" \
+    > "$OUT/rollout.log" 2>&1
+  timeout 140 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/services/inference/test_weight_sync.py \
+    tests/services/jobs/test_jobs_bf16.py tests/services/trainer/test_fp8_trainer.py tests/kernels/test_fp8.py \
+    tests/services/inference/test_engine_process.py > "$OUT/gputests.log" 2>&1 &
+  timeout 140 python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" > "$OUT/fp8serve.log" 2>&1
+  wait
 elif [ "$MODE" = wave2 ]; then
   # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
   # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches
