@@ -61,7 +61,7 @@ elif [ "$MODE" = wave3-engine ]; then
   # issue 33's rollout shapes, then issue 35's FP8 serving bench; the GPU tier's new tests beside the FP8 bench
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-  timeout 140 python3 tools/bench/bench_rollout.py --parts cases,scaling \
+  timeout 170 python3 tools/bench/bench_rollout.py --parts cases,scaling \
     --cases small:64x1024x512,small:256x1024x1024,small:16x2048x4,slice:16x2048x32 --json "$FINAL_OUT/rollout.json" \
     > "$OUT/rollout.log" 2>&1
   timeout 140 python3 -m pytest -q -p no:cacheprovider -rs -m gpu tests/services/inference/test_weight_sync.py \
