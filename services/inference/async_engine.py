@@ -342,9 +342,17 @@ class _Core:
 
     def _run_swap(self) -> None:
         assert self._swap is not None
-        token, state_dict, version = self._swap
+        token, source, version = self._swap
         self._swap = None
         error: BaseException | None = None
+        try:
+            # A loader (``source(engine) -> state_dict``) reads the weights here, where the engine and its
+            # device are: e.g. a copy from the trainer's memory. Its own error reaches the swapper as it is.
+            state_dict = source(self.engine) if callable(source) else source
+        except Exception as err:  # noqa: BLE001 - nothing changed: the old weights keep serving
+            self._events.append(("done", token, err, None))
+            self._admit_held()
+            return
         try:
             self.engine.load_weights(state_dict, weights_version=version)
             self.weights_version = version
@@ -357,8 +365,11 @@ class _Core:
                                 "a load succeeds")
         except Exception as err:  # weights that do not fit: the old ones keep serving
             error = FailedPrecondition(f"cannot load weights {version!r}: {err}")
-        del state_dict  # shared-memory tensors: let the sender's storage go
+        del state_dict, source  # shared-memory tensors: let the sender's storage go
         self._events.append(("done", token, error, None))
+        self._admit_held()
+
+    def _admit_held(self) -> None:
         held, self._held = self._held, []
         for command in held:
             self._add(*command[1:])
@@ -902,8 +913,12 @@ class AsyncEngine:
             raise
         return stream
 
-    async def load_weights(self, state_dict: dict, version: str) -> None:
+    async def load_weights(self, state_dict: dict | Callable[[Any], dict], version: str) -> None:
         """Swap the engine's weights to ``version`` once the admitted requests are done.
+
+        ``state_dict`` may be a loader, ``loader(engine) -> state_dict``, called by the core when the
+        swap runs (picklable for an engine process): the weights are then read where the engine is;
+        an error it raises is raised here, with nothing changed.
 
         Requests submitted meanwhile wait and are admitted after the swap. Raises
         the engine's error (weights that do not fit the model: nothing changed)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ class Replica:
         """What this replica computes with now (the weights version changes at a swap)."""
         return dataclasses.replace(self._identity, weights_version=self.engine.weights_version)
 
-    async def load_weights(self, state_dict: dict, version: str) -> ServiceIdentity:
+    async def load_weights(self, state_dict: dict | Callable[[Any], dict], version: str) -> ServiceIdentity:
         """Serve ``version`` from now on: waits for admitted requests, then swaps (see AsyncEngine)."""
         await self.engine.load_weights(state_dict, version)
         return self.identity

@@ -50,13 +50,34 @@ from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightsync import ChecksumMismatch, SharedUnavailable, open_shared
 from zerokl.v1 import weights_pb2
 
-__all__ = ["WeightSwitcher", "SWITCHES"]
+__all__ = ["SharedLoader", "WeightSwitcher", "SWITCHES"]
 
 log = logging.getLogger(__name__)
 
 SWITCHES = Counter("zerokl_replica_weight_switches", "Weight switches by where the bytes came from "
                    "(shared: the trainer's memory on this host; store: the weight store).", ["path"],
                    registry=REGISTRY)
+
+
+class SharedLoader:
+    """``loader(engine) -> state_dict``: a version in the trainer's memory (a serialized
+    SharedWeights), copied onto the engine's device and checked against its model (names, shapes,
+    dtypes). Raises SharedUnavailable (the store path then: another host, the memory gone, or a
+    trainer in another dtype than the fleet's, whose store files are cast on load), ChecksumMismatch
+    and ValueError (a malformed descriptor). Picklable: an engine process runs it."""
+
+    def __init__(self, descriptor: bytes) -> None:
+        self.descriptor = descriptor
+
+    def __call__(self, engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - an Engine
+        own = engine.model.state_dict()
+        device = next(iter(own.values())).device
+        state = open_shared(weights_pb2.SharedWeights.FromString(self.descriptor), device)
+        wrong = sorted(set(own) ^ set(state)) + sorted(
+            k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
+        if wrong:
+            raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
+        return state
 
 
 class WeightSwitcher:
@@ -98,26 +119,16 @@ class WeightSwitcher:
                 raise RelayedError(err, f"weight store {self.store.target}") from None
 
     async def _switch_shared(self, shared: weights_pb2.SharedWeights) -> ServiceIdentity:
-        """Copy the version from the trainer's memory, check it, swap."""
+        """Copy the version from the trainer's memory, check it, swap: where the engine runs (its
+        process owns the device), by a loader the engine's core calls when the swap runs."""
         self._check_spec(shared.version, shared.numerics_fingerprint)
-        model = self.replica.engine.engine.model
-        own = model.state_dict()
-        device = next(iter(own.values())).device
         try:
-            state = await asyncio.to_thread(open_shared, shared, device)
+            async with self._not_serving() if self._not_serving else contextlib.nullcontext():
+                await self.replica.load_weights(SharedLoader(shared.SerializeToString()), shared.version)
         except ChecksumMismatch as err:
             raise DataLoss(f"version {shared.version!r} from the trainer's memory: {err}; not served") from None
         except ValueError as err:
             raise InvalidArgument.field("shared", str(err)) from None
-        wrong = sorted(set(own) ^ set(state)) + sorted(
-            k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
-        if wrong:
-            # A dtype differs too: a trainer in another dtype than the fleet's shares what the store would
-            # convert; the store path then (its files are cast on load, as for any checkpoint).
-            raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
-        async with self._not_serving() if self._not_serving else contextlib.nullcontext():
-            await self.replica.load_weights(state, shared.version)
-        del state
         self.last_path = "shared"
         SWITCHES.labels("shared").inc()
         identity = self.replica.identity

@@ -48,7 +48,7 @@ def _tiny(**changes) -> ModelConfig:
     return ModelConfig.preset("tiny").replace(**changes)
 
 
-_EMULATED_DOT = (ZEROKL_SRC / "kernels" / "triton" / "interpreter.py").resolve()
+_EMULATED_DOT = (ZEROKL_SRC / "kernels" / "interpreter.py").resolve()
 
 
 class _SyncTrap:
