@@ -369,8 +369,16 @@ def job_main(args: argparse.Namespace) -> None:
     print(f"wrote {out}")
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # A time limit's SIGTERM unwinds like an error: the `finally` that stops the fleet runs (Python's
+    # default would end the process at once and leave the fleet, and its GPU memory, behind).
+    raise SystemExit(f"stopped by signal {signum}")
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=0, help="> 0: the preset with this many layers (default: its own)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -205,7 +205,8 @@ async def grpc_wave(arm: str, address: str, ids: list[tuple[int, ...]], new_toke
 # ----------------------------------------------------------------------------- main
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--preset", default="small")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--streams", default="64,256", help="concurrent requests per wave, comma-separated")
