@@ -156,6 +156,9 @@ def serving_state_dict(model: Model) -> dict[str, torch.Tensor]:
     return state
 
 
+QUANTIZE_SLICE_ELEMENTS = 1 << 28  # experts of a stack quantized per call, by elements (memory, not bits)
+
+
 def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ops.fp8_quantize_weight of a weight [N, K] or of each expert of a stacked [E, N, K]."""
     if w.dim() == 2:
@@ -165,7 +168,12 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Whole 128-row blocks never straddle two experts: one call over [E * N, K] computes each
         # expert's blocks exactly as alone (a block's amax and its elementwise rounding read only
         # the block), without a Python loop over the experts at every optimizer step.
-        q, scale = ops.fp8_quantize_weight(w.reshape(e * n, k))
+        # In slices of whole experts of at most ~256M elements: the quantization's fp32 temporaries
+        # of a GLM-5 expert stack at once (256 x 2,048 x 6,144) would be 12 GiB each.
+        step = max(1, QUANTIZE_SLICE_ELEMENTS // (n * k))
+        parts = [ops.fp8_quantize_weight(w[i:i + step].reshape(-1, k)) for i in range(0, e, step)]
+        q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
         return q.view(e, n, k), scale.view(e, n // ops.FP8_BLOCK, scale.shape[-1])
     parts = [ops.fp8_quantize_weight(x) for x in w]
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
