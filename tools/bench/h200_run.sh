@@ -69,6 +69,19 @@ elif [ "$MODE" = wave3-engine ]; then
     tests/services/inference/test_engine_process.py > "$OUT/gputests.log" 2>&1 &
   timeout 140 python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" > "$OUT/fp8serve.log" 2>&1
   wait
+elif [ "$MODE" = wave3-fp8 ]; then
+  # issue 35's proof run: the two FP8 arms on `small`, 100 steps from the bf16 run's SFT recipe (docs/rl.md),
+  # one command; beside it (timings not taken) the whole GPU test tier on the same device
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  ( OUT=$OUT timeout 560 bash tools/gpu_tier.sh all > "$OUT/gputier.log" 2>&1 ) &
+  TRITON_CACHE_DIR=$PWD/runs/triton-cache timeout 580 python3 -m zerokl experiment countdown --preset small \
+    --difficulty demo --lr 1e-05 --arms zerokl-fp8,mismatch-fp8 --steps 100 --device cuda --dtype bfloat16 \
+    --prompts 64 --group 8 --eval-every 10 --eval-prompts 128 --max-num-seqs 512 --max-num-batched-tokens 8192 \
+    --num-blocks 4096 --checkpoint-every 0 --state-dir runs/gpu-state --processes 2 --out runs/gpu-fp8 \
+    --max-minutes 9.0 > "$OUT/fp8-arms.log" 2>&1
+  tar -C runs -czf "$FINAL_OUT/gpu-fp8.tgz" gpu-fp8
+  wait
 elif [ "$MODE" = wave2 ]; then
   # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
   # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches
