@@ -67,6 +67,7 @@ def test_matches_transformers_reference(tmp_path, seq_len):
     assert torch.equal(Model.from_pretrained(tmp_path / "from_hf")(ids), m(ids))
 
 
+@pytest.mark.usefixtures("cpu_backend")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_empty_model_is_the_seeded_model_without_the_draw(dtype):
     """Model.empty (for loaders that set every tensor) builds what Model(config, seed) builds: the same
