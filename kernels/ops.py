@@ -109,17 +109,20 @@ class _LinearGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        k = x.shape[-1]
-        g2 = grad.reshape(-1, grad.shape[-1])
-        x2 = x.reshape(-1, k)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[1]:
-            gx = (g2.to(weight.dtype) @ weight).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[2]:
-            gw = (g2.t().to(x.dtype) @ x2).to(weight.dtype)
+        gx, gw = _linear_grads(grad, x, weight, *ctx.needs_input_grad[1:3])
+        gb = None
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            gb = g2.float().sum(0).to(ctx.bias_dtype)
+            gb = grad.reshape(-1, grad.shape[-1]).float().sum(0).to(ctx.bias_dtype)
         return None, gx, gw, gb, None
+
+
+def _linear_grads(grad, x, weight, want_x: bool, want_w: bool):
+    """(grad_x, grad_W) of y = x W^T: g @ W and g^T @ x in the operands' dtype, fp32 accumulation
+    (torch.mm); None where not wanted. grad [..., N], x [..., K], weight [N, K]."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = (g2.to(weight.dtype) @ weight).to(x.dtype).reshape(x.shape) if want_x else None
+    gw = (g2.t().to(x.dtype) @ x.reshape(-1, x.shape[-1])).to(weight.dtype) if want_w else None
+    return gx, gw
 
 
 class _GroupedLinearGrad(torch.autograd.Function):
@@ -142,13 +145,15 @@ class _GroupedLinearGrad(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, off_t = ctx.saved_tensors
         offsets = off_t if off_t is not None else ctx.offsets
-        tri = backend_module("triton")
-        gx = gw = None
-        if ctx.needs_input_grad[1]:
-            gx = tri.grouped_linear(grad.to(x.dtype), weight.transpose(1, 2), offsets)
-        if ctx.needs_input_grad[2]:
-            gw = tri.grouped_linear_wgrad(grad.to(x.dtype), x, offsets, out_dtype=weight.dtype)
-        return None, gx, gw, None
+        return (None, *_grouped_linear_grads(grad, x, weight, offsets, *ctx.needs_input_grad[1:3]), None)
+
+
+def _grouped_linear_grads(grad, x, weight, offsets, want_x: bool, want_w: bool):
+    """(grad_x, grad_W) of grouped_linear by the Triton grouped GEMMs; None where not wanted."""
+    tri = backend_module("triton")
+    gx = tri.grouped_linear(grad.to(x.dtype), weight.transpose(1, 2), offsets) if want_x else None
+    gw = tri.grouped_linear_wgrad(grad.to(x.dtype), x, offsets, out_dtype=weight.dtype) if want_w else None
+    return gx, gw
 
 
 # Device types on which a Triton op with its own backward (linear: two torch.mm; grouped_linear:
@@ -240,11 +245,15 @@ class Fp8Weight(NamedTuple):
 
 class _Fp8StraightThrough(torch.autograd.Function):
     """forward: the FP8 product (no graph); backward: the gradient of `reference(x, master)`, the
-    model-dtype op on the master weight, recomputed (the reference forward is paid again)."""
+    model-dtype op on the master weight.
+
+    ``grads(grad, x, master, want_x, want_w)``, where given, is that gradient's own formula (the
+    op's backward GEMMs, the bits the reference's autograd gives, without its forward); otherwise
+    the reference is recomputed and differentiated (its forward paid again)."""
 
     @staticmethod
-    def forward(ctx, fp8_product, reference, x, master):
-        ctx.reference = reference
+    def forward(ctx, fp8_product, reference, grads, x, master):
+        ctx.reference, ctx.grads = reference, grads
         ctx.save_for_backward(x, master)
         with torch.no_grad():
             return fp8_product(x.detach())
@@ -252,12 +261,32 @@ class _Fp8StraightThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, master = ctx.saved_tensors
-        wrt = [t.detach().requires_grad_(need) for t, need in zip((x, master), ctx.needs_input_grad[2:])]
+        want_x, want_w = ctx.needs_input_grad[3:]
+        if ctx.grads is not None:
+            return (None, None, None, *ctx.grads(grad, x, master, want_x, want_w))
+        wrt = [t.detach().requires_grad_(need) for t, need in zip((x, master), (want_x, want_w))]
         with torch.enable_grad():
             out = ctx.reference(*wrt)
         want = [t for t in wrt if t.requires_grad]
         got = iter(torch.autograd.grad(out, want, grad)) if want else iter(())
-        return (None, None) + tuple(next(got) if t.requires_grad else None for t in wrt)
+        return (None, None, None) + tuple(next(got) if t.requires_grad else None for t in wrt)
+
+
+def _own_grad_applies(*tensors: torch.Tensor) -> bool:
+    """Whether the model-dtype op on these tensors takes its own backward (_OWN_GRAD), as _call decides."""
+    return get_backend() == "triton" and any(t.device.type in _OWN_GRAD_DEVICES for t in tensors)
+
+
+def _split_grads(splits: int):
+    """split_partial's gradient formula: its segments' linear gradients (the tree passes the
+    gradient to every segment unchanged), grad_x and grad_W put together along K."""
+    def grads(grad, x, weight, want_x, want_w):
+        seg = x.shape[-1] // splits
+        parts = [_linear_grads(grad, x[..., i:i + seg], weight[:, i:i + seg], want_x, want_w)
+                 for i in range(0, x.shape[-1], seg)]
+        return (torch.cat([p[0] for p in parts], -1) if want_x else None,
+                torch.cat([p[1] for p in parts], -1) if want_w else None)
+    return grads
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None = None,
@@ -271,8 +300,9 @@ def linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Te
     """
     if isinstance(weight, Fp8Weight):
         if weight.trains(input):
+            own = _linear_grads if _own_grad_applies(input, weight.master) else None
             return _Fp8StraightThrough.apply(lambda x: fp8_linear(x, weight.data, weight.scale, bias, out_dtype),
-                                             lambda x, w: linear(x, w, bias, out_dtype), input, weight.master)
+                                             lambda x, w: linear(x, w, bias, out_dtype), own, input, weight.master)
         return fp8_linear(input, weight.data, weight.scale, bias, out_dtype)
     if input.shape[-1] != weight.shape[-1]:
         raise ValueError(f"linear: input has K={input.shape[-1]} but weight is {tuple(weight.shape)}")
@@ -313,8 +343,9 @@ def split_partial(input: torch.Tensor, weight: torch.Tensor, splits: int) -> tor
     k = input.shape[-1]
     if isinstance(weight, Fp8Weight):
         if weight.trains(input):
+            own = _split_grads(splits) if _own_grad_applies(input, weight.master) and k % splits == 0 else None
             return _Fp8StraightThrough.apply(lambda x: _fp8_split_partial(x, weight, splits),
-                                             lambda x, w: split_partial(x, w, splits), input, weight.master)
+                                             lambda x, w: split_partial(x, w, splits), own, input, weight.master)
         return _fp8_split_partial(input, weight, splits)
     if k % splits:
         raise ValueError(f"split_linear: K={k} is not divisible into {splits} equal segments")
@@ -383,7 +414,10 @@ def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offset
     if isinstance(weight, Fp8Weight):
         product = lambda x: _fp8_call("fp8_grouped_linear", x, weight.data, weight.scale, offsets)  # noqa: E731
         if weight.trains(input):
-            return _Fp8StraightThrough.apply(product, lambda x, w: grouped_linear(x, w, offsets), input, weight.master)
+            own = ((lambda g, x, w, want_x, want_w: _grouped_linear_grads(g, x, w, offsets, want_x, want_w))
+                   if _own_grad_applies(input, weight.master) else None)
+            return _Fp8StraightThrough.apply(product, lambda x, w: grouped_linear(x, w, offsets), own, input,
+                                             weight.master)
         if _needs_grad(input):
             raise ValueError("fp8 grouped_linear has no gradient without a master weight (Fp8Weight.master)")
         return product(input)

@@ -142,3 +142,34 @@ def test_fp8_experts_a_tokens_result_is_its_own_whatever_its_expert_received(bac
             group = next(g for g in range(3) if bounds[g] <= 20 < bounds[g + 1])
             alone = [0] * (group + 1) + [1] * (3 - group)                  # row 20 alone in its group
             assert torch.equal(ops.grouped_linear(x[20:21], weight, alone), out[20:21])
+
+
+@pytest.mark.parametrize("backend,own_grad_on_cpu", [("torch", False), ("triton", False), ("triton", True)])
+def test_the_straight_through_gradient_is_the_model_dtype_ops_on_the_master(backend, own_grad_on_cpu, monkeypatch):
+    """Training on the FP8 forward: the backward of linear, split_partial (row-parallel) and
+    grouped_linear (experts) through an Fp8Weight with a master is exactly the gradient the bf16
+    op gives on the master (on CUDA by the op's own backward GEMMs, without its forward;
+    ``own_grad_on_cpu`` takes that path on the CPU too, so CI runs its wiring)."""
+    if own_grad_on_cpu:
+        monkeypatch.setattr(ops, "_OWN_GRAD_DEVICES", ("cuda", "cpu"))
+    def grads(op, x, weight, master):
+        x = x.detach().requires_grad_(True)
+        master.grad = None
+        out = op(x, weight)
+        out.backward(torch.ones_like(out) * _on(backend, torch.linspace(-1, 1, out.shape[-1])).to(out.dtype))
+        return x.grad, master.grad
+
+    w = _normal(21, 3, 256, 512, scale=0.05).to(torch.bfloat16)
+    q, s = zip(*(ops.fp8_quantize_weight(w[g].float()) for g in range(3)))
+    x = _on(backend, _normal(22, 19, 512).to(torch.bfloat16))
+    master = _on(backend, w).requires_grad_(True)
+    stacked = ops.Fp8Weight(*_on(backend, torch.stack(q), torch.stack(s)), master)
+    with K.use_backend(backend):
+        cases = [(lambda x, w: ops.linear(x, w), stacked[0], lambda x, m: ops.linear(x, m[0])),
+                 (lambda x, w: ops.split_partial(x, w, 4), stacked[1], lambda x, m: ops.split_partial(x, m[1], 4)),
+                 (lambda x, w: ops.grouped_linear(x, w, [0, 7, 7, 19]), stacked,
+                  lambda x, m: ops.grouped_linear(x, m, [0, 7, 7, 19]))]
+        for fp8_op, weight, reference in cases:
+            got = grads(fp8_op, x, weight, master)
+            want = grads(reference, x, master, master)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
