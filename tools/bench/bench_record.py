@@ -2,12 +2,15 @@
 
     python tools/bench/bench_record.py --preset small --dtype bfloat16 --threads 1 --out docs/bench/x.json
 
-What an RL job's trainer does for every version it shares (issue 37): the checkpoint of the
-version (the serving weights, and at checkpoint steps the trainer state: fp32 masters, AdamW
-moments, counters) written to a temporary directory, then uploaded through a real
-`zerokl serve weight-store` subprocess (local-directory storage, gRPC over loopback) by the
-trainer's own store client (``RemoteWeights``). Timed per record: the write, the upload, and the
-whole; MB/s is the checkpoint's bytes over the whole. ``--state weights`` records weights-only
+What an RL job's trainer does for every version it shares (issue 37): a snapshot of the version
+taken at the step boundary (``snapshot_checkpoint``: the serving weights, and at checkpoint steps
+the trainer state, fp32 masters, AdamW moments and counters, copied where they are), written to
+a temporary directory (``write_snapshot``), then uploaded through a real `zerokl serve
+weight-store` subprocess (local-directory storage, gRPC over loopback) by the trainer's own store
+client (``RemoteWeights``, ``publish_checkpoint``). Timed per record: the snapshot (on the step's
+path, under the trainer's lock), the write and the upload (in the background); MB/s is the
+checkpoint's bytes over snapshot + write + upload. (Before commit 343a6d4 the record was
+``write_checkpoint`` then the upload; the "before" figures in docs/perf.md are that.) ``--state weights`` records weights-only
 versions (every RL step), ``full`` full ones (checkpoint steps), ``both`` alternates them.
 
 The model is the preset's, drawn on the CPU by a seeded generator (any weights do); the trainer's
@@ -41,7 +44,8 @@ from zerokl.services.trainer.checkpointing import (
     LineageEntry,
     RemoteWeights,
     publish_checkpoint,
-    write_checkpoint,
+    snapshot_checkpoint,
+    write_snapshot,
 )
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.store import VersionSpec, file_sha256
@@ -84,7 +88,10 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                                                                 META_STATE: "none" if weights_only else "full"})
                 tmp = work / f"ckpt-{version}"
                 t0 = time.perf_counter()
-                write_checkpoint(trainer, tmp, run=RUN, lineage=lineage, weights_only=weights_only)
+                snapshot = snapshot_checkpoint(trainer, run=RUN, lineage=lineage, weights_only=weights_only)
+                ts = time.perf_counter()
+                write_snapshot(snapshot, tmp)
+                del snapshot
                 t1 = time.perf_counter()
                 manifest, created = await publish_checkpoint(repo, tmp, version, spec)
                 t2 = time.perf_counter()
@@ -95,11 +102,12 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                     {p.name: file_sha256(p) for p in tmp.iterdir()}, "the store's bytes are not what was written"
                 shutil.rmtree(tmp)
                 shutil.rmtree(store_root / "versions" / version)   # the box's disk: keep one version at a time
-                row = {"version": version, "weights_only": weights_only, "bytes": nbytes, "write_s": t1 - t0,
+                row = {"version": version, "weights_only": weights_only, "bytes": nbytes, "snapshot_s": ts - t0,
+                       "write_s": t1 - ts,
                        "upload_s": t2 - t1, "total_s": t2 - t0, "mb_per_s": nbytes / 1e6 / (t2 - t0)}
                 rows.append(row)
-                print(f"{'weights-only' if weights_only else 'full'} record {i + 1}: {nbytes / 1e6:.0f} MB, write "
-                      f"{row['write_s']:.2f} s, upload {row['upload_s']:.2f} s, total {row['total_s']:.2f} s "
+                print(f"{'weights-only' if weights_only else 'full'} record {i + 1}: {nbytes / 1e6:.0f} MB, snapshot "
+                      f"{row['snapshot_s']:.2f} s, write {row['write_s']:.2f} s, upload {row['upload_s']:.2f} s, total {row['total_s']:.2f} s "
                       f"({row['mb_per_s']:.0f} MB/s)", flush=True)
     finally:
         await repo.close()
