@@ -5,16 +5,19 @@ low-level API. The scheduler runs one job at a time, in submission order:
 
 * **RL**: sample prompts -> Generate n per prompt through the scheduler, pinned to
   the version the fleet serves -> rewards -> ForwardBackward(ppo) + OptimStep on
-  the trainer -> SaveWeights -> SwitchWeights on every replica -> next step. The
-  loop itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
+  the trainer -> SaveWeights(share) -> SwitchWeights on every replica -> next step,
+  while the weight store records each version in the background (the trainer state
+  only every ``checkpoint_every`` steps; see :class:`_TrainerSession`). The loop
+  itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
 * **SFT / DPO**: batches -> ForwardBackward + OptimStep; publish and switch the
   fleet every ``publish_every`` steps and at the end.
 
 Every step becomes a :class:`JobEvent` that watchers receive (past steps are
 replayed first), once per step: a step redone after a trainer restart computes
 the same bits and is not reported again. A trainer that restarts mid-job (it
-resumes from its newest published version) is waited for and the interrupted
-step is redone from the trainer's state, so no step is lost or applied twice.
+resumes from its newest published resume point) is waited for and the steps
+since that point are redone (an RL job's from the rollouts it kept), so no step
+is lost or applied twice.
 A prefill or decode replica that restarts mid-job is waited for the same way
 (bounded by ``fleet_wait_s``): rollouts that failed on it are generated again,
 pinned and seeded as before, so they are the same bits, and a fleet switch is
@@ -466,8 +469,9 @@ class JobManager:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
-    def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float]) -> None:
-        """Step ``step`` finished; ``version`` is what it published ("" when it published none)."""
+    def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float], stoppable: bool = True) -> None:
+        """Step ``step`` finished; ``version`` is what it published ("" when it published none). A cancelled
+        job stops here when ``stoppable`` (an RL job: after a step whose record is a resume point)."""
         def apply() -> None:
             job.weights_version = version or job.weights_version
             if step <= job.step:
@@ -478,7 +482,7 @@ class JobManager:
             self._emit(job, step, version, metrics)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(apply)
-        if job.cancel.is_set():
+        if job.cancel.is_set() and stoppable:
             raise JobCancelled()
 
     def _run_job(self, job: _Job) -> None:
@@ -515,7 +519,10 @@ class JobManager:
         def on_step(record: StepRecord) -> None:
             metrics = {k: float(v) for k, v in as_dict(record).items()
                        if k not in ("step", "weights_version") and v is not None}
-            self._step_done(job, record.step, record.weights_version, metrics)
+            # A cancelled RL job stops after a checkpoint: the version it leaves the trainer at is a resume
+            # point in the store (its name is taken: a weights-only record cannot become one later). A
+            # cancel makes the next step a checkpoint (_TrainerSession._checkpoint_due).
+            self._step_done(job, record.step, record.weights_version, metrics, stoppable=bool(record.checkpoint))
 
         run_rl(task, port, trainer, config, on_step)
         # Every version the job served is in the store before it succeeds (resume, audit): the last ones'
@@ -909,11 +916,11 @@ class _TrainerSession:
 
     def _checkpoint_due(self) -> bool:
         """Whether the step just trained records the trainer state: every ``checkpoint_every`` steps of the
-        job, and its last."""
+        job, its last, and the one a cancel stops it after."""
         spec = self.job.spec
         assert isinstance(spec, RLJobSpec)
         done = self.trainer_step - self.base_step
-        return done % spec.checkpoint_every == 0 or done >= spec.steps
+        return done % spec.checkpoint_every == 0 or done >= spec.steps or self.job.cancel.is_set()
 
     def _train_and_publish(self, rollouts: Sequence[Rollout], group_size: int) -> None:
         """ForwardBackward(ppo) + OptimStep, then the new version shared in place and served; its metrics
