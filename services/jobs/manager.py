@@ -702,9 +702,14 @@ class _TrainerSession:
         return state
 
     def _unit(self, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run one RL step's trainer work, surviving a trainer restart (see the class docstring)."""
+        """Run one RL step's trainer work, surviving a trainer restart (see the class docstring), also one
+        during the redo of the steps a restart lost."""
+        recover = False
         for attempt in itertools.count():
             try:
+                if recover:
+                    self._recover()
+                    recover = False
                 return work()
             except (grpc.aio.AioRpcError, _Restarted) as err:
                 if isinstance(err, grpc.aio.AioRpcError) and err.code() is not grpc.StatusCode.UNAVAILABLE \
@@ -712,15 +717,19 @@ class _TrainerSession:
                     raise
                 log.warning("trainer unavailable (%s); waiting for it to come back",
                             err.details() if isinstance(err, grpc.aio.AioRpcError) else err)
-                state = self._wait_for_trainer()
-                if state.step != state.weights_step or state.accumulated_batches:
-                    raise FailedPrecondition(
-                        f"the trainer answers again at step {state.step} beyond its version {state.weights_version} "
-                        f"(step {state.weights_step}): it did not restart, and this job cannot tell which of its "
-                        "steps it holds") from err
-                self.trainer_step = state.step
-                self._rebuild(state.weights_version)
+                recover = True
         raise AssertionError("unreachable")
+
+    def _recover(self) -> None:
+        """Wait for the trainer, then bring it from where it resumed to the version the fleet serves."""
+        state = self._wait_for_trainer()
+        if state.step != state.weights_step or state.accumulated_batches:
+            raise FailedPrecondition(
+                f"the trainer answers again at step {state.step} beyond its version {state.weights_version} "
+                f"(step {state.weights_step}): it did not restart, and this job cannot tell which of its "
+                "steps it holds")
+        self.trainer_step = state.step
+        self._rebuild(state.weights_version)
 
     def _rebuild(self, resumed: str) -> None:
         """The trainer holds ``resumed`` (it restarted, or was rolled back): bring it to the version the fleet
