@@ -124,6 +124,10 @@ class SharedExport:
     def nbytes(self) -> int:
         return int(self.descriptor.total_bytes)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shared tensors, as views of the buffer (they keep its memory alive after :meth:`close`)."""
+        return _views(self.buffer, self.descriptor.tensors)
+
     def close(self) -> None:
         if self.descriptor.transport == "cpu_shm":
             with _suppress_oserror():

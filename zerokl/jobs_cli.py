@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--group", type=_int_in(2, _UINT32_MAX), default=8, help="rl: samples per prompt")
     s.add_argument("--eval-every", type=_int_in(0, _UINT32_MAX), default=5,
                    help="rl: greedy test accuracy every N steps (0: never)")
+    s.add_argument("--checkpoint-every", type=_int_in(1, _UINT32_MAX), default=10,
+                   help="rl: record the trainer state (a resume point) every N steps and at the last; the other "
+                        "steps' versions are recorded weights only (default %(default)s)")
     s.add_argument("--lr", type=_learning_rate, default=0.0,
                    help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
@@ -125,7 +128,8 @@ async def _main(args: argparse.Namespace) -> int:
         task = CountdownTask(seed=args.seed)
         if args.kind == "rl":
             spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
-                             seed=args.seed, eval_every=args.eval_every, learning_rate=args.lr)
+                             seed=args.seed, eval_every=args.eval_every, learning_rate=args.lr,
+                             checkpoint_every=args.checkpoint_every)
         else:
             spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed,
                               learning_rate=args.lr)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from zerokl.kernels.model.model import Model, ModelConfig
 
-__all__ = ["save_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
+__all__ = ["save_pretrained", "save_state_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "FP8_QUANTIZATION"]
 
 CONFIG_FILE = "config.json"
@@ -194,12 +194,17 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLi
     if not tensors:
         raise CheckpointError("no tensors to save")
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size, storages = 0, set()
+    size, spans = 0, {}
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
-        if t.numel() and t.untyped_storage().data_ptr() in storages:
+        # Views of one storage that do not overlap (an expert of a stacked tensor, a tensor of a packed
+        # buffer) are written as they are; bytes another tensor covers too (tied weights) are copied.
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        seen = spans.setdefault(t.untyped_storage().data_ptr(), [])
+        if t.numel() and any(start < e and s < end for s, e in seen):
             t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
+        else:
+            seen.append((start, end))
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
@@ -237,9 +242,16 @@ def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write config.json and the weights under HF names (sharded with an index when large)."""
     from zerokl.kernels.model.fp8 import is_fp8
-    save_tensors(_to_hf(model.state_dict(), model.config), directory, max_shard_bytes)
     dtype = torch.float8_e4m3fn if is_fp8(model) else model.dtype
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config, dtype), indent=2) + "\n")
+    save_state_pretrained(model.state_dict(), model.config, dtype, directory, max_shard_bytes)
+
+
+def save_state_pretrained(state: Mapping[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
+                          directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """save_pretrained's files from a state dict under the model's names (the same bytes as saving a
+    model holding it): for a copy of the weights held apart from any model, e.g. a trainer's snapshot."""
+    save_tensors(_to_hf(state, config), directory, max_shard_bytes)
+    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:

@@ -5,16 +5,19 @@ low-level API. The scheduler runs one job at a time, in submission order:
 
 * **RL**: sample prompts -> Generate n per prompt through the scheduler, pinned to
   the version the fleet serves -> rewards -> ForwardBackward(ppo) + OptimStep on
-  the trainer -> SaveWeights -> SwitchWeights on every replica -> next step. The
-  loop itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
+  the trainer -> SaveWeights(share) -> SwitchWeights on every replica -> next step,
+  while the weight store records each version in the background (the trainer state
+  only every ``checkpoint_every`` steps; see :class:`_TrainerSession`). The loop
+  itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
 * **SFT / DPO**: batches -> ForwardBackward + OptimStep; publish and switch the
   fleet every ``publish_every`` steps and at the end.
 
 Every step becomes a :class:`JobEvent` that watchers receive (past steps are
 replayed first), once per step: a step redone after a trainer restart computes
 the same bits and is not reported again. A trainer that restarts mid-job (it
-resumes from its newest published version) is waited for and the interrupted
-step is redone from the trainer's state, so no step is lost or applied twice.
+resumes from its newest published resume point) is waited for and the steps
+since that point are redone (an RL job's from the rollouts it kept), so no step
+is lost or applied twice.
 A prefill or decode replica that restarts mid-job is waited for the same way
 (bounded by ``fleet_wait_s``): rollouts that failed on it are generated again,
 pinned and seeded as before, so they are the same bits, and a fleet switch is
@@ -73,7 +76,7 @@ from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = ["CountdownTask", "SFTJobSpec", "DPOJobSpec", "RLJobSpec", "JobSpec", "JobState", "JobStatus",
            "JobEvent", "JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",
-           "JOBS_FILE"]
+           "JOBS_FILE", "RECORD_LAG"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,6 +84,10 @@ T = TypeVar("T")
 JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
 _OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _FLOAT32_MAX = 3.4028234663852886e38   # a learning rate above it overflows float32 weights' updates
+# RL versions served but not yet recorded in the weight store, at most: a step waits for the oldest record
+# beyond it. Each pending record holds its snapshot (the serving bytes; a checkpoint's trainer state) in the
+# trainer's memory, and a trainer restart redoes at most the steps since the newest recorded checkpoint.
+RECORD_LAG = 3
 
 
 # ----------------------------------------------------------------------------- specs
@@ -134,6 +141,10 @@ class RLJobSpec:
     eval_prompts: int = 32
     learning_rate: float = 0.0
     train_config: TrainConfig | None = None
+    # The trainer state (fp32 masters, AdamW moments, counters: a resume point) is recorded every N steps
+    # and at the job's last; the other steps' versions are recorded weights only (audit, replicas that
+    # read the store). A trainer restart redoes the steps since the newest recorded checkpoint.
+    checkpoint_every: int = 10
     kind = "rl"
 
 
@@ -186,6 +197,8 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field(f"rl.{err.field}", str(err)) from None
         if spec.temperature == 0.0:
             raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
+        if spec.checkpoint_every < 1:
+            raise InvalidArgument.field("rl.checkpoint_every", f"must be >= 1, got {spec.checkpoint_every}")
     if getattr(spec, "countdown", None) is not None:
         c = spec.countdown
         if c.train_problems < 1 or c.test_problems < 1 or c.train_problems > 100_000:
@@ -456,8 +469,9 @@ class JobManager:
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
-    def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float]) -> None:
-        """Step ``step`` finished; ``version`` is what it published ("" when it published none)."""
+    def _step_done(self, job: _Job, step: int, version: str, metrics: dict[str, float], stoppable: bool = True) -> None:
+        """Step ``step`` finished; ``version`` is what it published ("" when it published none). A cancelled
+        job stops here when ``stoppable`` (an RL job: after a step whose record is a resume point)."""
         def apply() -> None:
             job.weights_version = version or job.weights_version
             if step <= job.step:
@@ -468,7 +482,7 @@ class JobManager:
             self._emit(job, step, version, metrics)
         assert self._loop is not None
         self._loop.call_soon_threadsafe(apply)
-        if job.cancel.is_set():
+        if job.cancel.is_set() and stoppable:
             raise JobCancelled()
 
     def _run_job(self, job: _Job) -> None:
@@ -505,12 +519,15 @@ class JobManager:
         def on_step(record: StepRecord) -> None:
             metrics = {k: float(v) for k, v in as_dict(record).items()
                        if k not in ("step", "weights_version") and v is not None}
-            self._step_done(job, record.step, record.weights_version, metrics)
+            # A cancelled RL job stops after a checkpoint: the version it leaves the trainer at is a resume
+            # point in the store (its name is taken: a weights-only record cannot become one later). A
+            # cancel makes the next step a checkpoint (_TrainerSession._checkpoint_due).
+            self._step_done(job, record.step, record.weights_version, metrics, stoppable=bool(record.checkpoint))
 
         run_rl(task, port, trainer, config, on_step)
-        # Every version the job served is in the store before it succeeds (resume, audit): the last one's
-        # record was uploading in the background (redone by _unit if the trainer restarted before it landed).
-        trainer._unit(lambda: (trainer.await_record(), {})[1])
+        # Every version the job served is in the store before it succeeds (resume, audit): the last ones'
+        # records were uploading in the background (redone by _unit if the trainer restarted before they landed).
+        trainer._unit(lambda: (trainer.await_records(), {})[1])
 
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
@@ -608,15 +625,33 @@ class _Restarted(Exception):
     """The trainer forgot a version it shared (it restarted): :meth:`_TrainerSession._unit` recovers."""
 
 
+@dataclass(frozen=True)
+class _SharedStep:
+    """An RL step whose version the fleet serves, kept until a full checkpoint at or after it is recorded:
+    what the job redoes on a trainer that resumed from an earlier checkpoint."""
+
+    parent: str                     # the version it trained from (its rollouts were sampled under it)
+    version: str
+    rollouts: tuple[Rollout, ...]
+    group_size: int
+    weights_only: bool              # recorded without the trainer state (not a resume point)
+    checksum: str                   # of the serving bytes shared: a redo must give the same
+
+
 class _TrainerSession:
     """TrainerPort over TrainerClient, with the fleet switched after every publish.
 
-    Each step runs as a unit (ForwardBackward, OptimStep, SaveWeights): when the
-    trainer becomes UNAVAILABLE meanwhile, the session waits for it to come
-    back, reads its state and either takes the step as done (it was published)
-    or redoes it from the restored weights. A trainer that answers and still
-    holds the steps it trained did not restart: then the weight store is out,
-    and publishing is retried until it is back (see the module docstring).
+    An RL step is one unit (ForwardBackward(ppo), OptimStep, SaveWeights(share), the fleet's
+    switch). Its version is recorded in the weight store in the background: weights only, or with
+    the trainer state (a resume point) every ``checkpoint_every`` steps and at the job's last, and
+    at most :data:`RECORD_LAG` versions are ever unrecorded (the next step waits for the oldest
+    record beyond that). The steps since the newest recorded full checkpoint are kept: when the
+    trainer restarts (UNAVAILABLE, or a record it no longer knows), the session waits for it,
+    reads where it resumed (that checkpoint, or a later one whose record landed) and redoes every
+    kept step after it from the same rollouts: the same bits (checked against each version's
+    checksum) and the same version names, so the fleet keeps serving and KL stays 0. A trainer that
+    answers and still holds its steps did not restart: then the weight store is out, and
+    recording is retried until it is back (see the module docstring).
     """
 
     def __init__(self, manager: JobManager, job: _Job) -> None:
@@ -627,11 +662,11 @@ class _TrainerSession:
         self.trainer_step = 0           # the trainer's step counter after our last OptimStep
         self.unswitched = ""            # a version saved that the fleet has not switched to yet
         self._last: dict[str, Any] = {}
-        # RL steps publish in place (SaveWeights with share): the version the fleet serves may not be in
-        # the store yet. What it took to make it, to redo it if the trainer restarts before recording it.
-        self.unrecorded = ""            # the version served whose store record is pending
-        self._unrecorded_parent = ""    # the version it was trained from
-        self._unrecorded_batch: tuple[Sequence[Rollout], int] | None = None
+        # RL steps publish in place (SaveWeights with share): the versions the fleet served may not be
+        # in the store yet, and only checkpoints are resume points.
+        self.unrecorded: list[str] = []     # versions shared whose store record is pending, oldest first
+        self.checkpoint = ""                # the newest full checkpoint known recorded (a resume point)
+        self._kept: list[_SharedStep] = []  # the steps since it, oldest first
 
     def _call(self, coro: Awaitable[T]) -> T:
         return self.manager._call(coro)
@@ -654,7 +689,7 @@ class _TrainerSession:
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
         self._switch_fleet(manifest.version)
-        self.weights_version = manifest.version
+        self.weights_version = self.checkpoint = manifest.version
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
@@ -667,9 +702,14 @@ class _TrainerSession:
         return state
 
     def _unit(self, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """Run one step's trainer work, surviving a trainer restart (see the class docstring)."""
+        """Run one RL step's trainer work, surviving a trainer restart (see the class docstring), also one
+        during the redo of the steps a restart lost."""
+        recover = False
         for attempt in itertools.count():
             try:
+                if recover:
+                    self._recover()
+                    recover = False
                 return work()
             except (grpc.aio.AioRpcError, _Restarted) as err:
                 if isinstance(err, grpc.aio.AioRpcError) and err.code() is not grpc.StatusCode.UNAVAILABLE \
@@ -677,28 +717,48 @@ class _TrainerSession:
                     raise
                 log.warning("trainer unavailable (%s); waiting for it to come back",
                             err.details() if isinstance(err, grpc.aio.AioRpcError) else err)
-                served, unrecorded = self.weights_version, self.unrecorded
-                state = self.recover()
-                if unrecorded and unrecorded == served and state.weights_version == self._unrecorded_parent:
-                    # The trainer went away before recording the version the fleet served (shared in place):
-                    # it resumed from the one before. Train that step again from the same rollouts: the same
-                    # bits, the same version name, so this step's rollouts (sampled under it) stay on-policy.
-                    assert self._unrecorded_batch is not None
-                    log.warning("job %s: the trainer restarted before recording %s; redoing that step",
-                                self.job.job_id, unrecorded)
-                    last = self._last
-                    self.unrecorded = ""
-                    self._train_and_publish(*self._unrecorded_batch)
-                    if self.weights_version != unrecorded:
-                        raise FailedPrecondition(f"redoing the step that made {unrecorded} published "
-                                                 f"{self.weights_version}: the trainer is not deterministic here")
-                    self._last = last
-                    continue
-                if state.weights_version != served:
-                    # The interrupted step was published before the trainer went away.
-                    return dict(self._last, resumed=1.0)
-                # Otherwise the trainer resumed from the version we serve: redo the step.
+                recover = True
         raise AssertionError("unreachable")
+
+    def _recover(self) -> None:
+        """Wait for the trainer, then bring it from where it resumed to the version the fleet serves."""
+        state = self._wait_for_trainer()
+        if state.step != state.weights_step or state.accumulated_batches:
+            raise FailedPrecondition(
+                f"the trainer answers again at step {state.step} beyond its version {state.weights_version} "
+                f"(step {state.weights_step}): it did not restart, and this job cannot tell which of its "
+                "steps it holds")
+        self.trainer_step = state.step
+        self._rebuild(state.weights_version)
+
+    def _rebuild(self, resumed: str) -> None:
+        """The trainer holds ``resumed`` (it restarted, or was rolled back): bring it to the version the fleet
+        serves by redoing the kept steps after ``resumed``."""
+        chain = [self.checkpoint, *(s.version for s in self._kept)]
+        if resumed not in chain:
+            raise FailedPrecondition(f"the trainer resumed from {resumed}; this job can redo its steps only from "
+                                     f"{self.checkpoint} (its newest recorded checkpoint) or a later one of its own")
+        at = chain.index(resumed)
+        redo = self._kept[at:]
+        if at and not self._kept[at - 1].weights_only:
+            # A later checkpoint of the job landed before the trainer went away: the newest resume point now.
+            self._kept, self.checkpoint = redo, resumed
+        if redo:
+            log.warning("job %s: the trainer is at %s; redoing %d step(s) up to %s", self.job.job_id, resumed,
+                        len(redo), self.weights_version)
+        again = [step.version for step in redo]
+        # Versions up to ``resumed`` stay pending until the store has them (a restarted trainer forgot their
+        # records: await_records asks the store); every later one is recorded again by this trainer (one
+        # whose record landed already is recognized as the same files).
+        self.unrecorded = [v for v in self.unrecorded if v not in again]
+        for step in redo:
+            self._train(step.rollouts, step.group_size)
+            manifest, _, shared = self._call(self.client.share_weights(weights_only=step.weights_only))
+            if (manifest.version, shared.checksum) != (step.version, step.checksum):
+                raise FailedPrecondition(
+                    f"redoing the step that made {step.version} gave {manifest.version} with checksum "
+                    f"{shared.checksum}, not {step.checksum}: the trainer is not deterministic here")
+            self.unrecorded.append(step.version)
 
     def _wait_for_trainer(self):  # noqa: ANN202
         deadline = time.monotonic() + self.manager.trainer_wait_s
@@ -771,7 +831,7 @@ class _TrainerSession:
                 deadline = self._outage(deadline, f"the replicas switched to {version}", str(err))
 
     def discard_unpublished(self) -> str:
-        """Roll the trainer back to the version the fleet serves if it holds steps beyond it, and delete a
+        """Bring the trainer back to the version the fleet serves if it holds steps beyond it, and delete a
         version saved that the fleet never switched to; what was done."""
         if not self.weights_version:
             return ""
@@ -780,17 +840,23 @@ class _TrainerSession:
             state = self._call(self.client.get_state(timeout=10))
             if (state.weights_version, state.step, state.accumulated_batches) != \
                     (self.weights_version, state.weights_step, 0):
-                state = self._call(self.client.load_weights(self.weights_version, restore_state=True))
+                self._rollback()
                 notes.append(f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
-                             f"(step {state.step})")
-        except grpc.aio.AioRpcError as err:
-            log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version,
-                      err.details())
-            notes.append(f"rolling the trainer back to {self.weights_version} failed "
-                         f"({err.code().name}: {err.details()})")
+                             f"(step {self.trainer_step})")
+        except (grpc.aio.AioRpcError, FailedPrecondition) as err:
+            why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version, why)
+            notes.append(f"rolling the trainer back to {self.weights_version} failed ({why})")
         if self.unswitched:
             notes.append(self._delete(self.unswitched, "no replica serves it"))
         return "; ".join(notes)
+
+    def _rollback(self) -> None:
+        """The trainer back on the version the fleet serves: its newest recorded checkpoint, then the kept
+        steps since it redone (the served version may be recorded weights only: no resume point)."""
+        state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
+        self.trainer_step = state.step
+        self._rebuild(self.checkpoint)
 
     def _delete(self, version: str, why: str) -> str:
         """Delete ``version`` (never served by the fleet) from the weight store; a clause saying what happened."""
@@ -803,8 +869,8 @@ class _TrainerSession:
             # final (an upload finishing after the delete would bring it back).
             with contextlib.suppress(grpc.aio.AioRpcError):
                 self._call(self.client.record_weights(version))
-            if self.unrecorded == version:
-                self.unrecorded = ""
+            if version in self.unrecorded:
+                self.unrecorded.remove(version)
             self._call(store.delete(version))
         except grpc.aio.AioRpcError as err:
             log.error("job %s: could not delete %s from the weight store: %s", self.job.job_id, version, err.details())
@@ -819,12 +885,13 @@ class _TrainerSession:
         with contextlib.suppress(grpc.aio.AioRpcError):
             self._call(self.client.record_weights(version))
         try:
-            state = self._call(self.client.load_weights(good, restore_state=True))
-            self.trainer_step = state.step
-            rolled = f"The trainer was rolled back to {good} (step {state.step}), which the fleet keeps serving"
+            self._rollback()
+            rolled = f"The trainer was rolled back to {good} (step {self.trainer_step}), which the fleet keeps serving"
         except grpc.aio.AioRpcError as load_err:
             rolled = (f"The fleet keeps serving {good}, but rolling the trainer back to it failed "
                       f"({load_err.code().name}: {load_err.details()})")
+        except FailedPrecondition as load_err:
+            rolled = f"The fleet keeps serving {good}, but rolling the trainer back to it failed ({load_err})"
         fate = self._delete(version, "it failed its canary")
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
@@ -832,49 +899,63 @@ class _TrainerSession:
 
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         def work() -> dict[str, Any]:
-            # The previous version's store record was uploading during this step's rollouts; it is in the
-            # store before this step trains, so a trainer restart from here on resumes from what the fleet
-            # serves (at most one served version is ever unrecorded). Not train_s: publishing's tail.
+            # The earlier versions' store records upload in the background; beyond RECORD_LAG of them this
+            # step waits for the oldest (backpressure: each pending record holds a snapshot in the trainer's
+            # memory). Not train_s: recording's tail.
             t0 = time.perf_counter()
-            self.await_record()
+            self.await_records(keep=RECORD_LAG - 1)
             record_wait_s = time.perf_counter() - t0
             self._train_and_publish(rollouts, group_size)
             self._last["record_wait_s"] = record_wait_s
+            self._last["record_lag"] = float(len(self.unrecorded))  # versions served, not yet recorded
             return self._last
         return self._unit(work)
+
+    def _train(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
+        """ForwardBackward(ppo) + OptimStep; the step's metrics."""
+        spec = self.job.spec
+        max_staleness = spec.max_staleness if isinstance(spec, RLJobSpec) else 0
+        fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
+                                                   lr=spec.learning_rate or None))
+        assert fb.ppo is not None
+        self.trainer_step = opt.step
+        return {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
+                "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min, "ratio_max": fb.ppo.ratio_max,
+                "loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens}
+
+    def _checkpoint_due(self) -> bool:
+        """Whether the step just trained records the trainer state: every ``checkpoint_every`` steps of the
+        job, its last, and the one a cancel stops it after."""
+        spec = self.job.spec
+        assert isinstance(spec, RLJobSpec)
+        done = self.trainer_step - self.base_step
+        return done % spec.checkpoint_every == 0 or done >= spec.steps or self.job.cancel.is_set()
 
     def _train_and_publish(self, rollouts: Sequence[Rollout], group_size: int) -> None:
         """ForwardBackward(ppo) + OptimStep, then the new version shared in place and served; its metrics
         in ``self._last`` (with sync_s: the optimizer step's end -> every replica serving it)."""
-        max_staleness = self.job.spec.max_staleness if isinstance(self.job.spec, RLJobSpec) else 0
-        fb, opt = self._call(self.client.grpo_step(rollouts, group_size, max_staleness=max_staleness or None,
-                                                   lr=self.job.spec.learning_rate or None))
-        assert fb.ppo is not None
-        self.trainer_step = opt.step
-        last = {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
-                "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min,
-                "ratio_max": fb.ppo.ratio_max, "loss": fb.loss, "grad_norm": opt.grad_norm,
-                "lr": opt.lr, "tokens": fb.tokens}
+        last = self._train(rollouts, group_size)
         optimized = time.perf_counter()
-        parent = self.weights_version
-        nbytes, exported = self.publish_shared()
+        parent, weights_only = self.weights_version, not self._checkpoint_due()
+        nbytes, exported, checksum = self.publish_shared(weights_only)
         done = time.perf_counter()
         sync_s = done - optimized
-        self._unrecorded_parent, self._unrecorded_batch = parent, (tuple(rollouts), group_size)
+        self._kept.append(_SharedStep(parent, self.weights_version, tuple(rollouts), group_size, weights_only,
+                                      checksum))
         # Bytes of the serving weights each replica received, and the rate of the whole sync; the sync split
         # into the trainer's SaveWeights(share) and the fleet's switch (canary included).
         self._last = {**last, "sync_s": sync_s, "sync_bytes": float(nbytes),
                       "sync_bytes_per_s": nbytes / max(sync_s, 1e-9), "sync_export_s": exported - optimized,
-                      "sync_switch_s": done - exported}
+                      "sync_switch_s": done - exported, "checkpoint": float(not weights_only)}
 
     def publish(self) -> str:
         return self.weights_version  # grpo_step published as part of its unit
 
-    def publish_shared(self) -> tuple[int, float]:
+    def publish_shared(self, weights_only: bool = False) -> tuple[int, float, str]:
         """SaveWeights(share): the new version from the trainer's memory to the fleet (replicas on its host
         copy it in place, others read the store once the trainer's background record lands), after its
-        canary; the serving bytes shared, and the perf_counter time the trainer answered."""
-        manifest, _, shared = self._call(self.client.share_weights())
+        canary; the serving bytes shared, the perf_counter time the trainer answered, and their checksum."""
+        manifest, _, shared = self._call(self.client.share_weights(weights_only=weights_only))
         exported = time.perf_counter()
         if manifest.version != self.weights_version:
             self.unswitched = manifest.version
@@ -884,28 +965,51 @@ class _TrainerSession:
             self._reject(manifest.version, err)
         self.unswitched = ""
         self.weights_version = manifest.version
-        self.unrecorded = manifest.version
-        return int(shared.total_bytes), exported
+        self.unrecorded.append(manifest.version)
+        return int(shared.total_bytes), exported, shared.checksum
 
-    def await_record(self) -> None:
-        """Wait for the store's record of the version shared last (retried while the store is out); a
-        trainer that forgot it (restarted) is UNAVAILABLE to :meth:`_unit`, which redoes that step."""
-        if not self.unrecorded:
-            return
+    def await_records(self, keep: int = 0) -> None:
+        """Wait for the store's records of the versions shared, oldest first, until at most ``keep`` are
+        pending (retried while the store is out); a trainer that forgot one (restarted) is UNAVAILABLE to
+        :meth:`_unit`, which redoes the steps since its checkpoint."""
+        while len(self.unrecorded) > keep:
+            version = self.unrecorded[0]
+            self._await_record(version)
+            self.unrecorded.pop(0)
+            steps = [s.version for s in self._kept]
+            if version in steps and not self._kept[steps.index(version)].weights_only:
+                # A resume point in the store: the steps up to it need never be redone.
+                self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
+
+    def _await_record(self, version: str) -> None:
         deadline = None
         while True:
             try:
-                self._call(self.client.record_weights(self.unrecorded))
-                self.unrecorded = ""
+                self._call(self.client.record_weights(version))
                 return
             except grpc.aio.AioRpcError as err:
                 if err.code() is grpc.StatusCode.NOT_FOUND:
-                    raise _Restarted(f"the trainer no longer knows {self.unrecorded}: it restarted") from None
+                    if self._in_store(version):
+                        return  # recorded before the trainer restarted
+                    raise _Restarted(f"the trainer no longer knows {version}: it restarted") from None
                 if err.code() not in _OUTAGE:
                     raise
                 if self._wait_for_trainer().step != self.trainer_step:
-                    raise _Restarted(f"the trainer restarted before recording {self.unrecorded}") from None
-                deadline = self._outage(deadline, f"{self.unrecorded} waited to be recorded", err.details())
+                    raise _Restarted(f"the trainer restarted before recording {version}") from None
+                deadline = self._outage(deadline, f"{version} waited to be recorded", err.details())
+
+    def _in_store(self, version: str) -> bool:
+        """Whether the weight store holds ``version`` (False when this scheduler has none to ask)."""
+        store = self.manager.weight_store
+        if store is None:
+            return False
+        try:
+            self._call(store.manifest(version))
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND:
+                return False
+            raise
+        return True
 
     def publish_now(self) -> None:
         """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""
@@ -917,7 +1021,8 @@ class _TrainerSession:
         except CanaryFailed as err:
             self._reject(manifest.version, err)
         self.unswitched = ""
-        self.weights_version = manifest.version
+        self.weights_version = self.checkpoint = manifest.version   # a full save: a resume point
+        self._kept = []
 
     # ---- SFT / DPO (the job loop handles UNAVAILABLE: state only survives a restart when published) ----
 

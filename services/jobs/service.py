@@ -72,7 +72,8 @@ def spec_to_proto(spec: JobSpec, name: str = "") -> jobs_pb2.JobSpec:
     rl = jobs_pb2.RLJob(countdown=_countdown_to_proto(spec.countdown), steps=spec.steps,
                         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
-                        max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts)
+                        max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts,
+                        checkpoint_every=spec.checkpoint_every)
     return _with_train_config(jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate), spec)
 
 
@@ -115,7 +116,8 @@ def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
             max_tokens=m.max_tokens or d.max_tokens,
             temperature=m.temperature if m.HasField("temperature") else d.temperature,
             top_p=m.top_p if m.HasField("top_p") else d.top_p, seed=m.seed, max_staleness=m.max_staleness,
-            eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate)
+            eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate,
+            checkpoint_every=m.checkpoint_every or d.checkpoint_every)
     raise InvalidArgument.field("job", "set one of sft, dpo, rl")
 
 

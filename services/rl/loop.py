@@ -73,6 +73,10 @@ class StepRecord:
     # Waiting, before the step trained, for the store's background record of the previous version
     # (in neither train_s nor sync_s: it overlaps the rollouts and is ~0 when the upload kept up).
     record_wait_s: float | None = None
+    # Versions served whose store record was still pending after this step's (at most the job's RECORD_LAG),
+    # and whether this step's record carries the trainer state (a resume point).
+    record_lag: int | None = None
+    checkpoint: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,8 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
             sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
             sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
+            record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
+            checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

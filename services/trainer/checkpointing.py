@@ -49,9 +49,9 @@ import grpc.aio
 import torch
 from safetensors.torch import load_file, save_file
 
-from zerokl.kernels.model import Model
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import quantize_fp8
-from zerokl.kernels.model.checkpoint import CheckpointError
+from zerokl.kernels.model.checkpoint import CheckpointError, save_state_pretrained
 from zerokl.kernels.model.lora import merged_state_dict
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -76,6 +76,9 @@ __all__ = [
     "LineageEntry",
     "TrainerCheckpoint",
     "default_version",
+    "CheckpointSnapshot",
+    "snapshot_checkpoint",
+    "write_snapshot",
     "write_checkpoint",
     "read_checkpoint",
     "has_trainer_state",
@@ -138,54 +141,129 @@ def config_from_json(d: Mapping[str, Any]) -> TrainConfig:
 
 # ----------------------------------------------------------------------------- files
 
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    # safetensors refuses tensors that share storage (tied weights, views); a
-    # private contiguous copy of each is always safe. One copy: a device tensor's
-    # move to the host is that copy (.cpu() then .clone() copied it twice).
-    return t.detach().to("cpu", copy=True).contiguous()
+@dataclass
+class CheckpointSnapshot:
+    """A trainer's checkpoint at one step, held apart from the trainer (a later step does not change it
+    unless taken with ``copy=False``): what :func:`write_snapshot` writes. Tensors may be on the
+    trainer's device; they reach the host only when written."""
+
+    serving: Mapping[str, torch.Tensor]         # the serving weights, under the model's names
+    model_config: ModelConfig
+    dtype: torch.dtype                          # the serving weights' dtype, as config.json states it
+    state: dict[str, torch.Tensor] | None = None    # trainer-state tensors; None: weights only
+    doc: dict[str, Any] | None = None           # trainer-state.json
+    ready: Any = None                           # CUDA: an event after the copies were made (the writer waits)
+
+    @property
+    def weights_only(self) -> bool:
+        return self.state is None
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.serving.values(), *(self.state or {}).values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def snapshot_checkpoint(trainer: Trainer, *, run: str, lineage: Sequence[LineageEntry], weights_only: bool = False,
+                        serving: Mapping[str, torch.Tensor] | None = None, copy: bool = True) -> CheckpointSnapshot:
+    """The checkpoint of ``trainer`` as it is now (at a step boundary).
+
+    ``serving``: its serving weights, already a copy (a shared export's tensors); default
+    ``trainer.serving_state_dict()``. ``copy``: every tensor a later step changes in place (fp32
+    masters, AdamW moments and counts, LoRA weights; FP8 serving values) is cloned where it is, so
+    the snapshot can be written while the trainer goes on; without it the trainer must not step
+    until the snapshot is written. The clones are device copies (fast); the host copy and the files
+    are :func:`write_snapshot`'s, off the training's critical path.
+    """
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if copy else t.detach()
+
+    if serving is None:
+        serving = trainer.serving_state_dict()
+        if copy and trainer.fp8:    # the FP8 serving state holds the model's own e4m3 tensors
+            serving = {k: own(v) for k, v in serving.items()}
+    snap = CheckpointSnapshot(serving, trainer.model.config,
+                              torch.float8_e4m3fn if trainer.fp8 else trainer.model.dtype)
+    if not weights_only:
+        # Full fine-tuning: the serving weights ARE the training model, so they are
+        # not stored twice. LoRA: the base weights and adapters (not the merged sum).
+        lora = trainer.config.lora_rank > 0
+        tensors = {f"model/{k}": own(v) for k, v in trainer.model.state_dict().items()} if lora else {}
+        opt = trainer.optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, state in opt["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer/{index}/{key}"] = own(value)
+                else:
+                    scalars.setdefault(str(index), {})[key] = value
+        if trainer.masters is not None:
+            # fp32 masters in trainer.params order: the serving (bf16) weights are their rounding,
+            # so a run resumed without them would not continue bit for bit.
+            tensors.update({f"master/{i}": own(m) for i, m in enumerate(trainer.masters)})
+        if trainer.reference is not None:
+            # Merged (a copy already): a plain model with these weights computes the parametrized reference's bits.
+            tensors.update({f"reference/{k}": v for k, v in merged_state_dict(trainer.reference).items()})
+        snap.state = tensors
+        # Through JSON now: the document is the trainer's as it is at this step, whatever it does next.
+        snap.doc = json.loads(json.dumps({
+            "format": STATE_FORMAT,
+            "run": run,
+            "step": trainer.step,
+            "tokens_seen": trainer.tokens_seen,
+            "config": config_to_json(trainer.config),
+            "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
+            "has_reference": trainer.reference is not None,
+            "masters": len(trainer.masters) if trainer.masters is not None else 0,
+            "model_in_state": lora,
+            "lineage": [[e.version, e.step] for e in lineage[-MAX_LINEAGE:]],
+        }))
+    if copy and trainer.device.type == "cuda":
+        snap.ready = torch.cuda.Event()
+        snap.ready.record()
+    return snap
+
+
+def _on_host(tensors: Mapping[str, torch.Tensor], ready: Any) -> dict[str, torch.Tensor]:
+    """``tensors`` in host memory. CUDA tensors are copied on a stream of their own (after ``ready``), so
+    the copy runs beside the training's kernels instead of between them on their stream."""
+    devices = {t.device for t in tensors.values() if t.is_cuda}
+    if not devices:
+        return dict(tensors)
+    stream = torch.cuda.Stream(next(iter(devices)))
+    with torch.cuda.stream(stream):
+        if ready is not None:
+            stream.wait_event(ready)
+        out = {k: v.to("cpu") for k, v in tensors.items()}
+    stream.synchronize()    # the device copies may be freed (they were read on this stream)
+    return out
+
+
+def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[str]) -> None:
+    """Write the serving checkpoint (save_pretrained's files) and, unless the snapshot is weights only, the
+    trainer state into ``directory``."""
+    path = pathlib.Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    save_state_pretrained(_on_host(snapshot.serving, snapshot.ready), snapshot.model_config, snapshot.dtype, path)
+    if snapshot.state is None:
+        return
+    tensors, storages = {}, set()
+    for key, t in _on_host(snapshot.state, snapshot.ready).items():
+        t = t.contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in storages:
+            t = t.clone()   # safetensors refuses tensors that share storage (a tied weight of a LoRA model)
+        storages.add(t.untyped_storage().data_ptr())
+        tensors[key] = t
+    save_file(tensors, str(path / STATE_TENSORS), metadata={"format": STATE_FORMAT})
+    (path / STATE_JSON).write_text(json.dumps(snapshot.doc, indent=1, sort_keys=True) + "\n")
 
 
 def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,
                      lineage: Sequence[LineageEntry], weights_only: bool = False) -> None:
-    """Write the serving checkpoint and (unless ``weights_only``) the trainer state into ``directory``."""
-    path = pathlib.Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    trainer.serving_model().save_pretrained(path)
-    if weights_only:
-        return
-    # Full fine-tuning: the serving weights ARE the training model, so they are
-    # not stored twice. LoRA: the base weights and adapters (not the merged sum).
-    lora = trainer.config.lora_rank > 0
-    tensors = {f"model/{k}": _plain(v) for k, v in trainer.model.state_dict().items()} if lora else {}
-    opt = trainer.optimizer.state_dict()
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, state in opt["state"].items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer/{index}/{key}"] = _plain(value)
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-    if trainer.masters is not None:
-        # fp32 masters in trainer.params order: the serving (bf16) weights are their rounding,
-        # so a run resumed without them would not continue bit for bit.
-        tensors.update({f"master/{i}": _plain(m) for i, m in enumerate(trainer.masters)})
-    if trainer.reference is not None:
-        # Merged: a plain model with these weights computes the parametrized reference's bits.
-        tensors.update({f"reference/{k}": _plain(v) for k, v in merged_state_dict(trainer.reference).items()})
-    save_file(tensors, str(path / STATE_TENSORS), metadata={"format": STATE_FORMAT})
-    doc = {
-        "format": STATE_FORMAT,
-        "run": run,
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
-        "config": config_to_json(trainer.config),
-        "optimizer": {"param_groups": opt["param_groups"], "scalars": scalars},
-        "has_reference": trainer.reference is not None,
-        "masters": len(trainer.masters) if trainer.masters is not None else 0,
-        "model_in_state": lora,
-        "lineage": [[e.version, e.step] for e in lineage[-MAX_LINEAGE:]],
-    }
-    (path / STATE_JSON).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    """Write the serving checkpoint and (unless ``weights_only``) the trainer state into ``directory``
+    (the trainer must not step meanwhile: a snapshot without copies, written at once)."""
+    write_snapshot(snapshot_checkpoint(trainer, run=run, lineage=lineage, weights_only=weights_only, copy=False),
+                   directory)
 
 
 def has_trainer_state(directory: str | os.PathLike[str]) -> bool:
@@ -416,10 +494,12 @@ class RemoteWeights:
 
 
 async def find_resume_point(repo: WeightsRepo, run: str) -> WeightsManifest | None:
-    """The newest version of ``run`` that carries trainer state (None: the run has not published one)."""
+    """The newest version of ``run`` that carries trainer state (None: the run has not published one):
+    the one of the highest step, the later committed on a tie (records of a run may commit out of
+    order after a store outage)."""
     points = [m for m in await repo.manifests()
               if m.spec.metadata.get(META_RUN) == run and m.spec.metadata.get(META_STATE) == "full"]
-    return points[-1] if points else None  # manifests() is oldest first
+    return max(points, key=lambda m: (m.spec.step or 0, m.created_at)) if points else None
 
 
 async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,

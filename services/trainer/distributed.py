@@ -527,6 +527,7 @@ class ServedTrainer:
         self.lockstep, self.dt = lockstep, lockstep.trainer
         self.model, self.config, self.reference = self.dt.model, self.dt.config, None
         self.masters = None                 # the distributed trainer keeps none (_without_masters)
+        self.fp8 = self.dt.trainer.fp8      # what a checkpoint's config.json says the serving weights are
         self._full: Trainer | None = None
 
     step = property(lambda self: self.dt.step)

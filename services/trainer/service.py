@@ -58,9 +58,12 @@ from zerokl.services.trainer.checkpointing import (
     LineageEntry,
     WeightsRepo,
     default_version,
+    CheckpointSnapshot,
     publish_checkpoint,
     read_checkpoint,
+    snapshot_checkpoint,
     write_checkpoint,
+    write_snapshot,
 )
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.optim import NonFiniteStep
@@ -127,15 +130,18 @@ def _provisional(name: str, spec: VersionSpec) -> WeightsManifest:
 
 @dataclass
 class _Record:
-    """The weight store's record of a version saved with share: queued, written, uploaded."""
+    """The weight store's record of a version saved with share: its snapshot, written, uploaded."""
 
     step: int
-    spec: VersionSpec | None = None
-    weights_only: bool = False
+    spec: VersionSpec
+    snapshot: CheckpointSnapshot | None          # until written
     task: "asyncio.Future[WeightsManifest] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
-    failed_for_good: bool = False               # the trainer moved on before the checkpoint was written
+
+    @property
+    def weights_only(self) -> bool:
+        return self.spec.metadata.get(META_STATE) != "full"
 
 
 @dataclass(frozen=True)
@@ -521,50 +527,54 @@ class TrainerService:
 
     async def _share(self, trainer: Trainer, name: str, lineage: list[LineageEntry], spec: VersionSpec,
                      weights_only: bool) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
-        """SaveWeights(share)'s work, under the lock: export, then queue the store's record of ``name``."""
-        if name in self._records and not self._records[name].failed_for_good:
+        """SaveWeights(share)'s work, under the lock: export, snapshot, then queue the store's record of
+        ``name`` (written and uploaded outside the lock: the next step trains meanwhile)."""
+        pending = self._records.get(name)
+        if pending is not None and name in self._exports:
             # A retry of the same save (same step, same bits): the same descriptor.
-            pending = self._records[name]
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            export = self._exports.get(name)
-            if export is not None:
-                return _provisional(name, spec), False, export.descriptor
+            return _provisional(name, spec), False, self._exports[name].descriptor
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
+        del state
+        # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
+        # records), and at a checkpoint the trainer state, copied where it is before the next step.
+        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.run, lineage=lineage,
+                                       weights_only=weights_only, serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
-            self._exports.pop(next(iter(self._exports))).close()
-        record = _Record(step=trainer.step, spec=spec, weights_only=weights_only)
+            self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records[name] = record
-        # Queued now (the lock is FIFO): the checkpoint is written before any later call changes the trainer.
-        record.task = asyncio.ensure_future(self._record(record, trainer, name, list(lineage), spec, weights_only))
+        record.task = asyncio.ensure_future(self._record(record, name, earlier))
         record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
         return _provisional(name, spec), True, export.descriptor
 
-    async def _record(self, record: "_Record", trainer: Trainer, name: str, lineage: list[LineageEntry],
-                      spec: VersionSpec, weights_only: bool) -> WeightsManifest:
-        """Write ``name``'s checkpoint (under the lock: the trainer as it was at ``record.step``), then
-        upload it (outside the lock: training goes on meanwhile) and pin it as the resume point."""
-        async def write() -> pathlib.Path:
-            if self._trainer is not trainer or trainer.step != record.step:
-                record.failed_for_good = True
-                raise FailedPrecondition(f"the trainer moved on from step {record.step} before {name}'s checkpoint "
-                                         "was written; it cannot be recorded")
-            tmp = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
-            await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
-                                weights_only=weights_only)
-            return tmp
-        record.directory = await self._exclusive(write)
-        return await self._upload(record, name, spec, weights_only)
+    async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
+        """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
+        after the records queued before it (versions reach the store in the order they were shared)."""
+        assert record.snapshot is not None
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
+        try:
+            await asyncio.to_thread(write_snapshot, record.snapshot, directory)
+        except BaseException:
+            shutil.rmtree(directory, True)
+            raise
+        record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
+        for task in earlier:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+        return await self._upload(record, name)
 
-    async def _upload(self, record: "_Record", name: str, spec: VersionSpec, weights_only: bool) -> WeightsManifest:
+    async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, spec)
+            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec)
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
@@ -572,7 +582,7 @@ class TrainerService:
                               f"{name} is not recorded yet (RecordWeights retries)") from None
         record.manifest = manifest
         await asyncio.to_thread(shutil.rmtree, record.directory, True)
-        if not weights_only:
+        if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
 
@@ -592,8 +602,7 @@ class TrainerService:
             if record.directory is None:
                 raise
             # The checkpoint is on disk: upload it again (the store may be back).
-            assert record.spec is not None
-            record.task = asyncio.ensure_future(self._upload(record, version, record.spec, record.weights_only))
+            record.task = asyncio.ensure_future(self._upload(record, version))
             record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
             return await asyncio.shield(record.task)
 
@@ -629,6 +638,11 @@ class TrainerService:
                                                config=config or self._trainer.config, run=self.run,
                                                device=self._trainer.device)
             trainer = ckpt.trainer
+            # Versions shared before are not this trainer's weights any more: a later share of the same
+            # name (a step redone from here) exports afresh, never an earlier descriptor.
+            for export in self._exports.values():
+                export.close()
+            self._exports.clear()
             lineage = ckpt.lineage if restore_state else []
             if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
                 lineage.append(LineageEntry(manifest.version, trainer.step))

@@ -114,6 +114,40 @@ class StorageBackend(abc.ABC):
         for obj in self.list(prefix):
             self.delete(obj.key)
 
+    # ---- staging: one object received in order and resumably (an upload's shard) ----
+    #
+    # Here each staged piece is an object of its own, ``<prefix><offset:020d>``, and the final
+    # object is assembled from them (S3 has no append); a backend that can append in place
+    # overrides stage() and commit_staged() (LocalDirBackend: one file, then a rename).
+
+    def staged_size(self, prefix: str) -> int:
+        """Bytes staged under ``prefix`` ('' or ending in '/') that run contiguously from offset 0."""
+        end = 0
+        for part in self.list(prefix):
+            if int(part.key.rsplit("/", 1)[1]) != end:
+                break   # only a contiguous run from 0 counts
+            end += part.size
+        return end
+
+    def stage(self, prefix: str, offset: int, data: bytes) -> None:
+        """Stage ``data`` at ``offset``, which must be :meth:`staged_size` (ValueError otherwise)."""
+        self.put_bytes(f"{prefix}{offset:020d}", data)
+
+    def iter_staged(self, prefix: str) -> Iterator[bytes]:
+        """The contiguous staged bytes under ``prefix``, in order."""
+        end = 0
+        for part in self.list(prefix):
+            if int(part.key.rsplit("/", 1)[1]) != end:
+                return
+            end += part.size
+            yield from self.iter_read(part.key)
+
+    def commit_staged(self, prefix: str, key: str, size: int) -> None:
+        """Make the ``size`` bytes staged under ``prefix`` the object at ``key`` (atomically, durably) and
+        drop the staging; ValueError, storing nothing, when another number of bytes is staged."""
+        self.put_stream(key, self.iter_staged(prefix), size)
+        self.delete_prefix(prefix)
+
 
 class LocalDirBackend(StorageBackend):
     """Objects as files under ``root`` (the embedded, one-machine default).
@@ -192,8 +226,10 @@ class LocalDirBackend(StorageBackend):
     def delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
-        # Drop directories left empty so a deleted version leaves no trace.
-        parent = path.parent
+        self._prune(path.parent)
+
+    def _prune(self, parent: pathlib.Path) -> None:
+        """Drop directories left empty so a deleted object leaves no trace."""
         while parent != self.root:
             try:
                 parent.rmdir()
@@ -203,6 +239,41 @@ class LocalDirBackend(StorageBackend):
 
     def describe(self) -> str:
         return f"local directory {self.root}"
+
+    # One staging file from offset 0, appended in place and renamed to its key when complete: each
+    # byte is written once, and made durable once (fsync at the commit, not per piece). A crash
+    # mid-append leaves a tail of a verified piece (the store checks pieces before staging them,
+    # and the whole object's sha256 before committing it), which a resumed upload continues.
+
+    def _staging(self, prefix: str) -> pathlib.Path:
+        return self._path(f"{_validate_prefix(prefix)}{0:020d}")
+
+    def stage(self, prefix: str, offset: int, data: bytes) -> None:
+        path = self._staging(prefix)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            if f.tell() != offset:
+                raise ValueError(f"{prefix}: {f.tell()} bytes staged, a piece at offset {offset}")
+            f.write(data)
+
+    def commit_staged(self, prefix: str, key: str, size: int) -> None:
+        path = self._staging(prefix)
+        if [p.key for p in self.list(prefix)] != [path.relative_to(self.root).as_posix()]:
+            super().commit_staged(prefix, key, size)    # nothing staged (an empty object), or pieces
+            return
+        if path.stat().st_size != size:
+            raise ValueError(f"{key}: {path.stat().st_size} bytes staged, expected {size}")
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())    # durable before visible, as put_stream
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, target)
+        dir_fd = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._prune(path.parent)
 
 
 class _PieceReader(io.RawIOBase):

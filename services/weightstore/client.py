@@ -7,16 +7,19 @@ code; a fetched shard that fails its checksum on this side raises
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import json
+import mmap
 import os
 import pathlib
 import tempfile
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Awaitable, Mapping
 
 import grpc
 import grpc.aio
 
-from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto, chunk_to_proto, chunks_from_pieces
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.weightstore import convert
@@ -29,11 +32,10 @@ from zerokl.services.weightstore.store import (
     VersionEntry,
     VersionSpec,
     WeightsManifest,
-    file_sha256,
 )
-from zerokl.v1 import common_pb2, weights_pb2, weights_pb2_grpc
+from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["WeightStoreClient"]
+__all__ = ["WeightStoreClient", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests"]
 
 
 def is_serving_file(name: str) -> bool:
@@ -43,6 +45,33 @@ def is_serving_file(name: str) -> bool:
 
 def _files(src: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+# Chunks sent ahead of the store's acknowledgements: enough to keep the client hashing and sending
+# while the store verifies and writes (one chunk at a time left both sides idle half the time);
+# the bytes held unacknowledged stay bounded (8 x 4 MiB).
+CHUNKS_IN_FLIGHT = 8
+PARALLEL_SHARDS = 4     # files of one upload sent at once
+
+
+def shard_digests(data: Any) -> tuple[str, list[bytes]]:
+    """(hex sha256 of ``data``, the sha256 digest of each MAX_CHUNK_BYTES chunk of it): one pass over
+    the bytes, the two hashes in two threads (hashlib releases the GIL on large buffers)."""
+    with memoryview(data) as view, \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokl-sha256") as pool:
+        total = pool.submit(lambda: hashlib.sha256(view).hexdigest())
+        chunks = [hashlib.sha256(view[i:i + MAX_CHUNK_BYTES]).digest() for i in range(0, len(view), MAX_CHUNK_BYTES)]
+        return total.result(), chunks
+
+
+async def _first(wait: Awaitable[Any], failed: "asyncio.Future[Any]") -> None:
+    """Await ``wait``, unless ``failed`` ends first (then raise its error)."""
+    task = asyncio.ensure_future(wait)
+    done, _ = await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+    if task not in done:
+        task.cancel()
+        failed.result()     # raises the stream's status
+        raise RuntimeError("PutShard acknowledged every chunk before all were sent")
 
 
 class WeightStoreClient(ServiceClient):
@@ -109,40 +138,75 @@ class WeightStoreClient(ServiceClient):
 
         Safe to call again after an interruption: complete shards are
         skipped, partial ones continue at their last acknowledged offset.
+        Up to :data:`PARALLEL_SHARDS` files travel at once (the store writes
+        each in a thread of its own).
         """
         held = {s.name: s for s in (await self.upload_status(upload_id)).shards}
-        for path in _files(pathlib.Path(src)):
-            prior = held.get(path.name)
-            if prior is None or not prior.complete:
+        slots = asyncio.Semaphore(PARALLEL_SHARDS)
+
+        async def put(path: pathlib.Path) -> None:
+            async with slots:
                 await self.put_shard(upload_id, path)
+        await asyncio.gather(*(put(path) for path in _files(pathlib.Path(src))
+                               if path.name not in held or not held[path.name].complete))
         return await self.upload_status(upload_id)
 
     async def put_shard(self, upload_id: str, path: str | os.PathLike[str]) -> ShardStatus:
         """Stream one file as a shard, starting where the server says its copy ends.
 
-        One chunk in flight at a time: each is sent after the previous one was
-        acknowledged as stored, so an error status arrives cleanly instead of
-        racing a pending send, and an interruption loses no acknowledged byte.
+        The file is read once (mapped) for both of its checksums: the whole file's sha256 for
+        the header and each chunk's for the wire (:func:`shard_digests`). Up to
+        :data:`CHUNKS_IN_FLIGHT` chunks are sent ahead of the store's acknowledgements; each
+        acknowledgement says the chunk is stored, so an interruption loses no acknowledged byte,
+        and an error status ends the stream and is raised here.
         """
         path = pathlib.Path(path)
-        size = path.stat().st_size
-        sha256 = await asyncio.to_thread(file_sha256, path)
-        call = self._stub.PutShard()
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         try:
-            await call.write(weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
-                upload_id=upload_id, name=path.name, size=size, sha256=sha256)))
-            status = await self._ack(call)
-            if not status.complete:
-                with open(path, "rb") as f:
-                    f.seek(status.received)
-                    pieces = iter(lambda: f.read(MAX_CHUNK_BYTES), b"")
-                    for chunk in chunks_from_pieces(pieces, start=status.received, total_size=size):
-                        await call.write(weights_pb2.PutShardRequest(chunk=chunk_to_proto(chunk)))
-                        status = await self._ack(call)
-            await call.done_writing()
-            return convert.shard_status_from_proto(status)
+            sha256, digests = await asyncio.to_thread(shard_digests, view)
+            call = self._stub.PutShard()
+            try:
+                await call.write(weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
+                    upload_id=upload_id, name=path.name, size=size, sha256=sha256)))
+                status = await self._ack(call)
+                if not status.complete:
+                    status = await self._send_chunks(call, view, status.received, size, digests)
+                await call.done_writing()
+                return convert.shard_status_from_proto(status)
+            finally:
+                call.cancel()  # no-op when finished; ends the stream if we stop early
         finally:
-            call.cancel()  # no-op when finished; ends the stream if we stop early
+            if isinstance(view, mmap.mmap):
+                view.close()
+
+    async def _send_chunks(self, call: Any, view: Any, start: int, size: int,
+                           digests: list[bytes]) -> weights_pb2.ShardStatus:
+        """Chunks of ``view[start:]``, up to CHUNKS_IN_FLIGHT ahead of their acknowledgements; the last one."""
+        offsets = list(range(start, size, MAX_CHUNK_BYTES)) or [start]    # an empty remainder: one empty chunk
+        window = asyncio.Semaphore(CHUNKS_IN_FLIGHT)
+
+        async def acknowledgements() -> weights_pb2.ShardStatus:
+            status = None
+            for _ in offsets:
+                status = await self._ack(call)
+                window.release()
+            assert status is not None
+            return status
+        acks = asyncio.ensure_future(acknowledgements())
+        try:
+            for offset in offsets:
+                data = bytes(view[offset:offset + MAX_CHUNK_BYTES])
+                # A resume from an offset between chunk boundaries (not one this client sent) hashes afresh.
+                aligned = offset % MAX_CHUNK_BYTES == 0 and len(data) > 0
+                digest = digests[offset // MAX_CHUNK_BYTES] if aligned else hashlib.sha256(data).digest()
+                await _first(window.acquire(), acks)
+                await call.write(weights_pb2.PutShardRequest(chunk=blob_pb2.BytesChunk(
+                    offset=offset, data=data, sha256=digest, total_size=size)))
+            return await acks
+        finally:
+            acks.cancel()
 
     @staticmethod
     async def _ack(call: Any) -> weights_pb2.ShardStatus:

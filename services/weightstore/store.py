@@ -9,7 +9,8 @@ Storage layout (keys)::
     versions/<version>/<shard>        shard files (a Hugging Face style checkpoint dir)
     uploads/<id>/upload.json          an open upload: version, creation time
     uploads/<id>/shards/<shard>.json  a declared shard: size, sha256, complete
-    uploads/<id>/parts/<shard>/<offset:020d>  bytes received so far, one object per chunk
+    uploads/<id>/parts/<shard>/<offset:020d>  bytes received so far (StorageBackend.stage: one
+                                      object per chunk, or one file appended in place)
     pins/<version>/<owner>            who keeps the version from deletion
 
 Rules: shards are written (and verified) before the manifest and the manifest
@@ -235,9 +236,10 @@ class GcResult:
 class ShardWriter:
     """Receives one shard's chunks for an upload (from :meth:`VersionStore.shard_writer`).
 
-    Each chunk is verified and stored as it arrives, so a broken stream
-    resumes at :attr:`received`. When the last byte arrives the shard is
-    assembled, checked against its declared sha256 and marked complete.
+    Each chunk is verified against its own sha256, staged in place (the backend appends it where it
+    can) and fed to the shard's running sha256 as it arrives, so a broken stream resumes at
+    :attr:`received` and no byte is read back or written twice. When the last byte arrives the
+    running hash is checked against the declared sha256 and the staged bytes become the shard.
     """
 
     def __init__(self, store: "VersionStore", upload_id: str, version: str, decl: ShardStatus) -> None:
@@ -245,35 +247,49 @@ class ShardWriter:
         self._upload_id = upload_id
         self._version = version
         self._decl = decl
+        self._prefix = store._parts_prefix(upload_id, decl.name)
         self.received = decl.received
         self.complete = decl.complete
+        self._sha256 = hashlib.sha256()
+        if self.received and not self.complete:
+            # A resumed upload: the bytes staged before it, hashed once.
+            for piece in store._backend.iter_staged(self._prefix):
+                self._sha256.update(piece)
 
     def status(self) -> ShardStatus:
         """Where this shard stands now."""
         return dataclasses.replace(self._decl, received=self.received, complete=self.complete)
 
     def write(self, chunk: Chunk) -> None:
-        """Verify and store the next chunk; finishes the shard on its last byte."""
+        """Verify and stage the next chunk; finishes the shard on its last byte."""
         if self.complete:
             raise FailedPrecondition(f"shard {self._decl.name} is already complete")
         verify_chunk(chunk, self.received, self._decl.size)
         if chunk.data:
-            self._store._backend.put_bytes(self._store._part_key(self._upload_id, self._decl.name, chunk.offset),
-                                           chunk.data)
+            try:
+                self._store._backend.stage(self._prefix, chunk.offset, chunk.data)
+            except ValueError as err:
+                # Another stream of the same shard moved it meanwhile: this one starts again from GetUpload.
+                raise FailedPrecondition(f"shard {self._decl.name}: {err}; ask GetUpload where it stands") from None
+            self._sha256.update(chunk.data)
             self.received = chunk.end
         if self.received == self._decl.size:
             self._finish()
 
     def _finish(self) -> None:
-        be = self._store._backend
-        prefix = self._store._parts_prefix(self._upload_id, self._decl.name)
-        parts = be.list(prefix)
-
-        def pieces() -> Iterator[bytes]:
-            for part in parts:
-                yield from be.iter_read(part.key)
-        self._store._store_verified(self._upload_id, self._version, self._decl, pieces())
-        be.delete_prefix(prefix)
+        store, decl = self._store, self._decl
+        key = store._shard_key(self._version, decl.name)
+        got = self._sha256.hexdigest()
+        if got != decl.sha256:
+            store._reset_shard(self._upload_id, key, decl.name)
+            raise DataLoss(f"shard {decl.name}: received bytes hash to {got}, declared {decl.sha256}; "
+                           "the shard was reset, upload it again from offset 0")
+        try:
+            store._backend.commit_staged(self._prefix, key, decl.size)
+        except ValueError as err:
+            store._reset_shard(self._upload_id, key, decl.name)
+            raise DataLoss(f"shard {decl.name}: {err}; the shard was reset, upload it again from offset 0") from None
+        store._write_decl(self._upload_id, dataclasses.replace(decl, received=decl.size, complete=True))
         self.complete = True
 
 
@@ -507,22 +523,14 @@ class VersionStore:
                 out.append((parts[1], version, created))
         return out
 
-    def _received(self, upload_id: str, name: str) -> int:
-        end = 0
-        for part in self._backend.list(self._parts_prefix(upload_id, name)):
-            offset = int(part.key.rsplit("/", 1)[1])
-            if offset != end:
-                break  # only a contiguous run from 0 counts
-            end += part.size
-        return end
-
     def _declared(self, upload_id: str) -> dict[str, ShardStatus]:
         prefix = f"uploads/{upload_id}/shards/"
         out = {}
         for obj in self._backend.list(prefix):
             d = json.loads(self._backend.read_bytes(obj.key))
             name = obj.key[len(prefix):-len(".json")]
-            received = d["size"] if d["complete"] else self._received(upload_id, name)
+            received = d["size"] if d["complete"] else self._backend.staged_size(self._parts_prefix(upload_id,
+                                                                                                     name))
             out[name] = ShardStatus(name, d["size"], d["sha256"], received, d["complete"])
         return out
 

@@ -23,7 +23,9 @@ torch.equal of the two trainers' forward_logprobs after the last step. The fleet
 each version (the rest of an RL step's sync_s) is not in this bench: the job events carry it.
 
 With --job PATH (issue 37's targets) it instead runs a whole RL job twice on the same weights and
-seeds, and writes the per-step breakdown to PATH:
+seeds, and writes the per-step breakdown to PATH (rewritten after every step of either half, so a
+time limit still leaves the figures so far; --half-time caps each half's steps, 90 s by default,
+and the in-process half runs as many steps as the services did):
 
     python tools/bench/bench_rl_step.py --job docs/bench/bench-rl-job-cuda-sm90.json --device cuda \
         --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20
@@ -32,13 +34,17 @@ seeds, and writes the per-step breakdown to PATH:
   scheduler; the replica's engine sized by --num-blocks/--max-num-seqs/--max-num-batched-tokens),
   then `zerokl jobs submit rl`'s RLJobSpec through the Jobs API; each step's event gives
   rollout_s, train_s, sync_s (optimizer step's end -> the replica serving the new version, in
-  place from the trainer's memory), record_wait_s, sync_bytes, tokens, KL, mismatched tokens;
+  place from the trainer's memory), record_wait_s and record_lag (the store's background records:
+  weights only, the trainer state every --checkpoint-every steps), sync_bytes, tokens, KL,
+  mismatched tokens;
 - in process: the same RL loop (`run_rl`) on the same first version (the fleet's version 1 read
   back from its store) with the experiment's in-process ports (one Engine of the same size,
   reloaded in place; the Trainer), the same RLConfig and seeds.
 
-Summary (steps after the first, which compiles): the service step (rollout + train + sync +
-record wait) over the in-process rollout + train (target <= 1.25), train tok/s service / in
+Printed at the end: a per-step table (the service's rollout_s, train_s, sync_s, record wait, record
+lag, checkpoint, KL, mismatched tokens; the in-process rollout_s, train_s, KL, mismatched tokens)
+and the summary (steps after the first, which compiles, that both halves ran): the service step
+(rollout + train + sync + record wait) over the in-process rollout + train (target <= 1.25), train tok/s service / in
 process (>= 0.8), sync_s's share of the service step (<= 5%) with bytes and GB/s, and KL == 0.0
 with 0 mismatched tokens at every step; also whether the two runs took the same trajectory
 (equal loss, reward and tokens each step: the same numbers on the same device).
@@ -52,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import os
@@ -64,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 import torch
 
@@ -243,8 +251,10 @@ def _rl_config(args: argparse.Namespace):  # noqa: ANN202
                     max_tokens=args.max_tokens, seed=args.seed, eval_every=0)
 
 
-async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[dict]:
-    """The RL job through `zerokl up`: its per-step events."""
+async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
+                       on_step: Callable[[list[dict]], None]) -> list[dict]:
+    """The RL job through `zerokl up`: its per-step events (``on_step`` after each). Past --half-time seconds
+    the job is cancelled at its next step boundary (the steps so far are the result)."""
     from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     engine = [f"--replica-flag=--num-blocks={args.num_blocks}", f"--replica-flag=--max-num-seqs={args.max_num_seqs}",
@@ -256,13 +266,16 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[
     with (workdir / "up.log").open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        t_up = time.monotonic()
         services = _wait_up(workdir, proc, args.up_timeout)
+        print(f"services: the fleet is up after {time.monotonic() - t_up:.1f} s", flush=True)
         c = _rl_config(args)
         spec = RLJobSpec(steps=c.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=c.prompts_per_step,
-                         group_size=c.group_size, max_tokens=c.max_tokens, seed=c.seed, eval_every=0)
+                         group_size=c.group_size, max_tokens=c.max_tokens, seed=c.seed, eval_every=0,
+                         checkpoint_every=args.checkpoint_every)
         async with JobsClient(services["scheduler"]["address"]) as jobs:
             job = await jobs.submit(spec, "bench-rl-job")
-            rows = []
+            started, cancelled, rows = time.monotonic(), False, []
             async for ev in jobs.watch(job.job_id):
                 if ev.step is not None:
                     rows.append({"step": ev.step, "weights_version": ev.weights_version, **ev.metrics})
@@ -270,10 +283,20 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[
                     print(f"service step {ev.step}: rollout {m['rollout_s']:.2f} s train {m['train_s']:.2f} s "
                           f"sync {m['sync_s']:.3f} s (export {m.get('sync_export_s', 0):.3f} s, switch "
                           f"{m.get('sync_switch_s', 0):.3f} s; {m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
-                          f"{m.get('record_wait_s', 0):.3f} s | {m['tokens']:.0f} tokens kl {m['kl']} mismatched "
-                          f"{m['mismatched_tokens']:.0f}", flush=True)
+                          f"{m.get('record_wait_s', 0):.3f} s lag {m.get('record_lag', 0):.0f}"
+                          f"{' checkpoint' if m.get('checkpoint') else ''} | {m['tokens']:.0f} tokens kl {m['kl']} "
+                          f"mismatched {m['mismatched_tokens']:.0f}", flush=True)
+                    on_step(rows)
+                    if args.half_time and time.monotonic() - started > args.half_time and not cancelled:
+                        print(f"services: past --half-time {args.half_time:g} s; cancelling the job after step "
+                              f"{ev.step}", flush=True)
+                        await jobs.cancel(job.job_id)
+                        cancelled = True
                 elif ev.status.state.done:
-                    if ev.status.state is not JobState.SUCCEEDED:
+                    if ev.status.state is JobState.SUCCEEDED or cancelled and ev.status.state is JobState.CANCELLED:
+                        print(f"services: the job {ev.status.state.value} after {time.monotonic() - started:.1f} s "
+                              "(the last versions' records included)", flush=True)
+                    else:
                         raise SystemExit(f"the job ended {ev.status.state.value}: {ev.status.error}")
         return rows
     finally:
@@ -285,8 +308,14 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path) -> list[
             proc.wait()
 
 
-def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path) -> list[dict]:
-    """The same job in this process: run_rl with the experiment's in-process ports on the fleet's first version."""
+class _HalfTime(Exception):
+    """The in-process half ran past --half-time: stop after this step."""
+
+
+def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps: int,
+                    on_step: Callable[[list[dict]], None]) -> list[dict]:
+    """The same job in this process (``steps`` of it): run_rl with the experiment's in-process ports on the
+    fleet's first version; ``on_step`` after each step; stops past --half-time."""
     from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.jobs.manager import CountdownTask, _countdown_data
@@ -302,37 +331,56 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path) -> li
     port = ArmTrainerPort(trainer, "bench")
     engine = ArmEnginePort(port, tok, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                                                    max_num_batched_tokens=args.max_num_batched_tokens))
-    rows = []
+    rows, started = [], time.monotonic()
 
-    def on_step(r) -> None:  # noqa: ANN001
+    def step_done(r) -> None:  # noqa: ANN001
         rows.append(as_dict(r))
         print(f"in-process step {r.step}: rollout {r.rollout_s:.2f} s train {r.train_s:.2f} s publish "
               f"{r.sync_s:.3f} s | {r.tokens} tokens kl {r.kl} mismatched {r.mismatched_tokens}", flush=True)
+        on_step(rows)
+        if args.half_time and time.monotonic() - started > args.half_time and r.step < steps:
+            raise _HalfTime()
 
-    run_rl(task, engine, port, _rl_config(args), on_step)
+    try:
+        run_rl(task, engine, port, dataclasses.replace(_rl_config(args), steps=steps), step_done)
+    except _HalfTime:
+        print(f"in process: past --half-time {args.half_time:g} s; stopped after step {len(rows)}", flush=True)
     return rows
 
 
+_KEYS = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "record_lag",
+         "checkpoint", "sync_bytes", "tokens", "kl", "mismatched_tokens", "loss", "reward")
+
+
 def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dict]) -> dict:
-    warm_s, warm_l = service[1:] or service, local[1:] or local
-    service_step = sum(r["rollout_s"] + r["train_s"] + r["sync_s"] + r.get("record_wait_s", 0.0) for r in warm_s)
-    local_step = sum(r["rollout_s"] + r["train_s"] for r in warm_l)
-    service_tps = sum(r["tokens"] for r in warm_s) / sum(r["train_s"] for r in warm_s)
-    local_tps = sum(r["tokens"] for r in warm_l) / sum(r["train_s"] for r in warm_l)
-    sync = sum(r["sync_s"] for r in warm_s)
-    moved = sum(r.get("sync_bytes", 0.0) for r in warm_s)
-    keys = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "sync_bytes",
-            "tokens", "kl", "mismatched_tokens", "loss", "reward")
+    """The JSON of a --job run so far (either half may be partial or empty): targets over the steps after
+    the first (which compiles) that both halves ran."""
     result = {
         "date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
         "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+        "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
         "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens},
-        "service_steps": [{k: r.get(k) for k in ("step", *keys)} for r in service],
-        "in_process_steps": [{k: r.get(k) for k in ("step", *keys)} for r in local],
+        "service_steps": [{k: r.get(k) for k in ("step", *_KEYS)} for r in service],
+        "in_process_steps": [{k: r.get(k) for k in ("step", *_KEYS)} for r in local],
+        "kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in service),
+        "in_process_kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in local),
+    }
+    n = min(len(service), len(local))
+    warm_s, warm_l = service[1:n] or service[:n], local[1:n] or local[:n]
+    if not warm_s:
+        return result
+    service_step = sum(r["rollout_s"] + r["train_s"] + r["sync_s"] + (r.get("record_wait_s") or 0.0) for r in warm_s)
+    local_step = sum(r["rollout_s"] + r["train_s"] for r in warm_l)
+    service_tps = sum(r["tokens"] for r in warm_s) / sum(r["train_s"] for r in warm_s)
+    local_tps = sum(r["tokens"] for r in warm_l) / sum(r["train_s"] for r in warm_l)
+    sync = sum(r["sync_s"] for r in warm_s)
+    moved = sum(r.get("sync_bytes") or 0.0 for r in warm_s)
+    result |= {
+        "compared_steps": [r["step"] for r in warm_s],
         # Target 1 (<= 1.25): the service's whole step over the in-process rollout + train.
         "step_ratio": (service_step / len(warm_s)) / (local_step / len(warm_l)),
         # Target 2 (>= 0.8): training tok/s, service over in process.
@@ -341,31 +389,69 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         # Target 3 (<= 0.05): sync_s's share of the service step; what moved and how fast.
         "sync_share_of_step": sync / service_step, "sync_mean_s": sync / len(warm_s),
         "sync_mean_bytes": moved / len(warm_s), "sync_bytes_per_s": moved / max(sync, 1e-9),
-        # Target 4: KL == 0.0 and 0 mismatched tokens at every step.
-        "kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in service),
-        "in_process_kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in local),
-        "same_trajectory": [(r["loss"], r["reward"], r["tokens"]) for r in service]
-        == [(r["loss"], r["reward"], r["tokens"]) for r in local],
+        "record_wait_share_of_step": sum(r.get("record_wait_s") or 0.0 for r in warm_s) / service_step,
+        "same_trajectory": [(r["loss"], r["reward"], r["tokens"]) for r in service[:n]]
+        == [(r["loss"], r["reward"], r["tokens"]) for r in local[:n]],
     }
-    print(f"steps 2..{len(service)}: service step / in-process (rollout + train) {result['step_ratio']:.3f} "
-          f"(target <= 1.25); train tok/s service {service_tps:.0f} / in process {local_tps:.0f} = "
+    return result
+
+
+def print_job_table(result: dict) -> None:
+    """Per step: the service's rollout_s, train_s, sync_s, record wait and lag, KL and mismatched tokens, beside
+    the in-process rollout_s and train_s; then the targets."""
+    local = {r["step"]: r for r in result["in_process_steps"]}
+    print("step | service rollout_s train_s sync_s record_wait_s lag ckpt kl mismatched | in process rollout_s "
+          "train_s kl mismatched")
+    for r in result["service_steps"]:
+        l = local.get(r["step"])
+        there = (f"{l['rollout_s']:.3f} {l['train_s']:.3f} {l['kl']} {l['mismatched_tokens']}" if l else "-")
+        print(f"{r['step']:>4} | {r['rollout_s']:.3f} {r['train_s']:.3f} {r['sync_s']:.3f} "
+              f"{r['record_wait_s'] or 0.0:.3f} {r['record_lag'] or 0:.0f} {'yes' if r['checkpoint'] else 'no'} "
+              f"{r['kl']} {r['mismatched_tokens']:.0f} | {there}")
+    if "step_ratio" not in result:
+        print("no step ran in both halves: no ratios")
+        return
+    print(f"steps {result['compared_steps'][0]}..{result['compared_steps'][-1]}: service step / in-process "
+          f"(rollout + train) {result['step_ratio']:.3f} (target <= 1.25); train tok/s service "
+          f"{result['service_train_tokens_per_s']:.0f} / in process {result['in_process_train_tokens_per_s']:.0f} = "
           f"{result['train_tokens_per_s_ratio']:.3f} (>= 0.8); sync {100 * result['sync_share_of_step']:.2f}% of the "
           f"step (<= 5%), {result['sync_mean_bytes'] / 1e6:.0f} MB at {result['sync_bytes_per_s'] / 1e9:.2f} GB/s; "
-          f"KL 0.0 every step: {result['kl_all_zero']}; same trajectory: {result['same_trajectory']}")
-    return result
+          f"record wait {100 * result['record_wait_share_of_step']:.2f}% of the step; KL 0.0 every step: "
+          f"{result['kl_all_zero']} (in process {result['in_process_kl_all_zero']}); same trajectory: "
+          f"{result['same_trajectory']}")
 
 
 def job_main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-job-") as tmp:
-        workdir = pathlib.Path(tmp) / "up"
-        service = asyncio.run(_service_job(args, workdir))
-        local = _in_process_job(args, workdir / "weights" / "versions" / "1")
-    result = summarize_job(args, service, local)
     out = pathlib.Path(args.job)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    halves: dict[str, list[dict]] = {"service": [], "local": []}
+
+    def write() -> dict:
+        # After every step of either half: a time limit that stops the bench still leaves its figures.
+        result = summarize_job(args, halves["service"], halves["local"])
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(out)
+        return result
+
+    def progress(half: str) -> Callable[[list[dict]], None]:
+        def update(rows: list[dict]) -> None:
+            halves[half] = list(rows)
+            write()
+        return update
+
+    with tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-job-") as tmp:
+        workdir = pathlib.Path(tmp) / "up"
+        halves["service"] = asyncio.run(_service_job(args, workdir, progress("service")))
+        t0 = time.monotonic()
+        halves["local"] = _in_process_job(args, workdir / "weights" / "versions" / "1",
+                                          len(halves["service"]) or args.steps, progress("local"))
+        print(f"in process: {len(halves['local'])} steps in {time.monotonic() - t0:.1f} s (the model's load "
+              "included)", flush=True)
+    result = write()
+    print_job_table(result)
     print(f"wrote {out}")
 
 
@@ -401,6 +487,13 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=512, help="--job: running samples at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--job: an engine step's token budget")
     p.add_argument("--up-timeout", type=float, default=600.0, help="--job: seconds for the fleet to come up")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="--job: the RL job records the trainer state every N steps and at the last (default "
+                        "%(default)s)")
+    p.add_argument("--half-time", type=float, default=90.0,
+                   help="--job: seconds each half's steps may take (the fleet's start and the model's load aside); "
+                        "past them the half stops after its current step, and the in-process half runs as many "
+                        "steps as the services did (0: no cap; default %(default)s)")
     args = p.parse_args()
     if args.job:
         job_main(args)

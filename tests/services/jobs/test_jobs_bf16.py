@@ -9,6 +9,7 @@ went (rollout_s, train_s, sync_s) and how many bytes moved. The GPU tier runs th
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import urllib.request
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.manager import RECORD_LAG, CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,6 +68,11 @@ def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zero
         # And the store recorded every one of them (resume and audit).
         versions = {ev.weights_version for ev in events}
         assert versions <= {p.name for p in (workdir / "weights" / "versions").iterdir()}
+        # The trainer state (a resume point) only with the job's last step (checkpoint_every 10 > 3 steps).
+        states = [json.loads((workdir / "weights" / "manifests" / f"{ev.weights_version}.json").read_text())
+                  ["metadata"]["zerokl.trainer_state"] for ev in events]
+        assert states == ["none", "none", "full"] and [ev.metrics["checkpoint"] for ev in events] == [0.0, 0.0, 1.0]
+        assert all(0 <= ev.metrics["record_lag"] <= RECORD_LAG for ev in events)
         good = events[-1].weights_version
 
         # A version shared in place that fails its canary: the job fails by name, the trainer is rolled

@@ -4,6 +4,10 @@
   the scheduler serves again within seconds: no mixed fleet left for a person to mend.
 * A decode replica killed mid-RL-job is waited for like a trainer restart: the job
   succeeds, every step once, KL == 0.0 at each.
+* A trainer killed mid-RL-job, after steps whose versions were recorded weights only (or not
+  yet), resumes from the job's newest recorded checkpoint; the job redoes the steps since it
+  from the rollouts it kept, and ends bit for bit where an uninterrupted run ends (torch.equal
+  with the same job in process), KL == 0.0 at every step.
 * A job that fails between SaveWeights and the fleet switch (its decode replica cannot
   come back in time) leaves no version behind: the store ends at the served version
   and the next job, of other contents at the same step, publishes.
@@ -18,6 +22,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
@@ -104,6 +109,66 @@ def test_a_decode_replica_killed_mid_rl_job_is_waited_for_and_kl_stays_zero(flee
             assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0 for ev in steps)
             assert _service(workdir, "decode-0")["restarts"] >= 1
     asyncio.run(main())
+
+
+def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_for_bit(fleet, tmp_path) -> None:  # noqa: ANN001
+    from zerokl.kernels.model.checkpoint import load_pretrained
+    from zerokl.services.engine.types import EngineConfig
+    from zerokl.services.jobs.manager import _countdown_data
+    from zerokl.services.rl.loop import RLConfig, Task, run_rl
+    from zerokl.services.trainer.checkpointing import META_STATE, read_checkpoint
+    from zerokl.services.trainer.trainer import TrainConfig
+    from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
+    from zerokl.tasks.countdown import reward
+    from zerokl.tasks.setup import encode_prompt
+
+    workdir, services = fleet
+    task = CountdownTask(train_problems=100, test_problems=4)
+    # A checkpoint at step 3 (the last); steps 1-2 are recorded weights only. The trainer dies once step 2
+    # is served: it resumes from the job's first version and the job redoes steps 1-2.
+    spec = RLJobSpec(steps=3, countdown=task, prompts_per_step=2, group_size=4, max_tokens=10, seed=7, eval_every=0,
+                     checkpoint_every=3)
+    restarts = _service(workdir, "trainer")["restarts"]
+
+    async def job() -> tuple[list, dict]:
+        async with JobsClient(services["scheduler"]["address"]) as jobs, \
+                WeightStoreClient(services["weight-store"]["address"]) as store:
+            submitted = await jobs.submit(spec, "rl-trainer-restart")
+            events, killed = [], False
+            async for ev in jobs.watch(submitted.job_id):
+                events.append(ev)
+                if ev.step == 2 and not killed:
+                    killed = bool(_kill(workdir, "trainer"))
+            manifests = {e.manifest.version: e.manifest for e in await store.list()}
+            steps = [ev for ev in events if ev.step is not None]
+            start = manifests[steps[0].weights_version].spec.parent_version
+            await store.fetch(start, tmp_path / "start")
+            await store.fetch(steps[-1].weights_version, tmp_path / "final", serving_only=True)
+            return events, manifests
+
+    events, manifests = asyncio.run(job())
+    final = events[-1].status
+    assert final.state is JobState.SUCCEEDED, final.error
+    assert _service(workdir, "trainer")["restarts"] > restarts
+    steps = [ev for ev in events if ev.step is not None]
+    assert [ev.step for ev in steps] == [1, 2, 3]
+    assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0 for ev in steps)
+    # Every version is in the store; the trainer state only at the checkpoints.
+    assert [manifests[ev.weights_version].spec.metadata[META_STATE] for ev in steps] == ["none", "none", "full"]
+
+    # The same job uninterrupted, in process, from the same first version (its trainer state restored).
+    trainer = read_checkpoint(tmp_path / "start", restore_state=True, config=TrainConfig()).trainer
+    train, test, tok = _countdown_data(task)
+    port = ArmTrainerPort(trainer, "reference")
+    config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
+                      max_tokens=spec.max_tokens, seed=spec.seed, eval_every=0)
+    records = run_rl(Task(train, test, lambda p: encode_prompt(p, tok), reward), ArmEnginePort(port, tok, EngineConfig()),
+                     port, config)
+    for ev, rec in zip(steps, records, strict=True):
+        assert (ev.metrics["loss"], ev.metrics["grad_norm"], ev.metrics["reward"], ev.metrics["tokens"]) == \
+            (rec.loss, rec.grad_norm, rec.reward, rec.tokens), ev.step
+    served, want = load_pretrained(tmp_path / "final").state_dict(), trainer.serving_state_dict()
+    assert served.keys() == want.keys() and all(torch.equal(served[k], want[k]) for k in want)
 
 
 def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_job_runs(tmp_path, zerokl_up) -> None:
