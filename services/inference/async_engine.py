@@ -78,6 +78,7 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.runtime.metrics import LatencyTracker
+from zerokl.services.runtime.server import freeze_startup_heap
 
 __all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "StepOutputs", "collect", "merge_outputs"]
 
@@ -632,6 +633,9 @@ def _child_main(conn: Any, parent_pid: int, threads: int | None) -> None:
 
     core = _Core(engine, emit, weights_version)
     conn.send_bytes(_dumps(("ready", info)))
+    # The model, torch and the library live as long as this process: a full collection pass over them
+    # would stall a step (see freeze_startup_heap).
+    freeze_startup_heap()
 
     def read() -> None:
         try:

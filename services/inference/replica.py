@@ -76,11 +76,13 @@ class Replica:
 
     def check_pins(self, r: InferenceRequest) -> None:
         """FAILED_PRECONDITION when the request is pinned to weights or numerics this replica lacks."""
+        if not r.weights_version and not r.numerics_fingerprint:
+            return
         violations = [
             PreconditionViolation(kind, want, f"pinned {kind.lower()} {want!r}, this replica serves {have!r}")
-            for kind, want, have in (("WEIGHTS_VERSION", r.weights_version, self.identity.weights_version),
+            for kind, want, have in (("WEIGHTS_VERSION", r.weights_version, self.engine.weights_version),
                                      ("NUMERICS_FINGERPRINT", r.numerics_fingerprint,
-                                      self.identity.numerics_fingerprint))
+                                      self._identity.numerics_fingerprint))
             if want and want != have]
         if violations:
             raise FailedPrecondition("; ".join(v.description for v in violations),
