@@ -9,10 +9,10 @@ Two halves, as vLLM's EngineCore / AsyncLLM split:
   step and sleeps while there is no work. What it has to say after one pass of its loop (admissions,
   every request's outputs of the step, swap results, fitness, gauges) leaves as ONE list of events;
 - the **front** (:class:`AsyncEngine`) lives on the event loop: it turns those events into
-  :class:`RequestStream` deliveries (one wake-up of the loop per step, and of a stream's consumer
-  only when the stream has what it waits for), resolves the
-  futures of submits and swaps, tells fitness callbacks and keeps the ``zerokl_`` serving metrics
-  (TTFT, inter-token and end-to-end latency, running/waiting, KV usage, token totals).
+  :class:`RequestStream` deliveries (one wake-up of the loop per step, and of a stream's consumer only
+  when the stream has what it waits for), resolves the futures of submits and swaps, tells fitness
+  callbacks and keeps the ``zerokl_`` serving metrics (TTFT, inter-token and end-to-end latency,
+  running/waiting, KV usage, token totals).
 
 Where the core runs (:meth:`AsyncEngine.__init__` vs :meth:`AsyncEngine.spawn`):
 
