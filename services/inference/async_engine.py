@@ -9,9 +9,10 @@ Two halves, as vLLM's EngineCore / AsyncLLM split:
   step and sleeps while there is no work. What it has to say after one pass of its loop (admissions,
   every request's outputs of the step, swap results, fitness, gauges) leaves as ONE list of events;
 - the **front** (:class:`AsyncEngine`) lives on the event loop: it turns those events into
-  :class:`RequestStream` deliveries (one wake-up of the loop per step, not per request), resolves the
-  futures of submits and swaps, tells fitness callbacks and keeps the ``zerokl_`` serving metrics
-  (TTFT, inter-token and end-to-end latency, running/waiting, KV usage, token totals).
+  :class:`RequestStream` deliveries (one wake-up of the loop per step, and of a stream's consumer only
+  when the stream has what it waits for), resolves the futures of submits and swaps, tells fitness
+  callbacks and keeps the ``zerokl_`` serving metrics (TTFT, inter-token and end-to-end latency,
+  running/waiting, KV usage, token totals).
 
 Where the core runs (:meth:`AsyncEngine.__init__` vs :meth:`AsyncEngine.spawn`):
 
@@ -19,8 +20,8 @@ Where the core runs (:meth:`AsyncEngine.__init__` vs :meth:`AsyncEngine.spawn`):
   message's protobuf work share one interpreter lock. Tests that build or break an in-memory engine use
   it, as does a tensor-parallel replica (its rank 0 runs collectives with followers this process started);
 - **in its own process** (spawned; it builds the engine from a picklable factory and owns the device):
-  the events of a pass go back over a pipe as one message, a step's outputs packed as columns
-  (:func:`pack_outputs`: flat token / logprob arrays, not objects per token), commands go in over the
+  the events of a pass go back over a pipe as one message, its outputs as columns
+  (:class:`StepOutputs`: flat token / logprob lists, no object per output), commands go in over the
   same pipe. Tensors crossing (weights of a swap, a prefill replica's exported KV, a handed-over KV)
   are pickled by torch's ForkingPickler: shared memory (CPU) or CUDA IPC, not copies through the pipe.
   The child dies with its parent (PR_SET_PDEATHSIG, and an end of the pipe stops it); its death ends
@@ -44,7 +45,6 @@ never stamped with weights that did not compute it.
 """
 from __future__ import annotations
 
-import array
 import asyncio
 import copy
 import ctypes
@@ -78,12 +78,13 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.runtime.metrics import LatencyTracker
+from zerokl.services.runtime.server import freeze_startup_heap
 
-__all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "collect", "pack_outputs", "unpack_outputs"]
+__all__ = ["AsyncEngine", "EngineInfo", "engine_of", "RequestStream", "StepOutputs", "collect", "merge_outputs"]
 
 log = logging.getLogger(__name__)
 
-_END = object()  # a stream's last item: the request is done
+_END = object()  # how a stream ends when the request is done (else: the error it ended with)
 _PROBE_INTERVAL_S = 1.0  # how often a failed device is probed
 _SPAWN_TIMEOUT_S = 600.0  # building the engine in the child (model load, device init) may take this long
 _STOP_GRACE_S = 10.0     # a child whose parent went away gets this long to end its step before it exits
@@ -127,53 +128,117 @@ class EngineInfo:
                           engine.config.num_blocks, str(device), isinstance(engine, LockstepEngine), **extra)
 
 
-# ---------------------------------------------------------------------------- output packing
+# ---------------------------------------------------------------------------- a pass's outputs
 
-def pack_outputs(outputs: list[SampleOutput]) -> tuple:
-    """A step's outputs as columns, for one pipe message: ``(index, ntok, tokens, logprobs, finished,
-    reasons, prompt, cached, texts, extras)``.
+class StepOutputs:
+    """What one pass of the engine core delivers to the streams, as columns: one object per pass (one
+    pickle through the pipe), no object per output or per token.
 
-    ``tokens`` [sum ntok] int64 and ``logprobs`` [sum ntok] float64 hold every output's new tokens in
-    order (a logprob is a Python float: float64 holds it exactly); ``index`` / ``ntok`` / ``prompt`` /
-    ``cached`` are int64 [outputs], ``finished`` bytes [outputs]; ``reasons`` and ``texts`` lists
-    (``texts`` None when every text is empty); ``extras`` maps an output's position to its rare fields
-    (prompt logprobs, KV handoff, error). The request id is not packed: the receiver knows each
-    delivery's stream.
+    Output ``i`` of the pass belongs to the stream ``keys[i]`` (a stream's key, unique per submit) and is
+    sample ``index[i]``'s next ``ntok[i]`` tokens: ``tokens[starts[i]:starts[i + 1]]`` and the same span of
+    ``logprobs`` (Python floats: exact). Every column but ``tokens`` / ``logprobs`` is [outputs];
+    ``texts`` is None when every text is empty; ``reasons`` holds the finished outputs' finish reasons
+    (finished == a reason is there) and ``extras`` the rare fields ``(prompt_logprobs, handoff, error)``,
+    both by output. ``ends``: ``(key, True | error)`` of the streams that end after this pass's outputs.
+    ``starts`` is computed by the receiver (:meth:`index_tokens`), not sent.
     """
-    index, ntok, prompt, cached = array.array("q"), array.array("q"), array.array("q"), array.array("q")
-    tokens, logprobs = array.array("q"), array.array("d")
-    finished = bytearray()
-    reasons: list[str | None] = []
-    texts: list[str] = []
-    extras: dict[int, tuple] = {}
-    for i, out in enumerate(outputs):
-        index.append(out.index)
-        ntok.append(len(out.token_ids))
-        tokens.extend(out.token_ids)
-        logprobs.extend(out.logprobs)
-        finished.append(out.finished)
-        reasons.append(out.finish_reason)
-        prompt.append(out.num_prompt_tokens)
-        cached.append(out.num_cached_tokens)
-        texts.append(out.text)
+
+    __slots__ = ("keys", "index", "ntok", "tokens", "logprobs", "prompt", "cached", "texts", "reasons", "extras",
+                 "ends", "starts")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.index: list[int] = []
+        self.ntok: list[int] = []
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.prompt: list[int] = []
+        self.cached: list[int] = []
+        self.texts: list[str] | None = []
+        self.reasons: dict[int, str] = {}
+        self.extras: dict[int, tuple] = {}
+        self.ends: list[tuple[int, Any]] = []
+        self.starts: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.keys or self.ends)
+
+    def __getstate__(self) -> tuple:
+        texts = self.texts if self.texts is not None and any(self.texts) else None
+        return (self.keys, self.index, self.ntok, self.tokens, self.logprobs, self.prompt, self.cached, texts,
+                self.reasons, self.extras, self.ends)
+
+    def __setstate__(self, state: tuple) -> None:
+        (self.keys, self.index, self.ntok, self.tokens, self.logprobs, self.prompt, self.cached, self.texts,
+         self.reasons, self.extras, self.ends) = state
+        self.starts = []
+
+    def add(self, key: int, out: SampleOutput) -> None:
+        """Append one engine output of the stream ``key`` (the core)."""
+        i = len(self.keys)
+        self.keys.append(key)
+        self.index.append(out.index)
+        self.ntok.append(len(out.token_ids))
+        self.tokens += out.token_ids
+        self.logprobs += out.logprobs
+        self.prompt.append(out.num_prompt_tokens)
+        self.cached.append(out.num_cached_tokens)
+        self.texts.append(out.text)  # type: ignore[union-attr]
+        if out.finished:
+            self.reasons[i] = out.finish_reason
         if out.prompt_logprobs is not None or out.handoff is not None or out.error is not None:
-            extras[i] = (out.prompt_logprobs, out.handoff, out.error)
-    return (index, ntok, tokens, logprobs, bytes(finished), reasons, prompt, cached,
-            texts if any(texts) else None, extras)
+            self.extras[i] = (out.prompt_logprobs, out.handoff, out.error)
+
+    def end(self, key: int, what: Any = True) -> None:
+        """The stream ``key`` ends after this pass's outputs: done (True) or with the error ``what`` (the core)."""
+        self.ends.append((key, what))
+
+    def index_tokens(self) -> None:
+        """Compute ``starts`` (the receiver, once)."""
+        self.starts = list(itertools.accumulate(self.ntok, initial=0))
+
+    def output(self, i: int, request_id: str) -> SampleOutput:
+        """Output ``i`` as the engine produced it (``index_tokens`` first)."""
+        a, b = self.starts[i], self.starts[i + 1]
+        plp, handoff, error = self.extras.get(i, (None, None, None))
+        reason = self.reasons.get(i)
+        return SampleOutput(request_id, self.index[i], self.tokens[a:b], self.logprobs[a:b], reason is not None,
+                            reason, plp, self.prompt[i], self.cached[i],
+                            self.texts[i] if self.texts is not None else "", handoff, error)
 
 
-def unpack_outputs(request_id: str, packed: tuple) -> list[SampleOutput]:
-    """The outputs :func:`pack_outputs` packed, as they were (``request_id`` on each)."""
-    index, ntok, tokens, logprobs, finished, reasons, prompt, cached, texts, extras = packed
-    outputs: list[SampleOutput] = []
-    at = 0
-    for i in range(len(index)):
-        n = ntok[i]
-        plp, handoff, error = extras.get(i, (None, None, None))
-        outputs.append(SampleOutput(request_id, index[i], tokens[at:at + n].tolist(), logprobs[at:at + n].tolist(),
-                                    bool(finished[i]), reasons[i], plp, prompt[i], cached[i],
-                                    texts[i] if texts is not None else "", handoff, error))
-        at += n
+def merge_outputs(pieces: list[tuple[StepOutputs, int]], request_id: str) -> list[SampleOutput]:
+    """The outputs ``pieces`` (one stream's, in arrival order) name, each sample's merged into one.
+
+    A sample's merged output carries its tokens, logprobs and text in order, the first part's prompt
+    logprobs and the last part's finish, counts, KV handoff and error (a sample has nothing after its
+    finished output, so no part follows a finish). Samples keep the order in which they first appear.
+    What a stream that fell behind, or waits for ``every`` outputs (:meth:`RequestStream.batches`),
+    hands on: a client folds a request's outputs per sample, so the bits are the same as one output at
+    a time, in fewer, larger messages.
+    """
+    merged: dict[int, list] = {}
+    for step, i in pieces:
+        index = step.index[i]
+        a, b = step.starts[i], step.starts[i + 1]
+        m = merged.get(index)
+        if m is None:
+            # [tokens, logprobs, texts, first piece, last piece]
+            merged[index] = [step.tokens[a:b], step.logprobs[a:b], [step.texts[i]] if step.texts else [],
+                             (step, i), (step, i)]
+        else:
+            m[0] += step.tokens[a:b]
+            m[1] += step.logprobs[a:b]
+            if step.texts:
+                m[2].append(step.texts[i])
+            m[4] = (step, i)
+    outputs = []
+    for index, (tokens, logprobs, texts, (first, fi), (last, li)) in merged.items():
+        plp = first.extras[fi][0] if fi in first.extras else None
+        _, handoff, error = last.extras.get(li, (None, None, None))
+        reason = last.reasons.get(li)
+        outputs.append(SampleOutput(request_id, index, tokens, logprobs, reason is not None, reason, plp,
+                                    last.prompt[li], last.cached[li], "".join(texts), handoff, error))
     return outputs
 
 
@@ -195,10 +260,10 @@ class _Core:
     Commands: ``("add", key, request, pinned_version)``, ``("abort", key, request_id)``,
     ``("swap", token, state_dict, version)``, ``("call", token, fn, args)`` (``fn(engine, *args)``
     between steps), ``("version", v)`` (the version the engine holds, set by its owner), ``("stop",)``.
-    Events: ``("admit", key, error, version)``, ``("put", deliveries)`` with deliveries
-    ``[(key, outputs, end)]`` (end: None, True or the error that ends the stream), ``("done", token,
-    error, result)``, ``("version", v)`` (a swap landed), ``("fitness", reason)``, ``("stats", running, waiting, kv_usage, new_prompt_tokens,
-    new_generation_tokens)``.
+    Events: ``("admit", key, error, version)``, ``("done", token, error, result)``, ``("version", v)`` (a
+    swap landed), ``("fitness", reason)``, ``("stats", running, waiting, kv_usage, new_prompt_tokens,
+    new_generation_tokens)`` and, last, ``("step", StepOutputs)``: every stream's outputs and ends of the
+    pass, as columns.
     """
 
     def __init__(self, engine: Any, emit: Callable[[list[tuple]], None], weights_version: str = "",
@@ -208,6 +273,7 @@ class _Core:
         self.weights_version = weights_version
         self._emit = emit
         self._events: list[tuple] = []
+        self._step = StepOutputs()                      # this pass's outputs, sent with its events
         self._cond = threading.Condition()
         self._inbox: list[tuple] = []
         self._stopping = False
@@ -292,6 +358,9 @@ class _Core:
 
     def _flush(self) -> None:
         """Send what this pass has to say as one message (nothing when there is nothing)."""
+        if self._step:
+            self._events.append(("step", self._step))
+            self._step = StepOutputs()
         if self._events:
             events, self._events = self._events, []
             self._emit(events)
@@ -421,7 +490,7 @@ class _Core:
         if live is None or live.key != key:
             # Finished already, or never admitted: a second end marker is harmless and
             # releases the request id of a stream whose consumer left before admission.
-            self._events.append(("put", [(key, [], True)]))
+            self._step.end(key)
             return
         try:
             outputs = self.engine.abort(request_id)
@@ -431,54 +500,57 @@ class _Core:
         self._dispatch(outputs, aborted=request_id)
 
     def _dispatch(self, outputs: list[SampleOutput], aborted: str | None = None) -> None:
-        by_request: dict[str, list[SampleOutput]] = {}
+        """Add ``outputs`` (a step's, or an abort's) to this pass's columns; end the streams they finish.
+
+        One pass over the outputs, nothing per request: the per-request work is only for requests that
+        finish, fail or are aborted.
+        """
+        live_of, step = self._live, self._step
+        finishing: list[str] = []
+        aborting: set[str] = set() if aborted is None else {aborted}
         failed: dict[str, Internal] = {}
         for out in outputs:
-            live = self._live.get(out.request_id)
+            live = live_of.get(out.request_id)
             if live is None:
                 continue
-            if out.finish_reason == "error":
-                # The engine failed on this request alone (see Engine.step): it ends with INTERNAL.
-                failed[out.request_id] = Internal(f"the engine failed on request {out.request_id!r}: {out.error}")
-                continue
-            by_request.setdefault(out.request_id, []).append(out)
             if out.finished:
+                if out.finish_reason == "error":
+                    # The engine failed on this request alone (see Engine.step): it ends with INTERNAL.
+                    failed[out.request_id] = Internal(f"the engine failed on request {out.request_id!r}: {out.error}")
+                    continue
                 live.finished.add(out.index)
+                finishing.append(out.request_id)
+                if out.finish_reason == "abort":
+                    aborting.add(out.request_id)
+            step.add(live.key, out)
         if aborted is not None:
-            by_request.setdefault(aborted, [])
-        deliveries: list[tuple[int, list[SampleOutput], Any]] = []
+            finishing.append(aborted)
         for rid, error in failed.items():
-            live = self._live.pop(rid)
-            deliveries.append((live.key, by_request.pop(rid, []), error))
-        for rid, items in by_request.items():
-            live = self._live[rid]
-            if rid == aborted or any(o.finish_reason == "abort" for o in items):
+            step.end(live_of.pop(rid).key, error)
+        for rid in dict.fromkeys(finishing):
+            live = live_of.get(rid)
+            if live is None:
+                continue
+            if rid in aborting:
                 # The engine reports abort only for samples that existed (an n > 1 request
                 # forks its siblings after the prompt): the others end here, too.
                 for index in range(live.samples):
                     if index not in live.finished:
-                        items.append(SampleOutput(rid, index, [], [], True, "abort",
-                                                  num_prompt_tokens=len(live.request.prompt_ids)))
+                        step.add(live.key, SampleOutput(rid, index, [], [], True, "abort",
+                                                        num_prompt_tokens=len(live.request.prompt_ids)))
                         live.finished.add(index)
-            end = None
             if len(live.finished) >= live.samples:
-                del self._live[rid]
-                end = True
-            deliveries.append((live.key, items, end))
-        if deliveries:
-            self._events.append(("put", deliveries))
+                del live_of[rid]
+                step.end(live.key)
 
     def _fail_all(self, error: ServiceError) -> None:
-        deliveries = []
         for rid, live in list(self._live.items()):
             try:
                 self.engine.abort(rid)
             except Exception:
                 log.exception("abort after an engine failure")
-            deliveries.append((live.key, [], error))
+            self._step.end(live.key, error)
         self._live.clear()
-        if deliveries:
-            self._events.append(("put", deliveries))
         self._update_stats()
 
     def _update_stats(self) -> None:
@@ -519,12 +591,6 @@ def _loads(data: bytes) -> Any:
     return ForkingPickler.loads(data)
 
 
-def _pack_events(events: list[tuple]) -> list[tuple]:
-    """Events for the pipe: each ``put`` delivery's outputs become columns (pack_outputs)."""
-    return [("put", [(key, pack_outputs(outs), end) for key, outs, end in ev[1]]) if ev[0] == "put" else ev
-            for ev in events]
-
-
 def _die_with_parent() -> None:
     """Linux: the kernel kills this process when its parent dies (no orphan holding the device)."""
     if sys.platform.startswith("linux"):
@@ -561,12 +627,15 @@ def _child_main(conn: Any, parent_pid: int, threads: int | None) -> None:
     send_lock = threading.Lock()
 
     def emit(events: list[tuple]) -> None:
-        data = _dumps(_pack_events(events))
+        data = _dumps(events)
         with send_lock:
             conn.send_bytes(data)
 
     core = _Core(engine, emit, weights_version)
     conn.send_bytes(_dumps(("ready", info)))
+    # The model, torch and the library live as long as this process: a full collection pass over them
+    # would stall a step (see freeze_startup_heap).
+    freeze_startup_heap()
 
     def read() -> None:
         try:
@@ -589,10 +658,16 @@ def _child_main(conn: Any, parent_pid: int, threads: int | None) -> None:
 class RequestStream:
     """The outputs of one submitted request, in engine order; ends when the request is done.
 
-    Iterate with ``async for`` (one output at a time) or :meth:`batches` (everything that
-    arrived since the last batch: what a consumer that fell behind forwards at once). Use
-    as an async context manager (or call :meth:`aclose`) so a consumer that stops early,
-    or is cancelled because its client went away, aborts the request in the engine.
+    Iterate with ``async for`` or :meth:`batches` (everything that arrived since the last batch: what
+    a consumer that fell behind forwards at once). Either way each sample's outputs that arrived
+    meanwhile come merged into one (:func:`merge_outputs`). Use as an async context manager (or call
+    :meth:`aclose`) so a consumer that stops early, or is cancelled because its client went away,
+    aborts the request in the engine.
+
+    The front hands a stream each output as a reference into its pass's columns, and wakes the
+    consumer only once it has what the consumer waits for (``batches``' ``every``): a step costs a
+    stream that has nothing to send one list append, no object per token. Latency (generate mode) is
+    observed as the consumer takes the outputs: what its client is sent, when.
     """
 
     def __init__(self, owner: "AsyncEngine", request: GenerateRequest, key: int, pinned_version: str = "") -> None:
@@ -602,12 +677,13 @@ class RequestStream:
         self.key = key                         # unique per submit (request ids may be reused)
         self.latency: LatencyTracker | None = None   # generate mode, from admission
         self._owner = owner
-        self._buffer: list[Any] = []           # outputs not yet consumed, then maybe _END or an error
+        self._pieces: list[tuple[StepOutputs, int]] = []   # outputs arrived, not yet taken
+        self._end: Any = None                  # _END or the error the request ended with, once it arrived
+        self._ready: list[SampleOutput] = []   # taken, not yet returned by __anext__ (reversed)
         self._waiter: asyncio.Future[None] | None = None
-        self._want = 1                         # buffered outputs that wake the consumer (see batches)
-        self._complete = False  # the end marker (or an error) was delivered
+        self._want = 1                         # arrived outputs that wake the consumer (see batches)
         self._ended = False     # the consumer saw the end (or an error)
-        self._detached = False  # the consumer left: drop outputs, keep only the end marker
+        self._detached = False  # the consumer left: drop outputs, keep only the end
 
     @property
     def request_id(self) -> str:
@@ -617,43 +693,60 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> SampleOutput:
-        self._want = 1
-        if not self._buffer:
-            await self._arrival()
-        item = self._buffer.pop(0)
-        if item is _END or isinstance(item, BaseException):
-            self._ended = True
-            if item is _END:
+        if not self._ready:
+            self._want = 1
+            if not self._pieces and self._end is None:
+                await self._arrival()
+            self._ready = self._take()[::-1]
+            if not self._ready:
+                error = self._finish()
+                if error is not None:
+                    raise error
                 raise StopAsyncIteration
-            raise item
-        return item
+        return self._ready.pop()
 
     async def batches(self, every: int = 1) -> AsyncIterator[list[SampleOutput]]:
-        """The outputs, in batches of all that arrived since the last one (never empty); raises the
-        stream's error after the outputs that came before it.
+        """The outputs, in batches of all that arrived since the last one (never empty, one merged
+        output per sample); raises the stream's error after the outputs that came before it.
 
         After the first batch, a batch waits for ``every`` outputs (engine steps of a sample), or
         the end: fewer, larger messages for a stream whose tokens are relayed one message each.
+        The first batch goes as soon as there is one output: the first token waits for no interval.
         """
-        first = True
+        self._want = 1
         while not self._ended:
-            self._want = 1 if first else every
-            first = False
-            if len(self._buffer) < self._want and not self._complete:
+            if len(self._pieces) < self._want and self._end is None:
                 await self._arrival()
-            items, self._buffer = self._buffer, []
-            last = items[-1]
-            if last is not _END and not isinstance(last, BaseException):
-                yield items
-                continue
-            self._ended = True
-            if len(items) > 1:
-                yield items[:-1]
-            if last is not _END:
-                raise last
+            outputs = self._take()
+            if outputs:
+                self._want = every
+                yield outputs
+            elif self._end is not None:
+                error = self._finish()
+                if error is not None:
+                    raise error
+
+    def _take(self) -> list[SampleOutput]:
+        """Every output that arrived, merged per sample; the latency of what is taken."""
+        pieces, self._pieces = self._pieces, []
+        outputs = merge_outputs(pieces, self.request.request_id) if pieces else []
+        latency = self.latency
+        if latency is not None:
+            now = time.monotonic()
+            for out in outputs:
+                latency.tokens(out.index, len(out.token_ids), now)
+            if self._end is not None:
+                latency.done(now)
+                self.latency = None
+        return outputs
+
+    def _finish(self) -> BaseException | None:
+        """The consumer reached the end; the request's error, if it ended with one."""
+        self._ended = True
+        return None if self._end is _END else self._end
 
     async def _arrival(self) -> None:
-        """Wait until the core delivered something (StopAsyncIteration once ended)."""
+        """Wait until the core delivered what the consumer wants (StopAsyncIteration once ended)."""
         if self._ended:
             raise StopAsyncIteration
         self._waiter = asyncio.get_running_loop().create_future()
@@ -672,23 +765,25 @@ class RequestStream:
         """Stop consuming; aborts the request if it is still running."""
         if not self._ended:
             self._ended = self._detached = True
+            self._pieces = []
             self._owner._post_abort(self)
 
-    # Called on the event loop by the front. ``items`` ends with the end marker or an error when the
-    # request is done; whatever comes after that (a second marker from an abort that crossed the end)
-    # is dropped.
-    def _put(self, items: list[Any]) -> None:
-        if not items or self._complete:
+    # Called on the event loop by the front: output ``i`` of ``step`` is this stream's.
+    def _arrive(self, step: StepOutputs, i: int) -> None:
+        if self._detached or self._end is not None:
             return
-        last = items[-1]
-        if last is _END or isinstance(last, BaseException):
-            self._complete = True
-            self._owner._unregister(self)
-        if self._detached:
+        self._pieces.append((step, i))
+        if self._waiter is not None and len(self._pieces) >= self._want and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # Called on the event loop by the front: the request ended (``what``: _END or an error); whatever
+    # comes after that (a second end from an abort that crossed the end) is dropped.
+    def _close(self, what: Any) -> None:
+        if self._end is not None:
             return
-        self._buffer.extend(items)
-        if (self._waiter is not None and not self._waiter.done()
-                and (len(self._buffer) >= self._want or self._complete)):
+        self._end = what
+        self._owner._unregister(self)
+        if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
 
@@ -814,7 +909,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - a message we cannot read: the core is not to be trusted
                 log.exception("unreadable message from the engine process")
                 break
-            self._call_soon(self._on_events, events, True)
+            self._call_soon(self._on_events, events)
         if not self._stopping:
             code = self._process.exitcode if self._process is not None else None
             self._call_soon(self._lost, f"the engine process ended (exit code {code})")
@@ -983,29 +1078,27 @@ class AsyncEngine:
             pass
 
     def _from_core_thread(self, events: list[tuple]) -> None:
-        self._call_soon(self._on_events, events, False)
+        self._call_soon(self._on_events, events)
 
     # ------------------------------------------------------------------ events from the core (event loop)
 
-    def _on_events(self, events: list[tuple], packed: bool) -> None:
-        now = time.monotonic()
+    def _on_events(self, events: list[tuple]) -> None:
         for event in events:
             kind = event[0]
-            if kind == "put":
-                for key, outs, end in event[1]:
-                    stream = self._by_key.get(key)
-                    if stream is None:
-                        continue
-                    items: list[Any] = unpack_outputs(stream.request_id, outs) if packed else outs
-                    if stream.latency is not None:
-                        for out in items:
-                            stream.latency.tokens(out.index, len(out.token_ids), now)
-                    if end is not None:
-                        if stream.latency is not None:
-                            stream.latency.done(now)
-                        items.append(_END if end is True else end)
-                        self._by_key.pop(key, None)
-                    stream._put(items)
+            if kind == "step":
+                # A step of 256 streams: one lookup and one append per output, and a consumer wakes only
+                # when its stream has what it waits for (RequestStream.batches).
+                step: StepOutputs = event[1]
+                step.index_tokens()
+                by_key = self._by_key
+                for i, key in enumerate(step.keys):
+                    stream = by_key.get(key)
+                    if stream is not None:
+                        stream._arrive(step, i)
+                for key, end in step.ends:
+                    stream = by_key.pop(key, None)
+                    if stream is not None:
+                        stream._close(_END if end is True else end)
             elif kind == "admit":
                 _, key, error, version = event
                 future = self._admits.pop(key, None)
@@ -1013,7 +1106,7 @@ class AsyncEngine:
                 if error is None and stream is not None:
                     stream.weights_version = version
                     if stream.request.mode == "generate":
-                        stream.latency = LatencyTracker(now)
+                        stream.latency = LatencyTracker()
                 elif stream is not None:
                     self._unregister(stream)  # never admitted: its request id is free again
                 if future is not None:
@@ -1050,7 +1143,7 @@ class AsyncEngine:
         self._admits.clear()
         self._pending.clear()
         for stream in list(self._by_key.values()):
-            stream._put([error])
+            stream._close(error)
         self._by_key.clear()
 
 

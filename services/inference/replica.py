@@ -17,7 +17,7 @@ from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage, coalesce
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage
 from zerokl.services.runtime.errors import (
     Cancelled,
     FailedPrecondition,
@@ -76,11 +76,13 @@ class Replica:
 
     def check_pins(self, r: InferenceRequest) -> None:
         """FAILED_PRECONDITION when the request is pinned to weights or numerics this replica lacks."""
+        if not r.weights_version and not r.numerics_fingerprint:
+            return
         violations = [
             PreconditionViolation(kind, want, f"pinned {kind.lower()} {want!r}, this replica serves {have!r}")
-            for kind, want, have in (("WEIGHTS_VERSION", r.weights_version, self.identity.weights_version),
+            for kind, want, have in (("WEIGHTS_VERSION", r.weights_version, self.engine.weights_version),
                                      ("NUMERICS_FINGERPRINT", r.numerics_fingerprint,
-                                      self.identity.numerics_fingerprint))
+                                      self._identity.numerics_fingerprint))
             if want and want != have]
         if violations:
             raise FailedPrecondition("; ".join(v.description for v in violations),
@@ -195,16 +197,15 @@ class Replica:
         ``prompt_logprobs`` replaces the engine's (a handoff); otherwise the
         first output's are used. The first output is always sample 0's (its
         siblings fork after it), and the siblings share the prompt, so once
-        per request is enough. When the consumer fell behind the engine, the
-        steps that arrived meanwhile go out as one delta per sample (coalesce);
-        after the first, a message waits for ``limits.stream_interval`` outputs.
+        per request is enough. What arrived since the last message goes out as
+        one delta per sample (the stream merges each sample's outputs); after
+        the first, a message waits for ``limits.stream_interval`` outputs.
         """
         completion: dict[int, int] = {}
         first = True
         async with stream:
             # n samples produce n outputs a step: the interval counts steps.
             async for batch in stream.batches(self.limits.stream_interval * stream.request.options.n):
-                deltas = []
                 for out in batch:
                     completion[out.index] = completion.get(out.index, 0) + len(out.token_ids)
                     if first:
@@ -212,9 +213,7 @@ class Replica:
                         first = False
                     else:
                         plp = None
-                    deltas.append(self.delta(out, completion[out.index], plp, cached_tokens, stream.weights_version))
-                for d in coalesce(deltas):
-                    yield d
+                    yield self.delta(out, completion[out.index], plp, cached_tokens, stream.weights_version)
 
     async def score(self, r: InferenceRequest) -> ScoreResult:
         """Per-token logprobs of the prompt under the request's temperature / top-k / top-p."""

@@ -9,9 +9,11 @@ scrape target's labels.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,6 +25,8 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -42,6 +46,7 @@ __all__ = [
     "KV_HANDOFF_BYTES",
     "KV_HANDOFF_SECONDS",
     "SERVING_INFO",
+    "CountedHistogram",
     "set_serving_info",
     "MetricsServer",
     "start_metrics_server",
@@ -54,6 +59,39 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
 PlatformCollector(registry=REGISTRY)
 
+
+class CountedHistogram:
+    """A histogram (no labels) whose :meth:`observe` takes a count: ``observe(x, n)`` records n
+    observations of x in one call, so a message of n tokens costs one call, not n.
+
+    Exported like a prometheus_client Histogram of the same name (``_bucket``, ``_count``, ``_sum``).
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self._name, self._documentation = name, documentation
+        self._bounds = [*buckets, float("inf")]
+        self._counts = [0] * len(self._bounds)   # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, amount: float, count: int = 1) -> None:
+        """Record ``count`` observations of ``amount``."""
+        i = bisect.bisect_left(self._bounds, amount)   # the first bucket whose upper bound is >= amount
+        with self._lock:
+            self._counts[i] += count
+            self._sum += amount * count
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        yield HistogramMetricFamily(
+            self._name, self._documentation,
+            buckets=[(floatToGoString(b), c) for b, c in zip(self._bounds, itertools.accumulate(counts))],
+            sum_value=total)
+
+
 # Buckets span sub-millisecond CPU decode steps to minute-long CPU prefills.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -63,7 +101,8 @@ _TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075
 TIME_TO_FIRST_TOKEN = Histogram(
     "zerokl_time_to_first_token_seconds", "Time from request arrival to its first generated token.",
     buckets=_LATENCY_BUCKETS, registry=REGISTRY)
-INTER_TOKEN_LATENCY = Histogram(
+
+INTER_TOKEN_LATENCY = CountedHistogram(
     "zerokl_inter_token_latency_seconds", "Time between consecutive generated tokens of one request.",
     buckets=_TOKEN_LATENCY_BUCKETS, registry=REGISTRY)
 E2E_REQUEST_LATENCY = Histogram(
@@ -98,8 +137,8 @@ SERVING_INFO = Info(
 class LatencyTracker:
     """Observes one request's TTFT, inter-token latencies and end-to-end latency.
 
-    Used by a replica's engine for local generation and by the scheduler's relay
-    for what its client sees; times are ``time.monotonic()`` seconds.
+    Used by a replica's request streams (as their consumer takes the outputs: what its client is
+    sent) and by the scheduler's relay (what its client sees); times are ``time.monotonic()`` seconds.
     """
 
     def __init__(self, arrival: float | None = None) -> None:
@@ -117,9 +156,8 @@ class LatencyTracker:
             TIME_TO_FIRST_TOKEN.observe(now - self.arrival)
         last = self._last.get(index)
         if last is not None:
-            # One delta usually carries one token; a larger one spreads its wait evenly.
-            for _ in range(count):
-                INTER_TOKEN_LATENCY.observe((now - last) / count)
+            # A message of several tokens spreads its wait evenly over them.
+            INTER_TOKEN_LATENCY.observe((now - last) / count, count)
         self._last[index] = now
 
     def done(self, now: float | None = None) -> None:

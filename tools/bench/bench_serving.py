@@ -3,6 +3,8 @@ directly over gRPC, and the scheduler of `zerokl up`, on the same weights, reque
 
     python tools/bench/bench_serving.py                                   # small, bf16, 64 and 256 streams
     python tools/bench/bench_serving.py --preset tiny --dtype float32 --streams 8 --new-tokens 16   # CPU smoke
+    python tools/bench/bench_serving.py --no-startup --preset tiny --dtype float32 --threads 1 --streams 64,256 \
+        --prompt-len 16 --new-tokens 32 --alone 16         # host CPU per 1k tokens of each process, on a CPU
     python tools/bench/bench_serving.py --preset small --dtype bfloat16 --out $OUT/serving.json   # the H200 run
 
 Every served replica runs its engine in an engine process (`zerokl serve --engine-process`, the default);
@@ -26,6 +28,13 @@ Each arm runs an untimed wave of other prompts first (graphs, compiles). Prefix 
 every arm, so no arm finds an earlier arm's prompts cached. tok/s = generated tokens / the wave's
 wall time (first request sent to last token received); TTFT from the wave's start to a request's
 first token. Ratios are against the in-process engine.
+
+Host CPU per 1,000 generated tokens, per process (``cpu_s_per_1k``: utime + stime from /proc over
+the timed wave): the replica's gRPC front (``front``), its engine process (``engine_process``), the
+scheduler and, for the engine arm, this process. CPU seconds hold still on a loaded box where wall
+time does not, so they are the figures to compare before / after a change of the serving path on a
+CPU (``--no-startup --preset tiny --dtype float32 --threads 1``); ``engine_process`` minus the
+engine arm's own figure is what the engine process spends on the front (commands, packing, the pipe).
 """
 from __future__ import annotations
 
@@ -74,6 +83,7 @@ class Wave:
     ttft: list[float]
     results: dict[int, Result] = field(repr=False)
     messages: int = 0          # gRPC messages the client received (0: the in-process engine)
+    cpu_s: dict[str, float] = field(default_factory=dict)   # process -> CPU seconds over the wave
 
     def row(self) -> dict:
         ttft = sorted(self.ttft)
@@ -84,6 +94,8 @@ class Wave:
             # What each relay hop handles per request: a message, not a token (coalescing, --stream-interval).
             row["messages"] = self.messages
             row["tokens_per_message"] = self.tokens / self.messages
+        if self.cpu_s:
+            row["cpu_s_per_1k"] = {name: 1000 * cpu / self.tokens for name, cpu in self.cpu_s.items()}
         return row
 
 
@@ -99,6 +111,56 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]
 
 def options(i: int, new_tokens: int) -> SamplingOptions:
     return SamplingOptions(temperature=1.0, seed=i, max_tokens=new_tokens, ignore_eos=True)
+
+
+# ----------------------------------------------------------------------------- CPU accounting
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime, stime (fields 14, 15)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux)."""
+    found: list[int] = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def fleet_pids(services: dict[str, dict]) -> dict[str, int]:
+    """The processes whose CPU a wave is charged: the scheduler, decode-0's gRPC front and its engine process."""
+    front = services["decode-0"]["pid"]
+    pids = {"scheduler": services["scheduler"]["pid"], "front": front}
+    # Spawned children of the front: its engine process and multiprocessing's resource tracker. None
+    # with --no-engine-process (the engine is a thread of the front).
+    for pid in child_pids(front):
+        if b"resource_tracker" not in pathlib.Path(f"/proc/{pid}/cmdline").read_bytes():
+            pids["engine_process"] = pid
+    return pids
+
+
+class CPUMeter:
+    """CPU seconds of some processes over a span: ``with meter: ...``, then ``meter.used``."""
+
+    def __init__(self, pids: dict[str, int], own: bool = False) -> None:
+        self.pids, self.own = pids, own
+        self.used: dict[str, float] = {}
+
+    def _read(self) -> dict[str, float]:
+        now = {name: process_cpu_s(pid) for name, pid in self.pids.items()}
+        if self.own:
+            now["this_process"] = time.process_time()
+        return now
+
+    def __enter__(self) -> "CPUMeter":
+        self._start = self._read()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._read()
+        self.used = {name: end[name] - self._start[name] for name in end}
 
 
 # ----------------------------------------------------------------------------- zerokl up
@@ -218,6 +280,11 @@ def main() -> None:
                         "compared with the in-process engine's batch at every N)")
     p.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="an extra `zerokl serve decode` flag for the fleet's replicas, e.g. --replica-flag=--gil-switch-ms=0.1")
+    p.add_argument("--startup", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the fleet's cold and warm start-up (two starts); --no-startup starts it once")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of every engine, the fleet's (`zerokl up --threads`) and this process's "
+                        "(default: torch's choice here, `zerokl up`'s in the fleet)")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--workdir", default=None, help="where the fleet lives (default: a temporary directory)")
     p.add_argument("--out", "--json", dest="json", default=None, help="write the results (JSON) here")
@@ -231,6 +298,9 @@ def main() -> None:
     replica_flags = [f"--replica-flag=--{k.replace('_', '-')}={v}" for k, v in engine_flags.items()]
     replica_flags += ["--replica-flag=--no-prefix-caching", *(f"--replica-flag={f}" for f in args.replica_flag)]
     fleet = ["--preset", args.preset, "--dtype", args.dtype, *replica_flags]
+    if args.threads:
+        fleet += ["--threads", str(args.threads)]
+        torch.set_num_threads(args.threads)
     report: dict = {"date": datetime.date.today().isoformat(), "commit": commit(), "preset": args.preset,
                     "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                     "engine_config": engine_flags, "replica_flags": args.replica_flag, "torch": torch.__version__}
@@ -244,12 +314,13 @@ def main() -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         env_cache = os.environ.pop("TRITON_CACHE_DIR", None)   # the fleet's own, in its workdir: cold
         proc, services, cold = up(workdir, fleet, args.startup_timeout)
-        stop(proc)
-        proc, services, warm = up(workdir, fleet, args.startup_timeout)
+        if args.startup:
+            stop(proc)
+            proc, services, warm = up(workdir, fleet, args.startup_timeout)
+            report["startup_s"] = {"cold": cold, "warm": warm}
+            print(f"zerokl up SERVING: cold {cold:.1f}s, warm {warm:.1f}s", flush=True)
         if env_cache is not None:
             os.environ["TRITON_CACHE_DIR"] = env_cache
-        report["startup_s"] = {"cold": cold, "warm": warm}
-        print(f"zerokl up SERVING: cold {cold:.1f}s, warm {warm:.1f}s", flush=True)
         save()
         try:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -260,13 +331,19 @@ def main() -> None:
             ids = prompts(top, args.prompt_len, config.vocab_size, seed=0)
             warmup = prompts(top, args.prompt_len, config.vocab_size, seed=1)
             addresses = {"replica": services["decode-0"]["address"], "scheduler": services["scheduler"]["address"]}
+            pids = fleet_pids(services)
+            report["processes"] = pids
             waves: list[Wave] = []
             for n in streams:
                 engine_wave(engine, warmup[:n], args.new_tokens)
-                waves.append(engine_wave(engine, ids[:n], args.new_tokens))
+                with CPUMeter(pids, own=True) as meter:
+                    waves.append(engine_wave(engine, ids[:n], args.new_tokens))
+                waves[-1].cpu_s = meter.used
                 for arm, address in addresses.items():
                     asyncio.run(grpc_wave(arm, address, warmup[:n], args.new_tokens))
-                    waves.append(asyncio.run(grpc_wave(arm, address, ids[:n], args.new_tokens)))
+                    with CPUMeter(pids, own=True) as meter:
+                        waves.append(asyncio.run(grpc_wave(arm, address, ids[:n], args.new_tokens)))
+                    waves[-1].cpu_s = meter.used
                 for w in waves[-3:]:
                     print(json.dumps(w.row()), flush=True)
                 report["waves"] = [w.row() for w in waves]
@@ -297,16 +374,21 @@ def main() -> None:
 
 
 def table(report: dict) -> str:
+    startup = report.get("startup_s")
+    started = (f"zerokl up SERVING cold {startup['cold']:.1f}s, warm {startup['warm']:.1f}s; " if startup else "")
     lines = [f"{report['date']} {report.get('device', '?')} commit {report['commit']} {report['preset']} "
-             f"{report['dtype']}: zerokl up SERVING cold {report['startup_s']['cold']:.1f}s, warm "
-             f"{report['startup_s']['warm']:.1f}s; identical (tokens, logprobs) to alone and across arms: "
+             f"{report['dtype']}: {started}identical (tokens, logprobs) to alone and across arms: "
              f"{report['all_identical']} ({report['alone']['requests']} alone)",
-             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s | tokens/message |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| arm | streams | tok/s | x engine | TTFT p50 s | x engine | TTFT p99 s | tokens/message | "
+             "CPU s / 1k tokens: this process | front | engine process | scheduler |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["waves"]:
         per = f"{r['tokens_per_message']:.1f}" if "tokens_per_message" in r else "-"
+        cpu = r.get("cpu_s_per_1k", {})
+        cpus = " | ".join(f"{cpu[k]:.3f}" if k in cpu else "-"
+                          for k in ("this_process", "front", "engine_process", "scheduler"))
         lines.append(f"| {r['arm']} | {r['streams']} | {r['tok_s']:,.0f} | {r['ratio_tok_s']:.2f} | "
-                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} | {per} |")
+                     f"{r['ttft_p50_s']:.3f} | {r['ratio_ttft_p50']:.2f} | {r['ttft_p99_s']:.3f} | {per} | {cpus} |")
     return "\n".join(lines)
 
 

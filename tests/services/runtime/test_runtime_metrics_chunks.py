@@ -7,6 +7,7 @@ import urllib.request
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from zerokl.services.runtime import (
     MAX_CHUNK_BYTES,
@@ -23,6 +24,22 @@ from zerokl.services.runtime import (
 )
 from zerokl.services.runtime import metrics
 from zerokl.services.runtime.chunks import Chunk, make_chunk
+
+
+def test_a_counted_observation_is_that_many_observations() -> None:
+    registry = CollectorRegistry()
+    one_by_one = metrics.CountedHistogram("one_by_one_seconds", "x", (0.01, 0.1), registry)
+    counted = metrics.CountedHistogram("counted_seconds", "x", (0.01, 0.1), registry)
+    for value in (0.01, 0.01, 0.01, 0.05, 2.0):
+        one_by_one.observe(value)
+    counted.observe(0.01, 3)
+    counted.observe(0.05)
+    counted.observe(2.0)
+    samples = {s.name.split("_seconds")[1] + str(s.labels): s.value
+               for m in registry.collect() for s in m.samples if s.name.startswith("one_by_one")}
+    assert samples == {s.name.split("_seconds")[1] + str(s.labels): s.value
+                       for m in registry.collect() for s in m.samples if s.name.startswith("counted")}
+    assert samples["_bucket{'le': '0.01'}"] == 3 and samples["_count{}"] == 5   # an upper bound is inclusive
 
 
 def test_metrics_endpoint_exports_the_standard_metrics() -> None:
