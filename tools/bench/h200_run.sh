@@ -53,10 +53,11 @@ elif [ "$MODE" = wave3-services ]; then
   # RL job of 20 steps through `zerokl up --dtype bfloat16` beside the same job in process
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-  timeout 290 python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 --out "$FINAL_OUT/serving.json" \
+  lscpu | grep -E "Model name|^CPU\(s\)" > "$OUT/host.log"
+  timeout 300 python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 --out "$FINAL_OUT/serving.json" \
     > "$OUT/serving.log" 2>&1
-  timeout 290 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
-    --preset small --prompts 64 --group 8 --steps 20 > "$OUT/rl-job.log" 2>&1
+  timeout 245 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
+    --preset small --prompts 64 --group 8 --steps 20 --half-time 70 > "$OUT/rl-job.log" 2>&1
 elif [ "$MODE" = wave3-engine ]; then
   # issue 33's rollout shapes, then issue 35's FP8 serving bench; the GPU tier's new tests beside the FP8 bench
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
