@@ -399,17 +399,21 @@ class Engine:
         so running it again (on a subset, see :meth:`_isolating`) rewrites the same bits.
         """
         chunks = [SequenceChunk(tuple(s.blocks), s.num_computed, n) for s, n in work]
-        tokens = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        rows, row_owner, at = [], [], 0
+        tokens: list[int] = []
+        rows: list[int] = []                          # rows of the step's tokens that need logits
+        row_owner: list[tuple[_Sample, int]] = []     # (sample, position) of each
+        at = 0
         for s, n in work:
-            end = s.num_computed + n
-            want_prompt = s.opts.prompt_logprobs or s.request.mode == "score"
-            for i in range(n):
-                pos = s.num_computed + i
-                if (want_prompt and pos < s.num_prompt - 1) or (pos == end - 1 and end == s.target
-                                                                and s.request.mode in ("generate", "prefill")):
-                    rows.append(at + i)
-                    row_owner.append((s, pos))
+            start, end = s.num_computed, s.num_computed + n
+            tokens.extend(s.token_ids[start:end])
+            stop = start
+            if s.opts.prompt_logprobs or s.request.mode == "score":
+                stop = max(start, min(end, s.num_prompt - 1))      # prompt positions with a next token
+                rows.extend(range(at, at + stop - start))
+                row_owner.extend((s, p) for p in range(start, stop))
+            if end == s.target and end - 1 >= stop and s.request.mode in ("generate", "prefill"):
+                rows.append(at + n - 1)                # the sampling point
+                row_owner.append((s, end - 1))
             at += n
         logits = self.runner.forward(chunks, tokens, rows)
         return {(id(s), pos): logits[i] for i, (s, pos) in enumerate(row_owner)}
@@ -626,10 +630,12 @@ class Engine:
     def _free(self, s: _Sample) -> None:
         self.scheduler.free(s)
 
-    def _output(self, s: _Sample, toks, lps, reason, text: str = "") -> SampleOutput:
-        out = SampleOutput(s.request.request_id, s.index, list(toks), list(lps), reason is not None, reason,
-                           num_prompt_tokens=s.num_prompt, num_cached_tokens=s.num_cached, text=text)
-        if (s.opts.prompt_logprobs or s.request.mode == "score") and not s.sent_prompt_logprobs:
+    def _output(self, s: _Sample, toks: list[int], lps: list[float], reason, text: str = "") -> SampleOutput:
+        """``s``'s delta; ``toks`` and ``lps`` are fresh lists the output keeps."""
+        request = s.request
+        out = SampleOutput(request.request_id, s.index, toks, lps, reason is not None, reason, None,
+                           len(request.prompt_ids), s.num_cached, text)
+        if not s.sent_prompt_logprobs and (request.options.prompt_logprobs or request.mode == "score"):
             out.prompt_logprobs, s.sent_prompt_logprobs = list(s.prompt_logprobs), True
         return out
 

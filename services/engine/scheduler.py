@@ -227,7 +227,8 @@ class Scheduler:
     def computed(self, s: Sample, n: int) -> None:
         """``n`` more tokens of ``s`` have their KV in the cache."""
         s.num_computed += n
-        self.register_full_blocks(s)
+        if s.num_computed >= (s.num_registered + 1) * self.config.block_size:
+            self.register_full_blocks(s)
 
     def register_full_blocks(self, s: Sample) -> None:
         """Offer s's newly completed blocks to the prefix cache (never KV an untrusted peer sent)."""

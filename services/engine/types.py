@@ -48,7 +48,7 @@ class GenerateRequest:
                                              # and draw each sample's first token)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleOutput:
     """What one engine step produced for one sample of a request (a streaming delta)."""
 

@@ -202,3 +202,18 @@ def test_overlap_fails_a_row_alone_and_swaps_weights_between_requests(model, mon
     other = Model(CONFIG, seed=1)
     eng.load_weights(other.state_dict(), weights_version="v2")
     assert _drive(eng, {0: reqs}) == _drive(_engine(other, "general", block_size=4, num_blocks=64), {0: reqs})
+
+
+def test_warm_up_runs_every_decode_shape_and_leaves_no_trace(model):
+    """EngineConfig(warm_up=True) runs each decode (bucket, key width, filters) and the general
+    path's token counts once before the first request (writing only KV blocks nobody holds):
+    afterwards the engine is empty and serves the same bits as one that never warmed up."""
+    cfg = dict(max_num_seqs=2, max_model_len=40, max_num_batched_tokens=16, block_size=4, num_blocks=64)
+    warm = _engine(model, "overlap", warm_up=True, **cfg)
+    runner = warm.runner
+    assert warm.warm_up_stats["decode_shapes"] == len(runner.buckets) * len(runner.widths()) * 3
+    assert warm.warm_up_stats["forward_shapes"] >= 5 and warm.kv_usage() == 0 and not warm.has_work()
+    arrivals = {0: [GenerateRequest("a", (5, 9, 11, 3, 17), SamplingOptions(seed=1, max_tokens=12, ignore_eos=True)),
+                    GenerateRequest("b", tuple(range(3, 30)), SamplingOptions(temperature=0.0, max_tokens=6))],
+                3: [GenerateRequest("c", (7, 8), SamplingOptions(top_p=0.9, seed=2, max_tokens=5, ignore_eos=True))]}
+    assert _drive(warm, arrivals) == _drive(_engine(model, "overlap", **cfg), arrivals)
