@@ -629,6 +629,7 @@ class Engine:
 
     def _free(self, s: _Sample) -> None:
         self.scheduler.free(s)
+        self.runner.release(s)
 
     def _output(self, s: _Sample, toks: list[int], lps: list[float], reason, text: str = "") -> SampleOutput:
         """``s``'s delta; ``toks`` and ``lps`` are fresh lists the output keeps."""

@@ -315,6 +315,13 @@ class ModelRunner:
         self._filters[slot] = s.sampling_row.filters
         return slot
 
+    def release(self, s: DecodeSeq) -> None:
+        """``s`` is done: its persistent row (and the reference to it) goes now, not at the next reclaim."""
+        slot = self._slot_of.pop(id(s), None) if self.device_decode else None
+        if slot is not None:
+            self._slot_seq[slot] = self._slot_blocks[slot] = None
+            self._free_slots.append(slot)
+
     def _reclaim(self, keep: Sequence[DecodeSeq]) -> None:
         """Free the slots of every sequence not in ``keep`` (finished, preempted or not decoding
         now: one that comes back gets a fresh slot). At least half the slots come free."""
