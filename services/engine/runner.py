@@ -236,8 +236,14 @@ class ModelRunner:
         return min(w, self.max_blocks * self.block_size)
 
     def widths(self) -> list[int]:
-        """Every key width :meth:`width` can return (the decode graphs' widths)."""
-        return sorted({self.width(need) for need in range(1, self.max_blocks * self.block_size + 1)})
+        """Every key width :meth:`width` can return (the decode graphs' widths): it is constant
+        between its breakpoints (powers of two, index_topk), so their neighbours give every value."""
+        top, topk = self.max_blocks * self.block_size, self.model.config.index_topk
+        needs, w = {1, topk, topk + 1, top}, 16
+        while w <= top:
+            needs |= {w, w + 1}
+            w *= 2
+        return sorted({self.width(n) for n in needs if 1 <= n <= top})
 
     def decode(self, batch: DecodeBatch) -> tuple[list[int], list[float], list[bool]]:
         """Draw the next token of each row: (tokens, logprobs, ok). One H2D copy, one D2H copy."""
