@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from zerokl.kernels.model.model import AttentionBatch
@@ -32,18 +33,21 @@ def batch_for_chunks(chunks: list[SequenceChunk], block_size: int, device: torch
     [T, width] key-slot table (prefill: 8,192 tokens x 2,048 keys is 134 MB of int64) is formed
     there: row t is ``table[c][col // bs] * bs + col % bs`` for col <= positions[t], else -1.
     """
-    width = max(ch.start + ch.n_new for ch in chunks)
+    # Host side, numpy over chunks and tokens: O(chunks) Python, no per-token or per-chunk tensors.
+    starts = np.fromiter((ch.start for ch in chunks), np.int64, len(chunks))
+    n_new = np.fromiter((ch.n_new for ch in chunks), np.int64, len(chunks))
+    ends = starts + n_new
+    width = int(ends.max())
     nb = -(-width // block_size)                 # table columns the widest row reaches
-    tables = torch.zeros((len(chunks), nb), dtype=torch.int64)
+    tables = np.zeros((len(chunks), nb), dtype=np.int64)
     for i, ch in enumerate(chunks):
-        end = ch.start + ch.n_new
-        if len(ch.block_table) * block_size < end:
-            raise ValueError(f"block table of {len(ch.block_table)} blocks cannot hold {end} tokens")
+        if len(ch.block_table) * block_size < ends[i]:
+            raise ValueError(f"block table of {len(ch.block_table)} blocks cannot hold {ends[i]} tokens")
         used = ch.block_table[:nb]
-        tables[i, :len(used)] = torch.tensor(used, dtype=torch.int64)
-    positions = torch.cat([torch.arange(ch.start, ch.start + ch.n_new) for ch in chunks])
-    owner = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor([ch.n_new for ch in chunks]))
-    positions, owner, tables = positions.to(device), owner.to(device), tables.to(device)
+        tables[i, :len(used)] = used
+    owner = np.repeat(np.arange(len(chunks)), n_new)                                        # [T]
+    positions = np.arange(int(n_new.sum())) + np.repeat(starts - (np.cumsum(n_new) - n_new), n_new)
+    positions, owner, tables = (torch.from_numpy(a).to(device) for a in (positions, owner, tables))
     cols = torch.arange(width, device=tables.device)
     rows = tables.index_select(0, owner)                                                    # [T, NB]
     slots = rows.gather(1, (cols // block_size).expand(len(owner), width)) * block_size + cols % block_size

@@ -30,7 +30,7 @@ from zerokl.kernels.model import Model
 from zerokl.kernels.model.paging import SequenceChunk
 from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.blocks import prefix_cache_seed
-from zerokl.services.engine.runner import DecodeRow, ModelRunner, SamplingRow
+from zerokl.services.engine.runner import DecodeBatch, DecodeLaunch, ModelRunner, SamplingRow
 from zerokl.services.engine.scheduler import Sample as _Sample
 from zerokl.services.engine.scheduler import SampleState as _State
 from zerokl.services.engine.scheduler import Scheduler
@@ -70,6 +70,14 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """A launched decode step (overlapped decode): its samples in row order and the runner's handle."""
+
+    seqs: list[_Sample]
+    launched: DecodeLaunch
+
+
 class Engine:
     """Synchronous core: `add_request`, `abort`, `step()`; the async server drives it."""
 
@@ -86,8 +94,14 @@ class Engine:
         self._ready: list[SampleOutput] = []     # outputs decided outside a forward (emitted next step)
         self._failed: list[SampleOutput] = []    # "error" outputs of requests that failed in this step
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "cached_tokens": 0}
-        self.runner = ModelRunner(self.model, config, self.device, self.max_model_len)
+        cuda = self.device.type == "cuda"
+        self.runner = ModelRunner(self.model, config, self.device, self.max_model_len,
+                                  device_decode=True if config.overlap_decode else None)
         self.scheduler = Scheduler(config, self.runner, self._fail, self.stats)
+        self.overlap = (cuda if config.overlap_decode is None else config.overlap_decode)
+        self._inflight: _InFlight | None = None   # the launched decode step not read back yet (overlap)
+        if cuda if config.warm_up is None else config.warm_up:
+            self.warm_up_stats = self.runner.warm_up(config.max_num_batched_tokens)
 
     # The scheduler's and runner's state, under the names the services and tests use.
     @property
@@ -168,7 +182,8 @@ class Engine:
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request (validated first; raises RequestError)."""
         self.validate(request)
-        first = _Sample(request, 0, list(request.prompt_ids), self.scheduler.next_arrival())
+        first = _Sample(request, 0, list(request.prompt_ids), self.scheduler.next_arrival(),
+                        max_len=min(len(request.prompt_ids) + request.options.max_tokens, self.max_model_len))
         self._by_request[request.request_id] = [first]
         self.stats["prompt_tokens"] += len(request.prompt_ids)
         self.waiting.append(first)
@@ -183,7 +198,8 @@ class Engine:
         return out
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._ready)
+        """Whether a step has anything to do (requests, outputs to emit, a launched step to read)."""
+        return bool(self.waiting or self.running or self._ready or self._inflight is not None)
 
     def set_cache_identity(self, weights_version: str, numerics_fingerprint: str) -> None:
         """Name the weights and numerics computing this engine's KV: they seed every prefix-cache key."""
@@ -240,6 +256,12 @@ class Engine:
     def step(self) -> list[SampleOutput]:
         """Schedule, run one forward over every scheduled token, sample. Returns the deltas.
 
+        With overlapped decode a decode-only step is launched and the step before it is read
+        back while it runs: the deltas returned are the previous step's, and the scheduler
+        runs one step behind on stop conditions (a sample that finished in step N has its
+        step-N+1 token dropped; see :meth:`_launch`). Any other step first reads back the
+        launched one, then runs as without overlap. Either way the same tokens and logprobs.
+
         A request whose work raises fails alone: it gets one final output per live
         sample with ``finish_reason`` "error" and the exception in ``error``, its
         blocks are freed, and every other request steps on with its usual bits
@@ -252,7 +274,27 @@ class Engine:
         # its path (a decode-only step stays on the runner's decode path).
         handed = [(s, n) for s, n in work if n == 0]
         work = [(s, n) for s, n in work if n > 0]
-        if work and self._decode_only(work):
+        decode_path = bool(work) and self._decode_only(work)
+        if decode_path and self.overlap and not handed:
+            try:
+                launched = self._launch(work)
+            except Exception as err:  # noqa: BLE001 - the general path below isolates the request at fault
+                if device_failed(err):
+                    raise
+                log.warning("a decode step failed to launch (%s: %s); running it on the general path",
+                            type(err).__name__, err)
+                decode_path = False
+            else:
+                previous, self._inflight = self._inflight, launched
+                ready += self._read_back(previous)     # step N's results while step N+1 runs
+                failed, self._failed = self._failed, []
+                return ready + failed
+        # Nothing stays in flight past here: the general path needs every token on the host.
+        previous, self._inflight = self._inflight, None
+        ready += self._read_back(previous)
+        work = [(s, n) for s, n in work if s.state is not _State.FINISHED]
+        handed = [(s, n) for s, n in handed if s.state is not _State.FINISHED]
+        if work and decode_path and self._decode_only(work):
             try:
                 ready += self._decode(work)
                 work = []
@@ -282,22 +324,68 @@ class Engine:
         return all(n == 1 and s.state is _State.RUNNING and s.request.mode == "generate" and not s.forked
                    and s.num_computed == len(s.token_ids) - 1 for s, n in work)
 
-    def _decode(self, work: list[tuple[_Sample, int]]) -> list[SampleOutput]:
-        """A decode step through the runner: one forward and draw, one copy each way."""
+    def _decode_rows(self, work: list[tuple[_Sample, int]]) -> list[_Sample]:
+        """The samples of a decode step that can run: each gets its runner sampling row once (a
+        parameter float32 cannot hold fails its own request)."""
         for s, _ in work:
             if s.sampling_row is None and s.state is not _State.FINISHED:
-                try:        # its own parameters (a temperature float32 cannot hold): its own failure
+                try:
                     s.sampling_row = SamplingRow.of(s.opts, sample_seed(s.opts.seed, s.index))
                 except Exception as err:  # noqa: BLE001
                     self._fail(s, err)
-        work = [(s, n) for s, n in work if s.state is not _State.FINISHED]
-        if not work:
+        return [s for s, _ in work if s.state is not _State.FINISHED]
+
+    def _decode(self, work: list[tuple[_Sample, int]]) -> list[SampleOutput]:
+        """A decode step through the runner, waited for: one forward and draw, one copy each way."""
+        seqs = self._decode_rows(work)
+        if not seqs:
             return []
-        rows = [DecodeRow(s.token_ids[-1], s.num_computed, s.blocks, s.sampling_row) for s, _ in work]
-        tokens, lps, ok = self.runner.decode(rows)
-        out = []
-        for (s, n), tok, lp, good in zip(work, tokens, lps, ok):
-            self.scheduler.computed(s, n)
+        batch = DecodeBatch(seqs, [s.token_ids[-1] for s in seqs], [s.num_computed for s in seqs])
+        return self._accept_decoded(seqs, *self.runner.decode(batch))
+
+    def _launch(self, work: list[tuple[_Sample, int]]) -> "_InFlight | None":
+        """Launch a decode step without waiting for it (overlapped decode).
+
+        A sample with a pending token (drawn by the launched step the host has not read yet)
+        decodes the token after it: its input is that step's draw, read on the device
+        (``src``), at position num_computed + 1. Its stop conditions are checked when the
+        pending token is read (:meth:`_read_back`, right after this launch): a sample that
+        finished there (stop id or string, eos, abort, failure) has its token from this step
+        dropped, and its KV row here lands in a block it no longer owns, before any later
+        step (stream order) reuses that block. A sample whose pending token is its last by
+        length is not scheduled at all (Scheduler.schedule).
+        """
+        seqs = self._decode_rows(work)
+        if not seqs:
+            return None
+        src = [s.pending_row if s.num_pending else -1 for s in seqs]
+        positions = [s.num_computed + s.num_pending for s in seqs]
+        launched = self.runner.launch(DecodeBatch(seqs, [s.token_ids[-1] for s in seqs], positions, src))
+        for i, s in enumerate(seqs):
+            s.num_pending += 1
+            s.pending_row = i
+        return _InFlight(seqs, launched)
+
+    def _read_back(self, inflight: "_InFlight | None") -> list[SampleOutput]:
+        """Wait for a launched decode step and take its tokens (in row order, as a synchronous
+        step would): a sample finished since (aborted, failed, stopped) drops its token; one
+        preempted since keeps it (its KV is recomputed with the same bits)."""
+        if inflight is None:
+            return []
+        tokens, lps, ok = self.runner.collect(inflight.launched)
+        for s in inflight.seqs:
+            s.num_pending -= 1
+        return self._accept_decoded(inflight.seqs, tokens, lps, ok)
+
+    def _accept_decoded(self, seqs: list[_Sample], tokens: list[int], lps: list[float],
+                        ok: list[bool]) -> list[SampleOutput]:
+        out: list[SampleOutput] = []
+        computed = self.scheduler.computed
+        for s, tok, lp, good in zip(seqs, tokens, lps, ok):
+            if s.state is _State.FINISHED:
+                continue
+            if s.state is _State.RUNNING:
+                computed(s, 1)
             if not good:
                 self._fail(s, ValueError("the logits have no sampling distribution (NaN or +inf, or none finite)"))
                 continue
@@ -311,17 +399,21 @@ class Engine:
         so running it again (on a subset, see :meth:`_isolating`) rewrites the same bits.
         """
         chunks = [SequenceChunk(tuple(s.blocks), s.num_computed, n) for s, n in work]
-        tokens = [t for s, n in work for t in s.token_ids[s.num_computed:s.num_computed + n]]
-        rows, row_owner, at = [], [], 0
+        tokens: list[int] = []
+        rows: list[int] = []                          # rows of the step's tokens that need logits
+        row_owner: list[tuple[_Sample, int]] = []     # (sample, position) of each
+        at = 0
         for s, n in work:
-            end = s.num_computed + n
-            want_prompt = s.opts.prompt_logprobs or s.request.mode == "score"
-            for i in range(n):
-                pos = s.num_computed + i
-                if (want_prompt and pos < s.num_prompt - 1) or (pos == end - 1 and end == s.target
-                                                                and s.request.mode in ("generate", "prefill")):
-                    rows.append(at + i)
-                    row_owner.append((s, pos))
+            start, end = s.num_computed, s.num_computed + n
+            tokens.extend(s.token_ids[start:end])
+            stop = start
+            if s.opts.prompt_logprobs or s.request.mode == "score":
+                stop = max(start, min(end, s.num_prompt - 1))      # prompt positions with a next token
+                rows.extend(range(at, at + stop - start))
+                row_owner.extend((s, p) for p in range(start, stop))
+            if end == s.target and end - 1 >= stop and s.request.mode in ("generate", "prefill"):
+                rows.append(at + n - 1)                # the sampling point
+                row_owner.append((s, end - 1))
             at += n
         logits = self.runner.forward(chunks, tokens, rows)
         return {(id(s), pos): logits[i] for i, (s, pos) in enumerate(row_owner)}
@@ -537,11 +629,14 @@ class Engine:
 
     def _free(self, s: _Sample) -> None:
         self.scheduler.free(s)
+        self.runner.release(s)
 
-    def _output(self, s: _Sample, toks, lps, reason, text: str = "") -> SampleOutput:
-        out = SampleOutput(s.request.request_id, s.index, list(toks), list(lps), reason is not None, reason,
-                           num_prompt_tokens=s.num_prompt, num_cached_tokens=s.num_cached, text=text)
-        if (s.opts.prompt_logprobs or s.request.mode == "score") and not s.sent_prompt_logprobs:
+    def _output(self, s: _Sample, toks: list[int], lps: list[float], reason, text: str = "") -> SampleOutput:
+        """``s``'s delta; ``toks`` and ``lps`` are fresh lists the output keeps."""
+        request = s.request
+        out = SampleOutput(request.request_id, s.index, toks, lps, reason is not None, reason, None,
+                           len(request.prompt_ids), s.num_cached, text)
+        if not s.sent_prompt_logprobs and (request.options.prompt_logprobs or request.mode == "score"):
             out.prompt_logprobs, s.sent_prompt_logprobs = list(s.prompt_logprobs), True
         return out
 

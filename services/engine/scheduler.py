@@ -35,17 +35,26 @@ class Sample:
     index: int
     token_ids: list[int]                 # prompt + generated
     arrival: int                         # admission order: preemption takes the newest first
+    # Replaced by a new list or appended to, never edited in place: the runner keeps an
+    # incremental copy of each sample's block table and re-reads only the new tail.
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0                # tokens whose KV is in the cache
     num_cached: int = 0                  # prompt tokens that came from the prefix cache
     state: SampleState = SampleState.WAITING
     num_registered: int = 0              # full blocks already offered to the prefix cache
+    chain_key: bytes = b""               # prefix-cache key of block num_registered - 1 (unused while 0)
     sent_prompt_logprobs: bool = False
     prompt_logprobs: list[float] = dataclasses.field(default_factory=list)
     output_logprobs: list[float] = dataclasses.field(default_factory=list)
     text: str = ""
     forked: bool = False                 # n > 1: sample 0 forks its siblings at the prompt's end
     sampling_row: Any = None             # the runner's per-sample sampling parameters (built once)
+    max_len: int = 0                     # the length at which it finishes by length (0: none known)
+    # Overlapped decode: tokens drawn by a launched step whose results the engine has not read
+    # yet (0 or 1; 2 between launching a step and reading the one before), and the row of the
+    # latest of them in its step. Its KV and token are not counted in num_computed / token_ids.
+    num_pending: int = 0
+    pending_row: int = -1
 
     @property
     def opts(self) -> SamplingOptions:
@@ -98,7 +107,9 @@ class Scheduler:
         """(sample, number of new tokens) for the next forward, decode entries first.
 
         A waiting sample whose whole prompt is already here (a handoff that covers it) comes
-        with 0 new tokens: it reaches its sampling point without a forward."""
+        with 0 new tokens: it reaches its sampling point without a forward. A running sample
+        with a pending token (overlapped decode) is scheduled for the token after it, unless
+        the pending token is its last by length (it would only be discarded)."""
         budget = self.config.max_num_batched_tokens
         work: list[tuple[Sample, int]] = []
         scheduled: set[int] = set()
@@ -106,7 +117,9 @@ class Scheduler:
         for s in sorted(self.running, key=lambda q: q.arrival):
             if s.state is not SampleState.RUNNING or budget == 0:
                 continue
-            if not self.ensure_slots_or_reclaim(s, s.num_computed + 1, scheduled):
+            if s.num_pending and 0 < s.max_len <= len(s.token_ids) + s.num_pending:
+                continue
+            if not self.ensure_slots_or_reclaim(s, s.num_computed + s.num_pending + 1, scheduled):
                 self.preempt(s)             # s is the newest holder of blocks: it waits
                 continue
             work.append((s, 1))
@@ -176,9 +189,11 @@ class Scheduler:
         if s.opts.prompt_logprobs or s.request.mode == "score":
             return
         ids = s.token_ids[: max(s.target, 1) - 1]
-        s.blocks = self.blocks.match_prefix(ids, block_hashes(ids, size, self.cache_seed), self.cache_seed)
+        keys = block_hashes(ids, size, self.cache_seed)
+        s.blocks = self.blocks.match_prefix(ids, keys, self.cache_seed)
         s.num_computed = s.num_cached = len(s.blocks) * size
         s.num_registered = len(s.blocks)
+        s.chain_key = keys[len(s.blocks) - 1] if s.blocks else b""
         self.stats["cached_tokens"] += s.num_cached
 
     def fit(self, s: Sample, n: int) -> int:
@@ -212,21 +227,25 @@ class Scheduler:
     def computed(self, s: Sample, n: int) -> None:
         """``n`` more tokens of ``s`` have their KV in the cache."""
         s.num_computed += n
-        self.register_full_blocks(s)
+        if s.num_computed >= (s.num_registered + 1) * self.config.block_size:
+            self.register_full_blocks(s)
 
     def register_full_blocks(self, s: Sample) -> None:
         """Offer s's newly completed blocks to the prefix cache (never KV an untrusted peer sent)."""
         h = s.request.handoff
         if h is not None and not h.trusted:
             return  # every later block attends to the handed-off rows: none of them may be shared
-        full = s.num_computed // self.config.block_size
+        size = self.config.block_size
+        full = s.num_computed // size
         if full > s.num_registered:
-            size = self.config.block_size
-            keys = block_hashes(s.token_ids[: full * size], size, self.cache_seed)
-            for i in range(s.num_registered, full):
-                self.blocks.register(s.blocks[i], keys[i], keys[i - 1] if i else self.cache_seed,
-                                     s.token_ids[i * size:(i + 1) * size])
-            s.num_registered = full
+            # The chain goes on from the last registered block's key: hashing only the new
+            # blocks keeps this O(new blocks), not O(context), per sample per step.
+            first = s.num_registered
+            parent = s.chain_key if first else self.cache_seed
+            for i, key in enumerate(block_hashes(s.token_ids[first * size: full * size], size, parent), first):
+                self.blocks.register(s.blocks[i], key, parent, s.token_ids[i * size:(i + 1) * size])
+                parent = key
+            s.chain_key, s.num_registered = parent, full
 
     def start_running(self, s: Sample) -> None:
         """A waiting sample whose prompt is computed joins the running set."""
@@ -251,7 +270,7 @@ class Scheduler:
         for i in range(1, n):
             child = Sample(s.request, i, list(s.token_ids), self.next_arrival(), forked=True,
                            state=SampleState.RUNNING, num_computed=s.num_computed, num_cached=s.num_cached,
-                           num_registered=s.num_registered)
+                           num_registered=s.num_registered, chain_key=s.chain_key, max_len=s.max_len)
             full = s.num_computed // bs
             for b in s.blocks[:full]:
                 self.blocks.share(b)

@@ -48,7 +48,7 @@ class GenerateRequest:
                                              # and draw each sample's first token)
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleOutput:
     """What one engine step produced for one sample of a request (a streaming delta)."""
 
@@ -75,3 +75,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True       # reuse full prompt blocks across requests
     max_model_len: int | None = None         # defaults to the model's max_position_embeddings
     cuda_graphs: bool = True                 # CUDA: capture decode steps as graphs per batch bucket (no effect on CPU)
+    # Overlapped decode (vLLM's async scheduling): stage step N+1 while step N runs, N's tokens
+    # handed to N+1 on the device. None: on where the runner's decode path runs (CUDA); True
+    # also turns that path on on CPU (the same ops, eagerly). The same bits either way.
+    overlap_decode: bool | None = None
+    # Compile every kernel shape and capture every decode graph when the engine is built, so
+    # serving compiles nothing later (runner.warm_up). None: on CUDA only.
+    warm_up: bool | None = None

@@ -19,9 +19,17 @@ device->host copy):
             tok/s `cold_end2end_tok_s`; the figures above are the second pass's
   invariant 2 requests of the batch run again alone on that engine (their prompts now prefix-
             cache hits): tokens and logprobs equal (==) or not.
-The `scaling` part times decode steps at batch --scaling-batch with a short and a long context
-and profiles a few steps of each (kernels per step, GPU busy fraction = summed kernel time over
-wall time). The `transformers` part runs GlmMoeDsaForCausalLM.generate on the same config and
+  overlap   every case runs twice, side by side: overlapped decode on (the CUDA default: step N+1
+            staged and launched while step N runs) and off (`sync`: each step waited for); the
+            two passes' tokens and logprobs equal (==) or not (`overlap_equals_sync`).
+  compiles  each engine warms up when it is built (EngineConfig.warm_up: every decode graph, the
+            prefill shapes; `engine_start_s`); Triton kernels compiled in this process after
+            that (a jit post-compile hook: disk-cache loads count too) are `compiles_after_warm_up`,
+            with the first few kernels' signatures, and the Triton cache's file count before/after.
+The `scaling` part times decode steps at batch --scaling-batch with a short and a long context,
+overlap on and off (step = wall time of 16 consecutive steps / 16, the device synchronized at the
+end), and profiles a few steps of each (kernels per step, GPU busy fraction = summed kernel time
+over wall time). The `transformers` part runs GlmMoeDsaForCausalLM.generate on the same config and
 prompts (B x L, --hf-new-tokens new tokens) for the outside reference.
 """
 from __future__ import annotations
@@ -88,11 +96,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model, reqs: list[GenerateRequest], budget: int, max_len: int) -> Engine:
-    """An engine with room for every request of ``reqs`` at once (and its own CUDA graphs)."""
+class Compiles:
+    """Triton kernels compiled (or loaded from the disk cache) in this process, counted by the JIT's
+    post-compile hook, and the Triton cache directory's file count."""
+
+    def __init__(self):
+        self.kernels: list[str] = []
+        try:
+            import triton
+            self._knobs = triton.knobs
+            self._previous = triton.knobs.runtime.jit_post_compile_hook
+            triton.knobs.runtime.jit_post_compile_hook = self._hook
+        except (ImportError, AttributeError):      # no Triton, or one without knobs: files only
+            self._knobs = None
+
+    def _hook(self, *args, **kwargs):
+        self.kernels.append(str(kwargs.get("repr", "?"))[:160])
+        if self._previous:
+            return self._previous(*args, **kwargs)
+        return None
+
+    def cache_files(self) -> int | None:
+        import os
+        root = os.environ.get("TRITON_CACHE_DIR") or (self._knobs.cache.dir if self._knobs else None)
+        if not root or not os.path.isdir(root):
+            return None
+        return sum(len(files) for _, _, files in os.walk(root))
+
+
+COMPILES: Compiles | None = None
+
+
+def make_engine(model, reqs: list[GenerateRequest], budget: int, max_len: int, overlap: bool | None = None) -> Engine:
+    """An engine with room for every request of ``reqs`` at once (and its own CUDA graphs, warmed up on CUDA)."""
     blocks = sum(-(-(len(r.prompt_ids) + r.options.max_tokens) // 16) for r in reqs) + 64
     return Engine(model, EngineConfig(max_num_batched_tokens=budget, num_blocks=blocks, max_num_seqs=len(reqs),
-                                      max_model_len=max_len))
+                                      max_model_len=max_len, overlap_decode=overlap))
 
 
 def run_engine(eng: Engine, reqs: list[GenerateRequest]) -> dict:
@@ -141,44 +180,69 @@ def model_device(model) -> torch.device:
 def run_case(model, config: ModelConfig, b: int, l: int, g: int, args) -> dict:
     reqs = make_requests(b, l, g, config.vocab_size)
     max_len = l + g + 16
-    t0 = time.perf_counter()
-    # One engine for the case, as a server keeps one: the cold pass (other prompts of the same
-    # shapes, so the measured pass has no prefix-cache hit) compiles and captures its graphs.
-    eng = make_engine(model, reqs, args.budget, max_len)
-    cold = run_engine(eng, make_requests(b, l, g, config.vocab_size, seed=100))
-    first_call = time.perf_counter() - t0
-    r = run_engine(eng, reqs)
     prompt_tokens = b * l
     flops = (2 * active_params(config) + attention_flops_forward(config, l)) * prompt_tokens
-    row = {"case": f"{args.model_name}:{b}x{l}x{g}", "first_call_s": first_call, "wall_s": r["wall_s"],
-           "cold_end2end_tok_s": cold["generated"] / cold["wall_s"],
-           "prefill_tok_s": prompt_tokens / r["prefill_s"],
-           "prefill_mfu": flops / r["prefill_s"] / (args.peak_tflops * 1e12),
-           "decode_tok_s": r["decode_tokens"] / r["decode_s"] if r["decode_s"] else None,
-           "decode_step_median_ms": 1e3 * r["decode_step_median_s"] if r["decode_step_median_s"] else None,
-           "end2end_tok_s": r["generated"] / r["wall_s"], "generated": r["generated"]}
-    same = True
-    for req in reqs[:2]:      # alone, on the same engine: its prompt now a prefix-cache hit, as well
-        alone = run_engine(eng, [req])["outputs"][req.request_id]
-        same &= alone == r["outputs"][req.request_id]
-    row["alone_equals_batch"] = same
-    print(f"  {row['case']}: prefill {row['prefill_tok_s']:,.0f} tok/s (MFU {row['prefill_mfu']:.1%}), decode "
-          f"{row['decode_tok_s'] or 0:,.0f} tok/s (step {row['decode_step_median_ms'] or 0:.2f} ms), end-to-end "
-          f"{row['end2end_tok_s']:,.0f} tok/s, first call {first_call:.1f} s, alone==batch {same}", flush=True)
+    row: dict = {"case": f"{args.model_name}:{b}x{l}x{g}"}
+    outputs = {}
+    for mode in ("overlap", "sync"):
+        files, compiled = COMPILES.cache_files(), len(COMPILES.kernels)
+        t0 = time.perf_counter()
+        # One engine per case and mode, as a server keeps one (built = warmed up on CUDA). The
+        # overlap engine's cold pass (other prompts of the same shapes, so the measured pass has no
+        # prefix-cache hit) is the first call a fresh server sees.
+        eng = make_engine(model, reqs, args.budget, max_len, overlap=mode == "overlap")
+        _sync(model_device(model))
+        start_s = time.perf_counter() - t0
+        after_warm_up = len(COMPILES.kernels)
+        part: dict = {"engine_start_s": start_s}
+        if mode == "overlap":
+            cold = run_engine(eng, make_requests(b, l, g, config.vocab_size, seed=100))
+            part["first_call_s"] = time.perf_counter() - t0
+            part["cold_end2end_tok_s"] = cold["generated"] / cold["wall_s"]
+        r = run_engine(eng, reqs)
+        part.update({
+            "wall_s": r["wall_s"], "prefill_tok_s": prompt_tokens / r["prefill_s"],
+            "prefill_mfu": flops / r["prefill_s"] / (args.peak_tflops * 1e12),
+            "decode_tok_s": r["decode_tokens"] / r["decode_s"] if r["decode_s"] else None,
+            "decode_step_median_ms": 1e3 * r["decode_step_median_s"] if r["decode_step_median_s"] else None,
+            "end2end_tok_s": r["generated"] / r["wall_s"], "generated": r["generated"],
+            "compiles_in_warm_up": after_warm_up - compiled,
+            "compiles_after_warm_up": len(COMPILES.kernels) - after_warm_up,
+            "compiled_after_warm_up": COMPILES.kernels[after_warm_up:][:8],
+            "triton_cache_files_before_after": [files, COMPILES.cache_files()]})
+        outputs[mode] = r["outputs"]
+        if mode == "overlap":
+            same = True
+            for req in reqs[:2]:      # alone, on the same engine: its prompt now a prefix-cache hit, as well
+                alone = run_engine(eng, [req])["outputs"][req.request_id]
+                same &= alone == r["outputs"][req.request_id]
+            part["alone_equals_batch"] = same
+        row[mode] = part
+        print(f"  {row['case']} overlap {'on ' if mode == 'overlap' else 'off'}: prefill {part['prefill_tok_s']:,.0f} "
+              f"tok/s (MFU {part['prefill_mfu']:.1%}), decode {part['decode_tok_s'] or 0:,.0f} tok/s (step "
+              f"{part['decode_step_median_ms'] or 0:.2f} ms), end-to-end {part['end2end_tok_s']:,.0f} tok/s, engine start "
+              f"{start_s:.1f} s, compiles after warm-up {part['compiles_after_warm_up']}"
+              + (f", first call {part['first_call_s']:.1f} s, alone==batch {part['alone_equals_batch']}"
+                 if mode == "overlap" else ""), flush=True)
+        del eng
+        if model_device(model).type == "cuda":
+            torch.cuda.empty_cache()
+    row["overlap_equals_sync"] = outputs["overlap"] == outputs["sync"]
+    print(f"  {row['case']}: overlap on == off (tokens and logprobs): {row['overlap_equals_sync']}", flush=True)
     return row
 
 
 # ----------------------------------------------------------------------------- decode scaling with context
 
-def profile_decode(model, reqs, args, steps: int) -> dict:
-    """Decode steps of ``reqs`` after their prefill: the median step, and a profile of ``steps``
-    of them (kernels per step, summed kernel time over wall time)."""
+def profile_decode(model, reqs, args, steps: int, overlap: bool | None = None) -> dict:
+    """Decode steps of ``reqs`` after their prefill: the step time (16 consecutive steps, synchronized
+    at the end), and a profile of ``steps`` of them (kernels per step, summed kernel time over wall time)."""
     from torch.profiler import ProfilerActivity, profile
     dev = model_device(model)
     max_len = max(len(r.prompt_ids) for r in reqs) + reqs[0].options.max_tokens + 16
     blocks = sum(-(-max_len // 16) for _ in reqs) + 64
     eng = Engine(model, EngineConfig(max_num_batched_tokens=args.budget, num_blocks=blocks, max_num_seqs=len(reqs),
-                                     max_model_len=max_len))
+                                     max_model_len=max_len, overlap_decode=overlap))
     for r in reqs:
         eng.add_request(r)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
@@ -193,12 +257,12 @@ def profile_decode(model, reqs, args, steps: int) -> dict:
     prefill = _summary(p, wall, n)
     for _ in range(8):                 # past the prefill: every row decodes; graphs captured at this width
         eng.step()
-    times = []
-    for _ in range(16):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
     _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(16):
+        eng.step()
+    _sync(dev)
+    step_s = (time.perf_counter() - t0) / 16
     with profile(activities=acts) as p:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -206,7 +270,7 @@ def profile_decode(model, reqs, args, steps: int) -> dict:
         _sync(dev)
         wall = time.perf_counter() - t0
     decode = _summary(p, wall, steps)
-    return {"step_median_ms": 1e3 * statistics.median(times), **decode, "prefill_profile": prefill}
+    return {"step_ms": 1e3 * step_s, **decode, "prefill_profile": prefill}
 
 
 def _summary(p, wall: float, steps: int) -> dict:
@@ -229,15 +293,19 @@ def _summary(p, wall: float, steps: int) -> dict:
 
 
 def scaling(model, config, args) -> dict:
-    out = {}
-    for ctx in (64, args.scaling_context):
-        reqs = make_requests(args.scaling_batch, ctx, 64, config.vocab_size, seed=3)
-        out[str(ctx)] = profile_decode(model, reqs, args, steps=8)
-        print(f"  decode batch {args.scaling_batch} at context {ctx}: step {out[str(ctx)]['step_median_ms']:.2f} ms, "
-              f"{out[str(ctx)]['kernels_per_step']:.0f} kernels/step, GPU busy {out[str(ctx)]['gpu_busy'] or 0:.2f}",
-              flush=True)
-    a, b = out["64"]["step_median_ms"], out[str(args.scaling_context)]["step_median_ms"]
-    out["ratio_long_over_short"] = b / a
+    out: dict = {}
+    for mode in ("overlap", "sync"):
+        part = out[mode] = {}
+        for ctx in (64, args.scaling_context):
+            reqs = make_requests(args.scaling_batch, ctx, 64, config.vocab_size, seed=3)
+            got = part[str(ctx)] = profile_decode(model, reqs, args, steps=8, overlap=mode == "overlap")
+            print(f"  decode batch {args.scaling_batch} at context {ctx}, overlap {'on' if mode == 'overlap' else 'off'}: "
+                  f"step {got['step_ms']:.2f} ms, {got['kernels_per_step']:.0f} kernels/step, GPU busy "
+                  f"{got['gpu_busy'] or 0:.2f}; prefill before it: GPU busy {got['prefill_profile']['gpu_busy'] or 0:.2f}",
+                  flush=True)
+        part["ratio_long_over_short"] = part[str(args.scaling_context)]["step_ms"] / part["64"]["step_ms"]
+        print(f"  overlap {'on' if mode == 'overlap' else 'off'}: step at {args.scaling_context} / at 64 = "
+              f"{part['ratio_long_over_short']:.2f}", flush=True)
     return out
 
 
@@ -289,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
+    global COMPILES
+    COMPILES = Compiles()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     stamp = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -1,4 +1,6 @@
-"""CUDA graphs keep the bits: graph == eager, bucket-padded == unpadded, alone == batched.
+"""CUDA graphs keep the bits: graph == eager, bucket-padded == unpadded, alone == batched,
+overlapped decode == decode waited for; warm-up captures every decode graph and nothing
+compiles after it.
 
 GPU tier (skipped without CUDA). The model is `small`-shaped, bf16, with every layer dense
 (MoE routing still synchronizes until it is made sync-free, and a step that synchronizes
@@ -43,6 +45,7 @@ def _requests(n: int, seed: int = 0) -> list[GenerateRequest]:
 
 def _run(model, reqs, **cfg):
     cfg.setdefault("num_blocks", 512)
+    cfg.setdefault("warm_up", False)
     with K.use_backend("triton"):
         eng = Engine(model, EngineConfig(**cfg))
         outs = run_to_completion(eng, reqs)
@@ -88,10 +91,10 @@ def test_every_request_alone_equals_inside_the_batch_with_graphs(dense):
 def test_decode_step_issues_no_sync(dense):
     """The device side of a decode step reads nothing back (what lets a graph hold it)."""
     with K.use_backend("triton"):
-        eng = Engine(dense, EngineConfig(cuda_graphs=False))
+        eng = Engine(dense, EngineConfig(cuda_graphs=False, warm_up=False))
         run_to_completion(eng, _requests(4, seed=3))          # compiles kernels, caches tile tables
         key = (4, 64, (True, True))
-        eng.runner._stage([], 4, 64)
+        eng.runner._stage(None, None, 4, 64, 0)
         eng.runner._decode_step(*key)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -111,3 +114,38 @@ def test_moe_model_that_synchronizes_runs_eagerly_with_the_same_bits():
     _same(graphs_on, off)
     if eng.runner._capturable.get("triton") is False:
         assert not eng.runner._graphs
+
+
+def test_overlapped_decode_with_graphs_equals_waiting_for_each_step(dense):
+    """Step N+1 replayed before step N is read back, N's tokens handed over on the device:
+    the same tokens and logprobs as a decode that waits, with neighbours of every length."""
+    reqs = _requests(16, seed=5)
+    overlapped, eng = _run(dense, reqs, max_num_seqs=16)
+    assert eng.overlap and eng.runner._graphs
+    waited, eng2 = _run(dense, reqs, max_num_seqs=16, overlap_decode=False)
+    assert not eng2.overlap
+    _same(overlapped, waited)
+
+
+def test_warm_up_captures_every_decode_graph_and_nothing_compiles_after(dense):
+    """EngineConfig(warm_up=True): every (bucket, key width, filters) graph is captured at
+    start-up, and a mixed run (lengths, filters, batch sizes, prefill chunks) captures no graph
+    and compiles no Triton kernel after it."""
+    import triton
+    compiled = []
+    with K.use_backend("triton"):
+        eng = Engine(dense, EngineConfig(num_blocks=512, max_num_seqs=8, max_model_len=300,
+                                         max_num_batched_tokens=256, warm_up=True))
+        runner = eng.runner
+        assert len(runner._graphs) == len(runner.buckets) * len(runner.widths()) * 3
+        graphs = set(runner._graphs)
+        previous = triton.knobs.runtime.jit_post_compile_hook
+        triton.knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiled.append(k.get("repr"))
+        try:
+            reqs = _requests(12, seed=6)
+            reqs += [GenerateRequest("long", tuple(range(3, 250)), SamplingOptions(max_tokens=40, top_p=0.9))]
+            run_to_completion(eng, reqs)
+        finally:
+            triton.knobs.runtime.jit_post_compile_hook = previous
+    assert set(runner._graphs) == graphs
+    assert compiled == [], compiled[:5]

@@ -45,8 +45,8 @@ def _device_decode(engine: Engine) -> list[int]:
     runner = ModelRunner(engine.model, engine.config, engine.device, engine.max_model_len, device_decode=True)
     engine.runner = engine.scheduler.kv = runner
     sizes = []
-    decode = runner.decode
-    runner.decode = lambda rows: (sizes.append(len(rows)), decode(rows))[1]
+    launch = runner.launch
+    runner.launch = lambda batch: (sizes.append(len(batch.seqs)), launch(batch))[1]
     return sizes
 
 
@@ -101,7 +101,7 @@ def test_a_padding_only_step_writes_nothing_but_the_scratch_block(model):
     for t in (runner.cache.latent, runner.cache.rope, runner.cache.index_k):
         t.normal_()
     before = [t.clone() for t in (runner.cache.latent, runner.cache.rope, runner.cache.index_k)]
-    runner._stage([], 4, 16)
+    runner._stage(None, None, 4, 16, 0)
     with torch.no_grad():
         out = runner._decode_step(4, 16, (True, True))
     assert out.shape == (3, 4) and bool((out[2] == 1).all())

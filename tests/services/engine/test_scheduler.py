@@ -152,3 +152,23 @@ def test_fork_copies_the_partial_block_or_preempts_under_pressure():
     _run_step(sched, sched.schedule())
     assert sched.fork(s, 3) is None             # no room for 2 private blocks, nobody newer: s waits
     assert s.state is SampleState.WAITING and s.blocks == [] and runner.copies == []
+
+
+def test_a_pending_token_is_scheduled_past_and_its_last_one_is_not():
+    """Overlapped decode: a running sample with a pending token (drawn by a launched step not
+    read back yet) is scheduled for the token after it, with blocks for it; one whose pending
+    token is its last by length is left out (its token after would only be dropped)."""
+    sched, _, _ = _make(max_num_batched_tokens=16, num_blocks=64, block_size=4)
+    a = _add(sched, "a", 7, max_tokens=5)
+    b = _add(sched, "b", 7, first=20, max_tokens=5)
+    _run_step(sched, sched.schedule())           # both prompts, each draws its first token
+    for s in (a, b):
+        s.max_len = s.num_prompt + 5
+        s.num_pending = 1                         # a launched step draws the token at position 8
+    assert len(a.token_ids) == 8 and a.num_computed == 7 and len(a.blocks) == 2
+    work = sched.schedule()
+    assert [(s.request.request_id, n) for s, n in work] == [("a", 1), ("b", 1)]
+    assert len(a.blocks) == 3                     # room for position 8 (pending) and 9 (this step)
+    b.token_ids += [7, 7, 7]                      # b's pending token is its 5th and last
+    work = sched.schedule()
+    assert [s.request.request_id for s, _ in work] == ["a"]
