@@ -100,7 +100,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner, self._fail, self.stats)
         self.overlap = (cuda if config.overlap_decode is None else config.overlap_decode)
         self._inflight: _InFlight | None = None   # the launched decode step not read back yet (overlap)
-        if cuda if config.warm_up is None else config.warm_up:
+        if config.warm_up:
             self.warm_up_stats = self.runner.warm_up(config.max_num_batched_tokens)
 
     # The scheduler's and runner's state, under the names the services and tests use.

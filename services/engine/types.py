@@ -80,5 +80,7 @@ class EngineConfig:
     # also turns that path on on CPU (the same ops, eagerly). The same bits either way.
     overlap_decode: bool | None = None
     # Compile every kernel shape and capture every decode graph when the engine is built, so
-    # serving compiles nothing later (runner.warm_up). None: on CUDA only.
-    warm_up: bool | None = None
+    # serving compiles nothing later (runner.warm_up). Opt-in: it costs start-up time (on an H200,
+    # `small` at max_num_seqs 256: ~50 s), and an engine built per call (rl.ports.LocalEnginePort)
+    # would pay it every time.
+    warm_up: bool = False

@@ -131,7 +131,8 @@ def make_engine(model, reqs: list[GenerateRequest], budget: int, max_len: int, o
     """An engine with room for every request of ``reqs`` at once (and its own CUDA graphs, warmed up on CUDA)."""
     blocks = sum(-(-(len(r.prompt_ids) + r.options.max_tokens) // 16) for r in reqs) + 64
     return Engine(model, EngineConfig(max_num_batched_tokens=budget, num_blocks=blocks, max_num_seqs=len(reqs),
-                                      max_model_len=max_len, overlap_decode=overlap))
+                                      max_model_len=max_len, overlap_decode=overlap,
+                                      warm_up=model_device(model).type == "cuda"))
 
 
 def run_engine(eng: Engine, reqs: list[GenerateRequest]) -> dict:
@@ -242,7 +243,7 @@ def profile_decode(model, reqs, args, steps: int, overlap: bool | None = None) -
     max_len = max(len(r.prompt_ids) for r in reqs) + reqs[0].options.max_tokens + 16
     blocks = sum(-(-max_len // 16) for _ in reqs) + 64
     eng = Engine(model, EngineConfig(max_num_batched_tokens=args.budget, num_blocks=blocks, max_num_seqs=len(reqs),
-                                     max_model_len=max_len, overlap_decode=overlap))
+                                     max_model_len=max_len, overlap_decode=overlap, warm_up=dev.type == "cuda"))
     for r in reqs:
         eng.add_request(r)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
