@@ -72,8 +72,9 @@ elif [ "$MODE" = wave3-rl ]; then
   # with graphs, warm-up); logs straight to $FINAL_OUT, so a cut-off call still brings back what ran
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-  timeout 150 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
-    --preset small --prompts 64 --group 8 --steps 20 --half-time 35 > "$FINAL_OUT/rl-job.log" 2>&1
+  timeout ${RL_LIMIT:-150} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-35} \
+    > "$FINAL_OUT/rl-job.log" 2>&1
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout 115 python3 -m pytest -v -p no:cacheprovider -rs -m gpu -n 8 \
     --dist load tests/services/routing/test_up_gpu.py tests/services/jobs/test_jobs_bf16.py tests/services/engine \
     tests/services/inference/test_weight_sync.py tests/services/test_zero_kl_promise.py > "$FINAL_OUT/gputests.log" 2>&1
