@@ -68,6 +68,7 @@ from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, Unavailable, UnservedPin
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
 from zerokl.services.rl.ports import Sampled, sampling_seed
+from zerokl.services.trainer.checkpointing import META_STATE
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.weightstore.client import WeightStoreClient
@@ -689,7 +690,10 @@ class _TrainerSession:
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
         self._switch_fleet(manifest.version)
-        self.weights_version = self.checkpoint = manifest.version
+        self.weights_version = manifest.version
+        # The trainer's weights may be a version recorded weights only (a job that failed between checkpoints
+        # left it there): no resume point then, until this job's first step records one (_checkpoint_due).
+        self.checkpoint = manifest.version if manifest.spec.metadata.get(META_STATE) == "full" else ""
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
@@ -736,8 +740,10 @@ class _TrainerSession:
         serves by redoing the kept steps after ``resumed``."""
         chain = [self.checkpoint, *(s.version for s in self._kept)]
         if resumed not in chain:
+            since = (f"{self.checkpoint} (its newest recorded checkpoint)" if self.checkpoint else
+                     "the checkpoint of its first step (it started on a version recorded weights only)")
             raise FailedPrecondition(f"the trainer resumed from {resumed}; this job can redo its steps only from "
-                                     f"{self.checkpoint} (its newest recorded checkpoint) or a later one of its own")
+                                     f"{since} or a later one of its own")
         at = chain.index(resumed)
         redo = self._kept[at:]
         if at and not self._kept[at - 1].weights_only:
@@ -854,6 +860,9 @@ class _TrainerSession:
     def _rollback(self) -> None:
         """The trainer back on the version the fleet serves: its newest recorded checkpoint, then the kept
         steps since it redone (the served version may be recorded weights only: no resume point)."""
+        if not self.checkpoint:
+            raise FailedPrecondition("the job has no recorded checkpoint to go back to yet (it started on a version "
+                                     "recorded weights only)")
         state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
         self.trainer_step = state.step
         self._rebuild(self.checkpoint)
@@ -925,11 +934,12 @@ class _TrainerSession:
 
     def _checkpoint_due(self) -> bool:
         """Whether the step just trained records the trainer state: every ``checkpoint_every`` steps of the
-        job, its last, and the one a cancel stops it after."""
+        job, its last, the one a cancel stops it after, and its first when it started with no resume point."""
         spec = self.job.spec
         assert isinstance(spec, RLJobSpec)
         done = self.trainer_step - self.base_step
-        return done % spec.checkpoint_every == 0 or done >= spec.steps or self.job.cancel.is_set()
+        unresumable = not self.checkpoint and all(step.weights_only for step in self._kept)
+        return done % spec.checkpoint_every == 0 or done >= spec.steps or self.job.cancel.is_set() or unresumable
 
     def _train_and_publish(self, rollouts: Sequence[Rollout], group_size: int) -> None:
         """ForwardBackward(ppo) + OptimStep, then the new version shared in place and served; its metrics

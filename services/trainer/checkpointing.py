@@ -509,8 +509,11 @@ async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
     A version that exists already with exactly these files (same names and
     sha256) is the same checkpoint published before (a retried SaveWeights, or
     one repeated after a restart): its manifest is returned with created False.
-    Other contents: :class:`AlreadyExists`. An open upload of the version left
-    by a crashed trainer is dropped and the publish starts over.
+    So is a version recorded weights only whose every file is one of ours: the
+    same weights, recorded without the trainer state (an RL job's version
+    between checkpoints); its manifest says so (META_STATE "none"), and it is
+    no resume point. Other contents: :class:`AlreadyExists`. An open upload of
+    the version left by a crashed trainer is dropped and the publish starts over.
     """
     try:
         existing = await repo.manifest(version)
@@ -519,7 +522,8 @@ async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
     if existing is not None:
         ours = await asyncio.to_thread(_local_shards, src)
         theirs = {s.name: s.sha256 for s in existing.shards}
-        if ours == theirs:
+        weights_only = existing.spec.metadata.get(META_STATE) == "none"
+        if ours == theirs or weights_only and theirs.items() <= ours.items():
             return existing, False
         raise AlreadyExists(f"version {version} is already published with other contents; "
                             "name another version")

@@ -518,7 +518,7 @@ class TrainerService:
                                       "(retry SaveWeights)") from None
             self._lineage = lineage[-MAX_LINEAGE:]
             self._set_identity(self._identity.with_weights(name))
-            if not weights_only:
+            if manifest.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return manifest, created
         return await self._exclusive(work)

@@ -28,6 +28,7 @@ from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
+from zerokl.services.trainer.checkpointing import META_STATE
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.vocab import Completion, SamplingOptions
 
@@ -116,7 +117,7 @@ def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_f
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.jobs.manager import _countdown_data
     from zerokl.services.rl.loop import RLConfig, Task, run_rl
-    from zerokl.services.trainer.checkpointing import META_STATE, read_checkpoint
+    from zerokl.services.trainer.checkpointing import read_checkpoint
     from zerokl.services.trainer.trainer import TrainConfig
     from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
     from zerokl.tasks.countdown import reward
@@ -207,4 +208,44 @@ def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_jo
                     await asyncio.sleep(0.25)
                 after = await _events(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=2), "next")
                 assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+                await _an_rl_job_failing_between_checkpoints_and_the_next_one(workdir, supervisor, jobs, weights,
+                                                                             inference)
         asyncio.run(main())
+
+
+async def _an_rl_job_failing_between_checkpoints_and_the_next_one(workdir, supervisor, jobs, weights,  # noqa: ANN001
+                                                                  inference) -> None:
+    """An RL job fails (no replica for step 3's rollouts) after steps 1-2 were served and recorded weights only:
+    the trainer stays on step 2's version, which is no resume point. The next job starts there (it found
+    ALREADY_EXISTS before: its start saved the trainer state under that version's name) and records the
+    trainer state with its first step."""
+    task = CountdownTask(train_problems=100, test_problems=4)
+    spec = RLJobSpec(steps=4, countdown=task, prompts_per_step=2, group_size=4, max_tokens=10, seed=3, eval_every=0,
+                     checkpoint_every=10)
+    try:
+        submitted = await jobs.submit(spec, "doomed-rl")
+        events = []
+        async for ev in jobs.watch(submitted.job_id):
+            events.append(ev)
+            if ev.step == 2:
+                os.kill(supervisor, signal.SIGSTOP)
+                _kill(workdir, "decode-0")
+        final = events[-1].status
+        assert final.state is JobState.FAILED and final.error.startswith("FleetUnavailable:"), final
+        served = final.weights_version
+        assert served == next(ev for ev in events if ev.step == 2).weights_version
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    deadline = time.monotonic() + 90
+    while (await inference.info()).weights_version != served:
+        assert time.monotonic() < deadline, "decode-0 did not come back"
+        await asyncio.sleep(0.25)
+    assert (await weights.manifest(served)).spec.metadata[META_STATE] == "none"
+    after = await _events(jobs, RLJobSpec(steps=2, countdown=task, prompts_per_step=2, group_size=4, max_tokens=10,
+                                          seed=4, eval_every=0), "after-rl")
+    assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+    steps = [ev for ev in after if ev.step is not None]
+    assert all(ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0 for ev in steps)
+    # Its first step is a checkpoint (the job started with no resume point), and so is its last.
+    assert [ev.metrics["checkpoint"] for ev in steps] == [1.0, 1.0]
+    assert [(await weights.manifest(ev.weights_version)).spec.metadata[META_STATE] for ev in steps] == ["full"] * 2
