@@ -1,7 +1,7 @@
 """The RL step's trainer work through the trainer service vs the in-process Trainer, same rollouts (issue 37).
 
     python tools/bench/bench_rl_step.py --device cuda --dtype bfloat16 --preset small --out docs/bench
-    python tools/bench/bench_rl_step.py --device cpu --preset small --layers 2 --prompts 2 --group 4 --steps 3 \
+    python tools/bench/bench_rl_step.py --device cpu --preset small --layers 2 --prompts 2 --group 4 --steps 3 \\
         --threads 1
 
 Each step draws fresh random-length rollouts (--prompts x --group), takes their behaviour
@@ -27,7 +27,7 @@ seeds, and writes the per-step breakdown to PATH (rewritten after every step of 
 time limit still leaves the figures so far; --half-time caps each half's steps, 90 s by default,
 and the in-process half runs as many steps as the services did):
 
-    python tools/bench/bench_rl_step.py --job docs/bench/bench-rl-job-cuda-sm90.json --device cuda \
+    python tools/bench/bench_rl_step.py --job docs/bench/bench-rl-job-cuda-sm90.json --device cuda \\
         --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20
 
 - services: `zerokl up --preset P --dtype D` (weight store, one decode replica, trainer,

@@ -3,7 +3,7 @@ directly over gRPC, and the scheduler of `zerokl up`, on the same weights, reque
 
     python tools/bench/bench_serving.py                                   # small, bf16, 64 and 256 streams
     python tools/bench/bench_serving.py --preset tiny --dtype float32 --streams 8 --new-tokens 16   # CPU smoke
-    python tools/bench/bench_serving.py --no-startup --preset tiny --dtype float32 --threads 1 --streams 64,256 \
+    python tools/bench/bench_serving.py --no-startup --preset tiny --dtype float32 --threads 1 --streams 64,256 \\
         --prompt-len 16 --new-tokens 32 --alone 16         # host CPU per 1k tokens of each process, on a CPU
     python tools/bench/bench_serving.py --preset small --dtype bfloat16 --out $OUT/serving.json   # the H200 run
 
