@@ -182,7 +182,7 @@ def _call(name: str, *args):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return fast(*args)
-    if name in _OWN_GRAD and any(t.device.type in _OWN_GRAD_DEVICES for t in tensors):
+    if name in _OWN_GRAD and _own_grad_applies(*tensors):
         return _OWN_GRAD[name].apply(fast, *args)
     slow = getattr(backend_module(_grad_backend(tensors)), name)
     spec = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)

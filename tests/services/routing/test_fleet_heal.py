@@ -172,6 +172,33 @@ def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_f
     assert served.keys() == want.keys() and all(torch.equal(served[k], want[k]) for k in want)
 
 
+async def _failing_without_a_replica(jobs, spec, name: str, step: int, workdir: pathlib.Path,  # noqa: ANN001
+                                     supervisor: int) -> list:
+    """Run a job whose only decode replica is killed once ``step`` is served, its supervisor stopped meanwhile
+    (so the job finds no replica within --fleet-wait); its events, the last a FleetUnavailable failure."""
+    try:
+        submitted = await jobs.submit(spec, name)
+        events = []
+        async for ev in jobs.watch(submitted.job_id):
+            events.append(ev)
+            if ev.step == step:
+                os.kill(supervisor, signal.SIGSTOP)
+                _kill(workdir, "decode-0")
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+    final = events[-1].status
+    assert final.state is JobState.FAILED and final.error.startswith("FleetUnavailable:"), final
+    return events
+
+
+async def _serving(inference, version: str, timeout_s: float = 90) -> None:  # noqa: ANN001
+    """Wait until the fleet serves ``version`` again (decode-0 back from its restart)."""
+    deadline = time.monotonic() + timeout_s
+    while (await inference.info()).weights_version != version:
+        assert time.monotonic() < deadline, "decode-0 did not come back"
+        await asyncio.sleep(0.25)
+
+
 def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_job_runs(tmp_path, zerokl_up) -> None:
     workdir = tmp_path / "up"
     # A job waits 3 s for a replica here; decode-0 stays down longer (its supervisor is stopped meanwhile).
@@ -182,30 +209,18 @@ def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_jo
         async def main() -> None:
             async with JobsClient(scheduler) as jobs, WeightStoreClient(store) as weights, \
                     InferenceClient(scheduler) as inference:
-                try:
-                    job = await jobs.submit(SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=1), "doomed")
-                    events = []
-                    async for ev in jobs.watch(job.job_id):
-                        events.append(ev)
-                        if ev.step == 1:
-                            # Step 2 trains and saves; the switch to it finds no decode replica.
-                            os.kill(supervisor, signal.SIGSTOP)
-                            _kill(workdir, "decode-0")
-                    final = events[-1].status
-                    assert final.state is JobState.FAILED and final.error.startswith("FleetUnavailable:"), final
-                    assert "was deleted from the weight store" in final.error, final.error
-                    # The store ends at the version the fleet served; step 2's is gone.
-                    served = final.weights_version
-                    versions = [e.manifest.version for e in await weights.list()]
-                    assert versions[-1] == served and served.endswith("step000000"), (versions, served)
-                finally:
-                    os.kill(supervisor, signal.SIGCONT)
+                # Step 2 trains and saves; the switch to it finds no decode replica.
+                events = await _failing_without_a_replica(
+                    jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=1), "doomed", 1, workdir, supervisor)
+                final = events[-1].status
+                assert "was deleted from the weight store" in final.error, final.error
+                # The store ends at the version the fleet served; step 2's is gone.
+                served = final.weights_version
+                versions = [e.manifest.version for e in await weights.list()]
+                assert versions[-1] == served and served.endswith("step000000"), (versions, served)
                 # decode-0 comes back on that version, and the next job publishes
                 # step 2 anew, with other contents.
-                deadline = time.monotonic() + 90
-                while (await inference.info()).weights_version != served:
-                    assert time.monotonic() < deadline, "decode-0 did not come back"
-                    await asyncio.sleep(0.25)
+                await _serving(inference, served)
                 after = await _events(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=2), "next")
                 assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
                 await _an_rl_job_failing_between_checkpoints_and_the_next_one(workdir, supervisor, jobs, weights,
@@ -222,24 +237,10 @@ async def _an_rl_job_failing_between_checkpoints_and_the_next_one(workdir, super
     task = CountdownTask(train_problems=100, test_problems=4)
     spec = RLJobSpec(steps=4, countdown=task, prompts_per_step=2, group_size=4, max_tokens=10, seed=3, eval_every=0,
                      checkpoint_every=10)
-    try:
-        submitted = await jobs.submit(spec, "doomed-rl")
-        events = []
-        async for ev in jobs.watch(submitted.job_id):
-            events.append(ev)
-            if ev.step == 2:
-                os.kill(supervisor, signal.SIGSTOP)
-                _kill(workdir, "decode-0")
-        final = events[-1].status
-        assert final.state is JobState.FAILED and final.error.startswith("FleetUnavailable:"), final
-        served = final.weights_version
-        assert served == next(ev for ev in events if ev.step == 2).weights_version
-    finally:
-        os.kill(supervisor, signal.SIGCONT)
-    deadline = time.monotonic() + 90
-    while (await inference.info()).weights_version != served:
-        assert time.monotonic() < deadline, "decode-0 did not come back"
-        await asyncio.sleep(0.25)
+    events = await _failing_without_a_replica(jobs, spec, "doomed-rl", 2, workdir, supervisor)
+    served = events[-1].status.weights_version
+    assert served == next(ev for ev in events if ev.step == 2).weights_version
+    await _serving(inference, served)
     assert (await weights.manifest(served)).spec.metadata[META_STATE] == "none"
     after = await _events(jobs, RLJobSpec(steps=2, countdown=task, prompts_per_step=2, group_size=4, max_tokens=10,
                                           seed=4, eval_every=0), "after-rl")
