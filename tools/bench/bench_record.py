@@ -29,7 +29,6 @@ import pathlib
 import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time

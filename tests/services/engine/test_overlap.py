@@ -11,7 +11,6 @@ it with CUDA graphs (test_engine_gpu.py).
 import random
 
 import pytest
-import torch
 
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine
