@@ -368,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"meta": stamp, "cases": []}
     models: dict[str, object] = {}
 
+    def save() -> None:
+        """Rewritten after every part, so a time limit still leaves what ran."""
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+
     def get(name: str):
         if name not in models:
             models.clear()
@@ -388,16 +393,17 @@ def main(argv: list[str] | None = None) -> int:
                 except torch.cuda.OutOfMemoryError as err:
                     results["cases"].append({"case": text, "error": f"out of memory: {str(err)[:160]}"})
                     print(f"  {text}: out of memory", flush=True)
+                save()
         if "scaling" in parts:
             name = args.cases.split(",")[0].partition(":")[0]
             model, config = get(name)
             results["scaling"] = scaling(model, config, args)
+            save()
     if "transformers" in parts:
         name, b, l, g = parse_case(args.hf_shape)
         models.clear()
         results["transformers"] = transformers_generate(model_config(name, args.slice_layers), b, l, g, device)
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        save()
     return 0
 
 

@@ -78,6 +78,36 @@ elif [ "$MODE" = wave3-rl ]; then
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout 115 python3 -m pytest -v -p no:cacheprovider -rs -m gpu -n 8 \
     --dist load tests/services/routing/test_up_gpu.py tests/services/jobs/test_jobs_bf16.py tests/services/engine \
     tests/services/inference/test_weight_sync.py tests/services/test_zero_kl_promise.py > "$FINAL_OUT/gputests.log" 2>&1
+elif [ "$MODE" = wave3-a ]; then
+  # issues 37 and 32 through the product, then the GPU tests of the product path: the 20-step RL job through
+  # `zerokl up --dtype bfloat16` beside the same job in process; serving (engine / replica / scheduler,
+  # start-up cold and warm, every result == alone); zerokl up on CUDA, the bf16 fleet's RL job, in-place sync.
+  # Logs straight to $FINAL_OUT, so a cut-off call still brings back what ran.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  timeout ${RL_LIMIT:-200} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-40} \
+    > "$FINAL_OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 2
+  timeout ${SERVING_LIMIT:-190} python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 \
+    --out "$FINAL_OUT/serving.json" > "$FINAL_OUT/serving.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 2
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-160} python3 -m pytest -v -p no:cacheprovider -rs \
+    -m gpu -n 6 --dist load --durations=10 tests/services/routing/test_up_gpu.py tests/services/jobs/test_jobs_bf16.py \
+    tests/services/inference/test_weight_sync.py > "$FINAL_OUT/gputests-a.log" 2>&1
+elif [ "$MODE" = wave3-b ]; then
+  # issue 33's rollout shapes (overlap on and off, compiles after warm-up, decode at 64 vs 2,048 context),
+  # issue 35's FP8 serving and trainer ratios, then the engine's GPU tests (long contexts, graphs, overlap,
+  # warm-up) and the zero-KL promise on the device
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  timeout ${ROLLOUT_LIMIT:-270} python3 tools/bench/bench_rollout.py --parts cases,scaling \
+    --cases small:64x1024x512,small:256x1024x1024 --json "$FINAL_OUT/rollout.json" > "$FINAL_OUT/rollout.log" 2>&1
+  timeout ${FP8_LIMIT:-200} python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" \
+    > "$FINAL_OUT/fp8-serve.log" 2>&1
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-110} python3 -m pytest -v -p no:cacheprovider -rs \
+    -m gpu -n 6 --dist loadfile --durations=10 tests/services/engine tests/services/test_zero_kl_promise.py \
+    > "$FINAL_OUT/gputests-b.log" 2>&1
 elif [ "$MODE" = wave3-fp8 ]; then
   # issue 35's proof run: the two FP8 arms on `small`, 100 steps from the bf16 run's SFT recipe (docs/rl.md),
   # one command; beside it (timings not taken) the whole GPU test tier on the same device
