@@ -108,6 +108,19 @@ elif [ "$MODE" = wave3-b ]; then
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-110} python3 -m pytest -v -p no:cacheprovider -rs \
     -m gpu -n 6 --dist loadfile --durations=10 tests/services/engine tests/services/test_zero_kl_promise.py \
     > "$FINAL_OUT/gputests-b.log" 2>&1
+elif [ "$MODE" = wave3-c ]; then
+  # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
+  # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+  timeout ${RL_LIMIT:-260} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-90} \
+    > "$FINAL_OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 2
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-100} python3 -m pytest -v -p no:cacheprovider -rs \
+    -m gpu -n 4 --dist loadfile --durations=10 tests/services/engine > "$FINAL_OUT/gputests-c.log" 2>&1
+  timeout ${FP8_LIMIT:-200} python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" \
+    > "$FINAL_OUT/fp8-serve.log" 2>&1
 elif [ "$MODE" = wave3-fp8 ]; then
   # issue 35's proof run: the two FP8 arms on `small`, 100 steps from the bf16 run's SFT recipe (docs/rl.md),
   # one command; beside it (timings not taken) the whole GPU test tier on the same device
