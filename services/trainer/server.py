@@ -53,6 +53,7 @@ from zerokl.services.trainer.checkpointing import (
     find_resume_point,
     load_serving_model,
     read_checkpoint,
+    segment_index,
 )
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
@@ -206,7 +207,8 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
         if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
             lineage.append(LineageEntry(manifest.version, trainer.step))
         identity = make_identity(trainer.model, manifest.version, args.replica_id)
-        service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits)
+        service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits,
+                                 segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "")
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)

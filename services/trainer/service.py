@@ -61,6 +61,8 @@ from zerokl.services.trainer.checkpointing import (
     CheckpointSnapshot,
     publish_checkpoint,
     read_checkpoint,
+    run_segment,
+    segment_index,
     snapshot_checkpoint,
     write_checkpoint,
     write_snapshot,
@@ -206,11 +208,14 @@ class TrainerService:
     """
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
-                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits()) -> None:
+                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "") -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
+        if segment and segment_index(run, segment) is None:
+            raise ValueError(f"{segment!r} is not a segment of run {run!r}")
         self.repo = repo
-        self.run = run
+        self.run = run                      # the job's name (--run): pins and resume look at all its segments
+        self.segment = segment or run       # what versions are published under now (checkpointing.run_segment)
         self.limits = limits
         self._trainer = trainer
         self._lineage = list(lineage)[-MAX_LINEAGE:]
@@ -488,7 +493,7 @@ class TrainerService:
                 raise FailedPrecondition(
                     f"{self._accumulated} ForwardBackward batch(es) are accumulated but not applied: a resume point "
                     "is a step boundary (call OptimStep first, or publish weights_only)")
-            name = version or default_version(self.run, trainer.step)
+            name = version or default_version(self.segment, trainer.step)
             validate_version(name, "version")
             entry = LineageEntry(name, trainer.step)
             # A repeat of the save that made the current base writes the same files (same lineage).
@@ -501,11 +506,11 @@ class TrainerService:
                 parent_version=parent, step=trainer.step, numerics_version=self._identity.numerics_version,
                 numerics_fingerprint=self._identity.numerics_fingerprint,
                 model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
-                metadata={**metadata, META_RUN: self.run, META_STATE: "none" if weights_only else "full"})
+                metadata={**metadata, META_RUN: self.segment, META_STATE: "none" if weights_only else "full"})
             if share:
                 return await self._share(trainer, name, lineage, spec, weights_only)
             with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
-                await self._compute(write_checkpoint, trainer, tmp, run=self.run, lineage=lineage,
+                await self._compute(write_checkpoint, trainer, tmp, run=self.segment, lineage=lineage,
                                     weights_only=weights_only)
                 try:
                     manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
@@ -541,7 +546,7 @@ class TrainerService:
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.run, lineage=lineage,
+        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
                                        weights_only=weights_only, serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
@@ -622,6 +627,18 @@ class TrainerService:
             return
         self._pinned = version
 
+    async def _fresh_segment(self) -> str:
+        """The segment a trainer reset to step 0 publishes under: the current one while nothing of the run
+        holds a step past 0 under it (published, being recorded, or this trainer's lineage), else the run's
+        next. Without it a second job with its own hyperparameters would name its step 1 as the first
+        job's step 1 (ALREADY_EXISTS), and a restart would resume the first job's newest checkpoint."""
+        used = {segment_index(self.run, m.spec.metadata.get(META_RUN, ""))
+                for m in await self.repo.manifests() if m.spec.step}
+        if self._records or any(entry.step for entry in self._lineage):
+            used.add(segment_index(self.run, self.segment))
+        used.discard(None)
+        return run_segment(self.run, max(used) + 1) if used else self.segment
+
     async def load_weights(self, version: str, restore_state: bool = False,
                            config: TrainConfig | None = None) -> TrainerState:
         """Switch to a published version (``latest`` names the newest); pending gradients are dropped.
@@ -643,6 +660,11 @@ class TrainerService:
             for export in self._exports.values():
                 export.close()
             self._exports.clear()
+            if restore_state:
+                if segment_index(self.run, ckpt.run) is not None:
+                    self.segment = ckpt.run      # its steps continue the segment they were saved in
+            else:
+                self.segment = await self._fresh_segment()
             lineage = ckpt.lineage if restore_state else []
             if not lineage or lineage[-1] != LineageEntry(manifest.version, trainer.step):
                 lineage.append(LineageEntry(manifest.version, trainer.step))

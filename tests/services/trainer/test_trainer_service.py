@@ -357,6 +357,20 @@ def test_save_weights_publishes_a_version_with_manifest_and_state(tmp_path: path
             assert (await client.load_weights("job-light", config=other)).config == other
             assert (await client.get_state()).config == other
             assert (await _status(client.load_weights("no-such-version"))).code() is grpc.StatusCode.NOT_FOUND
+            # Its steps publish under the run's next segment: job-step000001 is already the first one's step 1.
+            await client.forward_backward("sft", data)
+            await client.optim_step()
+            second, created = await client.save_weights()
+            assert created and second.version == "job.2-step000001"
+            assert second.spec.metadata["zerokl.run"] == "job.2"
+
+        # A restart resumes the run's newest segment (job.2 at step 1), not the highest step of any segment.
+        async with trainer_server(tmp_path / "w", "--run", "job") as (client, _):
+            state = await client.get_state()
+            assert (state.step, state.weights_version, state.config) == (1, "job.2-step000001", other)
+            await client.forward_backward("sft", data)
+            await client.optim_step()
+            assert (await client.save_weights())[0].version == "job.2-step000002"
 
         # A new trainer started from a published version (--init VERSION) serves exactly its weights.
         async with trainer_server(tmp_path / "w", "--run", "other", "--init", "job-step000001") as (client, svc):
