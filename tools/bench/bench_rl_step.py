@@ -280,6 +280,12 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
                 if ev.step is not None:
                     rows.append({"step": ev.step, "weights_version": ev.weights_version, **ev.metrics})
                     m = ev.metrics
+                    if len(rows) == 1:
+                        # Submit -> step 1's event, less step 1 itself: the job's start (publishing the trainer's
+                        # weights, switching the fleet to them) and the job's queueing.
+                        rows[0]["job_start_s"] = time.monotonic() - started - sum(
+                            m.get(k, 0.0) for k in ("rollout_s", "train_s", "sync_s", "record_wait_s"))
+                        print(f"services: the job's start took {rows[0]['job_start_s']:.1f} s", flush=True)
                     print(f"service step {ev.step}: rollout {m['rollout_s']:.2f} s train {m['train_s']:.2f} s "
                           f"sync {m['sync_s']:.3f} s (export {m.get('sync_export_s', 0):.3f} s, switch "
                           f"{m.get('sync_switch_s', 0):.3f} s; {m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
@@ -364,6 +370,7 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
         "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens},
+        "job_start_s": service[0].get("job_start_s") if service else None,
         "service_steps": [{k: r.get(k) for k in ("step", *_KEYS)} for r in service],
         "in_process_steps": [{k: r.get(k) for k in ("step", *_KEYS)} for r in local],
         "kl_all_zero": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in service),

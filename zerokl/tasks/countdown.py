@@ -28,6 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from math import gcd
 
 __all__ = [
     "DEMO_PROBLEMS",
@@ -70,15 +71,14 @@ class Problem:
 _ATOM, _MUL, _ADD = 3, 2, 1  # precedence levels, used to print minimal parentheses
 _OPS = (("+", _ADD), ("-", _ADD), ("*", _MUL), ("/", _MUL))
 
-
-def _apply(op: str, a: Fraction, b: Fraction) -> Fraction | None:
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    return None if b == 0 else a / b
+# The solver's values are exact rationals as reduced (numerator, denominator > 0) int pairs, and each
+# value keeps the length of its shortest expression and how it was made, its text built only for the
+# value asked for: Fraction's arithmetic and hashing and a string per candidate made generating a
+# job's 20,000 problems take ~30 s. Same values, same candidates in the same order, same shortest
+# expression (the first found among equal lengths), so the same problems as before.
+_Value = tuple[int, int]
+# length, precedence, then how it was made: (op, left mask, left value, right mask, right value), or None
+_Entry = tuple[int, int, "tuple[str, int, _Value, int, _Value] | None"]
 
 
 def _join(op: str, prec: int, left: tuple[str, int], right: tuple[str, int]) -> str:
@@ -93,18 +93,18 @@ def _join(op: str, prec: int, left: tuple[str, int], right: tuple[str, int]) -> 
     return f"{ltext}{op}{rtext}"
 
 
-def _reachable(numbers: Sequence[int]) -> dict[Fraction, tuple[str, int]]:
-    """Every value an expression using all of `numbers` exactly once can take, each
-    with its shortest expression (text, precedence).
+def _solve_all(numbers: Sequence[int]) -> list[dict[_Value, _Entry]]:
+    """For every subset of `numbers` (as a bitmask), every value an expression using
+    all of that subset exactly once can take, with its shortest expression's length.
 
-    Dynamic programming over subsets (as bitmasks): a subset's values are every
-    op applied to a value of one part and a value of the complementary part. A
-    submask is always smaller than its mask, so ascending order fills parts first.
+    Dynamic programming over subsets: a subset's values are every op applied to a
+    value of one part and a value of the complementary part. A submask is always
+    smaller than its mask, so ascending order fills parts first.
     """
     k = len(numbers)
-    table: list[dict[Fraction, tuple[str, int]]] = [{} for _ in range(1 << k)]
+    table: list[dict[_Value, _Entry]] = [{} for _ in range(1 << k)]
     for i, x in enumerate(numbers):
-        table[1 << i] = {Fraction(x): (str(x), _ATOM)}
+        table[1 << i] = {(x, 1): (len(str(x)), _ATOM, None)}
     for mask in range(1, 1 << k):
         if mask & (mask - 1) == 0:  # single number, seeded above
             continue
@@ -115,16 +115,40 @@ def _reachable(numbers: Sequence[int]) -> dict[Fraction, tuple[str, int]]:
             for op, prec in _OPS:
                 if op in "+*" and sub > other:  # commutative: each unordered split once
                     continue
-                for a, ea in table[sub].items():
-                    for b, eb in table[other].items():
-                        value = _apply(op, a, b)
-                        if value is None:
+                right_paren_at = prec + 1 if op in "-/" else prec   # right side parenthesized below this
+                for a, (la, pa, _) in table[sub].items():
+                    la += 2 if pa < prec else 0
+                    an, ad = a
+                    for b, (lb, pb, _) in table[other].items():
+                        bn, bd = b                 # a op b, exact, inlined (a call per pair doubled the time)
+                        if op == "+":
+                            n, d = an * bd + bn * ad, ad * bd
+                        elif op == "-":
+                            n, d = an * bd - bn * ad, ad * bd
+                        elif op == "*":
+                            n, d = an * bn, ad * bd
+                        elif bn == 0:
                             continue
-                        text = _join(op, prec, ea, eb)
-                        if value not in best or len(text) < len(best[value][0]):
-                            best[value] = (text, prec)
+                        else:
+                            n, d = (an * bd, ad * bn) if bn > 0 else (-an * bd, -ad * bn)
+                        g = gcd(n, d)
+                        value = (n // g, d // g)
+                        length = la + 1 + lb + (2 if pb < right_paren_at else 0)
+                        held = best.get(value)
+                        if held is None or length < held[0]:
+                            best[value] = (length, prec, (op, sub, a, other, b))
             sub = (sub - 1) & mask
-    return table[-1]
+    return table
+
+
+def _text(table: list[dict[_Value, _Entry]], mask: int, value: _Value) -> str:
+    """The shortest expression of `value` over the subset `mask`."""
+    _, _, made = table[mask][value]
+    if made is None:
+        return str(value[0])
+    op, sub, a, other, b = made
+    return _join(op, table[mask][value][1], (_text(table, sub, a), table[sub][a][1]),
+                 (_text(table, other, b), table[other][b][1]))
 
 
 def solve(numbers: Sequence[int], target: int) -> str | None:
@@ -132,8 +156,8 @@ def solve(numbers: Sequence[int], target: int) -> str | None:
     `target` (the shortest one found), or None if there is none."""
     if not numbers:
         return None
-    found = _reachable(numbers).get(Fraction(target))
-    return None if found is None else found[0]
+    table = _solve_all(numbers)
+    return _text(table, len(table) - 1, (target, 1)) if (target, 1) in table[-1] else None
 
 
 # ---------------------------------------------------------------------------
@@ -181,12 +205,8 @@ def generate_problems(
         if len(problems) == n:
             break
         numbers = tuple(rng.randint(*num_range) for _ in range(rng.randint(*n_numbers)))
-        reachable = _reachable(numbers)
-        targets = sorted(
-            int(v)
-            for v in reachable
-            if v.denominator == 1 and lo <= v <= hi and split_of(numbers, int(v)) == split
-        )
+        table = _solve_all(numbers)
+        targets = sorted(n for n, d in table[-1] if d == 1 and lo <= n <= hi and split_of(numbers, n) == split)
         if not targets:
             continue
         target = rng.choice(targets)
@@ -194,7 +214,7 @@ def generate_problems(
         if key in seen:
             continue
         seen.add(key)
-        problems.append(Problem(numbers, target, reachable[Fraction(target)][0]))
+        problems.append(Problem(numbers, target, _text(table, len(table) - 1, (target, 1))))
     if len(problems) < n:
         raise ValueError(f"found only {len(problems)} of {n} distinct {split} problems")
     return problems
