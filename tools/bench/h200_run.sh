@@ -113,7 +113,7 @@ elif [ "$MODE" = wave3-c ]; then
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
-  timeout ${RL_LIMIT:-260} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+  timeout ${RL_LIMIT:-240} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
     --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-90} \
     > "$FINAL_OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)" ; sleep 2
