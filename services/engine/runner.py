@@ -29,6 +29,8 @@ decode shape and runs the general path's shapes before the first request.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import struct
 from dataclasses import dataclass
@@ -132,6 +134,20 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     out: torch.Tensor        # [3, bucket] int64: tokens, logprob bits, ok
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """The cycle collector off for a capture: collecting an unreachable CUDA graph (of an engine dropped
+    earlier, held in a reference cycle) destroys it mid-capture, which invalidates the capture
+    (cudaErrorStreamCaptureInvalidated; seen on the H200 when a test built engine after engine)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class ModelRunner:
@@ -406,7 +422,7 @@ class ModelRunner:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._decode_step(*key)
         except Exception as err:  # noqa: BLE001 - a step that synchronizes (or any capture failure): run eagerly
             if "CUDA error" in str(err):
