@@ -120,7 +120,7 @@ def _solve_all(numbers: Sequence[int]) -> list[dict[_Value, _Entry]]:
                     la += 2 if pa < prec else 0
                     an, ad = a
                     for b, (lb, pb, _) in table[other].items():
-                        bn, bd = b                 # a op b, exact, inlined (a call per pair doubled the time)
+                        bn, bd = b                 # a op b, exact, inlined (a call per pair: +15% time)
                         if op == "+":
                             n, d = an * bd + bn * ad, ad * bd
                         elif op == "-":
