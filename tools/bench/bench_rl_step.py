@@ -459,7 +459,47 @@ def job_main(args: argparse.Namespace) -> None:
               "included)", flush=True)
     result = write()
     print_job_table(result)
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plot_job(result, out.with_suffix(".png")) else ""))
+
+
+def plot_job(result: dict, path: pathlib.Path) -> bool:
+    """The per-step breakdown as stacked bars, the service's step beside the in-process one's
+    (rollout, train, sync, record wait), KL in the title. False without matplotlib or steps."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    service, local = result.get("service_steps") or [], result.get("in_process_steps") or []
+    if not service:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(service) + 2), 4.2))
+    parts = (("rollout_s", "rollout", "tab:blue"), ("train_s", "train", "tab:orange"),
+             ("sync_s", "sync", "tab:green"), ("record_wait_s", "record wait", "tab:red"))
+    for offset, rows, hatch in ((-0.2, service, ""), (0.2, local, "//")):
+        bottom = [0.0] * len(rows)
+        steps = [r["step"] + offset for r in rows]
+        for key, label, color in parts:
+            heights = [r.get(key) or 0.0 for r in rows]
+            if not any(heights):
+                continue
+            ax.bar(steps, heights, 0.38, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
+                   label=label if rows is service else None)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xticks([r["step"] for r in service])
+    ax.set_xlabel("RL step (left bar: through `zerokl up`; right, hatched: in process)")
+    ax.set_ylabel("seconds")
+    top = sorted(sum(r.get(k) or 0.0 for k, *_ in parts) for r in service + local)
+    ax.set_ylim(0, top[int(0.9 * (len(top) - 1))] * 1.6)       # step 1 (compiles) and outliers run off the top
+    ax.legend(fontsize=8, loc="upper right")
+    kl = "KL 0.0 every step" if result.get("kl_all_zero") and result.get("in_process_kl_all_zero") else "KL != 0"
+    ax.set_title(f"RL job, {result.get('preset')} {result.get('dtype')}, {result.get('device')}, "
+                 f"{result.get('commit')}: {kl}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
@@ -501,7 +541,15 @@ def main() -> None:
                    help="--job: seconds each half's steps may take (the fleet's start and the model's load aside); "
                         "past them the half stops after its current step, and the in-process half runs as many "
                         "steps as the services did (0: no cap; default %(default)s)")
+    p.add_argument("--plot-only", default=None, metavar="JSON",
+                   help="draw a --job JSON's per-step breakdown to the same path with .png, and exit")
     args = p.parse_args()
+    if args.plot_only:
+        src = pathlib.Path(args.plot_only)
+        if not plot_job(json.loads(src.read_text()), src.with_suffix(".png")):
+            raise SystemExit(f"{src}: no steps to plot, or no matplotlib")
+        print(f"wrote {src.with_suffix('.png')}")
+        return
     if args.job:
         job_main(args)
         return
