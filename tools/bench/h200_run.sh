@@ -15,6 +15,18 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 G1=$(( NGPU > 1 ? 1 : 0 ))
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+# The services' wheels the image lacks (tools/device_wheels.sh -> .whl/), beside the image's packages.
+device_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+}
+# Issue 37's RL job: 20 steps through `zerokl up --dtype bfloat16`, then the same job in process; $1: time limit
+rl_job() {
+  timeout "$1" python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-90} \
+    > "$FINAL_OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 2     # a fleet a time limit left behind
+}
 if [ "$MODE" = zerokl ]; then
   if ls .whl/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -48,47 +60,13 @@ elif [ "$MODE" = numerics3 ]; then
     tests/kernels/model/test_fp8_model.py tests/kernels/model/test_parity.py -k "fp8 or golden" > "$OUT/fp8tests.log" 2>&1
   timeout 100 python3 tools/bench/bench_fp8.py --json "$FINAL_OUT/fp8-linear.json" > "$OUT/fp8bench.log" 2>&1
   wait
-elif [ "$MODE" = wave3-services ]; then
-  # issues 32 and 37 through the product: serving (engine / replica / scheduler, start-up) and an
-  # RL job of 20 steps through `zerokl up --dtype bfloat16` beside the same job in process
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-  lscpu | grep -E "Model name|^CPU\(s\)" > "$OUT/host.log"
-  timeout 290 python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 --out "$FINAL_OUT/serving.json" \
-    > "$OUT/serving.log" 2>&1
-  timeout 200 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
-    --preset small --prompts 64 --group 8 --steps 20 --half-time 60 > "$OUT/rl-job.log" 2>&1
-elif [ "$MODE" = wave3-engine ]; then
-  # issue 33's rollout shapes (overlap on and off, compiles after warm-up), then the GPU tier's services part
-  # (the product path through `zerokl up`, the RL job on a bf16 fleet, CUDA graphs with overlap, warm-up)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-  timeout 150 python3 tools/bench/bench_rollout.py --parts cases,scaling --cases small:64x1024x512 \
-    --json "$FINAL_OUT/rollout.json" > "$OUT/rollout.log" 2>&1
-  OUT=$OUT timeout 190 bash tools/gpu_tier.sh services > "$OUT/gputier.log" 2>&1
-elif [ "$MODE" = wave3-rl ]; then
-  # issue 37's RL job through `zerokl up --dtype bfloat16` beside the same job in process, then the GPU
-  # tests of the product path (zerokl up on CUDA, the bf16 fleet's RL job, in-place sync, overlapped decode
-  # with graphs, warm-up); logs straight to $FINAL_OUT, so a cut-off call still brings back what ran
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-  timeout ${RL_LIMIT:-150} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
-    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-35} \
-    > "$FINAL_OUT/rl-job.log" 2>&1
-  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout 115 python3 -m pytest -v -p no:cacheprovider -rs -m gpu -n 8 \
-    --dist load tests/services/routing/test_up_gpu.py tests/services/jobs/test_jobs_bf16.py tests/services/engine \
-    tests/services/inference/test_weight_sync.py tests/services/test_zero_kl_promise.py > "$FINAL_OUT/gputests.log" 2>&1
 elif [ "$MODE" = wave3-a ]; then
   # issues 37 and 32 through the product, then the GPU tests of the product path: the 20-step RL job through
   # `zerokl up --dtype bfloat16` beside the same job in process; serving (engine / replica / scheduler,
   # start-up cold and warm, every result == alone); zerokl up on CUDA, the bf16 fleet's RL job, in-place sync.
   # Logs straight to $FINAL_OUT, so a cut-off call still brings back what ran.
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-  timeout ${RL_LIMIT:-200} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
-    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-40} \
-    > "$FINAL_OUT/rl-job.log" 2>&1
-  pkill -f -- "-m zerokl (up|serve)" ; sleep 2
+  device_wheels
+  rl_job ${RL_LIMIT:-240}
   timeout ${SERVING_LIMIT:-190} python3 tools/bench/bench_serving.py --preset small --dtype bfloat16 \
     --out "$FINAL_OUT/serving.json" > "$FINAL_OUT/serving.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)" ; sleep 2
@@ -99,8 +77,7 @@ elif [ "$MODE" = wave3-b ]; then
   # issue 33's rollout shapes (overlap on and off, compiles after warm-up, decode at 64 vs 2,048 context),
   # issue 35's FP8 serving and trainer ratios, then the engine's GPU tests (long contexts, graphs, overlap,
   # warm-up) and the zero-KL promise on the device
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  device_wheels
   timeout ${ROLLOUT_LIMIT:-270} python3 tools/bench/bench_rollout.py --parts cases,scaling \
     --cases small:64x1024x512,small:256x1024x1024 --json "$FINAL_OUT/rollout.json" > "$FINAL_OUT/rollout.log" 2>&1
   timeout ${FP8_LIMIT:-200} python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" \
@@ -111,12 +88,8 @@ elif [ "$MODE" = wave3-b ]; then
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-  timeout ${RL_LIMIT:-240} python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
-    --dtype bfloat16 --preset small --prompts 64 --group 8 --steps 20 --half-time ${HALF_TIME:-90} \
-    > "$FINAL_OUT/rl-job.log" 2>&1
-  pkill -f -- "-m zerokl (up|serve)" ; sleep 2
+  device_wheels
+  rl_job ${RL_LIMIT:-240}
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-100} python3 -m pytest -v -p no:cacheprovider -rs \
     -m gpu -n 4 --dist loadfile --durations=10 tests/services/engine > "$FINAL_OUT/gputests-c.log" 2>&1
   timeout ${FP8_LIMIT:-200} python3 tools/bench/bench_fp8_serve.py --json "$FINAL_OUT/fp8-serve.json" \
@@ -124,8 +97,7 @@ elif [ "$MODE" = wave3-c ]; then
 elif [ "$MODE" = wave3-fp8 ]; then
   # issue 35's proof run: the two FP8 arms on `small`, 100 steps from the bf16 run's SFT recipe (docs/rl.md),
   # one command; beside it (timings not taken) the whole GPU test tier on the same device
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  device_wheels
   ( OUT=$OUT timeout 560 bash tools/gpu_tier.sh all > "$OUT/gputier.log" 2>&1 ) &
   TRITON_CACHE_DIR=$PWD/runs/triton-cache timeout 580 python3 -m zerokl experiment countdown --preset small \
     --difficulty demo --lr 1e-05 --arms zerokl-fp8,mismatch-fp8 --steps 100 --device cuda --dtype bfloat16 \
