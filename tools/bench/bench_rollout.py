@@ -29,7 +29,11 @@ device->host copy):
 The `scaling` part times decode steps at batch --scaling-batch with a short and a long context,
 overlap on and off (step = wall time of 16 consecutive steps / 16, the device synchronized at the
 end), and profiles a few steps of each (kernels per step, GPU busy fraction = summed kernel time
-over wall time). The `transformers` part runs GlmMoeDsaForCausalLM.generate on the same config and
+over wall time). The `mixed` part is target 4's count: one engine, built and warmed up as a server
+is, then --mixed-seconds of requests of mixed lengths (prompts 16..--mixed-max-prompt tokens, answers
+1..--mixed-max-new tokens, up to --mixed-in-flight at once, a new one admitted whenever one ends)
+stepped without pause: Triton compiles after the warm-up counted, with a progress line every 30 s.
+The `transformers` part runs GlmMoeDsaForCausalLM.generate on the same config and
 prompts (B x L, --hf-new-tokens new tokens) for the outside reference.
 """
 from __future__ import annotations
@@ -310,6 +314,59 @@ def scaling(model, config, args) -> dict:
     return out
 
 
+# ----------------------------------------------------------------------------- mixed lengths: compiles after start-up
+
+def mixed(model, config: ModelConfig, args) -> dict:
+    """Target 4: compiles after the warm-up over --mixed-seconds of mixed-length traffic on one engine."""
+    rng = random.Random(7)
+    max_len = args.mixed_max_prompt + args.mixed_max_new + 16
+    blocks = args.mixed_in_flight * (-(-max_len // 16)) + 64
+    t0 = time.perf_counter()
+    before = len(COMPILES.kernels)
+    eng = Engine(model, EngineConfig(max_num_batched_tokens=args.budget, num_blocks=blocks,
+                                     max_num_seqs=args.mixed_in_flight, max_model_len=max_len,
+                                     warm_up=model_device(model).type == "cuda"))
+    _sync(model_device(model))
+    start_s = time.perf_counter() - t0
+    after_warm_up = len(COMPILES.kernels)
+    n = done = generated = steps = 0
+    prompt_lengths: list[int] = []
+
+    def submit() -> None:
+        nonlocal n
+        length = rng.randint(16, args.mixed_max_prompt)
+        prompt_lengths.append(length)
+        eng.add_request(GenerateRequest(f"m{n}", tuple(rng.randrange(3, config.vocab_size) for _ in range(length)),
+                                        SamplingOptions(temperature=1.0, seed=n, ignore_eos=True,
+                                                        max_tokens=rng.randint(1, args.mixed_max_new))))
+        n += 1
+
+    for _ in range(args.mixed_in_flight):
+        submit()
+    start = last_print = time.perf_counter()
+    while time.perf_counter() - start < args.mixed_seconds:
+        for d in eng.step():
+            generated += len(d.token_ids)
+            if d.finished:
+                done += 1
+                submit()
+        steps += 1
+        if time.perf_counter() - last_print >= 30:
+            last_print = time.perf_counter()
+            print(f"  mixed: {last_print - start:.0f} s, {steps} steps, {done} requests done, {generated:,} tokens, "
+                  f"compiles after warm-up {len(COMPILES.kernels) - after_warm_up}", flush=True)
+    wall = time.perf_counter() - start
+    row = {"seconds": wall, "engine_start_s": start_s, "compiles_in_warm_up": after_warm_up - before,
+           "compiles_after_warm_up": len(COMPILES.kernels) - after_warm_up,
+           "compiled_after_warm_up": COMPILES.kernels[after_warm_up:][:8], "steps": steps, "requests_done": done,
+           "generated": generated, "tok_s": generated / wall, "prompt_len_min_max": [min(prompt_lengths), max(prompt_lengths)],
+           "in_flight": args.mixed_in_flight}
+    print(f"  mixed lengths for {wall:.0f} s: {done} requests, {generated:,} tokens, compiles after warm-up "
+          f"{row['compiles_after_warm_up']} (warm-up compiled {row['compiles_in_warm_up']} in {start_s:.1f} s)", flush=True)
+    del eng
+    return row
+
+
 # ----------------------------------------------------------------------------- transformers beside it
 
 def transformers_generate(config: ModelConfig, b: int, l: int, new_tokens: int, device: str) -> dict:
@@ -347,11 +404,15 @@ def transformers_generate(config: ModelConfig, b: int, l: int, new_tokens: int, 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=DEFAULT_CASES, help="comma list of MODEL:BxLxG")
-    ap.add_argument("--parts", default="cases,scaling,transformers", help="comma list of: cases, scaling, transformers")
+    ap.add_argument("--parts", default="cases,scaling,transformers", help="comma list of: cases, scaling, mixed, transformers")
     ap.add_argument("--budget", type=int, default=8192, help="tokens per engine step")
     ap.add_argument("--slice-layers", type=int, default=4, help="layers of the GLM-5 slice")
     ap.add_argument("--scaling-batch", type=int, default=64)
     ap.add_argument("--scaling-context", type=int, default=2048)
+    ap.add_argument("--mixed-seconds", type=float, default=600.0, help="length of the mixed part's run")
+    ap.add_argument("--mixed-max-prompt", type=int, default=4096)
+    ap.add_argument("--mixed-max-new", type=int, default=1024)
+    ap.add_argument("--mixed-in-flight", type=int, default=64)
     ap.add_argument("--hf-shape", default="small:64x1024x32", help="transformers' case, MODEL:BxLxG")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H200: 989)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -398,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             name = args.cases.split(",")[0].partition(":")[0]
             model, config = get(name)
             results["scaling"] = scaling(model, config, args)
+            save()
+        if "mixed" in parts:
+            model, config = get(args.cases.split(",")[0].partition(":")[0])
+            results["mixed"] = mixed(model, config, args)
             save()
     if "transformers" in parts:
         name, b, l, g = parse_case(args.hf_shape)
