@@ -58,21 +58,22 @@ class _FusedLogprobs(torch.autograd.Function):
     """Chunked head + sampling logprobs; the backward recomputes each chunk (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, head, params, chunk, hidden, targets, *weights):
-        ctx.head, ctx.params, ctx.chunk, ctx.weights = head, params, chunk, weights
+    def forward(ctx, head, params, filters, chunk, hidden, targets, *weights):
+        ctx.head, ctx.params, ctx.filters, ctx.chunk, ctx.weights = head, params, filters, chunk, weights
         ctx.save_for_backward(hidden, targets)
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
-            out[start:end] = sampling_logprobs(head(hidden[start:end]), targets[start:end], _rows(params, start, end))
+            out[start:end] = sampling_logprobs(head(hidden[start:end]), targets[start:end], _rows(params, start, end),
+                                               filters)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, targets = ctx.saved_tensors
-        need_hidden = ctx.needs_input_grad[3]
-        weights = [w for w, need in zip(ctx.weights, ctx.needs_input_grad[5:]) if need]
+        need_hidden = ctx.needs_input_grad[4]
+        weights = [w for w, need in zip(ctx.weights, ctx.needs_input_grad[6:]) if need]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulators, summed chunk by chunk in ascending order, rounded once at the end.
         acc = [torch.zeros(w.shape, dtype=torch.float32, device=w.device) for w in weights]
@@ -81,7 +82,7 @@ class _FusedLogprobs(torch.autograd.Function):
             end = min(n, start + chunk)
             h = hidden[start:end].detach().requires_grad_(need_hidden)
             with torch.enable_grad():
-                lp = sampling_logprobs(ctx.head(h), targets[start:end], _rows(ctx.params, start, end))
+                lp = sampling_logprobs(ctx.head(h), targets[start:end], _rows(ctx.params, start, end), ctx.filters)
             wrt = ([h] if need_hidden else []) + weights
             grads = list(torch.autograd.grad(lp, wrt, grad_out[start:end], allow_unused=True))
             if need_hidden:
@@ -91,20 +92,22 @@ class _FusedLogprobs(torch.autograd.Function):
                 if g is not None:
                     a.add_(g.float())
         got = iter(a.to(w.dtype) for a, w in zip(acc, weights))
-        grad_weights = tuple(next(got) if need else None for need in ctx.needs_input_grad[5:])
-        return (None, None, None, grad_hidden, None) + grad_weights
+        grad_weights = tuple(next(got) if need else None for need in ctx.needs_input_grad[6:])
+        return (None, None, None, None, grad_hidden, None) + grad_weights
 
 
 def fused_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
                    weights: Sequence[torch.Tensor], targets: torch.Tensor, params: SamplingParams,
-                   chunk_rows: int | None = None) -> torch.Tensor:
+                   chunk_rows: int | None = None, filters: tuple[bool, bool] | None = None) -> torch.Tensor:
     """Logprob [N] (fp32) of targets [N] under each row's sampling distribution of head(hidden).
 
     hidden [N, D]: the rows whose next token is scored (e.g. the residual stream before the
     final norm); head maps rows [C, D] -> logits [C, V] row by row; weights: every tensor
     head reads that may need a gradient (gradients reach them through this op's backward);
     params: per-row SamplingParams [N]. chunk_rows: rows per chunk (default
-    chunk_rows_for(V), found from one row of the head). Bitwise equal to
+    chunk_rows_for(V), found from one row of the head). filters: (some row may use top-k or
+    top-p, some row may use top-p) when the caller knows them (sampling._distribution: then
+    nothing is read back from the device, so a CUDA graph can hold the op). Bitwise equal to
     logprobs_reference on row-invariant heads; see the module docstring for the gradient.
     """
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
@@ -118,4 +121,4 @@ def fused_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Te
             chunk_rows = chunk_rows_for(head(hidden[:1]).shape[-1])
     if chunk_rows < 1:
         raise ValueError(f"fused_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
-    return _FusedLogprobs.apply(head, params, int(chunk_rows), hidden, targets, *weights)
+    return _FusedLogprobs.apply(head, params, filters, int(chunk_rows), hidden, targets, *weights)

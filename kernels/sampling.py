@@ -138,14 +138,16 @@ def _distribution(z: torch.Tensor, params: SamplingParams, filters: tuple[bool, 
     return log_softmax(z)
 
 
-def filtered_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def filtered_logprobs(logits: torch.Tensor, params: SamplingParams,
+                      filters: tuple[bool, bool] | None = None) -> torch.Tensor:
     """Log-probabilities [T, V] of the sampling distribution (-inf outside top-k/top-p).
 
     Rows with temperature 0 get the unmodified log_softmax (see module docstring); rows
-    without a distribution (NaN or +inf logits, or none finite) are NaN.
+    without a distribution (NaN or +inf logits, or none finite) are NaN. ``filters``: as
+    :func:`_distribution` (known on the host: no device value read back).
     """
     z, ok = _scaled(logits, params)
-    return _distribution(z, params).masked_fill(~ok.unsqueeze(1), float("nan"))
+    return _distribution(z, params, filters).masked_fill(~ok.unsqueeze(1), float("nan"))
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_top_p: torch.Tensor,
@@ -168,9 +170,10 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_
     return z
 
 
-def sampling_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Logprob [T] of token_ids under each row's sampling distribution."""
-    return filtered_logprobs(logits, params).gather(1, token_ids.view(-1, 1).long()).squeeze(1)
+def sampling_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, params: SamplingParams,
+                      filters: tuple[bool, bool] | None = None) -> torch.Tensor:
+    """Logprob [T] of token_ids under each row's sampling distribution (``filters``: see :func:`_distribution`)."""
+    return filtered_logprobs(logits, params, filters).gather(1, token_ids.view(-1, 1).long()).squeeze(1)
 
 
 def _first_argmax(x: torch.Tensor) -> torch.Tensor:

@@ -177,17 +177,20 @@ def _key_blocks(s_len: int, positions: torch.Tensor | None, block_k: int, device
     """Key blocks (start slot [NB], count [NB], block of each slot [S]).
 
     Training layout (positions: the slots are the tokens): a block starts at each position that
-    is a multiple of block_k and stops at the next such position or the sequence's end.
-    Otherwise: slots [b * block_k, (b + 1) * block_k)."""
+    is a multiple of block_k and stops at the next such position or the sequence's end. How
+    many blocks that makes is not read back (a CUDA graph can hold the backward): the lists
+    have S entries (at most one block starts per token), the ones past the last block start
+    at S with count 0 (their programs do nothing). Otherwise: slots [b * block_k, (b + 1) * block_k)."""
     if positions is None:
         start = torch.arange(0, s_len, block_k, device=device, dtype=torch.int64)
         count = torch.clamp(s_len - start, max=block_k).to(torch.int32)
         return start, count, torch.arange(s_len, device=device) // block_k
-    is_start = (positions % block_k) == 0
-    start = torch.nonzero(is_start).squeeze(1)
+    block_of_slot = torch.cumsum(((positions % block_k) == 0).to(torch.int64), 0) - 1   # [S], non-decreasing
+    # Block b starts at the first slot whose block is >= b (S for b past the last block).
+    start = torch.searchsorted(block_of_slot, torch.arange(s_len, device=device, dtype=torch.int64))
     ends = torch.cat([start[1:], start.new_tensor([s_len])])
     count = (ends - start).to(torch.int32)                           # stops at the next block's start
-    return start, count, torch.cumsum(is_start.to(torch.int64), 0) - 1
+    return start, count, block_of_slot
 
 
 def _sequence_ends(positions: torch.Tensor) -> torch.Tensor:
@@ -298,7 +301,8 @@ def mla_attention_backward(
         n_blocks = kstart.shape[0]
         if causal:
             qbegin = kstart
-            qend = _sequence_ends(positions)[kstart]
+            ends = _sequence_ends(positions)
+            qend = torch.cat([ends, ends.new_tensor([s_len])])[kstart]     # S past the last block: no queries
             eq = emask = kstart                                      # unused
         else:
             qbegin, qend, eq, emask = _transpose_selection(idx, block_of_slot, kstart, n_blocks)

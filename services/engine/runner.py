@@ -29,8 +29,6 @@ decode shape and runs the general path's shapes before the first request.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import struct
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.model import KVCache, Model
 from zerokl.kernels.model.paging import SequenceChunk, batch_for_chunks, decode_batch
 from zerokl.services.engine.types import EngineConfig, KVHandoff
+from zerokl.services.runtime.cuda_graphs import no_cyclic_gc, sync_checked
 from zerokl.vocab import SamplingOptions
 
 __all__ = ["DecodeBatch", "DecodeLaunch", "DecodeSeq", "ModelRunner", "SamplingRow", "batch_buckets"]
@@ -134,20 +133,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     out: torch.Tensor        # [3, bucket] int64: tokens, logprob bits, ok
-
-
-@contextlib.contextmanager
-def _no_cyclic_gc():
-    """The cycle collector off for a capture: collecting an unreachable CUDA graph (of an engine dropped
-    earlier, held in a reference cycle) destroys it mid-capture, which invalidates the capture
-    (cudaErrorStreamCaptureInvalidated; seen on the H200 when a test built engine after engine)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class ModelRunner:
@@ -412,17 +397,13 @@ class ModelRunner:
             with torch.cuda.stream(stream):
                 self._decode_step(*key)
                 if get_backend() not in self._capturable:
-                    previous = torch.cuda.get_sync_debug_mode()
-                    torch.cuda.set_sync_debug_mode("error")
-                    try:
+                    with sync_checked():
                         self._decode_step(*key)
-                    finally:
-                        torch.cuda.set_sync_debug_mode(previous)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with _no_cyclic_gc(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with no_cyclic_gc(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._decode_step(*key)
         except Exception as err:  # noqa: BLE001 - a step that synchronizes (or any capture failure): run eagerly
             if "CUDA error" in str(err):

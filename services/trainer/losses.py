@@ -11,11 +11,18 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["sft_loss", "dpo_loss", "group_advantages", "PPOStats", "ppo_clip_loss"]
+__all__ = ["sft_loss", "dpo_loss", "group_advantages", "PPOStats", "ppo_clip_loss", "ppo_clip_terms"]
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _masked_extreme(x: torch.Tensor, on: torch.Tensor, count: torch.Tensor, fill: float, reduce) -> torch.Tensor:
+    """min/max of x where `on` (1.0 where nothing is on), with no host read."""
+    if x.numel() == 0:
+        return torch.ones((), device=x.device)
+    return torch.where(count > 0, reduce(torch.where(on, x, torch.full_like(x, fill))), torch.ones((), device=x.device))
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -59,6 +66,17 @@ class PPOStats:
     tokens: int
     kl_reference: float = 0.0    # k3 estimate of KL(policy || reference), when a reference is used
 
+    @staticmethod
+    def from_terms(terms: dict[str, torch.Tensor]) -> "PPOStats":
+        """The statistics of ppo_clip_terms read back to the host (one device sync)."""
+        values = torch.stack([terms[f].double() for f in _PPO_FIELDS]).tolist()
+        got = dict(zip(_PPO_FIELDS, values))
+        return PPOStats(**{f: int(v) if f in ("mismatched_tokens", "tokens") else v for f, v in got.items()})
+
+
+_PPO_FIELDS = ("loss", "kl_behaviour", "mismatched_tokens", "clip_fraction", "ratio_min", "ratio_max", "tokens",
+               "kl_reference")
+
 
 def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
                   mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor | None = None,
@@ -71,6 +89,17 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     The KL penalty uses kl_policy_logprobs (the policy under the reference's
     distribution family, e.g. without top-p) when given, else logprobs.
     """
+    loss, terms = ppo_clip_terms(logprobs, behaviour_logprobs, advantages, mask, clip_eps, ref_logprobs, kl_coef,
+                                 kl_policy_logprobs)
+    return loss, PPOStats.from_terms(terms)
+
+
+def ppo_clip_terms(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                   mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor | None = None,
+                   kl_coef: float = 0.0, kl_policy_logprobs: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ppo_clip_loss with its statistics left on the device as 0-dim tensors (PPOStats' fields):
+    nothing is read back, so a CUDA graph can hold the step (PPOStats.from_terms reads them)."""
     mask = mask.float()
     log_ratio = logprobs - behaviour_logprobs
     ratio = torch.exp(log_ratio)
@@ -78,22 +107,24 @@ def ppo_clip_loss(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adva
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
     loss = -_masked_mean(torch.minimum(unclipped, clipped), mask)
-    kl_ref = torch.zeros(())
+    kl_ref = torch.zeros((), device=logprobs.device)
     if ref_logprobs is not None and kl_coef > 0:
         d = ref_logprobs - (logprobs if kl_policy_logprobs is None else kl_policy_logprobs)
         kl_ref = _masked_mean(torch.exp(d) - d - 1.0, mask)          # k3 estimator, >= 0
         loss = loss + kl_coef * kl_ref
     with torch.no_grad():
         on = mask > 0
-        r = ratio[on]
-        stats = PPOStats(
-            loss=float(loss),
-            kl_behaviour=float(_masked_mean(-log_ratio, mask)),
-            mismatched_tokens=int((logprobs[on] != behaviour_logprobs[on]).sum()),
-            clip_fraction=float(((r < 1.0 - clip_eps) | (r > 1.0 + clip_eps)).float().mean()) if r.numel() else 0.0,
-            ratio_min=float(r.min()) if r.numel() else 1.0,
-            ratio_max=float(r.max()) if r.numel() else 1.0,
-            tokens=int(on.sum()),
-            kl_reference=float(kl_ref),
-        )
-    return loss, stats
+        tokens = on.sum()
+        clipped_tokens = (on & ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps))).sum()
+        terms = {
+            "loss": loss.detach(),
+            "kl_behaviour": _masked_mean(-log_ratio, mask),
+            "mismatched_tokens": (on & (logprobs != behaviour_logprobs)).sum(),
+            # 0 / 1 (not 0 / 0) on a batch with no counted token
+            "clip_fraction": clipped_tokens.float() / tokens.clamp(min=1).float(),
+            "ratio_min": _masked_extreme(ratio, on, tokens, float("inf"), torch.amin),
+            "ratio_max": _masked_extreme(ratio, on, tokens, float("-inf"), torch.amax),
+            "tokens": tokens,
+            "kl_reference": kl_ref.detach(),
+        }
+    return loss, terms

@@ -31,8 +31,9 @@ from zerokl.kernels.model.indexer_loss import indexer_losses
 from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
-from zerokl.services.trainer.losses import dpo_loss, group_advantages, ppo_clip_loss, sft_loss
+from zerokl.services.trainer.losses import PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss
 from zerokl.services.trainer.optim import NonFiniteStep, optimizer_step
+from zerokl.services.trainer.step_graphs import StepGraphs
 from zerokl.vocab import Completion, Rollout
 
 __all__ = ["DTYPES", "TrainConfig", "Trainer"]
@@ -76,17 +77,46 @@ class TrainConfig:
     # replicas' FP8 product (logprobs equal bit for bit, KL 0), the backward the bf16 op's
     # (straight-through); serving_state_dict is the served FP8 form (e4m3 + scales).
     dtype: Literal["bfloat16", "float32", "fp8"] | None = None
+    # CUDA: replay each SFT / PPO forward + backward from a CUDA graph per batch shape
+    # (services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
+    # Batches are then padded to shape buckets (sequence width to a multiple of 64, scored tokens to
+    # a multiple of 256) so that shapes recur: the forward's bits do not change (every row is
+    # computed alone), the gradients are those of the padded batch. No effect on CPU, FP8 or FSDP.
+    cuda_graphs: bool = False
+
+
+#: Shape buckets of a batch under TrainConfig.cuda_graphs: sequence width, scored rows.
+WIDTH_BUCKET, ROW_BUCKET = 64, 256
 
 
 @dataclass
 class TokenBatch:
-    """Completions laid out for the training forward (:meth:`Trainer.batch_of`)."""
+    """Completions laid out for the training forward (:meth:`Trainer.batch_of`).
+
+    Ntok rows are scored: one per completion token, then (bucketed batches) padding rows that
+    score token 0 at position 0 and land in slots past B*T, which nothing reads."""
 
     input_ids: torch.Tensor             # [B, S] padded
     targets: torch.Tensor               # [B, T] completion tokens, padded
     mask: torch.Tensor                  # [B, T]
-    rows: torch.Tensor                  # [Ntok] flat index into the B*S positions: the one predicting each completion token
-    params: SamplingParams              # per completion token
+    rows: torch.Tensor                  # [Ntok] flat index into the B*S positions: the one predicting each scored token
+    params: SamplingParams              # [Ntok] per scored token
+    token_targets: torch.Tensor         # [Ntok] the scored token of each row
+    token_slots: torch.Tensor           # [Ntok] where each row's logprob goes in the flat [B*T] output (padding: past it)
+    tokens: int                         # completion tokens (the rows before any padding)
+    filters: tuple[bool, bool]          # (a row uses top-k or top-p, a row uses top-p): known here, never read back
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch, in a fixed order (a CUDA graph's inputs)."""
+        return [self.input_ids, self.targets, self.mask, self.rows, *dataclasses.astuple(self.params),
+                self.token_targets, self.token_slots]
+
+    def with_tensors(self, tensors: list[torch.Tensor]) -> "TokenBatch":
+        """The same batch over ``tensors`` (as :meth:`tensors` orders them)."""
+        n = len(dataclasses.fields(SamplingParams))
+        input_ids, targets, mask, rows, *rest = tensors
+        return TokenBatch(input_ids, targets, mask, rows, SamplingParams(*rest[:n]), *rest[n:], self.tokens,
+                          self.filters)
 
 
 class Trainer:
@@ -115,6 +145,11 @@ class Trainer:
         # foreach=False: one fixed loop over parameters (deterministic on every backend).
         self.optimizer = torch.optim.AdamW(self._optimized, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, foreach=False)
+        # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
+        # weights are re-made after each optimizer step) nor FSDP-sharded parameters (collectives).
+        graphs = (config.cuda_graphs and self.device.type == "cuda" and not self.fp8
+                  and not any(type(p).__name__ == "DTensor" for p in params))
+        self._graphs = StepGraphs(params) if graphs else None
         self.step = 0
         self.tokens_seen = 0
 
@@ -151,27 +186,48 @@ class Trainer:
 
     # ------------------------------------------------------------------ logprobs
 
-    def batch_of(self, seqs: Sequence[Completion]) -> TokenBatch:
+    def batch_of(self, seqs: Sequence[Completion], bucketed: bool | None = None) -> TokenBatch:
         """``seqs`` padded into one batch on the model's device, with each completion token's
-        predicting row and sampling parameters (what :meth:`token_logprobs` reads)."""
-        pad = self.model.config.pad_token_id or 0
+        predicting row and sampling parameters (what :meth:`token_logprobs` reads).
+
+        bucketed (default: when CUDA graphs run the steps): the width padded to a multiple of
+        WIDTH_BUCKET (not past the indexer's top-k when the batch is within it: the dense path
+        stays dense) and the scored rows to a multiple of ROW_BUCKET, so that batch shapes recur."""
+        if bucketed is None:
+            bucketed = self._graphs is not None
+        config = self.model.config
+        pad = config.pad_token_id or 0
         full = [list(s.prompt_ids) + list(s.completion_ids) for s in seqs]
-        width = max(len(f) for f in full) - 1             # the last token is only a target
+        width = max(1, max(len(f) for f in full) - 1)     # the last token is only a target
         t = max(len(s.completion_ids) for s in seqs)
-        input_ids = torch.full((len(seqs), max(width, 1)), pad, dtype=torch.int64)
+        if bucketed:
+            limit = config.index_topk if width <= config.index_topk else config.max_position_embeddings
+            width = max(width, min(-(-width // WIDTH_BUCKET) * WIDTH_BUCKET, limit))
+        input_ids = torch.full((len(seqs), width), pad, dtype=torch.int64)
         targets = torch.full((len(seqs), t), pad, dtype=torch.int64)
         mask = torch.zeros(len(seqs), t)
-        rows, temp, top_k, top_p = [], [], [], []
+        rows, token_targets, slots, temp, top_k, top_p = [], [], [], [], [], []
         for b, (s, f) in enumerate(zip(seqs, full)):
             input_ids[b, : len(f) - 1] = torch.tensor(f[:-1])
             n, p = len(s.completion_ids), len(s.prompt_ids)
             targets[b, :n] = torch.tensor(s.completion_ids)
             mask[b, :n] = 1
-            rows += [b * input_ids.shape[1] + p - 1 + i for i in range(n)]
+            rows += [b * width + p - 1 + i for i in range(n)]
+            token_targets += s.completion_ids
+            slots += [b * t + i for i in range(n)]
             temp += [s.temperature] * n
             top_k += [s.top_k] * n
             top_p += [s.top_p] * n
-        n_tok, dev = len(rows), self.device
+        tokens, dev = len(rows), self.device
+        filters = (any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p), any(q < 1.0 for q in top_p))
+        extra = (-(-tokens // ROW_BUCKET) * ROW_BUCKET - tokens) if bucketed else 0
+        rows += [0] * extra                                  # padding rows: token 0 scored at row 0, ...
+        token_targets += [0] * extra
+        slots += range(len(seqs) * t, len(seqs) * t + extra)  # ... each into its own slot past B*T
+        temp += [1.0] * extra
+        top_k += [0] * extra
+        top_p += [1.0] * extra
+        n_tok = tokens + extra
         params = SamplingParams(torch.tensor(temp, dtype=torch.float32, device=dev),
                                 torch.tensor(top_k, dtype=torch.int64, device=dev),
                                 torch.tensor(top_p, dtype=torch.float32, device=dev),
@@ -179,12 +235,15 @@ class Trainer:
                                 torch.zeros(n_tok, dtype=torch.int64, device=dev))
         # Built on the CPU element by element (cheap), moved to the model's device in one copy each.
         return TokenBatch(input_ids.to(dev), targets.to(dev), mask.to(dev),
-                      torch.tensor(rows, dtype=torch.int64, device=dev), params)
+                          torch.tensor(rows, dtype=torch.int64, device=dev), params,
+                          torch.tensor(token_targets, dtype=torch.int64, device=dev),
+                          torch.tensor(slots, dtype=torch.int64, device=dev), tokens, filters)
 
     def token_logprobs(self, model: Model, batch: TokenBatch, params: SamplingParams | None = None,
-                  hidden: torch.Tensor | None = None) -> torch.Tensor:
+                       hidden: torch.Tensor | None = None, filters: tuple[bool, bool] | None = None) -> torch.Tensor:
         """Per-token logprobs [B, T] of the completions under their sampling distributions
-        (or `params`), from `hidden` [Ntok, D] (_token_hidden) when already computed.
+        (or `params`, whose filters are `filters` when known, else read from them), from
+        `hidden` [Ntok, D] (_token_hidden) when already computed.
 
         The final norm, lm_head and sampling_logprobs run fused in row chunks
         (zerokl.kernels.logprob): the same bits as logits for every row, then the logprob."""
@@ -192,15 +251,18 @@ class Trainer:
             hidden = self._token_hidden(model, batch)
         head = lambda x: model.lm_head(model.norm(x))                 # noqa: E731  (per-row, as forward_tokens)
         weights = [*model.norm.parameters(), *model.lm_head.parameters()]
-        targets = batch.targets[batch.mask > 0]
+        filters = batch.filters if params is None else filters
         if any(type(w).__name__ == "DTensor" for w in weights):
             # FSDP2-sharded head (the distributed trainer): the fused op's backward would hand whole
             # gradients to sharded weights, so the head runs unfused here (the same forward bits).
-            lp = sampling_logprobs(head(hidden), targets, params or batch.params)
+            lp = sampling_logprobs(head(hidden), batch.token_targets, params or batch.params, filters)
         else:
-            lp = fused_logprobs(hidden, head, weights, targets, params or batch.params,
-                                self.config.logprob_chunk_rows or None)
-        return torch.zeros(batch.mask.shape, dtype=lp.dtype, device=lp.device).masked_scatter(batch.mask > 0, lp)
+            lp = fused_logprobs(hidden, head, weights, batch.token_targets, params or batch.params,
+                                self.config.logprob_chunk_rows or None, filters)
+        b, t = batch.mask.shape
+        # Each row's logprob into its slot (padding rows past B*T): an index copy, no count read back.
+        out = torch.zeros(lp.shape[0] - batch.tokens + b * t, dtype=lp.dtype, device=lp.device)
+        return out.index_copy(0, batch.token_slots, lp)[: b * t].view(b, t)
 
     def _token_hidden(self, model: Model, batch: TokenBatch) -> torch.Tensor:
         """The residual stream [Ntok, D] (before the final norm) at the positions that predict
@@ -224,25 +286,52 @@ class Trainer:
         """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics.
 
         loss_scale multiplies the loss before the backward (not the reported metrics): the
-        distributed trainer weights each data rank's share of a batch with it."""
+        distributed trainer weights each data rank's share of a batch with it. SFT and PPO steps
+        read nothing back from the device until their backward is queued (their metrics are
+        read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph."""
         start = time.perf_counter()
         self.model.train()
+        if method == "sft":
+            batch = self.batch_of(batch_items)
+            extra: list[torch.Tensor] = []
+        elif method == "ppo":
+            batch = self.batch_of([r.sequence for r in batch_items])
+            extra = [self._behaviour(batch_items, batch), kw["advantages"].to(self.device)]
+        elif method == "dpo":
+            batch, extra = None, []
+        else:
+            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
         coef = self.config.indexer_loss_coef
-        with indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
-            if method == "sft":
-                batch = self.batch_of(batch_items)
-                loss = sft_loss(self.token_logprobs(self.model, batch), batch.mask)
-                metrics = {"loss": float(loss.detach())}
-                tokens = int(batch.mask.sum())
-            elif method == "dpo":
-                metrics, loss, tokens = self._dpo(batch_items)
-            elif method == "ppo":
-                metrics, loss, tokens = self._ppo(batch_items, kw["advantages"].to(self.device))
-            else:
-                raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
-        if indexer_kl:                              # the indexer's own loss (zerokl.kernels.model.indexer_loss)
-            loss = loss + coef * torch.stack(indexer_kl).mean()
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+
+        def step(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+            with indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
+                if method == "sft":
+                    b = batch.with_tensors(list(inputs[: len(inputs) - len(extra)]))
+                    loss = sft_loss(self.token_logprobs(self.model, b), b.mask)
+                    terms = {"loss": loss.detach()}
+                elif method == "ppo":
+                    b = batch.with_tensors(list(inputs[:-2]))
+                    loss, terms = self._ppo_terms(b, *inputs[-2:])
+                else:
+                    loss, terms = self._dpo(batch_items)
+            if indexer_kl:                          # the indexer's own loss (zerokl.kernels.model.indexer_loss)
+                loss = loss + coef * torch.stack(indexer_kl).mean()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            return terms
+
+        if batch is not None and self._graphs is not None and coef == 0:
+            inputs = batch.tensors() + extra
+            key = (method, loss_scale, batch.filters, id(self.reference), tuple(t.shape for t in inputs))
+            terms = self._graphs.run(key, inputs, step)
+        else:
+            terms = step(batch.tensors() + extra if batch is not None else [])
+        if method == "ppo":
+            stats = PPOStats.from_terms(terms)
+            metrics, tokens = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, stats.tokens
+        else:
+            values = torch.stack([v.double() for v in terms.values()]).tolist()     # one read, after the backward
+            metrics = dict(zip(terms, values))
+            tokens = batch.tokens if batch is not None else int(metrics.pop("tokens"))
         self.tokens_seen += tokens
         metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
@@ -257,7 +346,7 @@ class Trainer:
             ref = (self.token_logprobs(ref_model, batch) * batch.mask).sum(1)
         n = len(pairs)
         loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
-        return {"loss": float(loss.detach()), "preference_accuracy": float(acc)}, loss, int(batch.mask.sum())
+        return loss, {"loss": loss.detach(), "preference_accuracy": acc, "tokens": torch.tensor(float(batch.tokens), device=loss.device)}
 
     def freeze_reference(self) -> Model:
         """Make a frozen copy of the current weights the reference (DPO's, and PPO's KL penalty's)."""
@@ -266,12 +355,15 @@ class Trainer:
             p.requires_grad_(False)
         return self.reference
 
-    def _ppo(self, rollouts: Sequence[Rollout], advantages: torch.Tensor):
-        batch = self.batch_of([r.sequence for r in rollouts])
+    def _behaviour(self, rollouts: Sequence[Rollout], batch: TokenBatch) -> torch.Tensor:
+        """The behaviour (sampling) logprobs [B, T] of the rollouts, on the device."""
         behaviour = torch.zeros(batch.mask.shape)
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-        behaviour = behaviour.to(self.device)
+        return behaviour.to(self.device)
+
+    def _ppo_terms(self, batch: TokenBatch, behaviour: torch.Tensor, advantages: torch.Tensor):
+        """PPO-clip's loss and its statistics as device tensors (losses.ppo_clip_terms)."""
         hidden = self._token_hidden(self.model, batch)
         logprobs = self.token_logprobs(self.model, batch, hidden=hidden)
         ref = policy_full = None
@@ -280,12 +372,11 @@ class Trainer:
             # the reference may give a sampled token probability 0 and the penalty infinity.
             full = dataclasses.replace(batch.params, top_k=torch.zeros_like(batch.params.top_k),
                                        top_p=torch.ones_like(batch.params.top_p))
-            policy_full = self.token_logprobs(self.model, batch, full, hidden)
+            policy_full = self.token_logprobs(self.model, batch, full, hidden, filters=(False, False))
             with torch.no_grad():
-                ref = self.token_logprobs(self.reference, batch, full)
-        loss, stats = ppo_clip_loss(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps,
-                                    ref, self.config.kl_coef, policy_full)
-        return dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, loss, stats.tokens
+                ref = self.token_logprobs(self.reference, batch, full, filters=(False, False))
+        return ppo_clip_terms(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps, ref,
+                              self.config.kl_coef, policy_full)
 
     def lr_at(self, step: int) -> float:
         c = self.config

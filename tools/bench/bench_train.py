@@ -7,7 +7,8 @@
 
 Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position but the last):
   small  `small` preset, --batch x --seq (8 x 512): tokens/s of the zerokl trainer's SFT
-         forward_backward (fused head + logprob) on each --backends backend, and of transformers'
+         forward_backward (fused head + logprob) on each --backends backend, on CUDA also with
+         TrainConfig.cuda_graphs (the step replayed from a CUDA graph), and of transformers'
          GlmMoeDsaForCausalLM (its default attention and experts implementations, eager) on the
          same config.json and loss; MFU; peak memory.
   slice  GLM-5 at real dimensions, --slice-layers layers (one dense, the rest MoE):
@@ -303,19 +304,21 @@ def _derive(results: dict) -> None:
 
 # ----------------------------------------------------------------------------- parts
 
-def _zerokl_arm(config, device, dtype, backend, ids, checkpointing):
+def _zerokl_arm(config, device, dtype, backend, ids, checkpointing, graphs=False):
     def build():
         with use_backend(backend):
             model = build_model(config, device, dtype)
             # forward + backward only (the issue's workload, weights and gradients): no fp32 master
             # weights, which only the optimizer step reads (4 more bytes per parameter, 49 GB on the slice)
-            trainer = Trainer(model, TrainConfig(activation_checkpointing=checkpointing, master_weights=False))
+            trainer = Trainer(model, TrainConfig(activation_checkpointing=checkpointing, master_weights=False,
+                                                 cuda_graphs=graphs))
             step = zerokl_step(trainer, ids)
 
         def run():
             with use_backend(backend):
                 step()
-        return run, f"backend {backend}, activation checkpointing {'on' if checkpointing else 'off'}"
+        return run, (f"backend {backend}, activation checkpointing {'on' if checkpointing else 'off'}"
+                     + (", CUDA graphs (TrainConfig.cuda_graphs)" if graphs else ""))
     return build
 
 
@@ -338,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph arm (TrainConfig.cuda_graphs)")
     ap.add_argument("--slice-preset", default="glm5")
     ap.add_argument("--slice-layers", type=int, default=2)
     ap.add_argument("--slice-batch", type=int, default=4)
@@ -395,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
             arm = f"zerokl/{backend}"
             record("small", shape, run_case(arm, _zerokl_arm(config, device, dtype, backend, ids, False), device,
                                             args.steps, args.warmup, tokens, _arm(args.profile, "small")), config, args.seq)
+            if device == "cuda" and backend == invariant and not args.no_graphs:
+                # warm-up: the first step of a shape runs eagerly, the second captures
+                record("small", shape, run_case(arm + "+graphs", _zerokl_arm(config, device, dtype, backend, ids, False,
+                                                                             graphs=True), device, args.steps,
+                                                max(args.warmup, 2), tokens, _arm(args.profile, "small")),
+                       config, args.seq)
         if not args.no_transformers:
             def build_hf():
                 model, note = hf_model(config, device, dtype)
