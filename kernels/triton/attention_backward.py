@@ -188,7 +188,7 @@ def _key_blocks(s_len: int, positions: torch.Tensor | None, block_k: int, device
     block_of_slot = torch.cumsum(((positions % block_k) == 0).to(torch.int64), 0) - 1   # [S], non-decreasing
     # Block b starts at the first slot whose block is >= b (S for b past the last block).
     start = torch.searchsorted(block_of_slot, torch.arange(s_len, device=device, dtype=torch.int64))
-    ends = torch.cat([start[1:], start.new_tensor([s_len])])
+    ends = torch.cat([start[1:], torch.full((1,), s_len, dtype=start.dtype, device=device)])   # no host copy
     count = (ends - start).to(torch.int32)                           # stops at the next block's start
     return start, count, block_of_slot
 
@@ -302,7 +302,7 @@ def mla_attention_backward(
         if causal:
             qbegin = kstart
             ends = _sequence_ends(positions)
-            qend = torch.cat([ends, ends.new_tensor([s_len])])[kstart]     # S past the last block: no queries
+            qend = torch.cat([ends, torch.full((1,), s_len, dtype=ends.dtype, device=dev)])[kstart]  # S: no queries
             eq = emask = kstart                                      # unused
         else:
             qbegin, qend, eq, emask = _transpose_selection(idx, block_of_slot, kstart, n_blocks)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import traceback
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -29,6 +30,13 @@ __all__ = ["StepGraphs"]
 log = logging.getLogger(__name__)
 
 Step = Callable[[Sequence[torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _where(err: BaseException) -> str:
+    """file:line of the innermost zerokl frame that raised (where a step read the device back)."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "zerokl" in f.filename or "/kernels/" in f.filename
+              or "/services/" in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})" if frames else "?"
 
 
 class _Captured:
@@ -95,8 +103,8 @@ class StepGraphs:
             torch.cuda.current_stream(device).synchronize()
             self._drop_grads()
             self._eager.add(key)
-            log.warning("training steps of this shape run without CUDA graphs: capture failed (%s: %s)",
-                        type(err).__name__, err)
+            log.warning("training steps of this shape run without CUDA graphs: capture failed (%s: %s, at %s)",
+                        type(err).__name__, err, _where(err))
             return None
         grads = [p.grad for p in self.params]
         self._drop_grads()

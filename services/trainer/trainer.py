@@ -77,12 +77,12 @@ class TrainConfig:
     # replicas' FP8 product (logprobs equal bit for bit, KL 0), the backward the bf16 op's
     # (straight-through); serving_state_dict is the served FP8 form (e4m3 + scales).
     dtype: Literal["bfloat16", "float32", "fp8"] | None = None
-    # CUDA: replay each SFT / PPO forward + backward from a CUDA graph per batch shape
-    # (services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
+    # Replay each SFT / PPO forward + backward from a CUDA graph per batch shape (None = on CUDA;
+    # services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
     # Batches are then padded to shape buckets (sequence width to a multiple of 64, scored tokens to
     # a multiple of 256) so that shapes recur: the forward's bits do not change (every row is
     # computed alone), the gradients are those of the padded batch. No effect on CPU, FP8 or FSDP.
-    cuda_graphs: bool = False
+    cuda_graphs: bool | None = None
 
 
 #: Shape buckets of a batch under TrainConfig.cuda_graphs: sequence width, scored rows.
@@ -147,7 +147,7 @@ class Trainer:
                                            weight_decay=config.weight_decay, foreach=False)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
         # weights are re-made after each optimizer step) nor FSDP-sharded parameters (collectives).
-        graphs = (config.cuda_graphs and self.device.type == "cuda" and not self.fp8
+        graphs = (config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
                   and not any(type(p).__name__ == "DTensor" for p in params))
         self._graphs = StepGraphs(params) if graphs else None
         self.step = 0

@@ -96,17 +96,19 @@ elif [ "$MODE" = wave3-d ]; then
   timeout ${MIXED_LIMIT:-190} python3 tools/bench/bench_rollout.py --parts mixed --cases small:1x1x1 \
     --mixed-seconds ${MIXED_SECONDS:-140} --json "$FINAL_OUT/mixed.json" > "$FINAL_OUT/mixed.log" 2>&1
 elif [ "$MODE" = wave3-e ]; then
-  # issue 34's CUDA-graph step: its GPU tests (replay == eager, bit for bit; trainer == engine), the training
-  # bench (eager, graphs, transformers, same call), then issue 33's decode scaling with context
+  # issue 34's CUDA-graph step (TrainConfig.cuda_graphs, on by default on CUDA): its GPU tests (replay ==
+  # eager bit for bit; trainer == engine, KL 0; the RL job through the services), the training bench
+  # (eager, graphs, transformers, same call), then the RL step in process (target 4)
   device_wheels
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-200} python3 -m pytest -v -p no:cacheprovider -rs \
     -m gpu -n 4 --dist loadfile --durations=10 tests/services/trainer/test_step_graphs.py \
     tests/services/trainer/test_trainer_fast_path.py tests/services/trainer/test_trainer_device.py \
-    tests/kernels/test_attention_backward.py > "$FINAL_OUT/gputests-e.log" 2>&1
-  timeout ${TRAIN_LIMIT:-150} python3 tools/bench/bench_train.py --parts small --backends triton --steps 7 \
+    tests/services/test_zero_kl_promise.py tests/services/jobs/test_jobs_bf16.py > "$FINAL_OUT/gputests-e.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 1
+  timeout ${TRAIN_LIMIT:-120} python3 tools/bench/bench_train.py --parts small --backends triton --steps 7 \
     --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
-  timeout ${SCALING_LIMIT:-130} python3 tools/bench/bench_rollout.py --parts scaling --cases small:1x1x1 \
-    --json "$FINAL_OUT/scaling.json" > "$FINAL_OUT/scaling.log" 2>&1
+  timeout ${RL_LIMIT:-120} python3 tools/bench/bench_rl_step.py --device cuda --dtype bfloat16 --preset small \
+    --prompts 64 --group 8 --steps 6 --out "$FINAL_OUT/rl" > "$FINAL_OUT/rl-step.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
