@@ -261,7 +261,8 @@ class Trainer:
                                 self.config.logprob_chunk_rows or None, filters)
         b, t = batch.mask.shape
         # Each row's logprob into its slot (padding rows past B*T): an index copy, no count read back.
-        out = torch.zeros(lp.shape[0] - batch.tokens + b * t, dtype=lp.dtype, device=lp.device)
+        # Sized by shapes only (a graph replays it for any batch of these shapes): B*T + Ntok.
+        out = torch.zeros(b * t + lp.shape[0], dtype=lp.dtype, device=lp.device)
         return out.index_copy(0, batch.token_slots, lp)[: b * t].view(b, t)
 
     def _token_hidden(self, model: Model, batch: TokenBatch) -> torch.Tensor:

@@ -109,6 +109,13 @@ elif [ "$MODE" = wave3-e ]; then
     --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
   timeout ${RL_LIMIT:-120} python3 tools/bench/bench_rl_step.py --device cuda --dtype bfloat16 --preset small \
     --prompts 64 --group 8 --steps 6 --out "$FINAL_OUT/rl" > "$FINAL_OUT/rl-step.log" 2>&1
+elif [ "$MODE" = wave3-g ]; then
+  # issue 34 after the graph-key fix: the step-graph GPU tests and the trainer's device tests, then the bench
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-120} python3 -m pytest -v -p no:cacheprovider -rs \
+    -m gpu -n 2 --dist loadfile --durations=10 tests/services/trainer/test_step_graphs.py \
+    tests/services/trainer/test_trainer_device.py > "$FINAL_OUT/gputests-g.log" 2>&1
+  timeout ${TRAIN_LIMIT:-130} python3 tools/bench/bench_train.py --parts small --backends triton --steps 9 \
+    --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
