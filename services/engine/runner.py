@@ -42,7 +42,7 @@ from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.model import KVCache, Model
 from zerokl.kernels.model.paging import SequenceChunk, batch_for_chunks, decode_batch
 from zerokl.services.engine.types import EngineConfig, KVHandoff
-from zerokl.services.runtime.cuda_graphs import no_cyclic_gc, sync_checked
+from zerokl.kernels.cuda_graphs import no_cyclic_gc, sync_checked
 from zerokl.vocab import SamplingOptions
 
 __all__ = ["DecodeBatch", "DecodeLaunch", "DecodeSeq", "ModelRunner", "SamplingRow", "batch_buckets"]

@@ -23,7 +23,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from zerokl.services.runtime.cuda_graphs import no_cyclic_gc, sync_checked
+from zerokl.kernels.cuda_graphs import no_cyclic_gc, sync_checked
 
 __all__ = ["StepGraphs"]
 

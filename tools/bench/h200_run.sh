@@ -111,6 +111,7 @@ elif [ "$MODE" = wave3-e ]; then
     --prompts 64 --group 8 --steps 6 --out "$FINAL_OUT/rl" > "$FINAL_OUT/rl-step.log" 2>&1
 elif [ "$MODE" = wave3-g ]; then
   # issue 34 after the graph-key fix: the step-graph GPU tests and the trainer's device tests, then the bench
+  device_wheels
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-120} python3 -m pytest -v -p no:cacheprovider -rs \
     -m gpu -n 2 --dist loadfile --durations=10 tests/services/trainer/test_step_graphs.py \
     tests/services/trainer/test_trainer_device.py > "$FINAL_OUT/gputests-g.log" 2>&1

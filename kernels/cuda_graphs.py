@@ -1,4 +1,4 @@
-"""What every CUDA-graph capture in the services needs (the engine's decode steps, the trainer's steps)."""
+"""What every CUDA-graph capture needs (the engine's decode steps, the trainer's steps): no collector mid-capture, a check that nothing reads the device back."""
 from __future__ import annotations
 
 import contextlib
