@@ -86,11 +86,8 @@ elif [ "$MODE" = wave3-b ]; then
     -m gpu -n 6 --dist loadfile --durations=10 tests/services/engine tests/services/test_zero_kl_promise.py \
     > "$FINAL_OUT/gputests-b.log" 2>&1
 elif [ "$MODE" = wave3-d ]; then
-  # issue 34's first look (where `small`'s 8 x 512 step goes; a CUDA-graph-captured forward + backward,
-  # its bits against eager; transformers beside it), then issue 33's rollout shapes (overlap on and off)
-  # and target 4's count of compiles after start-up over mixed-length traffic
-  timeout ${EXPLORE_LIMIT:-140} python3 tools/bench/explore_train_graph.py --json "$FINAL_OUT/train-explore.json" \
-    > "$FINAL_OUT/train-explore.log" 2>&1
+  # issue 33's rollout shapes (overlap on and off) and target 4's count of compiles after start-up over
+  # mixed-length traffic
   timeout ${ROLLOUT_LIMIT:-230} python3 tools/bench/bench_rollout.py --parts cases,scaling \
     --cases small:64x1024x512,small:256x1024x1024 --json "$FINAL_OUT/rollout.json" > "$FINAL_OUT/rollout.log" 2>&1
   timeout ${MIXED_LIMIT:-190} python3 tools/bench/bench_rollout.py --parts mixed --cases small:1x1x1 \
