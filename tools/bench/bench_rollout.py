@@ -399,6 +399,38 @@ def transformers_generate(config: ModelConfig, b: int, l: int, new_tokens: int, 
     return row
 
 
+# ----------------------------------------------------------------------------- plot
+
+def plot(results: dict, path: pathlib.Path) -> bool:
+    """Bars of each case's prefill / decode / end-to-end tok/s, overlap on beside off (a PNG), when
+    matplotlib is there."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cases = [c for c in results.get("cases", []) if "overlap" in c]
+    if not cases:
+        return False
+    metrics = [("prefill_tok_s", "prefill"), ("decode_tok_s", "decode"), ("end2end_tok_s", "end to end")]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2))
+    for ax, (key, title) in zip(axes, metrics):
+        x = range(len(cases))
+        for i, mode in enumerate(("overlap", "sync")):
+            ax.bar([j + 0.4 * i for j in x], [c[mode].get(key) or 0 for c in cases], width=0.4,
+                   label="overlap on" if mode == "overlap" else "overlap off")
+        ax.set_xticks([j + 0.2 for j in x], [c["case"] for c in cases], fontsize=7)
+        ax.set_title(f"{title} tok/s", fontsize=9)
+    axes[0].legend(fontsize=7)
+    m = results["meta"]
+    fig.suptitle(f"bench_rollout, {m['device']}, {m['commit']}, {m['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-shape", default="small:64x1024x32", help="transformers' case, MODEL:BxLxG")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device (H200: 989)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--json", default=None, help="write the results here (and the cases' plot beside it, .png)")
+    ap.add_argument("--plot-only", default=None, metavar="JSON", help="redraw a saved results JSON's plot and exit")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        src = pathlib.Path(args.plot_only)
+        return 0 if plot(json.loads(src.read_text()), src.with_suffix(".png")) else 1
     parts = set(args.parts.split(","))
     global COMPILES
     COMPILES = Compiles()
@@ -433,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         """Rewritten after every part, so a time limit still leaves what ran."""
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+            plot(results, pathlib.Path(args.json).with_suffix(".png"))
 
     def get(name: str):
         if name not in models:
