@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
-#   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh explore|final|zerokl
+#   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
+# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-g, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -28,10 +29,7 @@ rl_job() {
   pkill -f -- "-m zerokl (up|serve)" ; sleep 2     # a fleet a time limit left behind
 }
 if [ "$MODE" = zerokl ]; then
-  if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site
-  fi
+  ls .whl/*.whl > /dev/null 2>&1 && device_wheels
   timeout 150 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
   cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
   timeout 120 python3 -m zerokl verify --backend triton --quiet > "$OUT/verify.log" 2>&1
@@ -138,10 +136,7 @@ elif [ "$MODE" = wave3-fp8 ]; then
 elif [ "$MODE" = wave2 ]; then
   # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
   # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches
-  if ls .whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && export PYTHONPATH=/tmp/site
-  fi
+  ls .whl/*.whl > /dev/null 2>&1 && device_wheels
   timeout 100 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
   cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
   [ -f .gpu/golden-previous.json ] && python3 -c 'import json; a = json.load(open(".gpu/golden-previous.json"))["entries"]; b = json.load(open("tests/assets/golden/numerics.json"))["entries"]; print({k: a[k]["digests"] == b[k]["digests"] for k in a if k.startswith("triton/cuda") and k in b})' >> "$OUT/golden.log" 2>&1
@@ -150,38 +145,8 @@ elif [ "$MODE" = wave2 ]; then
   timeout 170 python3 tools/bench/bench_serve.py --parts small,slice,prefill,busy,invariance --new-tokens 64 \
     --json "$FINAL_OUT/bench_serve.json" > "$OUT/serve.log" 2>&1
   timeout 120 python3 tools/bench/bench_train.py --parts small,slice --steps 2 --out "$FINAL_OUT/train" > "$OUT/train.log" 2>&1
-elif [ "$MODE" = p2p ]; then
-  # issue 8's linear grid (wave split side by side with the unsplit launch) and the GPU test tier,
-  # then issue 10's TP bench (the default join is p2p where the GPUs map each other)
-  mkdir -p "$OUT/bench"
-  ( CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_configs.py > "$OUT/gemmtests.log" 2>&1;
-    CUDA_VISIBLE_DEVICES=0 timeout 170 python3 tools/bench/bench_linear.py --out "$OUT/bench" > "$OUT/linear.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=$G1 timeout 270 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
-  wait
-  if [ "$NGPU" -gt 1 ]; then
-    timeout 220 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/bench" > "$OUT/tp.log" 2>&1
-  fi
-elif [ "$MODE" = explore2 ]; then
-  ( CUDA_VISIBLE_DEVICES=0 timeout 200 python3 tools/bench/bench_linear.py --sweep --sweep-min-m 128 --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1;
-    CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemm_configs.py > "$OUT/gputests.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=$G1 timeout 240 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
-  wait
-  [ "$NGPU" -gt 1 ] && timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --skip equality --out "$OUT/tp" > "$OUT/tp.log" 2>&1
-elif [ "$MODE" = rest ]; then
-  # what the final run's time limits cut: the GPU test tier, e2e decode, a trainer profile, TP decode
-  ( CUDA_VISIBLE_DEVICES=0 timeout 210 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/model -k 'triton or gpu' > "$OUT/gputests.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=$G1 timeout 130 python3 tools/bench/bench_e2e.py --skip trainer --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1;
-    CUDA_VISIBLE_DEVICES=$G1 timeout 70 python3 tools/bench/bench_e2e.py --profile --train-batch 2 > "$OUT/profile.log" 2>&1 ) &
-  wait
-  [ "$NGPU" -gt 1 ] && timeout 150 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --skip join,equality --repeats 5 --out "$OUT/tp" > "$OUT/tp.log" 2>&1
-elif [ "$MODE" = explore ]; then
-  ( CUDA_VISIBLE_DEVICES=0 timeout 260 python3 tools/bench/bench_linear.py --sweep --json "$OUT/linear.json" > "$OUT/linear.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=$G1 timeout 150 python3 tools/bench/bench_attn_moe.py --sweep --json "$OUT/attn.json" > "$OUT/attn.log" 2>&1;
-    CUDA_VISIBLE_DEVICES=$G1 timeout 120 python3 tools/bench/bench_e2e.py --out "$OUT/e2e" > "$OUT/e2e.log" 2>&1 ) &
-  wait
-  [ "$NGPU" -gt 1 ] && timeout 170 torchrun --nproc-per-node="$NGPU" tools/bench/bench_tp.py --out "$OUT/tp" > "$OUT/tp.log" 2>&1
 else
-  # every figure of docs/perf.md in one call (the GPU test tier is `rest`); the linear grid times
+  # issue 8's figures in one call (the GPU test tier: tools/gpu_tier.sh); the linear grid times
   # GPU work only (CUDA-graph replays), so it shares the host with e2e on the other GPU
   mkdir -p "$OUT/bench"
   ( CUDA_VISIBLE_DEVICES=0 timeout 160 python3 tools/bench/bench_linear.py --out "$OUT/bench" > "$OUT/linear.log" 2>&1;
