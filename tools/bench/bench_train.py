@@ -15,6 +15,12 @@ Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position bu
          --slice-batch x --slice-seq (halved until it fits), on the invariant backend: tokens/s,
          MFU with and without attention FLOPs, peak memory (activation checkpointing off).
   long   one --long-seq sequence on that slice with activation checkpointing: peak memory.
+  rl     the RL step in process (issue 34, target 4): --rl-prompts x --rl-group rollouts a step
+         (prompts of 16-64 tokens, completions of --rl-completion MIN MAX tokens, behaviour
+         logprobs the trainer's own: KL 0), GRPO's forward_backward + optim_step over --rl-steps
+         steps (each step new lengths; the default trainer: CUDA graphs, fp32 masters); beside
+         it the SFT forward + backward on 512-token rows of the same token count: tok/s of both
+         and their ratio (completion tokens / forward_backward seconds, median step).
 Ratios: each backend's tokens/s over the stock backend's and over transformers'.
 
 MFU = 6 x active params x tokens/s / 989e12 (H200 dense bf16). Active params count every
@@ -44,7 +50,7 @@ from zerokl.kernels import ops, use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.vocab import Completion
+from zerokl.vocab import Completion, Rollout
 
 PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
 
@@ -322,6 +328,63 @@ def _zerokl_arm(config, device, dtype, backend, ids, checkpointing, graphs=False
     return build
 
 
+def rl_part(config: ModelConfig, device: str, dtype: torch.dtype, args) -> dict:
+    """GRPO steps in process on fresh random rollouts vs the SFT step at the same token count."""
+    import random
+    rng = random.Random(0)
+    model = build_model(config, device, dtype)
+    trainer = Trainer(model, TrainConfig(lr=1e-5))
+    lo, hi = args.rl_completion
+    fb, opt, tokens, kl = [], [], [], []
+    for step in range(args.rl_steps):
+        seqs = []
+        for _ in range(args.rl_prompts):
+            prompt = tuple(rng.randrange(3, config.vocab_size) for _ in range(rng.randint(16, 64)))
+            for _ in range(args.rl_group):
+                seqs.append(Completion(prompt, tuple(rng.randrange(3, config.vocab_size)
+                                                     for _ in range(rng.randint(lo, hi)))))
+        behaviour = trainer.forward_logprobs(seqs)
+        rollouts = [Rollout(s, tuple(b.tolist()), float(rng.random() < 0.5)) for s, b in zip(seqs, behaviour)]
+        _sync(device)
+        t0 = time.perf_counter()
+        adv = torch.tensor([r.reward for r in rollouts]).view(-1, args.rl_group)
+        adv = (adv - adv.mean(1, keepdim=True)).view(-1)
+        metrics = trainer.forward_backward("ppo", rollouts, advantages=adv)
+        _sync(device)
+        t1 = time.perf_counter()
+        trainer.optim_step()
+        _sync(device)
+        fb.append(t1 - t0)
+        opt.append(time.perf_counter() - t1)
+        tokens.append(metrics["tokens"])
+        kl.append(metrics["kl"])
+        print(f"  rl step {step + 1}/{args.rl_steps}: {metrics['tokens']} tokens, forward_backward {t1 - t0:.3f} s, "
+              f"optim_step {opt[-1]:.3f} s, kl {metrics['kl']}", flush=True)
+    later = slice(len(fb) // 2, None)          # the second half: bucket shapes seen before, graphs replayed
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    row = {"steps": args.rl_steps, "tokens_per_step_median": med(tokens), "forward_backward_s_median": med(fb[later]),
+           "optim_step_s_median": med(opt[later]), "kl_max": max(abs(k) for k in kl),
+           "graph_replays": trainer._graphs.replays if trainer._graphs is not None else 0}
+    row["rl_fb_tok_s"] = med([t / f for t, f in zip(tokens[later], fb[later])])
+    row["rl_step_tok_s"] = med([t / (f + o) for t, f, o in zip(tokens[later], fb[later], opt[later])])
+    del trainer, model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    # SFT at the same token count: rows of 512 tokens (as the small part), as many as the RL step's tokens
+    seq = 512 if not args.smoke else 48
+    batch = max(1, round(row["tokens_per_step_median"] / (seq - 1)))
+    ids = _tokens(config, batch, seq, device, seed=3)
+    sft = run_case("zerokl/sft", _zerokl_arm(config, device, dtype, default_backend() if device == "cuda" else "torch",
+                                             ids, False, graphs=device == "cuda"),
+                   device, args.steps, 2, batch * (seq - 1), None)
+    row["sft_shape"] = f"{batch} x {seq}"
+    row["sft_tok_s"] = sft.get("tokens_per_s")
+    if row["sft_tok_s"]:
+        row["rl_fb_vs_sft"] = row["rl_fb_tok_s"] / row["sft_tok_s"]
+    return row
+
+
 def _with_mfu(row: dict, config: ModelConfig, seq: int) -> dict:
     if "tokens_per_s" in row:
         act = active_params(config)
@@ -333,7 +396,7 @@ def _with_mfu(row: dict, config: ModelConfig, seq: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="small,slice,long", help="comma list of: small, slice, long")
+    ap.add_argument("--parts", default="small,slice,long", help="comma list of: small, slice, long, rl")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backends", default=None, help="zerokl backends for the small part (default: the "
                     "device's invariant backend, then stock)")
@@ -347,6 +410,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slice-batch", type=int, default=4)
     ap.add_argument("--slice-seq", type=int, default=4096)
     ap.add_argument("--long-seq", type=int, default=16384)
+    ap.add_argument("--rl-prompts", type=int, default=64)
+    ap.add_argument("--rl-group", type=int, default=8)
+    ap.add_argument("--rl-completion", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
+    ap.add_argument("--rl-steps", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm (the median is reported)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--profile", default=None, help="profile one step of this arm, e.g. small/zerokl/triton")
@@ -366,13 +433,14 @@ def main(argv: list[str] | None = None) -> int:
         args.preset, args.batch, args.seq = "tiny", 2, 48
         args.slice_preset, args.slice_batch, args.slice_seq, args.long_seq = "tiny", 1, 48, 80
         args.steps, args.warmup = 1, 0
+        args.rl_prompts, args.rl_group, args.rl_completion, args.rl_steps = 2, 2, (2, 6), 2
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     invariant = default_backend() if device == "cuda" else "torch"
     backends = args.backends.split(",") if args.backends else [invariant, "stock"]
     parts = set(args.parts.split(","))
-    if parts - {"small", "slice", "long"}:
-        ap.error(f"--parts: unknown {sorted(parts - {'small', 'slice', 'long'})}")
+    if parts - {"small", "slice", "long", "rl"}:
+        ap.error(f"--parts: unknown {sorted(parts - {'small', 'slice', 'long', 'rl'})}")
     out = pathlib.Path(args.out) if args.out else None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     results = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "device": name,
@@ -432,6 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         record("long", f"1 x {args.long_seq}",
                run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, True), device,
                         1, 0, args.long_seq - 1, _arm(args.profile, "long")), slice_config, args.long_seq)
+    if "rl" in parts:
+        row = rl_part(ModelConfig.preset(args.preset), device, dtype, args)
+        results["rl"] = row
+        write(results, out)
+        print(json.dumps(row), flush=True)
     print(markdown(results))
     return 0
 

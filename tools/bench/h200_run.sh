@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-g, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-h, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -112,6 +112,13 @@ elif [ "$MODE" = wave3-g ]; then
     tests/services/trainer/test_trainer_device.py > "$FINAL_OUT/gputests-g.log" 2>&1
   timeout ${TRAIN_LIMIT:-130} python3 tools/bench/bench_train.py --parts small --backends triton --steps 9 \
     --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
+elif [ "$MODE" = wave3-h ]; then
+  # issue 34's targets 4, 2 and 3: the RL step in process beside SFT at its token count (graphs on), then
+  # the GLM-5 slice at 4 x 4,096 and one 16,384-token sequence
+  timeout ${RL_LIMIT:-200} python3 tools/bench/bench_train.py --parts rl --steps 5 --rl-steps 10 \
+    --out "$FINAL_OUT/train-rl" > "$FINAL_OUT/train-rl.log" 2>&1
+  timeout ${SLICE_LIMIT:-300} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
+    --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
