@@ -3,12 +3,15 @@
 Random prompts below and above index_topk, random chunk sizes, random neighbour
 sequences (prefilling or decoding) at random batch positions, shuffled KV pages.
 """
+import random
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from zerokl.kernels.model import ModelConfig
-from zerokl.kernels.model.verify import three_path_parity
+from zerokl.kernels import use_backend
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.kernels.model.verify import INTERPRETER_CONFIG, run_paths, three_path_parity
 
 
 def test_three_paths_give_identical_logits():
@@ -21,9 +24,18 @@ def test_three_paths_give_identical_logits():
 
 
 def test_three_paths_give_identical_logits_triton():
-    # On CPU this uses the interpreter-sized config (zerokl.kernels.model.verify.INTERPRETER_CONFIG).
-    cases, mismatches = three_path_parity("triton", 11, prompts=2)
-    assert cases == 6 and mismatches == 0
+    if torch.cuda.is_available():
+        cases, mismatches = three_path_parity("triton", 11, prompts=2)
+        assert cases == 6 and mismatches == 0
+        return
+    # Interpreted on CPU (every program instance in Python): the interpreter-sized model and one
+    # prompt past index_topk, whose early rows take the dense path and the later ones the sparse.
+    config = INTERPRETER_CONFIG
+    with use_backend("triton"), torch.no_grad():
+        model = Model(config, seed=11).eval()
+        prompt = torch.randint(0, config.vocab_size, (config.index_topk + 4,), generator=torch.Generator().manual_seed(11))
+        paths = run_paths(model, prompt, random.Random(11), neighbours=1)
+    assert len(paths) == 4 and all(torch.equal(logits, paths["full"]) for logits in paths.values())
 
 
 def test_three_paths_bf16():
