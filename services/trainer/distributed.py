@@ -182,7 +182,9 @@ class DistributedTrainer:
         if self.layout.dp > 1:
             self._fully_shard(model)
         self.model = model
-        self.trainer = Trainer(model, c)
+        # No CUDA graphs here: a rank's step holds collectives (TP all-reduces, FSDP's gathers) that
+        # every rank would have to capture and replay in lockstep.
+        self.trainer = Trainer(model, dataclasses.replace(c, cuda_graphs=False))
         self.trainer.step, self.trainer.tokens_seen = trainer.step, trainer.tokens_seen
         self._params = dict(model.named_parameters())
         self._load_optimizer_state({n: {k: v for k, v in s.items()} for n, s in full_opt.items()})

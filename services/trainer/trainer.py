@@ -81,7 +81,8 @@ class TrainConfig:
     # services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
     # Batches are then padded to shape buckets (sequence width to a multiple of 64, scored tokens to
     # a multiple of 256) so that shapes recur: the forward's bits do not change (every row is
-    # computed alone), the gradients are those of the padded batch. No effect on CPU, FP8 or FSDP.
+    # computed alone), the gradients are those of the padded batch. No effect on CPU, FP8 or the
+    # distributed trainer (its steps hold collectives).
     cuda_graphs: bool | None = None
 
 
