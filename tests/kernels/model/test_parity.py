@@ -15,7 +15,8 @@ from zerokl.kernels.model.verify import INTERPRETER_CONFIG, run_paths, three_pat
 
 
 def test_three_paths_give_identical_logits():
-    @settings(max_examples=4)
+    # two random seeds here; bf16, FP8 and shared-indexer layers below, Triton above: each a seed of its own
+    @settings(max_examples=2)
     @given(seed=st.integers(0, 10_000))
     def check(seed):
         cases, mismatches = three_path_parity("torch", seed, prompts=2)
