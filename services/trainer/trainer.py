@@ -147,9 +147,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self._optimized, lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay, foreach=False)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
-        # weights are re-made after each optimizer step) nor FSDP-sharded parameters (collectives).
-        graphs = (config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
-                  and not any(type(p).__name__ == "DTensor" for p in params))
+        # weights are re-made after each optimizer step); the distributed trainer turns them off.
+        graphs = config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
         self._graphs = StepGraphs(params) if graphs else None
         self.step = 0
         self.tokens_seen = 0
@@ -293,14 +292,14 @@ class Trainer:
         read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph."""
         start = time.perf_counter()
         self.model.train()
+        extra: list[torch.Tensor] = []
         if method == "sft":
             batch = self.batch_of(batch_items)
-            extra: list[torch.Tensor] = []
         elif method == "ppo":
             batch = self.batch_of([r.sequence for r in batch_items])
             extra = [self._behaviour(batch_items, batch), kw["advantages"].to(self.device)]
         elif method == "dpo":
-            batch, extra = None, []
+            batch = self.batch_of([p[0] for p in batch_items] + [p[1] for p in batch_items])
         else:
             raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
         coef = self.config.indexer_loss_coef
@@ -308,47 +307,44 @@ class Trainer:
         def step(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
             with indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
                 if method == "sft":
-                    b = batch.with_tensors(list(inputs[: len(inputs) - len(extra)]))
+                    b = batch.with_tensors(list(inputs))
                     loss = sft_loss(self.token_logprobs(self.model, b), b.mask)
                     terms = {"loss": loss.detach()}
                 elif method == "ppo":
-                    b = batch.with_tensors(list(inputs[:-2]))
-                    loss, terms = self._ppo_terms(b, *inputs[-2:])
+                    loss, terms = self._ppo_terms(batch.with_tensors(list(inputs[:-2])), *inputs[-2:])
                 else:
-                    loss, terms = self._dpo(batch_items)
+                    loss, terms = self._dpo(batch, len(batch_items))
             if indexer_kl:                          # the indexer's own loss (zerokl.kernels.model.indexer_loss)
                 loss = loss + coef * torch.stack(indexer_kl).mean()
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
             return terms
 
-        if batch is not None and self._graphs is not None and coef == 0:
-            inputs = batch.tensors() + extra
+        inputs = batch.tensors() + extra
+        if method != "dpo" and self._graphs is not None and coef == 0:
             key = (method, loss_scale, batch.filters, id(self.reference), tuple(t.shape for t in inputs))
             terms = self._graphs.run(key, inputs, step)
         else:
-            terms = step(batch.tensors() + extra if batch is not None else [])
+            terms = step(inputs)
         if method == "ppo":
             stats = PPOStats.from_terms(terms)
-            metrics, tokens = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}, stats.tokens
+            metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
         else:
             values = torch.stack([v.double() for v in terms.values()]).tolist()     # one read, after the backward
             metrics = dict(zip(terms, values))
-            tokens = batch.tokens if batch is not None else int(metrics.pop("tokens"))
+        tokens = batch.tokens
         self.tokens_seen += tokens
         metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
         return metrics
 
-    def _dpo(self, pairs: Sequence[tuple[Completion, Completion]]):
-        seqs = [p[0] for p in pairs] + [p[1] for p in pairs]
-        batch = self.batch_of(seqs)
+    def _dpo(self, batch: TokenBatch, n: int):
+        """DPO's loss and terms on ``batch``: the n chosen completions, then the n rejected ones."""
         policy = (self.token_logprobs(self.model, batch) * batch.mask).sum(1)
         with torch.no_grad():
             ref_model = self.reference or self.freeze_reference()
             ref = (self.token_logprobs(ref_model, batch) * batch.mask).sum(1)
-        n = len(pairs)
         loss, acc = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], self.config.dpo_beta)
-        return loss, {"loss": loss.detach(), "preference_accuracy": acc, "tokens": torch.tensor(float(batch.tokens), device=loss.device)}
+        return loss, {"loss": loss.detach(), "preference_accuracy": acc}
 
     def freeze_reference(self) -> Model:
         """Make a frozen copy of the current weights the reference (DPO's, and PPO's KL penalty's)."""
