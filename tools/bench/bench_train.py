@@ -192,9 +192,15 @@ def measure(step, device: str, steps: int, warmup: int, profile: str | None = No
             step()
             _sync(device)
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-        table = p.key_averages().table(sort_by=key, row_limit=20)
+        table = p.key_averages().table(sort_by=key, row_limit=25)
         out["profile_top"] = table
-        print(f"--- profile: {profile}, top kernels by {key} ---\n{table}", flush=True)
+        if device == "cuda":
+            # the GPU's share of the step: summed kernel time over the profiled step's wall time
+            kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            out["profile_kernels"] = len(kernels)
+            out["profile_kernel_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+        print(f"--- profile: {profile}, top kernels by {key} ---\n{table}\n"
+              f"kernels {out.get('profile_kernels')}, summed kernel time {out.get('profile_kernel_ms')} ms", flush=True)
     return out
 
 
@@ -416,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rl-steps", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm (the median is reported)")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--profile", default=None, help="profile one step of this arm, e.g. small/zerokl/triton")
+    ap.add_argument("--profile", default=None, help="profile one step of this arm, e.g. small/zerokl/triton (a comma list: one arm per part)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes everywhere (CPU smoke test)")
     ap.add_argument("--out", default=None, help="folder for bench_train.json / .md / .png")
     ap.add_argument("--append", action="store_true", help="add this run's rows to --out's existing results")
@@ -499,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = _tokens(slice_config, 1, args.long_seq, device, seed=2)
         record("long", f"1 x {args.long_seq}",
                run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, True), device,
-                        1, 0, args.long_seq - 1, _arm(args.profile, "long")), slice_config, args.long_seq)
+                        args.steps, args.warmup, args.long_seq - 1, _arm(args.profile, "long")), slice_config, args.long_seq)
     if "rl" in parts:
         row = rl_part(ModelConfig.preset(args.preset), device, dtype, args)
         results["rl"] = row
@@ -510,10 +516,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _arm(profile: str | None, part: str) -> str | None:
-    """The arm name run_case compares against: --profile small/zerokl/triton -> zerokl/triton for part small."""
-    if not profile or not profile.startswith(part + "/"):
-        return None
-    return profile[len(part) + 1:]
+    """The arm name run_case compares against: --profile small/zerokl/triton -> zerokl/triton for part small
+    (a comma list profiles one arm per part, e.g. slice/zerokl/triton,long/zerokl/triton)."""
+    for one in (profile or "").split(","):
+        if one.startswith(part + "/"):
+            return one[len(part) + 1:]
+    return None
 
 
 if __name__ == "__main__":

@@ -113,12 +113,12 @@ elif [ "$MODE" = wave3-g ]; then
   timeout ${TRAIN_LIMIT:-130} python3 tools/bench/bench_train.py --parts small --backends triton --steps 9 \
     --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
 elif [ "$MODE" = wave3-h ]; then
-  # issue 34's targets 4, 2 and 3: the RL step in process beside SFT at its token count (graphs on), then
-  # the GLM-5 slice at 4 x 4,096 and one 16,384-token sequence
+  # issue 34's targets 2, 3 and 4: the GLM-5 slice at 4 x 4,096 and one 16,384-token sequence, each warmed
+  # up and one step profiled; then the RL step in process beside SFT at its token count (graphs on)
+  timeout ${SLICE_LIMIT:-330} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
+    --profile slice/zerokl/triton,long/zerokl/triton --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
   timeout ${RL_LIMIT:-200} python3 tools/bench/bench_train.py --parts rl --steps 5 --rl-steps 10 \
     --out "$FINAL_OUT/train-rl" > "$FINAL_OUT/train-rl.log" 2>&1
-  timeout ${SLICE_LIMIT:-300} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
-    --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
