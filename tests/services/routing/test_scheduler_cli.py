@@ -10,6 +10,8 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import pytest
 
@@ -59,21 +61,23 @@ def _generate(server: str | None, env: dict[str, str] | None = None) -> dict:
     return json.loads(run.stdout)
 
 
-def _status(workdir: pathlib.Path) -> tuple[int, dict]:
-    run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
-                         capture_output=True, text=True, timeout=60)
+def _status(workdir: pathlib.Path, wait_s: float = 0.0) -> tuple[int, dict]:
+    run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json",
+                          "--wait", str(wait_s)], capture_output=True, text=True, timeout=60 + wait_s)
     return run.returncode, json.loads(run.stdout)
 
 
 def _wait_back(workdir: pathlib.Path, name: str, timeout_s: float = 90) -> dict:
-    """Poll `zerokl status` until every service is healthy again; the row of ``name`` then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        code, report = _status(workdir)
-        if code == 0:
-            return next(r for r in report["services"] if r["name"] == name)
-        assert time.monotonic() < deadline, report
-        time.sleep(0.5)
+    """`zerokl status --wait` until every service is healthy again; the row of ``name`` then."""
+    code, report = _status(workdir, timeout_s)
+    assert code == 0, report
+    return next(r for r in report["services"] if r["name"] == name)
+
+
+def _at_once(*calls: Callable[[], object]) -> list:
+    """Run independent command-line calls side by side (each a process of its own); their results in order."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return [f.result() for f in [pool.submit(c) for c in calls]]
 
 
 def _as_samples(result: dict) -> list[SampleResult]:
@@ -103,30 +107,33 @@ def test_zerokl_up_serves_through_the_scheduler_restarts_a_dead_service_and_stop
             if name != "weight-store":
                 assert (s["weights_version"], s["numerics_fingerprint"]) == ("1", fingerprint()), name
 
-        via_scheduler = _generate(services["scheduler"]["address"])
-        direct = _generate(services["decode-0"]["address"])
+        via_scheduler, direct = _at_once(lambda: _generate(services["scheduler"]["address"]),
+                                         lambda: _generate(services["decode-0"]["address"]))
         # Version 1 is the tiny preset, seed 0, published, fetched and loaded: the same bits as built here.
         want = numbers(offline(model, IDS, OPTIONS))
         assert numbers(_as_samples(via_scheduler)) == numbers(_as_samples(direct)) == want
         assert (via_scheduler["weights_version"], via_scheduler["numerics_fingerprint"]) == ("1", fingerprint())
 
-        status = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
-                                capture_output=True, text=True, timeout=60)
+        status, table, found = _at_once(
+            lambda: subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
+                                   capture_output=True, text=True, timeout=60),
+            lambda: subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir)],
+                                   capture_output=True, text=True, timeout=60),
+            # `zerokl generate` with no --server finds the `--port 0` scheduler in up.json.
+            lambda: _generate(None, {**os.environ, "ZEROKL_UP_DIR": str(workdir)}))
         assert status.returncode == 0, status.stdout + status.stderr
         report = json.loads(status.stdout)
         assert report["ok"] and report["fingerprints"] == [fingerprint()] and report["weights_versions"] == ["1"]
         assert [r["health"] for r in report["services"]] == ["SERVING"] * len(services)
-        table = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir)],
-                               capture_output=True, text=True, timeout=60)
         assert table.returncode == 0 and f"OK: {len(services)}/{len(services)} serving" in table.stdout
-        # `zerokl generate` with no --server finds the `--port 0` scheduler in up.json.
-        assert numbers(_as_samples(_generate(None, {**os.environ, "ZEROKL_UP_DIR": str(workdir)}))) == want
+        assert numbers(_as_samples(found)) == want
 
         # One of two decode replicas dies: Generate keeps working through the other, `zerokl status` names
         # the dead one until the supervisor has it back, and then everything is healthy again.
         os.kill(services["decode-0"]["pid"], signal.SIGKILL)
-        assert numbers(_as_samples(_generate(services["scheduler"]["address"]))) == want
-        code, report = _status(workdir)
+        routed_around, (code, report) = _at_once(lambda: _generate(services["scheduler"]["address"]),
+                                                 lambda: _status(workdir))
+        assert numbers(_as_samples(routed_around)) == want
         assert code == 1 and report["down"] == ["decode-0"], report
         row = next(r for r in report["services"] if r["name"] == "decode-0")
         # Named down by the supervisor's state; its probe is UNREACHABLE unless the replacement already answers
