@@ -80,9 +80,10 @@ def _wait_state(proc: subprocess.Popen, workdir: pathlib.Path, timeout_s: float 
     return {s["name"]: s for s in json.loads((workdir / "up.json").read_text())["services"]}
 
 
-def _status(workdir: pathlib.Path, env: dict[str, str]) -> tuple[int, dict]:
-    run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json"],
-                         capture_output=True, text=True, timeout=60, env=env)
+def _status(workdir: pathlib.Path, env: dict[str, str], wait_s: float = 0.0) -> tuple[int, dict]:
+    """`zerokl status --json`, waiting up to ``wait_s`` for every service to be SERVING on one version."""
+    run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir), "--json",
+                          "--wait", str(wait_s)], capture_output=True, text=True, timeout=60 + wait_s, env=env)
     return run.returncode, json.loads(run.stdout)
 
 
@@ -146,7 +147,7 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, model_seed1: Model, tmp_pat
             time.sleep(0.5)
         os.kill(services["decode-0"]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 90
-        while (report := _status(workdir, env))[0] != 0 or report[1]["services"][1]["restarts"] != 1:
+        while (report := _status(workdir, env, wait_s=90))[0] != 0 or report[1]["services"][1]["restarts"] != 1:
             assert time.monotonic() < deadline, report
             time.sleep(0.5)
         decode = report[1]["services"][1]
@@ -154,14 +155,16 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, model_seed1: Model, tmp_pat
         assert report[1]["weights_versions"] == ["2"]   # status lent up.json's client token and CA
 
         cli = [sys.executable, "-m", "zerokl"]
-        gen = subprocess.run([*cli, "generate", "--server", scheduler, "--token", CLIENT_TOKEN, "--tls-ca", pki["ca"],
-                              "--prompt-ids", ",".join(map(str, IDS)), "--temperature", "0.7", "--top-k", "20",
-                              "--seed", "3", "--max-tokens", "8", "--ignore-eos", "--json"],
-                             capture_output=True, text=True, timeout=60, env=env)
-        assert gen.returncode == 0, gen.stderr
-        assert json.loads(gen.stdout)["token_ids"] == list(want_v2[0][1])
+        # Two independent command lines, side by side (each its own process).
+        gen = subprocess.Popen([*cli, "generate", "--server", scheduler, "--token", CLIENT_TOKEN, "--tls-ca", pki["ca"],
+                                "--prompt-ids", ",".join(map(str, IDS)), "--temperature", "0.7", "--top-k", "20",
+                                "--seed", "3", "--max-tokens", "8", "--ignore-eos", "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         no_token = subprocess.run([*cli, "generate", "--server", scheduler, "--tls-ca", pki["ca"], "--prompt-ids",
                                    "3,4,5"], capture_output=True, text=True, timeout=60, env=env)
+        gen_out, gen_err = gen.communicate(timeout=60)
+        assert gen.returncode == 0, gen_err
+        assert json.loads(gen_out)["token_ids"] == list(want_v2[0][1])
         assert no_token.returncode == 1 and "UNAUTHENTICATED" in no_token.stderr
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()  # type: ignore[union-attr]
