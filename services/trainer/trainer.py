@@ -79,45 +79,63 @@ class TrainConfig:
     dtype: Literal["bfloat16", "float32", "fp8"] | None = None
     # Replay each SFT / PPO forward + backward from a CUDA graph per batch shape (None = on CUDA;
     # services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
-    # Batches are then padded to shape buckets (sequence width to a multiple of 64, scored tokens to
-    # a multiple of 256) so that shapes recur: the forward's bits do not change (every row is
-    # computed alone), the gradients are those of the padded batch. No effect on CPU, FP8 or the
-    # distributed trainer (its steps hold collectives).
+    # Batches are then padded to shape buckets (packed tokens, scored tokens and completion width,
+    # each to at most 1/8 more: `bucket`) so that shapes recur: the forward's bits do not change
+    # (every row is computed alone), the gradients are those of the padded batch. No effect on
+    # CPU, FP8 or the distributed trainer (its steps hold collectives).
     cuda_graphs: bool | None = None
 
 
-#: Shape buckets of a batch under TrainConfig.cuda_graphs: sequence width, scored rows.
-WIDTH_BUCKET, ROW_BUCKET = 64, 256
+#: The smallest shape buckets of a batch under TrainConfig.cuda_graphs: packed tokens, scored
+#: rows, completion width (a count n is padded to a multiple of max(minimum, 2 ** (bits(n) - 4)):
+#: at most 1/8 more, about eight shapes per doubling, so the shapes of RL batches recur).
+TOKEN_BUCKET, ROW_BUCKET, WIDTH_BUCKET = 64, 256, 16
+
+
+def bucket(n: int, minimum: int) -> int:
+    """n rounded up to its shape bucket: a multiple of max(minimum, 2 ** (n.bit_length() - 4))."""
+    step = max(minimum, 1 << max(0, n.bit_length() - 4))
+    return -(-n // step) * step
 
 
 @dataclass
 class TokenBatch:
     """Completions laid out for the training forward (:meth:`Trainer.batch_of`).
 
-    Ntok rows are scored: one per completion token, then (bucketed batches) padding rows that
-    score token 0 at position 0 and land in slots past B*T, which nothing reads."""
+    The sequences are packed one after another (no padding between them: an RL batch's lengths
+    vary by several times), each from position 0. N packed tokens, then (bucketed batches)
+    padding tokens, each a sequence of one token. Ntok rows are scored: one per completion
+    token, then (bucketed batches) padding rows that score token 0 at packed token 0 and land
+    in slots past B*T, which nothing reads."""
 
-    input_ids: torch.Tensor             # [B, S] padded
+    input_ids: torch.Tensor             # [N] the packed sequences (each without its last token), then padding
+    positions: torch.Tensor             # [N] each token's position in its sequence
     targets: torch.Tensor               # [B, T] completion tokens, padded
     mask: torch.Tensor                  # [B, T]
-    rows: torch.Tensor                  # [Ntok] flat index into the B*S positions: the one predicting each scored token
+    rows: torch.Tensor                  # [Ntok] the packed token predicting each scored token
     params: SamplingParams              # [Ntok] per scored token
     token_targets: torch.Tensor         # [Ntok] the scored token of each row
     token_slots: torch.Tensor           # [Ntok] where each row's logprob goes in the flat [B*T] output (padding: past it)
     tokens: int                         # completion tokens (the rows before any padding)
     filters: tuple[bool, bool]          # (a row uses top-k or top-p, a row uses top-p): known here, never read back
+    length: int                         # the longest sequence's tokens (attention's longest key list)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor of the batch, in a fixed order (a CUDA graph's inputs)."""
-        return [self.input_ids, self.targets, self.mask, self.rows, *dataclasses.astuple(self.params),
+        return [self.input_ids, self.positions, self.targets, self.mask, self.rows, *dataclasses.astuple(self.params),
                 self.token_targets, self.token_slots]
 
     def with_tensors(self, tensors: list[torch.Tensor]) -> "TokenBatch":
         """The same batch over ``tensors`` (as :meth:`tensors` orders them)."""
         n = len(dataclasses.fields(SamplingParams))
-        input_ids, targets, mask, rows, *rest = tensors
-        return TokenBatch(input_ids, targets, mask, rows, SamplingParams(*rest[:n]), *rest[n:], self.tokens,
-                          self.filters)
+        input_ids, positions, targets, mask, rows, *rest = tensors
+        return TokenBatch(input_ids, positions, targets, mask, rows, SamplingParams(*rest[:n]), *rest[n:],
+                          self.tokens, self.filters, self.length)
+
+    def layout(self) -> AttentionBatch:
+        """The model's training layout of the packed tokens (no key table, no cache)."""
+        n = self.input_ids.shape[0]
+        return AttentionBatch(self.positions, None, torch.arange(n, device=self.input_ids.device), self.length)
 
 
 class Trainer:
@@ -187,41 +205,43 @@ class Trainer:
     # ------------------------------------------------------------------ logprobs
 
     def batch_of(self, seqs: Sequence[Completion], bucketed: bool | None = None) -> TokenBatch:
-        """``seqs`` padded into one batch on the model's device, with each completion token's
+        """``seqs`` packed into one batch on the model's device, with each completion token's
         predicting row and sampling parameters (what :meth:`token_logprobs` reads).
 
-        bucketed (default: when CUDA graphs run the steps): the width padded to a multiple of
-        WIDTH_BUCKET (not past the indexer's top-k when the batch is within it: the dense path
-        stays dense) and the scored rows to a multiple of ROW_BUCKET, so that batch shapes recur."""
+        bucketed (default: when CUDA graphs run the steps): the packed tokens, the scored rows
+        and the completion width padded to their shape buckets (:func:`bucket`), so that batch
+        shapes recur; every row's bits are the same either way (each is computed alone)."""
         if bucketed is None:
             bucketed = self._graphs is not None
-        config = self.model.config
-        pad = config.pad_token_id or 0
-        full = [list(s.prompt_ids) + list(s.completion_ids) for s in seqs]
-        width = max(1, max(len(f) for f in full) - 1)     # the last token is only a target
+        pad = self.model.config.pad_token_id or 0
+        ids, positions, rows, token_targets, slots, temp, top_k, top_p = [], [], [], [], [], [], [], []
         t = max(len(s.completion_ids) for s in seqs)
         if bucketed:
-            limit = config.index_topk if width <= config.index_topk else config.max_position_embeddings
-            width = max(width, min(-(-width // WIDTH_BUCKET) * WIDTH_BUCKET, limit))
-        input_ids = torch.full((len(seqs), width), pad, dtype=torch.int64)
+            t = bucket(t, WIDTH_BUCKET)
         targets = torch.full((len(seqs), t), pad, dtype=torch.int64)
         mask = torch.zeros(len(seqs), t)
-        rows, token_targets, slots, temp, top_k, top_p = [], [], [], [], [], []
-        for b, (s, f) in enumerate(zip(seqs, full)):
-            input_ids[b, : len(f) - 1] = torch.tensor(f[:-1])
-            n, p = len(s.completion_ids), len(s.prompt_ids)
+        for b, s in enumerate(seqs):
+            full = list(s.prompt_ids) + list(s.completion_ids)
+            start, n, p = len(ids), len(s.completion_ids), len(s.prompt_ids)
+            ids += full[:-1]                                 # the last token is only a target
+            positions += range(len(full) - 1)
             targets[b, :n] = torch.tensor(s.completion_ids)
             mask[b, :n] = 1
-            rows += [b * width + p - 1 + i for i in range(n)]
+            rows += range(start + p - 1, start + p - 1 + n)
             token_targets += s.completion_ids
-            slots += [b * t + i for i in range(n)]
+            slots += range(b * t, b * t + n)
             temp += [s.temperature] * n
             top_k += [s.top_k] * n
             top_p += [s.top_p] * n
+        length = max(1, max(positions, default=0) + 1)
         tokens, dev = len(rows), self.device
         filters = (any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p), any(q < 1.0 for q in top_p))
-        extra = (-(-tokens // ROW_BUCKET) * ROW_BUCKET - tokens) if bucketed else 0
-        rows += [0] * extra                                  # padding rows: token 0 scored at row 0, ...
+        if bucketed:
+            extra = bucket(max(1, len(ids)), TOKEN_BUCKET) - len(ids)
+            ids += [pad] * extra                             # padding tokens: one-token sequences
+            positions += [0] * extra
+        extra = bucket(tokens, ROW_BUCKET) - tokens if bucketed else 0
+        rows += [0] * extra                                  # padding rows: token 0 scored at packed token 0, ...
         token_targets += [0] * extra
         slots += range(len(seqs) * t, len(seqs) * t + extra)  # ... each into its own slot past B*T
         temp += [1.0] * extra
@@ -234,10 +254,9 @@ class Trainer:
                                 torch.zeros(n_tok, dtype=torch.int64, device=dev),
                                 torch.zeros(n_tok, dtype=torch.int64, device=dev))
         # Built on the CPU element by element (cheap), moved to the model's device in one copy each.
-        return TokenBatch(input_ids.to(dev), targets.to(dev), mask.to(dev),
-                          torch.tensor(rows, dtype=torch.int64, device=dev), params,
-                          torch.tensor(token_targets, dtype=torch.int64, device=dev),
-                          torch.tensor(slots, dtype=torch.int64, device=dev), tokens, filters)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)   # noqa: E731
+        return TokenBatch(as_long(ids), as_long(positions), targets.to(dev), mask.to(dev), as_long(rows), params,
+                          as_long(token_targets), as_long(slots), tokens, filters, length)
 
     def token_logprobs(self, model: Model, batch: TokenBatch, params: SamplingParams | None = None,
                        hidden: torch.Tensor | None = None, filters: tuple[bool, bool] | None = None) -> torch.Tensor:
@@ -268,10 +287,8 @@ class Trainer:
     def _token_hidden(self, model: Model, batch: TokenBatch) -> torch.Tensor:
         """The residual stream [Ntok, D] (before the final norm) at the positions that predict
         each completion token; blocks checkpointed when the config says so and a gradient is recorded."""
-        b, s = batch.input_ids.shape
-        layout = AttentionBatch.for_sequences(b, s, batch.input_ids.device)
         with checkpoint_blocks(model, self.config.activation_checkpointing):
-            hidden = model.hidden_states(batch.input_ids.reshape(-1), layout)
+            hidden = model.hidden_states(batch.input_ids, batch.layout())
         return hidden[batch.rows]
 
     @torch.no_grad()
@@ -321,7 +338,10 @@ class Trainer:
 
         inputs = batch.tensors() + extra
         if method != "dpo" and self._graphs is not None and coef == 0:
-            key = (method, loss_scale, batch.filters, id(self.reference), tuple(t.shape for t in inputs))
+            # the shapes, and whether attention's longest key list passes the indexer's top-k (the
+            # sparse path; the batch's length decides nothing else)
+            sparse = batch.length > self.model.config.index_topk
+            key = (method, loss_scale, batch.filters, id(self.reference), sparse, tuple(t.shape for t in inputs))
             terms = self._graphs.run(key, inputs, step)
         else:
             terms = step(inputs)

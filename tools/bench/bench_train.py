@@ -188,7 +188,7 @@ def measure(step, device: str, steps: int, warmup: int, profile: str | None = No
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with prof(activities=acts) as p:
+        with prof(activities=acts, with_stack=True) as p:
             step()
             _sync(device)
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -199,6 +199,12 @@ def measure(step, device: str, steps: int, warmup: int, profile: str | None = No
             kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             out["profile_kernels"] = len(kernels)
             out["profile_kernel_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+        # where the time is launched from: with_stack records the Python functions as events too, so
+        # sorting by inclusive time ranks the zerokl functions whose kernels take the most time
+        inclusive = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        out["profile_functions"] = p.key_averages().table(sort_by=inclusive, row_limit=70, max_name_column_width=70)
+        print(f"--- profile: {profile}, ops and Python functions by {inclusive} ---\n{out['profile_functions']}",
+              flush=True)
         print(f"--- profile: {profile}, top kernels by {key} ---\n{table}\n"
               f"kernels {out.get('profile_kernels')}, summed kernel time {out.get('profile_kernel_ms')} ms", flush=True)
     return out
@@ -341,7 +347,7 @@ def rl_part(config: ModelConfig, device: str, dtype: torch.dtype, args) -> dict:
     model = build_model(config, device, dtype)
     trainer = Trainer(model, TrainConfig(lr=1e-5))
     lo, hi = args.rl_completion
-    fb, opt, tokens, kl = [], [], [], []
+    fb, opt, tokens, packed, kl = [], [], [], [], []
     for step in range(args.rl_steps):
         seqs = []
         for _ in range(args.rl_prompts):
@@ -363,16 +369,21 @@ def rl_part(config: ModelConfig, device: str, dtype: torch.dtype, args) -> dict:
         fb.append(t1 - t0)
         opt.append(time.perf_counter() - t1)
         tokens.append(metrics["tokens"])
+        packed.append(sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in seqs))   # forwarded and backpropagated
         kl.append(metrics["kl"])
-        print(f"  rl step {step + 1}/{args.rl_steps}: {metrics['tokens']} tokens, forward_backward {t1 - t0:.3f} s, "
+        print(f"  rl step {step + 1}/{args.rl_steps}: {packed[-1]} tokens ({metrics['tokens']} scored), "
+              f"forward_backward {t1 - t0:.3f} s, "
               f"optim_step {opt[-1]:.3f} s, kl {metrics['kl']}", flush=True)
     later = slice(len(fb) // 2, None)          # the second half: bucket shapes seen before, graphs replayed
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    row = {"steps": args.rl_steps, "tokens_per_step_median": med(tokens), "forward_backward_s_median": med(fb[later]),
-           "optim_step_s_median": med(opt[later]), "kl_max": max(abs(k) for k in kl),
-           "graph_replays": trainer._graphs.replays if trainer._graphs is not None else 0}
-    row["rl_fb_tok_s"] = med([t / f for t, f in zip(tokens[later], fb[later])])
-    row["rl_step_tok_s"] = med([t / (f + o) for t, f, o in zip(tokens[later], fb[later], opt[later])])
+    # tokens: every token forwarded and backpropagated (prompt and completion, as verl counts a step's
+    # throughput); scored: the completion tokens, the ones with a loss
+    row = {"steps": args.rl_steps, "tokens_per_step_median": med(packed), "scored_per_step_median": med(tokens),
+           "forward_backward_s_median": med(fb[later]), "optim_step_s_median": med(opt[later]),
+           "kl_max": max(abs(k) for k in kl), "graph_replays": trainer._graphs.replays if trainer._graphs is not None else 0}
+    row["rl_fb_tok_s"] = med([t / f for t, f in zip(packed[later], fb[later])])
+    row["rl_fb_scored_tok_s"] = med([t / f for t, f in zip(tokens[later], fb[later])])
+    row["rl_step_tok_s"] = med([t / (f + o) for t, f, o in zip(packed[later], fb[later], opt[later])])
     del trainer, model
     gc.collect()
     if device == "cuda":
@@ -461,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             row = _with_mfu(row, config, seq)
         results["rows"].append(row)
         write(results, out)
-        shown = {k: v for k, v in row.items() if k != "profile_top"}
+        shown = {k: v for k, v in row.items() if k not in ("profile_top", "profile_functions")}
         print(json.dumps(shown), flush=True)
 
     if "small" in parts:

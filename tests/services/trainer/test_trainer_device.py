@@ -80,7 +80,7 @@ def test_adapters_and_batches_are_built_on_the_models_device_not_the_cpu(lora):
     trainer = Trainer(Model(TINY, seed=0).to("meta"), TrainConfig(lora_rank=lora, kl_coef=0.1))
     assert {p.device.type for p in [*trainer.model.parameters(), *trainer.reference.parameters()]} == {"meta"}
     batch = trainer.batch_of([Completion((1, 2, 3), (4, 5)), Completion((1, 2), (4, 5, 6), 0.5, 3, 0.9)])
-    tensors = [batch.input_ids, batch.targets, batch.mask, batch.rows, *vars(batch.params).values()]
+    tensors = [*batch.tensors(), batch.layout().write_slots]
     assert {t.device.type for t in tensors} == {"meta"}
 
 

@@ -53,7 +53,7 @@ def _sequences(k: int = 6, seed: int = 0) -> list[Completion]:
 def _unfused_logprobs(trainer: Trainer, seqs):
     """(logprobs [Ntok], batch) by the trainer's previous path: logits of every position, the rows, sampling_logprobs."""
     batch = trainer.batch_of(seqs)
-    logits = trainer.model(batch.input_ids)
+    logits = trainer.model.forward_tokens(batch.input_ids, batch.layout())
     logits = logits.reshape(-1, logits.shape[-1])[batch.rows]
     return sampling_logprobs(logits, batch.targets[batch.mask > 0], batch.params), batch
 
