@@ -110,6 +110,9 @@ def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_servin
     # remembers the jobs of the scheduler before it, and runs the next job.
     with zerokl_up(workdir, *TRUTH_FLAGS) as services:
         scheduler = services["scheduler"]["address"]
+        # `zerokl jobs list` (its own process) runs beside the checks below; it reads only the poisoned job's row.
+        listing = subprocess.Popen([sys.executable, "-m", "zerokl", "jobs", "--server", scheduler, "list"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         async def restarted() -> None:
             async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs:
@@ -124,23 +127,37 @@ def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_servin
                 assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
                 assert [ev.step for ev in events if ev.step is not None] == [1, 2]
                 assert (await inference.info()).weights_version == events[-1].status.weights_version != good
-        asyncio.run(restarted())
-        listed = subprocess.run([sys.executable, "-m", "zerokl", "jobs", "--server", scheduler, "list"],
-                                capture_output=True, text=True, timeout=120)
-        row = next(line for line in listed.stdout.splitlines() if poisoned_id in line)
-        assert listed.returncode == 0 and "failed" in row, listed.stdout + listed.stderr
+        try:
+            asyncio.run(restarted())
+            out, err = listing.communicate(timeout=120)
+        finally:
+            if listing.poll() is None:
+                listing.kill()
+                listing.communicate()
+        row = next(line for line in out.splitlines() if poisoned_id in line)
+        assert listing.returncode == 0 and "failed" in row, out + err
 
 
-def _serve(service: str, *flags: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
-    """`zerokl serve SERVICE FLAGS` on a free loopback port (unless the flags name one); (process, address)."""
+def _start(service: str, *flags: str, log: pathlib.Path) -> subprocess.Popen:
+    """Start `zerokl serve SERVICE FLAGS` on a free loopback port (unless the flags name one)."""
     port = [] if "--port" in flags else ["--port", "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", service, *port, *flags],
+    return subprocess.Popen([sys.executable, "-m", "zerokl", "serve", service, *port, *flags],
                             stdout=subprocess.PIPE, stderr=log.open("a"), text=True)
+
+
+def _listening(proc: subprocess.Popen, service: str, log: pathlib.Path) -> str:
+    """The address of a service :func:`_start` started, from its ``listening on`` line."""
     line = proc.stdout.readline()  # type: ignore[union-attr]
     if not line.startswith(f"{service} listening on "):
         proc.kill()
         raise AssertionError(f"{service} did not start: {line!r}; see {log}")
-    return proc, line.split()[3]
+    return line.split()[3]
+
+
+def _serve(service: str, *flags: str, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    """`zerokl serve SERVICE FLAGS` on a free loopback port (unless the flags name one); (process, address)."""
+    proc = _start(service, *flags, log=log)
+    return proc, _listening(proc, service, log)
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -162,13 +179,17 @@ def test_a_job_whose_weight_store_dies_publishes_every_step_before_it_succeeds(t
     try:
         store_proc, store = _serve("weight-store", "--root", str(roots), log=log)
         procs.append(store_proc)
-        decode_proc, decode = _serve("decode", "--preset", "tiny", "--threads", "1", "--weight-store", store, log=log)
-        trainer_proc, trainer = _serve("trainer", "--weight-store", store, "--init", "preset:tiny:seed0",
-                                       "--threads", "1", "--run", "outage", "--lr=3e-3", log=log)
+        # The decode replica and the trainer start side by side (each needs only the store).
+        decode_proc = _start("decode", "--preset", "tiny", "--threads", "1", "--weight-store", store, log=log)
+        procs.append(decode_proc)
+        trainer_proc = _start("trainer", "--weight-store", store, "--init", "preset:tiny:seed0",
+                              "--threads", "1", "--run", "outage", "--lr=3e-3", log=log)
+        procs.append(trainer_proc)
+        decode, trainer = _listening(decode_proc, "decode", log), _listening(trainer_proc, "trainer", log)
         scheduler_log = tmp_path / "scheduler.log"
         scheduler_proc, scheduler = _serve("scheduler", "--decode", decode, "--trainer", trainer, "--weight-store",
                                            store, "--poll-interval", "0.5", log=scheduler_log)
-        procs += [decode_proc, trainer_proc, scheduler_proc]
+        procs.append(scheduler_proc)
         steps = 10
 
         async def main() -> tuple[list[int], object]:
