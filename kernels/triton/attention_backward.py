@@ -11,15 +11,19 @@ Two kernels, each a fixed order with fp32 accumulators and no atomics:
 * `_mla_bwd_dq_kernel`: one program per (query, BLOCK_H heads), the forward's grid; it walks
   the query's own keys in the forward's KV_BLOCK blocks from position 0, so a query's dq and
   delta depend only on its own inputs and key list, never on its neighbours.
-* `_mla_bwd_dkv_kernel`: one program per key block (up to BLOCK_K consecutive slots). It walks
-  the (query, head) rows that attend any key of the block in ascending query order, ROWS at a
-  time. Dense causal: the queries are the contiguous range from the block's first key to the
-  end of its sequence. Sparse: the transpose of the key lists is built on the device with a
-  stable sort: per block, the queries that selected one of its keys, ascending, each with a
-  bit mask of the keys it selected.
-Key blocks: in the training layout (positions given) they start at every position that is a
-multiple of BLOCK_K of each sequence, so a key's gradient depends only on its own sequence;
-otherwise (a cache) they are slots [b * BLOCK_K, (b + 1) * BLOCK_K).
+* Causal (no key list), `_mla_bwd_dkv_kernel`: one program per key block (up to BLOCK_K
+  consecutive slots) walks the (query, head) rows that attend it, the contiguous range from
+  the block's first key to the end of its sequence, ROWS at a time. Key blocks start at every
+  position that is a multiple of BLOCK_K of each sequence, so a key's gradient depends only on
+  its own sequence.
+* A key list (the indexer's selection, a cache's slots): `_mla_bwd_dkv_parts_kernel`, one
+  program per (query, block of its list), computes each listed key's part of the gradient
+  summed over the query's heads, [R + P] fp32 per (query, key); `_mla_bwd_dkv_sum_kernel`,
+  one program per key, adds a key's parts one by one in ascending query order into its fp32
+  gradient. Work follows the (query, key) pairs: a key block walked by every later query did
+  the dense causal work for a 2,048-of-16,384 selection (issue 34's profile). The parts are
+  made and summed in chunks of queries to bound their memory; a running fp32 sum in ascending
+  query order has the same bits for any chunking, and only a key's own sequence selects it.
 
 Gradients are fp32 sums rounded to the inputs' dtype at the end. Deterministic and, in the
 training layout, independent of the other sequences in the batch; not bitwise equal to any
@@ -34,13 +38,17 @@ import triton.language as tl
 from ._common import check_float, check_launchable, dot_in_fp32, next_pow2
 from .attention import KV_BLOCK, blocks_to_visit
 
-__all__ = ["DKV_BLOCK_K", "DKV_ROWS", "mla_attention_backward", "mla_attention_backward_reference"]
+__all__ = ["DKV_BLOCK_K", "DKV_CHUNK_BYTES", "DKV_ROWS", "mla_attention_backward", "mla_attention_backward_reference"]
 
 # dkv program shape, from the H200 sweep in tools/bench/bench_attention_backward.py (--sweep):
 # 16 keys (more programs: the causal triangle's longest program bounds the time) and 64
 # (query, head) rows per step were fastest or within noise at both the small and GLM-5 shapes.
 DKV_BLOCK_K = 16   # keys per dkv program
 DKV_ROWS = 64      # (query, head) rows per dkv step
+# Key lists: keys per parts program (heads 16 at a time), and the memory of one chunk of parts
+# ([queries, list width, R + P] fp32; the chunking never changes the bits, only the memory).
+DKV_PART_KEYS = 32
+DKV_CHUNK_BYTES = 2 << 30
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -110,13 +118,14 @@ def _mla_bwd_dq_kernel(
 @triton.jit
 def _mla_bwd_dkv_kernel(
     ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, delta_ptr,
-    kstart_ptr, kcount_ptr, qbegin_ptr, qend_ptr, eq_ptr, emask_ptr,
+    kstart_ptr, kcount_ptr, qbegin_ptr, qend_ptr,
     dkv_ptr, dkr_ptr,
     H, R, P, scale,
     s_qlt, s_qlh, s_qrt, s_qrh, s_kv, s_kr,
-    DOT_F32: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """Causal layout: dkv and dk_rope of one key block from the queries [qbegin, qend) that attend it."""
     blk = tl.program_id(0)
     k0 = tl.load(kstart_ptr + blk).to(tl.int64)
     nk = tl.load(kcount_ptr + blk)
@@ -130,25 +139,19 @@ def _mla_bwd_dkv_kernel(
     if DOT_F32:
         kv = kv.to(tl.float32)
         kr = kr.to(tl.float32)
-    # queries (causal) or entries (sparse) e in [e0, e1), each with H rows: row g = (e - e0) * H + head
-    e0 = tl.load(qbegin_ptr + blk).to(tl.int64)
-    e1 = tl.load(qend_ptr + blk).to(tl.int64)
-    n_rows = (e1 - e0) * H
+    # queries q in [q0, q1), each with H rows: row g = (q - q0) * H + head
+    q0 = tl.load(qbegin_ptr + blk).to(tl.int64)
+    q1 = tl.load(qend_ptr + blk).to(tl.int64)
+    n_rows = (q1 - q0) * H
     g0 = tl.arange(0, ROWS)
     dkv = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
     dkr = tl.zeros((BLOCK_K, BLOCK_P), dtype=tl.float32)
     for c in range(tl.cdiv(n_rows, ROWS)):                          # ascending queries, fixed chunks
         g = c * ROWS + g0
         g_mask = g < n_rows
-        e = e0 + g // H
+        tq = q0 + g // H
         hh = g % H
-        if CAUSAL:
-            tq = e
-            sel = (tq[None, :] >= kslot[:, None]) & k_mask[:, None] & g_mask[None, :]
-        else:
-            tq = tl.load(eq_ptr + e, mask=g_mask, other=0)
-            bits = tl.load(emask_ptr + e, mask=g_mask, other=0)
-            sel = (((bits[None, :] >> i[:, None].to(tl.int64)) & 1) != 0) & k_mask[:, None] & g_mask[None, :]
+        sel = (tq[None, :] >= kslot[:, None]) & k_mask[:, None] & g_mask[None, :]
         row = tq * H + hh                                            # into [T, H] and [T, H, R]
         ql = tl.load(ql_ptr + tq[:, None] * s_qlt + hh[:, None] * s_qlh + r[None, :],
                      mask=g_mask[:, None] & (r < R)[None, :], other=0.0)
@@ -173,24 +176,96 @@ def _mla_bwd_dkv_kernel(
     tl.store(dkr_ptr + kslot[:, None] * P + p_[None, :], dkr, mask=k_mask[:, None] & (p_ < P)[None, :])
 
 
-def _key_blocks(s_len: int, positions: torch.Tensor | None, block_k: int, device):
-    """Key blocks (start slot [NB], count [NB], block of each slot [S]).
+@triton.jit(do_not_specialize=["t0"])
+def _mla_bwd_dkv_parts_kernel(
+    ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, parts_ptr,
+    t0, H, R, P, L, scale,
+    s_qlt, s_qlh, s_qrt, s_qrh, s_kv, s_kr, s_idx,
+    DOT_F32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    KEYS: tl.constexpr,
+):
+    """parts[t - t0, j] = sum over heads of (p dOut + scale ds q_latent | scale ds q_rope) for the
+    keys j of query t's list in [b * KEYS, (b + 1) * KEYS): heads BLOCK_H at a time, ascending."""
+    tc = tl.program_id(0).to(tl.int64)
+    t = t0 + tc
+    j = tl.program_id(1) * KEYS + tl.arange(0, KEYS)
+    r = tl.arange(0, BLOCK_R)
+    p_ = tl.arange(0, BLOCK_P)
+    slot = tl.load(idx_ptr + t * s_idx + j, mask=j < L, other=-1).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.where(valid, slot, 0)
+    kv = tl.load(kv_ptr + slot[:, None] * s_kv + r[None, :], mask=valid[:, None] & (r < R)[None, :], other=0.0)
+    kr = tl.load(kr_ptr + slot[:, None] * s_kr + p_[None, :], mask=valid[:, None] & (p_ < P)[None, :], other=0.0)
+    if DOT_F32:
+        kv = kv.to(tl.float32)
+        kr = kr.to(tl.float32)
+    dkv = tl.zeros((KEYS, BLOCK_R), dtype=tl.float32)
+    dkr = tl.zeros((KEYS, BLOCK_P), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = h < H
+        ql = tl.load(ql_ptr + t * s_qlt + h[:, None] * s_qlh + r[None, :], mask=h_mask[:, None] & (r < R)[None, :],
+                     other=0.0)
+        qr = tl.load(qr_ptr + t * s_qrt + h[:, None] * s_qrh + p_[None, :], mask=h_mask[:, None] & (p_ < P)[None, :],
+                     other=0.0)
+        do = tl.load(do_ptr + (t * H + h[:, None]) * R + r[None, :], mask=h_mask[:, None] & (r < R)[None, :], other=0.0)
+        lse = tl.load(lse_ptr + t * H + h, mask=h_mask, other=0.0)
+        delta = tl.load(delta_ptr + t * H + h, mask=h_mask, other=0.0)
+        if DOT_F32:
+            ql = ql.to(tl.float32)
+            qr = qr.to(tl.float32)
+        do_c = do.to(kv.dtype)
+        s = tl.dot(kv, tl.trans(ql), input_precision="ieee")                       # [KEYS, BLOCK_H]
+        s = tl.dot(kr, tl.trans(qr), s, input_precision="ieee") * scale
+        sel = valid[:, None] & h_mask[None, :]
+        p = tl.where(sel, tl.exp(s - lse[None, :]), 0.0)
+        dp = tl.dot(kv, tl.trans(do_c), input_precision="ieee")
+        ds = tl.where(sel, p * (dp - delta[None, :]), 0.0) * scale
+        dkv = tl.dot(p.to(kv.dtype), do_c, dkv, input_precision="ieee")
+        dkv = tl.dot(ds.to(kv.dtype), ql, dkv, input_precision="ieee")
+        dkr = tl.dot(ds.to(kr.dtype), qr, dkr, input_precision="ieee")
+    row = parts_ptr + (tc * L + j[:, None]) * (R + P)
+    tl.store(row + r[None, :], dkv, mask=valid[:, None] & (r < R)[None, :])
+    tl.store(row + R + p_[None, :], dkr, mask=valid[:, None] & (p_ < P)[None, :])
 
-    Training layout (positions: the slots are the tokens): a block starts at each position that
-    is a multiple of block_k and stops at the next such position or the sequence's end. How
-    many blocks that makes is not read back (a CUDA graph can hold the backward): the lists
-    have S entries (at most one block starts per token), the ones past the last block start
-    at S with count 0 (their programs do nothing). Otherwise: slots [b * block_k, (b + 1) * block_k)."""
-    if positions is None:
-        start = torch.arange(0, s_len, block_k, device=device, dtype=torch.int64)
-        count = torch.clamp(s_len - start, max=block_k).to(torch.int32)
-        return start, count, torch.arange(s_len, device=device) // block_k
+
+@triton.jit(do_not_specialize=["t0"])
+def _mla_bwd_dkv_sum_kernel(
+    parts_ptr, entry_ptr, lo_ptr, hi_ptr, dkv_ptr, dkr_ptr,
+    t0, R, P, L,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """dkv[j] += parts of key j's entries [lo, hi) (query-major flat indices t * L + column,
+    ascending query), one at a time: a running fp32 sum in ascending query order."""
+    key = tl.program_id(0).to(tl.int64)
+    lo = tl.load(lo_ptr + key)
+    hi = tl.load(hi_ptr + key)
+    if lo < hi:
+        r = tl.arange(0, BLOCK_R)
+        p_ = tl.arange(0, BLOCK_P)
+        acc_kv = tl.load(dkv_ptr + key * R + r, mask=r < R, other=0.0)
+        acc_kr = tl.load(dkr_ptr + key * P + p_, mask=p_ < P, other=0.0)
+        for e in range(lo, hi):
+            flat = tl.load(entry_ptr + e)
+            row = parts_ptr + (flat - t0 * L) * (R + P)                # (t - t0) * L + column
+            acc_kv += tl.load(row + r, mask=r < R, other=0.0)
+            acc_kr += tl.load(row + R + p_, mask=p_ < P, other=0.0)
+        tl.store(dkv_ptr + key * R + r, acc_kv, mask=r < R)
+        tl.store(dkr_ptr + key * P + p_, acc_kr, mask=p_ < P)
+
+
+def _key_blocks(positions: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal dkv key blocks of the training layout (start slot [S], count [S]): a block starts at
+    each position that is a multiple of block_k and stops at the next such position or the
+    sequence's end. How many blocks that makes is not read back (a CUDA graph can hold the
+    backward): the lists have S entries (at most one block starts per token), the ones past the
+    last block start at S with count 0 (their programs do nothing)."""
+    s_len, device = positions.shape[0], positions.device
     block_of_slot = torch.cumsum(((positions % block_k) == 0).to(torch.int64), 0) - 1   # [S], non-decreasing
     # Block b starts at the first slot whose block is >= b (S for b past the last block).
     start = torch.searchsorted(block_of_slot, torch.arange(s_len, device=device, dtype=torch.int64))
     ends = torch.cat([start[1:], torch.full((1,), s_len, dtype=start.dtype, device=device)])   # no host copy
-    count = (ends - start).to(torch.int32)                           # stops at the next block's start
-    return start, count, block_of_slot
+    return start, (ends - start).to(torch.int32)                     # stops at the next block's start
 
 
 def _sequence_ends(positions: torch.Tensor) -> torch.Tensor:
@@ -203,25 +278,14 @@ def _sequence_ends(positions: torch.Tensor) -> torch.Tensor:
     return start + last[start] + 1
 
 
-def _transpose_selection(key_index: torch.Tensor, block_of_slot: torch.Tensor, kstart: torch.Tensor, n_blocks: int):
-    """For each key block, the queries that selected one of its keys, ascending, with a bit mask
-    of which keys: (entry begin [NB], entry end [NB], entry query [E], entry mask [E] int64).
-    A stable sort by (block, query) fixes the order; the masks are integer sums of distinct bits."""
-    t, k = key_index.shape
-    dev = key_index.device
+def _pairs_by_key(key_index: torch.Tensor, s_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query, column) pairs of the key lists ordered by (key, query): (sorted keys [T*L],
+    flat pair indices t * L + column [T*L]). Sort key slot * T + t; empty entries (-1) last."""
+    t, l = key_index.shape
     flat = key_index.reshape(-1).to(torch.int64)
-    valid = flat >= 0
-    query = torch.arange(t, device=dev).repeat_interleave(k)[valid]
-    slot = flat[valid]
-    blk = block_of_slot[slot]
-    bit = torch.bitwise_left_shift(torch.ones_like(slot), slot - kstart[blk])
-    order = torch.sort(blk * t + query, stable=True).indices
-    keys = (blk * t + query)[order]
-    uniq, inverse = torch.unique_consecutive(keys, return_inverse=True)
-    mask = torch.zeros(uniq.shape[0], dtype=torch.int64, device=dev).index_add_(0, inverse, bit[order])
-    counts = torch.bincount(uniq // t, minlength=n_blocks)
-    end = torch.cumsum(counts, 0)
-    return end - counts, end, uniq % t, mask
+    query = torch.arange(t * l, device=key_index.device) // l
+    keys = torch.where(flat >= 0, flat * t + query, torch.full_like(flat, s_len * t))
+    return torch.sort(keys, stable=True)
 
 
 def mla_attention_backward(
@@ -238,18 +302,21 @@ def mla_attention_backward(
     block_k: int | None = None,
     rows: int | None = None,
     block_h: int | None = None,
+    dkv_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq_latent, dq_rope, dkv_latent, dk_rope) of mla_attention, in the inputs' dtype.
 
     key_index [T, L] is the forward's key list (slots, ascending, -1 padded; each slot at most
     once per row), or None for the causal training layout, where positions [T] says where
     each query token sits in its sequence and the keys are the tokens (kv_latent [T, R]).
-    positions may also accompany a key_index over the training layout's tokens: key blocks
-    then follow the sequences, so every gradient is independent of the other sequences.
+    positions may also accompany a key_index (the training layout's selection); the key-list
+    path needs none: a key's gradient sums only the queries that listed it, so in the training
+    layout every gradient is independent of the other sequences either way.
     out [T, H, R] and lse [T, H] are the forward's (mla_attention(..., return_lse=True)),
-    grad_out [T, H, R] the gradient of out. block_k / rows (dkv program: keys, (query, head)
-    rows per step) and block_h (dq program: heads) default to DKV_BLOCK_K, DKV_ROWS, 16; they
-    fix the gradients' summation order (a config is part of the gradient bits).
+    grad_out [T, H, R] the gradient of out. block_k / rows (the causal dkv program: keys, (query,
+    head) rows per step) and block_h (dq program: heads) default to DKV_BLOCK_K, DKV_ROWS, 16; they
+    fix the gradients' summation order (a config is part of the gradient bits). dkv_chunk: queries
+    per chunk of a key list's dkv parts (default: DKV_CHUNK_BYTES of parts); bits do not depend on it.
     """
     op = "mla_attention_backward"
     for name, x, nd in (("q_latent", q_latent, 3), ("q_rope", q_rope, 3), ("kv_latent", kv_latent, 2),
@@ -296,29 +363,44 @@ def mla_attention_backward(
             BLOCK_H=bh, BLOCK_R=block_r, BLOCK_P=block_p, KV_BLOCK=KV_BLOCK,
             num_warps=8 if block_r >= 256 else 4, num_stages=2,
         )
-        bk = block_k or DKV_BLOCK_K
-        kstart, kcount, block_of_slot = _key_blocks(s_len, positions, bk, dev)
-        n_blocks = kstart.shape[0]
+        warps = 8 if block_r >= 256 else 4
         if causal:
-            qbegin = kstart
+            bk = block_k or DKV_BLOCK_K
+            kstart, kcount = _key_blocks(positions, bk)
             ends = _sequence_ends(positions)
             qend = torch.cat([ends, torch.full((1,), s_len, dtype=ends.dtype, device=dev)])[kstart]  # S: no queries
-            eq = emask = kstart                                      # unused
-        else:
-            qbegin, qend, eq, emask = _transpose_selection(idx, block_of_slot, kstart, n_blocks)
-            if eq.numel() == 0:
-                eq = emask = kstart
-        _mla_bwd_dkv_kernel[(n_blocks,)](
-            q_latent, q_rope, kv_latent, k_rope, grad_out, lse, delta,
-            kstart, kcount, qbegin, qend, eq, emask,
-            dkv, dkr,
-            h, r, p, float(scale),
-            q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-            kv_latent.stride(0), k_rope.stride(0),
-            DOT_F32=dot_f32, CAUSAL=causal,
-            BLOCK_K=bk, ROWS=rows or DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
-            num_warps=8 if block_r >= 256 else 4, num_stages=2,
-        )
+            _mla_bwd_dkv_kernel[(kstart.shape[0],)](
+                q_latent, q_rope, kv_latent, k_rope, grad_out, lse, delta,
+                kstart, kcount, kstart, qend,
+                dkv, dkr,
+                h, r, p, float(scale),
+                q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+                kv_latent.stride(0), k_rope.stride(0),
+                DOT_F32=dot_f32, BLOCK_K=bk, ROWS=rows or DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
+                num_warps=warps, num_stages=2,
+            )
+        elif idx.shape[1]:
+            width = idx.shape[1]
+            keys, entries = _pairs_by_key(idx, s_len)
+            first = torch.arange(s_len, device=dev, dtype=torch.int64) * t     # key j's sort keys start at j * T
+            chunk = max(1, min(t, dkv_chunk or DKV_CHUNK_BYTES // (width * (r + p) * 4)))
+            parts = torch.empty((chunk, width, r + p), dtype=torch.float32, device=dev)
+            for t0 in range(0, t, chunk):                            # ascending queries, chunk by chunk
+                t1 = min(t, t0 + chunk)
+                _mla_bwd_dkv_parts_kernel[(t1 - t0, triton.cdiv(width, DKV_PART_KEYS))](
+                    q_latent, q_rope, kv_latent, k_rope, idx, grad_out, lse, delta, parts,
+                    t0, h, r, p, width, float(scale),
+                    q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+                    kv_latent.stride(0), k_rope.stride(0), idx.stride(0),
+                    DOT_F32=dot_f32, BLOCK_H=16, BLOCK_R=block_r, BLOCK_P=block_p, KEYS=DKV_PART_KEYS,
+                    num_warps=warps, num_stages=2,
+                )
+                lo = torch.searchsorted(keys, first + t0)
+                hi = torch.searchsorted(keys, first + t1)
+                _mla_bwd_dkv_sum_kernel[(s_len,)](
+                    parts, entries, lo, hi, dkv, dkr, t0, r, p, width,
+                    BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4,
+                )
     return dql.to(q_latent.dtype), dqr.to(q_rope.dtype), dkv.to(kv_latent.dtype), dkr.to(k_rope.dtype)
 
 

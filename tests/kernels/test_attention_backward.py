@@ -98,6 +98,16 @@ def test_backward_configs_compute_the_same_function(layout, block_k, rows, block
            torch.float32)
 
 
+def test_key_list_gradients_do_not_depend_on_the_chunking():
+    """A key list's dkv parts are made and summed in chunks of queries (memory only): any chunk
+    size gives the same bits (one running sum per key, ascending queries)."""
+    ql, qr, kv, kr, pos, grad = _packed(LENS, **SHAPE, dtype=torch.bfloat16, seed=16)
+    sel = _sparse(pos, 6, seed=17)
+    out, lse = zt_attention.mla_attention_sequences(ql, qr, kv, kr, pos, SCALE, sel, return_lse=True)
+    runs = [mla_attention_backward(ql, qr, kv, kr, sel, pos, out, lse, grad, SCALE, dkv_chunk=c) for c in (None, 1, 7)]
+    assert all(torch.equal(x, y) for run in runs[1:] for x, y in zip(runs[0], run))
+
+
 def test_backward_over_a_cache_layout():
     """No positions: slots are arbitrary cache rows (key blocks by slot), sparse and holey lists."""
     g = torch.Generator().manual_seed(3)
