@@ -202,7 +202,8 @@ async def _serving(inference, version: str, timeout_s: float = 90) -> None:  # n
 def test_a_job_failing_between_save_and_switch_leaves_no_version_and_the_next_job_runs(tmp_path, zerokl_up) -> None:
     workdir = tmp_path / "up"
     # A job waits 3 s for a replica here; decode-0 stays down longer (its supervisor is stopped meanwhile).
-    with zerokl_up(workdir, *FLAGS, "--scheduler-flag=--fleet-wait=3") as services:
+    # A request waits 1 s (not 5) for a healthy replica before it fails: the RL job's rollouts find none sooner.
+    with zerokl_up(workdir, *FLAGS, "--scheduler-flag=--fleet-wait=3", "--scheduler-flag=--route-wait=1") as services:
         scheduler, store = services["scheduler"]["address"], services["weight-store"]["address"]
         supervisor = json.loads((workdir / "up.json").read_text())["pid"]
 
