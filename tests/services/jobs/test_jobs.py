@@ -191,11 +191,12 @@ def test_the_jobs_command_line(cluster: str) -> None:
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:
-    """SIGKILL the trainer mid-SFT-job and start it again on the same port: the job waits, continues from
-    the trainer's newest published step, reports each step once, and the final weights equal (torch.equal) an
-    uninterrupted in-process Trainer fed the same batches from the same start."""
+    """SIGKILL the trainer mid-SFT-job; `zerokl up`'s supervisor starts it again on the same port: the job waits,
+    continues from the trainer's newest published step, reports each step once, and the final weights equal
+    (torch.equal) an uninterrupted in-process Trainer fed the same batches from the same start."""
     import os
     import random
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -204,16 +205,26 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.services.weightstore.client import WeightStoreClient
 
-    restarted = None
-    with zerokl_up(tmp_path / "up", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=crash") as services:
-        try:
+    prompts = [(1, 5 + i, 7, 9, 11 + i) for i in range(16)]
+    examples = tuple(Completion(p, (20 + i % 5, 21, 22, 2)) for i, p in enumerate(prompts))
+    # Killed after step 3 of 6 (published every 2): it resumes from step 2 and redoes step 3.
+    steps, batch, seed = 6, 4, 7
+
+    def uninterrupted() -> dict[str, torch.Tensor]:
+        reference = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
+        for step in range(steps):
+            reference.sft_step(random.Random(f"{seed}:{step}").sample(list(examples), batch))
+        return reference.serving_state_dict()
+
+    workdir = tmp_path / "up"
+    # The reference needs no service: it is computed while the fleet starts.
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(uninterrupted)
+        with zerokl_up(workdir, "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=crash") as services:
             trainer, store = services["trainer"], services["weight-store"]["address"]
-            prompts = [(1, 5 + i, 7, 9, 11 + i) for i in range(16)]
-            examples = tuple(Completion(p, (20 + i % 5, 21, 22, 2)) for i, p in enumerate(prompts))
-            steps, batch, seed = 12, 4, 7
 
             async def main() -> str:
-                nonlocal restarted
+                killed = False
                 async with JobsClient(services["scheduler"]["address"]) as jobs:
                     job = await jobs.submit(SFTJobSpec(steps=steps, examples=examples, batch_size=batch, publish_every=2,
                                                        seed=seed), "crash")
@@ -221,39 +232,30 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
                     async for ev in jobs.watch(job.job_id):
                         if ev.step is not None:
                             seen.append(ev.step)
-                            if ev.step == 3 and restarted is None:
+                            if ev.step == 3 and not killed:
                                 os.kill(trainer["pid"], signal.SIGKILL)
-                                await asyncio.sleep(1.0)
-                                port = trainer["address"].rsplit(":", 1)[1]
-                                restarted = subprocess.Popen(
-                                    [sys.executable, "-m", "zerokl", "serve", "trainer", "--weight-store", store, "--init",
-                                     "1", "--threads", "1", "--port", port, "--replica-id", "trainer", "--lr=3e-3",
-                                     "--run=crash"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                killed = True
                         last = ev
                     assert last.status.state is JobState.SUCCEEDED, last.status.error
                     assert last.status.step == steps and seen[-1] == steps
                     # Step 3 is redone after the restart (the trainer resumed from step 2): watchers see it once.
-                    assert restarted is not None and seen == list(range(1, steps + 1))
+                    assert killed and seen == list(range(1, steps + 1))
                     return last.status.weights_version
 
             final = asyncio.run(main())
+            # The job ran on a trainer started again on the same port: not the one killed.
+            again = next(s for s in json.loads((workdir / "up.json").read_text())["services"] if s["name"] == "trainer")
+            assert again["restarts"] >= 1 and again["last_exit"] == -signal.SIGKILL and again["pid"] != trainer["pid"]
+            assert again["address"] == trainer["address"]
 
             async def fetch() -> None:
                 async with WeightStoreClient(store) as client:
                     await client.fetch(final, tmp_path / "final", serving_only=True)
             asyncio.run(fetch())
             served = load_pretrained(tmp_path / "final").state_dict()
-
-            reference = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(lr=3e-3))
-            for step in range(steps):
-                reference.sft_step(random.Random(f"{seed}:{step}").sample(list(examples), batch))
-            want = reference.serving_state_dict()
-            assert served.keys() == want.keys()
-            assert all(torch.equal(served[k], want[k]) for k in want)
-        finally:
-            if restarted is not None:
-                restarted.send_signal(signal.SIGTERM)
-                restarted.wait(30)
+        want = reference.result()
+    assert served.keys() == want.keys()
+    assert all(torch.equal(served[k], want[k]) for k in want)
 
 
 def test_an_sft_spec_naming_no_data_defaults_to_countdown_as_rl_does() -> None:
