@@ -14,6 +14,7 @@ import math
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import grpc.aio
@@ -170,8 +171,15 @@ def test_the_jobs_command_line(cluster: str) -> None:
         return subprocess.run([sys.executable, "-m", "zerokl", "jobs", "--server", cluster, *argv],
                               capture_output=True, text=True, timeout=300)
 
-    r = zerokl("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json")
+    def at_once(*argvs: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+        """Independent command lines side by side (each its own process); their results in order."""
+        with ThreadPoolExecutor(len(argvs)) as pool:
+            return list(pool.map(lambda argv: zerokl(*argv), argvs))
+
+    r, missing = at_once(("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json"),
+                         ("watch", "no-such-job"))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
     # JSON lines only: the queued job first, then its events.
     queued, *events = [json.loads(line) for line in r.stdout.splitlines()]
     assert queued["state"] == "queued" and queued["kind"] == "sft" and queued["total_steps"] == 2
@@ -181,13 +189,10 @@ def test_the_jobs_command_line(cluster: str) -> None:
     # Only the last step published (no --publish-every): only its event names a version.
     published = [e["weights_version"] for e in events if e["step"] is not None]
     assert published[0] == "" and published[1].startswith("jobs-step") and events[-1]["weights_version"] == published[1]
-    watched = zerokl("watch", job_id).stdout.splitlines()
-    steps = [line for line in watched if line.startswith("step ")]
+    watch, listed = at_once(("watch", job_id), ("list",))
+    steps = [line for line in watch.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "published" not in steps[0] and f"step 2/2 published {published[1]} " in steps[1]
-    listed = zerokl("list")
     assert job_id in listed.stdout and "succeeded" in listed.stdout
-    missing = zerokl("watch", "no-such-job")
-    assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:
@@ -196,7 +201,6 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
     (torch.equal) an uninterrupted in-process Trainer fed the same batches from the same start."""
     import os
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
