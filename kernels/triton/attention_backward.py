@@ -48,6 +48,7 @@ DKV_ROWS = 64      # (query, head) rows per dkv step
 # Key lists: keys per parts program (heads 16 at a time), and the memory of one chunk of parts
 # ([queries, list width, R + P] fp32; the chunking never changes the bits, only the memory).
 DKV_PART_KEYS = 32
+DKV_PART_HEADS = 16
 DKV_CHUNK_BYTES = 2 << 30
 
 
@@ -303,6 +304,8 @@ def mla_attention_backward(
     rows: int | None = None,
     block_h: int | None = None,
     dkv_chunk: int | None = None,
+    part_keys: int | None = None,
+    part_heads: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq_latent, dq_rope, dkv_latent, dk_rope) of mla_attention, in the inputs' dtype.
 
@@ -315,8 +318,10 @@ def mla_attention_backward(
     out [T, H, R] and lse [T, H] are the forward's (mla_attention(..., return_lse=True)),
     grad_out [T, H, R] the gradient of out. block_k / rows (the causal dkv program: keys, (query,
     head) rows per step) and block_h (dq program: heads) default to DKV_BLOCK_K, DKV_ROWS, 16; they
-    fix the gradients' summation order (a config is part of the gradient bits). dkv_chunk: queries
-    per chunk of a key list's dkv parts (default: DKV_CHUNK_BYTES of parts); bits do not depend on it.
+    fix the gradients' summation order (a config is part of the gradient bits); so do part_keys /
+    part_heads (a key list's dkv parts program: keys, heads per step; DKV_PART_KEYS, DKV_PART_HEADS).
+    dkv_chunk: queries per chunk of a key list's dkv parts (default: DKV_CHUNK_BYTES of parts); bits
+    do not depend on it.
     """
     op = "mla_attention_backward"
     for name, x, nd in (("q_latent", q_latent, 3), ("q_rope", q_rope, 3), ("kv_latent", kv_latent, 2),
@@ -384,15 +389,17 @@ def mla_attention_backward(
             keys, entries = _pairs_by_key(idx, s_len)
             first = torch.arange(s_len, device=dev, dtype=torch.int64) * t     # key j's sort keys start at j * T
             chunk = max(1, min(t, dkv_chunk or DKV_CHUNK_BYTES // (width * (r + p) * 4)))
+            keys_per = part_keys or DKV_PART_KEYS
             parts = torch.empty((chunk, width, r + p), dtype=torch.float32, device=dev)
             for t0 in range(0, t, chunk):                            # ascending queries, chunk by chunk
                 t1 = min(t, t0 + chunk)
-                _mla_bwd_dkv_parts_kernel[(t1 - t0, triton.cdiv(width, DKV_PART_KEYS))](
+                _mla_bwd_dkv_parts_kernel[(t1 - t0, triton.cdiv(width, keys_per))](
                     q_latent, q_rope, kv_latent, k_rope, idx, grad_out, lse, delta, parts,
                     t0, h, r, p, width, float(scale),
                     q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                     kv_latent.stride(0), k_rope.stride(0), idx.stride(0),
-                    DOT_F32=dot_f32, BLOCK_H=16, BLOCK_R=block_r, BLOCK_P=block_p, KEYS=DKV_PART_KEYS,
+                    DOT_F32=dot_f32, BLOCK_H=part_heads or DKV_PART_HEADS, BLOCK_R=block_r, BLOCK_P=block_p,
+                    KEYS=keys_per,
                     num_warps=warps, num_stages=2,
                 )
                 lo = torch.searchsorted(keys, first + t0)
