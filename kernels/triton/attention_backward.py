@@ -45,10 +45,13 @@ __all__ = ["DKV_BLOCK_K", "DKV_CHUNK_BYTES", "DKV_ROWS", "mla_attention_backward
 # (query, head) rows per step were fastest or within noise at both the small and GLM-5 shapes.
 DKV_BLOCK_K = 16   # keys per dkv program
 DKV_ROWS = 64      # (query, head) rows per dkv step
-# Key lists: keys per parts program (heads 16 at a time), and the memory of one chunk of parts
-# ([queries, list width, R + P] fp32; the chunking never changes the bits, only the memory).
-DKV_PART_KEYS = 32
-DKV_PART_HEADS = 16
+# Key lists: keys per parts program and heads per step (up to the model's heads), from the H200
+# sweep (bench_attention_backward.py --sweep, GLM-5 widths: 16 keys x 64 heads 283 ms per 16k
+# backward, 32 x 16 444 ms, 64 x 16 1,334 ms; 32 x 64 needs more shared memory than sm90 has), and
+# the memory of one chunk of parts ([queries, list width, R + P] fp32; the chunking never changes
+# the bits, only the memory).
+DKV_PART_KEYS = 16
+DKV_PART_HEADS = 64
 DKV_CHUNK_BYTES = 2 << 30
 
 
@@ -390,6 +393,7 @@ def mla_attention_backward(
             first = torch.arange(s_len, device=dev, dtype=torch.int64) * t     # key j's sort keys start at j * T
             chunk = max(1, min(t, dkv_chunk or DKV_CHUNK_BYTES // (width * (r + p) * 4)))
             keys_per = part_keys or DKV_PART_KEYS
+            heads_per = part_heads or min(DKV_PART_HEADS, max(16, next_pow2(h)))   # by the model's heads only
             parts = torch.empty((chunk, width, r + p), dtype=torch.float32, device=dev)
             for t0 in range(0, t, chunk):                            # ascending queries, chunk by chunk
                 t1 = min(t, t0 + chunk)
@@ -398,7 +402,7 @@ def mla_attention_backward(
                     t0, h, r, p, width, float(scale),
                     q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                     kv_latent.stride(0), k_rope.stride(0), idx.stride(0),
-                    DOT_F32=dot_f32, BLOCK_H=part_heads or DKV_PART_HEADS, BLOCK_R=block_r, BLOCK_P=block_p,
+                    DOT_F32=dot_f32, BLOCK_H=heads_per, BLOCK_R=block_r, BLOCK_P=block_p,
                     KEYS=keys_per,
                     num_warps=warps, num_stages=2,
                 )
