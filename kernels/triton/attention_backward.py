@@ -16,11 +16,13 @@ Two kernels, each a fixed order with fp32 accumulators and no atomics:
   the block's first key to the end of its sequence, ROWS at a time. Key blocks start at every
   position that is a multiple of BLOCK_K of each sequence, so a key's gradient depends only on
   its own sequence.
-* A key list (the indexer's selection, a cache's slots): `_mla_bwd_dkv_parts_kernel`, one
-  program per (query, block of its list), computes each listed key's part of the gradient
-  summed over the query's heads, [R + P] fp32 per (query, key); `_mla_bwd_dkv_sum_kernel`,
-  one program per key, adds a key's parts one by one in ascending query order into its fp32
-  gradient. Work follows the (query, key) pairs: a key block walked by every later query did
+* A key list (the indexer's selection, a cache's slots): in the training layout the queries
+  whose list is their whole causal prefix (positions below the list's width: the rows within
+  index_topk) go through the key blocks as above; every other (query, listed key) pair goes
+  through `_mla_bwd_dkv_parts_kernel`, one program per (query, block of its list), which
+  computes each listed key's part of the gradient summed over the query's heads, [R + P] fp32
+  per (query, key); `_mla_bwd_dkv_sum_kernel`, one program per key, then adds a key's parts one
+  by one in ascending query order onto the key blocks' fp32 sum. Work follows the (query, key) pairs: a key block walked by every later query did
   the dense causal work for a 2,048-of-16,384 selection (issue 34's profile). The parts are
   made and summed in chunks of queries to bound their memory; a running fp32 sum in ascending
   query order has the same bits for any chunking, and only a key's own sequence selects it.
@@ -122,14 +124,15 @@ def _mla_bwd_dq_kernel(
 @triton.jit
 def _mla_bwd_dkv_kernel(
     ql_ptr, qr_ptr, kv_ptr, kr_ptr, do_ptr, lse_ptr, delta_ptr,
-    kstart_ptr, kcount_ptr, qbegin_ptr, qend_ptr,
+    kstart_ptr, kcount_ptr, qbegin_ptr, qend_ptr, prefix_ptr,
     dkv_ptr, dkr_ptr,
     H, R, P, scale,
     s_qlt, s_qlh, s_qrt, s_qrh, s_kv, s_kr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PREFIX_ONLY: tl.constexpr,
     BLOCK_K: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Causal layout: dkv and dk_rope of one key block from the queries [qbegin, qend) that attend it."""
+    """Causal layout: dkv and dk_rope of one key block from the queries [qbegin, qend) that attend it
+    (PREFIX_ONLY: only those whose key list is their whole causal prefix, prefix_ptr[t] != 0)."""
     blk = tl.program_id(0)
     k0 = tl.load(kstart_ptr + blk).to(tl.int64)
     nk = tl.load(kcount_ptr + blk)
@@ -156,6 +159,8 @@ def _mla_bwd_dkv_kernel(
         tq = q0 + g // H
         hh = g % H
         sel = (tq[None, :] >= kslot[:, None]) & k_mask[:, None] & g_mask[None, :]
+        if PREFIX_ONLY:
+            sel = sel & (tl.load(prefix_ptr + tq, mask=g_mask, other=0) != 0)[None, :]
         row = tq * H + hh                                            # into [T, H] and [T, H, R]
         ql = tl.load(ql_ptr + tq[:, None] * s_qlt + hh[:, None] * s_qlh + r[None, :],
                      mask=g_mask[:, None] & (r < R)[None, :], other=0.0)
@@ -182,16 +187,19 @@ def _mla_bwd_dkv_kernel(
 
 @triton.jit(do_not_specialize=["t0"])
 def _mla_bwd_dkv_parts_kernel(
-    ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, parts_ptr,
+    ql_ptr, qr_ptr, kv_ptr, kr_ptr, idx_ptr, prefix_ptr, do_ptr, lse_ptr, delta_ptr, parts_ptr,
     t0, H, R, P, L, scale,
     s_qlt, s_qlh, s_qrt, s_qrh, s_kv, s_kr, s_idx,
     DOT_F32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     KEYS: tl.constexpr,
 ):
     """parts[t - t0, j] = sum over heads of (p dOut + scale ds q_latent | scale ds q_rope) for the
-    keys j of query t's list in [b * KEYS, (b + 1) * KEYS): heads BLOCK_H at a time, ascending."""
+    keys j of query t's list in [b * KEYS, (b + 1) * KEYS): heads BLOCK_H at a time, ascending.
+    A query whose list is its whole causal prefix (prefix_ptr[t] != 0) has none: the key blocks took it."""
     tc = tl.program_id(0).to(tl.int64)
     t = t0 + tc
+    if tl.load(prefix_ptr + t) != 0:
+        return
     j = tl.program_id(1) * KEYS + tl.arange(0, KEYS)
     r = tl.arange(0, BLOCK_R)
     p_ = tl.arange(0, BLOCK_P)
@@ -282,13 +290,27 @@ def _sequence_ends(positions: torch.Tensor) -> torch.Tensor:
     return start + last[start] + 1
 
 
-def _pairs_by_key(key_index: torch.Tensor, s_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (query, column) pairs of the key lists ordered by (key, query): (sorted keys [T*L],
-    flat pair indices t * L + column [T*L]). Sort key slot * T + t; empty entries (-1) last."""
+def _prefix_rows(key_index: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """Per query (int32 [T]): 1 when its key list is exactly its whole causal prefix in the training
+    layout (slots t - pos .. t, then -1), else 0; all 0 without positions. Read from the row alone."""
+    t, l = key_index.shape
+    if positions is None or l == 0:
+        return torch.zeros(t, dtype=torch.int32, device=key_index.device)
+    cols = torch.arange(l, device=key_index.device)
+    pos = positions.view(-1, 1)
+    want = torch.where(cols <= pos, torch.arange(t, device=key_index.device).view(-1, 1) - pos + cols, -1)
+    return ((key_index == want).all(dim=1) & (positions < l)).to(torch.int32)
+
+
+def _pairs_by_key(key_index: torch.Tensor, s_len: int, prefix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query, column) pairs of the key lists ordered by (key, query), prefix rows' pairs left
+    out (the key blocks took them): (sorted keys [T*L], flat pair indices t * L + column [T*L]).
+    Sort key slot * T + t; empty entries (-1) and prefix rows' entries last."""
     t, l = key_index.shape
     flat = key_index.reshape(-1).to(torch.int64)
     query = torch.arange(t * l, device=key_index.device) // l
-    keys = torch.where(flat >= 0, flat * t + query, torch.full_like(flat, s_len * t))
+    listed = (flat >= 0) & (prefix[query] == 0)
+    keys = torch.where(listed, flat * t + query, torch.full_like(flat, s_len * t))
     return torch.sort(keys, stable=True)
 
 
@@ -372,24 +394,32 @@ def mla_attention_backward(
             num_warps=8 if block_r >= 256 else 4, num_stages=2,
         )
         warps = 8 if block_r >= 256 else 4
-        if causal:
+        # dkv / dk_rope. The key blocks walk the queries whose list is their whole causal prefix
+        # (all of them in the causal layout; the rows within index_topk of a training selection):
+        # there a block's queries are a contiguous range. Every other listed (query, key) pair
+        # adds its part afterwards, in ascending query order.
+        prefix = None if causal else _prefix_rows(idx, positions)
+        if positions is not None:
             bk = block_k or DKV_BLOCK_K
             kstart, kcount = _key_blocks(positions, bk)
             ends = _sequence_ends(positions)
+            if prefix is not None:                     # rows past the list's width are never prefix rows
+                ends = torch.minimum(ends, torch.arange(t, device=dev) - positions + idx.shape[1])
             qend = torch.cat([ends, torch.full((1,), s_len, dtype=ends.dtype, device=dev)])[kstart]  # S: no queries
             _mla_bwd_dkv_kernel[(kstart.shape[0],)](
                 q_latent, q_rope, kv_latent, k_rope, grad_out, lse, delta,
-                kstart, kcount, kstart, qend,
+                kstart, kcount, kstart, qend, kstart if prefix is None else prefix,
                 dkv, dkr,
                 h, r, p, float(scale),
                 q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                 kv_latent.stride(0), k_rope.stride(0),
-                DOT_F32=dot_f32, BLOCK_K=bk, ROWS=rows or DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
+                DOT_F32=dot_f32, PREFIX_ONLY=prefix is not None,
+                BLOCK_K=bk, ROWS=rows or DKV_ROWS, BLOCK_R=block_r, BLOCK_P=block_p,
                 num_warps=warps, num_stages=2,
             )
-        elif idx.shape[1]:
+        if prefix is not None and idx.shape[1]:
             width = idx.shape[1]
-            keys, entries = _pairs_by_key(idx, s_len)
+            keys, entries = _pairs_by_key(idx, s_len, prefix)
             first = torch.arange(s_len, device=dev, dtype=torch.int64) * t     # key j's sort keys start at j * T
             chunk = max(1, min(t, dkv_chunk or DKV_CHUNK_BYTES // (width * (r + p) * 4)))
             keys_per = part_keys or DKV_PART_KEYS
@@ -398,7 +428,7 @@ def mla_attention_backward(
             for t0 in range(0, t, chunk):                            # ascending queries, chunk by chunk
                 t1 = min(t, t0 + chunk)
                 _mla_bwd_dkv_parts_kernel[(t1 - t0, triton.cdiv(width, keys_per))](
-                    q_latent, q_rope, kv_latent, k_rope, idx, grad_out, lse, delta, parts,
+                    q_latent, q_rope, kv_latent, k_rope, idx, prefix, grad_out, lse, delta, parts,
                     t0, h, r, p, width, float(scale),
                     q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
                     kv_latent.stride(0), k_rope.stride(0), idx.stride(0),

@@ -98,6 +98,18 @@ def test_backward_configs_compute_the_same_function(layout, block_k, rows, block
            torch.float32)
 
 
+def test_a_short_row_that_skips_a_key_is_not_taken_for_its_causal_prefix():
+    """Rows whose list is their whole causal prefix go through the key blocks, the others by
+    (query, key) parts: a row within the list's width that leaves a key out must take the second."""
+    ql, qr, kv, kr, pos, grad = _packed(LENS, **SHAPE, dtype=torch.float32, seed=18)
+    sel = _sparse(pos, 6, seed=19)
+    row = 13 + 4                                       # second sequence, position 4: keys 13..17
+    sel[row] = torch.tensor([13, 15, 16, 17, -1, -1], device=sel.device)
+    out, lse = zt_attention.mla_attention_sequences(ql, qr, kv, kr, pos, SCALE, sel, return_lse=True)
+    got = mla_attention_backward(ql, qr, kv, kr, sel, pos, out, lse, grad, SCALE)
+    _close(got, mla_attention_backward_reference(ql, qr, kv, kr, sel, grad, SCALE), torch.float32)
+
+
 def test_key_list_gradients_do_not_depend_on_the_chunking():
     """A key list's dkv parts are made and summed in chunks of queries (memory only): any chunk
     size gives the same bits (one running sum per key, ascending queries)."""
