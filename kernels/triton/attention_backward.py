@@ -22,10 +22,11 @@ Two kernels, each a fixed order with fp32 accumulators and no atomics:
   through `_mla_bwd_dkv_parts_kernel`, one program per (query, block of its list), which
   computes each listed key's part of the gradient summed over the query's heads, [R + P] fp32
   per (query, key); `_mla_bwd_dkv_sum_kernel`, one program per key, then adds a key's parts one
-  by one in ascending query order onto the key blocks' fp32 sum. Work follows the (query, key) pairs: a key block walked by every later query did
-  the dense causal work for a 2,048-of-16,384 selection (issue 34's profile). The parts are
-  made and summed in chunks of queries to bound their memory; a running fp32 sum in ascending
-  query order has the same bits for any chunking, and only a key's own sequence selects it.
+  by one in ascending query order onto the key blocks' fp32 sum. Work follows the (query, key)
+  pairs: a key block walked by every later query that selected any of its keys did the dense
+  causal work for a 2,048-of-16,384 selection (issue 34's profile). The parts are made and
+  summed in chunks of queries to bound their memory; a running fp32 sum in ascending query
+  order has the same bits for any chunking, and only a key's own sequence selects it.
 
 Gradients are fp32 sums rounded to the inputs' dtype at the end. Deterministic and, in the
 training layout, independent of the other sequences in the batch; not bitwise equal to any
