@@ -9,8 +9,9 @@ composite's order of operations.
 Autograd: the torch backend is differentiable as written. A Triton forward is
 wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
-On CUDA, linear and grouped_linear take their own backward GEMMs instead (no recompute);
-mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
+On CUDA, linear, grouped_linear, split_linear, rms_norm, rope and the SwiGLU product take
+their own backward instead (GEMMs and one Triton kernel each: no recompute, no fp32 copies of
+the glue); mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 
@@ -156,10 +157,51 @@ def _grouped_linear_grads(grad, x, weight, offsets, want_x: bool, want_w: bool):
     return gx, gw
 
 
+class _RMSNormGrad(torch.autograd.Function):
+    """Triton rms_norm forward; backward by one Triton kernel (triton.rms_norm_backward: grad_x per
+    row, grad_weight from fixed per-program fp32 partials), rows up to NORM_MAX_BLOCK wide."""
+
+    @staticmethod
+    def forward(ctx, fast, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return fast(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        gx, gw = backend_module("triton").rms_norm_backward(x, weight, grad, ctx.eps)
+        return None, gx, gw, None
+
+    @staticmethod
+    def applies(x, weight, eps) -> bool:
+        from zerokl.kernels.triton.norms import NORM_MAX_BLOCK
+        return x.shape[-1] <= NORM_MAX_BLOCK
+
+
+class _RopeGrad(torch.autograd.Function):
+    """Triton rope forward; backward by the same kernel rotating the gradient back (inverse=True):
+    a rotation's gradient is the transposed rotation."""
+
+    @staticmethod
+    def forward(ctx, fast, x, positions, inv_freq, interleaved):
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.interleaved = interleaved
+        return fast(x, positions, inv_freq, interleaved)
+
+    @staticmethod
+    def backward(ctx, grad):
+        positions, inv_freq = ctx.saved_tensors
+        return None, backend_module("triton").rope(grad, positions, inv_freq, ctx.interleaved, inverse=True), None, \
+            None, None
+
+
 # Device types on which a Triton op with its own backward (linear: two torch.mm; grouped_linear:
-# grouped Triton GEMMs) uses it; elsewhere the backward recomputes with the torch backend.
+# grouped Triton GEMMs; rms_norm, rope: one Triton kernel) uses it; elsewhere the backward
+# recomputes with the torch backend. An entry's `applies(*args)`, where it has one, can decline.
 _OWN_GRAD_DEVICES = ("cuda",)
-_OWN_GRAD = {"linear": _LinearGrad, "grouped_linear": _GroupedLinearGrad}
+_OWN_GRAD = {"linear": _LinearGrad, "grouped_linear": _GroupedLinearGrad, "rms_norm": _RMSNormGrad,
+             "rope": _RopeGrad}
 
 
 def _merge(spec: tuple, tensors) -> list:
@@ -182,8 +224,9 @@ def _call(name: str, *args):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return fast(*args)
-    if name in _OWN_GRAD and _own_grad_applies(*tensors):
-        return _OWN_GRAD[name].apply(fast, *args)
+    own = _OWN_GRAD.get(name)
+    if own is not None and _own_grad_applies(*tensors) and getattr(own, "applies", lambda *a: True)(*args):
+        return own.apply(fast, *args)
     slow = getattr(backend_module(_grad_backend(tensors)), name)
     spec = tuple(_TENSOR if isinstance(a, torch.Tensor) else a for a in args)
     return _RecomputeGrad.apply(fast, slow, spec, *tensors)
@@ -392,14 +435,38 @@ def split_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     are joined by the same tree, so any tp dividing `splits` gives these exact bits.
     """
     if bias is None and not isinstance(weight, Fp8Weight):
+        if _needs_grad(input, weight) and _own_grad_applies(input, weight):
+            _check_split_shapes(input, weight, splits)
+            return _SplitLinearGrad.apply(input, weight, splits)
         fused = _fused_split(input, weight)
         if fused is not None:
-            _check_splits(splits)
-            if input.shape[-1] % splits or weight.shape[-1] != input.shape[-1]:
-                raise ValueError(f"split_linear: K={input.shape[-1]} (weight {tuple(weight.shape)}) is not divisible "
-                                 f"into {splits} equal segments")
+            _check_split_shapes(input, weight, splits)
             return fused(input, weight, splits, input.dtype)      # tree and rounding in one pass
     return split_combine([split_partial(input, weight, splits)], bias, input.dtype)
+
+
+def _check_split_shapes(input: torch.Tensor, weight: torch.Tensor, splits: int) -> None:
+    _check_splits(splits)
+    if input.shape[-1] % splits or weight.shape[-1] != input.shape[-1]:
+        raise ValueError(f"split_linear: K={input.shape[-1]} (weight {tuple(weight.shape)}) is not divisible "
+                         f"into {splits} equal segments")
+
+
+class _SplitLinearGrad(torch.autograd.Function):
+    """split_linear (no bias) forward by the Triton two-launch split (the composite's bits); backward
+    by linear's two GEMMs over the whole K: the tree passes the gradient to every segment
+    unchanged, so grad_x and grad_W are y = x W^T's. Not one GEMM pair, a zero-filled gradient
+    and an fp32 cast per segment, as differentiating the composite would give."""
+
+    @staticmethod
+    def forward(ctx, x, weight, splits):
+        ctx.save_for_backward(x, weight)
+        return backend_module("triton").split_partial(x, weight, splits, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (*_linear_grads(grad, x, weight, *ctx.needs_input_grad[:2]), None)
 
 
 def grouped_linear(input: torch.Tensor, weight: torch.Tensor | Fp8Weight, offsets: list[int] | torch.Tensor) -> torch.Tensor:
@@ -655,7 +722,31 @@ def _sum_columns(x: torch.Tensor) -> torch.Tensor:
 def swiglu(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor) -> torch.Tensor:
     """The SwiGLU hidden state silu(gate(x)) * up(x), formed in fp32 and rounded to x.dtype
     (element-wise per hidden unit, so a column shard of gate/up gives the matching units)."""
-    return (silu(linear(x, gate_proj)) * linear(x, up_proj).float()).to(x.dtype)
+    return _swiglu_product(linear(x, gate_proj), linear(x, up_proj))
+
+
+def _swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(silu(gate) * up) in fp32, rounded to gate.dtype: the SwiGLU hidden state of the dense MLP,
+    the shared and the routed experts. On CUDA under Triton its backward is one kernel."""
+    if _needs_grad(gate, up) and _own_grad_applies(gate, up):
+        return _SwigluGrad.apply(gate, up)
+    return (silu(gate) * up.float()).to(gate.dtype)
+
+
+class _SwigluGrad(torch.autograd.Function):
+    """_swiglu_product's forward as composed (the same op calls, so the same bits); backward by
+    triton.swiglu_backward from the saved gate and up (model dtype: no fp32 intermediates kept)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        with torch.no_grad():
+            return (silu(gate) * up.float()).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return backend_module("triton").swiglu_backward(gate, up, grad)
 
 
 def swiglu_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
@@ -740,7 +831,7 @@ def _expert_order(local: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
 
 def _expert_mlp(xs, order, offsets, gate_proj, up_proj, down_proj) -> torch.Tensor:
     """The SwiGLU experts over rows xs [P, D] sorted by expert (offsets), returned in pair order."""
-    h = (silu(grouped_linear(xs, gate_proj, offsets)) * grouped_linear(xs, up_proj, offsets).float()).to(xs.dtype)
+    h = _swiglu_product(grouped_linear(xs, gate_proj, offsets), grouped_linear(xs, up_proj, offsets))
     out_sorted = grouped_linear(h, down_proj, offsets)                   # [P, D], expert order
     return torch.empty_like(out_sorted).index_copy(0, order, out_sorted)   # back to pair order (a permutation)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 __all__ = [
     "linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "rope",
     "mla_attention", "indexer_scores",
+    "rms_norm_backward", "rope_backward", "swiglu_backward",
 ]
 
 
@@ -63,3 +64,33 @@ def indexer_scores(q, k_cache, head_weights, key_index):
     s = torch.relu(torch.einsum("thd,tld->thl", q.double(), k))
     out = torch.einsum("th,thl->tl", head_weights.double(), s).float()
     return out.masked_fill(~valid, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- backward references
+# float64 autograd of the textbook forward: what the Triton backward kernels are checked against.
+
+def _grads64(fn, inputs, grad):
+    leaves = [t.detach().double().requires_grad_() for t in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves, grad.double())
+
+
+def rms_norm_backward(x, weight, grad, eps=1e-6):
+    """(grad_x, grad_weight) in float64."""
+    return _grads64(lambda a, w: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * w, (x, weight), grad)
+
+
+def rope_backward(x, positions, inv_freq, interleaved, grad):
+    """grad_x in float64 (angles rounded to fp32 as the forward takes them)."""
+    angles = (positions.float().unsqueeze(-1) * inv_freq.float()).double()
+    cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+    def rotate(a):
+        a1, a2 = (a[..., 0::2], a[..., 1::2]) if interleaved else a.chunk(2, dim=-1)
+        r1, r2 = a1 * cos - a2 * sin, a2 * cos + a1 * sin
+        return torch.stack([r1, r2], -1).flatten(-2) if interleaved else torch.cat([r1, r2], -1)
+    return _grads64(rotate, (x,), grad)[0]
+
+
+def swiglu_backward(gate, up, grad):
+    """(grad_gate, grad_up) of silu(gate) * up in float64."""
+    return _grads64(lambda g, u: F.silu(g) * u, (gate, up), grad)

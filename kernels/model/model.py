@@ -228,10 +228,13 @@ def _heads_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def _rope_part(x: torch.Tensor, rope_dim: int, positions: torch.Tensor, inv_freq: torch.Tensor,
                interleaved: bool, first: bool) -> torch.Tensor:
-    """Rotate the rope_dim slice of x [N, H, D] (the first slice for the indexer, the last for MLA)."""
+    """Rotate the rope_dim slice of x [N, H, D] (the first slice for the indexer, the last for MLA).
+    split, not slicing: split's backward concatenates, where a slice's zero-fills all of x."""
     if first:
-        return torch.cat([ops.rope(x[..., :rope_dim], positions, inv_freq, interleaved), x[..., rope_dim:]], -1)
-    return torch.cat([x[..., :-rope_dim], ops.rope(x[..., -rope_dim:], positions, inv_freq, interleaved)], -1)
+        pe, rest = x.split([rope_dim, x.shape[-1] - rope_dim], -1)
+        return torch.cat([ops.rope(pe, positions, inv_freq, interleaved), rest], -1)
+    rest, pe = x.split([x.shape[-1] - rope_dim, rope_dim], -1)
+    return torch.cat([rest, ops.rope(pe, positions, inv_freq, interleaved)], -1)
 
 
 def _store(cache_layer: torch.Tensor | None, new: torch.Tensor, write_slots: torch.Tensor) -> torch.Tensor:
@@ -372,14 +375,16 @@ class MLAttention(nn.Module):
     def forward(self, x, batch: AttentionBatch, inv_freq, cache: KVCache | None, layer: int,
                 shared_selection: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         c, n = self.c, x.shape[0]
-        h, dn, r = self.n_heads, c.qk_nope_head_dim, c.kv_lora_rank
+        h, dn, r, p = self.n_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.qk_rope_head_dim
+        # Views by split (and squeeze), not slicing: their backward joins the parts' gradients,
+        # where slicing's zero-fills a whole tensor per slice and adds them.
         q_latent = self.q_a_layernorm(self.q_a_proj(x))                               # [N, q_lora]
-        q = self.q_b_proj(q_latent).view(n, h, c.qk_head_dim)
-        q_rope = ops.rope(q[..., dn:], batch.positions, inv_freq, c.rope_interleave)   # [N, H, P]
+        q_nope, q_pe = self.q_b_proj(q_latent).view(n, h, c.qk_head_dim).split([dn, p], -1)
+        q_rope = ops.rope(q_pe, batch.positions, inv_freq, c.rope_interleave)         # [N, H, P]
         trace.record("self_attn.q_rope", q_rope)
-        kv = self.kv_a_proj_with_mqa(x)
-        latent = self.kv_a_layernorm(kv[:, :r])                                        # [N, R]
-        k_rope = ops.rope(kv[:, None, r:], batch.positions, inv_freq, c.rope_interleave)[:, 0]
+        kv_in, k_pe = self.kv_a_proj_with_mqa(x).split([r, p], -1)
+        latent = self.kv_a_layernorm(kv_in)                                            # [N, R]
+        k_rope = ops.rope(k_pe.unsqueeze(1), batch.positions, inv_freq, c.rope_interleave).squeeze(1)
         trace.record("self_attn.k_rope", k_rope)
         latent_store = _store(cache.latent[layer] if cache else None, latent, batch.write_slots)
         rope_store = _store(cache.rope[layer] if cache else None, k_rope, batch.write_slots)
@@ -401,8 +406,8 @@ class MLAttention(nn.Module):
             selected = shared_selection           # None in the training layout: every causal key
         trace.record("self_attn.selected", selected)
 
-        w_kv = self.kv_b_proj.weight.view(h, dn + c.v_head_dim, r)
-        q_absorbed = _heads_linear(q[..., :dn], w_kv[:, :dn].transpose(1, 2).contiguous())  # [N, H, R]
+        w_k, w_v = self.kv_b_proj.weight.view(h, dn + c.v_head_dim, r).split([dn, c.v_head_dim], 1)
+        q_absorbed = _heads_linear(q_nope, w_k.transpose(1, 2).contiguous())         # [N, H, R]
         trace.record("self_attn.q_absorbed", q_absorbed)
         if training:
             o_latent = ops.mla_attention_sequences(q_absorbed, q_rope, latent, k_rope, batch.positions,
@@ -414,7 +419,7 @@ class MLAttention(nn.Module):
                 and torch.is_grad_enabled():
             self.indexer_losses.append(self._indexer_loss(x, q_latent, batch.positions, inv_freq, q_absorbed,
                                                           q_rope, latent, k_rope, selected))
-        o = _heads_linear(o_latent.to(x.dtype), w_kv[:, dn:].contiguous())                   # [N, H, v]
+        o = _heads_linear(o_latent.to(x.dtype), w_v.contiguous())                             # [N, H, v]
         trace.record("self_attn.v_heads", o)
         return self.o_proj(o.reshape(n, h * c.v_head_dim)), selected
 

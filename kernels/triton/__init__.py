@@ -14,11 +14,11 @@ from __future__ import annotations
 # above this package (kernels/interpreter.py, installed from kernels/backend.py before this
 # package can be imported): a backend never imports the library that dispatches to it.
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
-from .elementwise import sigmoid, silu
+from .elementwise import sigmoid, silu, swiglu_backward
 from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
-from .norms import layer_norm, rms_norm
+from .norms import layer_norm, rms_norm, rms_norm_backward
 from .reductions import log_softmax, row_sum, softmax
 from .rotary import rope
 from .sampling import row_cumsum
@@ -40,6 +40,7 @@ __all__ = [
     "mla_attention",
     "mla_attention_sequences",
     "rms_norm",
+    "rms_norm_backward",
     "rope",
     "row_cumsum",
     "row_sum",
@@ -47,6 +48,7 @@ __all__ = [
     "silu",
     "softmax",
     "split_partial",
+    "swiglu_backward",
     "topk_positions",
     "tree_combine",
     "tree_combine_planes",

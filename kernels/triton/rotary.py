@@ -4,6 +4,7 @@ angle = float(position) * inv_freq (fp32), then for each pair (x1, x2):
   r1 = x1 * cos - x2 * sin,  r2 = x2 * cos + x1 * sin   (the torch backend's formula)
 with pairs (x[2i], x[2i+1]) when interleaved, else (x[i], x[i + D/2]).
 
+The backward is the same kernel with the angle negated (`inverse=True`).
 One program per (token, block of heads); every output element is a pure function of its
 token's position, its pair and inv_freq, so batch invariance holds by construction.
 On GPU, cos/sin come from libdevice (accurate for the large angles of long contexts);
@@ -32,7 +33,7 @@ __all__ = ["rope"]
 def _rope_kernel(
     x_ptr, pos_ptr, f_ptr, y_ptr, H, HALF,
     stride_xt, stride_xh, stride_yt, stride_yh,
-    INTERLEAVED: tl.constexpr, LIBDEVICE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, LIBDEVICE: tl.constexpr, INVERSE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -48,6 +49,8 @@ def _rope_kernel(
     else:
         c = tl.cos(angle)
         s = tl.sin(angle)
+    if INVERSE:
+        s = -s
     if INTERLEAVED:
         o1 = 2 * i
         o2 = 2 * i + 1
@@ -65,8 +68,12 @@ def _rope_kernel(
     tl.store(y_base + o2[None, :], r2.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [T, H, D] by positions [T] with inv_freq [D/2] (fp32 math); output in x.dtype."""
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool,
+         inverse: bool = False) -> torch.Tensor:
+    """Rotate x [T, H, D] by positions [T] with inv_freq [D/2] (fp32 math); output in x.dtype.
+
+    inverse=True rotates by minus the angle (sin negated): the transposed rotation, i.e. rope's
+    backward (grad_x of a rotation is the gradient rotated back)."""
     op = "rope"
     check_float(op, "x", x, ndim=3)
     t, h, d = x.shape
@@ -90,7 +97,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inter
     _rope_kernel[(t, triton.cdiv(h, block_h))](
         x, positions.contiguous(), inv_freq.contiguous(), y, h, d // 2,
         x.stride(0), x.stride(1), y.stride(0), y.stride(1),
-        INTERLEAVED=bool(interleaved), LIBDEVICE=not is_interpreted(_rope_kernel),
+        INTERLEAVED=bool(interleaved), LIBDEVICE=not is_interpreted(_rope_kernel), INVERSE=bool(inverse),
         BLOCK_H=block_h, BLOCK_HALF=next_pow2(d // 2), num_warps=4,
     )
     return y

@@ -14,7 +14,7 @@ Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position bu
   slice  GLM-5 at real dimensions, --slice-layers layers (one dense, the rest MoE):
          --slice-batch x --slice-seq (halved until it fits), on the invariant backend: tokens/s,
          MFU with and without attention FLOPs, peak memory (activation checkpointing off).
-  long   one --long-seq sequence on that slice with activation checkpointing: peak memory.
+  long   one --long-seq sequence on that slice, activation checkpointing on and off: peak memory.
   rl     the RL step in process (issue 34, target 4): --rl-prompts x --rl-group rollouts a step
          (prompts of 16-64 tokens, completions of --rl-completion MIN MAX tokens, behaviour
          logprobs the trainer's own: KL 0), GRPO's forward_backward + optim_step over --rl-steps
@@ -513,10 +513,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
             batch //= 2
     if "long" in parts:
+        # Both memory trade-offs: activation checkpointing on (the forward runs twice, least memory),
+        # then off (TrainConfig's default) when it fits; each arm's peak memory is printed.
         ids = _tokens(slice_config, 1, args.long_seq, device, seed=2)
-        record("long", f"1 x {args.long_seq}",
-               run_case(f"zerokl/{invariant}", _zerokl_arm(slice_config, device, dtype, invariant, ids, True), device,
-                        args.steps, args.warmup, args.long_seq - 1, _arm(args.profile, "long")), slice_config, args.long_seq)
+        for name, checkpointing in ((f"zerokl/{invariant}", True), (f"zerokl/{invariant}+no-checkpointing", False)):
+            record("long", f"1 x {args.long_seq}",
+                   run_case(name, _zerokl_arm(slice_config, device, dtype, invariant, ids, checkpointing), device,
+                            args.steps, args.warmup, args.long_seq - 1, _arm(args.profile, "long")),
+                   slice_config, args.long_seq)
     if "rl" in parts:
         row = rl_part(ModelConfig.preset(args.preset), device, dtype, args)
         results["rl"] = row

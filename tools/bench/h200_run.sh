@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-j, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -139,6 +139,17 @@ elif [ "$MODE" = wave3-j ]; then
     tests/kernels/model/test_model.py tests/services/trainer/test_step_graphs.py > "$FINAL_OUT/gputests-j.log" 2>&1
   timeout ${SLICE_LIMIT:-300} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
     --profile long/zerokl/triton --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
+elif [ "$MODE" = wave3-k ]; then
+  # issue 34's own backward kernels for the glue (rms_norm, rope, SwiGLU, split_linear): their GPU tests,
+  # `small` (eager arm profiled, graphs, transformers), then the slice (profiled) and the 16k sequence
+  # with activation checkpointing on and off
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-100} python3 -m pytest -q -p no:cacheprovider -rs \
+    -n 4 --dist loadfile tests/kernels/test_own_backward.py tests/kernels/test_moe.py \
+    tests/kernels/model/test_model.py > "$FINAL_OUT/gputests-k.log" 2>&1
+  timeout ${TRAIN_LIMIT:-130} python3 tools/bench/bench_train.py --parts small --backends triton --steps 7 \
+    --profile small/zerokl/triton --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
+  timeout ${SLICE_LIMIT:-330} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
+    --profile slice/zerokl/triton --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
