@@ -9,9 +9,9 @@ composite's order of operations.
 Autograd: the torch backend is differentiable as written. A Triton forward is
 wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
-On CUDA, linear, grouped_linear, split_linear, rms_norm, rope and the SwiGLU product take
-their own backward instead (GEMMs and one Triton kernel each: no recompute, no fp32 copies of
-the glue); mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
+On CUDA, linear, grouped_linear, split_linear, rms_norm, rope, the SwiGLU product and the MoE
+combine and pair gather take their own backward instead (GEMMs and one Triton kernel each: no
+recompute, no fp32 copies of the glue); mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 
@@ -853,6 +853,8 @@ class _PairRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (order,) = ctx.saved_tensors
+        if _own_grad_applies(grad):
+            return backend_module("triton").pair_rows_backward(grad, order, ctx.k), None, None
         per_pair = torch.empty_like(grad).index_copy_(0, order, grad).view(-1, ctx.k, grad.shape[-1]).float()
         total = per_pair[:, 0]
         for j in range(1, ctx.k):
@@ -862,6 +864,29 @@ class _PairRows(torch.autograd.Function):
 
 def moe_combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     """sum_j w[:, j] * y[:, j] in fp32, left to right in selection-rank order. [T, k], [T, k, D] -> [T, D]."""
+    if _needs_grad(weights, outputs) and _own_grad_applies(weights, outputs):
+        return _CombineGrad.apply(weights, outputs)
+    return _combine(weights, outputs)
+
+
+class _CombineGrad(torch.autograd.Function):
+    """moe_combine's forward as composed (the same bits); backward by triton.moe_combine_backward
+    (one pass over the [T, k, D] outputs, kept in their dtype: no fp32 copy saved, no per-slot
+    zero-filled gradient)."""
+
+    @staticmethod
+    def forward(ctx, weights, outputs):
+        ctx.save_for_backward(weights, outputs)
+        with torch.no_grad():
+            return _combine(weights, outputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, outputs = ctx.saved_tensors
+        return backend_module("triton").moe_combine_backward(weights, outputs, grad)
+
+
+def _combine(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
     out = outputs.float()
     w = weights.float()
     total = w[:, 0:1] * out[:, 0]

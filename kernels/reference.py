@@ -11,7 +11,7 @@ import torch.nn.functional as F
 __all__ = [
     "linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "rope",
     "mla_attention", "indexer_scores",
-    "rms_norm_backward", "rope_backward", "swiglu_backward",
+    "rms_norm_backward", "rope_backward", "swiglu_backward", "moe_combine_backward", "pair_rows_backward",
 ]
 
 
@@ -94,3 +94,14 @@ def rope_backward(x, positions, inv_freq, interleaved, grad):
 def swiglu_backward(gate, up, grad):
     """(grad_gate, grad_up) of silu(gate) * up in float64."""
     return _grads64(lambda g, u: F.silu(g) * u, (gate, up), grad)
+
+
+def moe_combine_backward(weights, outputs, grad):
+    """(grad_weights, grad_outputs) of sum_j w[:, j] * y[:, j] in float64."""
+    return _grads64(lambda w, y: (w.unsqueeze(-1) * y).sum(1), (weights, outputs), grad)
+
+
+def pair_rows_backward(grad, order, k):
+    """grad_x of xs = x[order // k] in float64: each pair's gradient added to its token's row."""
+    dx = torch.zeros(grad.shape[0] // k, grad.shape[1], dtype=torch.float64, device=grad.device)
+    return dx.index_add_(0, order // k, grad.double())

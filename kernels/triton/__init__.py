@@ -14,6 +14,7 @@ from __future__ import annotations
 # above this package (kernels/interpreter.py, installed from kernels/backend.py before this
 # package can be imported): a backend never imports the library that dispatches to it.
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
+from .combine import moe_combine_backward, pair_rows_backward
 from .elementwise import sigmoid, silu, swiglu_backward
 from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
@@ -38,6 +39,8 @@ __all__ = [
     "linear",
     "log_softmax",
     "mla_attention",
+    "moe_combine_backward",
+    "pair_rows_backward",
     "mla_attention_sequences",
     "rms_norm",
     "rms_norm_backward",

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest
 from zerokl.kernels import ops, reference, use_backend
 from zerokl.kernels.triton import norms, rotary
+from zerokl.kernels.triton.combine import moe_combine_backward, pair_rows_backward
 from zerokl.kernels.triton.elementwise import swiglu_backward
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -75,6 +76,35 @@ def test_swiglu_backward_matches_float64(dtype, rel):
     assert torch.equal(swiglu_backward(gate[rows], up[rows], grad[rows])[0], dg[rows])
 
 
+def test_moe_combine_backward_matches_float64_and_is_per_token():
+    w = _randn(11, 4, seed=0)
+    y, grad = _randn(11, 4, 40, dtype=torch.bfloat16, seed=1), _randn(11, 40, seed=2)
+    gw, gy = moe_combine_backward(w, y, grad)
+    want_gw, want_gy = reference.moe_combine_backward(w, y, grad)
+    assert gw.dtype == torch.float32 and gy.dtype == torch.bfloat16
+    _close(gw, want_gw, 1e-5)
+    _close(gy, want_gy, 1e-2)
+    rows = slice(2, 7)
+    alone = moe_combine_backward(w[rows], y[rows], grad[rows])
+    assert torch.equal(alone[0], gw[rows]) and torch.equal(alone[1], gy[rows])
+
+
+def test_pair_rows_backward_sums_each_tokens_pairs():
+    k, t = 3, 7
+    order = torch.randperm(t * k, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    grad = _randn(t * k, 24, dtype=torch.bfloat16, seed=1)
+    dx = pair_rows_backward(grad, order, k)
+    _close(dx, reference.pair_rows_backward(grad, order, k), 1e-2)
+    assert torch.equal(pair_rows_backward(grad, order, k), dx)
+    # a token's gradient reads only its own pairs: other tokens' pair gradients do not enter
+    noisy = grad.clone()
+    mine = (order // k == 2).nonzero().squeeze(1)            # the rows of grad holding token 2's pairs
+    others = torch.ones(t * k, dtype=torch.bool, device=DEVICE)
+    others[mine] = False
+    noisy[others] = _randn(int(others.sum()), 24, dtype=torch.bfloat16, seed=5)
+    assert torch.equal(pair_rows_backward(noisy, order, k)[2], dx[2])
+
+
 @pytest.fixture
 def own_grad_here(monkeypatch):
     """The ops' CUDA choice (their own backward) on this machine's device too."""
@@ -98,6 +128,7 @@ CASES = {
              [(24, 2, 16)], (24, 2, 16)),
     "split_linear": (lambda x, w: ops.split_linear(x, w), [(24, 64), (32, 64)], (24, 32)),
     "swiglu": (lambda x, g, u: ops.swiglu(x, g, u), [(24, 32), (48, 32), (48, 32)], (24, 48)),
+    "moe_combine": (lambda w, y: ops.moe_combine(w, y), [(24, 4), (24, 4, 32)], (24, 32)),
 }
 
 

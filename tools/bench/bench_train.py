@@ -188,7 +188,7 @@ def measure(step, device: str, steps: int, warmup: int, profile: str | None = No
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with prof(activities=acts, with_stack=True) as p:
+        with prof(activities=acts, with_stack=True, record_shapes=True) as p:
             step()
             _sync(device)
         key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
@@ -203,8 +203,12 @@ def measure(step, device: str, steps: int, warmup: int, profile: str | None = No
         # Python functions as events where the profiler records them: torch 2.13 on CPU, not 2.11 on the H200)
         inclusive = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         out["profile_functions"] = p.key_averages().table(sort_by=inclusive, row_limit=70, max_name_column_width=70)
+        # which tensors the glue's ops (copies, element-wise) spend their time on
+        out["profile_shapes"] = p.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=30,
+                                                                                max_name_column_width=40)
         print(f"--- profile: {profile}, ops and Python functions by {inclusive} ---\n{out['profile_functions']}",
               flush=True)
+        print(f"--- profile: {profile}, ops by input shapes, by {key} ---\n{out['profile_shapes']}", flush=True)
         print(f"--- profile: {profile}, top kernels by {key} ---\n{table}\n"
               f"kernels {out.get('profile_kernels')}, summed kernel time {out.get('profile_kernel_ms')} ms", flush=True)
     return out
@@ -472,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
             row = _with_mfu(row, config, seq)
         results["rows"].append(row)
         write(results, out)
-        shown = {k: v for k, v in row.items() if k not in ("profile_top", "profile_functions")}
+        shown = {k: v for k, v in row.items() if k not in ("profile_top", "profile_functions", "profile_shapes")}
         print(json.dumps(shown), flush=True)
 
     if "small" in parts:
