@@ -17,9 +17,10 @@ logprobs are exactly the rows of the unfused result (the engine relies on the sa
 property when it computes logits only for the rows it samples): the forward is
 bitwise the unfused one. The backward is deterministic (fixed chunk order, the head's
 parameter gradients summed over chunks in fp32 in ascending order, then rounded once
-to the parameter dtype); it equals the unfused gradient to accuracy tolerance, not
-bitwise, since the unfused path reduces the parameter gradient over all rows in one
-GEMM (a different summation order).
+to the parameter dtype; on CUDA, when no row filters by top-k/top-p, the logits'
+gradient is one Triton pass per row, triton.logprob_backward); it equals the unfused
+gradient to accuracy tolerance, not bitwise, since the unfused path reduces the
+parameter gradient over all rows in one GEMM (a different summation order).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from zerokl.kernels.backend import backend_module
+from zerokl.kernels.ops import _own_grad_applies
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 
 __all__ = ["CHUNK_ELEMENTS", "chunk_rows_for", "fused_logprobs", "logprobs_reference"]
@@ -60,19 +63,22 @@ class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, head, params, filters, chunk, hidden, targets, *weights):
         ctx.head, ctx.params, ctx.filters, ctx.chunk, ctx.weights = head, params, filters, chunk, weights
-        ctx.save_for_backward(hidden, targets)
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             out[start:end] = sampling_logprobs(head(hidden[start:end]), targets[start:end], _rows(params, start, end),
                                                filters)
+        ctx.save_for_backward(hidden, targets, out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, targets = ctx.saved_tensors
+        hidden, targets, out = ctx.saved_tensors
         need_hidden = ctx.needs_input_grad[4]
+        # No row filters (known on the host) and a CUDA Triton step: the logits' gradient in one
+        # Triton pass per row, not by differentiating sampling_logprobs' [C, V] fp32 steps.
+        direct = ctx.filters == (False, False) and _own_grad_applies(hidden)
         weights = [w for w, need in zip(ctx.weights, ctx.needs_input_grad[6:]) if need]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # fp32 accumulators, summed chunk by chunk in ascending order, rounded once at the end.
@@ -81,19 +87,37 @@ class _FusedLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             h = hidden[start:end].detach().requires_grad_(need_hidden)
-            with torch.enable_grad():
-                lp = sampling_logprobs(ctx.head(h), targets[start:end], _rows(ctx.params, start, end), ctx.filters)
+            rows = _rows(ctx.params, start, end)
             wrt = ([h] if need_hidden else []) + weights
-            grads = list(torch.autograd.grad(lp, wrt, grad_out[start:end], allow_unused=True))
+            with torch.enable_grad():
+                if direct:
+                    logits = ctx.head(h)
+                else:
+                    lp = sampling_logprobs(ctx.head(h), targets[start:end], rows, ctx.filters)
+            if direct:
+                g = _logits_grad(logits.detach(), targets[start:end], rows, out[start:end], grad_out[start:end])
+                grads = list(torch.autograd.grad(logits, wrt, g, allow_unused=True))
+            else:
+                grads = list(torch.autograd.grad(lp, wrt, grad_out[start:end], allow_unused=True))
             if need_hidden:
                 g = grads.pop(0)
                 grad_hidden[start:end] = 0 if g is None else g
             for a, g in zip(acc, grads):
                 if g is not None:
-                    a.add_(g.float())
+                    a.add_(g)                # fp32 += the model-dtype gradient (promoted in the add: no copy)
         got = iter(a.to(w.dtype) for a, w in zip(acc, weights))
         grad_weights = tuple(next(got) if need else None for need in ctx.needs_input_grad[6:])
         return (None, None, None, None, grad_hidden, None) + grad_weights
+
+
+def _logits_grad(logits: torch.Tensor, targets: torch.Tensor, params: SamplingParams, lp: torch.Tensor,
+                 grad: torch.Tensor) -> torch.Tensor:
+    """d(sum grad * lp) / d logits [C, V] of unfiltered sampling logprobs lp [C]: (onehot(target) -
+    softmax(z)) * grad / temperature with z = logits / temperature (greedy rows: 1), zero for a
+    row without a distribution (lp NaN), as differentiating filtered_logprobs gives."""
+    temp = torch.where(params.temperature <= 0, torch.ones_like(params.temperature), params.temperature).float()
+    scale = torch.where(torch.isnan(lp), torch.zeros_like(grad), grad / temp)
+    return backend_module("triton").logprob_backward(logits, targets, temp, scale)
 
 
 def fused_logprobs(hidden: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],

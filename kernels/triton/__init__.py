@@ -20,7 +20,7 @@ from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm, rms_norm_backward
-from .reductions import log_softmax, row_sum, softmax
+from .reductions import log_softmax, logprob_backward, row_sum, softmax
 from .rotary import rope
 from .sampling import row_cumsum
 from .topk import topk_positions
@@ -38,6 +38,7 @@ __all__ = [
     "layer_norm",
     "linear",
     "log_softmax",
+    "logprob_backward",
     "mla_attention",
     "moe_combine_backward",
     "pair_rows_backward",

@@ -95,3 +95,44 @@ def test_chunk_size_and_argument_checks():
         fused_logprobs(hidden, head, weights, targets[:-1], _params("greedy"))
     empty = fused_logprobs(hidden[:0], head, weights, targets[:0], _params("greedy"))
     assert empty.shape == (0,)
+
+
+def test_triton_logprob_backward_matches_float64_autograd():
+    """triton.logprob_backward: the logits' gradient of log_softmax(x / temperature)[target] x grad,
+    a zero row where scale is 0 (a row without a distribution, NaN logits and all)."""
+    from zerokl.kernels.triton.reductions import logprob_backward
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, 300, generator=g) * 4).to(torch.bfloat16)
+    logits[4, 7] = float("nan")
+    targets = torch.tensor([0, 299, 17, 150, 3])
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0])
+    grad = torch.rand(5, generator=g)
+    scale = torch.where(torch.arange(5) == 4, torch.zeros(5), grad / temp)
+    got = logprob_backward(logits, targets, temp, scale)
+    x = logits[:4].double().requires_grad_(True)
+    lp = torch.log_softmax(x / temp[:4].double().unsqueeze(1), -1).gather(1, targets[:4].view(-1, 1)).squeeze(1)
+    (want,) = torch.autograd.grad(lp, x, grad[:4].double())
+    assert got.dtype == torch.bfloat16 and not got[4].any()
+    torch.testing.assert_close(got[:4].double(), want, rtol=2e-2, atol=2e-3)
+    assert torch.equal(logprob_backward(logits[1:3], targets[1:3], temp[1:3], scale[1:3]), got[1:3])  # per row
+
+
+@pytest.mark.parametrize("mode", ["temperature", "greedy"])
+def test_direct_logits_gradient_matches_differentiating_the_sampling_steps(mode, monkeypatch):
+    """The CUDA backward of rows without filters (triton.logprob_backward), run here by the
+    interpreter: the forward's bits unchanged, gradients equal to the differentiated path to tolerance."""
+    from zerokl.kernels import logprob, ops
+    _, hidden, targets, head, weights = _case(torch.float32, seed=2)
+    params = _params(mode)
+    with use_backend("triton"):
+        fused = lambda: fused_logprobs(hidden, head, weights, targets, params, 5, (False, False))  # noqa: E731
+        base_lp, base = fused(), _grads(fused, hidden, weights)
+        monkeypatch.setattr(ops, "_OWN_GRAD_DEVICES", ("cuda", "cpu"))
+        calls = []
+        direct = logprob._logits_grad
+        monkeypatch.setattr(logprob, "_logits_grad", lambda *a: calls.append(1) or direct(*a))
+        lp, got = fused(), _grads(fused, hidden, weights)
+    assert len(calls) == 3                                       # three chunks of 5, 5 and 3 rows
+    assert torch.equal(lp, base_lp)
+    for x, r in zip(got, base):
+        torch.testing.assert_close(x, r, rtol=1e-4, atol=1e-5)

@@ -140,12 +140,16 @@ elif [ "$MODE" = wave3-j ]; then
   timeout ${SLICE_LIMIT:-300} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
     --profile long/zerokl/triton --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
 elif [ "$MODE" = wave3-k ]; then
-  # issue 34's own backward kernels for the glue (rms_norm, rope, SwiGLU, split_linear, MoE combine): their GPU tests,
+  # issue 34's own backward kernels for the glue (rms_norm, rope, SwiGLU, split_linear, MoE combine, the head's logits): their GPU tests,
   # `small` (eager arm profiled, graphs, transformers), then the slice (profiled) and the 16k sequence
   # with activation checkpointing on and off
-  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-100} python3 -m pytest -q -p no:cacheprovider -rs \
-    -n 4 --dist loadfile tests/kernels/test_own_backward.py tests/kernels/test_moe.py \
-    tests/kernels/model/test_model.py tests/services/trainer/test_step_graphs.py > "$FINAL_OUT/gputests-k.log" 2>&1
+  device_wheels
+  TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
+    -n 4 --dist loadfile tests/kernels/test_own_backward.py tests/kernels/test_logprob.py tests/kernels/test_moe.py \
+    tests/kernels/model/test_model.py tests/services/trainer/test_step_graphs.py \
+    tests/services/trainer/test_trainer_fast_path.py tests/services/test_zero_kl_promise.py \
+    > "$FINAL_OUT/gputests-k.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)" ; sleep 1
   timeout ${TRAIN_LIMIT:-130} python3 tools/bench/bench_train.py --parts small --backends triton --steps 7 \
     --profile small/zerokl/triton --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
   timeout ${SLICE_LIMIT:-330} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \

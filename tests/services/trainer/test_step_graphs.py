@@ -34,7 +34,7 @@ def _completions(n: int, seed: int, longest: int = 24, top_k: int = 0) -> list[C
     return out
 
 
-def test_bucketed_batches_keep_every_logprobs_bits():
+def test_bucketed_batches_keep_every_logprobs_bits(cpu_backend):
     trainer = Trainer(Model(TINY, seed=0), TrainConfig())
     for seqs in (_completions(5, 1), _completions(3, 2, top_k=7), _completions(4, 3, longest=60)):
         plain, bucketed = trainer.batch_of(seqs, bucketed=False), trainer.batch_of(seqs, bucketed=True)
