@@ -142,7 +142,7 @@ elif [ "$MODE" = wave3-j ]; then
 elif [ "$MODE" = wave3-k ]; then
   # issue 34's own backward kernels for the glue (rms_norm, rope, SwiGLU, split_linear, MoE combine, the head's logits): their GPU tests,
   # `small` (eager arm profiled, graphs, transformers), then the slice (profiled) and the 16k sequence
-  # with activation checkpointing on and off
+  # with activation checkpointing on and off, then the RL step beside SFT
   device_wheels
   TRITON_CACHE_DIR=$PWD/.gpu/triton-cache timeout ${TESTS_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider -rs \
     -n 4 --dist loadfile tests/kernels/test_own_backward.py tests/kernels/test_logprob.py tests/kernels/test_moe.py \
@@ -154,6 +154,8 @@ elif [ "$MODE" = wave3-k ]; then
     --profile small/zerokl/triton --out "$FINAL_OUT/train" > "$FINAL_OUT/train.log" 2>&1
   timeout ${SLICE_LIMIT:-330} python3 tools/bench/bench_train.py --parts slice,long --steps 3 \
     --profile slice/zerokl/triton --out "$FINAL_OUT/train-slice" > "$FINAL_OUT/train-slice.log" 2>&1
+  timeout ${RL_LIMIT:-150} python3 tools/bench/bench_train.py --parts rl --steps 5 --rl-steps 10 \
+    --out "$FINAL_OUT/train-rl" > "$FINAL_OUT/train-rl.log" 2>&1
 elif [ "$MODE" = wave3-c ]; then
   # what wave3-a's time limits cut, and issue 35's FP8 serving: the 20-step RL job (both halves), the
   # engine's GPU tests (long contexts, graphs, overlap, warm-up), then the FP8 serving / trainer bench
