@@ -54,7 +54,7 @@ def test_forward_is_bitwise_the_unfused_logprobs_for_every_mode_and_chunking(mod
 def _grads(fn, hidden, weights, seed=3):
     """Gradients of a random weighting of the finite logprobs (a non-uniform upstream gradient)."""
     lp = fn()
-    up = torch.rand(lp.shape, generator=torch.Generator().manual_seed(seed))
+    up = torch.rand(lp.shape, generator=torch.Generator().manual_seed(seed)).to(lp.device)
     loss = (torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp)) * up).sum()
     return torch.autograd.grad(loss, [hidden, *weights])
 
@@ -108,24 +108,33 @@ def test_triton_logprob_backward_matches_float64_autograd():
     temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 1.0])
     grad = torch.rand(5, generator=g)
     scale = torch.where(torch.arange(5) == 4, torch.zeros(5), grad / temp)
-    got = logprob_backward(logits, targets, temp, scale)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"    # Triton kernels: CUDA, or the interpreter on CPU
+    got = logprob_backward(*(t.to(dev) for t in (logits, targets, temp, scale))).cpu()
     x = logits[:4].double().requires_grad_(True)
     lp = torch.log_softmax(x / temp[:4].double().unsqueeze(1), -1).gather(1, targets[:4].view(-1, 1)).squeeze(1)
     (want,) = torch.autograd.grad(lp, x, grad[:4].double())
     assert got.dtype == torch.bfloat16 and not got[4].any()
     torch.testing.assert_close(got[:4].double(), want, rtol=2e-2, atol=2e-3)
-    assert torch.equal(logprob_backward(logits[1:3], targets[1:3], temp[1:3], scale[1:3]), got[1:3])  # per row
+    alone = logprob_backward(*(t[1:3].to(dev) for t in (logits, targets, temp, scale))).cpu()
+    assert torch.equal(alone, got[1:3])                                                            # per row
 
 
 @pytest.mark.parametrize("mode", ["temperature", "greedy"])
 def test_direct_logits_gradient_matches_differentiating_the_sampling_steps(mode, monkeypatch):
     """The CUDA backward of rows without filters (triton.logprob_backward), run here by the
     interpreter: the forward's bits unchanged, gradients equal to the differentiated path to tolerance."""
+    import dataclasses
     from zerokl.kernels import logprob, ops
-    _, hidden, targets, head, weights = _case(torch.float32, seed=2)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model, hidden, targets, head, _ = _case(torch.float32, seed=2)
+    model.to(dev)
+    hidden, targets = hidden.detach().to(dev).requires_grad_(True), targets.to(dev)
+    weights = [model.norm.weight, model.lm_head.weight]
     params = _params(mode)
+    params = SamplingParams(*(getattr(params, f.name).to(dev) for f in dataclasses.fields(params)))
     with use_backend("triton"):
         fused = lambda: fused_logprobs(hidden, head, weights, targets, params, 5, (False, False))  # noqa: E731
+        monkeypatch.setattr(ops, "_OWN_GRAD_DEVICES", ())           # differentiate the sampling steps
         base_lp, base = fused(), _grads(fused, hidden, weights)
         monkeypatch.setattr(ops, "_OWN_GRAD_DEVICES", ("cuda", "cpu"))
         calls = []

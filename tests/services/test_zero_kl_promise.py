@@ -148,9 +148,11 @@ TOP_CELL_HITS = [(261600, 12, 22), (280273, 12, 62), (425994, 14, 0), (484629, 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device):
+def test_top_k_through_the_engine_at_the_top_noise_cell_does_not_crash(device, request):
     """Issue 23's crash on CPU: top_k=20 where the noise hit its top cell on a token outside the
     top 20 gave a NaN row and an out-of-range gather (a device-side assert on CUDA)."""
+    if device == "cpu":
+        request.getfixturevalue("cpu_backend")       # the engine's threads too, also on a CUDA host
     with use_backend(_backend(device)):
         trainer = Trainer(_model("tiny", device))
         rng = random.Random(5)

@@ -139,7 +139,7 @@ def test_ppo_and_dpo_steps_run_on_the_fast_path_with_checkpointing(lora):
     assert any(not torch.equal(v, before[k]) for k, v in states[1][2].items())   # the steps moved the weights
 
 
-def test_checkpointing_leaves_the_model_as_it_was():
+def test_checkpointing_leaves_the_model_as_it_was(cpu_backend):
     trainer = _trainer("cpu", activation_checkpointing=True)
     trainer.forward_backward("sft", _sequences(2))
     assert all("forward" not in vars(block) for block in trainer.model.layers)
