@@ -26,10 +26,15 @@ if [ "$PART" = kernels ] || [ "$PART" = all ]; then
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 if [ "$PART" = services ] || [ "$PART" = all ]; then
-  # only the files with gpu tests: the others need the CPU tier's extras (kubernetes, moto, cryptography)
-  files=$(grep -rlE "mark\.gpu|marks=pytest\.mark\.gpu" tests/services --include='test_*.py')
-  python3 -m pytest -q -p no:cacheprovider -rs --durations=15 -m gpu ${XDIST/loadfile/load} \
-    --junitxml="$LOGS/gpu_services.xml" $files 2>&1 | tee "$LOGS/gpu_services.log"
-  status=$(( status | ${PIPESTATUS[0]} ))
+  # only the files with gpu tests: the others need the CPU tier's extras (kubernetes, moto, cryptography).
+  # One pytest per directory: the tests import their directory's helpers as `conftest`, and a session
+  # given files of several directories loads every conftest.py first (the last one wins that name).
+  : > "$LOGS/gpu_services.log"
+  for dir in $(grep -rlE "mark\.gpu|marks=pytest\.mark\.gpu" tests/services --include='test_*.py' | xargs -n1 dirname | sort -u); do
+    files=$(grep -lE "mark\.gpu|marks=pytest\.mark\.gpu" "$dir"/test_*.py)
+    python3 -m pytest -q -p no:cacheprovider -rs --durations=15 -m gpu ${XDIST/loadfile/load} \
+      --junitxml="$LOGS/gpu_services_$(basename "$dir").xml" $files 2>&1 | tee -a "$LOGS/gpu_services.log"
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
 fi
 exit $status
