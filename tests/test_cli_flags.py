@@ -30,7 +30,10 @@ def _every_parser(parser: argparse.ArgumentParser) -> list[argparse.ArgumentPars
 
 
 PARSERS = {
-    "zerokl": cli.build_parser(),
+    "zerokl": cli.build_parser([]),
+    # the commands whose flags load only when chosen (their modules import torch)
+    "zerokl experiment": cli.build_parser(["experiment"]),
+    "zerokl diff": cli.build_parser(["diff"]),
     "serve prefill": inference_server.build_parser("prefill"),
     "serve decode": inference_server.build_parser("decode"),
     "serve trainer": trainer_server.build_parser(),
@@ -55,6 +58,7 @@ def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
     ("zerokl", ["generate", "--max-tok", "3", "--prompt-ids", "3,4"], "--max-tokens", "--max-tok"),
     ("zerokl", ["jobs", "submit", "rl", "--steps", "3", "--eval", "2"], "--eval-every", "--eval 2"),
     ("zerokl", ["status", "--js"], "--json", "--js"),
+    ("zerokl experiment", ["experiment", "countdown", "--pres", "tiny"], "--preset", "--pres tiny"),
 ])
 def test_an_abbreviated_flag_is_an_error(name, argv, meant, unknown, capsys) -> None:
     parser = PARSERS[name]

@@ -194,7 +194,23 @@ class _WholeFlagsParser(argparse.ArgumentParser):
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands whose modules import torch when loaded: their flags are added only when the command is
+# the one chosen, so the light commands (status, jobs, generate, serve's parsing) start without
+# loading torch (~2 s of CPU each call). name -> (module, one-line help).
+_TORCH_COMMANDS = {
+    "experiment": ("zerokl.experiment", "the same RL run with zerokl numerics and with mismatched inference"),
+    "diff": ("zerokl.diff", "name the first op (layer, op, token) where two computations of the same tokens part"),
+}
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The sub-command named in argv (the first argument that is not a flag), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `zerokl` parser; `argv` (default sys.argv[1:]) says which command's flags to load."""
+    chosen = _command_of(list(sys.argv[1:] if argv is None else argv))
     p = _WholeFlagsParser(prog="zerokl", description="RL post-training and serving with train/inference KL exactly 0")
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="batch-invariance and three-path parity self-test on this machine")
@@ -241,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(dr)
     dr.set_defaults(run=doctor.run)
 
-    from zerokl import demo, experiment
+    from zerokl import demo
     d = sub.add_parser("demo", help="GRPO on countdown through the five services with exact zero KL; writes a report")
     demo.add_arguments(d)
     d.set_defaults(run=demo.run)
@@ -250,15 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description=jobs_cli.__doc__.splitlines()[0])
     jobs_cli.add_arguments(j)
     j.set_defaults(run=jobs_cli.run)
-    e = sub.add_parser("experiment", help="the same RL run with zerokl numerics and with mismatched inference",
-                       description=experiment.__doc__.splitlines()[0])
-    experiment.add_arguments(e)
-    e.set_defaults(run=experiment.run)
-    from zerokl import diff
-    df = sub.add_parser("diff", help="name the first op (layer, op, token) where two computations of the same tokens "
-                                     "part", description=diff.__doc__.splitlines()[0])
-    diff.add_arguments(df)
-    df.set_defaults(run=diff.run)
+    for name, (module_name, help_line) in _TORCH_COMMANDS.items():
+        c = sub.add_parser(name, help=help_line)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            c.description = module.__doc__.splitlines()[0]
+            module.add_arguments(c)
+            c.set_defaults(run=module.run)
 
     g = sub.add_parser(
         "generate", help="stream a completion through the scheduler (or straight from a decode replica)",
@@ -292,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
 
