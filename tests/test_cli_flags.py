@@ -82,6 +82,7 @@ def test_zerokl_serve_trainer_refuses_an_abbreviation_as_a_command() -> None:
     (["--steps", "3", "--lr", "inf"], "argument --lr: must be finite and >= 0"),
     (["--steps", "3", "--group", "1"], "argument --group: must be in 2..4294967295, got 1"),
     (["--steps", "3", "--seed", "-1"], "argument --seed: must be in 0..18446744073709551615, got -1"),
+    (["--steps", "3", "--train-problems", "100001"], "argument --train-problems: must be in 1..100000, got 100001"),
 ])
 def test_jobs_submit_refuses_bad_numbers_in_one_line(argv, message, capsys) -> None:
     """Before: `--steps -5` passed argparse and died in the protobuf conversion with a traceback."""

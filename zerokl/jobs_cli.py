@@ -57,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--name", default="", help="a name shown by `zerokl jobs list` (default: the kind)")
     s.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=0,
                    help="seeds the countdown problems, their order and the sampling (default %(default)s)")
+    s.add_argument("--train-problems", type=_int_in(1, 100_000), default=None,
+                   help="countdown problems drawn for training (default: the Jobs API's, 20000)")
+    s.add_argument("--test-problems", type=_int_in(1, _UINT32_MAX), default=None,
+                   help="held-out countdown problems of the greedy evaluation (default: the Jobs API's, 200)")
     s.add_argument("--batch-size", type=_int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
     s.add_argument("--prompts", type=_int_in(1, _UINT32_MAX), default=8, help="rl: prompts per step")
     s.add_argument("--group", type=_int_in(2, _UINT32_MAX), default=8, help="rl: samples per prompt")
@@ -125,7 +129,8 @@ async def _main(args: argparse.Namespace) -> int:
             return 0
         if args.action == "watch":
             return await _watch(client, args.job_id, args.json)
-        task = CountdownTask(seed=args.seed)
+        sizes = {k: getattr(args, k) for k in ("train_problems", "test_problems") if getattr(args, k) is not None}
+        task = CountdownTask(seed=args.seed, **sizes)
         if args.kind == "rl":
             spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
                              seed=args.seed, eval_every=args.eval_every, learning_rate=args.lr,

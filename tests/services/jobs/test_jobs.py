@@ -176,7 +176,8 @@ def test_the_jobs_command_line(cluster: str) -> None:
         with ThreadPoolExecutor(len(argvs)) as pool:
             return list(pool.map(lambda argv: zerokl(*argv), argvs))
 
-    r, missing = at_once(("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json"),
+    r, missing = at_once(("submit", "sft", "--steps", "2", "--batch-size", "2", "--name", "cli", "--json",
+                          "--train-problems", "300", "--test-problems", "8"),
                          ("watch", "no-such-job"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
