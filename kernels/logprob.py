@@ -90,15 +90,11 @@ class _FusedLogprobs(torch.autograd.Function):
             rows = _rows(ctx.params, start, end)
             wrt = ([h] if need_hidden else []) + weights
             with torch.enable_grad():
-                if direct:
-                    logits = ctx.head(h)
-                else:
-                    lp = sampling_logprobs(ctx.head(h), targets[start:end], rows, ctx.filters)
-            if direct:
-                g = _logits_grad(logits.detach(), targets[start:end], rows, out[start:end], grad_out[start:end])
-                grads = list(torch.autograd.grad(logits, wrt, g, allow_unused=True))
-            else:
-                grads = list(torch.autograd.grad(lp, wrt, grad_out[start:end], allow_unused=True))
+                logits = ctx.head(h)
+                y = logits if direct else sampling_logprobs(logits, targets[start:end], rows, ctx.filters)
+            dy = (_logits_grad(logits.detach(), targets[start:end], rows, out[start:end], grad_out[start:end])
+                  if direct else grad_out[start:end])
+            grads = list(torch.autograd.grad(y, wrt, dy, allow_unused=True))
             if need_hidden:
                 g = grads.pop(0)
                 grad_hidden[start:end] = 0 if g is None else g

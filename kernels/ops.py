@@ -11,7 +11,8 @@ wrapped so that its backward recomputes the same function with the torch backend
 and differentiates that: gradients are deterministic, forward bits are Triton's.
 On CUDA, linear, grouped_linear, split_linear, rms_norm, rope, the SwiGLU product and the MoE
 combine and pair gather take their own backward instead (GEMMs and one Triton kernel each: no
-recompute, no fp32 copies of the glue); mla_attention has its own fused Triton backward (kernels/triton/attention_backward.py).
+recompute, no fp32 copies of the glue); mla_attention has its own fused Triton backward
+(kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 
@@ -730,6 +731,10 @@ def _swiglu_product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     the shared and the routed experts. On CUDA under Triton its backward is one kernel."""
     if _needs_grad(gate, up) and _own_grad_applies(gate, up):
         return _SwigluGrad.apply(gate, up)
+    return _swiglu_hidden(gate, up)
+
+
+def _swiglu_hidden(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (silu(gate) * up.float()).to(gate.dtype)
 
 
@@ -741,7 +746,7 @@ class _SwigluGrad(torch.autograd.Function):
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
         with torch.no_grad():
-            return (silu(gate) * up.float()).to(gate.dtype)
+            return _swiglu_hidden(gate, up)
 
     @staticmethod
     def backward(ctx, grad):
