@@ -4,7 +4,7 @@
 
 The file pins the bits of every op per (backend, device type, dtype). When an op's
 bits change, tests/kernels/test_golden.py fails until you (1) bump
-kernels/version.py, (2) add a changelog line for the new version to NUMERICS.md,
+kernels/zerokl/kernels/version.py, (2) add a changelog line for the new version to NUMERICS.md,
 and (3) run this tool. It refuses to record changed bits under an unchanged
 version. GPU entries are recorded the same way on a GPU machine.
 
@@ -69,7 +69,7 @@ def main() -> int:
     if data["numerics_version"] == __version__:
         changed = [k for k, v in fresh.items() if k in data["entries"] and data["entries"][k]["digests"] != v["digests"]]
         if changed:
-            print(f"bits changed under unchanged numerics version {__version__} for {changed}: bump kernels/version.py")
+            print(f"bits changed under unchanged numerics version {__version__} for {changed}: bump kernels/zerokl/kernels/version.py")
             return 1
     elif args.carry_over:
         from zerokl.kernels.fingerprint import fingerprint_of

@@ -44,7 +44,7 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             cases, mismatches = PARITY_CHECKS[name](backend, args.seed)
             rows.append((backend, name, cases, mismatches))
-    if "torch" in backends:   # the CPU primitives against their references (kernels/portable_check.py)
+    if "torch" in backends:   # the CPU primitives against their references (kernels/zerokl/kernels/portable_check.py)
         from zerokl.kernels.portable_check import check_primitives
         rows += [("torch", f"primitive: {r.name}", r.cases, r.mismatches) for r in check_primitives()]
     print(f"zerokl numerics {__version__}")

@@ -1,6 +1,6 @@
 """`zerokl diff A B`: name the first op where two computations of the same tokens part.
 
-Each side is traced (kernels/trace.py: one 64-bit digest per op output per token, in
+Each side is traced (kernels/zerokl/kernels/trace.py: one 64-bit digest per op output per token, in
 execution order) for the same token ids, and the traces are compared: the first op
 in execution order whose digest differs at some token, and the lowest such token, is
 where the two sides part. Its rows are then fetched in full (a second, captured

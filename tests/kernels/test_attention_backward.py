@@ -1,4 +1,4 @@
-"""The fused Triton MLA attention backward (kernels/triton/attention_backward.py).
+"""The fused Triton MLA attention backward (kernels/zerokl/kernels/triton/attention_backward.py).
 
 Accuracy against a float64 autograd reference (tolerance), bitwise run-to-run, and batch
 invariance (torch.equal: a sequence's gradients alone == among neighbours). On a machine

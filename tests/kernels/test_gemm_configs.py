@@ -1,6 +1,6 @@
 """The GEMM's launch configs never change bits, and the fused split_partial is the composite's.
 
-On CUDA, `linear` picks its tile config by M (kernels/triton/gemm.py: _CUDA_BUCKETS, and the
+On CUDA, `linear` picks its tile config by M (kernels/zerokl/kernels/triton/gemm.py: _CUDA_BUCKETS, and the
 persistent TMA kernel for large M). That is only allowed because, on the GPU, an element's
 bits do not depend on the tile: tl.dot chains its k16 MMA steps into one fp32 accumulator in
 ascending K order whatever BLOCK_M/N/K, warps, stages or MMA flavour (NUMERICS.md). The gpu

@@ -37,7 +37,7 @@ def test_bits_match_golden(backend, dtype):
     want = GOLDEN["entries"][key]["digests"]
     changed = sorted(k for k in set(want) | set(got) if want.get(k) != got.get(k))
     assert not changed, (
-        f"bits changed for {changed} on {key}: if intended, bump kernels/version.py, add a NUMERICS.md "
+        f"bits changed for {changed} on {key}: if intended, bump kernels/zerokl/kernels/version.py, add a NUMERICS.md "
         "changelog line and run tools/update_golden.py")
     # fingerprint() is fingerprint_of(golden_digests(...)): the digests above, not computed twice
     assert fingerprint_of(got) == GOLDEN["entries"][key]["fingerprint"]

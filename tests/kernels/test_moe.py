@@ -29,7 +29,7 @@ from zerokl.kernels.model import ModelConfig
 from zerokl.kernels.model.model import MoE
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ZEROKL_SRC = pathlib.Path(ops.__file__).resolve().parents[1]      # the repository root: zerokl's own code
+ZEROKL_SRC = pathlib.Path(ops.__file__).resolve().parents[3]      # the repository root: zerokl's own code
 
 
 def _moe(cfg: ModelConfig, dtype: torch.dtype, seed: int = 0) -> MoE:
@@ -48,7 +48,7 @@ def _tiny(**changes) -> ModelConfig:
     return ModelConfig.preset("tiny").replace(**changes)
 
 
-_EMULATED_DOT = (ZEROKL_SRC / "kernels" / "interpreter.py").resolve()
+_EMULATED_DOT = pathlib.Path(ops.__file__).resolve().with_name("interpreter.py")
 
 
 class _SyncTrap:
@@ -65,7 +65,7 @@ class _SyncTrap:
     def _wrap(self, name, fn):
         def trapped(*args, **kwargs):
             caller = pathlib.Path(sys._getframe(1).f_code.co_filename).resolve()
-            # kernels/interpreter.py is the CPU emulation of the device's tl.dot (its numpy
+            # kernels/zerokl/kernels/interpreter.py is the CPU emulation of the device's tl.dot (its numpy
             # exchange is the emulator's arithmetic, not a read-back), as Triton's own interpreter is.
             if ZEROKL_SRC in caller.parents and "tests" not in caller.parts and caller != _EMULATED_DOT:
                 self.calls.append(f"{name} from {caller.name}:{sys._getframe(1).f_lineno}")

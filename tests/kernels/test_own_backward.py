@@ -1,5 +1,5 @@
 """The Triton backward kernels of the glue ops (rms_norm, rope, the SwiGLU product) and the ops
-that take them on CUDA (kernels/ops.py `_OWN_GRAD`, split_linear, _swiglu_product).
+that take them on CUDA (kernels/zerokl/kernels/ops.py `_OWN_GRAD`, split_linear, _swiglu_product).
 
 Accuracy against float64 autograd (tolerance), bitwise run-to-run and per-row invariance
 (torch.equal: a row's gradient alone == among neighbours), and the forward's bits unchanged

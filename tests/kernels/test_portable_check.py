@@ -1,4 +1,4 @@
-"""The torch backend's CPU primitives against their references (kernels/portable_check.py), on
+"""The torch backend's CPU primitives against their references (kernels/zerokl/kernels/portable_check.py), on
 this machine's native code path; tests/kernels/test_stock_torch.py repeats it under every ATen
 and MKL code path and compares the digests."""
 import torch

@@ -130,7 +130,7 @@ print(json.dumps(out))
 # ATen's vectorized kernels (exp/log/sin/cos, lane-wise sums, randn) follow ATEN_CPU_CAPABILITY;
 # MKL's kernels (GEMMs, and the vector math behind torch.sqrt) follow MKL_ENABLE_INSTRUCTIONS
 # (and the CPU vendor, which a test cannot switch). On an Intel AVX-512 CPU MKL's native, AVX2
-# and SSE4.2 square roots are three different functions (kernels/portable.py).
+# and SSE4.2 square roots are three different functions (kernels/zerokl/kernels/portable.py).
 _CODE_PATHS = {
     "native": {},
     "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
@@ -144,7 +144,7 @@ def test_torch_backend_bits_do_not_depend_on_the_cpu_code_path():
     """Every op's golden digests (fp32 and bf16, the tiny model's logits included) are the same
     when ATen and MKL run their AVX-512, AVX2 or baseline code: what differs between an Intel
     and an AMD machine, or an old and a new one, never reaches the torch backend's bits. And on
-    random inputs (~2^18 per primitive, kernels/portable_check.py), each primitive matches its
+    random inputs (~2^18 per primitive, kernels/zerokl/kernels/portable_check.py), each primitive matches its
     correctly rounded or exactly defined reference under every path, with the same digest."""
     digests = {}
     for name, extra in _CODE_PATHS.items():

@@ -1,4 +1,4 @@
-"""The per-op trace recorder (kernels/trace.py): it sees every covered op, changes no bits,
+"""The per-op trace recorder (kernels/zerokl/kernels/trace.py): it sees every covered op, changes no bits,
 costs nothing when off, records only its own thread, and its digests tell any bit apart."""
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Absorbed MLA (bf16 inputs, fp32 out) in the training layout, one layer's attenti
   glm5:  H=64, R=512, P=64, 4 x 4096 tokens, index_topk 2048 (rows past 2048 attend a random
          ascending selection of 2048 keys of their prefix; the rest their whole prefix)
 zerokl: ops.mla_attention_sequences under the Triton backend (forward writing its LSE, the
-fused dq / dkv kernels of kernels/triton/attention_backward.py). stock: the same op under the
+fused dq / dkv kernels of kernels/zerokl/kernels/triton/attention_backward.py). stock: the same op under the
 stock backend (gather + bmm + softmax, differentiated by torch autograd: the backward the
 Triton forward used before). Each row: forward + backward median time, achieved TFLOP/s of
 the attention arithmetic (fwd 2(2R+P), bwd 2(5R+3P) per (query, head, key)), peak memory,

@@ -8,7 +8,7 @@ Each step draws fresh random-length rollouts (--prompts x --group), takes their 
 logprobs from the in-process trainer's forward_logprobs (the same weights the service holds,
 so the step's KL is exactly 0), then runs on them:
 
-- service: the RPCs an RL job sends (`zerokl jobs submit rl`, services/jobs/manager.py):
+- service: the RPCs an RL job sends (`zerokl jobs submit rl`, services/zerokl/services/jobs/manager.py):
   ForwardBackward(ppo, group_size) + OptimStep, then SaveWeights (the new version, with its
   trainer state, into a weight-store service), against `zerokl serve trainer` and
   `zerokl serve weight-store` started here as subprocesses, on --device;

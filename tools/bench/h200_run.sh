@@ -47,7 +47,7 @@ elif [ "$MODE" = numerics3 ]; then
   cp -r . /tmp/cputree && (
     cd /tmp/cputree
     for tree in new old; do
-      if [ $tree = old ]; then [ -f .carry/torch_ops_ea27dcc.py ] || break; cp .carry/torch_ops_ea27dcc.py kernels/torch_ops.py; fi
+      if [ $tree = old ]; then [ -f .carry/torch_ops_ea27dcc.py ] || break; cp .carry/torch_ops_ea27dcc.py kernels/zerokl/kernels/torch_ops.py; fi
       CUDA_VISIBLE_DEVICES= ZEROKL_BACKEND=torch timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
         tests/kernels/test_stock_torch.py tests/kernels/test_portable_check.py tests/kernels/test_invariance.py \
         -k "torch or code_path or portable or primitive" > "$OUT/cpupath-$tree.log" 2>&1

@@ -1,4 +1,4 @@
-"""TrainConfig.cuda_graphs: SFT / PPO steps replayed from CUDA graphs (services/trainer/step_graphs.py).
+"""TrainConfig.cuda_graphs: SFT / PPO steps replayed from CUDA graphs (services/zerokl/services/trainer/step_graphs.py).
 
 CPU tier: the shape buckets the graphs need leave every logprob's bits as they were (padding
 positions and rows are computed alone, nothing real reads them). GPU tier: a replayed step is

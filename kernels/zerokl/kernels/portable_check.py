@@ -2,7 +2,7 @@
 
 The torch backend promises the same bits on every CPU because each of its primitives is
 either an IEEE-754 basic operation (correctly rounded, so one answer exists) or a fixed
-composition of them (kernels/portable.py). A golden vector checks a handful of inputs on
+composition of them (kernels/zerokl/kernels/portable.py). A golden vector checks a handful of inputs on
 the machine that recorded it; this module checks the promise itself, on this machine, on
 ~10^6 random inputs per primitive plus the edge cases (zeros, infinities, NaN, subnormals,
 powers of two, values next to rounding midpoints), against references computed another
@@ -184,7 +184,7 @@ def _check_round(g, n):
 
 
 def _slices_np(x: np.ndarray, bits: int):
-    """kernels/portable._slices in numpy: integer slices (int64) and row exponents."""
+    """kernels/zerokl/kernels/portable._slices in numpy: integer slices (int64) and row exponents."""
     amax = np.abs(x).max(axis=-1, keepdims=True).astype(np.float64)
     e = np.frexp(amax)[1].astype(np.int64)
     scaled = np.ldexp(x.astype(np.float64), bits - e)

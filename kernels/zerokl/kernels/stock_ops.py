@@ -4,7 +4,7 @@ This is what a stock engine computes: cuBLAS/MKL GEMMs whose blocking follows M,
 one-shot softmax and attention, torch.topk. It exists to measure what invariance
 costs (tools/bench) and to run the mismatched-numerics arm of the RL experiment; it
 has no fingerprint and `zerokl verify` does not check it. Same signatures as
-kernels/torch_ops.py.
+kernels/zerokl/kernels/torch_ops.py.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ and differentiates that: gradients are deterministic, forward bits are Triton's.
 On CUDA, linear, grouped_linear, split_linear, rms_norm, rope, the SwiGLU product and the MoE
 combine and pair gather take their own backward instead (GEMMs and one Triton kernel each: no
 recompute, no fp32 copies of the glue); mla_attention has its own fused Triton backward
-(kernels/triton/attention_backward.py).
+(kernels/zerokl/kernels/triton/attention_backward.py).
 """
 from __future__ import annotations
 
@@ -239,7 +239,7 @@ _ONE_THREAD = threading.RLock()
 def _single_threaded(fn: Callable, args: tuple):
     """Run a torch-backend op on one CPU thread.
 
-    The forward's bits do not need it (every sum is exact, kernels/portable.py), but its
+    The forward's bits do not need it (every sum is exact, kernels/zerokl/kernels/portable.py), but its
     gradients go through plain torch GEMMs and sums, whose bits follow MKL's thread split:
     one thread keeps a training step's gradients independent of the machine's core count.
     The lock keeps concurrent callers from restoring the count under each other.
@@ -533,7 +533,7 @@ def silu(input: torch.Tensor) -> torch.Tensor:
 
 def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
     """inv_freq[i] = theta ** (-2i / dim) as fp32: exp(-(2i/dim) ln theta) evaluated in float64 from
-    IEEE basic operations (kernels/portable.py) and rounded once, so these constants are the same on
+    IEEE basic operations (kernels/zerokl/kernels/portable.py) and rounded once, so these constants are the same on
     every machine (libm's and torch's pow are dispatched by ISA)."""
     from zerokl.kernels.portable import exp64, log64
     ln_theta = log64(torch.tensor([float(theta)], dtype=torch.float64))
@@ -619,7 +619,7 @@ def _check_sequences(q_latent, q_rope, kv_latent, k_rope, positions, selection) 
 
 class _MLAttentionGrad(torch.autograd.Function):
     """Triton mla_attention forward (writing its log-sum-exp) with the fused Triton backward
-    (kernels/triton/attention_backward.py) over the same key list: deterministic, no atomics.
+    (kernels/zerokl/kernels/triton/attention_backward.py) over the same key list: deterministic, no atomics.
     key_index None = the causal training layout over `positions`."""
 
     @staticmethod

@@ -563,7 +563,7 @@ class Model(nn.Module):
     def init_weights(self, seed: int | None) -> None:
         """Normal(0, 0.02) projections (down/out projections scaled by depth), unit norms, zero biases.
 
-        The draws come from kernels/portable.standard_normal, so a seeded model has the same
+        The draws come from kernels/zerokl/kernels/portable.standard_normal, so a seeded model has the same
         weights on every machine (torch.randn's CPU kernel follows the ISA)."""
         g = torch.Generator().manual_seed(0 if seed is None else seed)
         depth_scale = (2 * self.config.num_hidden_layers) ** -0.5

@@ -11,7 +11,7 @@ Where the records come from:
   * module outputs, by forward hooks installed only while tracing (every RMSNorm,
     LayerNorm, Linear, Router, MLP, MoE and Block of the model, named by its path);
   * intermediates that are not module outputs, by `record(...)` lines in
-    kernels/model/model.py (q_rope, k_rope, absorbed q, attention output, indexer
+    kernels/zerokl/kernels/model/model.py (q_rope, k_rope, absorbed q, attention output, indexer
     scores, router logits, expert outputs, the combine).
 
 Off costs one global load per `record` line (`_ACTIVE is None`) and no hooks. The
@@ -234,7 +234,7 @@ class recording:
         try:
             for name, module in self.model.named_modules():
                 # By class name up the MRO: a LoRA-adapted projection is a torch-generated
-                # "ParametrizedLinear" subclass of Linear (kernels/model/lora.py).
+                # "ParametrizedLinear" subclass of Linear (kernels/zerokl/kernels/model/lora.py).
                 kind = next((c.__name__ for c in type(module).__mro__ if c.__name__ in _HOOKED), None)
                 if not name or kind is None:
                     continue

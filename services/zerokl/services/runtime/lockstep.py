@@ -1,7 +1,7 @@
 """Lockstep process groups: rank 0 serves, the followers repeat its calls in order.
 
-A tensor-parallel serving replica (services/inference/tensor_parallel.py) and a distributed
-trainer (services/trainer/distributed.py) run the same way: rank 0 is the process a supervisor
+A tensor-parallel serving replica (services/zerokl/services/inference/tensor_parallel.py) and a distributed
+trainer (services/zerokl/services/trainer/distributed.py) run the same way: rank 0 is the process a supervisor
 started; it spawns ``world - 1`` copies of its own command with their rank (and rank 0's
 rendezvous port) in the environment, every rank joins one torch.distributed world on
 127.0.0.1 (gloo on CPUs, NCCL with cuda:rank on GPUs), and rank 0 broadcasts each call that

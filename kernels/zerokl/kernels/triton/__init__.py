@@ -1,7 +1,7 @@
 """Triton backend of zerokl.kernels: batch-invariant kernels for GPUs (and CPU under TRITON_INTERPRET=1).
 
-Same signatures and semantics as kernels/torch_ops.py (the reference), plus `topk_positions` and
-sampling's `row_cumsum` (dispatched by kernels/sampling.py).
+Same signatures and semantics as kernels/zerokl/kernels/torch_ops.py (the reference), plus `topk_positions` and
+sampling's `row_cumsum` (dispatched by kernels/zerokl/kernels/sampling.py).
 Bits are promised per backend and device type: a row's result is identical alone or inside
 any batch, at any position, with any neighbours. Each module's docstring says how.
 
@@ -11,7 +11,7 @@ package is imported (triton.jit reads it when the kernels are decorated).
 from __future__ import annotations
 
 # Under TRITON_INTERPRET=1 (CPU) tl.dot is made exact, whatever BLAS numpy has, by the library
-# above this package (kernels/interpreter.py, installed from kernels/backend.py before this
+# above this package (kernels/zerokl/kernels/interpreter.py, installed from kernels/zerokl/kernels/backend.py before this
 # package can be imported): a backend never imports the library that dispatches to it.
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .combine import moe_combine_backward, pair_rows_backward

@@ -273,7 +273,7 @@ def check_op(case: OpCase, backend: str, seed: int, batches: Sequence[int] = (1,
 # digest per fingerprint key. `zerokl verify` says whether this machine's key has a recorded
 # entry and whether its bits match it; a key with no entry is reported, not failed.
 
-GOLDEN_TABLE = pathlib.Path(__file__).resolve().parents[1] / "tests" / "assets" / "golden" / "numerics.json"
+GOLDEN_TABLE = pathlib.Path(__file__).resolve().parents[3] / "tests" / "assets" / "golden" / "numerics.json"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ the last bits from row i of `x @ w` because BLAS picks its blocking (and so its 
 from M, and the same torch build gives different bits on different CPUs (MKL's kernels are
 chosen by vendor and ISA; ATen's exp/log/sin/cos and vectorized sums follow the ISA).
 
-Everything here is built from kernels/portable.py, whose results are the same on every
+Everything here is built from kernels/zerokl/kernels/portable.py, whose results are the same on every
 machine (see NUMERICS.md):
 
 * every dot product and row sum is an exact contraction (`portable.contract`,

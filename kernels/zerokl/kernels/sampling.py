@@ -95,7 +95,7 @@ def row_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Inclusive prefix sums of each row of x [T, N] in fp32, in a fixed order per row.
 
     The one place sampling's backends differ (bits are promised per backend): `triton`
-    runs kernels/triton/sampling.py (one program per row, fp64 chunk scans in ascending
+    runs kernels/zerokl/kernels/triton/sampling.py (one program per row, fp64 chunk scans in ascending
     order); `torch` is CPU torch.cumsum, a sequential left-to-right loop per row that
     accumulates in fp64 and rounds each prefix to fp32 (run on the CPU whatever x's
     device: CUDA's cumsum picks its scan by the tensor's shape); `stock` is plain

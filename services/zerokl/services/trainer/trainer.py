@@ -45,8 +45,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.flo
 @dataclass(frozen=True)
 class TrainConfig:
     """The trainer's hyperparameters. Every field is a `zerokl serve trainer` flag (generated:
-    services/runtime/dataclass_flags.py, its help from the field's comment) and a field of
-    ``zerokl.v1.TrainConfig`` (services/trainer/convert.py), so the Jobs API's ``train_config``;
+    services/zerokl/services/runtime/dataclass_flags.py, its help from the field's comment) and a field of
+    ``zerokl.v1.TrainConfig`` (services/zerokl/services/trainer/convert.py), so the Jobs API's ``train_config``;
     tests/services/trainer/test_trainer_service.py fails for a field not wired through each."""
 
     lr: float = 1e-3                    # peak learning rate (AdamW)
@@ -78,7 +78,7 @@ class TrainConfig:
     # (straight-through); serving_state_dict is the served FP8 form (e4m3 + scales).
     dtype: Literal["bfloat16", "float32", "fp8"] | None = None
     # Replay each SFT / PPO forward + backward from a CUDA graph per batch shape (None = on CUDA;
-    # services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
+    # services/zerokl/services/trainer/step_graphs.py: the same kernels, the same bits, no per-kernel launch cost).
     # Batches are then padded to shape buckets (packed tokens, scored tokens and completion width,
     # each to at most 1/8 more: `bucket`) so that shapes recur: the forward's bits do not change
     # (every row is computed alone), the gradients are those of the padded batch. No effect on

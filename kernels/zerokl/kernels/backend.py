@@ -25,7 +25,7 @@ _active: contextvars.ContextVar[str | None] = contextvars.ContextVar("zerokl_bac
 
 def _exact_interpreter_dot() -> None:
     """Under TRITON_INTERPRET=1 make the interpreter's tl.dot the exact contraction
-    (kernels/interpreter.py). Runs when this module loads and again before the Triton package
+    (kernels/zerokl/kernels/interpreter.py). Runs when this module loads and again before the Triton package
     is first imported (it sets the variable on a CPU), so it precedes every Triton kernel."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         from zerokl.kernels.interpreter import install_exact_dot
@@ -85,10 +85,10 @@ def device_name(device: torch.device | str | None = None, backend: str | None = 
 
     * CUDA: the compute capability, e.g. ``cuda-sm90``.
     * CPU, torch backend: ``cpu``. Its ops are built from IEEE basic operations and exact sums
-      (kernels/portable.py), so every CPU computes the same bits, whatever its vendor or ISA.
+      (kernels/zerokl/kernels/portable.py), so every CPU computes the same bits, whatever its vendor or ISA.
     * CPU, triton backend: the interpreter evaluates Triton ops with numpy, whose exp/log are
       dispatched by numpy's SIMD target, so the key names it, e.g. ``cpu-interp-numpy2.4-AVX2``.
-      (tl.dot is the exact contraction there, kernels/interpreter.py: BLAS plays no part.)
+      (tl.dot is the exact contraction there, kernels/zerokl/kernels/interpreter.py: BLAS plays no part.)
     * CPU, stock backend (not fingerprinted): ATen's capability, e.g. ``cpu-avx512``.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

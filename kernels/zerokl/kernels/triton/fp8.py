@@ -7,18 +7,18 @@ all-zero group). Output
 element (m, n) is, for K blocks b = 0, 1, ... in ascending order,
     acc = acc + dot_b(q_x[m], q_w[n]) * (s_x[m, b] * s_w[n // 128, b])
 in fp32, where dot_b is the block's dot product in fp32. Invariance by construction, as for
-the bf16 GEMM (kernels/triton/gemm.py): one program owns an output tile and every K block of
+the bf16 GEMM (kernels/zerokl/kernels/triton/gemm.py): one program owns an output tile and every K block of
 it, in ascending order, no split-K; a row's quantization reads only that row; BLOCK_K is the
 quantization group (128) and BLOCK_N the weight block (128), so a tile's columns share one
 weight scale per K block whatever the batch.
 
 `fp8_grouped_linear` (the MoE experts) is the same kernel over a grouped GEMM's row tiles:
 each group's rows cut into tiles from its first row, found from device offsets (no host sync,
-as kernels/triton/gemm.py's grouped GEMM), so a token's result never depends on how many tokens
+as kernels/zerokl/kernels/triton/gemm.py's grouped GEMM), so a token's result never depends on how many tokens
 its expert received.
 
 Under the interpreter the block dot is the exact contraction rounded once to fp32
-(kernels/interpreter.py), which is the torch backend's definition, so interpreted bits
+(kernels/zerokl/kernels/interpreter.py), which is the torch backend's definition, so interpreted bits
 equal the torch backend's. Compiled on Hopper the block dot is the tensor cores' FP8 MMA,
 whose accumulation is the hardware's own: other bits than the CPU's (another fingerprint key),
 the same for a row alone or in any batch.

@@ -25,7 +25,7 @@ group whose members dispatch tokens to each other's experts by all-to-all
 
 Every rank must make the same calls with the same arguments (lockstep). A served group does
 that with LockstepTrainer on rank 0 (owner of gRPC) and `follow` on the others, as the TP
-serving replicas do (services/inference/tensor_parallel.py).
+serving replicas do (services/zerokl/services/inference/tensor_parallel.py).
 """
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def apply_training_parallel(model: Model, tp_group=None, ep_group=None) -> Model
 
 
 def _forget_weight_slices() -> None:
-    """Drop the torch backend's cached weight slices (kernels/portable.py). They are keyed by
+    """Drop the torch backend's cached weight slices (kernels/zerokl/kernels/portable.py). They are keyed by
     the weight tensor and its version counter; FSDP2 refills its unsharded parameters in place
     under a preserved version counter, so after the sharded weights change (an optimizer step,
     a load) a cached slice would be stale."""
@@ -197,7 +197,7 @@ class DistributedTrainer:
         for block in model.layers:
             fully_shard(block, mesh=self.group.dp_mesh, ignored_params=ignored & set(block.parameters()) or None)
         # The trainer runs Model.hidden_states, then the final norm and lm_head chunk by chunk
-        # (kernels/logprob.py), outside Model.forward: each is its own FSDP unit, and
+        # (kernels/zerokl/kernels/logprob.py), outside Model.forward: each is its own FSDP unit, and
         # hidden_states is registered so the root unit (the embedding) all-gathers around it.
         fully_shard(model.norm, mesh=self.group.dp_mesh)
         fully_shard(model.lm_head, mesh=self.group.dp_mesh)

@@ -1,4 +1,4 @@
-"""Per-op traces (kernels/trace.py) to and from ``zerokl.v1.Trace``, and who may ask for one.
+"""Per-op traces (kernels/zerokl/kernels/trace.py) to and from ``zerokl.v1.Trace``, and who may ask for one.
 
 Both Score (replicas) and ForwardLogprobs (trainer) return a trace when asked
 (``zerokl diff``); the conversion and the operator check live here once.

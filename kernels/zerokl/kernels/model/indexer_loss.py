@@ -11,7 +11,7 @@ states), so the loss trains only the indexer's parameters and the LM loss only t
 (DeepSeek-V3.2's sparse stage; its dense warm-up takes the same KL over all earlier keys.)
 
 `indexer_losses(model)` asks a model's attention layers for it during a training-layout
-forward (kernels/model/model.py: MLAttention appends one loss per indexer layer whose rows
+forward (kernels/zerokl/kernels/model/model.py: MLAttention appends one loss per indexer layer whose rows
 exceed index_topk keys).
 """
 from __future__ import annotations

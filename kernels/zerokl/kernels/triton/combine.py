@@ -1,6 +1,6 @@
 """The MoE glue's backward: `moe_combine_backward` and `pair_rows_backward`.
 
-The forward of both is plain indexing and a fixed-order fp32 sum (kernels/ops.py); differentiating
+The forward of both is plain indexing and a fixed-order fp32 sum (kernels/zerokl/kernels/ops.py); differentiating
 it as written would slice [T, k, D] gradients one slot at a time (a zero-filled [T, k, D] tensor
 per slot) and cast them to fp32. These kernels read each row once and write each gradient once.
 A token's gradients depend only on that token's rows, so batch invariance holds by construction.

@@ -9,7 +9,7 @@ other bits than the full op (seen on an AMD EPYC without AVX-512; a SkylakeX cor
 not to show it). So the interpreter was not batch-invariant on every CPU, and a test of
 Triton's invariance run on CPU was a test of OpenBLAS.
 
-Here the tile product is the exact contraction of kernels/portable.py (every product and
+Here the tile product is the exact contraction of kernels/zerokl/kernels/portable.py (every product and
 sum exact in float64 slices, rounded once to fp32), so an element of `tl.dot` depends only on
 its row of `a` and column of `b`: on every CPU, at every tile position. The kernel's own
 order (BLOCK_K chunks added to the fp32 accumulator, left to right) is untouched. GPUs never
@@ -33,7 +33,7 @@ def _exact_dot(original):
 
         acc = d.data
         # Only fp32 accumulation of float operands is ours (zerokl's kernels upcast every dot
-        # operand to fp32 under the interpreter, kernels/triton/_common.dot_in_fp32).
+        # operand to fp32 under the interpreter, kernels/zerokl/kernels/triton/_common.dot_in_fp32).
         if acc.dtype != np.float32 or a.data.dtype != np.float32 or b.data.dtype != np.float32:
             return original(self, a, b, d, input_precision, max_num_imprecise_acc)
         lhs = torch.from_numpy(np.ascontiguousarray(a.data))                    # [..., M, K]
