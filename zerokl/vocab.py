@@ -39,7 +39,8 @@ _INT32_MAX = 2**31 - 1          # the wire type of top_k, max_tokens and n
 
 
 class InvalidOption(ValueError):
-    """A sampling option out of its range; ``field`` names it (``temperature``, ``stop``, ...)."""
+    """An option out of its range; ``field`` names it (a sampling option: ``temperature``, ``stop``, ...;
+    a TrainConfig field: ``lr``, ``beta1``, ...)."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)

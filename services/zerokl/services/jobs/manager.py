@@ -57,7 +57,6 @@ import random
 import threading
 import time
 import uuid
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
@@ -65,12 +64,14 @@ import grpc
 import grpc.aio
 
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
-from zerokl.services.runtime.errors import CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, Unavailable, UnservedPin
+from zerokl.services.runtime.errors import (CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, RelayedError,
+                                           Unavailable, UnservedPin)
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
 from zerokl.services.rl.ports import Sampled, sampling_seed
 from zerokl.services.trainer.checkpointing import META_STATE
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.service import check_train_config, dpo_pair_violations, pin_owner
+from zerokl.services.trainer.trainer import MAX_LR, TrainConfig
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
@@ -84,7 +85,6 @@ T = TypeVar("T")
 
 JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
 _OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_FLOAT32_MAX = 3.4028234663852886e38   # a learning rate above it overflows float32 weights' updates
 # RL versions served but not yet recorded in the weight store, at most: a step waits for the oldest record
 # beyond it. Each pending record holds its snapshot (the serving bytes; a checkpoint's trainer state) in the
 # trainer's memory, and a trainer restart redoes at most the steps since the newest recorded checkpoint.
@@ -155,22 +155,20 @@ JobSpec = SFTJobSpec | DPOJobSpec | RLJobSpec
 def validate(spec: JobSpec) -> None:
     """INVALID_ARGUMENT naming the first bad field of ``spec``.
 
-    Checked by meaning, as a Generate request is: RL sampling options go through
-    :meth:`SamplingOptions.check` (finite, float32-safe ranges), and a learning rate
-    must be a finite float32 (the optimizer applies it to float32 weights).
+    Checked by meaning, as a Generate request is, before the job is accepted: RL sampling
+    options go through :meth:`SamplingOptions.check` (finite, float32-safe ranges), a
+    learning rate must be finite and at most the ceiling :data:`MAX_LR`, a ``train_config``
+    passes :meth:`TrainConfig.check` (``train_config.<field>``), and no DPO pair prefers a
+    completion to itself: what the trainer would refuse is refused here, by the same name.
     """
     if spec.steps <= 0:
         raise InvalidArgument.field(f"{spec.kind}.steps", f"must be > 0, got {spec.steps}")
-    if not (math.isfinite(spec.learning_rate) and 0.0 <= spec.learning_rate <= _FLOAT32_MAX):
-        raise InvalidArgument.field("learning_rate", f"must be finite, >= 0 and at most {_FLOAT32_MAX:.4g} "
-                                                     f"(0: the trainer's schedule), got {spec.learning_rate!r}")
+    if not (math.isfinite(spec.learning_rate) and 0.0 <= spec.learning_rate <= MAX_LR):
+        raise InvalidArgument.field("learning_rate", f"must be finite, >= 0 and at most {MAX_LR:g} (the learning "
+                                                     f"rate ceiling; 0: the trainer's schedule), "
+                                                     f"got {spec.learning_rate!r}")
     if spec.train_config is not None:
-        for f in dataclasses.fields(TrainConfig):
-            value = getattr(spec.train_config, f.name)
-            for v in value if isinstance(value, tuple) else (value,):
-                if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= _FLOAT32_MAX) \
-                        or isinstance(v, int) and not isinstance(v, bool) and v < 0:
-                    raise InvalidArgument.field(f"train_config.{f.name}", f"must be finite (and >= 0), got {value!r}")
+        check_train_config(spec.train_config, "train_config")
     if isinstance(spec, SFTJobSpec):
         if spec.batch_size <= 0:
             raise InvalidArgument.field("sft.batch_size", "must be > 0")
@@ -186,6 +184,10 @@ def validate(spec: JobSpec) -> None:
         if spec.batch_size <= 0 or len(spec.pairs) < spec.batch_size:
             raise InvalidArgument.field("dpo.batch_size", f"must be in 1..{len(spec.pairs)} (the pairs given), "
                                                           f"got {spec.batch_size}")
+        same = dpo_pair_violations(spec.pairs, "dpo.pairs")
+        if same:
+            raise InvalidArgument.field(same[0].field, same[0].description + (
+                f" (and {len(same) - 1} more pair(s) like it)" if len(same) > 1 else ""))
     else:
         if spec.group_size < 2:
             raise InvalidArgument.field("rl.group_size", "GRPO needs at least 2 samples per prompt")
@@ -325,6 +327,8 @@ class JobManager:
     canary (raising :class:`CanaryFailed` when the version fails it).
     ``weight_store``: the store the trainer publishes to, where versions that
     fail their canary are deleted (without one they stay, and the job says so).
+    ``served_version()``: the version the fleet serves now (on the event loop): where
+    a job that fails before serving a version of its own takes the trainer back.
     ``state_dir``: where job records are kept across restarts (None: memory
     only). A job waits up to ``trainer_wait_s`` for a restarting trainer,
     ``fleet_wait_s`` for a restarting prefill/decode replica and
@@ -334,9 +338,11 @@ class JobManager:
     def __init__(self, trainer: TrainerClient | None, generate: Callable[[InferenceRequest], AsyncIterator[Any]],
                  switch_weights: Callable[[str], Awaitable[Any]], *, weight_store: WeightStoreClient | None = None,
                  state_dir: str | os.PathLike[str] | None = None, trainer_wait_s: float = 120.0,
-                 fleet_wait_s: float = 120.0, store_wait_s: float = 120.0) -> None:
+                 fleet_wait_s: float = 120.0, store_wait_s: float = 120.0,
+                 served_version: Callable[[], str] = lambda: "") -> None:
         self.trainer = trainer
         self.weight_store = weight_store
+        self._served_version = served_version
         self._generate = generate
         self._switch = switch_weights
         self.trainer_wait_s = trainer_wait_s
@@ -465,6 +471,12 @@ class JobManager:
             raise JobCancelled()
         return deadline
 
+    def served_version(self) -> str:
+        """From the job's thread: the version the fleet serves now ("" when none is known)."""
+        async def read() -> str:
+            return self._served_version()
+        return self._call(read())
+
     def _call(self, coro: Awaitable[T]) -> T:
         """From the job's thread: run ``coro`` on the event loop and wait for it."""
         assert self._loop is not None
@@ -577,6 +589,8 @@ def _describe(err: BaseException) -> str:
     """A failed job's error: the cause by name, then what was done about it (the exception's notes)."""
     if isinstance(err, grpc.aio.AioRpcError):
         text = f"{err.code().name}: {err.details()}"
+    elif isinstance(err, RelayedError):     # a replica's refusal, passed on: its status by code
+        text = f"{err.code.name}: {err.message}"
     else:
         text = f"{type(err).__name__}: {err}"
     return "; ".join([text, *getattr(err, "__notes__", ())])
@@ -658,7 +672,9 @@ class _TrainerSession:
     def __init__(self, manager: JobManager, job: _Job) -> None:
         self.manager, self.job = manager, job
         self.client = manager.trainer
-        self.weights_version = ""
+        self.weights_version = ""          # the version the fleet serves that the trainer's steps build on
+        self.served = ""                   # what the fleet served when the job started: before the job serves
+        self.config: TrainConfig | None = None  # a version of its own, where a failure takes the trainer back
         self.base_step = 0
         self.trainer_step = 0           # the trainer's step counter after our last OptimStep
         self.unswitched = ""            # a version saved that the fleet has not switched to yet
@@ -677,19 +693,31 @@ class _TrainerSession:
             raise JobCancelled()
 
     def start(self) -> str:
-        """Publish the trainer's current weights (a no-op when already published) and serve them."""
+        """Publish the trainer's current weights (a no-op when already published) and serve them, after their
+        canary. The trainer may hold what no canary has passed yet (steps driven by hand through its API,
+        weights loaded by hand, a resume point saved by hand): on any failure here the trainer goes back to
+        the version the fleet serves and a version this start saved is deleted (:meth:`discard_unpublished`),
+        one that failed its canary in any case (:meth:`_reject`)."""
+        self.served = self.manager.served_version()
         state = self._call(self.client.get_state())
         if state.accumulated_batches:
             raise FailedPrecondition(f"the trainer holds {state.accumulated_batches} unapplied ForwardBackward "
                                      "batches; OptimStep or LoadWeights first")
+        self.config = state.config
         self.base_step = self.trainer_step = state.step
-        manifest = self._save()
+        manifest, created = self._save()
+        if created and manifest.version != self.served:
+            self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
         if self.job.spec.train_config is not None:
             # The job's hyperparameters: a fresh trainer (optimizer, adapters, step 0) on these weights.
             state = self._call(self.client.load_weights(manifest.version, restore_state=False,
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
-        self._switch_fleet(manifest.version)
+        try:
+            self._switch_fleet(manifest.version)
+        except CanaryFailed as err:
+            self._reject(manifest.version, err)
+        self.unswitched = ""
         self.weights_version = manifest.version
         # The trainer's weights may be a version recorded weights only (a job that failed between checkpoints
         # left it there): no resume point then, until this job's first step records one (_checkpoint_due).
@@ -801,13 +829,13 @@ class _TrainerSession:
         self._sleep(1.0)
         return deadline
 
-    def _save(self) -> WeightsManifest:
-        """SaveWeights, retried while the weight store is out; UNAVAILABLE when the trainer restarted meanwhile."""
+    def _save(self) -> tuple[WeightsManifest, bool]:
+        """SaveWeights, retried while the weight store is out; UNAVAILABLE when the trainer restarted meanwhile;
+        (manifest, created)."""
         deadline = None
         while True:
             try:
-                manifest, _ = self._call(self.client.save_weights())
-                return manifest
+                return self._call(self.client.save_weights())
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _OUTAGE:
                     raise
@@ -837,42 +865,61 @@ class _TrainerSession:
                 deadline = self._outage(deadline, f"the replicas switched to {version}", str(err))
 
     def discard_unpublished(self) -> str:
-        """Bring the trainer back to the version the fleet serves if it holds steps beyond it, and delete a
-        version saved that the fleet never switched to; what was done."""
-        if not self.weights_version:
-            return ""
+        """Bring the trainer back to the version the fleet serves if it holds anything beyond it (steps the job
+        trained and did not publish; or, when the job failed before serving a version of its own, whatever the
+        trainer held that the fleet never served), and delete a version saved that the fleet never switched
+        to; what was done."""
+        good = self.weights_version or self.served
         notes = []
         try:
             state = self._call(self.client.get_state(timeout=10))
-            if (state.weights_version, state.step, state.accumulated_batches) != \
-                    (self.weights_version, state.weights_step, 0):
+            if (state.weights_version, state.step, state.accumulated_batches) != (good, state.weights_step, 0):
                 self._rollback()
-                notes.append(f"the trainer dropped the job's unpublished steps and is back on {self.weights_version} "
-                             f"(step {self.trainer_step})")
+                what = "the job's unpublished steps" if self.weights_version else "what it held beyond it"
+                notes.append(f"the trainer dropped {what} and is back on {good} (step {self.trainer_step})")
         except (grpc.aio.AioRpcError, FailedPrecondition) as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
-            log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, self.weights_version, why)
-            notes.append(f"rolling the trainer back to {self.weights_version} failed ({why})")
+            log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, good, why)
+            notes.append(f"rolling the trainer back to {good or 'the served version'} failed ({why})")
         if self.unswitched:
             notes.append(self._delete(self.unswitched, "no replica serves it"))
         return "; ".join(notes)
 
     def _rollback(self) -> None:
-        """The trainer back on the version the fleet serves: its newest recorded checkpoint, then the kept
-        steps since it redone (the served version may be recorded weights only: no resume point)."""
-        if not self.checkpoint:
+        """The trainer back on the version the fleet serves: the job's newest recorded checkpoint, then the kept
+        steps since it redone (the served version may be recorded weights only: no resume point). A job with no
+        checkpoint of its own yet (it failed at its start) loads the served version itself: with its trainer
+        state when it has one, else its weights under the trainer's configuration from before the job (a fresh
+        optimizer, at step 0)."""
+        if self.checkpoint:
+            state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
+            self.trainer_step = state.step
+            self._rebuild(self.checkpoint)
+            return
+        good = self.weights_version or self.served
+        if not good:
+            raise FailedPrecondition("the fleet serves no version to go back to")
+        if self.weights_version and self._kept:
             raise FailedPrecondition("the job has no recorded checkpoint to go back to yet (it started on a version "
                                      "recorded weights only)")
-        state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
+        try:
+            state = self._call(self.client.load_weights(good, restore_state=True))
+        except grpc.aio.AioRpcError as err:
+            if err.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+            # No trainer state in it (a version published from outside, or recorded weights only).
+            state = self._call(self.client.load_weights(good, restore_state=False, config=self.config))
         self.trainer_step = state.step
-        self._rebuild(self.checkpoint)
 
     def _delete(self, version: str, why: str) -> str:
-        """Delete ``version`` (never served by the fleet) from the weight store; a clause saying what happened."""
+        """Delete ``version`` (never served by the fleet, or rejected by its canary) from the weight store; a
+        clause saying what happened. The version the fleet serves is never deleted."""
         self.unswitched = ""
         store = self.manager.weight_store
         if store is None:
             return f"{version} stays in the weight store (this scheduler has no --weight-store to delete it from)"
+        if version in (self.weights_version, self.manager.served_version()):
+            return f"{version} stays in the weight store (the fleet serves it)"
         try:
             # A version shared in place is recorded in the background: let that land first, so deleting it is
             # final (an upload finishing after the delete would bring it back).
@@ -880,15 +927,25 @@ class _TrainerSession:
                 self._call(self.client.record_weights(version))
             if version in self.unrecorded:
                 self.unrecorded.remove(version)
-            self._call(store.delete(version))
+            self._call(self._delete_from(store, version))
         except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.NOT_FOUND:
+                return f"{version} is not in the weight store ({why})"
             log.error("job %s: could not delete %s from the weight store: %s", self.job.job_id, version, err.details())
             return f"deleting {version} from the weight store failed ({err.details()})"
         return f"{version} was deleted from the weight store ({why})"
 
+    async def _delete_from(self, store: WeightStoreClient, version: str) -> None:
+        """Delete ``version``; the trainer's own pin on it (a resume point it saved) is released first, since
+        the trainer no longer stands on it. A pin of anyone else keeps it (FAILED_PRECONDITION, said)."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            run = (await self.client.get_state(timeout=10)).run
+            await store.unpin(version, pin_owner(run))
+        await store.delete(version)
+
     def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
-        good = self.weights_version
+        good = self.weights_version or self.served
         # A version shared in place is still being recorded: let it land first, so the record's resume-point
         # pin cannot move back to it after the rollback, and the delete below is final.
         with contextlib.suppress(grpc.aio.AioRpcError):
@@ -1023,7 +1080,7 @@ class _TrainerSession:
 
     def publish_now(self) -> None:
         """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""
-        manifest = self._save()
+        manifest, _ = self._save()
         if manifest.version != self.weights_version:
             self.unswitched = manifest.version
         try:

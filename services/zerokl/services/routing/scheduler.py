@@ -559,15 +559,16 @@ class Scheduler:
 
     async def _switch_one(self, view: ReplicaView, to: str,
                           shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
-        """SwitchWeights on one replica; its refusal relayed, UNAVAILABLE naming it."""
+        """SwitchWeights on one replica; its refusal relayed with its code (a version trained under other numerics
+        is FAILED_PRECONDITION, for good: never an outage to wait out), UNAVAILABLE naming it."""
         with self.registry.lease(view.endpoint) as client:
             try:
                 return await client.switch_weights(to, shared=shared if shared is not None and
                                                    shared.version == to else None)
             except grpc.aio.AioRpcError as err:
-                failure = _attempt_or_relay(view, err)
-                raise (failure if not isinstance(failure, _Attempt)
-                       else Unavailable(f"{view.describe()}: {failure.reason}")) from None
+                if err.code() is grpc.StatusCode.UNAVAILABLE:
+                    raise Unavailable(f"{view.describe()}: {err.code().name}: {err.details()}") from None
+                raise RelayedError(err, _name(view), details=err.details() or "") from None
 
     async def _canary(self, view: ReplicaView, version: str) -> str:
         """Why ``view`` cannot serve ``version`` ("" when it can): the probe must complete on that version with

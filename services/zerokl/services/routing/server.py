@@ -162,7 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
                  if args.weight_store else None)
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
-                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait)
+                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait,
+                          served_version=lambda: scheduler.target_version or scheduler.identity.weights_version)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:

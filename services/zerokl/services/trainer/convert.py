@@ -203,7 +203,7 @@ _SPLIT_FIELDS = {"betas": ("beta1", "beta2")}
 
 
 def train_config_to_proto(c: TrainConfig) -> trainer_pb2.TrainConfig:
-    """TrainConfig -> ``zerokl.v1.TrainConfig``, field by field by name (None: an unset optional)."""
+    """TrainConfig -> ``zerokl.v1.TrainConfig``, field by field by name (None: left unset)."""
     msg = trainer_pb2.TrainConfig()
     for f in dataclasses.fields(TrainConfig):
         value = getattr(c, f.name)
@@ -216,14 +216,14 @@ def train_config_to_proto(c: TrainConfig) -> trainer_pb2.TrainConfig:
 
 
 def train_config_from_proto(msg: trainer_pb2.TrainConfig) -> TrainConfig:
-    """``zerokl.v1.TrainConfig`` -> TrainConfig (every field read; an unset optional is None)."""
-    values = {}
+    """``zerokl.v1.TrainConfig`` -> TrainConfig: every field read by name; an unset one keeps the dataclass's
+    default (betas part by part). Values are not checked here (:meth:`TrainConfig.check`, where it enters)."""
+    values: dict = {}
     for f in dataclasses.fields(TrainConfig):
         if f.name in _SPLIT_FIELDS:
-            values[f.name] = tuple(getattr(msg, name) for name in _SPLIT_FIELDS[f.name])
-        elif msg.DESCRIPTOR.fields_by_name[f.name].has_presence and not msg.HasField(f.name):
-            values[f.name] = None
-        else:
+            values[f.name] = tuple(getattr(msg, name) if msg.HasField(name) else part
+                                   for name, part in zip(_SPLIT_FIELDS[f.name], f.default, strict=True))
+        elif msg.HasField(f.name):
             values[f.name] = getattr(msg, f.name)
     return TrainConfig(**values)
 

@@ -59,6 +59,7 @@ from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_t
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import VersionStore, validate_name
+from zerokl.vocab import InvalidOption
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_INIT", "build_parser", "train_config_from_args", "open_repo", "start_trainer",
            "make_identity", "main"]
@@ -225,6 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        train_config_from_args(args).check()
+    except InvalidOption as err:
+        flag = "betas" if err.field in ("beta1", "beta2") else err.field
+        parser.error(f"--{flag.replace('_', '-')}: {err.field} {err}")
     group = None
     if args.dp * args.tp > 1 or args.ep > 1:
         from zerokl.kernels.model.parallel import supported_tp_degrees

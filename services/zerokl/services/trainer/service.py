@@ -39,11 +39,14 @@ from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime.errors import (
+    AlreadyExists,
     FailedPrecondition,
     FieldViolation,
+    Internal,
     InvalidArgument,
     NotFound,
     PreconditionViolation,
+    ServiceError,
     Unavailable,
 )
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
@@ -69,7 +72,7 @@ from zerokl.services.trainer.checkpointing import (
 )
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.optim import NonFiniteStep
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.trainer import MAX_LR, TrainConfig, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -91,6 +94,8 @@ __all__ = [
     "TrainerService",
     "TrainerServicer",
     "add_trainer_service",
+    "check_train_config",
+    "dpo_pair_violations",
     "pin_owner",
 ]
 
@@ -174,6 +179,23 @@ def _completion_violations(c: Completion, where: str, vocab: int, max_len: int) 
     except InvalidOption as err:
         out.append(FieldViolation(f"{where}.{err.field}", str(err)))
     return out
+
+
+def dpo_pair_violations(pairs: Sequence[tuple[Completion, Completion]], where: str) -> list[FieldViolation]:
+    """A preference pair whose chosen and rejected completions are the same tokens states no preference:
+    its DPO loss is log 2 whatever the weights, its gradient zero (up to rounding). Refused by name."""
+    return [FieldViolation(f"{where}[{i}]", "chosen and rejected are the same completion (same prompt and "
+                                            "completion ids): the pair prefers nothing")
+            for i, (chosen, rejected) in enumerate(pairs)
+            if (chosen.prompt_ids, chosen.completion_ids) == (rejected.prompt_ids, rejected.completion_ids)]
+
+
+def check_train_config(config: TrainConfig, where: str) -> None:
+    """INVALID_ARGUMENT naming ``where.<field>`` for the first field of ``config`` out of its range."""
+    try:
+        config.check()
+    except InvalidOption as err:
+        raise InvalidArgument.field(f"{where}.{err.field}", str(err)) from None
 
 
 def _raise_if(violations: Sequence[FieldViolation]) -> None:
@@ -317,7 +339,20 @@ class TrainerService:
             # Checked under the lock: a queued LoadWeights may change the vocabulary.
             self._check_batch(batch)
             staleness = self._staleness(batch) if isinstance(batch, PPOBatch) else []
-            result = await self._compute(self._forward_backward, batch, staleness)
+            try:
+                result = await self._compute(self._forward_backward, batch, staleness)
+            except Exception as err:
+                # A backward that failed part-way may have added to some gradients: every pending gradient
+                # goes (the batches accumulated before it included), so nothing half-applied blocks or
+                # leaks into a later step.
+                dropped = self._accumulated
+                await self._compute(self._drop_gradients)
+                log.exception("trainer: ForwardBackward failed; its gradients and %d pending batch(es) dropped",
+                              dropped)
+                if isinstance(err, ServiceError):
+                    raise
+                raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err}); no gradient is pending "
+                               f"now ({dropped} batch(es) accumulated before it were dropped too)") from None
             self._accumulated += 1
             result = dataclasses.replace(result, accumulated_batches=self._accumulated)
             TOKENS.inc(result.tokens)
@@ -339,8 +374,9 @@ class TrainerService:
         elif isinstance(batch, DPOBatch):
             if not batch.pairs:
                 raise InvalidArgument.field("dpo.pairs", "empty batch")
-            _raise_if(self._check_completions([(f"dpo.pairs[{i}].{side}", c) for i, pair in enumerate(batch.pairs)
-                                               for side, c in zip(("chosen", "rejected"), pair, strict=True)]))
+            out = self._check_completions([(f"dpo.pairs[{i}].{side}", c) for i, pair in enumerate(batch.pairs)
+                                           for side, c in zip(("chosen", "rejected"), pair, strict=True)])
+            _raise_if(out + dpo_pair_violations(batch.pairs, "dpo.pairs"))
         else:
             self._check_ppo(batch)
 
@@ -447,12 +483,21 @@ class TrainerService:
             method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
             step=trainer.step, accumulated_batches=0, ppo=ppo, metrics={k: float(v) for k, v in m.items()})
 
+    def _drop_gradients(self) -> None:
+        """No gradient pending: the trained tensors' .grad cleared, the accumulated count 0 (compute thread)."""
+        trainer = self._trainer
+        for p in [*trainer.params, *(trainer.masters or [])]:
+            p.grad = None
+        self._accumulated = 0
+
     async def optim_step(self, lr: float | None = None) -> OptimResult:
         """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
         FAILED_PRECONDITION when there are none, or when the step would make a weight or optimizer
-        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`."""
-        if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
-            raise InvalidArgument.field("lr", f"must be finite and >= 0 (0: the trainer's schedule), got {lr}")
+        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`
+        (negative, non-finite, or above the ceiling :data:`~zerokl.services.trainer.trainer.MAX_LR`)."""
+        if lr is not None and not (math.isfinite(lr) and 0.0 <= lr <= MAX_LR):
+            raise InvalidArgument.field("lr", f"must be finite, >= 0 and at most {MAX_LR:g} (the learning rate "
+                                              f"ceiling; 0: the trainer's schedule), got {lr}")
 
         async def work() -> OptimResult:
             if self._accumulated == 0:
@@ -493,40 +538,61 @@ class TrainerService:
                 raise FailedPrecondition(
                     f"{self._accumulated} ForwardBackward batch(es) are accumulated but not applied: a resume point "
                     "is a step boundary (call OptimStep first, or publish weights_only)")
-            name = version or default_version(self.segment, trainer.step)
-            validate_version(name, "version")
-            entry = LineageEntry(name, trainer.step)
-            # A repeat of the save that made the current base writes the same files (same lineage).
-            repeat = self._lineage[-1] == entry
-            lineage = self._lineage if repeat else [*self._lineage, entry]
-            parent = lineage[-2].version if len(lineage) > 1 else ""
-            if not _is_version_name(parent):
-                parent = ""     # e.g. an --init directory whose name is no valid version id
-            spec = VersionSpec(
-                parent_version=parent, step=trainer.step, numerics_version=self._identity.numerics_version,
-                numerics_fingerprint=self._identity.numerics_fingerprint,
-                model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
-                metadata={**metadata, META_RUN: self.segment, META_STATE: "none" if weights_only else "full"})
-            if share:
-                return await self._share(trainer, name, lineage, spec, weights_only)
-            with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
-                await self._compute(write_checkpoint, trainer, tmp, run=self.segment, lineage=lineage,
-                                    weights_only=weights_only)
-                try:
-                    manifest, created = await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
-                except grpc.aio.AioRpcError as err:
-                    if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                        raise
-                    # Said by name: the caller must not mistake the store's outage for this trainer's.
-                    raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
-                                      f"{name} is not published, the trainer keeps step {trainer.step} "
-                                      "(retry SaveWeights)") from None
-            self._lineage = lineage[-MAX_LINEAGE:]
-            self._set_identity(self._identity.with_weights(name))
-            if manifest.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
-                await self.pin_resume_point(name)
-            return manifest, created
+            try:
+                return await self._save(trainer, version, metadata, weights_only, share)
+            except AlreadyExists:
+                if version:
+                    raise   # a name the caller chose: theirs to change
+            # The run's default name for this step holds other contents: the trainer was taken back to an
+            # earlier version (LoadWeights) after the run published later steps. Its steps go on under the
+            # run's next segment, so they never take (or serve under) a name the run used for other bytes.
+            taken = default_version(self.segment, trainer.step)
+            self.segment = await self._fresh_segment(next_one=True)
+            log.warning("trainer: %s is taken by other contents in the weight store; publishing under segment %s",
+                        taken, self.segment)
+            return await self._save(trainer, version, metadata, weights_only, share)
         return await self._exclusive(work)
+
+    async def _save(self, trainer: Trainer, version: str, metadata: Mapping[str, str], weights_only: bool,
+                    share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+        """SaveWeights' work under the lock: name, spec, then publish (or share); AlreadyExists when the store
+        holds the name with other contents, before anything is shared."""
+        name = version or default_version(self.segment, trainer.step)
+        validate_version(name, "version")
+        entry = LineageEntry(name, trainer.step)
+        # A repeat of the save that made the current base writes the same files (same lineage).
+        repeat = self._lineage[-1] == entry
+        lineage = self._lineage if repeat else [*self._lineage, entry]
+        parent = lineage[-2].version if len(lineage) > 1 else ""
+        if not _is_version_name(parent):
+            parent = ""     # e.g. an --init directory whose name is no valid version id
+        spec = VersionSpec(
+            parent_version=parent, step=trainer.step, numerics_version=self._identity.numerics_version,
+            numerics_fingerprint=self._identity.numerics_fingerprint,
+            model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
+            metadata={**metadata, META_RUN: self.segment, META_STATE: "none" if weights_only else "full"})
+        if share:
+            return await self._share(trainer, name, lineage, spec, weights_only)
+        manifest, created = await self._publish_now(trainer, name, lineage, spec, weights_only)
+        self._lineage = lineage[-MAX_LINEAGE:]
+        self._set_identity(self._identity.with_weights(name))
+        if manifest.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
+            await self.pin_resume_point(name)
+        return manifest, created
+
+    async def _publish_now(self, trainer: Trainer, name: str, lineage: list[LineageEntry], spec: VersionSpec,
+                           weights_only: bool) -> tuple[WeightsManifest, bool]:
+        """Write the checkpoint and publish it as ``name`` now; (manifest, created)."""
+        with tempfile.TemporaryDirectory(prefix="zerokl-trainer-save-") as tmp:
+            await self._compute(write_checkpoint, trainer, tmp, run=self.segment, lineage=lineage,
+                                weights_only=weights_only)
+            try:
+                return await publish_checkpoint(self.repo, pathlib.Path(tmp), name, spec)
+            except Unavailable as err:
+                # Said by name: the caller must not mistake the store's outage for this trainer's.
+                raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
+                                  f"{name} is not published, the trainer keeps step {trainer.step} "
+                                  "(retry SaveWeights)") from None
 
     # ------------------------------------------------------------------ in-place sharing (issue 37)
 
@@ -541,24 +607,49 @@ class TrainerService:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
             return _provisional(name, spec), False, self._exports[name].descriptor
+        recorded = None
+        if await self._stored(name):
+            # The store holds this name already: a step redone (after a restart or a rollback), whose record
+            # must be the same files, or a name taken by other contents. Recorded now, before anything is
+            # shared (AlreadyExists if the files differ): the fleet never serves bytes that the store holds
+            # otherwise under the same name, which a restart would serve. Rare, so the store's I/O on the
+            # step's path is.
+            recorded, _ = await self._publish_now(trainer, name, lineage, spec, weights_only)
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
-        # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
-        # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
-                                       weights_only=weights_only, serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
-        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
-        earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
-        self._records[name] = record
-        record.task = asyncio.ensure_future(self._record(record, name, earlier))
-        record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if recorded is not None:
+            self._records[name] = _Record(step=trainer.step, spec=spec, snapshot=None, manifest=recorded)
+            if recorded.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
+                await self.pin_resume_point(name)
+        else:
+            # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
+            # records), and at a checkpoint the trainer state, copied where it is before the next step.
+            snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
+                                           weights_only=weights_only, serving=export.tensors())
+            record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+            earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
+            self._records[name] = record
+            record.task = asyncio.ensure_future(self._record(record, name, earlier))
+            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
         return _provisional(name, spec), True, export.descriptor
+
+    async def _stored(self, name: str) -> bool:
+        """Whether the store holds ``name`` (False while it is unreachable: the background record then finds
+        out, as it did before this check)."""
+        try:
+            await self.repo.manifest(name)
+        except NotFound:
+            return False
+        except Unavailable as err:
+            log.warning("trainer: the weight store is unreachable (%s); sharing %s unchecked", err.message, name)
+            return False
+        return True
 
     async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
         """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
@@ -621,20 +712,23 @@ class TrainerService:
         try:
             await self.repo.pin(version, owner)     # idempotent
             if self._pinned not in (None, version):
-                await self.repo.unpin(self._pinned, owner)
+                with contextlib.suppress(NotFound):     # deleted meanwhile (a version that failed its canary)
+                    await self.repo.unpin(self._pinned, owner)
         except Exception as err:  # noqa: BLE001 - a pin is housekeeping; report it, keep training
             log.warning("trainer: could not move the pin of run %s to %s: %s", self.run, version, err)
             return
         self._pinned = version
 
-    async def _fresh_segment(self) -> str:
+    async def _fresh_segment(self, next_one: bool = False) -> str:
         """The segment a trainer reset to step 0 publishes under: the current one while nothing of the run
         holds a step past 0 under it (published, being recorded, or this trainer's lineage), else the run's
         next. Without it a second job with its own hyperparameters would name its step 1 as the first
-        job's step 1 (ALREADY_EXISTS), and a restart would resume the first job's newest checkpoint."""
+        job's step 1 (ALREADY_EXISTS), and a restart would resume the first job's newest checkpoint.
+        ``next_one``: the run's next segment whatever the current one holds (its default name for this
+        step is taken)."""
         used = {segment_index(self.run, m.spec.metadata.get(META_RUN, ""))
                 for m in await self.repo.manifests() if m.spec.step}
-        if self._records or any(entry.step for entry in self._lineage):
+        if next_one or self._records or any(entry.step for entry in self._lineage):
             used.add(segment_index(self.run, self.segment))
         used.discard(None)
         return run_segment(self.run, max(used) + 1) if used else self.segment
@@ -645,15 +739,22 @@ class TrainerService:
         Without ``restore_state`` the fresh trainer has ``config`` (default: the current one)."""
         if not version:
             raise InvalidArgument.field("version", "required (a version id, or 'latest')")
+        if config is not None:
+            check_train_config(config, "config")
 
         async def work() -> TrainerState:
             swapping = self._server.not_serving() if self._server is not None else contextlib.nullcontext()
             async with swapping:
                 with tempfile.TemporaryDirectory(prefix="zerokl-trainer-load-") as tmp:
                     manifest = await self.repo.fetch(version, pathlib.Path(tmp))
-                    ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
-                                               config=config or self._trainer.config, run=self.run,
-                                               device=self._trainer.device)
+                    try:
+                        ckpt = await self._compute(read_checkpoint, tmp, restore_state=restore_state,
+                                                   config=config or self._trainer.config, run=self.run,
+                                                   device=self._trainer.device)
+                    except ValueError as err:
+                        # A config that cannot hold on these weights (e.g. a dtype on an FP8 checkpoint): the
+                        # trainer is as before.
+                        raise InvalidArgument.field("config", f"{err} (loading {manifest.version})") from None
             trainer = ckpt.trainer
             # Versions shared before are not this trainer's weights any more: a later share of the same
             # name (a step redone from here) exports afresh, never an earlier descriptor.

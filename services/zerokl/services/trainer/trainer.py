@@ -34,12 +34,20 @@ from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.services.trainer.losses import PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss
 from zerokl.services.trainer.optim import NonFiniteStep, optimizer_step
 from zerokl.services.trainer.step_graphs import StepGraphs
-from zerokl.vocab import Completion, Rollout
+from zerokl.vocab import Completion, InvalidOption, Rollout
 
-__all__ = ["DTYPES", "TrainConfig", "Trainer"]
+__all__ = ["DTYPES", "MAX_LR", "TrainConfig", "Trainer"]
 
 #: TrainConfig.dtype's choices -> the model dtype (fp8: e4m3 projections, bf16 elsewhere).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+#: The highest learning rate any surface accepts (TrainConfig.lr, OptimStep's lr, a job's learning_rate).
+#: AdamW moves every trained weight by about lr per step whatever the gradient's size, and a model's
+#: weights are O(0.01..1): at lr 1 one step already replaces them rather than updating them, and far
+#: above it (lr 1e9) a step leaves finite weights whose activations overflow, weights no replica can
+#: serve. Useful rates are 1e-6..1e-2.
+MAX_LR = 1.0
+_UINT32, _UINT64 = 2**32, 2**64         # the wire types of TrainConfig's counts and seed
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class TrainConfig:
     ``zerokl.v1.TrainConfig`` (services/zerokl/services/trainer/convert.py), so the Jobs API's ``train_config``;
     tests/services/trainer/test_trainer_service.py fails for a field not wired through each."""
 
-    lr: float = 1e-3                    # peak learning rate (AdamW)
+    lr: float = 1e-3                    # peak learning rate (AdamW), in (0, MAX_LR = 1]
     weight_decay: float = 0.0           # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.95)   # AdamW betas
     grad_clip: float = 1.0              # max global grad norm (0 = off)
@@ -84,6 +92,60 @@ class TrainConfig:
     # (every row is computed alone), the gradients are those of the padded batch. No effect on
     # CPU, FP8 or the distributed trainer (its steps hold collectives).
     cuda_graphs: bool | None = None
+
+    def check(self) -> None:
+        """Raise :class:`~zerokl.vocab.InvalidOption` naming the first field out of its range.
+
+        Every surface that takes a TrainConfig runs it where the config enters (the trainer's flags,
+        LoadWeights, a job's ``train_config`` at submission), so a bad value is refused by name before
+        anything trains with it. Floats must be finite; ``lr`` at most :data:`MAX_LR`; AdamW's decay
+        factor ``1 - lr * weight_decay`` stays in [0, 1]; betas in [0, 1) (torch's AdamW); counts and
+        the seed within their wire types."""
+        def bad(name: str, why: str, value: object) -> InvalidOption:
+            return InvalidOption(name, f"{why}, got {value!r}")
+
+        floats = {"lr": self.lr, "weight_decay": self.weight_decay, "grad_clip": self.grad_clip,
+                  "lora_alpha": self.lora_alpha, "clip_eps": self.clip_eps, "kl_coef": self.kl_coef,
+                  "dpo_beta": self.dpo_beta, "indexer_loss_coef": self.indexer_loss_coef}
+        for name, value in floats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number", value)
+        if not 0.0 < self.lr <= MAX_LR:
+            raise bad("lr", f"must be in (0, {MAX_LR:g}] (the learning rate ceiling: AdamW moves each weight by "
+                            "about lr a step)", self.lr)
+        if self.weight_decay < 0.0 or self.lr * self.weight_decay > 1.0:
+            raise bad("weight_decay", "must be >= 0 with lr * weight_decay <= 1 (AdamW multiplies each weight by "
+                                      "1 - lr * weight_decay)", self.weight_decay)
+        if not (isinstance(self.betas, tuple) and len(self.betas) == 2):
+            raise bad("betas", "must be two numbers (beta1, beta2)", self.betas)
+        for name, beta in zip(("beta1", "beta2"), self.betas):
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+                raise bad(name, "must be in [0, 1)", beta)
+        for name in ("grad_clip", "kl_coef", "indexer_loss_coef"):
+            if floats[name] < 0.0:
+                raise bad(name, "must be >= 0 (0: off)", floats[name])
+        for name in ("lora_alpha", "clip_eps", "dpo_beta"):
+            if floats[name] <= 0.0:
+                raise bad(name, "must be > 0", floats[name])
+        counts = {"warmup_steps": _UINT32, "total_steps": _UINT32, "lora_rank": _UINT32,
+                  "logprob_chunk_rows": _UINT32, "seed": _UINT64}
+        for name, limit in counts.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+                raise bad(name, f"must be an integer in [0, {limit})", value)
+        for name in ("activation_checkpointing", "master_weights", "cuda_graphs"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name != "activation_checkpointing"):
+                raise bad(name, "must be true or false" + (" (or unset)" if name != "activation_checkpointing"
+                                                          else ""), value)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(DTYPES)} (or unset: the model's own)", self.dtype)
+        if self.dtype == "fp8" and self.lora_rank > 0:
+            raise bad("lora_rank", "must be 0 with dtype fp8 (it trains full weights: LoRA adapters would need "
+                                   "their merged weights quantized per version)", self.lora_rank)
+        if self.dtype == "fp8" and self.master_weights is False:
+            raise bad("master_weights", "must be unset or true with dtype fp8 (the e4m3 values are quantized "
+                                        "from fp32 masters)", self.master_weights)
 
 
 #: The smallest shape buckets of a batch under TrainConfig.cuda_graphs: packed tokens, scored
