@@ -20,6 +20,7 @@ from zerokl.services.runtime import ServerOptions, ServiceServer, field_violatio
 from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.vocab import Completion, SamplingOptions
 
 INVALID, FAILED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
@@ -89,7 +90,20 @@ def test_job_specs_are_checked_by_meaning() -> None:
         (RLJobSpec(steps=1, countdown=task, top_p=1e-300), "rl.top_p", "top_p must be in (0, 1]"),
         (DPOJobSpec(steps=1, pairs=()), "dpo.pairs", "no preference pairs given"),
         (DPOJobSpec(steps=1, pairs=(pair,), batch_size=2), "dpo.batch_size", "must be in 1..1 (the pairs given), got 2"),
-        (SFTJobSpec(steps=1, countdown=task, learning_rate=1e300), "learning_rate", "at most 3.403e+38"),
+        (SFTJobSpec(steps=1, countdown=task, learning_rate=1e300), "learning_rate", "at most 1 (the learning rate"),
+        (SFTJobSpec(steps=1, countdown=task, learning_rate=1e9), "learning_rate", "got 1000000000.0"),
+        (DPOJobSpec(steps=1, pairs=(pair, (pair[0], pair[0])), batch_size=1), "dpo.pairs[1]",
+         "chosen and rejected are the same completion"),
+        (SFTJobSpec(steps=1, countdown=task, train_config=TrainConfig(lr=-1.0)), "train_config.lr", "got -1.0"),
+        (SFTJobSpec(steps=1, countdown=task, train_config=TrainConfig(lr=1e9)), "train_config.lr", "(0, 1]"),
+        (RLJobSpec(steps=1, countdown=task, train_config=TrainConfig(betas=(2.0, 0.95))), "train_config.beta1",
+         "must be in [0, 1)"),
+        (RLJobSpec(steps=1, countdown=task, train_config=TrainConfig(dtype="int8")),  # type: ignore[arg-type]
+         "train_config.dtype", "must be one of"),
+        (RLJobSpec(steps=1, countdown=task, train_config=TrainConfig(clip_eps=-1.0)), "train_config.clip_eps",
+         "must be > 0"),
+        (RLJobSpec(steps=1, countdown=task, train_config=TrainConfig(grad_clip=float("nan"))),
+         "train_config.grad_clip", "finite"),
     ]
 
     async def main() -> None:

@@ -33,6 +33,7 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details
 from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
+from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.server import build_parser, open_repo, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
@@ -41,7 +42,7 @@ from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.v1 import trainer_pb2, trainer_pb2_grpc
-from zerokl.vocab import Completion, Rollout
+from zerokl.vocab import Completion, InvalidOption, Rollout
 
 from conftest import below_16, engine_rollouts
 
@@ -550,6 +551,33 @@ def test_rollouts_from_other_weights_are_refused_unless_max_staleness_admits_the
     asyncio.run(main())
 
 
+# TrainConfigs a trainer refuses (INVALID_ARGUMENT naming the field), and the field each names.
+_BAD_CONFIGS = [
+    (TrainConfig(lr=-1.0), "lr"), (TrainConfig(lr=float("nan")), "lr"), (TrainConfig(lr=1e9), "lr"),
+    (TrainConfig(betas=(2.0, 0.95)), "beta1"), (TrainConfig(betas=(0.9, 1.0)), "beta2"),
+    (TrainConfig(dtype="int8"), "dtype"),  # type: ignore[arg-type]
+    (TrainConfig(clip_eps=-1.0), "clip_eps"), (TrainConfig(grad_clip=float("nan")), "grad_clip"),
+    (TrainConfig(weight_decay=-0.1), "weight_decay"), (TrainConfig(lr=0.5, weight_decay=3.0), "weight_decay"),
+    (TrainConfig(lora_alpha=0.0), "lora_alpha"), (TrainConfig(dpo_beta=float("inf")), "dpo_beta"),
+    (TrainConfig(kl_coef=-1.0), "kl_coef"), (TrainConfig(indexer_loss_coef=float("nan")), "indexer_loss_coef"),
+    (TrainConfig(dtype="fp8", lora_rank=4), "lora_rank"),
+]
+
+
+def test_train_configs_are_checked_field_by_field_and_unset_proto_fields_keep_the_defaults() -> None:
+    for config, field in _BAD_CONFIGS:
+        with pytest.raises(InvalidOption) as err:
+            config.check()
+        assert err.value.field == field, (config, err.value)
+    TrainConfig().check()
+    TrainConfig(lr=1.0, weight_decay=1.0, betas=(0.0, 0.999), dtype="fp8").check()
+    assert convert.train_config_from_proto(trainer_pb2.TrainConfig()) == TrainConfig()
+    partial = convert.train_config_from_proto(trainer_pb2.TrainConfig(lr=2e-3, beta2=0.9, master_weights=False))
+    assert partial == TrainConfig(lr=2e-3, betas=(0.9, 0.9), master_weights=False)
+    odd = TrainConfig(lr=0.5, weight_decay=0.0, betas=(0.0, 0.5), grad_clip=0.0, clip_eps=3.0, seed=2**64 - 1)
+    assert convert.train_config_from_proto(convert.train_config_to_proto(odd)) == odd   # zeros survive as zeros
+
+
 def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: pathlib.Path) -> None:
     good = Completion((5, 6, 7), (8, 9))
     rollout = Rollout(good, (-1.0, -2.0), 1.0, INIT)
@@ -591,19 +619,29 @@ def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: p
                 err = await _status(client.forward_backward_batch(batch))
                 assert (err.code(), field in _fields(err)) == (INVALID, True), (field, err.details())
             bad_pair = (good, Completion((5,), (99,)))
+            same = Completion((5, 6, 7), (8, 9), temperature=0.5)    # the same tokens: a pair that prefers nothing
             for method, items, field in (("sft", [], "sft.completions"), ("dpo", [], "dpo.pairs"),
-                                         ("dpo", [bad_pair], "dpo.pairs[0].rejected.completion_ids")):
+                                         ("dpo", [bad_pair], "dpo.pairs[0].rejected.completion_ids"),
+                                         ("dpo", [(good, Completion((5,), (8,))), (good, same)], "dpo.pairs[1]")):
                 err = await _status(client.forward_backward(method, items))
                 assert (err.code(), field in _fields(err)) == (INVALID, True), (field, err.details())
             # No batch set: what a server sees from a client using a method it does not know.
             err = await _status(stub.ForwardBackward(trainer_pb2.ForwardBackwardRequest()))
             assert err.code() is INVALID and _fields(err) == ["batch"]
             assert (await _status(client.optim_step())).code() is FAILED           # nothing accumulated
-            for lr in (-1e-3, float("nan"), float("inf")):
+            for lr in (-1e-3, float("nan"), float("inf"), 1e9, 1.5):     # the ceiling is 1
                 err = await _status(client.optim_step(lr=lr))
                 assert (err.code(), _fields(err)) == (INVALID, ["lr"]), err.details()
             assert (await _status(client.save_weights("../escape"))).code() is INVALID
             assert (await _status(client.load_weights(""))).code() is INVALID
+            # A fresh trainer's config is checked field by field before anything loads.
+            for config, field in _BAD_CONFIGS:
+                err = await _status(client.load_weights(INIT, config=config))
+                assert (err.code(), _fields(err)) == (INVALID, [f"config.{field}"]), (field, err.details())
+            # Unset fields of a partly filled config keep their defaults (never a literal 0).
+            err = await _status(stub.LoadWeights(trainer_pb2.LoadWeightsRequest(
+                version=INIT, config=trainer_pb2.TrainConfig(beta1=2.0))))
+            assert (err.code(), _fields(err)) == (INVALID, ["config.beta1"]), err.details()
             assert (await _status(client.load_weights("nope"))).code() is grpc.StatusCode.NOT_FOUND
             # Nothing of the above changed the trainer, and it still serves.
             state = await client.get_state()
@@ -617,12 +655,17 @@ def test_bad_input_gets_a_clear_status_and_the_trainer_keeps_serving(tmp_path: p
 
 
 def test_a_step_that_overflows_is_refused_undone_and_the_trainer_serves_the_next_job(tmp_path: pathlib.Path) -> None:
-    """OptimStep at lr=1e300 (AdamW's step size overflows fp32 half-way through the parameters): FAILED_PRECONDITION
-    naming the cause, and the trainer is exactly as before the step (weights, optimizer state, step counter) with
-    no gradients pending, so the next ForwardBackward + OptimStep gives bitwise the in-process trainer's result."""
+    """A PPO batch with advantages of +-3e38 (finite, so accepted) whose gradients overflow to NaN: OptimStep is
+    FAILED_PRECONDITION naming the cause, and the trainer is exactly as before the step (weights, optimizer state,
+    step counter) with no gradients pending, so the next ForwardBackward + OptimStep gives bitwise the in-process
+    trainer's result. (An lr that overflows AdamW's step is refused earlier: above the ceiling, INVALID_ARGUMENT.)"""
     config = TrainConfig(lr=3e-3)
     reference = _reference(config)
     sft = _sft_data(6)
+    seq = Completion((5, 6, 7, 8), (9, 10, 11))
+    # Off-policy by one step (max_staleness 1): the gradient's size, not its direction, is the point here.
+    overflowing = PPOBatch((Rollout(seq, (-1.0, -1.0, -1.0), 1.0, INIT),) * 2, advantages=(3e38, -3e38),
+                           max_staleness=1)
 
     async def main() -> None:
         async with trainer_server(tmp_path / "w", *_flags(config)) as (client, service):
@@ -631,9 +674,11 @@ def test_a_step_that_overflows_is_refused_undone_and_the_trainer_serves_the_next
             reference.sft_step(sft)
             before = {k: v.clone() for k, v in service.trainer.model.state_dict().items()}
             moments = {k: v.clone() for s in service.trainer.optimizer.state.values() for k, v in s.items()}
-            await client.forward_backward("sft", sft)
             err = await _status(client.optim_step(lr=1e300))
-            assert err.code() is FAILED and "overflows" in err.details() and "undone" in err.details(), err.details()
+            assert (err.code(), _fields(err)) == (INVALID, ["lr"]) and "at most 1" in err.details(), err.details()
+            await client.forward_backward_batch(overflowing)
+            err = await _status(client.optim_step())
+            assert err.code() is FAILED and "non-finite" in err.details() and "undone" in err.details(), err.details()
             state = await client.get_state()
             assert (state.step, state.accumulated_batches) == (1, 0)
             _assert_same_weights(service.trainer.model.state_dict(), before)

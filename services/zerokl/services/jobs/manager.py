@@ -673,6 +673,7 @@ class _TrainerSession:
         self.manager, self.job = manager, job
         self.client = manager.trainer
         self.weights_version = ""          # the version the fleet serves that the trainer's steps build on
+        self.started = False               # past the checks of start(): from here a failure rolls the trainer back
         self.served = ""                   # what the fleet served when the job started: before the job serves
         self.config: TrainConfig | None = None  # a version of its own, where a failure takes the trainer back
         self.base_step = 0
@@ -705,6 +706,7 @@ class _TrainerSession:
                                      "batches; OptimStep or LoadWeights first")
         self.config = state.config
         self.base_step = self.trainer_step = state.step
+        self.started = True
         manifest, created = self._save()
         if created and manifest.version != self.served:
             self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
@@ -869,6 +871,8 @@ class _TrainerSession:
         trained and did not publish; or, when the job failed before serving a version of its own, whatever the
         trainer held that the fleet never served), and delete a version saved that the fleet never switched
         to; what was done."""
+        if not self.started:
+            return ""       # refused before touching the trainer (e.g. it holds batches a person accumulated)
         good = self.weights_version or self.served
         notes = []
         try:
