@@ -30,7 +30,11 @@ from zerokl.services.jobs.manager import (
     SFTJobSpec,
 )
 from zerokl.services.jobs.service import JobsClient
-from zerokl.v1 import jobs_pb2, jobs_pb2_grpc
+from zerokl.services.runtime import field_violations
+from zerokl.services.trainer import convert
+from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
 from zerokl.vocab import Completion
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,10 +43,16 @@ TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
-    """`zerokl up` (weight store, decode, trainer, scheduler); yields the scheduler's address."""
+def fleet(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
+    """`zerokl up` (weight store, decode, trainer, scheduler); yields its services (name -> up.json entry)."""
     with zerokl_up(tmp_path_factory.mktemp("jobs-up"), "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=jobs") as services:
-        yield services["scheduler"]["address"]
+        yield services
+
+
+@pytest.fixture(scope="module")
+def cluster(fleet) -> str:  # noqa: ANN001
+    """The scheduler's address."""
+    return fleet["scheduler"]["address"]
 
 
 async def _events(client: JobsClient, job_id: str) -> list:
@@ -194,6 +204,68 @@ def test_the_jobs_command_line(cluster: str) -> None:
     steps = [line for line in watch.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and "published" not in steps[0] and f"step 2/2 published {published[1]} " in steps[1]
     assert job_id in listed.stdout and "succeeded" in listed.stdout
+
+
+def test_bad_configs_and_pairs_are_refused_by_name_at_submission_and_leave_nothing_pending(fleet) -> None:  # noqa: ANN001
+    """Issue 47, case 4. A bad TrainConfig field or a DPO pair preferring a completion to itself is refused by name
+    (INVALID_ARGUMENT, never UNKNOWN) before the job is accepted, through the API and the command line, and at
+    the trainer's own RPCs, which leave no unapplied batch behind; an lr above the ceiling (1) is refused
+    everywhere; a partly filled train_config keeps the defaults of the fields it leaves unset."""
+    scheduler, trainer_address = fleet["scheduler"]["address"], fleet["trainer"]["address"]
+    pair = (Completion((1, 5, 7, 9), (20, 21, 2)), Completion((1, 5, 7, 9), (25, 26, 2)))
+    same = (pair[0], Completion(pair[0].prompt_ids, pair[0].completion_ids, temperature=0.7))
+    bad = [
+        (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, train_config=TrainConfig(lr=-1.0)), "train_config.lr"),
+        (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, train_config=TrainConfig(lr=float("nan"))),
+         "train_config.lr"),
+        (SFTJobSpec(steps=1, countdown=TASK, batch_size=2, train_config=TrainConfig(lr=1e9)), "train_config.lr"),
+        (RLJobSpec(steps=1, countdown=TASK, train_config=TrainConfig(betas=(2.0, 0.95))), "train_config.beta1"),
+        (RLJobSpec(steps=1, countdown=TASK, train_config=TrainConfig(dtype="int8")),  # type: ignore[arg-type]
+         "train_config.dtype"),
+        (RLJobSpec(steps=1, countdown=TASK, train_config=TrainConfig(clip_eps=-1.0)), "train_config.clip_eps"),
+        (RLJobSpec(steps=1, countdown=TASK, train_config=TrainConfig(grad_clip=float("nan"))),
+         "train_config.grad_clip"),
+        (RLJobSpec(steps=1, countdown=TASK, learning_rate=1e9), "learning_rate"),
+        (DPOJobSpec(steps=1, pairs=(pair, same), batch_size=1), "dpo.pairs[1]"),
+    ]
+
+    async def main() -> None:
+        async with JobsClient(scheduler) as jobs, TrainerClient(trainer_address) as trainer:
+            before = [s.job_id for s in await jobs.list()]
+            for spec, field in bad:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await jobs.submit(spec)
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (field, err.value.details())
+                assert [v.field for v in field_violations(err.value)] == [field], err.value.details()
+            assert [s.job_id for s in await jobs.list()] == before          # none was accepted
+            # The trainer's RPCs refuse the same by the same names, and hold nothing afterwards.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await trainer.forward_backward("dpo", [same])
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "dpo.pairs[0]" in err.value.details()
+            for call, field in ((trainer.optim_step(lr=1e9), "lr"),
+                                (trainer.load_weights("latest", config=TrainConfig(betas=(0.9, 1.5))), "config.beta2")):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+            assert (await trainer.get_state()).accumulated_batches == 0
+            # A train_config that sets only lr (the wire's form: every field optional) trains with every other
+            # field at its default: betas 0.9/0.95, clip_eps 0.2, dpo_beta 0.1, lora_alpha 16, never 0.
+            stub = jobs_pb2_grpc.JobsStub(jobs.channel)
+            submitted = await stub.SubmitJob(jobs_pb2.JobSpec(
+                name="partial", dpo=jobs_pb2.DPOJob(steps=1, batch_size=1, pairs=trainer_pb2.DPOBatch(
+                    pairs=[trainer_pb2.PreferencePair(chosen=convert.completion_to_proto(pair[0]),
+                                                      rejected=convert.completion_to_proto(pair[1]))])),
+                train_config=trainer_pb2.TrainConfig(lr=3e-3)))
+            events = await _events(jobs, submitted.job_id)
+            assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+            assert (await trainer.get_state()).config == TrainConfig(lr=3e-3)
+    asyncio.run(main())
+    # The command line says the server's refusal by name, and exits 1.
+    cli = subprocess.run([sys.executable, "-m", "zerokl", "jobs", "--server", scheduler, "submit", "sft", "--steps",
+                          "1", "--lr", "1e9", "--train-problems", "300", "--test-problems", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0 and "INVALID_ARGUMENT" in cli.stdout + cli.stderr, cli.stdout + cli.stderr
+    assert "learning_rate" in cli.stdout + cli.stderr
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:

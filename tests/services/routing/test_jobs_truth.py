@@ -1,9 +1,15 @@
 """Jobs against real services on loopback: bad weights are never served, and a job's record tells the truth.
 
-* A job whose update poisons the weights (lr 1e30) fails by name at its canary:
-  the fleet keeps serving the previous version bit for bit, the rejected version
-  is gone from the weight store (a fresh ``zerokl up`` on the same state
-  directory serves the previous one), and the next job succeeds.
+* One rule (issue 47): no version is served, resumed or recorded as current unless it passed its
+  canary. Weights a person put on the trainer by hand that cannot serve (finite, so nothing refused
+  them on the way in) fail the canary of the job that publishes them: the job fails by name, the
+  trainer is back on the version the fleet serves, what the job saved is deleted, the fleet keeps
+  serving bit for bit. A person taking the trainer back to an older version does not make the next
+  job collide with the names the run used (no ALREADY_EXISTS); a fresh ``zerokl up`` on the same
+  state directory serves the newest good version and the next job succeeds. An lr above the
+  ceiling is refused at the source.
+* A replica that refuses the trainer's numerics (a fingerprint mismatch) fails a job at once, not
+  after --fleet-wait, and the job leaves nothing behind (issue 47, case 3).
 * Job records survive a scheduler restart.
 * A weight store that dies mid-job is waited for: the job succeeds only with
   every step it trained published, and watchers see each step once.
@@ -35,9 +41,10 @@ from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.inference.weights import WeightSwitcher
+from zerokl.services.routing.fleet import read_fleet_version
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.jobs.manager import JobState, SFTJobSpec
+from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
@@ -62,52 +69,77 @@ def _numbers(result: GenerateResult) -> list[tuple]:
 TRUTH_FLAGS = ("--trainer-flag=--lr=3e-3", "--trainer-flag=--run=truth")
 
 
-async def _run(jobs: JobsClient, spec: SFTJobSpec, name: str) -> list:
+async def _run(jobs: JobsClient, spec: SFTJobSpec | RLJobSpec, name: str) -> list:
     job = await jobs.submit(spec, name)
     return [ev async for ev in jobs.watch(job.job_id)]
 
 
-def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_serving_bit_exactly(tmp_path, zerokl_up) -> None:
+async def _poisoned_copy(weights: WeightStoreClient, version: str, folder: pathlib.Path) -> str:
+    """Publish a copy of ``version`` whose weights are finite but cannot serve (every MLP weight x 1e15: the
+    activations overflow and the logits are NaN), as a person might upload a broken checkpoint; its name."""
+    await weights.fetch(version, folder / "good", serving_only=True)
+    model = Model.from_pretrained(folder / "good")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.mul_(1e15)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    model.save_pretrained(folder / "poisoned")
+    await weights.publish(folder / "poisoned", "poisoned-by-hand")
+    return "poisoned-by-hand"
+
+
+def test_hand_driven_weights_that_fail_their_canary_are_never_served_resumed_or_kept(tmp_path, zerokl_up) -> None:
     workdir = tmp_path / "up"
     with zerokl_up(workdir, *TRUTH_FLAGS) as services:
         scheduler, store = services["scheduler"]["address"], services["weight-store"]["address"]
 
-        async def poisoned() -> tuple[str, str]:
+        async def poisoned() -> tuple[str, str, str]:
             async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs, \
                     WeightStoreClient(store) as weights, TrainerClient(services["trainer"]["address"]) as trainer:
-                warmup = await _run(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4), "warm-up")
+                # The guard at the source: a hand-driven step at lr 1e9 (finite weights no replica can serve)
+                # is refused by name, as is a job's.
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await trainer.optim_step(lr=1e9)
+                assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "lr" in err.value.details()
+                warmup = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, publish_every=1),
+                                    "warm-up")
                 assert warmup[-1].status.state is JobState.SUCCEEDED, warmup[-1].status.error
-                good = warmup[-1].status.weights_version
+                older, good = [ev.weights_version for ev in warmup if ev.step is not None]
                 before = await inference.generate_all(PROBE)
                 assert before.weights_version == good
-                # One step at lr 1e30 leaves finite weights that cannot serve: the canary rejects them.
-                events = await _run(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4, learning_rate=1e30),
-                                    "poison")
-                final = events[-1].status
+                stored = {e.manifest.version for e in await weights.list()}
+                # By hand: the trainer loads weights that cannot serve, then a job publishes them at its start.
+                await trainer.load_weights(await _poisoned_copy(weights, good, tmp_path))
+                events = await _run(jobs, SFTJobSpec(steps=1, examples=EXAMPLES, batch_size=4), "poison")
+                final, poisoned_id = events[-1].status, events[0].status.job_id
                 # Failed by name: the state and the message say why, and which version the fleet kept.
                 assert final.state is JobState.FAILED, final
                 assert final.error.startswith("CanaryFailed:") and "failed its canary" in final.error, final.error
                 assert f"rolled back to {good}" in final.error and "deleted from the weight store" in final.error
-                # A second step would make them non-finite: the trainer refuses it, and the job drops the
-                # unpublished first step.
-                events2 = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4,
-                                                      learning_rate=1e30), "poison-2")
-                final2 = events2[-1].status
-                assert final2.state is JobState.FAILED and final2.error.startswith("FAILED_PRECONDITION:"), final2
-                assert "non-finite" in final2.error and f"is back on {good}" in final2.error, final2.error
                 after = await inference.generate_all(PROBE)
                 assert after.weights_version == good and _numbers(after) == _numbers(before)
-                # The rejected version is gone and the trainer is back on the good one, nothing pending.
-                versions = [e.manifest.version for e in await weights.list()]
-                assert versions[-1] == good and (await weights.manifest("latest")).version == good
+                # What the job saved is gone (the person's own upload stays), the trainer is back on the good
+                # version with nothing pending, and the fleet's record names the good one.
+                assert {e.manifest.version for e in await weights.list()} == stored | {"poisoned-by-hand"}
                 state = await trainer.get_state()
                 assert (state.weights_version, state.step, state.accumulated_batches) == \
                     (good, state.weights_step, 0)
-                return good, events[0].status.job_id
-        good, poisoned_id = asyncio.run(poisoned())
+                assert read_fleet_version(workdir / "scheduler") == good
+                # By hand again: back to an older version. The next job trains steps the run has published
+                # with other contents: it publishes them under the run's next segment, never ALREADY_EXISTS.
+                await trainer.load_weights(older, restore_state=True)
+                events = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4, seed=3,
+                                                     publish_every=1), "from-older")
+                assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+                newest = events[-1].status.weights_version
+                assert newest.startswith("truth.2-step") and newest not in stored, newest
+                assert (await inference.generate_all(PROBE)).weights_version == newest
+                return good, newest, poisoned_id
+        good, newest, poisoned_id = asyncio.run(poisoned())
 
-    # A fresh `zerokl up` on the same state directory serves the last good version, bit for bit,
-    # remembers the jobs of the scheduler before it, and runs the next job.
+    # A fresh `zerokl up` on the same state directory (Ctrl-C, then up again) serves the newest good version,
+    # its trainer resumes from it, it remembers the jobs of the scheduler before it, and runs the next job.
     with zerokl_up(workdir, *TRUTH_FLAGS) as services:
         scheduler = services["scheduler"]["address"]
         # `zerokl jobs list` (its own process) runs beside the checks below; it reads only the poisoned job's row.
@@ -115,18 +147,20 @@ def test_a_job_that_poisons_the_weights_fails_by_name_and_the_fleet_keeps_servin
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
         async def restarted() -> None:
-            async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs:
-                assert (await inference.info()).weights_version == good
+            async with InferenceClient(scheduler) as inference, JobsClient(scheduler) as jobs, \
+                    TrainerClient(services["trainer"]["address"]) as trainer:
+                served = await inference.generate_all(PROBE)    # never INTERNAL: a version that passed its canary
+                assert served.weights_version == newest
+                assert (await trainer.get_state()).weights_version == newest
                 listed = {s.name: s for s in await jobs.list()}
                 assert listed["warm-up"].state is JobState.SUCCEEDED and listed["warm-up"].weights_version == good
-                assert listed["poison"].job_id == poisoned_id and listed["poison"].state is JobState.FAILED
-                assert "failed its canary" in listed["poison"].error
+                assert listed["poison"].state is JobState.FAILED and "failed its canary" in listed["poison"].error
                 replay = [ev async for ev in jobs.watch(listed["warm-up"].job_id)]
-                assert [ev.step for ev in replay if ev.step is not None] == [1]
+                assert [ev.step for ev in replay if ev.step is not None] == [1, 2]
                 events = await _run(jobs, SFTJobSpec(steps=2, examples=EXAMPLES, batch_size=4), "next")
                 assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
                 assert [ev.step for ev in events if ev.step is not None] == [1, 2]
-                assert (await inference.info()).weights_version == events[-1].status.weights_version != good
+                assert (await inference.info()).weights_version == events[-1].status.weights_version != newest
         try:
             asyncio.run(restarted())
             out, err = listing.communicate(timeout=120)
@@ -224,6 +258,59 @@ def test_a_job_whose_weight_store_dies_publishes_every_step_before_it_succeeds(t
         assert served == last.status.weights_version == want[-1] and trainer_step == steps  # type: ignore[attr-defined]
         said = scheduler_log.read_text()
         assert "weight store is unreachable" in said and "trainer restarted" not in said
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def test_a_fingerprint_mismatch_fails_a_job_at_once_and_leaves_nothing_behind(tmp_path) -> None:
+    """Issue 47, case 3 (the job's side): an fp32 checkpoint served in bf16 by the decode replica while the trainer
+    trains it in fp32, so the trainer's versions carry another numerics fingerprint than the replica computes
+    with. The replica's refusal is permanent: the RL job fails at once with FAILED_PRECONDITION naming the
+    fingerprints (not FleetUnavailable after --fleet-wait), and leaves no debris: the version its start saved
+    is deleted (unpinned first), and the trainer is back on the version the fleet serves."""
+    log = tmp_path / "services.log"
+    procs: list[subprocess.Popen] = []
+    try:
+        store_proc, store = _serve("weight-store", "--root", str(tmp_path / "weights"), log=log)
+        procs.append(store_proc)
+        checkpoint = tmp_path / "fp32"
+        Model(CONFIG, seed=0).save_pretrained(checkpoint)
+
+        async def publish() -> None:
+            async with WeightStoreClient(store) as weights:
+                await weights.publish(checkpoint, "1")
+        asyncio.run(publish())
+        decode_proc = _start("decode", "--model", str(checkpoint), "--weights-version", "1", "--dtype", "bfloat16",
+                             "--weight-store", store, "--threads", "1", log=log)
+        procs.append(decode_proc)
+        trainer_proc = _start("trainer", "--weight-store", store, "--init", "1", "--threads", "1", "--run", "mixed",
+                              log=log)
+        procs.append(trainer_proc)
+        decode, trainer = _listening(decode_proc, "decode", log), _listening(trainer_proc, "trainer", log)
+        # --fleet-wait 30: an outage would be waited for that long (the old behaviour); this refusal is not one.
+        scheduler_proc, scheduler = _serve("scheduler", "--decode", decode, "--trainer", trainer, "--weight-store",
+                                           store, "--poll-interval", "0.5", "--fleet-wait", "30", log=log)
+        procs.append(scheduler_proc)
+
+        async def main() -> None:
+            async with JobsClient(scheduler) as jobs, WeightStoreClient(store) as weights, \
+                    TrainerClient(trainer) as client, InferenceClient(scheduler) as inference:
+                fingerprints = {(await client.info()).numerics_fingerprint,
+                                (await inference.info()).numerics_fingerprint}
+                assert len(fingerprints) == 2, fingerprints     # the setup: two numerics
+                events = await _run(jobs, RLJobSpec(steps=2, countdown=CountdownTask(train_problems=50,
+                                                                                    test_problems=4),
+                                                    prompts_per_step=2, group_size=2, max_tokens=4), "mixed")
+                final = events[-1].status
+                assert final.state is JobState.FAILED and final.error.startswith("FAILED_PRECONDITION:"), final
+                assert "numerics fingerprint" in final.error and "FleetUnavailable" not in final.error, final.error
+                assert "mixed-step000000 was deleted from the weight store" in final.error, final.error
+                assert [e.manifest.version for e in await weights.list()] == ["1"]
+                state = await client.get_state()
+                assert (state.weights_version, state.step, state.accumulated_batches) == ("1", 0, 0)
+                assert (await inference.info()).weights_version == "1"
+        asyncio.run(main())
     finally:
         for proc in reversed(procs):
             _stop(proc)
