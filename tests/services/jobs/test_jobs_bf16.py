@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pathlib
 import re
+import shutil
 import urllib.request
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from zerokl.services.inference import InferenceClient
 from zerokl.services.jobs.manager import RECORD_LAG, CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
+from zerokl.services.trainer.checkpointing import STATE_FORMAT, STATE_TENSORS
+from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.store import FETCHED_MANIFEST
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -77,19 +84,44 @@ def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zero
 
         # A version shared in place that fails its canary: the job fails by name, the trainer is rolled
         # back, the version is deleted from the store once its background record landed, and the fleet
-        # keeps serving the good one.
-        async def poisoned() -> str:
-            async with JobsClient(services["scheduler"]["address"]) as jobs:
+        # keeps serving the version the job started from. The poison: AdamW first moments of 1e20 in a
+        # copy of the last checkpoint a person loads by hand (finite, so nothing refuses them): the job's
+        # first step moves every weight by ~1e25, finite weights whose activations overflow.
+        async def poisoned() -> tuple:
+            async with JobsClient(services["scheduler"]["address"]) as jobs, \
+                    WeightStoreClient(services["weight-store"]["address"]) as weights, \
+                    TrainerClient(services["trainer"]["address"]) as trainer:
+                await trainer.load_weights(await _with_exploding_moments(weights, good, tmp_path), restore_state=True)
                 job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=2, group_size=4,
-                                                  max_tokens=10, seed=4, eval_every=0, learning_rate=1e30), "poison")
+                                                  max_tokens=10, seed=4, eval_every=0), "poison")
                 final = [ev async for ev in jobs.watch(job.job_id)][-1].status
+                stored = {e.manifest.version for e in await weights.list()}
             async with InferenceClient(services["scheduler"]["address"]) as inference:
-                assert (await inference.info()).weights_version == good
-            return final
-        final = asyncio.run(poisoned())
+                served = (await inference.info()).weights_version
+            return final, stored, served
+        final, stored, served = asyncio.run(poisoned())
+        start = final.weights_version   # the trainer's weights when the job started: served, after their canary
         assert final.state is JobState.FAILED and "failed its canary" in final.error, final
-        assert f"rolled back to {good}" in final.error and "deleted from the weight store" in final.error, final.error
-        assert sorted(p.name for p in (workdir / "weights" / "versions").iterdir())[-1] == good
+        assert f"rolled back to {start}" in final.error and "deleted from the weight store" in final.error, final.error
+        rejected = final.error.split("weights version ", 1)[1].split()[0]
+        assert served == start and start in stored and rejected not in stored, (start, rejected, stored)
+        assert rejected not in {p.name for p in (workdir / "weights" / "versions").iterdir()}
+
+
+async def _with_exploding_moments(weights: WeightStoreClient, version: str, folder: pathlib.Path) -> str:
+    """Publish a copy of ``version`` (with its trainer state) whose AdamW first moments are all 1e20, as a person
+    might upload a damaged resume point; its name."""
+    src, dst = folder / "checkpoint", folder / "exploding"
+    await weights.fetch(version, src)
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != FETCHED_MANIFEST:
+            shutil.copyfile(f, dst / f.name)
+    state = load_file(str(src / STATE_TENSORS))
+    state = {k: torch.full_like(v, 1e20) if k.endswith("/exp_avg") else v for k, v in state.items()}
+    save_file(state, str(dst / STATE_TENSORS), metadata={"format": STATE_FORMAT})
+    await weights.publish(dst, "exploding-moments")
+    return "exploding-moments"
 
 
 @pytest.mark.gpu
