@@ -674,8 +674,11 @@ class _TrainerSession:
         self.client = manager.trainer
         self.weights_version = ""          # the version the fleet serves that the trainer's steps build on
         self.started = False               # past the checks of start(): from here a failure rolls the trainer back
-        self.served = ""                   # what the fleet served when the job started: before the job serves
-        self.config: TrainConfig | None = None  # a version of its own, where a failure takes the trainer back
+        # What the fleet served when the job started: where a failure takes the trainer back before the job
+        # serves a version of its own (loaded under the trainer's configuration from before the job when it
+        # has no trainer state).
+        self.served = ""
+        self.config: TrainConfig | None = None
         self.base_step = 0
         self.trainer_step = 0           # the trainer's step counter after our last OptimStep
         self.unswitched = ""            # a version saved that the fleet has not switched to yet

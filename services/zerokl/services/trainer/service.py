@@ -341,16 +341,16 @@ class TrainerService:
             staleness = self._staleness(batch) if isinstance(batch, PPOBatch) else []
             try:
                 result = await self._compute(self._forward_backward, batch, staleness)
+            except ServiceError:
+                raise       # a refusal, before anything was computed
             except Exception as err:
                 # A backward that failed part-way may have added to some gradients: every pending gradient
                 # goes (the batches accumulated before it included), so nothing half-applied blocks or
                 # leaks into a later step.
                 dropped = self._accumulated
-                await self._compute(self._drop_gradients)
-                log.exception("trainer: ForwardBackward failed; its gradients and %d pending batch(es) dropped",
-                              dropped)
-                if isinstance(err, ServiceError):
-                    raise
+                log.exception("trainer: ForwardBackward failed (%d batch(es) were pending)", dropped)
+                if not await self._compute(self._drop_gradients):
+                    raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err})") from None
                 raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err}); no gradient is pending "
                                f"now ({dropped} batch(es) accumulated before it were dropped too)") from None
             self._accumulated += 1
@@ -483,12 +483,16 @@ class TrainerService:
             method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
             step=trainer.step, accumulated_batches=0, ppo=ppo, metrics={k: float(v) for k, v in m.items()})
 
-    def _drop_gradients(self) -> None:
-        """No gradient pending: the trained tensors' .grad cleared, the accumulated count 0 (compute thread)."""
+    def _drop_gradients(self) -> bool:
+        """No gradient pending: the trained tensors' .grad cleared, the accumulated count 0 (compute thread).
+        False (nothing done) for a distributed trainer, whose ranks hold their own gradients."""
         trainer = self._trainer
+        if not isinstance(trainer, Trainer):
+            return False
         for p in [*trainer.params, *(trainer.masters or [])]:
             p.grad = None
         self._accumulated = 0
+        return True
 
     async def optim_step(self, lr: float | None = None) -> OptimResult:
         """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
