@@ -109,14 +109,15 @@ class TrainerClient(ServiceClient):
         msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
         return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
 
-    async def share_weights(self, version: str = "", *, weights_only: bool = False, timeout: float | None = None
+    async def share_weights(self, version: str = "", *, weights_only: bool = False,
+                            metadata: Mapping[str, str] | None = None, timeout: float | None = None
                             ) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
         """SaveWeights(share): the new version in the trainer's shared memory for the replicas on its
         host, recorded in the store in the background (``weights_only``: without the trainer state, so
         not a resume point); (manifest to be, created, descriptor)."""
-        response = await self._stub.SaveWeights(trainer_pb2.SaveWeightsRequest(version=version, share=True,
-                                                                                weights_only=weights_only),
-                                                timeout=timeout)
+        msg = trainer_pb2.SaveWeightsRequest(version=version, share=True, weights_only=weights_only,
+                                             metadata=dict(metadata or {}))
+        response = await self._stub.SaveWeights(msg, timeout=timeout)
         manifest, created = convert.save_result_from_proto(response)
         return manifest, created, response.shared
 
