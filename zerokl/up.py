@@ -856,10 +856,12 @@ def status(workdir: str, as_json: bool = False, security: ClientSecurity = Clien
 
 def _verdict(rows: list[dict]) -> tuple[bool, list[str], list[str], list[str]]:
     """(ok, names not serving, fingerprints, weights versions) of probed rows (see :func:`status`)."""
-    # The fleet's compute services must agree (the Tinker endpoint and its samplers serve other versions).
+    # The fleet's compute services must agree (the Tinker endpoint and its samplers serve other versions;
+    # with an endpoint, the trainer holds its training clients' versions, not the fleet's).
     compute = [r for r in rows if r["service"] not in ("weight-store", "tinker") and r.get("fleet", True)]
     fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
-    versions = sorted({r["weights_version"] for r in compute})
+    tinker = any(r["service"] == "tinker" for r in rows)
+    versions = sorted({r["weights_version"] for r in compute if not (tinker and r["service"] == "trainer")})
     healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
     down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
     ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""

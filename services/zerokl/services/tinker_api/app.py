@@ -181,29 +181,49 @@ def build_app(service: TinkerService, auth: AuthConfig = AuthConfig(), *,
     async def get_info(request: Request) -> dict[str, Any]:
         return service.run_info(str((await _json(request)).get("model_id", "")))
 
+    def ordered(model_id: Any, seq_id: Any, submit: Callable[[], str]) -> dict[str, Any]:
+        """A model's numbered call: submitted, or (refused) its number passed over so later calls go on."""
+        try:
+            return {"request_id": submit(), "model_id": model_id}
+        except Exception:
+            if isinstance(model_id, str) and isinstance(seq_id, int):
+                service.reject(model_id, seq_id)
+            raise
+
     async def forward_backward(request: Request) -> dict[str, Any]:
-        encoding = request.headers.get("content-encoding", "identity")
-        if encoding != "identity":
-            raise InvalidArgument.field("Content-Encoding", f"{encoding!r}: send the body uncompressed (this "
-                                                            "endpoint's client config has proto_compress_fwdbwd off)")
-        if not request.headers.get("content-type", "").startswith(_PROTOBUF):
-            raise InvalidArgument.field("Content-Type", f"expected {_PROTOBUF} (a ForwardBackwardRequest)")
-        call = convert.forward_backward_from_proto(await request.body())
-        return {"request_id": service.submit_forward_backward(call), "model_id": call.model_id}
+        body = await request.body()
+        ids = convert.call_ids_from_proto(body)
+
+        def submit() -> str:
+            encoding = request.headers.get("content-encoding", "identity")
+            if encoding != "identity":
+                raise InvalidArgument.field("Content-Encoding", f"{encoding!r}: send the body uncompressed (this "
+                                                                "endpoint's client config has proto_compress_fwdbwd "
+                                                                "off)")
+            if not request.headers.get("content-type", "").startswith(_PROTOBUF):
+                raise InvalidArgument.field("Content-Type", f"expected {_PROTOBUF} (a ForwardBackwardRequest)")
+            return service.submit_forward_backward(convert.forward_backward_from_proto(body))
+        return ordered(*ids, submit)
 
     async def optim_step(request: Request) -> dict[str, Any]:
-        call = convert.optim_step_from_json(await _json(request))
-        return {"request_id": service.submit_optim_step(call), "model_id": call.model_id}
+        body = await _json(request)
+        return ordered(body.get("model_id"), body.get("seq_id"),
+                       lambda: service.submit_optim_step(convert.optim_step_from_json(body)))
 
     def save(kind: str) -> Callable[[Request], Awaitable[dict[str, Any]]]:
         async def handler(request: Request) -> dict[str, Any]:
-            call = convert.save_from_json(await _json(request), kind)
-            return {"request_id": service.submit_save(call), "model_id": call.model_id}
+            body = await _json(request)
+            return ordered(body.get("model_id"), body.get("seq_id"),
+                           lambda: service.submit_save(convert.save_from_json(body, kind)))
         return handler
 
     async def load_weights(request: Request) -> dict[str, Any]:
-        request_id, model_id = service.submit_load(convert.load_from_json(await _json(request)))
-        return {"request_id": request_id, "model_id": model_id}
+        body = await _json(request)
+        if body.get("model_id") is None:           # a new model from a checkpoint: no order yet
+            request_id, model_id = service.submit_load(convert.load_from_json(body))
+            return {"request_id": request_id, "model_id": model_id}
+        return ordered(body.get("model_id"), body.get("seq_id"),
+                       lambda: service.submit_load(convert.load_from_json(body))[0])
 
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         body = await _json(request)

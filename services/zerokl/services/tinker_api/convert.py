@@ -38,6 +38,7 @@ __all__ = [
     "SAMPLING_KEYS",
     "checkpoint_from_path",
     "model_spec_from_json",
+    "call_ids_from_proto",
     "forward_backward_from_proto",
     "forward_backward_output_to_proto",
     "optim_step_from_json",
@@ -53,7 +54,7 @@ SAMPLING_KEYS = ("temperature", "top_k", "top_p")
 _INPUT_KEYS = {"cross_entropy": ("target_tokens", "weights")}
 _RL_INPUT_KEYS = ("target_tokens", "logprobs", "advantages", "weights")   # weights: accepted, unused (as Tinker)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-_PATH = re.compile(r"tinker://([A-Za-z0-9][A-Za-z0-9_-]*)/(weights|sampler_weights)/(.+)")
+_PATH = re.compile(r"tinker://([A-Za-z0-9][A-Za-z0-9_:-]*)/(weights|sampler_weights)/(.+)")
 _NP_DTYPES = {tinker_pb2.DTYPE_FLOAT32: np.float32, tinker_pb2.DTYPE_INT64: np.int64,
               tinker_pb2.DTYPE_INT32: np.int32}
 
@@ -186,6 +187,16 @@ def _loss_config(msg: tinker_pb2.ForwardBackwardRequest, loss: str) -> tuple[dic
     except InvalidOption as err:
         raise InvalidArgument.field(f"loss_fn_config.{err.field}", str(err)) from None
     return values, options
+
+
+def call_ids_from_proto(body: bytes) -> tuple[str | None, int | None]:
+    """(model_id, seq_id) of a ForwardBackwardRequest body, read before the rest is checked (so a refused
+    call's number can be passed over); (None, None) when the body is not one."""
+    try:
+        msg = tinker_pb2.ForwardBackwardRequest.FromString(body)
+    except DecodeError:
+        return None, None
+    return msg.model_id, msg.seq_id or None
 
 
 def forward_backward_from_proto(body: bytes) -> ForwardBackwardCall:

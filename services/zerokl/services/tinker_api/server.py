@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     h = p.add_argument_group("http")
     h.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                    help="Tinker REST port, 0 picks a free one (default %(default)s)")
-    h.add_argument("--long-poll", type=float, default=25.0,
+    h.add_argument("--long-poll", type=float, default=30.0,
                    help="seconds a retrieve_future waits for a result before answering try_again (default "
                         "%(default)s; the SDK waits 45)")
     c.add_argument("--sampler-wait", type=float, default=300.0,
@@ -102,7 +102,8 @@ async def _base_model(args: argparse.Namespace, store: WeightStoreClient, state_
     manifest = await store.manifest(args.base_model or "latest")
     config = manifest.spec.model_config
     names = args.model_name or [f"zerokl/{manifest.version}"]
-    tokenizer_dir = write_hf_tokenizer(args.tokenizer, state_dir / "tokenizer").resolve()
+    # Named after the model: the SDK's SamplingClient.get_base_model() returns this path.
+    tokenizer_dir = write_hf_tokenizer(args.tokenizer, state_dir / names[0].replace("/", "--")).resolve()
     return BaseModel(name=names[0], aliases=tuple(dict.fromkeys((*names[1:], manifest.version))),
                      version=manifest.version, numerics_fingerprint=manifest.spec.numerics_fingerprint,
                      tokenizer_dir=str(tokenizer_dir), vocab_size=int(config["vocab_size"]),

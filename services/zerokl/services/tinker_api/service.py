@@ -61,6 +61,7 @@ from zerokl.services.tinker_api.types import (
     SampledSequence,
     SampleOutcome,
     SaveCall,
+    version_prefix,
 )
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import TrainConfig
@@ -172,7 +173,7 @@ class TinkerService:
 
     def __init__(self, base: BaseModel, *, trainer: TrainerClient | None, samplers: SamplerPool,
                  store: WeightStoreClient, futures: FutureStore | None = None, swap_wait_s: float = 600.0,
-                 long_poll_s: float = 25.0) -> None:
+                 long_poll_s: float = 30.0) -> None:
         self.base, self.trainer, self.samplers, self.store = base, trainer, samplers, store
         self.futures = futures or FutureStore()
         self.swap_wait_s, self.long_poll_s = swap_wait_s, long_poll_s
@@ -203,8 +204,9 @@ class TinkerService:
     # ------------------------------------------------------------------ models and names
 
     def resolve_base(self, name: str, field_name: str = "base_model") -> BaseModel:
-        """The base model ``name`` means; NOT_FOUND naming what this endpoint serves otherwise."""
-        if name == self.base.name or name in self.base.aliases:
+        """The base model ``name`` means (its name, an alias, or its tokenizer directory); NOT_FOUND naming
+        what this endpoint serves otherwise."""
+        if name in (self.base.name, self.base.tokenizer_dir) or name in self.base.aliases:
             return self.base
         raise NotFound(f"{field_name}: unknown base model {name!r}; this cluster serves {self.base.name!r} (also "
                        f"named {', '.join(repr(a) for a in self.base.aliases) or 'nothing else'})")
@@ -248,16 +250,19 @@ class TinkerService:
         session = self._session(spec.session_id)
         base = self.resolve_base(spec.base_model)
         self._need_trainer()
-        run = self._new_run(session, base, spec.lora_rank, secrets.randbelow(2**31) if spec.seed is None
+        model_id = _model_id(session.session_id, spec.model_seq_id)
+        if model_id in self._runs:
+            raise InvalidArgument.field("model_seq_id", f"session {session.session_id} has a model {spec.model_seq_id} "
+                                                        "already")
+        run = self._new_run(session, model_id, base, spec.lora_rank, secrets.randbelow(2**31) if spec.seed is None
                             else spec.seed, dict(spec.user_metadata))
         request_id, future = self.futures.new("CreateModel")
         CALLS.labels("CreateModel").inc()
         future.set_result({"model_id": run.model_id, "type": "create_model"})
         return request_id, run.model_id
 
-    def _new_run(self, session: _Session, base: BaseModel, rank: int, seed: int, metadata: dict[str, str],
-                 restore: tuple[Checkpoint, bool] | None = None) -> _Run:
-        model_id = f"model-{secrets.token_hex(6)}"
+    def _new_run(self, session: _Session, model_id: str, base: BaseModel, rank: int, seed: int,
+                 metadata: dict[str, str], restore: tuple[Checkpoint, bool] | None = None) -> _Run:
         run = _Run(model_id, session.session_id, base, rank, seed, metadata, restore)
         run.worker = asyncio.ensure_future(self._work(run))
         self._runs[model_id] = run
@@ -273,8 +278,10 @@ class TinkerService:
     def run_info(self, model_id: str) -> dict[str, Any]:
         """GetInfoResponse of a model (fetched once by every TrainingClient)."""
         run = self._run(model_id)
+        # model_data.model_name is the tokenizer directory: the SDK loads tokenizers by it
+        # (TrainingClient.get_tokenizer, and the SamplingClients it makes), offline.
         return {"type": "get_info", "model_id": run.model_id, "model_name": run.base.name,
-                "model_data": {"arch": "glm_moe_dsa", "model_name": run.base.name,
+                "model_data": {"arch": "glm_moe_dsa", "model_name": run.base.tokenizer_dir,
                                "tokenizer_id": run.base.tokenizer_dir},
                 "is_lora": run.lora_rank > 0, "lora_rank": run.lora_rank or None,
                 "optimizer_config": {"type": "adamw"}}
@@ -302,6 +309,22 @@ class TinkerService:
         run.pending[seq] = _Op(kind, future, work, contextvars.copy_context())
         run.wakeup.set()
         return request_id
+
+    def reject(self, model_id: str, seq_id: int | None) -> None:
+        """Call number ``seq_id`` of the model was refused before it was queued (a bad request): its place
+        in the order is taken by nothing, so the model's later calls do not wait for it."""
+        run = self._runs.get(model_id)
+        if run is None or seq_id is None or seq_id in run.request_ids or seq_id < run.next_seq:
+            return
+        request_id, future = self.futures.new("Rejected")
+        future.set_result(FutureFailure("the request was refused when it was sent", "user"))
+        run.request_ids[seq_id] = request_id
+        run.last_seq = max(run.last_seq, seq_id)
+
+        async def nothing() -> FutureFailure:
+            return future.result()
+        run.pending[seq_id] = _Op("Rejected", future, nothing, contextvars.copy_context())
+        run.wakeup.set()
 
     async def _work(self, run: _Run) -> None:
         """Run the model's calls one at a time, in seq_id order."""
@@ -420,7 +443,12 @@ class TinkerService:
         session = self._session(call.session_id or "")
         self._need_trainer()
         base = self.resolve_base(call.base_model) if call.base_model else self.base
-        run = self._new_run(session, base, 0, 0, dict(call.user_metadata), restore=(checkpoint, call.optimizer))
+        model_id = _model_id(session.session_id, call.model_seq_id or 0)
+        if model_id in self._runs:                 # the same call sent again
+            run = self._runs[model_id]
+            return run.request_ids[0], model_id
+        run = self._new_run(session, model_id, base, 0, 0, dict(call.user_metadata),
+                            restore=(checkpoint, call.optimizer))
         request_id, future = self.futures.new("LoadWeights")
         CALLS.labels("LoadWeights").inc()
 
@@ -480,7 +508,7 @@ class TinkerService:
         if holder is not None and not holder.closed:     # a finished session's model never comes back
             # Its state to the store (a step boundary: nothing accumulated), so it can come back.
             holder.swaps += 1
-            version = f"tinker-{holder.model_id}-swap-{holder.swaps:06d}"
+            version = f"{version_prefix(holder.model_id)}-swap-{holder.swaps:06d}"
             await trainer.save_weights(version, metadata={"tinker.model_id": holder.model_id})
             holder.resume_version = version
             SWAPS.inc()
@@ -542,7 +570,8 @@ class TinkerService:
 
     def sampler_info(self, sampling_session_id: str) -> dict[str, Any]:
         s = self._sampling_session(sampling_session_id)
-        return {"sampler_id": s.sampling_session_id, "base_model": s.base.name, "model_path": s.model_path}
+        # base_model: the tokenizer directory, which SamplingClient.get_tokenizer loads offline
+        return {"sampler_id": s.sampling_session_id, "base_model": s.base.tokenizer_dir, "model_path": s.model_path}
 
     def join_sampling_session(self, sampling_session_id: str) -> int:
         s = self._sampling_session(sampling_session_id)
@@ -605,6 +634,11 @@ class TinkerService:
     async def retrieve(self, request_id: str) -> tuple[bool, Any]:
         """(done, result) of a call, after a long poll of up to ``long_poll_s``."""
         return await self.futures.wait(request_id, self.long_poll_s)
+
+
+def _model_id(session_id: str, model_seq_id: int) -> str:
+    """A model's id: the SDK derives it the same way for a model created from a checkpoint."""
+    return f"{session_id}:train:{model_seq_id}"
 
 
 def _marks(state: TrainerState) -> tuple[str, int, int]:

@@ -31,6 +31,7 @@ __all__ = [
     "FutureFailure",
     "Checkpoint",
     "CheckpointKind",
+    "version_prefix",
 ]
 
 #: "weights": a resume point (weights, LoRA adapters, optimizer state); "sampler": serving weights only.
@@ -169,4 +170,10 @@ class Checkpoint:
     @property
     def version(self) -> str:
         """The weight-store version: deterministic, so a path names the same version after a restart."""
-        return f"tinker-{self.model_id}-{'state' if self.kind == 'weights' else 'sampler'}-{self.name}"
+        return f"{version_prefix(self.model_id)}-{'state' if self.kind == 'weights' else 'sampler'}-{self.name}"
+
+
+def version_prefix(model_id: str) -> str:
+    """How a model's weight-store versions begin (model ids, ``<session>:train:<n>``, hold colons;
+    version ids may not)."""
+    return f"tinker-{model_id.replace(':', '.')}"
