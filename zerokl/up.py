@@ -60,7 +60,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -404,34 +403,16 @@ def _replica_devices() -> list[str]:
 
 
 async def _publish(client: object, args: argparse.Namespace, version: str) -> None:
-    import torch
-
-    from zerokl.kernels import __version__ as numerics_version
-    from zerokl.kernels import fingerprint
-    from zerokl.kernels.model import Model, ModelConfig
-
     if args.model:
         # An imported checkpoint was not trained under these numerics: no fingerprint is claimed for it.
         await client.publish(args.model, version, metadata={"source": str(args.model)})  # type: ignore[attr-defined]
         return
-    from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
-
     try:
         # Made and published in the serving dtype: replicas fetch and load only the bytes they serve
         # (FP8: the bf16 preset quantized, e4m3 values and scales, as the trainer publishes each version).
-        if args.dtype == "fp8":
-            dtype = torch.float8_e4m3fn
-            model = quantize_fp8(Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=FP8_ACTIVATIONS))
-        else:
-            dtype = getattr(torch, args.dtype)
-            model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=dtype)
+        await client.publish_preset(args.preset, args.seed, args.dtype, version)  # type: ignore[attr-defined]
     except ValueError as err:
         raise UpError(str(err)) from None
-    with tempfile.TemporaryDirectory(prefix="zerokl-up-") as tmp:
-        model.save_pretrained(tmp)
-        await client.publish(tmp, version, numerics_version=numerics_version,  # type: ignore[attr-defined]
-                             numerics_fingerprint=fingerprint(dtype=dtype),
-                             metadata={"source": f"preset-{args.preset}-seed{args.seed}"})
 
 
 def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version: str,

@@ -2,7 +2,7 @@
 
     zerokl serve tinker --weight-store ADDR [--trainer ADDR] --sampler ADDR[,ADDR...]
                         [--base-model VERSION] [--model-name NAME ...] [--tokenizer countdown|PATH]
-                        [--http-port 8000] [--port 50055]
+                        [--http-port 8000] [--port 50056]
 
 Serves Tinker's REST API on ``--http-port`` (uvicorn; TLS with --tls-cert/--tls-key) for the
 official ``tinker`` SDK (``TINKER_BASE_URL=http://HOST:PORT``), and gRPC health and reflection on
@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import pathlib
+import re
 import sys
 import tempfile
 from typing import Sequence
@@ -49,8 +50,9 @@ __all__ = ["DEFAULT_PORT", "DEFAULT_HTTP_PORT", "build_parser", "main"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50055
+DEFAULT_PORT = 50056
 DEFAULT_HTTP_PORT = 8000
+_PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "fleet (repeatable, or comma-separated)")
     m = p.add_argument_group("model")
     m.add_argument("--base-model", metavar="VERSION", default=None,
-                   help="weight-store version of the base model (default: the store's newest at start)")
+                   help="weight-store version of the base model (default: the store's newest at start), or "
+                        "preset:NAME[:seedN]: the version preset-NAME-seedN (what replicas started with --preset "
+                        "serve), published into the store in --dtype when it is not there yet")
+    m.add_argument("--dtype", choices=("float32", "bfloat16", "fp8"), default="float32",
+                   help="the dtype a preset base model is published in (the fleet's; default %(default)s)")
     m.add_argument("--model-name", metavar="NAME", action="append", default=[],
                    help="a name Tinker's base_model may use for it; the first is canonical (repeatable; "
                         "default zerokl/<version>)")
@@ -99,7 +105,18 @@ class _Uvicorn(uvicorn.Server):
 
 
 async def _base_model(args: argparse.Namespace, store: WeightStoreClient, state_dir: pathlib.Path) -> BaseModel:
-    manifest = await store.manifest(args.base_model or "latest")
+    preset = _PRESET.fullmatch(args.base_model or "")
+    if preset:
+        name, seed = preset.group(1), int(preset.group(2) or 0)
+        version = f"preset-{name}-seed{seed}"
+        if version not in {e.manifest.version for e in await store.list()}:
+            try:
+                await store.publish_preset(name, seed, args.dtype, version)
+            except ValueError as err:
+                raise SystemExit(f"--base-model {args.base_model}: {err}") from None
+        manifest = await store.manifest(version)
+    else:
+        manifest = await store.manifest(args.base_model or "latest")
     config = manifest.spec.model_config
     names = args.model_name or [f"zerokl/{manifest.version}"]
     # Named after the model: the SDK's SamplingClient.get_base_model() returns this path.
