@@ -1,7 +1,7 @@
 """Futures: every Tinker call answers at once with a request id; its result is retrieved later.
 
-    request_id = store.submit(coro_or_future)            # the work runs (or is queued) elsewhere
-    state = await store.wait(request_id, timeout_s)      # None: still pending (the SDK polls again)
+    request_id, future = store.new()                     # the caller runs (or queues) the work into future
+    done, result = await store.wait(request_id, timeout_s)   # not done: still pending (the SDK polls again)
 
 A result is kept until it is retrieved and then for ``keep_s`` more (the SDK fetches again after
 a dropped connection), and an unretrieved one for ``unretrieved_s``; at most ``max_kept`` results
@@ -26,8 +26,6 @@ __all__ = ["FutureStore"]
 @dataclass
 class _Entry:
     future: asyncio.Future[Any]
-    kind: str                                   # "ForwardBackward", "Sample", ...: metrics and logs
-    created: float = field(default_factory=time.monotonic)
     finished: float | None = None
     retrieved: float | None = None
 
@@ -41,18 +39,15 @@ class FutureStore:
         self._prefix = secrets.token_hex(4)     # ids of two server lifetimes never collide
         self._counter = itertools.count(1)
 
-    def new(self, kind: str) -> tuple[str, asyncio.Future[Any]]:
+    def new(self) -> tuple[str, asyncio.Future[Any]]:
         """A fresh request id and the future its result goes into (the caller sets it)."""
         self._sweep()
         request_id = f"req-{self._prefix}-{next(self._counter)}"
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        entry = _Entry(future, kind)
+        entry = _Entry(future)
         future.add_done_callback(lambda _: setattr(entry, "finished", time.monotonic()))
         self._entries[request_id] = entry
         return request_id, future
-
-    def kind(self, request_id: str) -> str:
-        return self._get(request_id).kind
 
     async def wait(self, request_id: str, timeout_s: float) -> tuple[bool, Any]:
         """(done, result) of a request, waiting up to ``timeout_s`` for it to finish (a long poll).
@@ -65,9 +60,6 @@ class FutureStore:
                 return False, None
         entry.retrieved = entry.retrieved or time.monotonic()
         return True, entry.future.result()
-
-    def pending(self) -> int:
-        return sum(not e.future.done() for e in self._entries.values())
 
     def _get(self, request_id: str) -> _Entry:
         entry = self._entries.get(request_id)

@@ -99,6 +99,14 @@ class SamplerPool:
         replica = await self._acquire(version, shared)
         try:
             yield replica.client
+        except grpc.aio.AioRpcError:
+            # The replica may not serve what we think (it restarted at its start version, or died):
+            # learn what it serves, or make the next request switch it.
+            try:
+                replica.version = (await replica.client.info()).weights_version
+            except grpc.aio.AioRpcError:
+                replica.version = ""
+            raise
         finally:
             async with self._changed:
                 replica.inflight -= 1

@@ -251,12 +251,12 @@ class TinkerService:
         base = self.resolve_base(spec.base_model)
         self._need_trainer()
         model_id = _model_id(session.session_id, spec.model_seq_id)
-        if model_id in self._runs:
-            raise InvalidArgument.field("model_seq_id", f"session {session.session_id} has a model {spec.model_seq_id} "
-                                                        "already")
-        run = self._new_run(session, model_id, base, spec.lora_rank, secrets.randbelow(2**31) if spec.seed is None
-                            else spec.seed, dict(spec.user_metadata))
-        request_id, future = self.futures.new("CreateModel")
+        if model_id in self._runs:                  # the same call sent again (the SDK retries): the same model
+            run = self._runs[model_id]
+        else:
+            run = self._new_run(session, model_id, base, spec.lora_rank,
+                                secrets.randbelow(2**31) if spec.seed is None else spec.seed, dict(spec.user_metadata))
+        request_id, future = self.futures.new()
         CALLS.labels("CreateModel").inc()
         future.set_result({"model_id": run.model_id, "type": "create_model"})
         return request_id, run.model_id
@@ -302,7 +302,7 @@ class TinkerService:
         if seq < run.next_seq:
             raise InvalidArgument.field("seq_id", f"{seq} is behind model {run.model_id}'s next call "
                                                   f"({run.next_seq}): the model's calls are numbered in order")
-        request_id, future = self.futures.new(kind)
+        request_id, future = self.futures.new()
         CALLS.labels(kind).inc()
         run.request_ids[seq] = request_id
         run.last_seq = max(run.last_seq, seq)
@@ -316,7 +316,7 @@ class TinkerService:
         run = self._runs.get(model_id)
         if run is None or seq_id is None or seq_id in run.request_ids or seq_id < run.next_seq:
             return
-        request_id, future = self.futures.new("Rejected")
+        request_id, future = self.futures.new()
         future.set_result(FutureFailure("the request was refused when it was sent", "user"))
         run.request_ids[seq_id] = request_id
         run.last_seq = max(run.last_seq, seq_id)
@@ -449,7 +449,7 @@ class TinkerService:
             return run.request_ids[0], model_id
         run = self._new_run(session, model_id, base, 0, 0, dict(call.user_metadata),
                             restore=(checkpoint, call.optimizer))
-        request_id, future = self.futures.new("LoadWeights")
+        request_id, future = self.futures.new()
         CALLS.labels("LoadWeights").inc()
 
         async def first_load() -> dict[str, Any]:
@@ -603,7 +603,7 @@ class TinkerService:
         if bad:
             raise InvalidArgument.field("sampling_params.stop", f"token ids {bad[:4]} are outside the vocabulary "
                                                                 f"[0, {target.base.vocab_size})")
-        request_id, future = self.futures.new("Sample")
+        request_id, future = self.futures.new()
         CALLS.labels("Sample").inc()
         task = asyncio.ensure_future(self._settle("Sample", future, lambda: self._sample(target, call)))
         self._tasks.add(task)
