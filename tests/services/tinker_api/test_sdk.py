@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -64,6 +65,17 @@ def test_an_rl_loop_and_an_sft_loop_on_the_sdk_alone_keep_kl_zero_every_step(ser
         [(0.0, 0.0, [1.0, 1.0], True)] * 2
     sft = tool.sft_loop(service, "tiny", steps=3, rank=0, lr=1e-3)          # full weights
     assert sft["failures"] == [] and sft["losses"][-1] < sft["losses"][0]
+
+
+def test_the_check_script_runs_unchanged_and_exits_zero(fleet) -> None:
+    """tools/tinker_sdk_check.py as a user runs it: TINKER_BASE_URL and TINKER_API_KEY, exit status 0."""
+    _, services = fleet
+    env = {"TINKER_BASE_URL": services["tinker"]["http"], "TINKER_API_KEY": f"tml-{TOKEN}"}
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "tinker_sdk_check.py"), "--steps", "2", "--group", "2"],
+                         env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    summary = json.loads(run.stdout)
+    assert [s["kl"] for s in summary["rl"]["steps"]] == [0.0, 0.0] and summary["base_model"] == "zerokl/tiny"
 
 
 def test_the_losses_their_config_and_the_sampling_distribution(service) -> None:
