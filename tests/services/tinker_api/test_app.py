@@ -3,6 +3,7 @@ the SDK raises, sessions and futures. Routes that need no trainer or replica run
 TinkerService with none (what a sampling-only endpoint with no samplers is)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import pytest
@@ -22,10 +23,14 @@ BASE = BaseModel(name="zerokl/tiny", aliases=("tiny", "1"), version="1", numeric
 
 @pytest.fixture
 def client():
-    # The store client connects lazily: no route used here reaches it.
+    # The store client connects lazily (no route used here reaches it); grpc.aio wants a loop to make it on.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     service = TinkerService(BASE, trainer=None, samplers=SamplerPool([]), store=WeightStoreClient("127.0.0.1:9"))
     with TestClient(build_app(service, AuthConfig(CLIENT, PEER, OPERATOR))) as c:
         yield c
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 def test_the_api_key_is_the_client_or_operator_token_and_is_never_logged(client, caplog) -> None:
