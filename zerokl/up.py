@@ -3,6 +3,7 @@
     zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32|fp8]
               [--decode-replicas 1] [--prefill-replicas 0] [--port 50050]
               [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
+              [--tinker [--tinker-port 8000] [--tinker-samplers 1]]
 
 1. starts the weight store on a local directory (``WORKDIR/weights``); when
    it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
@@ -32,6 +33,11 @@
    restart count and last exit status, until it is SERVING again;
 5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
    is routed to a replica that is going away) and waits for them.
+
+With ``--tinker`` it also runs the Tinker endpoint (``zerokl serve tinker``: Tinker's REST API for
+the official ``tinker`` SDK, docs/api.md) on ``--tinker-port``, with ``--tinker-samplers`` decode
+replicas of its own outside the scheduler's fleet; ``zerokl status`` leaves them (and, then, the
+trainer, which holds the endpoint's training clients) out of the fleet's one-version check.
 
 With ``--auth-token`` every service requires tokens (see docs/operator.md,
 "Security model"): the client token for Generate and friends, the peer token
@@ -86,7 +92,6 @@ _HOST = "127.0.0.1"
 _EXAMPLE_PROMPT = "nums 3 4 target 7"
 # Stop order: the front doors first, the store last (a trainer may still be publishing).
 _STOP_ORDER = ("tinker", "scheduler", "prefill", "decode", "trainer", "weight-store")
-TINKER_MODULE = "zerokl.services.tinker_api.server"
 # Restart backoff: the first restart after --restart-backoff seconds, doubling while restarts keep
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
