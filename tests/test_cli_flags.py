@@ -15,6 +15,7 @@ from zerokl import cli
 from zerokl.services.inference import server as inference_server
 from zerokl.services.routing import server as scheduler_server
 from zerokl import up
+from zerokl.services.tinker_api import server as tinker_server
 from zerokl.services.trainer import server as trainer_server
 from zerokl.services.weightstore import server as weightstore_server
 
@@ -39,6 +40,7 @@ PARSERS = {
     "serve trainer": trainer_server.build_parser(),
     "serve scheduler": scheduler_server.build_parser(),
     "serve weight-store": weightstore_server.build_parser(),
+    "serve tinker": tinker_server.build_parser(),
     "up": up.build_parser(),
 }
 
@@ -55,6 +57,8 @@ def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
     ("serve scheduler", ["--decode", "127.0.0.1:1", "--route-w", "1"], "--route-wait", "--route-w 1"),
     ("serve weight-store", ["--keep", "3"], "--keep-last", "--keep 3"),
     ("up", ["--work", "/tmp/x"], "--workdir", "--work /tmp/x"),
+    ("up", ["--tinker-sample", "2"], "--tinker-samplers", "--tinker-sample 2"),
+    ("serve tinker", ["--weight-store", "a:1", "--http", "80"], "--http-port", "--http 80"),
     ("zerokl", ["generate", "--max-tok", "3", "--prompt-ids", "3,4"], "--max-tokens", "--max-tok"),
     ("zerokl", ["jobs", "submit", "rl", "--steps", "3", "--eval", "2"], "--eval-every", "--eval 2"),
     ("zerokl", ["status", "--js"], "--json", "--js"),

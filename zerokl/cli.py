@@ -75,6 +75,7 @@ SERVICES = {
     "weight-store": "zerokl.services.weightstore.server:main",
     "trainer": "zerokl.services.trainer.server:main",
     "scheduler": "zerokl.services.routing.server:main",
+    "tinker": "zerokl.services.tinker_api.server:main",
 }
 
 

@@ -3,6 +3,7 @@
     zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32|fp8]
               [--decode-replicas 1] [--prefill-replicas 0] [--port 50050]
               [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
+              [--tinker [--tinker-port 8000] [--tinker-samplers 1]]
 
 1. starts the weight store on a local directory (``WORKDIR/weights``); when
    it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
@@ -33,6 +34,11 @@
 5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
    is routed to a replica that is going away) and waits for them.
 
+With ``--tinker`` it also runs the Tinker endpoint (``zerokl serve tinker``: Tinker's REST API for
+the official ``tinker`` SDK, docs/api.md) on ``--tinker-port``, with ``--tinker-samplers`` decode
+replicas of its own outside the scheduler's fleet; ``zerokl status`` leaves them (and, then, the
+trainer, which holds the endpoint's training clients) out of the fleet's one-version check.
+
 With ``--auth-token`` every service requires tokens (see docs/operator.md,
 "Security model"): the client token for Generate and friends, the peer token
 (generated when not given) between services, the operator token (generated
@@ -60,7 +66,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -85,8 +90,8 @@ DEFAULT_WORKDIR = "~/.zerokl/up"
 TRAINER_MODULE = "zerokl.services.trainer.server"
 _HOST = "127.0.0.1"
 _EXAMPLE_PROMPT = "nums 3 4 target 7"
-# Stop order: the front door first, the store last (a trainer may still be publishing).
-_STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
+# Stop order: the front doors first, the store last (a trainer may still be publishing).
+_STOP_ORDER = ("tinker", "scheduler", "prefill", "decode", "trainer", "weight-store")
 # Restart backoff: the first restart after --restart-backoff seconds, doubling while restarts keep
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
@@ -115,6 +120,8 @@ class Child:
     restart_at: float = 0.0        # monotonic time of the next restart while DOWN
     restarting: asyncio.Future[None] | None = None
     metrics_port: int | None = None  # Prometheus /metrics (replicas and the scheduler)
+    fleet: bool = True             # False: outside the scheduler's fleet (the Tinker endpoint's sampler replicas)
+    http_port: int | None = None   # the Tinker endpoint's REST port
 
     @property
     def address(self) -> str:
@@ -231,6 +238,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
     s.add_argument("--scheduler-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve scheduler` flag, e.g. --scheduler-flag=--fleet-wait=30 (repeatable)")
+    t = p.add_argument_group("Tinker endpoint (docs/api.md: the official tinker SDK against this cluster)")
+    t.add_argument("--tinker", action="store_true",
+                   help="also serve Tinker's REST API (zerokl serve tinker) on --tinker-port, with its own sampler "
+                        "replicas; TINKER_BASE_URL=http://127.0.0.1:PORT")
+    t.add_argument("--tinker-port", type=int, default=8000, help="its HTTP port, 0 picks one (default %(default)s)")
+    t.add_argument("--tinker-samplers", type=int, default=1,
+                   help="decode replicas the endpoint samples on, outside the scheduler's fleet: each serves the "
+                        "version its sampling clients are bound to (default %(default)s)")
+    t.add_argument("--tinker-flag", action="append", default=[], metavar="FLAG",
+                   help="extra `zerokl serve tinker` flag, e.g. --tinker-flag=--long-poll=10 (repeatable)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads of each compute service (default: the CPU cores shared out "
                         "among the replicas and the trainer; threads spinning against each other on a small "
@@ -331,6 +348,8 @@ _INFO_SERVICE = {"prefill": "zerokl.v1.Inference", "decode": "zerokl.v1.Inferenc
 
 async def _info(channel: grpc.aio.Channel, service: str) -> ServiceIdentity | None:
     """The service's Info (None when it does not answer one: the table shows '-')."""
+    if service not in _INFO_SERVICE:         # the Tinker endpoint: health only
+        return None
     info = channel.unary_unary(f"/{_INFO_SERVICE[service]}/Info",
                                request_serializer=common_pb2.InfoRequest.SerializeToString,
                                response_deserializer=common_pb2.ServiceInfo.FromString)
@@ -389,34 +408,16 @@ def _replica_devices() -> list[str]:
 
 
 async def _publish(client: object, args: argparse.Namespace, version: str) -> None:
-    import torch
-
-    from zerokl.kernels import __version__ as numerics_version
-    from zerokl.kernels import fingerprint
-    from zerokl.kernels.model import Model, ModelConfig
-
     if args.model:
         # An imported checkpoint was not trained under these numerics: no fingerprint is claimed for it.
         await client.publish(args.model, version, metadata={"source": str(args.model)})  # type: ignore[attr-defined]
         return
-    from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
-
     try:
         # Made and published in the serving dtype: replicas fetch and load only the bytes they serve
         # (FP8: the bf16 preset quantized, e4m3 values and scales, as the trainer publishes each version).
-        if args.dtype == "fp8":
-            dtype = torch.float8_e4m3fn
-            model = quantize_fp8(Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=FP8_ACTIVATIONS))
-        else:
-            dtype = getattr(torch, args.dtype)
-            model = Model(ModelConfig.preset(args.preset), seed=args.seed, dtype=dtype)
+        await client.publish_preset(args.preset, args.seed, args.dtype, version)  # type: ignore[attr-defined]
     except ValueError as err:
         raise UpError(str(err)) from None
-    with tempfile.TemporaryDirectory(prefix="zerokl-up-") as tmp:
-        model.save_pretrained(tmp)
-        await client.publish(tmp, version, numerics_version=numerics_version,  # type: ignore[attr-defined]
-                             numerics_fingerprint=fingerprint(dtype=dtype),
-                             metadata={"source": f"preset-{args.preset}-seed{args.seed}"})
 
 
 def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version: str,
@@ -425,7 +426,8 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     logs = workdir / "logs"
     secure = security.child_flags()
     trainer = not args.no_trainer and importlib.util.find_spec(TRAINER_MODULE) is not None
-    compute = args.decode_replicas + args.prefill_replicas + int(trainer)
+    samplers = args.tinker_samplers if args.tinker else 0
+    compute = args.decode_replicas + args.prefill_replicas + samplers + int(trainer)
     threads = ["--threads", str(args.threads or max(1, (os.cpu_count() or 1) // compute))]
     # Replicas fetch from the store what they switch to (SwitchWeights: RL steps, jobs).
     dtype = ["--dtype", args.dtype] if args.dtype else []
@@ -452,6 +454,14 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
         r.flags = [*model, *extra, "--port", str(r.port), "--replica-id", r.name, *r.serve_metrics(), *common,
                    *args.replica_flag]
     children += [*decode, *prefill]
+    # The Tinker endpoint's own decode replicas: outside the fleet (the scheduler never routes to them),
+    # each switched to the version its sampling clients are bound to.
+    sampler_replicas = [Child(f"tinker-sampler-{i}", "decode", _free_port(), [], logs / f"tinker-sampler-{i}.log",
+                              required=False, fleet=False) for i in range(samplers)]
+    for r in sampler_replicas:
+        r.flags = [*model, "--stream-interval", str(_STREAM_INTERVAL), "--port", str(r.port), "--replica-id", r.name,
+                   *r.serve_metrics(), *common, *args.replica_flag]
+    children += sampler_replicas
     if trainer:
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         # An FP8 fleet's trainer trains on the FP8 forward (from a non-FP8 --model too); other dtypes
@@ -469,8 +479,31 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
         s.flags += ["--trainer", t.address, "--weight-store", store.address]
     if args.prefill_replicas:
         s.flags += ["--prefill", ",".join(c.address for c in children if c.service == "prefill")]
+    if args.tinker:
+        children.append(_tinker_child(args, workdir, store, version, model_dir, common, sampler_replicas,
+                                      t.address if trainer else None))
     children.append(s)
     return children
+
+
+def _tinker_child(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version: str,
+                  model_dir: pathlib.Path, common: list[str], samplers: Sequence[Child], trainer: str | None) -> Child:
+    """`zerokl serve tinker` for --tinker: the fleet's version is its base model, named after the preset
+    (zerokl/tiny, tiny) or the checkpoint directory (zerokl/NAME, NAME, its path)."""
+    c = Child("tinker", "tinker", _free_port(), [], workdir / "logs" / "tinker.log", required=False,
+              http_port=args.tinker_port or _free_port())
+    if args.model:
+        path = pathlib.Path(args.model).expanduser().resolve()
+        names = [f"zerokl/{path.name}", path.name, str(path)]
+    else:
+        names = [f"zerokl/{args.preset}", args.preset]
+    tokenizer = str(model_dir) if (model_dir / "tokenizer.json").exists() else "countdown"
+    c.flags = ["--weight-store", store.address, *(["--trainer", trainer] if trainer else []),
+               "--sampler", ",".join(r.address for r in samplers), "--base-model", version,
+               *(f for name in names for f in ("--model-name", name)), "--tokenizer", tokenizer,
+               "--state-dir", str(workdir / "tinker"), "--http-port", str(c.http_port), "--port", str(c.port),
+               *c.serve_metrics(), *common, *args.tinker_flag]
+    return c
 
 
 def _table(children: Sequence[Child]) -> str:
@@ -495,6 +528,7 @@ def _write_state(workdir: pathlib.Path, children: Sequence[Child], security: UpS
                  {"name": c.name, "service": c.service, "address": c.address, "pid": c.proc.pid if c.proc else None,
                   "log": str(c.log_path), "status": c.status, "restarts": c.restarts, "last_exit": c.last_exit,
                   "metrics": f"{_HOST}:{c.metrics_port}" if c.metrics_port is not None else None,
+                  "fleet": c.fleet, "http": f"http://{_HOST}:{c.http_port}" if c.http_port is not None else None,
                   "weights_version": c.identity.weights_version if c.identity else "",
                   "numerics_fingerprint": c.identity.numerics_fingerprint if c.identity else ""}
                  for c in children]}
@@ -597,7 +631,7 @@ class _Supervisor:
     async def _restart(self, c: Child) -> None:
         c.status = "RESTARTING"
         c.restarts += 1
-        if c.service in ("prefill", "decode"):
+        if c.service in ("prefill", "decode") and c.fleet:
             await self._follow_fleet_version(c)
         _launch(c)
         _write_state(self.workdir, self.children, self.security, self.fleet_version)
@@ -670,8 +704,12 @@ async def run(args: argparse.Namespace) -> int:
         if security.auth.enabled:
             print(f"auth is on: tokens in {workdir / 'secrets'} (client.token for generate, operator.token for "
                   f"jobs and internal RPCs)", flush=True)
-        print(f"try:\n  zerokl generate --server {scheduler.address} {shlex.quote(_EXAMPLE_PROMPT)} "
-              f"--max-tokens 16\nCtrl-C stops all services.", flush=True)
+        tinker = [c for c in children if c.service == "tinker" and c.status == "SERVING"]
+        key = "tml-<client token>" if security.auth.enabled else "tml-local"
+        print(f"try:\n  zerokl generate --server {scheduler.address} {shlex.quote(_EXAMPLE_PROMPT)} --max-tokens 16"
+              + "".join(f"\n  TINKER_BASE_URL=http://{_HOST}:{c.http_port} TINKER_API_KEY={key} python your_script.py"
+                        "   (the tinker SDK; docs/api.md)" for c in tinker)
+              + "\nCtrl-C stops all services.", flush=True)
         supervisor = _Supervisor(args, workdir, supervised, store, security, version)
         while not stop.is_set():
             await supervisor.tick()
@@ -743,6 +781,7 @@ class ClientSecurity:
 async def _probe(entry: dict, security: ClientSecurity) -> dict:
     """Live health and identity of one service listed in up.json, with what the supervisor recorded."""
     row = {"name": entry["name"], "service": entry["service"], "address": entry["address"],
+           "fleet": entry.get("fleet", True),
            "health": "UNREACHABLE", "state": entry.get("status", ""), "restarts": entry.get("restarts", 0),
            "last_exit": entry.get("last_exit"),
            "weights_version": "", "numerics_fingerprint": "", "numerics_version": ""}
@@ -803,9 +842,12 @@ def status(workdir: str, as_json: bool = False, security: ClientSecurity = Clien
 
 def _verdict(rows: list[dict]) -> tuple[bool, list[str], list[str], list[str]]:
     """(ok, names not serving, fingerprints, weights versions) of probed rows (see :func:`status`)."""
-    compute = [r for r in rows if r["service"] != "weight-store"]
+    # The fleet's compute services must agree (the Tinker endpoint and its samplers serve other versions;
+    # with an endpoint, the trainer holds its training clients' versions, not the fleet's).
+    compute = [r for r in rows if r["service"] not in ("weight-store", "tinker") and r.get("fleet", True)]
     fingerprints = sorted({r["numerics_fingerprint"] for r in compute})
-    versions = sorted({r["weights_version"] for r in compute})
+    tinker = any(r["service"] == "tinker" for r in rows)
+    versions = sorted({r["weights_version"] for r in compute if not (tinker and r["service"] == "trainer")})
     healthy = all(r["health"] == "SERVING" and r["state"] in ("SERVING", "") for r in rows)
     down = [r["name"] for r in rows if r["health"] != "SERVING" or r["state"] not in ("SERVING", "")]
     ok = healthy and len(fingerprints) == 1 and len(versions) == 1 and fingerprints[0] != ""

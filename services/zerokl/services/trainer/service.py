@@ -67,9 +67,9 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
     write_snapshot,
 )
-from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.optim import NonFiniteStep
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
+from zerokl.services.trainer.optim import AdamParams, NonFiniteStep
+from zerokl.services.trainer.trainer import ScoredSequence, TrainConfig, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -77,6 +77,7 @@ from zerokl.services.trainer.types import (
     PPOBatch,
     PPOMetrics,
     SFTBatch,
+    TokenLossBatch,
     TrainBatch,
     TrainerState,
 )
@@ -183,6 +184,21 @@ def _raise_if(violations: Sequence[FieldViolation]) -> None:
     more = f" (and {len(violations) - len(shown)} more)" if len(violations) > len(shown) else ""
     raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in shown) + more,
                           field_violations=shown)
+
+
+def _adam_violations(adam: AdamParams, lr: float | None) -> list[FieldViolation]:
+    out = []
+    if lr:
+        out.append(FieldViolation("lr", "give lr (0) or adam, not both"))
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(adam, name)
+        if not (math.isfinite(value) and value >= 0):
+            out.append(FieldViolation(f"adam.{name}", f"{value} must be finite and >= 0"))
+        elif name.startswith("beta") and value >= 1:
+            out.append(FieldViolation(f"adam.{name}", f"{value} must be in [0, 1)"))
+        elif name == "eps" and value == 0:
+            out.append(FieldViolation("adam.eps", "must be > 0"))
+    return out
 
 
 def _is_version_name(name: str) -> bool:
@@ -310,15 +326,22 @@ class TrainerService:
 
     async def forward_backward(self, batch: TrainBatch | None) -> ForwardBackwardResult:
         """Accumulate the gradients of one objective; the method is the batch's type."""
-        if not isinstance(batch, (SFTBatch, DPOBatch, PPOBatch)):
-            raise InvalidArgument.field("batch", "set one of sft, dpo, ppo (unknown or missing method)")
+        if not isinstance(batch, (SFTBatch, DPOBatch, PPOBatch, TokenLossBatch)):
+            raise InvalidArgument.field("batch", "set one of sft, dpo, ppo, token (unknown or missing method)")
 
         async def work() -> ForwardBackwardResult:
             # Checked under the lock: a queued LoadWeights may change the vocabulary.
             self._check_batch(batch)
             staleness = self._staleness(batch) if isinstance(batch, PPOBatch) else []
-            result = await self._compute(self._forward_backward, batch, staleness)
-            self._accumulated += 1
+            if isinstance(batch, TokenLossBatch):
+                if not hasattr(self._trainer, "forward_backward_tokens"):
+                    raise FailedPrecondition("token batches (Tinker's per-token losses) are not supported by a "
+                                             "--dp/--tp/--ep trainer yet: serve the trainer in one process")
+                result = await self._compute(self._forward_backward_tokens, batch)
+            else:
+                result = await self._compute(self._forward_backward, batch, staleness)
+            forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
+            self._accumulated += 0 if forward_only else 1
             result = dataclasses.replace(result, accumulated_batches=self._accumulated)
             TOKENS.inc(result.tokens)
             TOKENS_PER_S.set(result.tokens_per_s)
@@ -341,8 +364,66 @@ class TrainerService:
                 raise InvalidArgument.field("dpo.pairs", "empty batch")
             _raise_if(self._check_completions([(f"dpo.pairs[{i}].{side}", c) for i, pair in enumerate(batch.pairs)
                                                for side, c in zip(("chosen", "rejected"), pair, strict=True)]))
+        elif isinstance(batch, TokenLossBatch):
+            self._check_token_batch(batch)
         else:
             self._check_ppo(batch)
+
+    def _check_token_batch(self, batch: TokenLossBatch) -> None:
+        if batch.loss not in TOKEN_LOSSES:
+            raise InvalidArgument.field("token.loss", f"{batch.loss!r} is not a loss: expected one of "
+                                                      f"{', '.join(TOKEN_LOSSES)}")
+        if not batch.sequences:
+            raise InvalidArgument.field("token.sequences", "empty batch")
+        config = self._trainer.model.config
+        vocab, max_len = config.vocab_size, config.max_position_embeddings
+        out: list[FieldViolation] = []
+        rl = batch.loss != "cross_entropy"
+        for i, seq in enumerate(batch.sequences):
+            where, n = f"token.sequences[{i}]", len(seq.input_ids)
+            if not n:
+                out.append(FieldViolation(f"{where}.input_ids", "must hold at least one token id"))
+            if len(seq.target_ids) != n:
+                out.append(FieldViolation(f"{where}.target_ids", f"{len(seq.target_ids)} targets for {n} input ids "
+                                                                 "(one per position)"))
+            for name, ids in (("input_ids", seq.input_ids), ("target_ids", seq.target_ids)):
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    out.append(FieldViolation(f"{where}.{name}", f"ids {bad[:4]} are outside the vocabulary "
+                                                                 f"[0, {vocab})"))
+            if n > max_len:
+                out.append(FieldViolation(f"{where}.input_ids", f"{n} tokens exceed the model's context length "
+                                                                f"{max_len}"))
+            for name in ("weights", "logprobs", "advantages"):
+                values = getattr(seq, name)
+                if values is None:
+                    if rl and name != "weights":
+                        out.append(FieldViolation(f"{where}.{name}", f"required by the {batch.loss} loss"))
+                    continue
+                if len(values) != n:
+                    out.append(FieldViolation(f"{where}.{name}", f"{len(values)} values for {n} positions"))
+                elif not all(math.isfinite(v) for v in values):
+                    out.append(FieldViolation(f"{where}.{name}", "must be finite"))
+        allowed = TOKEN_LOSSES[batch.loss]
+        for key, value in batch.config.items():
+            if key not in allowed:
+                keys = ", ".join(allowed) or "none"
+                out.append(FieldViolation(f"token.config.{key}", f"not a key of the {batch.loss} loss (its keys: "
+                                                                 f"{keys})"))
+            elif not (math.isfinite(value) and value >= 0):
+                out.append(FieldViolation(f"token.config.{key}", f"{value} must be finite and >= 0"))
+        merged = {**allowed, **batch.config}
+        if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
+            out.append(FieldViolation("token.config", "clip_low_threshold must not exceed clip_high_threshold"))
+        try:
+            SamplingOptions(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p).check()
+        except InvalidOption as err:
+            out.append(FieldViolation(f"token.{err.field}", str(err)))
+        total = sum(len(s.input_ids) for s in batch.sequences)
+        if total > self.limits.max_batch_tokens:
+            out.append(FieldViolation("batch", f"{total} tokens exceed this trainer's limit of "
+                                               f"{self.limits.max_batch_tokens} per request"))
+        _raise_if(out)
 
     def _check_ppo(self, batch: PPOBatch) -> None:
         rollouts = batch.rollouts
@@ -417,6 +498,29 @@ class TrainerService:
             + "; ".join(v.description for v in violations),
             precondition_violations=violations)
 
+    def _forward_backward_tokens(self, batch: TokenLossBatch) -> ForwardBackwardResult:
+        """The tensor work of a token batch (on the compute thread)."""
+        trainer = self._trainer
+        sampling = (batch.temperature, batch.top_k, batch.top_p)
+        seqs = [ScoredSequence(s.input_ids, 0, s.target_ids, *sampling) for s in batch.sequences]
+
+        def per_position(name: str) -> list[tuple[float, ...]] | None:
+            rows = [getattr(s, name) for s in batch.sequences]
+            if all(r is None for r in rows):
+                return None
+            # A sequence without the input gets 1 (weights) or 0 (the RL inputs) at every position.
+            fill = 1.0 if name == "weights" else 0.0
+            return [r if r is not None else (fill,) * len(s.input_ids) for r, s in zip(rows, batch.sequences)]
+
+        m, logprobs = trainer.forward_backward_tokens(
+            batch.loss, seqs, weights=per_position("weights"), behaviour=per_position("logprobs"),
+            advantages=per_position("advantages"), config={**TOKEN_LOSSES[batch.loss], **batch.config},
+            forward_only=batch.forward_only)
+        return ForwardBackwardResult(
+            method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
+            step=trainer.step, accumulated_batches=0, metrics={k: float(v) for k, v in m.items()},
+            token_logprobs=tuple(logprobs))
+
     def _forward_backward(self, batch: TrainBatch, staleness: list[int]) -> ForwardBackwardResult:
         """The tensor work of one ForwardBackward (on the compute thread)."""
         trainer = self._trainer
@@ -447,18 +551,24 @@ class TrainerService:
             method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
             step=trainer.step, accumulated_batches=0, ppo=ppo, metrics={k: float(v) for k, v in m.items()})
 
-    async def optim_step(self, lr: float | None = None) -> OptimResult:
-        """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
-        FAILED_PRECONDITION when there are none, or when the step would make a weight or optimizer
-        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`."""
+    async def optim_step(self, lr: float | None = None, adam: AdamParams | None = None) -> OptimResult:
+        """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule), or with this
+        step's own ``adam`` hyperparameters; FAILED_PRECONDITION when there are none, or when the step
+        would make a weight or optimizer state non-finite (the step is then undone and its gradients
+        dropped); INVALID_ARGUMENT for a bad `lr` or ``adam``."""
         if lr is not None and not (math.isfinite(lr) and lr >= 0.0):
             raise InvalidArgument.field("lr", f"must be finite and >= 0 (0: the trainer's schedule), got {lr}")
+        if adam is not None:
+            _raise_if(_adam_violations(adam, lr))
 
         async def work() -> OptimResult:
             if self._accumulated == 0:
                 raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
             try:
-                m = await self._compute(self._trainer.optim_step, lr or None)
+                if adam is not None:
+                    m = await self._compute(self._trainer.optim_step, None, adam)
+                else:
+                    m = await self._compute(self._trainer.optim_step, lr or None)
             except NonFiniteStep as err:
                 raise FailedPrecondition(f"{err}; the step was refused and undone (weights, optimizer state and "
                                          f"step {self._trainer.step} as before it, its gradients dropped)") from None
@@ -727,7 +837,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest,
                         context: grpc.aio.ServicerContext) -> trainer_pb2.OptimStepResponse:
-        return convert.optim_result_to_proto(await self._service.optim_step(request.lr))
+        adam = convert.adam_params_from_proto(request.adam) if request.HasField("adam") else None
+        return convert.optim_result_to_proto(await self._service.optim_step(request.lr, adam))
 
     async def SaveWeights(self, request: trainer_pb2.SaveWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:

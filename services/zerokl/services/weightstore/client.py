@@ -123,6 +123,31 @@ class WeightStoreClient(ServiceClient):
         await self.upload_dir(upload.upload_id, src)
         return await self.commit(upload.upload_id, [p.name for p in _files(src)], spec)
 
+    async def publish_preset(self, preset: str, seed: int, dtype: str, version: str) -> WeightsManifest:
+        """Publish the seeded random model of a preset, made in ``dtype`` ("float32", "bfloat16", or "fp8":
+        the bf16 model quantized, e4m3 values + block scales, as the trainer publishes FP8 versions),
+        with the numerics fingerprint it is served under. ValueError for an unknown preset or dtype."""
+        import torch
+
+        from zerokl.kernels import __version__ as numerics_version
+        from zerokl.kernels import fingerprint
+        from zerokl.kernels.model import Model, ModelConfig
+        from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
+
+        if dtype == "fp8":
+            torch_dtype = torch.float8_e4m3fn
+            model = quantize_fp8(Model(ModelConfig.preset(preset), seed=seed, dtype=FP8_ACTIVATIONS))
+        elif dtype in ("float32", "bfloat16"):
+            torch_dtype = getattr(torch, dtype)
+            model = Model(ModelConfig.preset(preset), seed=seed, dtype=torch_dtype)
+        else:
+            raise ValueError(f"dtype {dtype!r}: expected float32, bfloat16 or fp8")
+        with tempfile.TemporaryDirectory(prefix="zerokl-preset-") as tmp:
+            model.save_pretrained(tmp)
+            return await self.publish(tmp, version, numerics_version=numerics_version,
+                                      numerics_fingerprint=fingerprint(dtype=torch_dtype),
+                                      metadata={"source": f"preset-{preset}-seed{seed}"})
+
     async def begin_upload(self, version: str) -> UploadStatus:
         """Open (or re-open) the upload of ``version``."""
         return convert.upload_status_from_proto(
