@@ -27,8 +27,9 @@ import math
 import pathlib
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc.aio
 import torch
@@ -80,6 +81,7 @@ from zerokl.services.trainer.types import (
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
 from zerokl.services.weightsync import SharedExport, export_shared
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
@@ -140,10 +142,65 @@ class _Record:
     task: "asyncio.Future[WeightsManifest] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
+    started: float = dataclasses.field(default_factory=time.monotonic)   # when it was shared
+    record_s: float = 0.0                       # share -> the store's commit, once committed
 
     @property
     def weights_only(self) -> bool:
         return self.spec.metadata.get(META_STATE) != "full"
+
+
+class _DeltaBases:
+    """The serving files of the newest version this trainer recorded, kept on its disk: the next record's files go
+    as deltas against them, so the store writes what changed (weightstore/delta.py). A record's upload holds the
+    base it started with (a retried record may upload beside the next one): a directory is removed only once
+    no upload reads it."""
+
+    def __init__(self) -> None:
+        self.current: UploadBase | None = None
+        self._step = -1
+        self._users: dict[pathlib.Path, int] = {}
+        self._retired: set[pathlib.Path] = set()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[UploadBase | None]:
+        base = self.current
+        if base is not None:
+            self._users[base.directory] = self._users.get(base.directory, 0) + 1
+        try:
+            yield base
+        finally:
+            if base is not None:
+                self._users[base.directory] -= 1
+                await self._collect()
+
+    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
+        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
+        the base of the next records (unless a later version's already are); the rest of it goes."""
+        def keep_serving() -> None:
+            for path in directory.iterdir():
+                if not is_serving_file(path.name):
+                    path.unlink()
+        await asyncio.to_thread(keep_serving)
+        if step < self._step:
+            self._retired.add(directory)
+        else:
+            if self.current is not None:
+                self._retired.add(self.current.directory)
+            self.current, self._step = UploadBase(manifest, directory), step
+        await self._collect()
+
+    async def close(self) -> None:
+        if self.current is not None:
+            self._retired.add(self.current.directory)
+            self.current = None
+        await self._collect()
+
+    async def _collect(self) -> None:
+        for directory in [d for d in self._retired if not self._users.get(d)]:
+            self._retired.discard(directory)
+            self._users.pop(directory, None)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
 @dataclass(frozen=True)
@@ -223,6 +280,7 @@ class TrainerService:
         self._pinned: str | None = None     # the resume point this trainer pins in the store
         self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
+        self._bases = _DeltaBases()                   # what the next record's deltas are taken against
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -257,6 +315,7 @@ class TrainerService:
         for export in self._exports.values():
             export.close()
         self._exports.clear()
+        await self._bases.close()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -579,37 +638,43 @@ class TrainerService:
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec)
+            async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
+                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec, base)
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
                               f"{name} is not recorded yet (RecordWeights retries)") from None
-        record.manifest = manifest
-        await asyncio.to_thread(shutil.rmtree, record.directory, True)
+        record.manifest, record.record_s = manifest, time.monotonic() - record.started
+        log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
+                 manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
+                 else "weights only")
+        await self._bases.offer(record.step, manifest, record.directory)
         if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
 
-    async def record_weights(self, version: str) -> WeightsManifest:
+    async def record_weights(self, version: str) -> tuple[WeightsManifest, float]:
         """Wait for the store's record of a version saved with share (retrying its upload after an
-        outage); NOT_FOUND when this trainer process never shared it."""
+        outage); (its manifest, seconds from the share to the commit). NOT_FOUND when this trainer
+        process never shared it."""
         record = self._records.get(version)
         if record is None:
             raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
                            "forgets what it had not recorded)")
-        if record.manifest is not None:
-            return record.manifest
-        assert record.task is not None
-        try:
-            return await asyncio.shield(record.task)
-        except Unavailable:
-            if record.directory is None:
-                raise
-            # The checkpoint is on disk: upload it again (the store may be back).
-            record.task = asyncio.ensure_future(self._upload(record, version))
-            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            return await asyncio.shield(record.task)
+        if record.manifest is None:
+            assert record.task is not None
+            try:
+                await asyncio.shield(record.task)
+            except Unavailable:
+                if record.directory is None:
+                    raise
+                # The checkpoint is on disk: upload it again (the store may be back).
+                record.task = asyncio.ensure_future(self._upload(record, version))
+                record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                await asyncio.shield(record.task)
+        assert record.manifest is not None
+        return record.manifest, record.record_s
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -745,7 +810,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if not request.version:
             raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
-        return convert.save_result_to_proto(await self._service.record_weights(request.version), True)
+        manifest, record_s = await self._service.record_weights(request.version)
+        response = convert.save_result_to_proto(manifest, True)
+        response.record_s = record_s
+        return response
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:

@@ -37,7 +37,7 @@ from zerokl.services.weightstore.store import (
 )
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["WeightStoreClient", "UploadBase", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests"]
+__all__ = ["WeightStoreClient", "UploadBase", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests", "is_serving_file"]
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ class UploadBase:
         """What a file ``name`` of ``size`` bytes may be a delta against, and the local copy of it."""
         info = next((s for s in self.manifest.shards if s.name == name), None)
         local = self.directory / name
-        if info is None or info.size != size or info.depth >= delta.MAX_DEPTH or not local.is_file() \
+        if size < delta.MIN_SIZE or info is None or info.size != size or info.depth >= delta.MAX_DEPTH \
+                or not local.is_file() \
                 or local.stat().st_size != size:
             return None
         return delta.DeltaBase(self.manifest.version, name, size, info.sha256), local

@@ -36,7 +36,7 @@ import zstandard
 
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, rechunk
 
-__all__ = ["MAGIC", "FRAME", "MAX_DEPTH", "MAX_RATIO", "DeltaBase", "DeltaHeader", "encode", "decode",
+__all__ = ["MAGIC", "FRAME", "MAX_DEPTH", "MAX_RATIO", "MIN_SIZE", "DeltaBase", "DeltaHeader", "encode", "decode",
            "read_header", "header_size"]
 
 MAGIC = b"ZKDELTA1"
@@ -46,6 +46,8 @@ FRAME = MAX_CHUNK_BYTES         # bytes of the file per frame: one wire chunk
 MAX_DEPTH = 8
 # A delta larger than this fraction of the file is not worth its decoding: the file goes whole.
 MAX_RATIO = 0.5
+# Files smaller than this go whole (config files, indexes): a few bytes saved are not worth a base to read.
+MIN_SIZE = 64 * 1024
 _LEVEL = 1                      # zstd level: the XOR is mostly zeros, and level 1 runs at hundreds of MB/s a core
 _PREFIX = struct.Struct("<8sI")
 

@@ -793,6 +793,8 @@ class VersionStore:
         """put_shard_file as a delta against ``base_path`` (the base version's shard); None when the base does not
         fit or the delta is not worth it (the caller stores the file whole)."""
         size = os.path.getsize(path)
+        if size < delta.MIN_SIZE:
+            return None
         try:
             with self._lock:
                 info = self._check_base(base_version, name, size)
