@@ -40,6 +40,7 @@ from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime.errors import (
+    AlreadyExists,
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
@@ -599,17 +600,29 @@ class TrainerService:
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            return _provisional(name, spec), False, self._exports[name].descriptor
+            return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
+        stored = await self._stored(name)
+        if stored is not None and (self._lineage[-1] != LineageEntry(name, trainer.step)
+                                   or not weights_only and stored.spec.metadata.get(META_STATE) != "full"):
+            # Said before any replica serves the name: the store's version of it holds other bytes.
+            raise AlreadyExists(f"version {name} is already in the weight store ({self.repo.describe()}) with other "
+                                "contents; name another version")
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
-                                       weights_only=weights_only, serving=export.tensors())
+        snapshot = None if stored is not None else await self._compute(
+            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
+            serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
+        if stored is not None:
+            # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
+            self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
+            self._set_identity(self._identity.with_weights(name))
+            return stored, False, export.descriptor
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records[name] = record
@@ -618,6 +631,14 @@ class TrainerService:
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
         return _provisional(name, spec), True, export.descriptor
+
+    async def _stored(self, name: str) -> WeightsManifest | None:
+        """The store's manifest of ``name``; None when it holds none, or cannot say now (an outage: the
+        record that follows retries, and says what it finds)."""
+        try:
+            return await self.repo.manifest(name)
+        except (NotFound, Unavailable):
+            return None
 
     async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
         """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
