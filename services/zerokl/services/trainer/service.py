@@ -125,6 +125,7 @@ def pin_owner(run: str) -> str:
     return f"trainer.{run}"
 
 
+_STORE_CHECK_S = 5.0        # a share asks the store whether it holds the version's name already, this long at most
 _SHARED_KEPT = 2            # versions kept in shared memory: the one being switched to and the one before
 
 
@@ -633,11 +634,11 @@ class TrainerService:
         return _provisional(name, spec), True, export.descriptor
 
     async def _stored(self, name: str) -> WeightsManifest | None:
-        """The store's manifest of ``name``; None when it holds none, or cannot say now (an outage: the
-        record that follows retries, and says what it finds)."""
+        """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
+        the share goes on, and the record that follows retries and says what it finds)."""
         try:
-            return await self.repo.manifest(name)
-        except (NotFound, Unavailable):
+            return await asyncio.wait_for(self.repo.manifest(name), _STORE_CHECK_S)
+        except (NotFound, Unavailable, asyncio.TimeoutError):
             return None
 
     async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
