@@ -146,6 +146,11 @@ class RLJobSpec:
     # and at the job's last; the other steps' versions are recorded weights only (audit, replicas that
     # read the store). A trainer restart redoes the steps since the newest recorded checkpoint.
     checkpoint_every: int = 10
+    # The reward (zerokl.tasks.synthetic.REWARDS): "countdown" (TinyZero's), or "vowel_share", a synthetic
+    # reward any policy earns some of (for measuring the loop: zerokl/tasks/synthetic.py). ignore_eos: every
+    # answer runs to max_tokens (length-controlled rollouts).
+    reward: str = "countdown"
+    ignore_eos: bool = False
     kind = "rl"
 
 
@@ -200,6 +205,9 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
         if spec.checkpoint_every < 1:
             raise InvalidArgument.field("rl.checkpoint_every", f"must be >= 1, got {spec.checkpoint_every}")
+        from zerokl.tasks.synthetic import REWARDS
+        if spec.reward not in REWARDS:
+            raise InvalidArgument.field("rl.reward", f"{spec.reward!r} is none of {', '.join(REWARDS)}")
     if getattr(spec, "countdown", None) is not None:
         c = spec.countdown
         if c.train_problems < 1 or c.test_problems < 1 or c.train_problems > 100_000:
@@ -509,12 +517,13 @@ class JobManager:
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
         from zerokl.tasks.setup import encode_prompt
         from zerokl.tasks.countdown import reward
+        from zerokl.tasks.synthetic import vowel_share
         train, test, tok = _countdown_data(spec.countdown)
-        task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
+        task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if spec.reward == "vowel_share" else reward)
         config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                           max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
                           seed=spec.seed, max_staleness=spec.max_staleness, eval_every=spec.eval_every,
-                          eval_prompts=spec.eval_prompts)
+                          eval_prompts=spec.eval_prompts, ignore_eos=spec.ignore_eos)
         port = _FleetRollouts(self, job)
 
         def on_step(record: StepRecord) -> None:
@@ -590,10 +599,11 @@ class _FleetRollouts:
     def __init__(self, manager: JobManager, job: _Job) -> None:
         self.manager, self.job = manager, job
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):  # noqa: ANN001, ANN201
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version,  # noqa: ANN001, ANN201
+                 ignore_eos=False):
         async def one(i: int, ids: tuple[int, ...]) -> GenerateResult:
             options = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                                      seed=sampling_seed(seed + i))
+                                      seed=sampling_seed(seed + i), ignore_eos=ignore_eos)
             request = InferenceRequest(prompt_ids=ids, options=options, weights_version=weights_version)
             return GenerateResult.collect([d async for d in self.manager._generate(request)])
 

@@ -40,6 +40,7 @@ class RLConfig:
     max_staleness: int = 0               # accept rollouts this many versions old (0 = strictly on-policy)
     eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
     eval_prompts: int = 32
+    ignore_eos: bool = False             # answers run to max_tokens, past eos (length-controlled rollouts)
 
 
 @dataclass
@@ -120,7 +121,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
                                         config.max_tokens, config.temperature, config.top_p,
                                         seed=sampling_seed(config.seed * 1_000_003 + step),
-                                        weights_version=version)
+                                        weights_version=version, ignore_eos=config.ignore_eos)
         rollout_s = time.perf_counter() - t0
         batch, stale = [], 0
         for problem, group in zip(problems, groups):

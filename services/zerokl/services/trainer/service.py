@@ -267,7 +267,8 @@ class TrainerService:
     """
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
-                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "") -> None:
+                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "",
+                 record_deltas: bool = True) -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
         if segment and segment_index(run, segment) is None:
@@ -283,6 +284,7 @@ class TrainerService:
         self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
         self._bases = _DeltaBases()                   # what the next record's deltas are taken against
+        self.record_deltas = record_deltas            # False: every record's files go whole
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -661,7 +663,8 @@ class TrainerService:
         assert record.directory is not None
         try:
             async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
-                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec, base)
+                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec,
+                                                       base if self.record_deltas else None)
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
