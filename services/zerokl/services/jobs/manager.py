@@ -672,10 +672,12 @@ class _Durability:
 
     def landed(self, version: str, recorded: tuple[WeightsManifest, float] | None) -> None:
         step, checkpoint = self._steps.get(version, (-1, False))
+        if recorded is not None:    # what the store holds says (a same-named weights-only version carries no state)
+            checkpoint = recorded[0].spec.metadata.get(META_STATE) == "full"
         self.durable_step = max(self.durable_step, float(step))
         if checkpoint:
             self.checkpoint_step = max(self.checkpoint_step, float(step))
-        self._start_landed |= version == self._start
+        self._start_landed |= version == self._start and checkpoint
         if recorded is not None:
             manifest, seconds = recorded
             self._bytes += manifest.total_size

@@ -40,7 +40,6 @@ from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime.errors import (
-    AlreadyExists,
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
@@ -604,12 +603,12 @@ class TrainerService:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
             return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
-        stored = await self._stored(name)
-        if stored is not None and (self._lineage[-1] != LineageEntry(name, trainer.step)
-                                   or not weights_only and stored.spec.metadata.get(META_STATE) != "full"):
-            # Said before any replica serves the name: the store's version of it holds other bytes.
-            raise AlreadyExists(f"version {name} is already in the weight store ({self.repo.describe()}) with other "
-                                "contents; name another version")
+        # The trainer's own current version, in the store already (a job starting where the last one ended): shared
+        # again, not recorded again. Any other name the store holds is recorded as usual: publish_checkpoint then
+        # recognizes the same files (a step redone after a restart) or refuses other ones (ALREADY_EXISTS).
+        stored = await self._stored(name) if self._lineage[-1] == LineageEntry(name, trainer.step) else None
+        if stored is not None and not weights_only and stored.spec.metadata.get(META_STATE) != "full":
+            stored = None
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
