@@ -106,7 +106,9 @@ def sha256_dir(path: pathlib.Path) -> dict[str, str]:
 
 def _s3_store(work: pathlib.Path) -> tuple[list[str], dict[str, str], object]:
     """moto's S3 server on loopback (the tests' S3), and the weight store's flags and environment for it."""
+    import logging
     from moto.server import ThreadedMotoServer
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
