@@ -246,14 +246,16 @@ class SaveWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ..., share: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "created", "shared")
+    __slots__ = ("manifest", "created", "shared", "record_s")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    RECORD_S_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightsManifest
     created: bool
     shared: _weights_pb2.SharedWeights
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ...) -> None: ...
+    record_s: float
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ..., record_s: _Optional[float] = ...) -> None: ...
 
 class RecordWeightsRequest(_message.Message):
     __slots__ = ("version",)

@@ -73,7 +73,7 @@ def spec_to_proto(spec: JobSpec, name: str = "") -> jobs_pb2.JobSpec:
                         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
                         max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts,
-                        checkpoint_every=spec.checkpoint_every)
+                        checkpoint_every=spec.checkpoint_every, reward=spec.reward, ignore_eos=spec.ignore_eos)
     return _with_train_config(jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate), spec)
 
 
@@ -117,7 +117,8 @@ def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
             temperature=m.temperature if m.HasField("temperature") else d.temperature,
             top_p=m.top_p if m.HasField("top_p") else d.top_p, seed=m.seed, max_staleness=m.max_staleness,
             eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate,
-            checkpoint_every=m.checkpoint_every or d.checkpoint_every)
+            checkpoint_every=m.checkpoint_every or d.checkpoint_every, reward=m.reward or d.reward,
+            ignore_eos=m.ignore_eos)
     raise InvalidArgument.field("job", "set one of sft, dpo, rl")
 
 

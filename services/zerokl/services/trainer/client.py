@@ -121,10 +121,11 @@ class TrainerClient(ServiceClient):
         manifest, created = convert.save_result_from_proto(response)
         return manifest, created, response.shared
 
-    async def record_weights(self, version: str, *, timeout: float | None = None) -> WeightsManifest:
-        """Wait until a version shared by :meth:`share_weights` is committed to the weight store."""
+    async def record_weights(self, version: str, *, timeout: float | None = None) -> tuple[WeightsManifest, float]:
+        """Wait until a version shared by :meth:`share_weights` is committed to the weight store; (its manifest:
+        ``stored_size`` says what the store wrote, seconds from the share to the commit)."""
         response = await self._stub.RecordWeights(trainer_pb2.RecordWeightsRequest(version=version), timeout=timeout)
-        return convert.save_result_from_proto(response)[0]
+        return convert.save_result_from_proto(response)[0], response.record_s
 
     async def load_weights(self, version: str, *, restore_state: bool = False, config: TrainConfig | None = None,
                            timeout: float | None = None) -> TrainerState:

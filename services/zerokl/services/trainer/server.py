@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
                    help="name of the job; versions are published as <run>-step<N> and a restart resumes the "
                         "run's newest one (default $ZEROKL_RUN or %(default)s)")
+    j.add_argument("--record-deltas", default="on", choices=("on", "off"),
+                   help="record each shared version's files as deltas against the version recorded before "
+                        "(the store writes what changed; on, the default) or whole (off)")
     j.add_argument("--init", default=DEFAULT_INIT,
                    help="starting weights when the run has nothing to resume: preset:NAME[:seedN], a checkpoint "
                         "directory, or a weight-store version (default %(default)s)")
@@ -208,7 +211,8 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
             lineage.append(LineageEntry(manifest.version, trainer.step))
         identity = make_identity(trainer.model, manifest.version, args.replica_id)
         service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits,
-                                 segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "")
+                                 segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "",
+                                 record_deltas=args.record_deltas == "on")
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)
@@ -216,7 +220,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
     trainer = await asyncio.to_thread(Trainer, model, config)
     identity = make_identity(model, version, args.replica_id)
     service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,
-                             limits=limits)
+                             limits=limits, record_deltas=args.record_deltas == "on")
     return Started(service, None)
 
 

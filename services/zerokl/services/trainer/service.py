@@ -27,8 +27,9 @@ import math
 import pathlib
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc.aio
 import torch
@@ -81,6 +82,7 @@ from zerokl.services.trainer.types import (
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
 from zerokl.services.weightsync import SharedExport, export_shared
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
@@ -123,6 +125,7 @@ def pin_owner(run: str) -> str:
     return f"trainer.{run}"
 
 
+_STORE_CHECK_S = 5.0        # a share asks the store whether it holds the version's name already, this long at most
 _SHARED_KEPT = 2            # versions kept in shared memory: the one being switched to and the one before
 
 
@@ -141,10 +144,65 @@ class _Record:
     task: "asyncio.Future[WeightsManifest] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
+    started: float = dataclasses.field(default_factory=time.monotonic)   # when it was shared
+    record_s: float = 0.0                       # share -> the store's commit, once committed
 
     @property
     def weights_only(self) -> bool:
         return self.spec.metadata.get(META_STATE) != "full"
+
+
+class _DeltaBases:
+    """The serving files of the newest version this trainer recorded, kept on its disk: the next record's files go
+    as deltas against them, so the store writes what changed (weightstore/delta.py). A record's upload holds the
+    base it started with (a retried record may upload beside the next one): a directory is removed only once
+    no upload reads it."""
+
+    def __init__(self) -> None:
+        self.current: UploadBase | None = None
+        self._step = -1
+        self._users: dict[pathlib.Path, int] = {}
+        self._retired: set[pathlib.Path] = set()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[UploadBase | None]:
+        base = self.current
+        if base is not None:
+            self._users[base.directory] = self._users.get(base.directory, 0) + 1
+        try:
+            yield base
+        finally:
+            if base is not None:
+                self._users[base.directory] -= 1
+                await self._collect()
+
+    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
+        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
+        the base of the next records (unless a later version's already are); the rest of it goes."""
+        def keep_serving() -> None:
+            for path in directory.iterdir():
+                if not is_serving_file(path.name):
+                    path.unlink()
+        await asyncio.to_thread(keep_serving)
+        if step < self._step:
+            self._retired.add(directory)
+        else:
+            if self.current is not None:
+                self._retired.add(self.current.directory)
+            self.current, self._step = UploadBase(manifest, directory), step
+        await self._collect()
+
+    async def close(self) -> None:
+        if self.current is not None:
+            self._retired.add(self.current.directory)
+            self.current = None
+        await self._collect()
+
+    async def _collect(self) -> None:
+        for directory in [d for d in self._retired if not self._users.get(d)]:
+            self._retired.discard(directory)
+            self._users.pop(directory, None)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
 @dataclass(frozen=True)
@@ -224,7 +282,8 @@ class TrainerService:
     """
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
-                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "") -> None:
+                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "",
+                 record_deltas: bool = True) -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
         if segment and segment_index(run, segment) is None:
@@ -239,6 +298,8 @@ class TrainerService:
         self._pinned: str | None = None     # the resume point this trainer pins in the store
         self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
+        self._bases = _DeltaBases()                   # what the next record's deltas are taken against
+        self.record_deltas = record_deltas            # False: every record's files go whole
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -273,6 +334,7 @@ class TrainerService:
         for export in self._exports.values():
             export.close()
         self._exports.clear()
+        await self._bases.close()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -650,17 +712,29 @@ class TrainerService:
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            return _provisional(name, spec), False, self._exports[name].descriptor
+            return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
+        # The trainer's own current version, in the store already (a job starting where the last one ended): shared
+        # again, not recorded again. Any other name the store holds is recorded as usual: publish_checkpoint then
+        # recognizes the same files (a step redone after a restart) or refuses other ones (ALREADY_EXISTS).
+        stored = await self._stored(name) if self._lineage[-1] == LineageEntry(name, trainer.step) else None
+        if stored is not None and not weights_only and stored.spec.metadata.get(META_STATE) != "full":
+            stored = None
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
-                                       weights_only=weights_only, serving=export.tensors())
+        snapshot = None if stored is not None else await self._compute(
+            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
+            serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
+        if stored is not None:
+            # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
+            self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
+            self._set_identity(self._identity.with_weights(name))
+            return stored, False, export.descriptor
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records[name] = record
@@ -669,6 +743,14 @@ class TrainerService:
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
         return _provisional(name, spec), True, export.descriptor
+
+    async def _stored(self, name: str) -> WeightsManifest | None:
+        """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
+        the share goes on, and the record that follows retries and says what it finds)."""
+        try:
+            return await asyncio.wait_for(self.repo.manifest(name), _STORE_CHECK_S)
+        except (NotFound, Unavailable, asyncio.TimeoutError):
+            return None
 
     async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
         """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
@@ -689,37 +771,44 @@ class TrainerService:
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec)
+            async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
+                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec,
+                                                       base if self.record_deltas else None)
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
                               f"{name} is not recorded yet (RecordWeights retries)") from None
-        record.manifest = manifest
-        await asyncio.to_thread(shutil.rmtree, record.directory, True)
+        record.manifest, record.record_s = manifest, time.monotonic() - record.started
+        log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
+                 manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
+                 else "weights only")
+        await self._bases.offer(record.step, manifest, record.directory)
         if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
 
-    async def record_weights(self, version: str) -> WeightsManifest:
+    async def record_weights(self, version: str) -> tuple[WeightsManifest, float]:
         """Wait for the store's record of a version saved with share (retrying its upload after an
-        outage); NOT_FOUND when this trainer process never shared it."""
+        outage); (its manifest, seconds from the share to the commit). NOT_FOUND when this trainer
+        process never shared it."""
         record = self._records.get(version)
         if record is None:
             raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
                            "forgets what it had not recorded)")
-        if record.manifest is not None:
-            return record.manifest
-        assert record.task is not None
-        try:
-            return await asyncio.shield(record.task)
-        except Unavailable:
-            if record.directory is None:
-                raise
-            # The checkpoint is on disk: upload it again (the store may be back).
-            record.task = asyncio.ensure_future(self._upload(record, version))
-            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            return await asyncio.shield(record.task)
+        if record.manifest is None:
+            assert record.task is not None
+            try:
+                await asyncio.shield(record.task)
+            except Unavailable:
+                if record.directory is None:
+                    raise
+                # The checkpoint is on disk: upload it again (the store may be back).
+                record.task = asyncio.ensure_future(self._upload(record, version))
+                record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                await asyncio.shield(record.task)
+        assert record.manifest is not None
+        return record.manifest, record.record_s
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -856,7 +945,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if not request.version:
             raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
-        return convert.save_result_to_proto(await self._service.record_weights(request.version), True)
+        manifest, record_s = await self._service.record_weights(request.version)
+        response = convert.save_result_to_proto(manifest, True)
+        response.record_s = record_s
+        return response
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
