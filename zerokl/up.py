@@ -1,17 +1,27 @@
 """``zerokl up``: every zerokl service on loopback, as supervised child processes of one command.
 
-    zerokl up [--workdir ~/.zerokl/up] [--preset tiny --seed 0 | --model DIR] [--dtype bfloat16|float32|fp8]
+    zerokl up [--workdir ~/.zerokl/up] [--model DIR | --preset tiny --seed 0] [--dtype bfloat16|float32|fp8]
               [--decode-replicas 1] [--prefill-replicas 0] [--port 50050]
               [--auth-token T [--peer-token P] [--operator-token O]] [--tls-cert C --tls-key K --tls-ca CA]
 
+0. refuses, before it starts anything, what could not run as one exact
+   cluster: a workdir another ``zerokl up`` runs in, a ``--port`` something
+   already listens on, and a fleet whose replicas and trainer would not
+   compute one numerics fingerprint (``--dtype`` applies to both; a
+   ``--replica-flag``/``--trainer-flag`` that contradicts it, another device
+   type, or an FP8 checkpoint the trainer would not train in ``--dtype`` is an
+   error naming the flag). Each start gets a cluster id: every child
+   advertises it in Info (``$ZEROKL_CLUSTER_ID``), ``up.json`` records it, and
+   ``zerokl status`` and the clients check it;
 1. starts the weight store on a local directory (``WORKDIR/weights``); when
-   it holds no version yet, publishes the model (the ``tiny`` preset, seed 0,
-   by default, made in the fleet's ``--dtype``) as version ``1`` with the
-   numerics it was made under;
+   it holds no version yet, publishes the model (by default the countdown SFT
+   checkpoint shipped in ``zerokl/assets/countdown-sft``; ``--preset`` makes a
+   seeded random one in the fleet's ``--dtype``) as version ``1``;
 2. fetches the version to serve (``--weights-version``, else the one the fleet
    last served as a whole, recorded in ``WORKDIR/scheduler/fleet.json``: the
-   newest that passed a canary, else the store's newest) into
-   ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
+   newest that passed a canary, else the store's newest; when the store can no
+   longer hand that one out whole, the most recently served good version that
+   it can) into ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
    their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
    replicas, for several devices) from it in ``--dtype`` (each decode replica
    streaming a message per 8 steps after the first token, since the scheduler
@@ -27,9 +37,11 @@
 4. supervises: a child that dies is restarted on the same port with
    exponential backoff (a replica at the fleet's target version, which the
    scheduler records durably at each switch and which may be newer than the
-   one it started with); meanwhile the scheduler routes around it and
-   ``up.json`` (so ``zerokl status``) names it DOWN or RESTARTING, with its
-   restart count and last exit status, until it is SERVING again;
+   one it started with; at the newest good version when the target's bytes in
+   the store are corrupt, see :class:`_Supervisor`); meanwhile the scheduler
+   routes around it and ``up.json`` (so ``zerokl status``) names it DOWN or
+   RESTARTING, with its restart count, last exit status and why a restart
+   could not start it or started it elsewhere, until it is SERVING again;
 5. on Ctrl-C / SIGTERM stops the children (the scheduler first, so no request
    is routed to a replica that is going away) and waits for them.
 
@@ -70,6 +82,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
+from zerokl.demo import SFT_CHECKPOINT      # served when neither --model nor --preset is given
 from zerokl.services.routing.fleet import FleetRecord, read_fleet, write_fleet
 from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FILE_ENV, PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV,
                                           AuthConfig, TlsConfig, load_auth_token)
@@ -84,7 +97,9 @@ __all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "ClientSecurity", "UpSe
 DEFAULT_WORKDIR = "~/.zerokl/up"
 TRAINER_MODULE = "zerokl.services.trainer.server"
 _HOST = "127.0.0.1"
-_EXAMPLE_PROMPT = "nums 3 4 target 7"
+# The countdown task's prompt format (zerokl.tasks.countdown.format_prompt: a trailing newline), one the shipped
+# SFT checkpoint answers right greedily (it solves about a third of such problems).
+_EXAMPLE_PROMPT = "nums 13 1 19 target 33\n"
 # Stop order: the front door first, the store last (a trainer may still be publishing).
 _STOP_ORDER = ("scheduler", "prefill", "decode", "trainer", "weight-store")
 # Restart backoff: the first restart after --restart-backoff seconds, doubling while restarts keep
@@ -203,8 +218,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights, fetched models and logs live here (default $ZEROKL_UP_DIR or %(default)s)")
     m = p.add_argument_group("model (published as the first version when the weight store is empty)")
     src = m.add_mutually_exclusive_group()
-    src.add_argument("--model", metavar="DIR", default=None, help="checkpoint directory (config.json + safetensors)")
-    src.add_argument("--preset", default="tiny", help="seeded random model of this preset (default %(default)s)")
+    src.add_argument("--model", metavar="DIR", default=None,
+                     help="checkpoint directory (config.json + safetensors). Default (no --preset either): the "
+                          "countdown SFT checkpoint shipped in zerokl/assets/countdown-sft, a tiny model that "
+                          "answers countdown prompts")
+    src.add_argument("--preset", default=None, help="a seeded random (untrained) model of this preset, e.g. tiny")
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
     m.add_argument("--weights-version", default=None,
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
@@ -212,7 +230,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the fleet's model dtype: a preset is made and published in it, so the replicas serve "
                         "and the trainer trains in it (with fp32 master weights). Default for a preset: bfloat16 "
                         "where CUDA is available, else float32. A --model checkpoint is published as it is: "
-                        "the replicas serve it in --dtype when given, the trainer in the checkpoint's own dtype. "
+                        "the replicas serve it and the trainer trains it in --dtype when given, else in the "
+                        "checkpoint's own dtype (one fingerprint for the fleet; a contradicting --replica-flag or "
+                        "--trainer-flag=--dtype is refused). "
                         "fp8: a preset is published quantized (e4m3 values + block scales: 1 byte a weight), "
                         "the replicas serve it and the trainer trains on the same FP8 forward (--dtype fp8, fp32 "
                         "masters) and publishes each version in that form; a --model checkpoint that is not FP8 "
@@ -405,6 +425,8 @@ async def _fetch_servable(client: object, workdir: pathlib.Path, version: str,
 
 
 def _source_name(args: argparse.Namespace) -> str:
+    if args.model and pathlib.Path(args.model).resolve() == SFT_CHECKPOINT:
+        return f"the shipped countdown SFT checkpoint ({args.model})"
     return args.model if args.model else f"the {args.preset} preset (seed {args.seed})"
 
 
@@ -793,6 +815,8 @@ async def run(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.workdir).expanduser().resolve()
     if args.decode_replicas < 1 or args.prefill_replicas < 0:
         raise SystemExit("zerokl up: need at least one decode replica and no negative counts")
+    if not args.model and not args.preset:
+        args.model = str(SFT_CHECKPOINT)
     args.dtype = _fleet_dtype(args)
     try:
         # Refused before anything starts: a place another cluster holds, a fleet that could not be exact.
@@ -854,8 +878,9 @@ async def run(args: argparse.Namespace) -> int:
         if security.auth.enabled:
             print(f"auth is on: tokens in {workdir / 'secrets'} (client.token for generate, operator.token for "
                   f"jobs and internal RPCs)", flush=True)
-        print(f"try:\n  zerokl generate --server {scheduler.address} {shlex.quote(_EXAMPLE_PROMPT)} "
-              f"--max-tokens 16\nCtrl-C stops all services.", flush=True)
+        print(f"try:\n  {_example(scheduler.address)}" + ("\n  (an untrained preset answers with noise: without "
+              "--preset, `zerokl up` serves the shipped countdown SFT checkpoint)" if args.preset else "")
+              + "\nCtrl-C stops all services.", flush=True)
         while not stop.is_set():
             await supervisor.tick()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -884,6 +909,13 @@ async def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _example(address: str) -> str:
+    """A `zerokl generate` line to try against the scheduler at ``address`` (bash quoting: the prompt ends in a
+    newline, as the task's prompts do)."""
+    prompt = "$'" + _EXAMPLE_PROMPT.replace("\n", "\\n") + "'"
+    return f"zerokl generate --server {address} {prompt} --temperature 0 --max-tokens 32"
+
+
 def _check_free(workdir: pathlib.Path, port: int) -> None:
     """UpError when another `zerokl up` runs in ``workdir`` or something listens on the scheduler's ``port``."""
     state = read_state(workdir)
@@ -906,8 +938,8 @@ def _check_one_fingerprint(children: Sequence[Child]) -> None:
     could not foresee, e.g. a trainer resuming a run that keeps its own dtype)."""
     compute = [c for c in children if c.service in ("prefill", "decode", "trainer") and c.identity is not None]
     if len({c.identity.numerics_fingerprint for c in compute}) > 1:  # type: ignore[union-attr]
-        seen = "; ".join(f"{c.name} {c.identity.numerics_fingerprint} ({c.identity.backend}/{c.identity.device}/"  # type: ignore[union-attr]
-                         f"{c.identity.dtype})" for c in compute)  # type: ignore[union-attr]
+        seen = "; ".join(f"{c.name} {i.numerics_fingerprint} ({i.backend}/{i.device}/{i.dtype})"
+                         for c in compute if (i := c.identity) is not None)
         raise UpError(f"the services compute more than one numerics fingerprint ({seen}): train/inference KL is "
                       "exactly 0 only within one. A trainer that resumes its run keeps the run's dtype: start with "
                       "the run's --dtype, or a fresh --workdir")
