@@ -23,6 +23,7 @@ from test_scheduler_cli import _status
 from zerokl.services.inference import InferenceClient
 from zerokl.services.jobs.manager import JobState, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
+from zerokl.services.weightstore.client import WeightStoreClient
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,6 +54,11 @@ def _switch(scheduler: str, version: str) -> str:
     return asyncio.run(main())
 
 
+async def _parent(store: str, version: str) -> str:
+    async with WeightStoreClient(store) as weights:
+        return (await weights.manifest(version)).spec.parent_version
+
+
 def _status_text(workdir) -> str:  # noqa: ANN001
     run = subprocess.run([sys.executable, "-m", "zerokl", "status", "--workdir", str(workdir)],
                          capture_output=True, text=True, timeout=60)
@@ -76,9 +82,8 @@ def test_a_corrupt_served_version_makes_the_fleet_fall_back_by_itself(fleet) -> 
     workdir, services = fleet
     scheduler = services["scheduler"]["address"]
     served = _sft(scheduler, 2, seed=2)
-    good = json.loads((workdir / "scheduler" / "fleet.json").read_text())["good"]
-    assert good[-1] == served and len(good) >= 2, good
-    previous = good[-2]                                # the most recently served good version before it
+    # The job started the fleet on the trainer's version (the last test's job), then switched it to `served`.
+    previous = asyncio.run(_parent(services["weight-store"]["address"], served))
     shard = workdir / "weights" / "versions" / served / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -99,6 +104,7 @@ def test_a_corrupt_served_version_makes_the_fleet_fall_back_by_itself(fleet) -> 
     # The record keeps the corrupt version from being served again, by a restart or a new `zerokl up`.
     record = json.loads((workdir / "scheduler" / "fleet.json").read_text())
     assert record["weights_version"] == previous and served not in record["good"], record
+    assert record["good"][-1] == previous, record
 
     # Clients are served (the command line finds the cluster through up.json), and an operator's switch works.
     run = subprocess.run([sys.executable, "-m", "zerokl", "generate", "--prompt-ids", "3,4,5", "--max-tokens", "4",
