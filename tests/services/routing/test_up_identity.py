@@ -87,7 +87,9 @@ def test_the_trainer_computes_in_the_fleets_dtype(fleet) -> None:  # noqa: ANN00
     workdir, services, _ = fleet
     code, report = _status(workdir, 60)
     assert code == 0, report
-    # The shipped checkpoint is fp32; --dtype bfloat16 puts the replicas and the trainer on bf16 alike.
+    # The checkpoint the fleet serves is stored in fp32 (the shipped one, as published); --dtype bfloat16 puts
+    # the replicas and the trainer on bf16 alike: one fingerprint.
+    assert json.loads((workdir / "weights" / "versions" / "1" / "config.json").read_text())["dtype"] == "float32"
     assert report["fingerprints"] == [fingerprint(dtype=torch.bfloat16)], report
 
     async def dtypes() -> tuple[str, str]:
