@@ -342,11 +342,15 @@ async def _wait_serving(child: Child, deadline: float, security: UpSecurity, clu
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     break
             await asyncio.sleep(0.2)
-        child.identity = await _info(channel, child.service)
-    if child.identity is None or child.identity.cluster_id != cluster_id:
-        theirs = child.identity.cluster_id if child.identity is not None else "no Info"
-        raise UpError(f"{child.address} answers as another cluster ({theirs or 'no cluster id'}), not this one "
-                      f"({cluster_id}): another process listens on {child.name}'s port")
+        while (identity := await _info(channel, child.service)) is None:
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                raise UpError(f"{child.address} answers health but no Info: is another process on {child.name}'s "
+                              f"port? Its log {child.log_path}:\n{_log_tail(child.log_path)}")
+            await asyncio.sleep(0.2)
+        child.identity = identity
+    if identity.cluster_id != cluster_id:
+        raise UpError(f"{child.address} answers as another cluster ({identity.cluster_id or 'no cluster id'}), not "
+                      f"this one ({cluster_id}): another process listens on {child.name}'s port")
     child.status = "SERVING"
     child.serving_since = time.monotonic()
 
