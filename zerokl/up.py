@@ -1042,8 +1042,9 @@ def status(workdir: str, as_json: bool = False, security: ClientSecurity = Clien
         time.sleep(0.5)
     if state is None:
         print(f"no running `zerokl up` found ({pathlib.Path(os.path.expanduser(workdir)) / 'up.json'} "
-              f"does not exist" + (f" after {wait_s:g}s" if wait_s else "; `zerokl status --wait 60` waits for "
-                                   "one that is starting") + ")", file=sys.stderr)
+              f"does not exist or names a process that is gone" + (f", after {wait_s:g}s" if wait_s else
+                                                                   "; `zerokl status --wait 60` waits for one "
+                                                                   "that is starting") + ")", file=sys.stderr)
         return 1
     # The scheduler's record, read where it writes it: current even between two of the supervisor's ticks.
     fleet_note = read_fleet(pathlib.Path(os.path.expanduser(workdir)) / "scheduler").note
