@@ -32,7 +32,11 @@ fleet's target (kept in ``fleet.json`` of the state directory, so a restarted
 scheduler knows it too). Unpinned requests are served at the target, and a healthy
 replica found on another version (restarted at an old one, or left behind by a
 switch that could not put it back) is switched to the target by the scheduler
-itself, without a canary: the target passed one.
+itself, without a canary: the target passed one. A target the weight store can no
+longer hand out whole (DATA_LOSS when a replica fetches it: a corrupt shard) cannot
+be served by any replica that restarts, so the scheduler moves the whole fleet to
+the most recently served good version in its record that switches and passes a
+canary, and records the fallback and why (``fleet.json``'s note).
 """
 from __future__ import annotations
 
