@@ -301,10 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((_HOST, 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before by this process: a planned child binds its
+    port only when it starts, and the kernel may offer a port again once its probe socket closed."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((_HOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # Runs in each child before the service: asks Linux for SIGTERM when `zerokl up` dies (PR_SET_PDEATHSIG,
@@ -359,6 +368,11 @@ async def _wait_serving(child: Child, deadline: float, security: UpSecurity, clu
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     break
             await asyncio.sleep(0.2)
+        if child.service not in _INFO_SERVICE:
+            # Health only (the Tinker endpoint): its process is ours and alive, so the port is its own
+            # (another holder would have made it exit: checked above).
+            child.status = "SERVING"
+            return
         while (identity := await _info(channel, child.service)) is None:
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 raise UpError(f"{child.address} answers health but no Info: is another process on {child.name}'s "
@@ -858,7 +872,7 @@ async def run(args: argparse.Namespace) -> int:
     args.dtype = _fleet_dtype(args)
     try:
         # Refused before anything starts: a place another cluster holds, a fleet that could not be exact.
-        _check_free(workdir, args.port)
+        _check_free(workdir, {"--port": args.port, **({"--tinker-port": args.tinker_port} if args.tinker else {})})
         _check_exact(args, _stored_dtype(args.model, f"--model {args.model}") if args.model
                      else _NUMERICS[args.dtype], f"--model {args.model}" if args.model else "the preset")
     except UpError as err:
@@ -958,21 +972,24 @@ def _example(address: str) -> str:
     return f"zerokl generate --server {address} {prompt} --temperature 0 --max-tokens 32"
 
 
-def _check_free(workdir: pathlib.Path, port: int) -> None:
-    """UpError when another `zerokl up` runs in ``workdir`` or something listens on the scheduler's ``port``."""
+def _check_free(workdir: pathlib.Path, ports: dict[str, int]) -> None:
+    """UpError when another `zerokl up` runs in ``workdir`` or something listens on one of the fixed ``ports``
+    (flag -> port; 0: picked at start, always free)."""
     state = read_state(workdir)
     if state is not None:
         raise UpError(f"another `zerokl up` (pid {state['pid']}) runs in {workdir}: stop it first, or give this "
                       "one its own --workdir")
-    if port:
+    for flag, port in ports.items():
+        if not port:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            # As the scheduler binds it (SO_REUSEADDR: a port in TIME_WAIT is free; a listening one never is).
+            # As the service binds it (SO_REUSEADDR: a port in TIME_WAIT is free; a listening one never is).
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((_HOST, port))
             except OSError as err:
-                raise UpError(f"--port {port}: {_HOST}:{port} is taken ({err.strerror}); another cluster may be "
-                              f"serving there. Pass another --port, or --port 0 for a free one") from None
+                raise UpError(f"{flag} {port}: {_HOST}:{port} is taken ({err.strerror}); another cluster may be "
+                              f"serving there. Pass another {flag}, or {flag} 0 for a free one") from None
 
 
 def _check_one_fingerprint(children: Sequence[Child]) -> None:
