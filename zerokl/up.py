@@ -368,11 +368,6 @@ async def _wait_serving(child: Child, deadline: float, security: UpSecurity, clu
                 if resp.status == health_pb2.HealthCheckResponse.SERVING:
                     break
             await asyncio.sleep(0.2)
-        if child.service not in _INFO_SERVICE:
-            # Health only (the Tinker endpoint): its process is ours and alive, so the port is its own
-            # (another holder would have made it exit: checked above).
-            child.status = "SERVING"
-            return
         while (identity := await _info(channel, child.service)) is None:
             if child.proc.poll() is not None or time.monotonic() > deadline:
                 raise UpError(f"{child.address} answers health but no Info: is another process on {child.name}'s "
@@ -389,13 +384,11 @@ async def _wait_serving(child: Child, deadline: float, security: UpSecurity, clu
 # The gRPC service whose Info each zerokl service answers (one request and response type everywhere).
 _INFO_SERVICE = {"prefill": "zerokl.v1.Inference", "decode": "zerokl.v1.Inference",
                  "scheduler": "zerokl.v1.Inference", "weight-store": "zerokl.v1.WeightStore",
-                 "trainer": "zerokl.v1.Trainer"}
+                 "trainer": "zerokl.v1.Trainer", "tinker": "zerokl.v1.TinkerEndpoint"}
 
 
 async def _info(channel: grpc.aio.Channel, service: str) -> ServiceIdentity | None:
     """The service's Info (None when it does not answer one: the table shows '-')."""
-    if service not in _INFO_SERVICE:         # the Tinker endpoint: health only
-        return None
     info = channel.unary_unary(f"/{_INFO_SERVICE[service]}/Info",
                                request_serializer=common_pb2.InfoRequest.SerializeToString,
                                response_deserializer=common_pb2.ServiceInfo.FromString)
@@ -656,6 +649,7 @@ def _tinker_child(args: argparse.Namespace, workdir: pathlib.Path, store: Child,
                "--sampler", ",".join(r.address for r in samplers), "--base-model", version,
                *(f for name in names for f in ("--model-name", name)), "--tokenizer", tokenizer,
                "--state-dir", str(workdir / "tinker"), "--http-port", str(c.http_port), "--port", str(c.port),
+               "--replica-id", c.name,
                *c.serve_metrics(), *common, *args.tinker_flag]
     return c
 

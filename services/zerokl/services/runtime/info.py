@@ -29,7 +29,7 @@ __all__ = [
     "identity_from_proto",
 ]
 
-SERVICES = ("prefill", "decode", "trainer", "weight-store", "scheduler")
+SERVICES = ("prefill", "decode", "trainer", "weight-store", "scheduler", "tinker")
 # The cluster a service belongs to (`zerokl up` sets it for its children; a Helm release may too).
 CLUSTER_ID_ENV = "ZEROKL_CLUSTER_ID"
 

@@ -33,8 +33,11 @@ from typing import Sequence
 
 import uvicorn
 
+import grpc
+
 from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
-from zerokl.services.runtime.metrics import MetricsServer
+from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
+from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, options_from_args, peer_credentials,
                                             serve)
 from zerokl.services.tinker_api.app import build_app
@@ -45,6 +48,7 @@ from zerokl.services.tinker_api.types import BaseModel
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.tokenizer import write_hf_tokenizer
+from zerokl.v1 import common_pb2, tinker_endpoint_pb2_grpc
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_HTTP_PORT", "build_parser", "main"]
 
@@ -53,6 +57,16 @@ log = logging.getLogger(__name__)
 DEFAULT_PORT = 50056
 DEFAULT_HTTP_PORT = 8000
 _PRESET = re.compile(r"preset:([A-Za-z0-9_-]+)(?::seed(\d+))?")
+
+
+class _EndpointInfo(tinker_endpoint_pb2_grpc.TinkerEndpointServicer):
+    """``zerokl.v1.TinkerEndpoint/Info``: the endpoint's identity (its cluster id among it)."""
+
+    def __init__(self, identity: ServiceIdentity) -> None:
+        self._identity = identity
+
+    async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
+        return identity_to_proto(self._identity)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--swap-wait", type=float, default=600.0,
                    help="seconds a model's call waits for another model to reach a step boundary on the trainer "
                         "(default %(default)s)")
+    p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p
 
@@ -146,11 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             base = await _base_model(args, store, state_dir)
             await pool.start(args.sampler_wait)
+            # The endpoint computes nothing itself: its identity names it, its cluster and the base model.
+            identity = ServiceIdentity("tinker", args.replica_id or default_replica_id("tinker"),
+                                       weights_version=base.version)
             service = TinkerService(base, trainer=trainer, samplers=pool, store=store,
                                     futures=FutureStore(), swap_wait_s=args.swap_wait, long_poll_s=args.long_poll)
 
             async def setup(server: ServiceServer) -> None:
                 nonlocal http, serving
+                server.add_servicer(tinker_endpoint_pb2_grpc.add_TinkerEndpointServicer_to_server,
+                                    _EndpointInfo(identity), "zerokl.v1.TinkerEndpoint")
+                set_serving_info(identity)
                 tls = options.tls
                 http = _Uvicorn(uvicorn.Config(
                     build_app(service, options.auth), host=args.host, port=args.http_port, lifespan="off",
