@@ -150,9 +150,9 @@ class _Contract(torch.autograd.Function):
         a, b = ctx.saved_tensors
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = torch.matmul(g, b.float()).to(a.dtype)
+            ga = _contract_exact(g, b.transpose(-1, -2)).to(a.dtype)          # g [.., M, N] b [.., N, K]
         if ctx.needs_input_grad[1]:
-            gb = torch.matmul(g.transpose(-1, -2), a.float()).to(b.dtype)
+            gb = _contract_exact(g.transpose(-1, -2), a.transpose(-1, -2)).to(b.dtype)
         return ga, gb, None
 
 
@@ -347,7 +347,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_derivative(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(x)
+    s = _sigmoid32(x)
     return s * (1.0 + x * (1.0 - s))
 
 
