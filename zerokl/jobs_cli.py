@@ -3,7 +3,7 @@
     zerokl jobs submit rl --steps 30          # GRPO on countdown; follows the job until it ends
     zerokl jobs submit sft --steps 200        # SFT on countdown demonstrations
     zerokl jobs list
-    zerokl jobs watch JOB_ID [--json]         # replays past steps, then live ones
+    zerokl jobs watch JOB_ID [--verbose|--json]   # the job's hyperparameters, past steps, then live ones
     zerokl jobs cancel JOB_ID
 """
 from __future__ import annotations
@@ -156,14 +156,14 @@ async def _watch(client, job_id: str, as_json: bool, verbose: bool = False) -> i
         if as_json:
             print(json.dumps(_event_dict(ev)), flush=True)
             continue
+        if ev.step is None and not ev.status.state.done and ev.status.state is not shown_state:
+            print(f"job {job_id} {ev.status.state.value}", flush=True)
+            shown_state = ev.status.state
         if ev.status.train_config is not None and not shown_config:
             print(hyperparameters_line(ev.status.kind, ev.status.train_config), flush=True)
             shown_config = True
         if ev.step is not None:
             print(step_line(ev.step, ev.status.total_steps, ev.weights_version, ev.metrics, verbose), flush=True)
-        elif not ev.status.state.done and ev.status.state is not shown_state:
-            print(f"job {job_id} {ev.status.state.value}", flush=True)
-            shown_state = ev.status.state
     if last is None:
         return 1
     if not as_json and last.status.state.done:
