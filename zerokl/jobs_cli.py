@@ -15,6 +15,8 @@ import json
 import math
 from typing import Callable
 
+from zerokl.table import aligned
+
 __all__ = ["HEADLINE", "add_arguments", "hyperparameters_line", "run", "step_line"]
 
 _UINT32_MAX, _UINT64_MAX = 2**32 - 1, 2**64 - 1     # the wire types of counts and seeds
@@ -172,12 +174,6 @@ async def _watch(client, job_id: str, as_json: bool, verbose: bool = False) -> i
     return 0 if last.status.state.value == "succeeded" else 1
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    """Rows (the first a header) as lines with aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-
-
 async def _main(args: argparse.Namespace) -> int:
     from zerokl.services.jobs.manager import CountdownTask, RLJobSpec, SFTJobSpec
     from zerokl.connect import connect
@@ -192,7 +188,7 @@ async def _main(args: argparse.Namespace) -> int:
                       s.name or "-", s.error] for s in jobs]
             if not any(s.error for s in jobs):
                 rows = [r[:-1] for r in rows]
-            print("\n".join(_table(rows)) if jobs else "no jobs")
+            print(aligned(rows) if jobs else "no jobs")
             return 0
         if args.action == "cancel":
             s = await client.cancel(args.job_id)
