@@ -112,7 +112,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ..., learning_rate: _Optional[float] = ..., train_config: _Optional[_Union[_trainer_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s")
+    __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s", "train_config")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class JobStatus(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: str
@@ -131,7 +132,8 @@ class JobStatus(_message.Message):
     weights_version: str
     error: str
     elapsed_s: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weights_version: _Optional[str] = ..., error: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    train_config: _trainer_pb2.TrainConfig
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weights_version: _Optional[str] = ..., error: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., train_config: _Optional[_Union[_trainer_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "weights_version", "metrics")

@@ -1,7 +1,7 @@
 """Tinker's per-token losses and per-call AdamParams on the trainer (issue 48): in process, and over gRPC.
 
 Parity claims are exact: the token path's logprobs are the engine's sampled logprobs and the
-Completion path's bit for bit; an optimizer step with AdamParams is torch's AdamW with those
+Completion path's bit for bit; an optimizer step with AdamParams is the trainer's AdamW with those
 hyperparameters, bit for bit. Loss values are checked against the documented formulas recomputed
 from the returned logprobs (a different summation order: a tolerance).
 """
@@ -19,7 +19,7 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.runtime import field_violations
 from zerokl.services.trainer.losses import TOKEN_LOSSES, token_loss_terms
-from zerokl.services.trainer.optim import AdamParams
+from zerokl.services.trainer.optim import AdamParams, grad_norm
 from zerokl.services.trainer.trainer import ScoredSequence, TrainConfig, Trainer
 from zerokl.services.trainer.types import TokenLossBatch, TokenSequence
 from zerokl.vocab import Completion
@@ -89,7 +89,7 @@ def test_each_loss_is_its_documented_sum_over_positions() -> None:
     assert torch.equal(lp_leaf.grad, torch.where(valid, -ratio.clamp(0.0, 4.0) * adv, torch.zeros(())))
 
 
-def test_adam_params_are_torch_adamw_with_those_hyperparameters_bit_for_bit() -> None:
+def test_adam_params_are_the_trainers_adamw_with_those_hyperparameters_bit_for_bit() -> None:
     trainer = Trainer(Model(TINY, seed=0), TrainConfig(lora_rank=4, grad_clip=1.0))
     seqs = [_datum((5, 6, 7), (8, 9, 10))]
     adam = AdamParams(learning_rate=3e-3, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.05, grad_clip_norm=0.5)
@@ -99,12 +99,14 @@ def test_adam_params_are_torch_adamw_with_those_hyperparameters_bit_for_bit() ->
         for p, mine in zip(params, trainer.params, strict=True):
             p.grad = mine.grad.detach().clone()
         if step == 0:
-            reference = torch.optim.AdamW(params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
-                                          weight_decay=adam.weight_decay, foreach=False)
+            # The trainer's own AdamW (optim.PortableAdamW on a CPU, torch's on CUDA: optim.adamw) with
+            # this call's hyperparameters.
+            reference = type(trainer.optimizer)(params, lr=adam.learning_rate, betas=(adam.beta1, adam.beta2),
+                                                eps=adam.eps, weight_decay=adam.weight_decay)
         else:
             reference.param_groups[0]["params"] = params
             reference.state = {p: s for p, s in zip(params, saved.values(), strict=True)}
-        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params))
+        norm = grad_norm([p.grad for p in params])
         if norm > adam.grad_clip_norm:                         # the per-call clip, not TrainConfig's 1.0
             for p in params:
                 p.grad.mul_(adam.grad_clip_norm / (float(norm) + 1e-6))

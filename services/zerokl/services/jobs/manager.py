@@ -239,6 +239,7 @@ class JobStatus:
     weights_version: str = ""
     error: str = ""
     elapsed_s: float = 0.0
+    train_config: TrainConfig | None = None     # the hyperparameters it trains with, once started
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,7 @@ class _Job:
     error: str = ""
     started: float | None = None      # wall-clock seconds (records outlive the process)
     ended: float | None = None
+    train_config: TrainConfig | None = None   # the effective hyperparameters, once started
     events: list[JobEvent] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -296,7 +298,8 @@ class _Job:
     def status(self) -> JobStatus:
         end = self.ended or time.time()
         return JobStatus(self.job_id, self.name, self.kind, self.state, self.step, self.total_steps,
-                         self.weights_version, self.error, 0.0 if self.started is None else end - self.started)
+                         self.weights_version, self.error, 0.0 if self.started is None else end - self.started,
+                         self.train_config)
 
 
 def _job_to_json(job: _Job) -> dict[str, Any]:
@@ -744,6 +747,10 @@ class _TrainerSession:
             state = self._call(self.client.load_weights(manifest.version, restore_state=False,
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
+        spec = self.job.spec
+        # What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled.
+        self.job.train_config = state.config if not spec.learning_rate else dataclasses.replace(
+            state.config, lr=spec.learning_rate, warmup_steps=0, total_steps=0)
         self._switch_fleet(manifest.version)
         self.weights_version = manifest.version
         # The trainer's weights may be a version recorded weights only (a job that failed between checkpoints

@@ -123,14 +123,17 @@ def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
 
 
 def status_to_proto(s: JobStatus) -> jobs_pb2.JobStatus:
-    return jobs_pb2.JobStatus(job_id=s.job_id, name=s.name, kind=s.kind, state=_STATES[s.state], step=s.step,
-                              total_steps=s.total_steps, weights_version=s.weights_version, error=s.error,
-                              elapsed_s=s.elapsed_s)
+    msg = jobs_pb2.JobStatus(job_id=s.job_id, name=s.name, kind=s.kind, state=_STATES[s.state], step=s.step,
+                             total_steps=s.total_steps, weights_version=s.weights_version, error=s.error,
+                             elapsed_s=s.elapsed_s)
+    if s.train_config is not None:
+        msg.train_config.CopyFrom(train_config_to_proto(s.train_config))
+    return msg
 
 
 def status_from_proto(m: jobs_pb2.JobStatus) -> JobStatus:
     return JobStatus(m.job_id, m.name, m.kind, _STATES_BACK[m.state], m.step, m.total_steps, m.weights_version,
-                     m.error, m.elapsed_s)
+                     m.error, m.elapsed_s, train_config_from_proto(m.train_config) if m.HasField("train_config") else None)
 
 
 def event_to_proto(e: JobEvent) -> jobs_pb2.JobEvent:

@@ -106,9 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
                    help="prompt + completion ids per request at most (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice). Logprob bits do not depend on it; "
-                        "on the CPU an update's do (docs/perf.md, issue 37). On a small CPU host 1 avoids "
-                        "threads spinning against the server's own")
+                   help="torch intra-op threads (default: torch's choice). No bit depends on it: logprobs, "
+                        "gradients and updates are the same at any count (NUMERICS.md). On a small CPU host 1 "
+                        "avoids threads spinning against the server's own")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p

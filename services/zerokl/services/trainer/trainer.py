@@ -31,9 +31,10 @@ from zerokl.kernels.model.indexer_loss import indexer_losses
 from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
+from zerokl.kernels.ops import one_cpu_thread
 from zerokl.services.trainer.losses import (PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss,
                                             token_loss_terms)
-from zerokl.services.trainer.optim import AdamParams, NonFiniteStep, optimizer_step
+from zerokl.services.trainer.optim import AdamParams, NonFiniteStep, adamw, grad_norm, optimizer_step
 from zerokl.services.trainer.step_graphs import StepGraphs
 from zerokl.vocab import Completion, Rollout
 
@@ -187,9 +188,8 @@ class Trainer:
         # With master weights the optimizer owns fp32 copies of the trained parameters (same order
         # as self.params); the model's Parameters stay the objects everything else references.
         self.masters = [p.detach().float().clone() for p in params] if self.master_weights else None
-        # foreach=False: one fixed loop over parameters (deterministic on every backend).
-        self.optimizer = torch.optim.AdamW(self._optimized, lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay, foreach=False)
+        # One fixed loop over parameters; on a CPU the same bits on every machine (optim.adamw).
+        self.optimizer = adamw(self._optimized, config.lr, config.betas, config.weight_decay, self.device)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
         # weights are re-made after each optimizer step); the distributed trainer turns them off.
         graphs = config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
@@ -371,7 +371,10 @@ class Trainer:
             key = (method, loss_scale, batch.filters, id(self.reference), sparse, tuple(t.shape for t in inputs))
             terms = self._graphs.run(key, inputs, step)
         else:
-            terms = step(inputs)
+            # On a CPU the whole step runs on one intra-op thread: the backward's GEMMs and sums are
+            # plain torch, whose bits follow MKL's thread split (the forward's ops hold it already).
+            with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+                terms = step(inputs)
         if method == "ppo":
             stats = PPOStats.from_terms(terms)
             metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
@@ -411,15 +414,18 @@ class Trainer:
         valid = batch.mask > 0
         w = batch.mask.clone() if weights is None else padded(weights)
         coef = self.config.indexer_loss_coef if not forward_only else 0.0
-        with torch.set_grad_enabled(not forward_only), \
-                indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
-            lp = self.token_logprobs(self.model, batch)
-            total, terms = token_loss_terms(loss, lp, valid, w, padded(behaviour), padded(advantages), config or {})
-        if not forward_only:
-            if indexer_kl:                          # the indexer's own loss (zerokl.kernels.model.indexer_loss)
-                total = total + coef * torch.stack(indexer_kl).mean()
-            total.backward()
-            self.tokens_seen += batch.tokens
+        # On a CPU on one intra-op thread, as forward_backward: the backward's bits never follow MKL's split.
+        with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+            with torch.set_grad_enabled(not forward_only), \
+                    indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
+                lp = self.token_logprobs(self.model, batch)
+                total, terms = token_loss_terms(loss, lp, valid, w, padded(behaviour), padded(advantages),
+                                                config or {})
+            if not forward_only:
+                if indexer_kl:                      # the indexer's own loss (zerokl.kernels.model.indexer_loss)
+                    total = total + coef * torch.stack(indexer_kl).mean()
+                total.backward()
+                self.tokens_seen += batch.tokens
         values = torch.stack([v.double() for v in terms.values()]).tolist()      # one read, after the backward
         metrics = dict(zip(terms, values))
         metrics["tokens_per_s"] = batch.tokens / max(time.perf_counter() - start, 1e-9)
@@ -494,7 +500,6 @@ class Trainer:
                 m.grad = None if p.grad is None else p.grad.detach().float()
                 p.grad = None
         grads = [p.grad for p in self._optimized if p.grad is not None]
-        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
 
         def masters_to_model() -> None:
             if self.masters is not None:
@@ -510,8 +515,8 @@ class Trainer:
             for p in self.params:
                 p.grad = None
 
-        metrics = optimizer_step(self, grads, float(norm), lr, non_finite=non_finite, after_update=masters_to_model,
-                                 release=release, adam=adam)
+        metrics = optimizer_step(self, grads, grad_norm(grads), lr, non_finite=non_finite,
+                                 after_update=masters_to_model, release=release, adam=adam)
         if self.fp8:
             # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
             self._refresh_fp8()
