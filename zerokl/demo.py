@@ -31,10 +31,10 @@ import time
 
 from tqdm import tqdm
 
-__all__ = ["SFT_CHECKPOINT", "add_arguments", "main", "run", "write_report"]
+from zerokl.tasks.setup import SFT_CHECKPOINT
 
-#: The warm start `zerokl demo` ships with (tools/train_countdown_sft.py writes it).
-SFT_CHECKPOINT = pathlib.Path(__file__).resolve().parent / "assets" / "countdown-sft"
+__all__ = ["add_arguments", "main", "run", "write_report"]
+
 
 def _plot(records: list[dict], out: pathlib.Path, title: str) -> list[str]:
     import matplotlib

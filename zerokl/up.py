@@ -87,7 +87,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 
-from zerokl.demo import SFT_CHECKPOINT      # served when neither --model nor --preset is given
+from zerokl.tasks.setup import SFT_CHECKPOINT      # served when neither --model nor --preset is given
 from zerokl.services.routing.fleet import FleetRecord, read_fleet, write_fleet
 from zerokl.services.runtime.auth import (OPERATOR_TOKEN_ENV, OPERATOR_TOKEN_FILE_ENV, PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV,
                                           AuthConfig, TlsConfig, load_auth_token)

@@ -25,7 +25,7 @@ import pytest
 import torch
 from test_scheduler_cli import _at_once, _lines, _read_until, _reap, _status
 
-from zerokl.demo import SFT_CHECKPOINT
+from zerokl.tasks.setup import SFT_CHECKPOINT
 from zerokl.kernels import fingerprint
 from zerokl.services.inference import InferenceClient
 from zerokl.services.trainer.client import TrainerClient

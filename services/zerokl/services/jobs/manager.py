@@ -740,6 +740,7 @@ class _TrainerSession:
                                      "batches; OptimStep or LoadWeights first")
         self.base_step = self.trainer_step = state.step
         if isinstance(self.job.spec, RLJobSpec) and self.job.spec.train_config is None:
+            self._show_train_config(state.config)
             return self._start_shared()
         manifest = self._save()
         if self.job.spec.train_config is not None:
@@ -747,16 +748,19 @@ class _TrainerSession:
             state = self._call(self.client.load_weights(manifest.version, restore_state=False,
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
-        spec = self.job.spec
-        # What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled.
-        self.job.train_config = state.config if not spec.learning_rate else dataclasses.replace(
-            state.config, lr=spec.learning_rate, warmup_steps=0, total_steps=0)
+        self._show_train_config(state.config)
         self._switch_fleet(manifest.version)
         self.weights_version = manifest.version
         # The trainer's weights may be a version recorded weights only (a job that failed between checkpoints
         # left it there): no resume point then, until this job's first step records one (_checkpoint_due).
         self.checkpoint = manifest.version if manifest.spec.metadata.get(META_STATE) == "full" else ""
         return manifest.version
+
+    def _show_train_config(self, config: TrainConfig) -> None:
+        """What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled."""
+        lr = self.job.spec.learning_rate
+        self.job.train_config = config if not lr else dataclasses.replace(config, lr=lr, warmup_steps=0,
+                                                                           total_steps=0)
 
     def _start_shared(self) -> str:
         """An RL job's start off its critical path: the trainer's weights shared in place with their trainer state
