@@ -66,7 +66,7 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
     config = ModelConfig.preset(args.preset)
     if args.layers:
         config = config.replace(num_hidden_layers=args.layers)
-    model = build_model(config, "cpu", getattr(torch, args.dtype), args.seed)
+    model = build_model(config, args.device, getattr(torch, args.dtype), args.seed)
     return Trainer(model, TrainConfig(lr=args.lr))
 
 
@@ -197,7 +197,8 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
     weights = [r for r in later if not r["checkpoint"]] or later
     result = {"date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
               "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "preset": args.preset, "layers": args.layers, "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "device": args.device, "preset": args.preset, "layers": args.layers,
+              "dtype": args.dtype,
               "backend": args.backend, "method": args.method, "lr": args.lr, "delta": not args.no_delta,
               "records": rows}
     if weights:
@@ -227,6 +228,8 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=0, help="> 0: the preset with this many layers")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--device", default="cpu", help="where the trainer steps (the record's snapshot, write and upload "
+                                                   "are host work either way; default %(default)s)")
     p.add_argument("--steps", type=int, default=4, help="training steps, each recorded (after the first record)")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="record the trainer state every N steps (step 0 included), as an RL job does")
