@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-rl, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -55,6 +55,16 @@ elif [ "$MODE" = wave4-check ]; then
     timeout 110 python3 tools/bench/bench_record.py --device cuda --preset small --steps 6 $flag --out "$FINAL_OUT/record-$kind.json" \
       > "$OUT/record-$kind.log" 2>&1
   done
+elif [ "$MODE" = wave4-final ]; then
+  # one call: the tinker SDK on small bf16 (issue 48), then issue 49's RL job at the 24-token shape
+  device_wheels
+  timeout 200 python3 tools/tinker_sdk_check.py --up --preset small --dtype bfloat16 --steps 3 --max-tokens 64 \
+    > "$FINAL_OUT/tinker-small-bf16.json" 2> "$OUT/tinker.log"; echo "tinker_sdk_check rc=$?" >> "$OUT/tinker.log"
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
+  timeout 340 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job-24.json" --device cuda --dtype bfloat16 \
+    --preset small --prompts 64 --group 8 --steps 20 --reward vowel_share --half-time 90 --lr 1e-5 \
+    > "$OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = wave4-rl ]; then
   # issue 49's RL job through `zerokl up` vs in process: RL_MAX_TOKENS answers (24: the old shape; 1024 with
   # --ignore-eos: RL-shaped), RL_HALF_TIME seconds a half, RL_DELTAS on/off
