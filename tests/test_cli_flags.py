@@ -15,6 +15,7 @@ from zerokl import cli
 from zerokl.services.inference import server as inference_server
 from zerokl.services.routing import server as scheduler_server
 from zerokl import up
+from zerokl.services.tinker_api import server as tinker_server
 from zerokl.services.trainer import server as trainer_server
 from zerokl.services.weightstore import server as weightstore_server
 
@@ -39,6 +40,7 @@ PARSERS = {
     "serve trainer": trainer_server.build_parser(),
     "serve scheduler": scheduler_server.build_parser(),
     "serve weight-store": weightstore_server.build_parser(),
+    "serve tinker": tinker_server.build_parser(),
     "up": up.build_parser(),
 }
 
@@ -55,6 +57,8 @@ def test_every_parser_and_sub_parser_refuses_abbreviations() -> None:
     ("serve scheduler", ["--decode", "127.0.0.1:1", "--route-w", "1"], "--route-wait", "--route-w 1"),
     ("serve weight-store", ["--keep", "3"], "--keep-last", "--keep 3"),
     ("up", ["--work", "/tmp/x"], "--workdir", "--work /tmp/x"),
+    ("up", ["--tinker-sample", "2"], "--tinker-samplers", "--tinker-sample 2"),
+    ("serve tinker", ["--weight-store", "a:1", "--http", "80"], "--http-port", "--http 80"),
     ("zerokl", ["generate", "--max-tok", "3", "--prompt-ids", "3,4"], "--max-tokens", "--max-tok"),
     ("zerokl", ["jobs", "submit", "rl", "--steps", "3", "--eval", "2"], "--eval-every", "--eval 2"),
     ("zerokl", ["status", "--js"], "--json", "--js"),
@@ -69,6 +73,41 @@ def test_an_abbreviated_flag_is_an_error(name, argv, meant, unknown, capsys) -> 
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert f"unrecognized arguments: {unknown}" in err, err
+
+
+@pytest.mark.parametrize("argv,usage,hint", [
+    (["generate", "--max-token", "3", "--prompt-ids", "3,4"], "zerokl generate", "did you mean --max-tokens?"),
+    (["generate", "--max-token=3", "--prompt-ids", "3,4"], "zerokl generate", "did you mean --max-tokens?"),
+    (["jobs", "submit", "rl", "--steps", "3", "--eval", "2"], "zerokl jobs submit", "did you mean --eval-every?"),
+    (["status", "--jsn"], "zerokl status", "did you mean --json?"),
+    (["verify", "--backends", "torch"], "zerokl verify", "did you mean --backend?"),
+    (["jobs", "list", "--server", "127.0.0.1:1"], "zerokl jobs list",
+     "--server is a flag of zerokl jobs: give it before list"),
+])
+def test_a_mistyped_flag_gets_its_commands_usage_and_what_it_likely_meant(argv, usage, hint, capsys) -> None:
+    """Before: `zerokl generate --max-token 3` printed `zerokl`'s own usage (the list of commands) and
+    "zerokl: error: unrecognized arguments", no hint. The hint never makes the flag work: still exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {usage} ") and f"{usage}: error: unrecognized arguments: " in err, err
+    assert err.strip().endswith(f"({hint})"), err
+
+
+def test_a_flag_nothing_resembles_gets_no_hint(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--zzz", "--prompt-ids", "3,4"])
+    assert capsys.readouterr().err.strip().endswith("zerokl generate: error: unrecognized arguments: --zzz")
+
+
+def test_zerokl_generate_with_a_mistyped_flag_as_a_command() -> None:
+    r = subprocess.run([sys.executable, "-m", "zerokl", "generate", "--max-token", "3", "--prompt-ids", "3,4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.startswith("usage: zerokl generate ") and "usage: zerokl [-h]" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("zerokl generate: error: unrecognized arguments: --max-token "
+                                                 "(did you mean --max-tokens?)"), r.stderr
 
 
 def test_zerokl_serve_trainer_refuses_an_abbreviation_as_a_command() -> None:

@@ -19,7 +19,8 @@ def test_demo_writes_a_report_with_zero_kl(tmp_path):
     for rec in records:
         assert {"step", "reward", "kl", "clip_fraction", "tokens_per_s", "weights_version"} <= rec.keys()
         assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0
-    assert "kl 0.0 mismatched 0" in r.stdout + r.stderr
+    assert " kl 0.0 clip_fraction 0 mismatched_tokens 0 " in r.stdout + r.stderr
+    assert "hyperparameters: lr 0.0001 " in r.stdout + r.stderr          # the demo's, as the trainer uses it
     for name in ("report.md", "reward.png", "kl.png", "clip_fraction.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "KL exactly 0 at every step: **yes**" in (tmp_path / "report.md").read_text()

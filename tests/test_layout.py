@@ -38,6 +38,12 @@ def installed_top_level_names() -> set[str]:
             if any(d.lower() != OWN_DISTRIBUTION for d in dists)}
 
 
+def in_environment(path: pathlib.Path) -> bool:
+    """Whether path lies in a virtual environment (a `.venv` inside the checkout is common): its
+    site-packages are installed distributions, not the repository's folders."""
+    return any((parent / "pyvenv.cfg").exists() for parent in [path, *path.parents])
+
+
 def path_folders() -> list[pathlib.Path]:
     """The repository folders that reach sys.path when the project is run from a checkout."""
     folders = {ROOT}
@@ -50,7 +56,7 @@ def path_folders() -> list[pathlib.Path]:
                 folder = folder.parent
             folders.add(folder)
     folders.update(pathlib.Path(p).resolve() for p in sys.path if p and pathlib.Path(p).resolve().is_relative_to(ROOT))
-    return sorted(folders)
+    return sorted(f for f in folders if not in_environment(f))
 
 
 def importable_names(folder: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -90,7 +96,8 @@ for name in sorted(names):
         continue
     places = [spec.origin] if spec.origin else []
     places += list(spec.submodule_search_locations or [])
-    inside = [p for p in places if p and pathlib.Path(p).resolve().is_relative_to(root)]
+    inside = [p for p in places if p and pathlib.Path(p).resolve().is_relative_to(root)
+              and not any((d / "pyvenv.cfg").exists() for d in pathlib.Path(p).resolve().parents)]
     if inside:
         found[name] = inside
 print(json.dumps(found))

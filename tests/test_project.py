@@ -23,5 +23,6 @@ def test_cli_verify_reports_zero_mismatches():
     assert "OK: zero mismatches" in r.stdout and "three_path_parity" in r.stdout
     # The key and fingerprint it checked, and the golden verdict: the torch backend's key is
     # machine-independent, so the recorded entry exists on every CPU and must match.
+    import zerokl.kernels.model  # noqa: F401 - registers the model's golden case (model_tiny_logits) in this process
     from zerokl.kernels import fingerprint
     assert f"torch/cpu/float32  fingerprint {fingerprint('torch', 'cpu')}  golden: matches" in r.stdout

@@ -2,10 +2,13 @@
 
     python tools/train_countdown_sft.py            # writes zerokl/assets/countdown-sft (~25 min on 2 CPU cores)
 
-Deterministic: the torch backend runs every op on one thread in a fixed order, the
-data order comes from --seed, so the same command writes the same bytes (the
-recorded sha256 in sft.json lets you check). The demo's RL phase then starts from
-a model that answers in the right format and solves a few problems.
+Deterministic: the torch backend's forward and the CPU trainer's backward and AdamW
+step have the same bits on every CPU and thread count (NUMERICS.md), and the data order
+comes from --seed, so under one numerics version and trainer the same command writes the
+same bytes. sft.json records the version and the file's sha256: the shipped checkpoint was
+made under numerics 0.2.0, whose bits later versions changed, so a run today writes other
+bytes (a checkpoint of the same recipe). The demo's RL phase then starts from a model that
+answers in the right format and solves a few problems.
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import importlib
 import asyncio
 import json
 import os
+import signal
 import sys
 from typing import Any, Callable
 
@@ -75,6 +76,7 @@ SERVICES = {
     "weight-store": "zerokl.services.weightstore.server:main",
     "trainer": "zerokl.services.trainer.server:main",
     "scheduler": "zerokl.services.routing.server:main",
+    "tinker": "zerokl.services.tinker_api.server:main",
 }
 
 
@@ -188,10 +190,59 @@ class _WholeFlagsParser(argparse.ArgumentParser):
 
     Sub-command parsers are made with the class of their parent (``add_subparsers``'s default
     ``parser_class``), so every parser under `zerokl` refuses abbreviations, nested ones too.
+    An unknown flag is reported by the command it was given to (its usage, not `zerokl`'s), with
+    the flag of that command it most resembles: `zerokl generate --max-token 3` says
+    "unrecognized arguments: --max-token (did you mean --max-tokens?)" and runs nothing.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            chain = _chosen_parsers(self, parsed)
+            hints = _flag_hints(chain, unknown)
+            chain[-1].error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+        return parsed
+
+
+def _chosen_parsers(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> list[argparse.ArgumentParser]:
+    """``parser`` and the sub-command parsers ``parsed`` went through, outermost first."""
+    chain = [parser]
+    while True:
+        subs = [a for a in chain[-1]._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(parsed, subs[0].dest, None) if subs else None
+        if not subs or chosen not in subs[0].choices:
+            return chain
+        chain.append(subs[0].choices[chosen])
+
+
+def _flag_hints(chain: list[argparse.ArgumentParser], unknown: list[str]) -> list[str]:
+    """What each unknown flag given to the command ``chain[-1]`` was likely meant to be: a flag of an
+    enclosing command given after its sub-command ("--server is a flag of zerokl jobs: give it
+    before list"), else the command's own flag it most resembles ("did you mean --max-tokens?": the
+    one flag it begins, else the nearest by difflib's ratio, at least 0.6). No hint for no likely match."""
+    import difflib
+
+    def flags(p: argparse.ArgumentParser) -> list[str]:
+        return [f for a in p._actions for f in a.option_strings if f.startswith("--")]
+
+    own, hints = flags(chain[-1]), []
+    for arg in unknown:
+        if not arg.startswith("--"):
+            continue
+        name = arg.split("=", 1)[0]
+        outer = next((p for p in reversed(chain[:-1]) if name in flags(p)), None)
+        if outer is not None:
+            hint = f"{name} is a flag of {outer.prog}: give it before {chain[chain.index(outer) + 1].prog.split()[-1]}"
+        else:
+            begun = [f for f in own if f.startswith(name)]
+            close = begun if len(begun) == 1 else difflib.get_close_matches(name, own, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else ""
+        if hint and hint not in hints:
+            hints.append(hint)
+    return hints
 
 
 # Commands whose modules import torch when loaded: their flags are added only when the command is
@@ -306,9 +357,23 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(argv).parse_args(argv)
-    run: Callable[[argparse.Namespace], int] = args.run
-    return run(args)
+    """Run one `zerokl` command; its exit status.
+
+    A reader that closes our stdout early (`zerokl jobs watch ID | head`) ends the command as it
+    ends `cat` or `seq`: quietly, no traceback, with the status a process killed by SIGPIPE
+    shows in a shell (128 + 13 = 141); gRPC calls in flight are cancelled as the command unwinds."""
+    try:
+        args = build_parser(argv).parse_args(argv)
+        run: Callable[[argparse.Namespace], int] = args.run
+        status = run(args)
+        sys.stdout.flush()            # what is still buffered fails here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null so that flush has nowhere to fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ Phases (each with a progress bar or step lines):
 3. An RL job through the scheduler: n samples per prompt generated on weights
    version v (every request pinned to v), rewards, a GRPO/PPO-clip update on the
    trainer, publish v+1 to the weight store, every replica switches to v+1, next
-   step. Each step prints reward, the exact train/inference KL, mismatched tokens,
-   clip fraction and tokens/s; greedy test accuracy every few steps.
+   step. The hyperparameters the job trains with come first; then each step prints
+   the line `zerokl jobs watch` prints: reward, the exact train/inference KL, clip
+   fraction, mismatched tokens, greedy test accuracy every few steps, loss, gradient
+   norm, learning rate and tokens/s.
 4. A report in --out: report.md, metrics.jsonl (one object per RL step) and PNG plots.
 """
 from __future__ import annotations
@@ -29,10 +31,10 @@ import time
 
 from tqdm import tqdm
 
-__all__ = ["SFT_CHECKPOINT", "add_arguments", "main", "run", "write_report"]
+from zerokl.tasks.setup import SFT_CHECKPOINT
 
-#: The warm start `zerokl demo` ships with (tools/train_countdown_sft.py writes it).
-SFT_CHECKPOINT = pathlib.Path(__file__).resolve().parent / "assets" / "countdown-sft"
+__all__ = ["add_arguments", "main", "run", "write_report"]
+
 
 def _plot(records: list[dict], out: pathlib.Path, title: str) -> list[str]:
     import matplotlib
@@ -144,13 +146,8 @@ class _Cluster:
         self.log.close()
 
 
-def _step_line(step: int, m: dict, version: str) -> str:
-    acc = f" test_acc {m['test_accuracy']:.2f}" if "test_accuracy" in m else ""
-    return (f"step {step:3d} {version} reward {m['reward']:.3f} kl {m['kl']!r} mismatched "
-            f"{int(m['mismatched_tokens'])} clip {m['clip_fraction']:.3f} tok/s {m['tokens_per_s']:.0f}{acc}")
-
-
 async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
+    from zerokl.jobs_cli import hyperparameters_line, step_line
     from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
     from zerokl.services.jobs.service import JobsClient
 
@@ -172,10 +169,14 @@ async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
                          seed=args.seed, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
         job = await jobs.submit(spec, "countdown GRPO")
         bar = tqdm(total=args.steps, desc="GRPO job", unit="step", disable=None)
+        shown_config = False
         async for ev in jobs.watch(job.job_id):
+            if ev.status.train_config is not None and not shown_config:
+                tqdm.write(hyperparameters_line("rl", ev.status.train_config))
+                shown_config = True
             if ev.step is not None:
                 m = ev.metrics
-                tqdm.write(_step_line(ev.step, m, ev.weights_version))
+                tqdm.write(step_line(ev.step, ev.status.total_steps, ev.weights_version, m))   # as `zerokl jobs watch`
                 bar.update(1)
                 records.append({"step": ev.step, "weights_version": ev.weights_version,
                                 **{k: (int(v) if k in ("mismatched_tokens", "tokens", "stale_rollouts") else v)

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from zerokl.table import aligned
+
 __all__ = [
     "COMPONENTS",
     "PodReport",
@@ -226,8 +228,7 @@ def format_table(reports: Sequence[PodReport]) -> str:
     for r in reports:
         rows.append((r.target.name, r.target.component, r.target.address or "-", r.numerics_version or "-",
                      r.numerics_fingerprint or "-", r.weights_version or "-", r.verdict()))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows)
+    return aligned(rows)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -318,7 +318,7 @@ def _sft_folder(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
 
 def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path):  # noqa: ANN001, ANN202
     """The arm's starting weights (the warm start must already exist)."""
-    from zerokl.demo import SFT_CHECKPOINT
+    from zerokl.tasks.setup import SFT_CHECKPOINT
     from zerokl.kernels.model import Model
     from zerokl.tasks.setup import countdown_config
     dtype = _DTYPES[s.dtype]

@@ -3,18 +3,21 @@
     zerokl jobs submit rl --steps 30          # GRPO on countdown; follows the job until it ends
     zerokl jobs submit sft --steps 200        # SFT on countdown demonstrations
     zerokl jobs list
-    zerokl jobs watch JOB_ID [--json]         # replays past steps, then live ones
+    zerokl jobs watch JOB_ID [--verbose|--json]   # the job's hyperparameters, past steps, then live ones
     zerokl jobs cancel JOB_ID
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 from typing import Callable
 
-__all__ = ["add_arguments", "run"]
+from zerokl.table import aligned
+
+__all__ = ["HEADLINE", "add_arguments", "hyperparameters_line", "run", "step_line"]
 
 _UINT32_MAX, _UINT64_MAX = 2**32 - 1, 2**64 - 1     # the wire types of counts and seeds
 
@@ -74,12 +77,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--detach", action="store_true", help="print the job id and return")
     s.add_argument("--json", action="store_true",
                    help="JSON lines only: the queued job, then one object per event")
+    s.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     sub.add_parser("list", help="every job, in submission order")
     w = sub.add_parser("watch", help="the job's steps (past ones first) until it ends")
     w.add_argument("job_id", help="as `zerokl jobs submit` or `list` printed it")
     w.add_argument("--json", action="store_true", help="one JSON object per event")
+    w.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     c = sub.add_parser("cancel", help="stop a job at its next step boundary")
     c.add_argument("job_id", help="as `zerokl jobs submit` or `list` printed it")
+
+
+_VERBOSE_HELP = ("step lines with every metric: the headline ones first, then the rest (timings, weight sync, "
+                 "records, ratios) in alphabetical order")
+
+# A step line's metrics in this order, the ones that say whether training is healthy first (the exact
+# train/inference KL beside the reward); a kind shows those it has. The others (timings, sync, records,
+# ratio bounds, ...) follow in alphabetical order with --verbose; --json has them all.
+HEADLINE = ("reward", "kl", "clip_fraction", "mismatched_tokens", "test_accuracy", "loss", "preference_accuracy",
+            "grad_norm", "lr", "tokens_per_s")
+_COUNTS = {"mismatched_tokens", "tokens", "stale_rollouts", "record_lag"}   # integers on the wire as doubles
+
+
+def _metric(name: str, value: float) -> str:
+    if name == "kl":
+        return f"kl {value!r}"                       # exact: 0.0 means zero, not "small"
+    if name in _COUNTS and float(value).is_integer():
+        return f"{name} {int(value)}"
+    return f"{name} {value:.4g}"
+
+
+def step_line(step: int, total: int, version: str, metrics: dict[str, float], verbose: bool = False) -> str:
+    """One step as `zerokl jobs watch` prints it: `step 3/30 [published V] reward ... kl 0.0 ...`."""
+    names = [k for k in HEADLINE if k in metrics]
+    if verbose:
+        names += sorted(k for k in metrics if k not in HEADLINE)
+    published = f" published {version}" if version else ""
+    return f"step {step}/{total}{published} " + " ".join(_metric(k, metrics[k]) for k in names)
+
+
+def hyperparameters_line(kind: str, c) -> str:  # noqa: ANN001 - a TrainConfig
+    """The hyperparameters a job of ``kind`` trains with, in one line (those its kind reads)."""
+    lr = f"lr {c.lr:g}"
+    if c.warmup_steps or c.total_steps:
+        lr += f" (warmup {c.warmup_steps} steps" + (f", cosine to {0.1 * c.lr:g} at step {c.total_steps})"
+                                                     if c.total_steps else ")")
+    parts = [lr, f"betas {c.betas[0]:g},{c.betas[1]:g}", f"weight_decay {c.weight_decay:g}",
+             f"grad_clip {c.grad_clip:g}"]
+    if kind == "rl":
+        parts += [f"clip_eps {c.clip_eps:g}", f"kl_coef {c.kl_coef:g}"]
+    if kind == "dpo":
+        parts.append(f"dpo_beta {c.dpo_beta:g}")
+    if c.lora_rank:
+        parts.append(f"lora_rank {c.lora_rank} (alpha {c.lora_alpha:g})")
+    return "hyperparameters: " + " ".join(parts)
 
 
 def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
@@ -88,27 +138,40 @@ def _event_dict(ev) -> dict:  # noqa: ANN001 - a JobEvent
     d = {"job_id": ev.status.job_id, "state": ev.status.state.value, "step": ev.step,
          "weights_version": ev.weights_version if ev.step is not None else ev.status.weights_version}
     if ev.step is not None:
-        d["metrics"] = ev.metrics
+        d["metrics"] = dict(sorted(ev.metrics.items()))
+    if ev.status.train_config is not None:
+        d["train_config"] = dataclasses.asdict(ev.status.train_config)
     if ev.status.error:
         d["error"] = ev.status.error
     return d
 
 
-async def _watch(client, job_id: str, as_json: bool) -> int:  # noqa: ANN001
-    from zerokl.services.jobs.manager import JobState
-    last = None
+async def _watch(client, job_id: str, as_json: bool, verbose: bool = False) -> int:  # noqa: ANN001
+    """Print the job's events until it ends; 0 if it succeeded.
+
+    Human form: the job's state when it is not over yet, its hyperparameters once it has started,
+    each step, and how it ended, once, last (the stream opens and closes with the job's status: for a
+    finished job both say how it ended)."""
+    last, shown_state, shown_config = None, None, False
     async for ev in client.watch(job_id):
         last = ev
         if as_json:
             print(json.dumps(_event_dict(ev)), flush=True)
-        elif ev.step is not None:
-            shown = " ".join(f"{k} {v!r}" if k == "kl" else f"{k} {v:.4g}" for k, v in ev.metrics.items())
-            published = f" published {ev.weights_version}" if ev.weights_version else ""
-            print(f"step {ev.step}/{ev.status.total_steps}{published} {shown}", flush=True)
-        else:
-            print(f"job {job_id} {ev.status.state.value}" + (f": {ev.status.error}" if ev.status.error else ""),
-                  flush=True)
-    return 0 if last is not None and last.status.state is JobState.SUCCEEDED else 1
+            continue
+        if ev.step is None and not ev.status.state.done and ev.status.state is not shown_state:
+            print(f"job {job_id} {ev.status.state.value}", flush=True)
+            shown_state = ev.status.state
+        if ev.status.train_config is not None and not shown_config:
+            print(hyperparameters_line(ev.status.kind, ev.status.train_config), flush=True)
+            shown_config = True
+        if ev.step is not None:
+            print(step_line(ev.step, ev.status.total_steps, ev.weights_version, ev.metrics, verbose), flush=True)
+    if last is None:
+        return 1
+    if not as_json and last.status.state.done:
+        print(f"job {job_id} {last.status.state.value}" + (f": {last.status.error}" if last.status.error else ""),
+              flush=True)
+    return 0 if last.status.state.value == "succeeded" else 1
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -119,16 +182,20 @@ async def _main(args: argparse.Namespace) -> int:
     where = connect(args, operator=True)
     async with JobsClient(where.target, token=where.security.token, credentials=where.security.credentials()) as client:
         if args.action == "list":
-            for s in await client.list():
-                print(f"{s.job_id}  {s.kind:3s}  {s.state.value:9s}  {s.step}/{s.total_steps}  "
-                      f"{s.weights_version or '-'}  {s.name}" + (f"  error: {s.error}" if s.error else ""))
+            jobs = await client.list()
+            rows = [["JOB", "KIND", "STATE", "STEP", "VERSION", "NAME", "ERROR"]]
+            rows += [[s.job_id, s.kind, s.state.value, f"{s.step}/{s.total_steps}", s.weights_version or "-",
+                      s.name or "-", s.error] for s in jobs]
+            if not any(s.error for s in jobs):
+                rows = [r[:-1] for r in rows]
+            print(aligned(rows) if jobs else "no jobs")
             return 0
         if args.action == "cancel":
             s = await client.cancel(args.job_id)
             print(f"job {s.job_id} {s.state.value} at step {s.step}")
             return 0
         if args.action == "watch":
-            return await _watch(client, args.job_id, args.json)
+            return await _watch(client, args.job_id, args.json, args.verbose)
         sizes = {k: getattr(args, k) for k in ("train_problems", "test_problems") if getattr(args, k) is not None}
         task = CountdownTask(seed=args.seed, **sizes)
         if args.kind == "rl":
@@ -143,8 +210,18 @@ async def _main(args: argparse.Namespace) -> int:
             print(json.dumps({"job_id": status.job_id, "state": status.state.value, "kind": status.kind,
                               "total_steps": status.total_steps}), flush=True)
         else:
-            print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps)", flush=True)
-        return 0 if args.detach else await _watch(client, status.job_id, args.json)
+            print(f"job {status.job_id} queued ({status.kind}, {status.total_steps} steps; {_spec_summary(spec)})",
+                  flush=True)
+        return 0 if args.detach else await _watch(client, status.job_id, args.json, args.verbose)
+
+
+def _spec_summary(spec) -> str:  # noqa: ANN001 - an SFTJobSpec or RLJobSpec
+    """What the submitted spec fixes, as one phrase (the trainer's hyperparameters follow once it starts)."""
+    lr = f"lr {spec.learning_rate:g}" if spec.learning_rate else "lr: the trainer's"
+    if spec.kind == "rl":
+        return (f"{spec.prompts_per_step} prompts x {spec.group_size} samples a step, max_tokens {spec.max_tokens}, "
+                f"temperature {spec.temperature:g}, {lr}")
+    return f"batch {spec.batch_size}, {lr}"
 
 
 def run(args: argparse.Namespace) -> int:

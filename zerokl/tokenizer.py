@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import tokenizers
 
-__all__ = ["CountdownTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["CountdownTokenizer", "HFTokenizer", "Tokenizer", "load_tokenizer", "write_hf_tokenizer"]
 
 
 @runtime_checkable
@@ -71,6 +72,16 @@ class CountdownTokenizer:
         # catches any other character, which then maps to <unk>.
         pieces = sorted(self._ids, key=len, reverse=True)
         self._pattern = re.compile("|".join(map(re.escape, pieces)) + "|.", re.DOTALL)
+
+    def to_hf(self) -> tokenizers.Tokenizer:
+        """The same vocabulary as a Hugging Face ``tokenizers`` object (encodes to the same ids:
+        each piece of the same greedy longest-match split, looked up in a word-level table)."""
+        hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({t: i for i, t in enumerate(self.TOKENS)},
+                                                              unk_token="<unk>"))
+        hf.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(self._pattern.pattern), "isolated")
+        hf.decoder = tokenizers.decoders.Fuse()
+        hf.add_special_tokens(list(self.SPECIALS))
+        return hf
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without special tokens; unknown characters -> unk_id."""
@@ -171,3 +182,27 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "countdown":
         return CountdownTokenizer()
     return HFTokenizer(spec)
+
+
+def write_hf_tokenizer(spec: str, directory: str | os.PathLike[str]) -> Path:
+    """Write the tokenizer of ``spec`` (as :func:`load_tokenizer` takes it) as a directory that
+    transformers' ``AutoTokenizer.from_pretrained(directory)`` loads offline: tokenizer.json and
+    tokenizer_config.json. Returns the directory."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    if spec == "countdown":
+        CountdownTokenizer().to_hf().save(str(out / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+                  "pad_token": "<pad>", "unk_token": "<unk>"}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
+        return out
+    source = Path(spec)
+    source = source / "tokenizer.json" if source.is_dir() else source
+    HFTokenizer(source)                     # refuses a file it could not serve (no eos, ...)
+    shutil.copyfile(source, out / "tokenizer.json")
+    config_file = source.parent / "tokenizer_config.json"
+    if config_file.is_file():
+        shutil.copyfile(config_file, out / "tokenizer_config.json")
+    else:
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+    return out

@@ -117,6 +117,36 @@ def test_the_defaults_deploy_every_service_with_native_grpc_probes_on_its_port()
     assert "--init=preset:tiny:seed0" in trainer["args"]   # the replicas' weights: rollouts are on-policy
 
 
+def test_the_tinker_endpoint_drives_the_trainer_and_sampler_replicas_of_its_own() -> None:
+    objs = _render({"tinker": {"samplers": {"replicas": 2}}})
+    tinker = _by(objs, "Deployment", "zerokl-tinker")
+    assert tinker["spec"]["replicas"] == 1 and tinker["spec"]["strategy"] == {"type": "Recreate"}
+    c = _container(tinker)
+    assert c["command"] == ["zerokl", "serve", "tinker"]
+    assert "--trainer=zerokl-trainer:50053" in c["args"]
+    assert ("--sampler=zerokl-tinker-sampler-0.zerokl-tinker-sampler:50052,"
+            "zerokl-tinker-sampler-1.zerokl-tinker-sampler:50052") in c["args"]
+    # A preset fleet: the replicas' version, published into the store by the endpoint when absent.
+    assert {"--base-model=preset:tiny:seed0", "--dtype=float32", "--model-name=zerokl/tiny",
+            "--model-name=tiny", "--http-port=8000", "--port=50056"} <= set(c["args"])
+    assert c["readinessProbe"]["grpc"] == {"port": 50056}
+    assert {p["name"]: p["port"] for p in _by(objs, "Service", "zerokl-tinker")["spec"]["ports"]} == {
+        "http": 8000, "grpc": 50056, "metrics": 9400}
+    samplers = _by(objs, "StatefulSet", "zerokl-tinker-sampler")
+    assert samplers["spec"]["serviceName"] == "zerokl-tinker-sampler" and samplers["spec"]["replicas"] == 2
+    assert _container(samplers)["command"] == ["zerokl", "serve", "decode"]
+    assert _by(objs, "Service", "zerokl-tinker-sampler")["spec"]["clusterIP"] == "None"
+    # The scheduler's fleet is the decode Service's pods: the samplers are not among them.
+    assert _by(objs, "Service", "zerokl-decode")["spec"]["selector"]["app.kubernetes.io/component"] == "decode"
+    stored = _container(_by(_render({"model": {"source": "weightStore", "weightsVersion": "step-9"}}),
+                            "Deployment", "zerokl-tinker"))
+    assert "--base-model=step-9" in stored["args"] and not any(a.startswith("--model-name") for a in stored["args"])
+    off = _render({"tinker": {"enabled": False}})
+    assert not [o for _, o in off if "tinker" in o["metadata"]["name"]]
+    trainer_policy = _by(off, "NetworkPolicy", "zerokl-trainer")
+    assert _ingress_components(trainer_policy) == {"scheduler", "operator"}
+
+
 def test_the_scheduler_gets_read_only_endpointslice_access_and_nothing_more() -> None:
     objs = _render()
     role = _by(objs, "Role", "zerokl-scheduler")
@@ -144,26 +174,35 @@ def _ingress_components(policy: dict[str, Any]) -> set[str]:
 def test_network_policies_follow_the_services_traffic() -> None:
     objs = _render()
     policies = {o["metadata"]["name"].removeprefix("zerokl-"): o for _, o in objs if o["kind"] == "NetworkPolicy"}
-    assert set(policies) == {*ROLES, "minio"}
+    assert set(policies) == {*ROLES, "minio", "tinker", "tinker-sampler"}
     # Only the scheduler reaches the trainer and decode, and prefill besides the decode replicas that read
     # its KV (the KV plane goes prefill -> decode directly); the weight store takes the trainer's
     # publishes, the replicas' fetches (start-up and SwitchWeights) and the scheduler's job calls (is it up;
     # delete a version that failed its canary).
     # Operators' pods (zerokl doctor) may read every pod's Info.
-    assert _ingress_components(policies["trainer"]) == {"scheduler", "operator"}
+    # The Tinker endpoint drives the trainer and its own sampler replicas (decode replicas outside the fleet).
+    assert _ingress_components(policies["trainer"]) == {"scheduler", "tinker", "operator"}
     assert _ingress_components(policies["prefill"]) == {"scheduler", "decode", "operator"}
     assert _ingress_components(policies["decode"]) == {"scheduler", "operator"}
-    assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "scheduler", "operator"}
+    assert _ingress_components(policies["tinker-sampler"]) == {"tinker", "operator"}
+    assert _ingress_components(policies["weight-store"]) == {"trainer", "prefill", "decode", "scheduler", "tinker",
+                                                             "tinker-sampler", "operator"}
     assert _ingress_components(policies["minio"]) == {"weight-store"}
-    # Clients (any pod of the namespace by default) and the helm test pod reach the scheduler.
+    # Clients (any pod of the namespace by default) and the helm test pod reach the scheduler; clients the
+    # Tinker endpoint's REST port (operators its gRPC health).
     assert _ingress_components(policies["scheduler"]) == {"*", "test", "operator"}
+    tinker_ingress = policies["tinker"]["spec"]["ingress"]
+    assert tinker_ingress[0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert {_peer_name(p) for p in tinker_ingress[0]["from"]} == {"*", "operator"}
+    assert tinker_ingress[1]["ports"] == [{"port": 50056, "protocol": "TCP"}]
 
     def egress_to(role: str) -> set[str]:
         return {_peer_name(peer) for rule in policies[role]["spec"]["egress"] for peer in rule.get("to", [])
                 if "podSelector" in peer}
 
     assert egress_to("scheduler") == {"prefill", "decode", "trainer", "weight-store"}
-    assert egress_to("prefill") == egress_to("trainer") == {"weight-store"}
+    assert egress_to("tinker") == {"trainer", "weight-store", "tinker-sampler"}
+    assert egress_to("prefill") == egress_to("trainer") == egress_to("tinker-sampler") == {"weight-store"}
     assert egress_to("decode") == {"prefill", "weight-store"}
     assert egress_to("weight-store") == {"minio"}
     # The scheduler may reach the API server (discovery); nobody else gets a port-only rule.
@@ -327,8 +366,15 @@ def _parsers() -> dict[str, Any]:
     from zerokl.services.trainer.server import build_parser as trainer_parser
     from zerokl.services.weightstore.server import build_parser as weightstore_parser
 
+    from zerokl.services.tinker_api.server import build_parser as tinker_parser
+
     return {"prefill": inference_parser("prefill"), "decode": inference_parser("decode"),
-            "scheduler": scheduler_parser(), "trainer": trainer_parser(), "weight-store": weightstore_parser()}
+            "scheduler": scheduler_parser(), "trainer": trainer_parser(), "weight-store": weightstore_parser(),
+            "tinker": tinker_parser()}
+
+
+# The service a component's pods run (the Tinker endpoint's sampler replicas are decode replicas).
+_SERVES = {"tinker-sampler": "decode"}
 
 
 @pytest.mark.parametrize("values_file", [None, *VALUES_FILES], ids=lambda f: f.name if f else "defaults")
@@ -345,6 +391,7 @@ def test_every_container_command_line_is_accepted_by_its_service(values_file: pa
         if obj["kind"] not in ("Deployment", "StatefulSet"):
             continue
         component = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        component = _SERVES.get(component, component)
         if component not in parsers:
             continue  # MinIO, Jaeger: not ours
         c = _container(obj)
@@ -357,4 +404,4 @@ def test_every_container_command_line_is_accepted_by_its_service(values_file: pa
             assert c["command"] == ["zerokl", "serve", component]
         parsers[component].parse_args(args)   # SystemExit (a test error) on an unknown or bad flag
         seen.add(component)
-    assert {"scheduler", "decode", "weight-store"} <= seen
+    assert {"scheduler", "decode", "weight-store", "tinker"} <= seen

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import zerokl.kernels as K
+from zerokl.kernels.portable_check import CODE_PATHS, code_path_env
 
 
 def test_float_sums_depend_on_their_order_on_every_machine():
@@ -127,19 +128,6 @@ out["primitives"] = {r.name: [r.mismatches, r.digest] for r in check_primitives(
 print(json.dumps(out))
 """
 
-# ATen's vectorized kernels (exp/log/sin/cos, lane-wise sums, randn) follow ATEN_CPU_CAPABILITY;
-# MKL's kernels (GEMMs, and the vector math behind torch.sqrt) follow MKL_ENABLE_INSTRUCTIONS
-# (and the CPU vendor, which a test cannot switch). On an Intel AVX-512 CPU MKL's native, AVX2
-# and SSE4.2 square roots are three different functions (kernels/zerokl/kernels/portable.py).
-_CODE_PATHS = {
-    "native": {},
-    "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
-    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-    "aten-default+mkl-sse4_2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
-}
-
-
 def test_torch_backend_bits_do_not_depend_on_the_cpu_code_path():
     """Every op's golden digests (fp32 and bf16, the tiny model's logits included) are the same
     when ATen and MKL run their AVX-512, AVX2 or baseline code: what differs between an Intel
@@ -147,10 +135,9 @@ def test_torch_backend_bits_do_not_depend_on_the_cpu_code_path():
     random inputs (~2^18 per primitive, kernels/zerokl/kernels/portable_check.py), each primitive matches its
     correctly rounded or exactly defined reference under every path, with the same digest."""
     digests = {}
-    for name, extra in _CODE_PATHS.items():
-        env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
-        r = subprocess.run([sys.executable, "-c", _DIGESTS], env={**env, **extra}, capture_output=True, text=True,
-                           timeout=600)
+    for name in CODE_PATHS:       # kernels/zerokl/kernels/portable_check.py says what each path switches
+        r = subprocess.run([sys.executable, "-c", _DIGESTS], env=code_path_env(name, os.environ), capture_output=True,
+                           text=True, timeout=600)
         assert r.returncode == 0, r.stderr
         digests[name] = json.loads(r.stdout.strip().splitlines()[-1])
     for name, got in digests.items():

@@ -17,9 +17,11 @@ import pytest
 @contextlib.contextmanager
 def _up(workdir: pathlib.Path, *flags: str, timeout: float = 180.0) -> Iterator[dict[str, dict]]:
     """`zerokl up --workdir WORKDIR ... FLAGS`; yields its services (name -> up.json entry) once
-    every one is SERVING; SIGTERM on exit (the whole process group killed if it does not stop)."""
+    every one is SERVING; SIGTERM on exit (the whole process group killed if it does not stop).
+    The model is the tiny preset, seed 0 (the tests' reference), unless FLAGS give --model or --preset."""
+    model = [] if any(f.split("=")[0] in ("--model", "--preset") for f in flags) else ["--preset", "tiny"]
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", *flags],
+                             "--threads", "1", "--grace", "2", *model, *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
@@ -45,6 +47,7 @@ def _up(workdir: pathlib.Path, *flags: str, timeout: float = 180.0) -> Iterator[
 @pytest.fixture(scope="session")
 def zerokl_up() -> Callable[..., ContextManager[dict[str, dict]]]:
     """`with zerokl_up(workdir, *flags, timeout=180) as services:` a `zerokl up` fleet (weight
-    store, decode, trainer, scheduler; prefill replicas with --prefill-replicas) started with FLAGS; `services` maps each
+    store, decode, trainer, scheduler; prefill replicas with --prefill-replicas; the tiny preset unless
+    FLAGS name a model) started with FLAGS; `services` maps each
     service's name to its up.json entry (address, pid, status)."""
     return _up

@@ -1,32 +1,35 @@
-"""The weight store's record of a trainer version: MB/s of write_checkpoint -> publish_checkpoint -> the store.
+"""The weight store's record of an RL job's versions: what changes per step, what the store writes, and how fast.
 
-    python tools/bench/bench_record.py --preset small --dtype bfloat16 --threads 1 --out docs/bench/x.json
+    python tools/bench/bench_record.py --preset small --dtype bfloat16 --steps 6 --out docs/bench/x.json
+    python tools/bench/bench_record.py --preset tiny --steps 4 --backend s3      # a real S3 server on loopback
 
-What an RL job's trainer does for every version it shares (issue 37): a snapshot of the version
-taken at the step boundary (``snapshot_checkpoint``: the serving weights, and at checkpoint steps
-the trainer state, fp32 masters, AdamW moments and counters, copied where they are), written to
-a temporary directory (``write_snapshot``), then uploaded through a real `zerokl serve
-weight-store` subprocess (local-directory storage, gRPC over loopback) by the trainer's own store
-client (``RemoteWeights``, ``publish_checkpoint``). Timed per record: the snapshot (on the step's
-path, under the trainer's lock), the write and the upload (in the background); MB/s is the
-checkpoint's bytes over snapshot + write + upload. (Before commit 343a6d4 the record was
-``write_checkpoint`` then the upload; the "before" figures in docs/perf.md are that.) ``--state weights`` records weights-only
-versions (every RL step), ``full`` full ones (checkpoint steps), ``both`` alternates them.
+What an RL job's trainer does for every version it shares (issues 37 and 49), on a real optimizer trajectory:
+each step is one training step (``--method sft`` on random token completions, or ``ppo`` on random
+rewards with behaviour logprobs from the trainer itself) with AdamW at an RL learning rate (``--lr``,
+default 1e-5; fp32 masters for bf16), then the version's record: a snapshot (``snapshot_checkpoint``:
+the serving weights, and every ``--checkpoint-every`` steps the trainer state too), written to files of
+at most 64 MiB (``write_snapshot``), uploaded through a real `zerokl serve weight-store` subprocess
+(``--backend local``: a directory; ``s3``: a bucket on moto's S3 server on loopback, the minio client as
+against MinIO) by the trainer's own store client (``RemoteWeights``, ``publish_checkpoint``), each
+file after the first version as a delta against the version before (``--no-delta``: whole, as before
+issue 49). Several files travel at once (``PARALLEL_SHARDS``).
 
-The model is the preset's, drawn on the CPU by a seeded generator (any weights do); the trainer's
-AdamW moments are made by one optimizer step on zero gradients, so a full record has the size of
-a real one. Every record's bytes are read back from the store's files and compared with what was
-written (sha256 per shard, as the manifest keeps them).
+Printed per step: the fraction of the serving weights' elements (and bytes) that changed since the step
+before, the record's bytes and the bytes the store wrote, the write and upload seconds and the rates:
+**GB/s of the record** (its bytes over write + upload) and of what was written. Every version is read
+back through the store (decoded) and compared byte for byte with the files written.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import datetime
+import hashlib
 import json
 import os
 import pathlib
 import platform
+import random
 import shutil
 import signal
 import sys
@@ -46,8 +49,11 @@ from zerokl.services.trainer.checkpointing import (
     snapshot_checkpoint,
     write_snapshot,
 )
+from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.services.weightstore.store import VersionSpec, file_sha256
+from zerokl.services.weightstore.client import UploadBase, is_serving_file
+from zerokl.services.weightstore.store import VersionSpec
+from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_rl_step import commit, start  # noqa: E402
@@ -60,68 +66,159 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
     config = ModelConfig.preset(args.preset)
     if args.layers:
         config = config.replace(num_hidden_layers=args.layers)
-    model = build_model(config, "cpu", getattr(torch, args.dtype), args.seed)
-    trainer = Trainer(model, TrainConfig(lr=1e-5))
-    for p in trainer.params:            # one step on zero gradients: AdamW's moments exist, as in a job
-        p.grad = torch.zeros_like(p)
+    model = build_model(config, args.device, getattr(torch, args.dtype), args.seed)
+    return Trainer(model, TrainConfig(lr=args.lr))
+
+
+def train_step(trainer: Trainer, rng: random.Random, args: argparse.Namespace) -> None:
+    """One optimizer step at --lr on random tokens: SFT, or PPO with random rewards (on-policy: the behaviour
+    logprobs are the trainer's own)."""
+    vocab = trainer.model.config.vocab_size
+    prompts = [tuple(rng.randrange(3, vocab) for _ in range(16)) for _ in range(args.batch // args.group)]
+    seqs = [Completion(p, tuple(rng.randrange(3, vocab) for _ in range(args.tokens))) for p in prompts
+            for _ in range(args.group)]
+    if args.method == "sft":
+        trainer.forward_backward("sft", seqs)
+    else:
+        logprobs = trainer.forward_logprobs(seqs)
+        rollouts = [Rollout(s, tuple(lp.tolist()), float(rng.random() < 0.5), "v") for s, lp in zip(seqs, logprobs)]
+        trainer.forward_backward("ppo", rollouts, advantages=group_advantages(
+            torch.tensor([r.reward for r in rollouts]), args.group))
     trainer.optim_step()
-    return trainer
+
+
+def changed(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(fraction of elements, fraction of bytes) of the serving weights that differ bitwise."""
+    elements = total = nbytes = moved = 0
+    for name, a in after.items():
+        x = a.contiguous().view(torch.uint8).reshape(-1) ^ before[name].contiguous().view(torch.uint8).reshape(-1)
+        per = a.element_size()
+        elements += int((x.reshape(-1, per) != 0).any(dim=1).sum())
+        total += a.numel()
+        moved += int((x != 0).sum())
+        nbytes += x.numel()
+    return elements / total, moved / nbytes
+
+
+def sha256_dir(path: pathlib.Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _s3_store(work: pathlib.Path) -> tuple[list[str], dict[str, str], object]:
+    """moto's S3 server on loopback (the tests' S3), and the weight store's flags and environment for it."""
+    import logging
+    from moto.server import ThreadedMotoServer
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"ZEROKL_S3_ACCESS_KEY": "bench", "ZEROKL_S3_SECRET_KEY": "bench-secret"}
+    return (["--s3-endpoint", f"{host}:{port}", "--s3-bucket", "bench-record", "--s3-insecure",
+             "--s3-region", "us-east-1"], env, server)
 
 
 async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
+    torch.manual_seed(args.seed)
     trainer = make_trainer(args)
-    store_root = work / "weights"
-    ws, address = start(["zerokl.services.weightstore", "--root", str(store_root), "--port", "0"],
-                        work / "weight-store.log", "the weight store")
+    rng = random.Random(args.seed)
+    s3 = None
+    if args.backend == "s3":
+        flags, env, s3 = _s3_store(work)
+        os.environ.update(env)
+    else:
+        flags = ["--root", str(work / "weights")]
+    ws, address = start(["zerokl.services.weightstore", *flags, "--port", "0"], work / "weight-store.log",
+                        "the weight store")
     repo = RemoteWeights(grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20),
                                                                      ("grpc.max_receive_message_length", 16 << 20)]),
                          address)
-    kinds = {"weights": [True], "full": [False], "both": [True, False]}[args.state]
     rows = []
+    base: UploadBase | None = None
+    before = {k: v.clone() for k, v in trainer.serving_state_dict().items()}
     try:
-        for i in range(args.repeats):
-            for weights_only in kinds:
-                version = f"{RUN}-{i:03d}-{'w' if weights_only else 'f'}"
-                lineage = [LineageEntry("init", 0), LineageEntry(version, trainer.step)]
-                spec = VersionSpec(step=trainer.step, metadata={META_RUN: RUN,
-                                                                META_STATE: "none" if weights_only else "full"})
-                tmp = work / f"ckpt-{version}"
-                t0 = time.perf_counter()
-                snapshot = snapshot_checkpoint(trainer, run=RUN, lineage=lineage, weights_only=weights_only)
-                ts = time.perf_counter()
-                write_snapshot(snapshot, tmp)
-                del snapshot
-                t1 = time.perf_counter()
-                manifest, created = await publish_checkpoint(repo, tmp, version, spec)
-                t2 = time.perf_counter()
-                assert created
-                nbytes = manifest.total_size
-                stored = {s.name: file_sha256(store_root / "versions" / version / s.name) for s in manifest.shards}
-                assert stored == {s.name: s.sha256 for s in manifest.shards} == \
-                    {p.name: file_sha256(p) for p in tmp.iterdir()}, "the store's bytes are not what was written"
-                shutil.rmtree(tmp)
-                shutil.rmtree(store_root / "versions" / version)   # the box's disk: keep one version at a time
-                row = {"version": version, "weights_only": weights_only, "bytes": nbytes, "snapshot_s": ts - t0,
-                       "write_s": t1 - ts,
-                       "upload_s": t2 - t1, "total_s": t2 - t0, "mb_per_s": nbytes / 1e6 / (t2 - t0)}
-                rows.append(row)
-                print(f"{'weights-only' if weights_only else 'full'} record {i + 1}: {nbytes / 1e6:.0f} MB, snapshot "
-                      f"{row['snapshot_s']:.2f} s, write {row['write_s']:.2f} s, upload {row['upload_s']:.2f} s, total {row['total_s']:.2f} s "
-                      f"({row['mb_per_s']:.0f} MB/s)", flush=True)
+        for step in range(args.steps + 1):      # record 0: the starting weights (whole: no version before it)
+            if step:
+                t = time.perf_counter()
+                train_step(trainer, rng, args)
+                train_s = time.perf_counter() - t
+            else:
+                train_s = 0.0
+            after = trainer.serving_state_dict()
+            frac_elements, frac_bytes = changed(before, after) if step else (1.0, 1.0)
+            before = {k: v.clone() for k, v in after.items()}
+            full = step % args.checkpoint_every == 0
+            version = f"{RUN}-{step:04d}"
+            lineage = [LineageEntry("init", 0), LineageEntry(version, trainer.step)]
+            spec = VersionSpec(step=trainer.step, metadata={META_RUN: RUN, META_STATE: "full" if full else "none"})
+            tmp = work / f"ckpt-{version}"
+            t0 = time.perf_counter()
+            snapshot = snapshot_checkpoint(trainer, run=RUN, lineage=lineage, weights_only=not full)
+            ts = time.perf_counter()
+            write_snapshot(snapshot, tmp)
+            del snapshot
+            t1 = time.perf_counter()
+            manifest, created = await publish_checkpoint(repo, tmp, version, spec, None if args.no_delta else base)
+            t2 = time.perf_counter()
+            assert created
+            if args.verify:
+                with tempfile.TemporaryDirectory(dir=work) as back:
+                    await repo.fetch(version, pathlib.Path(back))
+                    got = {k: v for k, v in sha256_dir(pathlib.Path(back)).items() if k != "zerokl_manifest.json"}
+                assert got == sha256_dir(tmp), f"{version}: the store's bytes are not what was written"
+            for path in tmp.iterdir():       # the next record's base: the serving files of this one
+                if not is_serving_file(path.name):
+                    path.unlink()
+            if base is not None:
+                shutil.rmtree(base.directory)
+            base = UploadBase(manifest, tmp)
+            row = {"step": step, "checkpoint": full, "train_s": train_s, "changed_elements": frac_elements,
+                   "changed_bytes": frac_bytes, "bytes": manifest.total_size, "written": manifest.stored_size,
+                   "serving_bytes": sum(s.size for s in manifest.shards if is_serving_file(s.name)),
+                   "serving_written": sum(s.stored_bytes for s in manifest.shards if is_serving_file(s.name)),
+                   "files": len(manifest.shards), "deltas": sum(1 for s in manifest.shards if s.base),
+                   "snapshot_s": ts - t0, "write_s": t1 - ts, "upload_s": t2 - t1}
+            row["gb_per_s"] = row["bytes"] / 1e9 / (t2 - t0)
+            row["written_gb_per_s"] = row["written"] / 1e9 / (t2 - t0)
+            rows.append(row)
+            print(f"step {step}{' (checkpoint)' if full else ''}: {100 * frac_elements:.2f}% of elements changed "
+                  f"({100 * frac_bytes:.2f}% of bytes) | record {row['bytes'] / 1e6:.1f} MB in {row['files']} files "
+                  f"({row['deltas']} deltas), the store wrote {row['written'] / 1e6:.1f} MB "
+                  f"({100 * row['written'] / row['bytes']:.1f}%; serving weights {row['serving_written'] / 1e6:.1f} "
+                  f"of {row['serving_bytes'] / 1e6:.1f} MB) | snapshot {row['snapshot_s']:.2f} s write "
+                  f"{row['write_s']:.2f} s upload {row['upload_s']:.2f} s: {row['gb_per_s']:.3f} GB/s of record, "
+                  f"{row['written_gb_per_s']:.3f} GB/s written", flush=True)
     finally:
         await repo.close()
         ws.send_signal(signal.SIGTERM)
         ws.wait(60)
+        if s3 is not None:
+            s3.stop()
+    later = [r for r in rows if r["step"]]
+    weights = [r for r in later if not r["checkpoint"]] or later
     result = {"date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
               "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "preset": args.preset, "layers": args.layers,
-              "dtype": args.dtype, "records": rows}
-    for weights_only in kinds:
-        mine = [r for r in rows if r["weights_only"] == weights_only]
-        key = "weights_only" if weights_only else "full"
-        result[f"{key}_mb_per_s"] = sum(r["bytes"] for r in mine) / 1e6 / sum(r["total_s"] for r in mine)
-        print(f"{key}: {mine[0]['bytes'] / 1e6:.0f} MB a record, {result[f'{key}_mb_per_s']:.0f} MB/s over "
-              f"{len(mine)} records")
+              "threads": torch.get_num_threads(), "device": args.device, "preset": args.preset, "layers": args.layers,
+              "dtype": args.dtype,
+              "backend": args.backend, "method": args.method, "lr": args.lr, "delta": not args.no_delta,
+              "records": rows}
+    if weights:
+        seconds = sum(r["snapshot_s"] + r["write_s"] + r["upload_s"] for r in weights)
+        result |= {
+            "changed_elements_mean": sum(r["changed_elements"] for r in later) / len(later),
+            "changed_bytes_mean": sum(r["changed_bytes"] for r in later) / len(later),
+            "weights_only_bytes": weights[0]["bytes"],
+            "weights_only_written_mean": sum(r["written"] for r in weights) / len(weights),
+            "weights_only_written_fraction": sum(r["written"] for r in weights) / sum(r["bytes"] for r in weights),
+            "weights_only_gb_per_s": sum(r["bytes"] for r in weights) / 1e9 / seconds,
+            "weights_only_written_gb_per_s": sum(r["written"] for r in weights) / 1e9 / seconds,
+            "whole_gb_per_s": rows[0]["gb_per_s"],
+        }
+        print(f"steps 1..{args.steps}: {100 * result['changed_elements_mean']:.2f}% of the bf16 elements change per "
+              f"step ({100 * result['changed_bytes_mean']:.2f}% of bytes); a weights-only record is "
+              f"{result['weights_only_bytes'] / 1e6:.1f} MB of which the store writes "
+              f"{result['weights_only_written_mean'] / 1e6:.1f} MB ({100 * result['weights_only_written_fraction']:.1f}%)"
+              f"; {result['weights_only_gb_per_s']:.3f} GB/s of record ({result['weights_only_written_gb_per_s']:.3f}"
+              f" GB/s written); the first, whole record {result['whole_gb_per_s']:.3f} GB/s")
     return result
 
 
@@ -131,9 +228,19 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=0, help="> 0: the preset with this many layers")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--state", default="both", choices=("weights", "full", "both"),
-                   help="weights-only records, full ones (trainer state too), or both alternating")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="where the trainer steps (the record's snapshot, write and upload "
+                                                   "are host work either way; default %(default)s)")
+    p.add_argument("--steps", type=int, default=4, help="training steps, each recorded (after the first record)")
+    p.add_argument("--checkpoint-every", type=int, default=10,
+                   help="record the trainer state every N steps (step 0 included), as an RL job does")
+    p.add_argument("--method", default="ppo", choices=("sft", "ppo"))
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (default %(default)s: RL's)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--group", type=int, default=4, help="sequences per prompt")
+    p.add_argument("--tokens", type=int, default=32, help="completion tokens per sequence")
+    p.add_argument("--backend", default="local", choices=("local", "s3"))
+    p.add_argument("--no-delta", action="store_true", help="record every file whole (as before issue 49)")
+    p.add_argument("--no-verify", dest="verify", action="store_false", help="skip reading each version back")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads here")
     p.add_argument("--workdir", default=None, help="where the checkpoints and the store go (default: a temp dir)")

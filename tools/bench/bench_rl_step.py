@@ -248,7 +248,7 @@ def _wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> d
 def _rl_config(args: argparse.Namespace):  # noqa: ANN202
     from zerokl.services.rl.loop import RLConfig
     return RLConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
-                    max_tokens=args.max_tokens, seed=args.seed, eval_every=0)
+                    max_tokens=args.max_tokens, seed=args.seed, eval_every=0, ignore_eos=args.ignore_eos)
 
 
 async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
@@ -261,7 +261,8 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
               f"--replica-flag=--max-num-batched-tokens={args.max_num_batched_tokens}"]
     argv = [sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0", "--preset", args.preset,
             "--seed", str(args.seed), "--dtype", args.dtype, f"--trainer-flag=--lr={args.lr!r}",
-            f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench", *engine]
+            f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench",
+            f"--trainer-flag=--record-deltas={args.record_deltas}", *engine]
     workdir.mkdir(parents=True, exist_ok=True)
     with (workdir / "up.log").open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -272,7 +273,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
         c = _rl_config(args)
         spec = RLJobSpec(steps=c.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=c.prompts_per_step,
                          group_size=c.group_size, max_tokens=c.max_tokens, seed=c.seed, eval_every=0,
-                         checkpoint_every=args.checkpoint_every)
+                         checkpoint_every=args.checkpoint_every, reward=args.reward, ignore_eos=args.ignore_eos)
         async with JobsClient(services["scheduler"]["address"]) as jobs:
             job = await jobs.submit(spec, "bench-rl-job")
             started, cancelled, rows = time.monotonic(), False, []
@@ -291,7 +292,10 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
                           f"{m.get('sync_switch_s', 0):.3f} s; {m.get('sync_bytes', 0) / 1e6:.0f} MB) record wait "
                           f"{m.get('record_wait_s', 0):.3f} s lag {m.get('record_lag', 0):.0f}"
                           f"{' checkpoint' if m.get('checkpoint') else ''} | {m['tokens']:.0f} tokens kl {m['kl']} "
-                          f"mismatched {m['mismatched_tokens']:.0f}", flush=True)
+                          f"mismatched {m['mismatched_tokens']:.0f} | durable up to step {m.get('durable_step', -1):.0f}"
+                          f" (checkpoint {m.get('checkpoint_step', -1):.0f}); records landed: "
+                          f"{m.get('record_bytes', 0) / 1e6:.0f} MB, {m.get('record_written_bytes', 0) / 1e6:.0f} MB "
+                          f"written", flush=True)
                     on_step(rows)
                     if args.half_time and time.monotonic() - started > args.half_time and not cancelled:
                         print(f"services: past --half-time {args.half_time:g} s; cancelling the job after step "
@@ -328,12 +332,13 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     from zerokl.services.rl.loop import Task, as_dict, run_rl
     from zerokl.tasks.countdown import reward
     from zerokl.tasks.setup import encode_prompt
+    from zerokl.tasks.synthetic import vowel_share
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model.from_pretrained(first_version, dtype=dtype).to(device)
     trainer = Trainer(model, TrainConfig(lr=args.lr, master_weights={"auto": None, "on": True,
                                                                       "off": False}[args.master_weights]))
     train, test, tok = _countdown_data(CountdownTask(seed=args.seed))
-    task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
+    task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if args.reward == "vowel_share" else reward)
     port = ArmTrainerPort(trainer, "bench")
     engine = ArmEnginePort(port, tok, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
                                                    max_num_batched_tokens=args.max_num_batched_tokens))
@@ -355,7 +360,8 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
 
 
 _KEYS = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "record_lag",
-         "checkpoint", "sync_bytes", "tokens", "kl", "mismatched_tokens", "loss", "reward")
+         "checkpoint", "sync_bytes", "tokens", "kl", "mismatched_tokens", "loss", "reward", "durable_step",
+         "checkpoint_step", "record_bytes", "record_written_bytes", "record_s")
 
 
 def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dict]) -> dict:
@@ -367,6 +373,7 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
         "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+        "reward": args.reward, "ignore_eos": args.ignore_eos,
         "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
         "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens},
@@ -386,7 +393,25 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
     local_tps = sum(r["tokens"] for r in warm_l) / sum(r["train_s"] for r in warm_l)
     sync = sum(r["sync_s"] for r in warm_s)
     moved = sum(r.get("sync_bytes") or 0.0 for r in warm_s)
+    recorded = sum(r.get("record_bytes") or 0.0 for r in service)
+    written = sum(r.get("record_written_bytes") or 0.0 for r in service)
+    record_s = sum(r.get("record_s") or 0.0 for r in service)
     result |= {
+        # Issue 49: rollout tok/s (completion tokens over rollout_s) of both halves, the median step of each,
+        # the job's wall (sum of its steps), and the store's side: bytes recorded and written per step, GB/s.
+        "service_rollout_tokens_per_s": sum(r["tokens"] for r in warm_s) / sum(r["rollout_s"] for r in warm_s),
+        "in_process_rollout_tokens_per_s": sum(r["tokens"] for r in warm_l) / sum(r["rollout_s"] for r in warm_l),
+        "service_step_median_s": statistics.median(r["rollout_s"] + r["train_s"] + r["sync_s"]
+                                                   + (r.get("record_wait_s") or 0.0) for r in warm_s),
+        "in_process_step_median_s": statistics.median(r["rollout_s"] + r["train_s"] for r in warm_l),
+        "step_median_ratio": statistics.median(r["rollout_s"] + r["train_s"] + r["sync_s"]
+                                               + (r.get("record_wait_s") or 0.0) for r in warm_s)
+        / statistics.median(r["rollout_s"] + r["train_s"] for r in warm_l),
+        # The job's wall, steps only (the start aside: job_start_s), service over in process (<= 1.15).
+        "job_wall_ratio": service_step / local_step,
+        "record_bytes_per_step": recorded / len(service), "record_written_bytes_per_step": written / len(service),
+        "record_written_fraction": written / recorded if recorded else None,
+        "record_gb_per_s": recorded / 1e9 / record_s if record_s else None,
         "compared_steps": [r["step"] for r in warm_s],
         # Target 1 (<= 1.25): the service's whole step over the in-process rollout + train.
         "step_ratio": (service_step / len(warm_s)) / (local_step / len(warm_l)),
@@ -423,7 +448,14 @@ def print_job_table(result: dict) -> None:
           f"{result['service_train_tokens_per_s']:.0f} / in process {result['in_process_train_tokens_per_s']:.0f} = "
           f"{result['train_tokens_per_s_ratio']:.3f} (>= 0.8); sync {100 * result['sync_share_of_step']:.2f}% of the "
           f"step (<= 5%), {result['sync_mean_bytes'] / 1e6:.0f} MB at {result['sync_bytes_per_s'] / 1e9:.2f} GB/s; "
-          f"record wait {100 * result['record_wait_share_of_step']:.2f}% of the step; KL 0.0 every step: "
+          f"record wait {100 * result['record_wait_share_of_step']:.2f}% of the step; median step service "
+          f"{result['service_step_median_s']:.3f} s / in process {result['in_process_step_median_s']:.3f} s = "
+          f"{result['step_median_ratio']:.3f} (issue 49: <= 1.10 at 1,024 tokens, 1.25 at 24); rollout tok/s service "
+          f"{result['service_rollout_tokens_per_s']:.0f} / in process {result['in_process_rollout_tokens_per_s']:.0f}; "
+          f"store: {result['record_bytes_per_step'] / 1e6:.0f} MB recorded and "
+          f"{result['record_written_bytes_per_step'] / 1e6:.0f} MB written per step"
+          + (f" ({100 * result['record_written_fraction']:.1f}%), {result['record_gb_per_s']:.3f} GB/s of record "
+             "(share -> commit)" if result['record_gb_per_s'] else "") + "; KL 0.0 every step: "
           f"{result['kl_all_zero']} (in process {result['in_process_kl_all_zero']}); same trajectory: "
           f"{result['same_trajectory']}")
 
@@ -530,6 +562,13 @@ def main() -> None:
     p.add_argument("--job", default=None, metavar="PATH",
                    help="run a whole RL job through `zerokl up` and in process; the per-step JSON to PATH")
     p.add_argument("--max-tokens", type=int, default=24, help="--job: sampled tokens per completion")
+    p.add_argument("--reward", default="countdown", choices=("countdown", "vowel_share"),
+                   help="--job: the RL reward (vowel_share: synthetic, earned by any policy, so every step moves "
+                        "the weights; zerokl/tasks/synthetic.py)")
+    p.add_argument("--record-deltas", default="on", choices=("on", "off"),
+                   help="--job: the trainer records versions as deltas of the one before (on) or whole (off)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="--job: every answer runs to --max-tokens (length-controlled rollouts)")
     p.add_argument("--num-blocks", type=int, default=8192, help="--job: KV blocks of the engines")
     p.add_argument("--max-num-seqs", type=int, default=512, help="--job: running samples at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--job: an engine step's token budget")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -38,6 +38,42 @@ if [ "$MODE" = zerokl ]; then
     -k 'cuda or gpu or golden' > "$OUT/zerokl_tests.log" 2>&1
   timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/model -k 'triton or gpu' \
     > "$OUT/gputests.log" 2>&1
+elif [ "$MODE" = wave4-check ]; then
+  # numerics 0.3.3's Triton entries (bf16/FP8 re-recorded after Model.to kept router fp32), the golden and
+  # zero-KL tests on CUDA; the official tinker SDK's RL (LoRA) and SFT (full) loops against `zerokl up
+  # --tinker --preset small --dtype bfloat16` (issue 48); the record bench, deltas vs whole files (issue 49)
+  device_wheels
+  timeout 150 python3 tools/update_golden.py --backends triton > "$OUT/golden.log" 2>&1
+  cp tests/assets/golden/numerics.json "$FINAL_OUT/numerics.json"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_golden.py \
+    tests/services/test_zero_kl_promise.py -k 'cuda or gpu or golden' > "$OUT/golden_tests.log" 2>&1
+  timeout 220 python3 tools/tinker_sdk_check.py --up --preset small --dtype bfloat16 --steps 5 --max-tokens 64 \
+    > "$FINAL_OUT/tinker-small-bf16.json" 2> "$OUT/tinker.log"; echo "tinker_sdk_check rc=$?" >> "$OUT/tinker.log"
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
+  for kind in deltas whole; do
+    flag=""; [ $kind = whole ] && flag=--no-delta
+    timeout 110 python3 tools/bench/bench_record.py --device cuda --preset small --steps 6 $flag --out "$FINAL_OUT/record-$kind.json" \
+      > "$OUT/record-$kind.log" 2>&1
+  done
+elif [ "$MODE" = wave4-final ]; then
+  # one call: the tinker SDK on small bf16 (issue 48), then issue 49's RL job at the 24-token shape
+  device_wheels
+  timeout 200 python3 tools/tinker_sdk_check.py --up --preset small --dtype bfloat16 --steps 3 --max-tokens 64 \
+    > "$FINAL_OUT/tinker-small-bf16.json" 2> "$OUT/tinker.log"; echo "tinker_sdk_check rc=$?" >> "$OUT/tinker.log"
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
+  timeout 340 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job-24.json" --device cuda --dtype bfloat16 \
+    --preset small --prompts 64 --group 8 --steps 20 --reward vowel_share --half-time 90 --lr 1e-5 \
+    > "$OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
+elif [ "$MODE" = wave4-rl ]; then
+  # issue 49's RL job through `zerokl up` vs in process: RL_MAX_TOKENS answers (24: the old shape; 1024 with
+  # --ignore-eos: RL-shaped), RL_HALF_TIME seconds a half, RL_DELTAS on/off
+  device_wheels
+  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
+  timeout 560 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
+    --preset small --prompts 64 --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" --reward vowel_share $long \
+    --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" > "$OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on

@@ -6,10 +6,15 @@ demonstrations and greedy test accuracy, in one place.
 """
 from __future__ import annotations
 
+import pathlib
+
 from zerokl.tasks.countdown import DEMO_PROBLEMS
 
-__all__ = ["DIFFICULTIES", "MAX_TOKENS", "countdown_config", "countdown_data", "demonstration_batch", "encode_prompt",
+__all__ = ["DIFFICULTIES", "MAX_TOKENS", "SFT_CHECKPOINT", "countdown_config", "countdown_data", "demonstration_batch", "encode_prompt",
            "greedy_accuracy"]
+
+#: The warm start the demo and `zerokl up` serve (tools/train_countdown_sft.py writes it).
+SFT_CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "assets" / "countdown-sft"
 
 # Sampled tokens per completion. "<answer>" and "</answer>" are one token each, so even a
 # 4-number expression with parentheses ("(25-13)*(24-22)", 15 tokens) and eos fit.

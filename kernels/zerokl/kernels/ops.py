@@ -16,8 +16,9 @@ recompute, no fp32 copies of the glue); mla_attention has its own fused Triton b
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -57,6 +58,7 @@ __all__ = [
     "fp8_quantize_weight",
     "fp8_dequantize_weight",
     "fp8_linear",
+    "one_cpu_thread",
 ]
 
 # Row-parallel projections (attention o_proj, MLP down_proj) reduce over K in this many
@@ -236,23 +238,31 @@ def _call(name: str, *args):
 _ONE_THREAD = threading.RLock()
 
 
-def _single_threaded(fn: Callable, args: tuple):
-    """Run a torch-backend op on one CPU thread.
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Run the body on one intra-op CPU thread (torch.set_num_threads(1)), then restore the count.
 
-    The forward's bits do not need it (every sum is exact, kernels/zerokl/kernels/portable.py), but its
-    gradients go through plain torch GEMMs and sums, whose bits follow MKL's thread split:
-    one thread keeps a training step's gradients independent of the machine's core count.
-    The lock keeps concurrent callers from restoring the count under each other.
+    The torch backend's forward bits do not need it (every sum is exact, kernels/zerokl/kernels/portable.py),
+    but a training step's gradients go through plain torch GEMMs and sums, whose bits follow MKL's
+    thread split: every torch-backend op runs under it, and so does the trainer's backward, which
+    keeps a training step's gradients independent of the machine's core count. The lock keeps
+    concurrent callers from restoring the count under each other; nesting is free.
     """
-    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-        return fn(*args)
     with _ONE_THREAD:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return fn(*args)
+            yield
         finally:
             torch.set_num_threads(threads)
+
+
+def _single_threaded(fn: Callable, args: tuple):
+    """fn(*args) under one_cpu_thread when any argument is a CPU tensor."""
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
+        return fn(*args)
+    with one_cpu_thread():
+        return fn(*args)
 
 
 # ---------------------------------------------------------------- elementary ops

@@ -33,8 +33,9 @@ rounded everywhere, and they are what this module is built from:
 
 Inputs are fp32, bf16 or fp64 CPU tensors; NaN and inf propagate as IEEE says (a
 non-finite input to a contraction gives NaN in the outputs that read it). Gradients
-(`torch.autograd`) are the textbook derivatives through plain torch: deterministic on one
-machine, not promised portable (NUMERICS.md).
+(`torch.autograd`) are the textbook derivatives, built the same way: a contraction's are exact
+contractions, a transcendental's derivative uses these primitives and basic operations, so a
+CPU training step has the same bits on every machine (NUMERICS.md, "The trainer's update on a CPU").
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def _contract_exact(a: torch.Tensor, b: torch.Tensor, cache_b: bool = False) -> 
 
 
 class _Contract(torch.autograd.Function):
-    """Exact forward; backward is the textbook pair of GEMMs in plain torch."""
+    """Exact forward; the backward's pair of GEMMs are exact contractions too (no BLAS order reaches them)."""
 
     @staticmethod
     def forward(ctx, a, b, cache_b):
@@ -150,9 +151,9 @@ class _Contract(torch.autograd.Function):
         a, b = ctx.saved_tensors
         ga = gb = None
         if ctx.needs_input_grad[0]:
-            ga = torch.matmul(g, b.float()).to(a.dtype)
+            ga = _contract_exact(g, b.transpose(-1, -2)).to(a.dtype)          # g [.., M, N] b [.., N, K]
         if ctx.needs_input_grad[1]:
-            gb = torch.matmul(g.transpose(-1, -2), a.float()).to(b.dtype)
+            gb = _contract_exact(g.transpose(-1, -2), a.transpose(-1, -2)).to(b.dtype)
         return ga, gb, None
 
 
@@ -347,7 +348,7 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def _silu_derivative(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    s = torch.sigmoid(x)
+    s = _sigmoid32(x)
     return s * (1.0 + x * (1.0 - s))
 
 

@@ -34,8 +34,30 @@ import numpy as np
 import torch
 
 from zerokl.kernels import portable, torch_ops
+from zerokl.kernels.ops import one_cpu_thread
 
-__all__ = ["PrimitiveCheck", "PRIMITIVE_CHECKS", "check_primitives"]
+__all__ = ["CODE_PATHS", "PrimitiveCheck", "PRIMITIVE_CHECKS", "check_primitives", "code_path_env"]
+
+# The CPU code paths a process can be put on with environment variables (set before torch loads):
+# ATen's vectorized kernels (exp/log/sin/cos, lane-wise sums, randn) follow ATEN_CPU_CAPABILITY;
+# MKL's kernels (GEMMs, and the vector math behind torch.sqrt) follow MKL_ENABLE_INSTRUCTIONS (and
+# the CPU vendor, which no variable switches). On an Intel AVX-512 CPU MKL's native, AVX2 and SSE4.2
+# square roots are three different functions (portable.py). The tests run the torch backend's
+# primitives and golden digests (tests/kernels/test_stock_torch.py) and the CPU trainer's steps
+# (tests/services/trainer/test_cpu_trainer_bits.py) under each, asserting the same bits.
+CODE_PATHS = {
+    "native": {},
+    "mkl-avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "mkl-sse4_2": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "aten-default+mkl-sse4_2": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+
+
+def code_path_env(name: str, base: dict[str, str]) -> dict[str, str]:
+    """``base`` (e.g. os.environ) with the variables of code path ``name`` and no others of those two."""
+    env = {k: v for k, v in base.items() if k not in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")}
+    return {**env, **CODE_PATHS[name]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,13 +369,9 @@ PRIMITIVE_CHECKS: dict[str, Callable[[torch.Generator, int], tuple[int, int, str
 
 def check_primitives(n: int = 1 << 20, seed: int = 0) -> list[PrimitiveCheck]:
     """Run every check on ~n random inputs each (CPU, one intra-op thread as the backend runs)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        results = []
+    results = []
+    with one_cpu_thread():
         for name, check in PRIMITIVE_CHECKS.items():
             cases, mismatches, digest = check(torch.Generator().manual_seed(seed), n)
             results.append(PrimitiveCheck(name, cases, mismatches, digest))
-        return results
-    finally:
-        torch.set_num_threads(before)
+    return results

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16zerokl/v1/common.proto\x12\tzerokl.v1\"\xe6\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x18\n\x10numerics_version\x18\x03 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x17\n\x0fweights_version\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x16\n\x0ezerokl_version\x18\n \x01(\t\"\r\n\x0bInfoRequest\"0\n\x0cTraceOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0f\n\x07\x63\x61pture\x18\x02 \x03(\t\"s\n\x07TraceOp\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07\x64igests\x18\x05 \x03(\x06\x12\x13\n\x06values\x18\x06 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_values\"\x92\x01\n\x05Trace\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1f\n\x03ops\x18\x02 \x03(\x0b\x32\x12.zerokl.v1.TraceOp\x12(\n\x04meta\x18\x03 \x03(\x0b\x32\x1a.zerokl.v1.Trace.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16zerokl/v1/common.proto\x12\tzerokl.v1\"\xfa\x01\n\x0bServiceInfo\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x18\n\x10numerics_version\x18\x03 \x01(\t\x12\x1c\n\x14numerics_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x17\n\x0fweights_version\x18\x08 \x01(\t\x12\x19\n\x11model_config_hash\x18\t \x01(\t\x12\x16\n\x0ezerokl_version\x18\n \x01(\t\x12\x12\n\ncluster_id\x18\x0b \x01(\t\"\r\n\x0bInfoRequest\"0\n\x0cTraceOptions\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x0f\n\x07\x63\x61pture\x18\x02 \x03(\t\"s\n\x07TraceOp\x12\r\n\x05layer\x18\x01 \x01(\x05\x12\n\n\x02op\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\x0f\n\x07\x64igests\x18\x05 \x03(\x06\x12\x13\n\x06values\x18\x06 \x01(\x0cH\x00\x88\x01\x01\x42\t\n\x07_values\"\x92\x01\n\x05Trace\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1f\n\x03ops\x18\x02 \x03(\x0b\x32\x12.zerokl.v1.TraceOp\x12(\n\x04meta\x18\x03 \x03(\x0b\x32\x1a.zerokl.v1.Trace.MetaEntry\x1a+\n\tMetaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRACE_METAENTRY']._loaded_options = None
   _globals['_TRACE_METAENTRY']._serialized_options = b'8\001'
   _globals['_SERVICEINFO']._serialized_start=38
-  _globals['_SERVICEINFO']._serialized_end=268
-  _globals['_INFOREQUEST']._serialized_start=270
-  _globals['_INFOREQUEST']._serialized_end=283
-  _globals['_TRACEOPTIONS']._serialized_start=285
-  _globals['_TRACEOPTIONS']._serialized_end=333
-  _globals['_TRACEOP']._serialized_start=335
-  _globals['_TRACEOP']._serialized_end=450
-  _globals['_TRACE']._serialized_start=453
-  _globals['_TRACE']._serialized_end=599
-  _globals['_TRACE_METAENTRY']._serialized_start=556
-  _globals['_TRACE_METAENTRY']._serialized_end=599
+  _globals['_SERVICEINFO']._serialized_end=288
+  _globals['_INFOREQUEST']._serialized_start=290
+  _globals['_INFOREQUEST']._serialized_end=303
+  _globals['_TRACEOPTIONS']._serialized_start=305
+  _globals['_TRACEOPTIONS']._serialized_end=353
+  _globals['_TRACEOP']._serialized_start=355
+  _globals['_TRACEOP']._serialized_end=470
+  _globals['_TRACE']._serialized_start=473
+  _globals['_TRACE']._serialized_end=619
+  _globals['_TRACE_METAENTRY']._serialized_start=576
+  _globals['_TRACE_METAENTRY']._serialized_end=619
 # @@protoc_insertion_point(module_scope)

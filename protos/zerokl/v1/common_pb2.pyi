@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ServiceInfo(_message.Message):
-    __slots__ = ("service", "replica_id", "numerics_version", "numerics_fingerprint", "backend", "device", "dtype", "weights_version", "model_config_hash", "zerokl_version")
+    __slots__ = ("service", "replica_id", "numerics_version", "numerics_fingerprint", "backend", "device", "dtype", "weights_version", "model_config_hash", "zerokl_version", "cluster_id")
     SERVICE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class ServiceInfo(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     ZEROKL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     service: str
     replica_id: str
     numerics_version: str
@@ -28,7 +29,8 @@ class ServiceInfo(_message.Message):
     weights_version: str
     model_config_hash: str
     zerokl_version: str
-    def __init__(self, service: _Optional[str] = ..., replica_id: _Optional[str] = ..., numerics_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_version: _Optional[str] = ..., model_config_hash: _Optional[str] = ..., zerokl_version: _Optional[str] = ...) -> None: ...
+    cluster_id: str
+    def __init__(self, service: _Optional[str] = ..., replica_id: _Optional[str] = ..., numerics_version: _Optional[str] = ..., numerics_fingerprint: _Optional[str] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., weights_version: _Optional[str] = ..., model_config_hash: _Optional[str] = ..., zerokl_version: _Optional[str] = ..., cluster_id: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

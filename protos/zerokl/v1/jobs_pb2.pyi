@@ -64,7 +64,7 @@ class DPOJob(_message.Message):
     def __init__(self, pairs: _Optional[_Union[_trainer_pb2.DPOBatch, _Mapping]] = ..., steps: _Optional[int] = ..., batch_size: _Optional[int] = ..., publish_every: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class RLJob(_message.Message):
-    __slots__ = ("countdown", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "top_p", "seed", "max_staleness", "eval_every", "eval_prompts", "checkpoint_every")
+    __slots__ = ("countdown", "steps", "prompts_per_step", "group_size", "max_tokens", "temperature", "top_p", "seed", "max_staleness", "eval_every", "eval_prompts", "checkpoint_every", "reward", "ignore_eos")
     COUNTDOWN_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,8 @@ class RLJob(_message.Message):
     EVAL_EVERY_FIELD_NUMBER: _ClassVar[int]
     EVAL_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     countdown: CountdownTask
     steps: int
     prompts_per_step: int
@@ -89,7 +91,9 @@ class RLJob(_message.Message):
     eval_every: int
     eval_prompts: int
     checkpoint_every: int
-    def __init__(self, countdown: _Optional[_Union[CountdownTask, _Mapping]] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., checkpoint_every: _Optional[int] = ...) -> None: ...
+    reward: str
+    ignore_eos: bool
+    def __init__(self, countdown: _Optional[_Union[CountdownTask, _Mapping]] = ..., steps: _Optional[int] = ..., prompts_per_step: _Optional[int] = ..., group_size: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_staleness: _Optional[int] = ..., eval_every: _Optional[int] = ..., eval_prompts: _Optional[int] = ..., checkpoint_every: _Optional[int] = ..., reward: _Optional[str] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("name", "sft", "dpo", "rl", "learning_rate", "train_config")
@@ -108,7 +112,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sft: _Optional[_Union[SFTJob, _Mapping]] = ..., dpo: _Optional[_Union[DPOJob, _Mapping]] = ..., rl: _Optional[_Union[RLJob, _Mapping]] = ..., learning_rate: _Optional[float] = ..., train_config: _Optional[_Union[_trainer_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s")
+    __slots__ = ("job_id", "name", "kind", "state", "step", "total_steps", "weights_version", "error", "elapsed_s", "train_config")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,7 @@ class JobStatus(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ELAPSED_S_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_CONFIG_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     kind: str
@@ -127,7 +132,8 @@ class JobStatus(_message.Message):
     weights_version: str
     error: str
     elapsed_s: float
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weights_version: _Optional[str] = ..., error: _Optional[str] = ..., elapsed_s: _Optional[float] = ...) -> None: ...
+    train_config: _trainer_pb2.TrainConfig
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., step: _Optional[int] = ..., total_steps: _Optional[int] = ..., weights_version: _Optional[str] = ..., error: _Optional[str] = ..., elapsed_s: _Optional[float] = ..., train_config: _Optional[_Union[_trainer_pb2.TrainConfig, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
     __slots__ = ("step", "weights_version", "metrics")

@@ -90,15 +90,56 @@ class PPOBatch(_message.Message):
     max_staleness: int
     def __init__(self, rollouts: _Optional[_Iterable[_Union[Rollout, _Mapping]]] = ..., group_size: _Optional[int] = ..., advantages: _Optional[_Iterable[float]] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
+class TokenSequence(_message.Message):
+    __slots__ = ("input_ids", "target_ids", "weights", "logprobs", "advantages")
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    input_ids: _containers.RepeatedScalarFieldContainer[int]
+    target_ids: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, input_ids: _Optional[_Iterable[int]] = ..., target_ids: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenLossBatch(_message.Message):
+    __slots__ = ("loss", "sequences", "config", "forward_only", "temperature", "top_k", "top_p")
+    class ConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_ONLY_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    loss: str
+    sequences: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    config: _containers.ScalarMap[str, float]
+    forward_only: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    def __init__(self, loss: _Optional[str] = ..., sequences: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., config: _Optional[_Mapping[str, float]] = ..., forward_only: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ...) -> None: ...
+
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("sft", "dpo", "ppo")
+    __slots__ = ("sft", "dpo", "ppo", "token")
     SFT_FIELD_NUMBER: _ClassVar[int]
     DPO_FIELD_NUMBER: _ClassVar[int]
     PPO_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     sft: SFTBatch
     dpo: DPOBatch
     ppo: PPOBatch
-    def __init__(self, sft: _Optional[_Union[SFTBatch, _Mapping]] = ..., dpo: _Optional[_Union[DPOBatch, _Mapping]] = ..., ppo: _Optional[_Union[PPOBatch, _Mapping]] = ...) -> None: ...
+    token: TokenLossBatch
+    def __init__(self, sft: _Optional[_Union[SFTBatch, _Mapping]] = ..., dpo: _Optional[_Union[DPOBatch, _Mapping]] = ..., ppo: _Optional[_Union[PPOBatch, _Mapping]] = ..., token: _Optional[_Union[TokenLossBatch, _Mapping]] = ...) -> None: ...
 
 class PPOMetrics(_message.Message):
     __slots__ = ("kl", "mismatched_tokens", "clip_fraction", "ratio_min", "ratio_max", "kl_reference", "reward_mean", "stale_rollouts", "max_staleness")
@@ -123,7 +164,7 @@ class PPOMetrics(_message.Message):
     def __init__(self, kl: _Optional[float] = ..., mismatched_tokens: _Optional[int] = ..., clip_fraction: _Optional[float] = ..., ratio_min: _Optional[float] = ..., ratio_max: _Optional[float] = ..., kl_reference: _Optional[float] = ..., reward_mean: _Optional[float] = ..., stale_rollouts: _Optional[int] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("method", "loss", "tokens", "tokens_per_s", "ppo", "metrics", "step", "accumulated_batches")
+    __slots__ = ("method", "loss", "tokens", "tokens_per_s", "ppo", "metrics", "step", "accumulated_batches", "token_logprobs")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +180,7 @@ class ForwardBackwardResponse(_message.Message):
     METRICS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ACCUMULATED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     method: str
     loss: float
     tokens: int
@@ -147,13 +189,32 @@ class ForwardBackwardResponse(_message.Message):
     metrics: _containers.ScalarMap[str, float]
     step: int
     accumulated_batches: int
-    def __init__(self, method: _Optional[str] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., ppo: _Optional[_Union[PPOMetrics, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., accumulated_batches: _Optional[int] = ...) -> None: ...
+    token_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, method: _Optional[str] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., ppo: _Optional[_Union[PPOMetrics, _Mapping]] = ..., metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ..., accumulated_batches: _Optional[int] = ..., token_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("lr",)
+    __slots__ = ("lr", "adam")
     LR_FIELD_NUMBER: _ClassVar[int]
+    ADAM_FIELD_NUMBER: _ClassVar[int]
     lr: float
-    def __init__(self, lr: _Optional[float] = ...) -> None: ...
+    adam: AdamParams
+    def __init__(self, lr: _Optional[float] = ..., adam: _Optional[_Union[AdamParams, _Mapping]] = ...) -> None: ...
+
+class AdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("grad_norm", "lr", "step")
@@ -185,14 +246,16 @@ class SaveWeightsRequest(_message.Message):
     def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ..., share: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "created", "shared")
+    __slots__ = ("manifest", "created", "shared", "record_s")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    RECORD_S_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightsManifest
     created: bool
     shared: _weights_pb2.SharedWeights
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ...) -> None: ...
+    record_s: float
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ..., record_s: _Optional[float] = ...) -> None: ...
 
 class RecordWeightsRequest(_message.Message):
     __slots__ = ("version",)

@@ -99,7 +99,8 @@ class TrainerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardBackward(self, request, context):
-        """Computes one objective on a batch and accumulates its gradients.
+        """Computes one objective on a batch and accumulates its gradients (a token
+        batch with forward_only: its loss and logprobs, nothing accumulated).
         Not idempotent: a retried call accumulates again (GetState reports
         accumulated_batches). Errors: those of ForwardLogprobs, plus
         INVALID_ARGUMENT (no batch / unknown method, logprob count differs from

@@ -12,14 +12,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardInfo(_message.Message):
-    __slots__ = ("name", "size", "sha256")
+    __slots__ = ("name", "size", "sha256", "base_version", "stored_size", "depth")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STORED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     sha256: str
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    base_version: str
+    stored_size: int
+    depth: int
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., base_version: _Optional[str] = ..., stored_size: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
 
 class WeightsManifest(_message.Message):
     __slots__ = ("version", "parent_version", "step", "numerics_version", "numerics_fingerprint", "model_config_json", "shards", "created_at", "metadata")
@@ -57,18 +63,24 @@ class BeginUploadRequest(_message.Message):
     def __init__(self, version: _Optional[str] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("name", "size", "sha256", "received", "complete")
+    __slots__ = ("name", "size", "sha256", "received", "complete", "base_version", "delta_size", "delta_sha256")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SHA256_FIELD_NUMBER: _ClassVar[int]
     name: str
     size: int
     sha256: str
     received: int
     complete: bool
-    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., received: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+    base_version: str
+    delta_size: int
+    delta_sha256: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., received: _Optional[int] = ..., complete: _Optional[bool] = ..., base_version: _Optional[str] = ..., delta_size: _Optional[int] = ..., delta_sha256: _Optional[str] = ...) -> None: ...
 
 class UploadStatus(_message.Message):
     __slots__ = ("upload_id", "version", "shards", "created_at")
@@ -89,16 +101,22 @@ class GetUploadRequest(_message.Message):
     def __init__(self, upload_id: _Optional[str] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
-    __slots__ = ("upload_id", "name", "size", "sha256")
+    __slots__ = ("upload_id", "name", "size", "sha256", "base_version", "delta_size", "delta_sha256")
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DELTA_SHA256_FIELD_NUMBER: _ClassVar[int]
     upload_id: str
     name: str
     size: int
     sha256: str
-    def __init__(self, upload_id: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    base_version: str
+    delta_size: int
+    delta_sha256: str
+    def __init__(self, upload_id: _Optional[str] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., base_version: _Optional[str] = ..., delta_size: _Optional[int] = ..., delta_sha256: _Optional[str] = ...) -> None: ...
 
 class PutShardRequest(_message.Message):
     __slots__ = ("header", "chunk")

@@ -133,3 +133,19 @@ def test_a_stack_of_experts_quantizes_in_slices_as_each_expert_alone(monkeypatch
     q, scale = fp8_model._quantize(w)
     assert torch.equal(q.view(torch.uint8), torch.stack([a[0] for a in alone]).view(torch.uint8))
     assert torch.equal(scale, torch.stack([a[1] for a in alone]))
+
+
+def test_the_two_fp8_entry_points_agree_from_one_fp32_model():
+    """serving_fp8_model (a replica's FP8 model) and trainable_fp8 (the trainer's) built from the
+    same fp32 model hold the same serving bytes and compute the same logits: the router stays
+    exact fp32 on both ways to bf16."""
+    from zerokl.kernels.model.fp8 import serving_fp8_model, serving_state_dict, trainable_fp8
+    base = Model(ModelConfig.preset("tiny"), seed=0)
+    served = serving_fp8_model(Model(ModelConfig.preset("tiny"), seed=0))
+    trainer = trainable_fp8(base)
+    ours, theirs = serving_state_dict(trainer), served.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    with torch.no_grad():
+        assert torch.equal(trainer(PROMPT), served(PROMPT))

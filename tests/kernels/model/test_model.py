@@ -181,3 +181,23 @@ def test_lora_trains_adapters_only_and_merge_is_exact():
     unmerge_lora(m2)
     for n, p in m2.named_parameters():
         assert torch.equal(p, base[n]), n
+
+
+def test_moving_to_bf16_keeps_the_router_exact_as_loading_does():
+    """Model.to(bf16) keeps each router's fp32 weight and correction bias byte for byte, as loading
+    the same fp32 state dict into a bf16 model does: the two documented ways to a bf16 model (and
+    a trainer resumed from an fp32 checkpoint) compute the same bits."""
+    fp32 = Model(TINY, seed=0)
+    state = {k: v.clone() for k, v in fp32.state_dict().items()}
+    moved = fp32.to(torch.bfloat16)
+    loaded = Model.empty(TINY, torch.bfloat16)
+    loaded.load_state_dict(state)
+    routers = [k for k in state if k.endswith(("mlp.gate.weight", "e_score_correction_bias"))]
+    assert routers
+    for k, v in moved.state_dict().items():
+        assert v.dtype == loaded.state_dict()[k].dtype and torch.equal(v, loaded.state_dict()[k]), k
+    for k in routers:
+        assert moved.state_dict()[k].dtype == torch.float32 and torch.equal(moved.state_dict()[k], state[k]), k
+    prompt = torch.arange(3, 40).remainder(TINY.vocab_size).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(moved(prompt), loaded(prompt))

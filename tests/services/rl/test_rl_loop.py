@@ -58,7 +58,7 @@ class _StampedRollouts:
     def __init__(self, served: str):
         self.served = served
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version, ignore_eos=False):
         return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(n)] for p in prompts]
 
 

@@ -41,7 +41,7 @@ from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.server import make_identity
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.inference.weights import WeightSwitcher
-from zerokl.services.routing.fleet import read_fleet_version
+from zerokl.services.routing.fleet import read_fleet
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
@@ -125,7 +125,8 @@ def test_hand_driven_weights_that_fail_their_canary_are_never_served_resumed_or_
                 state = await trainer.get_state()
                 assert (state.weights_version, state.step, state.accumulated_batches) == \
                     (good, state.weights_step, 0)
-                assert read_fleet_version(workdir / "scheduler") == good
+                fleet = read_fleet(workdir / "scheduler")   # its target, and good versions that all passed a canary
+                assert fleet.weights_version == good and set(fleet.good) <= stored, fleet
                 # By hand again: back to an older version. The next job trains steps the run has published
                 # with other contents: it publishes them under the run's next segment, never ALREADY_EXISTS.
                 await trainer.load_weights(older, restore_state=True)

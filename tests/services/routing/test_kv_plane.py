@@ -42,7 +42,8 @@ def _metric(address: str, name: str, **labels: str) -> float:
 def test_the_scheduler_never_receives_kv_bytes_while_prefill_hands_them_to_decode(model: Model, tmp_path) -> None:
     workdir = tmp_path / "up"
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--no-trainer", "--prefill-replicas", "1"],
+                             "--preset", "tiny", "--threads", "1", "--grace", "2", "--no-trainer",
+                             "--prefill-replicas", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = _lines(proc)
     try:

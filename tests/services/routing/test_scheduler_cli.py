@@ -102,7 +102,8 @@ def test_zerokl_up_serves_through_the_scheduler_restarts_a_dead_service_and_stop
     workdir = tmp_path / "up"
     # The first restart waits 8 s: time enough to see `zerokl status` name the dead replica on a slow host.
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--decode-replicas", "2", "--restart-backoff", "8"],
+                             "--preset", "tiny", "--threads", "1", "--grace", "2", "--decode-replicas", "2",
+                             "--restart-backoff", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = _lines(proc)
     try:
@@ -177,8 +178,8 @@ def test_zerokl_up_serves_through_the_scheduler_restarts_a_dead_service_and_stop
     # publish, version 1 is served with the same bits; a replica that dies takes its follower with it and is
     # restarted (follower and all), serving the same bits again.
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--no-trainer", "--prefill-replicas", "0", "--grace", "2",
-                             "--replica-flag=--tp=2"],
+                             "--preset", "tiny", "--threads", "1", "--no-trainer", "--prefill-replicas", "0",
+                             "--grace", "2", "--replica-flag=--tp=2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = _lines(proc)
     try:

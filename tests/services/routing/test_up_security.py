@@ -92,7 +92,8 @@ def test_zerokl_up_with_tokens_and_tls(model: Model, model_seed1: Model, tmp_pat
     workdir = tmp_path / "up"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZEROKL_")}
     proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", "--no-trainer", "--prefill-replicas", "0",
+                             "--preset", "tiny", "--threads", "1", "--grace", "2", "--no-trainer",
+                             "--prefill-replicas", "0",
                              "--auth-token", CLIENT_TOKEN, "--tls-cert", pki["cert"], "--tls-key", pki["key"],
                              "--tls-ca", pki["ca"]],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)

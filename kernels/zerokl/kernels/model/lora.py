@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from zerokl.kernels import ops
+from zerokl.kernels.portable import standard_normal
 from zerokl.kernels.model.model import Linear, Model
 
 __all__ = ["LoRA", "DEFAULT_TARGETS", "apply_lora", "merge_lora", "unmerge_lora", "lora_parameters",
@@ -26,7 +27,9 @@ class LoRA(nn.Module):
     def __init__(self, out_features: int, in_features: int, rank: int, alpha: float, generator: torch.Generator):
         super().__init__()
         self.scale = alpha / rank
-        self.lora_A = nn.Parameter(torch.randn(rank, in_features, generator=generator) * in_features ** -0.5)
+        # Integer draws (portable.standard_normal): torch.randn's vector code follows the CPU's ISA, so the
+        # same seed gave other adapters, and so another training run, on another CPU code path.
+        self.lora_A = nn.Parameter(standard_normal((rank, in_features), generator) * in_features ** -0.5)
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:

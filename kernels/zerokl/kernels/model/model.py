@@ -535,23 +535,26 @@ class Model(nn.Module):
         self.register_buffer("inv_freq", ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta), persistent=False)
 
     def to(self, *args, **kwargs):
-        """Like nn.Module.to, but router weights, correction biases and inv_freq stay fp32, and an
-        FP8 model's e4m3 weights and their scales keep their dtypes (they only move)."""
+        """Like nn.Module.to, but router weights and correction biases stay fp32 with their exact
+        values (never rounded through the model's dtype: a bf16 model loaded from the same state
+        dict holds the same bytes), inv_freq is brought back to fp32, and an FP8 model's e4m3
+        weights and their scales keep their dtypes (they only move)."""
+        routers = {f"{name}.{attr}" for name, m in self.named_modules() if isinstance(m, Router)
+                   for attr in ("weight", "e_score_correction_bias")}
         keep = {name: t.data for name, t in [*self.named_parameters(), *self.named_buffers()]
-                if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv")}
+                if t.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv") or name in routers}
         super().to(*args, **kwargs)
         for name, t in keep.items():           # nn.Module.to replaces buffers: look each one up again
             owner, _, attr = name.rpartition(".")
             module = self.get_submodule(owner)
             moved = getattr(module, attr)
+            kept = t.to(moved.device, torch.float32) if name in routers else t.to(moved.device)
             if isinstance(moved, nn.Parameter):
-                moved.data = t.to(moved.device)
+                moved.data = kept
             else:
-                module.register_buffer(attr, t.to(moved.device))
-        for m in self.modules():
-            if isinstance(m, Router):
-                m.weight.data = m.weight.data.float()
-                m.e_score_correction_bias.data = m.e_score_correction_bias.data.float()
+                module.register_buffer(attr, kept)
+        # inv_freq is derived, not loaded: every path builds it the same way (fp32, through .to's
+        # dtype), so its bits are part of the definition as they are.
         self.inv_freq.data = self.inv_freq.data.float()
         return self
 

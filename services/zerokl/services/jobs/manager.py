@@ -57,6 +57,7 @@ import random
 import threading
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
@@ -146,6 +147,11 @@ class RLJobSpec:
     # and at the job's last; the other steps' versions are recorded weights only (audit, replicas that
     # read the store). A trainer restart redoes the steps since the newest recorded checkpoint.
     checkpoint_every: int = 10
+    # The reward (zerokl.tasks.synthetic.REWARDS): "countdown" (TinyZero's), or "vowel_share", a synthetic
+    # reward any policy earns some of (for measuring the loop: zerokl/tasks/synthetic.py). ignore_eos: every
+    # answer runs to max_tokens (length-controlled rollouts).
+    reward: str = "countdown"
+    ignore_eos: bool = False
     kind = "rl"
 
 
@@ -202,6 +208,9 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
         if spec.checkpoint_every < 1:
             raise InvalidArgument.field("rl.checkpoint_every", f"must be >= 1, got {spec.checkpoint_every}")
+        from zerokl.tasks.synthetic import REWARDS
+        if spec.reward not in REWARDS:
+            raise InvalidArgument.field("rl.reward", f"{spec.reward!r} is none of {', '.join(REWARDS)}")
     if getattr(spec, "countdown", None) is not None:
         c = spec.countdown
         if c.train_problems < 1 or c.test_problems < 1 or c.train_problems > 100_000:
@@ -233,6 +242,7 @@ class JobStatus:
     weights_version: str = ""
     error: str = ""
     elapsed_s: float = 0.0
+    train_config: TrainConfig | None = None     # the hyperparameters it trains with, once started
 
 
 @dataclass(frozen=True)
@@ -283,6 +293,7 @@ class _Job:
     error: str = ""
     started: float | None = None      # wall-clock seconds (records outlive the process)
     ended: float | None = None
+    train_config: TrainConfig | None = None   # the effective hyperparameters, once started
     events: list[JobEvent] = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -290,7 +301,8 @@ class _Job:
     def status(self) -> JobStatus:
         end = self.ended or time.time()
         return JobStatus(self.job_id, self.name, self.kind, self.state, self.step, self.total_steps,
-                         self.weights_version, self.error, 0.0 if self.started is None else end - self.started)
+                         self.weights_version, self.error, 0.0 if self.started is None else end - self.started,
+                         self.train_config)
 
 
 def _job_to_json(job: _Job) -> dict[str, Any]:
@@ -521,12 +533,13 @@ class JobManager:
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
         from zerokl.tasks.setup import encode_prompt
         from zerokl.tasks.countdown import reward
+        from zerokl.tasks.synthetic import vowel_share
         train, test, tok = _countdown_data(spec.countdown)
-        task = Task(train, test, lambda p: encode_prompt(p, tok), reward)
+        task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if spec.reward == "vowel_share" else reward)
         config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                           max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
                           seed=spec.seed, max_staleness=spec.max_staleness, eval_every=spec.eval_every,
-                          eval_prompts=spec.eval_prompts)
+                          eval_prompts=spec.eval_prompts, ignore_eos=spec.ignore_eos)
         port = _FleetRollouts(self, job)
 
         def on_step(record: StepRecord) -> None:
@@ -604,10 +617,11 @@ class _FleetRollouts:
     def __init__(self, manager: JobManager, job: _Job) -> None:
         self.manager, self.job = manager, job
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):  # noqa: ANN001, ANN201
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version,  # noqa: ANN001, ANN201
+                 ignore_eos=False):
         async def one(i: int, ids: tuple[int, ...]) -> GenerateResult:
             options = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                                      seed=sampling_seed(seed + i))
+                                      seed=sampling_seed(seed + i), ignore_eos=ignore_eos)
             request = InferenceRequest(prompt_ids=ids, options=options, weights_version=weights_version)
             return GenerateResult.collect([d async for d in self.manager._generate(request)])
 
@@ -653,6 +667,48 @@ class _SharedStep:
     checksum: str                   # of the serving bytes shared: a redo must give the same
 
 
+class _Durability:
+    """Which of an RL job's versions are durable (their store record landed), for its step events: the newest
+    durable version's job step and the newest durable resume point's, and what the records that landed since
+    the last report cost (bytes of the versions, bytes the store wrote: deltas write what changed, seconds)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[str, tuple[int, bool]] = {}   # version -> (job step, carries the trainer state)
+        self._start = ""                                # the job's start version when shared with its state
+        self._start_landed = False
+        self.durable_step = self.checkpoint_step = -1.0  # -1: none of the job's versions is durable yet
+        self._bytes = self._written = self._seconds = 0.0
+
+    def shared(self, version: str, step: int, checkpoint: bool) -> None:
+        self._steps[version] = (step, checkpoint)
+        if step == 0 and checkpoint:
+            self._start = version
+
+    def first_checkpoint(self, pending: bool = False) -> str:
+        """The job's start version once recorded (with ``pending``: also while its record is on the way)."""
+        return self._start if self._start_landed or pending else ""
+
+    def landed(self, version: str, recorded: tuple[WeightsManifest, float] | None) -> None:
+        step, checkpoint = self._steps.get(version, (-1, False))
+        if recorded is not None:    # what the store holds says (a same-named weights-only version carries no state)
+            checkpoint = recorded[0].spec.metadata.get(META_STATE) == "full"
+        self.durable_step = max(self.durable_step, float(step))
+        if checkpoint:
+            self.checkpoint_step = max(self.checkpoint_step, float(step))
+        self._start_landed |= version == self._start and checkpoint
+        if recorded is not None:
+            manifest, seconds = recorded
+            self._bytes += manifest.total_size
+            self._written += manifest.stored_size
+            self._seconds += seconds
+
+    def report(self) -> dict[str, float]:
+        out = {"durable_step": self.durable_step, "checkpoint_step": self.checkpoint_step,
+               "record_bytes": self._bytes, "record_written_bytes": self._written, "record_s": self._seconds}
+        self._bytes = self._written = self._seconds = 0.0
+        return out
+
+
 class _TrainerSession:
     """TrainerPort over TrainerClient, with the fleet switched after every publish.
 
@@ -688,6 +744,7 @@ class _TrainerSession:
         self.unrecorded: list[str] = []     # versions shared whose store record is pending, oldest first
         self.checkpoint = ""                # the newest full checkpoint known recorded (a resume point)
         self._kept: list[_SharedStep] = []  # the steps since it, oldest first
+        self.durability = _Durability()     # which versions are durable, and what their records cost
 
     def _call(self, coro: Awaitable[T]) -> T:
         return self.manager._call(coro)
@@ -710,6 +767,9 @@ class _TrainerSession:
         self.config = state.config
         self.base_step = self.trainer_step = state.step
         self.started = True
+        if isinstance(self.job.spec, RLJobSpec) and self.job.spec.train_config is None:
+            self._show_train_config(state.config)
+            return self._start_shared()
         manifest, created = self._save()
         if created and manifest.version != self.served:
             self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
@@ -718,6 +778,7 @@ class _TrainerSession:
             state = self._call(self.client.load_weights(manifest.version, restore_state=False,
                                                         config=self.job.spec.train_config))
             self.base_step = self.trainer_step = state.step
+        self._show_train_config(state.config)
         try:
             self._switch_fleet(manifest.version)
         except CanaryFailed as err:
@@ -727,6 +788,31 @@ class _TrainerSession:
         # The trainer's weights may be a version recorded weights only (a job that failed between checkpoints
         # left it there): no resume point then, until this job's first step records one (_checkpoint_due).
         self.checkpoint = manifest.version if manifest.spec.metadata.get(META_STATE) == "full" else ""
+        return manifest.version
+
+    def _show_train_config(self, config: TrainConfig) -> None:
+        """What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled."""
+        lr = self.job.spec.learning_rate
+        self.job.train_config = config if not lr else dataclasses.replace(config, lr=lr, warmup_steps=0,
+                                                                           total_steps=0)
+
+    def _start_shared(self) -> str:
+        """An RL job's start off its critical path: the trainer's weights shared in place with their trainer state
+        (a resume point), the fleet switched to them at once, and their record left to land in the background like
+        every step's (the job's first steps train meanwhile). Until it lands the job has no resume point of its
+        own: a trainer that restarts before then comes back on an older durable version, and the job fails
+        saying so (the store lost nothing; the next job starts from that version)."""
+        manifest, created, shared = self._call(self.client.share_weights())
+        if created and manifest.version != self.served:
+            self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
+        try:
+            self._switch_fleet(manifest.version, shared)
+        except CanaryFailed as err:
+            self._reject(manifest.version, err)
+        self.unswitched = ""
+        self.weights_version = manifest.version
+        self.unrecorded.append(manifest.version)    # (a version the store holds already lands at once)
+        self.durability.shared(manifest.version, 0, checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
@@ -771,7 +857,8 @@ class _TrainerSession:
     def _rebuild(self, resumed: str) -> None:
         """The trainer holds ``resumed`` (it restarted, or was rolled back): bring it to the version the fleet
         serves by redoing the kept steps after ``resumed``."""
-        chain = [self.checkpoint, *(s.version for s in self._kept)]
+        # The job's start version counts once the trainer resumed from it: a trainer resumes only from the store.
+        chain = [self.checkpoint or self.durability.first_checkpoint(pending=True), *(s.version for s in self._kept)]
         if resumed not in chain:
             since = (f"{self.checkpoint} (its newest recorded checkpoint)" if self.checkpoint else
                      "the checkpoint of its first step (it started on a version recorded weights only)")
@@ -898,6 +985,12 @@ class _TrainerSession:
         checkpoint of its own yet (it failed at its start) loads the served version itself: with its trainer
         state when it has one, else its weights under the trainer's configuration from before the job (a fresh
         optimizer, at step 0)."""
+        self._collect_records()     # the job's start may have landed meanwhile: a resume point
+        start = self.durability.first_checkpoint(pending=True)
+        if not self.checkpoint and start and self.unrecorded[:1] == [start]:
+            # The job's start, shared with its trainer state, is its resume point once recorded: wait for it.
+            with contextlib.suppress(grpc.aio.AioRpcError, _Restarted, WeightStoreUnavailable):
+                self._landed(start, self._await_record(start))
         if self.checkpoint:
             state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
             self.trainer_step = state.step
@@ -979,8 +1072,10 @@ class _TrainerSession:
             self.await_records(keep=RECORD_LAG - 1)
             record_wait_s = time.perf_counter() - t0
             self._train_and_publish(rollouts, group_size)
+            self._collect_records()
             self._last["record_wait_s"] = record_wait_s
             self._last["record_lag"] = float(len(self.unrecorded))  # versions served, not yet recorded
+            self._last.update(self.durability.report())
             return self._last
         return self._unit(work)
 
@@ -1002,7 +1097,8 @@ class _TrainerSession:
         spec = self.job.spec
         assert isinstance(spec, RLJobSpec)
         done = self.trainer_step - self.base_step
-        unresumable = not self.checkpoint and all(step.weights_only for step in self._kept)
+        unresumable = not self.checkpoint and not self.durability.first_checkpoint(pending=True) \
+            and all(step.weights_only for step in self._kept)
         return done % spec.checkpoint_every == 0 or done >= spec.steps or self.job.cancel.is_set() or unresumable
 
     def _train_and_publish(self, rollouts: Sequence[Rollout], group_size: int) -> None:
@@ -1040,6 +1136,7 @@ class _TrainerSession:
         self.unswitched = ""
         self.weights_version = manifest.version
         self.unrecorded.append(manifest.version)
+        self.durability.shared(manifest.version, self.trainer_step - self.base_step, checkpoint=not weights_only)
         return int(shared.total_bytes), exported, shared.checksum
 
     def await_records(self, keep: int = 0) -> None:
@@ -1048,23 +1145,39 @@ class _TrainerSession:
         :meth:`_unit`, which redoes the steps since its checkpoint."""
         while len(self.unrecorded) > keep:
             version = self.unrecorded[0]
-            self._await_record(version)
-            self.unrecorded.pop(0)
-            steps = [s.version for s in self._kept]
-            if version in steps and not self._kept[steps.index(version)].weights_only:
-                # A resume point in the store: the steps up to it need never be redone.
-                self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
+            self._landed(version, self._await_record(version))
 
-    def _await_record(self, version: str) -> None:
+    def _collect_records(self) -> None:
+        """The records that landed already, oldest first, without waiting for one that has not (a RecordWeights
+        with a short deadline): the job's reports say which versions are durable as soon as they are."""
+        while self.unrecorded:
+            try:
+                recorded = self._call(self.client.record_weights(self.unrecorded[0], timeout=0.01))
+            except grpc.aio.AioRpcError:
+                return      # not yet (or the trainer is out: await_records tells which, when the lag needs it)
+            self._landed(self.unrecorded[0], recorded)
+
+    def _landed(self, version: str, recorded: tuple[WeightsManifest, float] | None) -> None:
+        """``version``'s record is in the store (``recorded``: its manifest and seconds; None: found there)."""
+        assert self.unrecorded[0] == version
+        self.unrecorded.pop(0)
+        self.durability.landed(version, recorded)
+        if self.durability.first_checkpoint() == version and not self.checkpoint:
+            self.checkpoint = version    # the job's start, recorded with its trainer state: a resume point
+        steps = [s.version for s in self._kept]
+        if version in steps and not self._kept[steps.index(version)].weights_only:
+            # A resume point in the store: the steps up to it need never be redone.
+            self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
+
+    def _await_record(self, version: str) -> tuple[WeightsManifest, float] | None:
         deadline = None
         while True:
             try:
-                self._call(self.client.record_weights(version))
-                return
+                return self._call(self.client.record_weights(version))
             except grpc.aio.AioRpcError as err:
                 if err.code() is grpc.StatusCode.NOT_FOUND:
                     if self._in_store(version):
-                        return  # recorded before the trainer restarted
+                        return None  # recorded before the trainer restarted
                     raise _Restarted(f"the trainer no longer knows {version}: it restarted") from None
                 if err.code() not in _OUTAGE:
                     raise

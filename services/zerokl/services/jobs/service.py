@@ -73,7 +73,7 @@ def spec_to_proto(spec: JobSpec, name: str = "") -> jobs_pb2.JobSpec:
                         prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
                         max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p, seed=spec.seed,
                         max_staleness=spec.max_staleness, eval_every=spec.eval_every, eval_prompts=spec.eval_prompts,
-                        checkpoint_every=spec.checkpoint_every)
+                        checkpoint_every=spec.checkpoint_every, reward=spec.reward, ignore_eos=spec.ignore_eos)
     return _with_train_config(jobs_pb2.JobSpec(name=name, rl=rl, learning_rate=spec.learning_rate), spec)
 
 
@@ -117,19 +117,23 @@ def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
             temperature=m.temperature if m.HasField("temperature") else d.temperature,
             top_p=m.top_p if m.HasField("top_p") else d.top_p, seed=m.seed, max_staleness=m.max_staleness,
             eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate,
-            checkpoint_every=m.checkpoint_every or d.checkpoint_every)
+            checkpoint_every=m.checkpoint_every or d.checkpoint_every, reward=m.reward or d.reward,
+            ignore_eos=m.ignore_eos)
     raise InvalidArgument.field("job", "set one of sft, dpo, rl")
 
 
 def status_to_proto(s: JobStatus) -> jobs_pb2.JobStatus:
-    return jobs_pb2.JobStatus(job_id=s.job_id, name=s.name, kind=s.kind, state=_STATES[s.state], step=s.step,
-                              total_steps=s.total_steps, weights_version=s.weights_version, error=s.error,
-                              elapsed_s=s.elapsed_s)
+    msg = jobs_pb2.JobStatus(job_id=s.job_id, name=s.name, kind=s.kind, state=_STATES[s.state], step=s.step,
+                             total_steps=s.total_steps, weights_version=s.weights_version, error=s.error,
+                             elapsed_s=s.elapsed_s)
+    if s.train_config is not None:
+        msg.train_config.CopyFrom(train_config_to_proto(s.train_config))
+    return msg
 
 
 def status_from_proto(m: jobs_pb2.JobStatus) -> JobStatus:
     return JobStatus(m.job_id, m.name, m.kind, _STATES_BACK[m.state], m.step, m.total_steps, m.weights_version,
-                     m.error, m.elapsed_s)
+                     m.error, m.elapsed_s, train_config_from_proto(m.train_config) if m.HasField("train_config") else None)
 
 
 def event_to_proto(e: JobEvent) -> jobs_pb2.JobEvent:

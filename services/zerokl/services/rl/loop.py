@@ -40,6 +40,7 @@ class RLConfig:
     max_staleness: int = 0               # accept rollouts this many versions old (0 = strictly on-policy)
     eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
     eval_prompts: int = 32
+    ignore_eos: bool = False             # answers run to max_tokens, past eos (length-controlled rollouts)
 
 
 @dataclass
@@ -77,6 +78,14 @@ class StepRecord:
     # and whether this step's record carries the trainer state (a resume point).
     record_lag: int | None = None
     checkpoint: bool | None = None
+    # Durability (issue 49): the job step of the newest version whose store record landed, and of the newest
+    # resume point that did (-1: none yet; 0: the job's start); what the records that landed since the step
+    # before cost: the versions' bytes, the bytes the store wrote (deltas: what changed), their seconds.
+    durable_step: int | None = None
+    checkpoint_step: int | None = None
+    record_bytes: float | None = None
+    record_written_bytes: float | None = None
+    record_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
                                         config.max_tokens, config.temperature, config.top_p,
                                         seed=sampling_seed(config.seed * 1_000_003 + step),
-                                        weights_version=version)
+                                        weights_version=version, ignore_eos=config.ignore_eos)
         rollout_s = time.perf_counter() - t0
         batch, stale = [], 0
         for problem, group in zip(problems, groups):
@@ -145,6 +154,10 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
             record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
             checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
+            durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
+            checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
+            record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
+            record_s=m.get("record_s"),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

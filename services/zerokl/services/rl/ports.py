@@ -38,7 +38,7 @@ class Sampled:
 
 class RolloutPort(Protocol):
     def generate(self, prompts: Sequence[tuple[int, ...]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seed: int, weights_version: str) -> list[list[Sampled]]: ...
+                 top_p: float, seed: int, weights_version: str, ignore_eos: bool = False) -> list[list[Sampled]]: ...
 
 
 class TrainerPort(Protocol):
@@ -112,13 +112,14 @@ class LocalEnginePort:
         from zerokl.services.engine.engine import Engine
         return Engine(self._model_for(version), self.engine_config, tokenizer=self.tokenizer)
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version):
+    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version, ignore_eos=False):
         from zerokl.kernels import use_backend
         from zerokl.kernels.backend import get_backend
         from zerokl.services.engine.engine import run_to_completion
         from zerokl.services.engine.types import GenerateRequest
         from zerokl.vocab import SamplingOptions
-        opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed)
+        opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
+                               ignore_eos=ignore_eos)
         reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=sampling_seed(seed + i)))
                 for i, p in enumerate(prompts)]
         with use_backend(self.backend or get_backend()):

@@ -32,7 +32,11 @@ fleet's target (kept in ``fleet.json`` of the state directory, so a restarted
 scheduler knows it too). Unpinned requests are served at the target, and a healthy
 replica found on another version (restarted at an old one, or left behind by a
 switch that could not put it back) is switched to the target by the scheduler
-itself, without a canary: the target passed one.
+itself, without a canary: the target passed one. A target the weight store can no
+longer hand out whole (DATA_LOSS when a replica fetches it: a corrupt shard) cannot
+be served by any replica that restarts, so the scheduler moves the whole fleet to
+the most recently served good version in its record that switches and passes a
+canary, and records the fallback and why (``fleet.json``'s note).
 """
 from __future__ import annotations
 
@@ -76,7 +80,7 @@ from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.runtime.streams import batches_until_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.services.routing import metrics
-from zerokl.services.routing.fleet import read_fleet_version, write_fleet_version
+from zerokl.services.routing.fleet import FleetRecord, read_fleet, write_fleet
 from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
 from zerokl.services.routing.replay import StreamLedger
 from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, resolve_pin
@@ -163,6 +167,12 @@ def _attempt_or_relay(view: ReplicaView, err: grpc.aio.AioRpcError,
                  for v in d.violations}
         if kinds and kinds <= _STALE_VIOLATIONS:
             return _Attempt(view, f"it no longer serves the pin its last poll showed: {err.details()}")
+    return _relayed(view, err, views)
+
+
+def _relayed(view: ReplicaView, err: grpc.aio.AioRpcError, views: Sequence[ReplicaView] = ()) -> RelayedError:
+    """A replica's error as the status to relay to the client, with its code; replicas named (``views``: the
+    fleet), never their internal addresses."""
     details = err.details() or ""
     for v in views:
         details = details.replace(v.address, _name(v))
@@ -201,8 +211,8 @@ class Scheduler:
         self.router = Router(config.policy)
         self.replica_id = replica_id or default_replica_id("scheduler")
         self.state_dir = state_dir
-        # The version of the last whole-fleet switch ("" before the first one, when nothing was recorded).
-        self.target_version = read_fleet_version(state_dir) if state_dir is not None else ""
+        # The version of the last whole-fleet switch and the good ones before it (.fleet; empty before the first).
+        self.fleet = read_fleet(state_dir) if state_dir is not None else FleetRecord()
         self._flights: dict[str, _Flight] = {}
         self._server: ServiceServer | None = None
         self._health_dirty = asyncio.Event()
@@ -267,7 +277,16 @@ class Scheduler:
         ref = self.router.candidates(self.registry.views(), "decode", pin)[0].identity
         assert ref is not None
         return dataclasses.replace(ref, service="scheduler", replica_id=self.replica_id,
-                                   zerokl_version=base.zerokl_version)
+                                   zerokl_version=base.zerokl_version, cluster_id=base.cluster_id)
+
+    @property
+    def target_version(self) -> str:
+        """The fleet's target weights version: the last whole-fleet switch's ("" before the first one)."""
+        return self.fleet.weights_version
+
+    def _record(self, record: FleetRecord) -> None:
+        """Keep ``record`` as the fleet's, in the state directory too."""
+        self.fleet = record if self.state_dir is None else write_fleet(self.state_dir, record)
 
     def replicas(self) -> list[ReplicaView]:
         """The fleet as the scheduler sees it now."""
@@ -548,9 +567,7 @@ class Scheduler:
         if self.config.pin.weights_version:
             self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
                                                                                    weights_version=new))
-        self.target_version = new
-        if self.state_dir is not None:
-            write_fleet_version(self.state_dir, new)
+        self._record(self.fleet.served(new))
         await self.registry.refresh(read_info=True)
         log.info("switched the fleet to %s%s: canary replica %.3f s, canary %.3f s, %d other replica(s) %.3f s, "
                  "registry refresh %.3f s", new, " (shared in place)" if shared is not None else "", t1 - t0,
@@ -568,7 +585,7 @@ class Scheduler:
             except grpc.aio.AioRpcError as err:
                 if err.code() is grpc.StatusCode.UNAVAILABLE:
                     raise Unavailable(f"{view.describe()}: {err.code().name}: {err.details()}") from None
-                raise RelayedError(err, _name(view), details=err.details() or "") from None
+                raise _relayed(view, err, self.registry.views()) from None
 
     async def _canary(self, view: ReplicaView, version: str) -> str:
         """Why ``view`` cannot serve ``version`` ("" when it can): the probe must complete on that version with
@@ -664,7 +681,8 @@ class Scheduler:
 
     async def _converge(self) -> None:
         """Switch every laggard to the fleet's target version (see the module docstring); on a failure, try
-        again in a moment."""
+        again in a moment. A target the store can no longer hand out whole (DATA_LOSS) is given up: the fleet
+        falls back to the newest good version (:meth:`_fall_back`)."""
         async with self._switching:
             laggards, target = self._laggards(), self.target_version
             if not laggards:
@@ -677,9 +695,31 @@ class Scheduler:
                                 target, result)
                 else:
                     log.warning("%s served %s; switched it to the fleet's version %s", view.describe(), was, target)
+            lost = next((r for r in results if isinstance(r, ServiceError) and r.code is grpc.StatusCode.DATA_LOSS),
+                        None)
+            settled = lost is not None and await self._fall_back(target, f"{lost.code.name}: {lost.message}")
             await self.registry.refresh(read_info=True)
-            if any(isinstance(r, BaseException) for r in results):
+            if not settled and any(isinstance(r, BaseException) for r in results):
                 asyncio.get_running_loop().call_later(_CONVERGE_RETRY_S, self._health_dirty.set)
+
+    async def _fall_back(self, corrupt: str, reason: str) -> bool:
+        """Move the whole fleet off ``corrupt`` (its bytes in the store are lost: no replica that restarts can
+        load it) to the most recently served good version that still switches and passes its canary, and record
+        why (``fleet.json``'s note, which ``zerokl status`` shows). True once the fleet serves one."""
+        for version in self.fleet.fallbacks(corrupt):
+            try:
+                await self._switch_all(version)
+            except ServiceError as err:
+                log.warning("falling back from %s to %s failed: %s", corrupt, version, err)
+                if err.code in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND) or isinstance(err, CanaryFailed):
+                    continue              # that one is lost too, or gone, or bad: the next older one
+                return False              # a replica is away: try again later
+            self._record(self.fleet.fell_back(corrupt, version, reason))
+            log.error("%s", self.fleet.note)
+            return True
+        log.error("weights version %s is corrupt in the weight store (%s) and no good version to fall back to is "
+                  "left (tried %s)", corrupt, reason, self.fleet.fallbacks(corrupt) or "none")
+        return False
 
     async def _health_loop(self) -> None:
         """One task applies fleet changes to health, gauges and serving info, in order."""

@@ -70,7 +70,7 @@ CLIENT_METHODS = frozenset({
     "/zerokl.v1.Trainer/Info", "/zerokl.v1.Trainer/GetState",
     "/zerokl.v1.WeightStore/Info", "/zerokl.v1.WeightStore/GetManifest", "/zerokl.v1.WeightStore/Get",
     "/zerokl.v1.WeightStore/List", "/zerokl.v1.WeightStore/Watch",
-    "/zerokl.v1.Jobs/WatchJob", "/zerokl.v1.Jobs/ListJobs",
+    "/zerokl.v1.Jobs/WatchJob", "/zerokl.v1.Jobs/ListJobs", "/zerokl.v1.TinkerEndpoint/Info",
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
     "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
 })

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from zerokl.v1 import common_pb2
 
 __all__ = [
+    "CLUSTER_ID_ENV",
     "SERVICES",
     "ServiceIdentity",
     "default_replica_id",
@@ -28,7 +29,9 @@ __all__ = [
     "identity_from_proto",
 ]
 
-SERVICES = ("prefill", "decode", "trainer", "weight-store", "scheduler")
+SERVICES = ("prefill", "decode", "trainer", "weight-store", "scheduler", "tinker")
+# The cluster a service belongs to (`zerokl up` sets it for its children; a Helm release may too).
+CLUSTER_ID_ENV = "ZEROKL_CLUSTER_ID"
 
 
 @functools.cache
@@ -39,6 +42,10 @@ def _package_version() -> str:
         return metadata.version("zerokl")
     except metadata.PackageNotFoundError:
         return "0+unknown"
+
+
+def _cluster_id() -> str:
+    return os.environ.get(CLUSTER_ID_ENV, "")
 
 
 def default_replica_id(service: str) -> str:
@@ -71,6 +78,7 @@ class ServiceIdentity:
     weights_version: str = ""
     model_config_hash: str = ""
     zerokl_version: str = dataclasses.field(default_factory=_package_version)
+    cluster_id: str = dataclasses.field(default_factory=_cluster_id)   # $ZEROKL_CLUSTER_ID of the process
 
     def __post_init__(self) -> None:
         if self.service not in SERVICES:

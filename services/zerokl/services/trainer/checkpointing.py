@@ -6,7 +6,8 @@ shards), committed atomically with its manifest written last:
 - ``config.json`` + ``model.safetensors`` (sharded with an index when large):
   the serving weights, LoRA merged, in the glm_moe_dsa layout. This is all a
   serving replica reads (``Model.from_pretrained`` ignores the other files).
-- ``trainer-state.safetensors`` + ``trainer-state.json`` (absent when
+- ``trainer-state.safetensors`` (``trainer-state-0000K-of-0000N.safetensors``
+  when larger than :data:`RECORD_SHARD_BYTES`) + ``trainer-state.json`` (absent when
   published ``weights_only``): everything else needed to continue the job
   bit for bit: the training model's own state dict (base weights and LoRA
   adapters), AdamW's moments and step counts, the fp32 master weights (when
@@ -26,7 +27,11 @@ The manifest's metadata carries ``zerokl.run`` (the job) and
 from the newest ``full`` version of its run (:func:`find_resume_point`). All
 files are written deterministically (sorted keys, no timestamps), so
 publishing the same state twice gives the same sha256 per shard, which is how
-a repeated SaveWeights is recognized as already done.
+a repeated SaveWeights is recognized as already done. Both halves are split into
+files of at most :data:`RECORD_SHARD_BYTES` (the same layout every step), so one
+version travels to the store on several streams at once, and a file the version
+before holds too can go as a delta against it (the trainer's records:
+:class:`~zerokl.services.weightstore.client.UploadBase`).
 
 Stores: :class:`LocalWeights` uses a :class:`VersionStore` directly (the
 embedded default, no weight-store process needed); :class:`RemoteWeights`
@@ -41,6 +46,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
@@ -63,12 +69,13 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.client import UploadBase, WeightStoreClient
 from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
 
 __all__ = [
     "STATE_TENSORS",
     "STATE_JSON",
+    "RECORD_SHARD_BYTES",
     "STATE_FORMAT",
     "META_RUN",
     "META_STATE",
@@ -99,6 +106,10 @@ __all__ = [
 
 STATE_TENSORS = "trainer-state.safetensors"
 STATE_JSON = "trainer-state.json"
+_STATE_PART = re.compile(r"trainer-state-(\d{5})-of-(\d{5})\.safetensors")
+# Bytes per file of a written checkpoint (serving weights and trainer state alike): `small`'s 583 MB of bf16
+# weights are ~10 files, uploaded on that many streams at once (the weight store writes each in its own thread).
+RECORD_SHARD_BYTES = 64 * 1024**2
 STATE_FORMAT = "zerokl.trainer-state/1"
 META_RUN = "zerokl.run"
 META_STATE = "zerokl.trainer_state"     # "full": a resume point; "none": serving weights only
@@ -256,12 +267,14 @@ def _on_host(tensors: Mapping[str, torch.Tensor], ready: Any) -> dict[str, torch
     return out
 
 
-def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[str]) -> None:
+def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[str],
+                   max_shard_bytes: int = RECORD_SHARD_BYTES) -> None:
     """Write the serving checkpoint (save_pretrained's files) and, unless the snapshot is weights only, the
-    trainer state into ``directory``."""
+    trainer state into ``directory``, each in files of at most ``max_shard_bytes`` (a larger tensor alone)."""
     path = pathlib.Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    save_state_pretrained(_on_host(snapshot.serving, snapshot.ready), snapshot.model_config, snapshot.dtype, path)
+    save_state_pretrained(_on_host(snapshot.serving, snapshot.ready), snapshot.model_config, snapshot.dtype, path,
+                          max_shard_bytes)
     if snapshot.state is None:
         return
     tensors, storages = {}, set()
@@ -271,8 +284,32 @@ def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[st
             t = t.clone()   # safetensors refuses tensors that share storage (a tied weight of a LoRA model)
         storages.add(t.untyped_storage().data_ptr())
         tensors[key] = t
-    save_file(tensors, str(path / STATE_TENSORS), metadata={"format": STATE_FORMAT})
+    parts: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):     # sorted: the same split every step (a file's delta base is its namesake)
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if parts[-1] and size + nbytes > max_shard_bytes:
+            parts.append({})
+            size = 0
+        parts[-1][key] = tensors[key]
+        size += nbytes
+    names = [STATE_TENSORS] if len(parts) == 1 else \
+        [f"trainer-state-{i:05d}-of-{len(parts):05d}.safetensors" for i in range(1, len(parts) + 1)]
+    for name, part in zip(names, parts, strict=True):
+        save_file(part, str(path / name), metadata={"format": STATE_FORMAT})
     (path / STATE_JSON).write_text(json.dumps(snapshot.doc, indent=1, sort_keys=True) + "\n")
+
+
+def _state_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The trainer-state tensor files of a checkpoint directory (one, or every part of a split); [] if none or
+    parts are missing."""
+    if (path / STATE_TENSORS).exists():
+        return [path / STATE_TENSORS]
+    parts = sorted(p for p in path.iterdir() if _STATE_PART.fullmatch(p.name)) if path.is_dir() else []
+    counts = {_STATE_PART.fullmatch(p.name).group(2) for p in parts}     # type: ignore[union-attr]
+    if len(counts) != 1 or len(parts) != int(next(iter(counts))):
+        return []
+    return parts
 
 
 def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run: str,
@@ -286,7 +323,7 @@ def write_checkpoint(trainer: Trainer, directory: str | os.PathLike[str], *, run
 def has_trainer_state(directory: str | os.PathLike[str]) -> bool:
     """Whether a checkpoint directory carries a resume point."""
     path = pathlib.Path(directory)
-    return (path / STATE_JSON).exists() and (path / STATE_TENSORS).exists()
+    return (path / STATE_JSON).exists() and bool(_state_files(path))
 
 
 def load_serving_model(directory: str | os.PathLike[str], device: torch.device | str = "cpu") -> Model:
@@ -325,7 +362,7 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
         doc = json.loads((path / STATE_JSON).read_text())
         if doc.get("format") != STATE_FORMAT:
             raise DataLoss(f"{path.name}: unknown trainer-state format {doc.get('format')!r}")
-        tensors = load_file(str(path / STATE_TENSORS))
+        tensors = {k: v for part in _state_files(path) for k, v in load_file(str(part)).items()}
     except (ValueError, KeyError, OSError) as err:
         raise DataLoss(f"{path.name}: unreadable trainer state: {err}") from None
     train_config = config_from_json(doc["config"])
@@ -388,7 +425,8 @@ class WeightsRepo(Protocol):
 
     def describe(self) -> str: ...
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest: ...
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+                          base: UploadBase | None = None) -> WeightsManifest: ...
 
     async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest: ...
 
@@ -414,8 +452,10 @@ class LocalWeights:
     def describe(self) -> str:
         return self.store.backend.describe()
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
-        return await asyncio.to_thread(self.store.publish_dir, src, version, spec)
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+                          base: UploadBase | None = None) -> WeightsManifest:
+        return await asyncio.to_thread(self.store.publish_dir, src, version, spec,
+                                       (base.manifest.version, base.directory) if base is not None else None)
 
     async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
         return await asyncio.to_thread(self.store.fetch, version, dest)
@@ -481,11 +521,12 @@ class RemoteWeights:
             raise FailedPrecondition(f"weight store {self.target} failed the call ({code.name}): "
                                      f"{err.details()}") from None
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec) -> WeightsManifest:
+    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+                          base: UploadBase | None = None) -> WeightsManifest:
         return await self._call(lambda: self.client.publish(
             src, version, parent_version=spec.parent_version, step=spec.step,
             numerics_version=spec.numerics_version, numerics_fingerprint=spec.numerics_fingerprint,
-            model_config=spec.model_config, metadata=spec.metadata))
+            model_config=spec.model_config, metadata=spec.metadata, base=base))
 
     async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
         return await self._call(lambda: self.client.fetch(version, dest))
@@ -521,8 +562,9 @@ async def find_resume_point(repo: WeightsRepo, run: str) -> WeightsManifest | No
 
 
 async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
-                             spec: VersionSpec) -> tuple[WeightsManifest, bool]:
-    """Publish ``src`` as ``version``; (manifest, created).
+                             spec: VersionSpec, base: UploadBase | None = None) -> tuple[WeightsManifest, bool]:
+    """Publish ``src`` as ``version``; (manifest, created). ``base``: an earlier version whose files are still
+    on this host (files of the same name go as deltas against them where smaller).
 
     A version that exists already with exactly these files (same names and
     sha256) is the same checkpoint published before (a retried SaveWeights, or
@@ -546,12 +588,12 @@ async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
         raise AlreadyExists(f"version {version} is already published with other contents; "
                             "name another version")
     try:
-        return await repo.publish_dir(src, version, spec), True
+        return await repo.publish_dir(src, version, spec, base), True
     except FailedPrecondition:
         # An upload of this version was left open with other bytes (a trainer
         # that crashed while publishing, then did not redo the same step).
         await repo.abort_open_upload(version)
-        return await repo.publish_dir(src, version, spec), True
+        return await repo.publish_dir(src, version, spec, base), True
 
 
 # ----------------------------------------------------------------------------- sharded (DCP) checkpoints

@@ -16,6 +16,7 @@ import torch
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.trainer import convert
+from zerokl.services.trainer.optim import AdamParams
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
@@ -79,14 +80,20 @@ class TrainerClient(ServiceClient):
 
     async def forward_backward_batch(self, batch: TrainBatch, *,
                                      timeout: float | None = None) -> ForwardBackwardResult:
-        """ForwardBackward on an :class:`SFTBatch`, :class:`DPOBatch` or :class:`PPOBatch`."""
+        """ForwardBackward on an :class:`SFTBatch`, :class:`DPOBatch`, :class:`PPOBatch` or
+        :class:`TokenLossBatch` (Tinker's per-token losses; the result's ``token_logprobs`` hold the
+        trainer's logprob of every target)."""
         return convert.forward_backward_result_from_proto(
             await self._stub.ForwardBackward(convert.batch_to_proto(batch), timeout=timeout))
 
-    async def optim_step(self, *, lr: float | None = None, timeout: float | None = None) -> OptimResult:
-        """Apply the accumulated gradients at `lr` (None: the trainer's schedule)."""
-        return convert.optim_result_from_proto(
-            await self._stub.OptimStep(trainer_pb2.OptimStepRequest(lr=lr or 0.0), timeout=timeout))
+    async def optim_step(self, *, lr: float | None = None, adam: AdamParams | None = None,
+                         timeout: float | None = None) -> OptimResult:
+        """Apply the accumulated gradients at `lr` (None: the trainer's schedule), or with this step's
+        own ``adam`` hyperparameters (learning rate, betas, eps, weight decay, clip)."""
+        msg = trainer_pb2.OptimStepRequest(lr=lr or 0.0)
+        if adam is not None:
+            msg.adam.CopyFrom(convert.adam_params_to_proto(adam))
+        return convert.optim_result_from_proto(await self._stub.OptimStep(msg, timeout=timeout))
 
     async def grpo_step(self, rollouts: Sequence[Rollout], group_size: int, *, max_staleness: int | None = None,
                         lr: float | None = None,
@@ -102,21 +109,23 @@ class TrainerClient(ServiceClient):
         msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
         return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
 
-    async def share_weights(self, version: str = "", *, weights_only: bool = False, timeout: float | None = None
+    async def share_weights(self, version: str = "", *, weights_only: bool = False,
+                            metadata: Mapping[str, str] | None = None, timeout: float | None = None
                             ) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
         """SaveWeights(share): the new version in the trainer's shared memory for the replicas on its
         host, recorded in the store in the background (``weights_only``: without the trainer state, so
         not a resume point); (manifest to be, created, descriptor)."""
-        response = await self._stub.SaveWeights(trainer_pb2.SaveWeightsRequest(version=version, share=True,
-                                                                                weights_only=weights_only),
-                                                timeout=timeout)
+        msg = trainer_pb2.SaveWeightsRequest(version=version, share=True, weights_only=weights_only,
+                                             metadata=dict(metadata or {}))
+        response = await self._stub.SaveWeights(msg, timeout=timeout)
         manifest, created = convert.save_result_from_proto(response)
         return manifest, created, response.shared
 
-    async def record_weights(self, version: str, *, timeout: float | None = None) -> WeightsManifest:
-        """Wait until a version shared by :meth:`share_weights` is committed to the weight store."""
+    async def record_weights(self, version: str, *, timeout: float | None = None) -> tuple[WeightsManifest, float]:
+        """Wait until a version shared by :meth:`share_weights` is committed to the weight store; (its manifest:
+        ``stored_size`` says what the store wrote, seconds from the share to the commit)."""
         response = await self._stub.RecordWeights(trainer_pb2.RecordWeightsRequest(version=version), timeout=timeout)
-        return convert.save_result_from_proto(response)[0]
+        return convert.save_result_from_proto(response)[0], response.record_s
 
     async def load_weights(self, version: str, *, restore_state: bool = False, config: TrainConfig | None = None,
                            timeout: float | None = None) -> TrainerState:

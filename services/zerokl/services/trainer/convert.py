@@ -17,6 +17,7 @@ import torch
 
 from zerokl.kernels.trace import Trace
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
+from zerokl.services.trainer.optim import AdamParams
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import (
     DPOBatch,
@@ -25,6 +26,8 @@ from zerokl.services.trainer.types import (
     PPOBatch,
     PPOMetrics,
     SFTBatch,
+    TokenLossBatch,
+    TokenSequence,
     TrainBatch,
     TrainerState,
 )
@@ -44,8 +47,12 @@ __all__ = [
     "logprobs_trace",
     "batch_to_proto",
     "batch_from_proto",
+    "token_sequence_to_proto",
+    "token_sequence_from_proto",
     "forward_backward_result_to_proto",
     "forward_backward_result_from_proto",
+    "adam_params_to_proto",
+    "adam_params_from_proto",
     "optim_result_to_proto",
     "optim_result_from_proto",
     "save_result_to_proto",
@@ -129,7 +136,28 @@ def batch_to_proto(batch: TrainBatch) -> trainer_pb2.ForwardBackwardRequest:
         if batch.max_staleness is not None:
             ppo.max_staleness = batch.max_staleness
         return trainer_pb2.ForwardBackwardRequest(ppo=ppo)
+    if isinstance(batch, TokenLossBatch):
+        return trainer_pb2.ForwardBackwardRequest(token=trainer_pb2.TokenLossBatch(
+            loss=batch.loss, sequences=[token_sequence_to_proto(s) for s in batch.sequences],
+            config=dict(batch.config), forward_only=batch.forward_only, temperature=batch.temperature,
+            top_k=batch.top_k, top_p=batch.top_p))
     raise TypeError(f"not a training batch: {type(batch).__name__}")
+
+
+def token_sequence_to_proto(s: TokenSequence) -> trainer_pb2.TokenSequence:
+    """TokenSequence -> ``zerokl.v1.TokenSequence`` (an unused per-position input travels empty)."""
+    return trainer_pb2.TokenSequence(input_ids=list(s.input_ids), target_ids=list(s.target_ids),
+                                     weights=list(s.weights or ()), logprobs=list(s.logprobs or ()),
+                                     advantages=list(s.advantages or ()))
+
+
+def token_sequence_from_proto(msg: trainer_pb2.TokenSequence) -> TokenSequence:
+    """``zerokl.v1.TokenSequence`` -> TokenSequence (an empty per-position input is None: unused)."""
+    def optional(values) -> tuple[float, ...] | None:  # noqa: ANN001 - a repeated float field
+        return tuple(values) if len(values) else None
+
+    return TokenSequence(tuple(msg.input_ids), tuple(msg.target_ids), optional(msg.weights), optional(msg.logprobs),
+                         optional(msg.advantages))
 
 
 def batch_from_proto(msg: trainer_pb2.ForwardBackwardRequest) -> TrainBatch | None:
@@ -148,6 +176,15 @@ def batch_from_proto(msg: trainer_pb2.ForwardBackwardRequest) -> TrainBatch | No
             # An empty list means "none given": a batch of rollouts always has at least one advantage.
             advantages=tuple(p.advantages) if len(p.advantages) else None,
             max_staleness=p.max_staleness if p.HasField("max_staleness") else None)
+    if which == "token":
+        t = msg.token
+        default = TokenLossBatch("", ())
+        return TokenLossBatch(
+            loss=t.loss, sequences=tuple(token_sequence_from_proto(s) for s in t.sequences), config=dict(t.config),
+            forward_only=t.forward_only,
+            temperature=t.temperature if t.HasField("temperature") else default.temperature,
+            top_k=t.top_k if t.HasField("top_k") else default.top_k,
+            top_p=t.top_p if t.HasField("top_p") else default.top_p)
     return None
 
 
@@ -162,6 +199,8 @@ def forward_backward_result_to_proto(r: ForwardBackwardResult) -> trainer_pb2.Fo
             kl=p.kl, mismatched_tokens=p.mismatched_tokens, clip_fraction=p.clip_fraction, ratio_min=p.ratio_min,
             ratio_max=p.ratio_max, kl_reference=p.kl_reference, reward_mean=p.reward_mean,
             stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness))
+    for lp in r.token_logprobs or ():
+        msg.token_logprobs.add(values=lp.to(torch.float32).tolist())
     return msg
 
 
@@ -173,9 +212,24 @@ def forward_backward_result_from_proto(msg: trainer_pb2.ForwardBackwardResponse)
         ppo = PPOMetrics(kl=p.kl, mismatched_tokens=p.mismatched_tokens, clip_fraction=p.clip_fraction,
                          ratio_min=p.ratio_min, ratio_max=p.ratio_max, kl_reference=p.kl_reference,
                          reward_mean=p.reward_mean, stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness)
+    token_logprobs = None
+    if msg.method == "token":
+        token_logprobs = tuple(torch.tensor(list(t.values), dtype=torch.float32) for t in msg.token_logprobs)
     return ForwardBackwardResult(method=msg.method, loss=msg.loss, tokens=msg.tokens, tokens_per_s=msg.tokens_per_s,
                                  step=msg.step, accumulated_batches=msg.accumulated_batches, ppo=ppo,
-                                 metrics=dict(msg.metrics))
+                                 metrics=dict(msg.metrics), token_logprobs=token_logprobs)
+
+
+def adam_params_to_proto(a: AdamParams) -> trainer_pb2.AdamParams:
+    """AdamParams -> ``zerokl.v1.AdamParams``."""
+    return trainer_pb2.AdamParams(learning_rate=a.learning_rate, beta1=a.beta1, beta2=a.beta2, eps=a.eps,
+                                  weight_decay=a.weight_decay, grad_clip_norm=a.grad_clip_norm)
+
+
+def adam_params_from_proto(msg: trainer_pb2.AdamParams) -> AdamParams:
+    """``zerokl.v1.AdamParams`` -> AdamParams (values are checked by the service)."""
+    return AdamParams(learning_rate=msg.learning_rate, beta1=msg.beta1, beta2=msg.beta2, eps=msg.eps,
+                      weight_decay=msg.weight_decay, grad_clip_norm=msg.grad_clip_norm)
 
 
 def optim_result_to_proto(r: OptimResult) -> trainer_pb2.OptimStepResponse:

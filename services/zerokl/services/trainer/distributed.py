@@ -373,7 +373,7 @@ class DistributedTrainer:
         dist.all_reduce(total, group=self.group.control)
         return float(total.sqrt())
 
-    def optim_step(self, lr: float | None = None) -> dict:
+    def optim_step(self, lr: float | None = None, adam=None) -> dict:
         """Trainer.optim_step's contract (clip to the global norm, AdamW, undo a non-finite step)."""
         t = self.trainer
 
@@ -383,7 +383,8 @@ class DistributedTrainer:
             return "a weight non-finite" if bad.item() else None
 
         grads = [p.grad for p in self._params.values() if p.grad is not None]
-        return optimizer_step(t, grads, self._grad_norm(), lr, non_finite=non_finite, release=_forget_weight_slices)
+        return optimizer_step(t, grads, self._grad_norm(), lr, non_finite=non_finite, release=_forget_weight_slices,
+                              adam=adam)
 
     def sft_step(self, examples: Sequence) -> dict:
         return self.forward_backward("sft", examples) | self.optim_step()
@@ -550,9 +551,9 @@ class ServedTrainer:
         from zerokl.services.runtime.errors import FailedPrecondition
         raise FailedPrecondition("DPO needs a reference model: not supported by a --dp/--tp/--ep trainer")
 
-    def optim_step(self, lr: float | None = None) -> dict:
+    def optim_step(self, lr: float | None = None, adam=None) -> dict:
         self._full = None
-        return self.lockstep.optim_step(lr)
+        return self.lockstep.optim_step(lr, adam)
 
     def full(self) -> Trainer:
         if self._full is None:

@@ -1,4 +1,5 @@
-"""Training objectives: SFT, DPO, and GRPO advantages with the PPO-clip objective.
+"""Training objectives: SFT, DPO, GRPO advantages with the PPO-clip objective, and the per-token
+losses of Tinker's API (:func:`token_loss_terms`: cross_entropy, importance_sampling, ppo, cispo, dro).
 
 All take per-token logprobs [B, T] with a mask [B, T] of the tokens that count
 (completion tokens), so they work on padded batches. Sums over tokens run in a fixed
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["sft_loss", "dpo_loss", "group_advantages", "PPOStats", "ppo_clip_loss", "ppo_clip_terms"]
+__all__ = ["sft_loss", "dpo_loss", "group_advantages", "PPOStats", "ppo_clip_loss", "ppo_clip_terms", "TOKEN_LOSSES",
+           "token_loss_terms"]
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -128,3 +130,68 @@ def ppo_clip_terms(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, adv
             "kl_reference": kl_ref.detach(),
         }
     return loss, terms
+
+
+# ----------------------------------------------------------------------------- per-token losses (Tinker's)
+
+#: The per-token losses, each with its loss_fn_config keys and their defaults (Tinker's documented
+#: ones: PPO clips the ratio to [0.8, 1.2], CISPO's coefficient to [0, 4]). Every loss is a SUM over
+#: positions, never a mean: a batch split into chunks sums to the same loss and gradient.
+TOKEN_LOSSES: dict[str, dict[str, float]] = {
+    "cross_entropy": {},                                    # -sum(weights * logprobs)
+    "importance_sampling": {},                              # -sum(ratio * advantages)
+    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
+    "cispo": {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0},
+    "dro": {"beta": 0.05},                                  # -sum(logprobs * advantages - beta/2 * (log ratio)^2)
+}
+
+
+def token_loss_terms(loss: str, logprobs: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor,
+                     behaviour: torch.Tensor, advantages: torch.Tensor, config: dict[str, float]
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One of :data:`TOKEN_LOSSES` over padded per-position tensors [B, T], and its statistics.
+
+    ``logprobs`` are the trainer's (the graph the backward runs through), ``valid`` marks the
+    positions that exist (padding is False), ``weights`` cross-entropy's per-position weights,
+    ``behaviour`` the sampling logprobs and ``advantages`` the per-position advantages (both zero
+    where unused). ``config`` holds the loss's keys (defaults filled in by the caller). ratio =
+    exp(logprobs - behaviour). Statistics (0-dim tensors) count the positions that carry the loss:
+    nonzero weight (cross_entropy) or nonzero advantage (the RL losses): ``tokens``, and for the RL
+    losses ``mismatched_tokens`` (trainer logprob != sampling logprob: 0 with aligned numerics),
+    ``kl`` (sum of sampling minus trainer logprob: exactly 0 then), ``ratio_min`` / ``ratio_max``
+    and, for the clipped losses, ``clipped_tokens``.
+    """
+    zero = torch.zeros_like(logprobs)
+    if loss == "cross_entropy":
+        per_position = -weights * logprobs
+        on = valid & (weights != 0)
+    else:
+        log_ratio = logprobs - behaviour
+        ratio = torch.exp(log_ratio)
+        if loss == "importance_sampling":
+            per_position = -ratio * advantages
+        elif loss == "ppo":
+            clipped = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"])
+            per_position = -torch.minimum(ratio * advantages, clipped * advantages)
+        elif loss == "cispo":
+            coef = torch.clamp(ratio, config["clip_low_threshold"], config["clip_high_threshold"]).detach()
+            per_position = -coef * logprobs * advantages
+        elif loss == "dro":
+            per_position = -(logprobs * advantages - 0.5 * config["beta"] * log_ratio ** 2)
+        else:
+            raise ValueError(f"unknown loss {loss!r}: expected one of {', '.join(TOKEN_LOSSES)}")
+        on = valid & (advantages != 0)
+    # torch.where, not a product: a padded position contributes exactly nothing (and no NaN).
+    total = torch.where(valid, per_position, zero).sum()
+    with torch.no_grad():
+        terms = {"loss": total.detach(), "tokens": on.sum()}
+        if loss != "cross_entropy":
+            count = terms["tokens"]
+            terms |= {"mismatched_tokens": (on & (logprobs != behaviour)).sum(),
+                      "kl": torch.where(on, -log_ratio, zero).sum(),
+                      "ratio_min": _masked_extreme(ratio, on, count, float("inf"), torch.amin),
+                      "ratio_max": _masked_extreme(ratio, on, count, float("-inf"), torch.amax)}
+            if loss in ("ppo", "cispo"):
+                low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+                terms["clipped_tokens"] = (on & ((ratio < low) | (ratio > high))).sum()
+    return total, terms

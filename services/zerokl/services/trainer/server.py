@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
                    help="name of the job; versions are published as <run>-step<N> and a restart resumes the "
                         "run's newest one (default $ZEROKL_RUN or %(default)s)")
+    j.add_argument("--record-deltas", default="on", choices=("on", "off"),
+                   help="record each shared version's files as deltas against the version recorded before "
+                        "(the store writes what changed; on, the default) or whole (off)")
     j.add_argument("--init", default=DEFAULT_INIT,
                    help="starting weights when the run has nothing to resume: preset:NAME[:seedN], a checkpoint "
                         "directory, or a weight-store version (default %(default)s)")
@@ -104,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, default=TrainerLimits().max_batch_tokens,
                    help="prompt + completion ids per request at most (default %(default)s)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: torch's choice). Logprob bits do not depend on it; "
-                        "on the CPU an update's do (docs/perf.md, issue 37). On a small CPU host 1 avoids "
-                        "threads spinning against the server's own")
+                   help="torch intra-op threads (default: torch's choice). No bit depends on it: logprobs, "
+                        "gradients and updates are the same at any count (NUMERICS.md). On a small CPU host 1 "
+                        "avoids threads spinning against the server's own")
     p.add_argument("--replica-id", default=None, help="name reported by Info (default: pod name or host-pid)")
     add_server_arguments(p, DEFAULT_PORT)
     return p
@@ -209,7 +212,8 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
             lineage.append(LineageEntry(manifest.version, trainer.step))
         identity = make_identity(trainer.model, manifest.version, args.replica_id)
         service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits,
-                                 segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "")
+                                 segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "",
+                                 record_deltas=args.record_deltas == "on")
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)
@@ -217,7 +221,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
     trainer = await asyncio.to_thread(Trainer, model, config)
     identity = make_identity(model, version, args.replica_id)
     service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,
-                             limits=limits)
+                             limits=limits, record_deltas=args.record_deltas == "on")
     return Started(service, None)
 
 

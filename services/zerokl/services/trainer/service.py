@@ -27,8 +27,9 @@ import math
 import pathlib
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc.aio
 import torch
@@ -70,9 +71,9 @@ from zerokl.services.trainer.checkpointing import (
     write_checkpoint,
     write_snapshot,
 )
-from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.optim import NonFiniteStep
-from zerokl.services.trainer.trainer import MAX_LR, TrainConfig, Trainer
+from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
+from zerokl.services.trainer.optim import AdamParams, NonFiniteStep
+from zerokl.services.trainer.trainer import MAX_LR, ScoredSequence, TrainConfig, Trainer
 from zerokl.services.trainer.types import (
     DPOBatch,
     ForwardBackwardResult,
@@ -80,9 +81,11 @@ from zerokl.services.trainer.types import (
     PPOBatch,
     PPOMetrics,
     SFTBatch,
+    TokenLossBatch,
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
 from zerokl.services.weightsync import SharedExport, export_shared
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
@@ -127,6 +130,7 @@ def pin_owner(run: str) -> str:
     return f"trainer.{run}"
 
 
+_STORE_CHECK_S = 5.0        # a share asks the store whether it holds the version's name already, this long at most
 _SHARED_KEPT = 2            # versions kept in shared memory: the one being switched to and the one before
 
 
@@ -145,10 +149,65 @@ class _Record:
     task: "asyncio.Future[WeightsManifest] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
+    started: float = dataclasses.field(default_factory=time.monotonic)   # when it was shared
+    record_s: float = 0.0                       # share -> the store's commit, once committed
 
     @property
     def weights_only(self) -> bool:
         return self.spec.metadata.get(META_STATE) != "full"
+
+
+class _DeltaBases:
+    """The serving files of the newest version this trainer recorded, kept on its disk: the next record's files go
+    as deltas against them, so the store writes what changed (weightstore/delta.py). A record's upload holds the
+    base it started with (a retried record may upload beside the next one): a directory is removed only once
+    no upload reads it."""
+
+    def __init__(self) -> None:
+        self.current: UploadBase | None = None
+        self._step = -1
+        self._users: dict[pathlib.Path, int] = {}
+        self._retired: set[pathlib.Path] = set()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[UploadBase | None]:
+        base = self.current
+        if base is not None:
+            self._users[base.directory] = self._users.get(base.directory, 0) + 1
+        try:
+            yield base
+        finally:
+            if base is not None:
+                self._users[base.directory] -= 1
+                await self._collect()
+
+    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
+        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
+        the base of the next records (unless a later version's already are); the rest of it goes."""
+        def keep_serving() -> None:
+            for path in directory.iterdir():
+                if not is_serving_file(path.name):
+                    path.unlink()
+        await asyncio.to_thread(keep_serving)
+        if step < self._step:
+            self._retired.add(directory)
+        else:
+            if self.current is not None:
+                self._retired.add(self.current.directory)
+            self.current, self._step = UploadBase(manifest, directory), step
+        await self._collect()
+
+    async def close(self) -> None:
+        if self.current is not None:
+            self._retired.add(self.current.directory)
+            self.current = None
+        await self._collect()
+
+    async def _collect(self) -> None:
+        for directory in [d for d in self._retired if not self._users.get(d)]:
+            self._retired.discard(directory)
+            self._users.pop(directory, None)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
 @dataclass(frozen=True)
@@ -207,6 +266,24 @@ def _raise_if(violations: Sequence[FieldViolation]) -> None:
                           field_violations=shown)
 
 
+def _adam_violations(adam: AdamParams, lr: float | None) -> list[FieldViolation]:
+    out = []
+    if lr:
+        out.append(FieldViolation("lr", "give lr (0) or adam, not both"))
+    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        value = getattr(adam, name)
+        if not (math.isfinite(value) and value >= 0):
+            out.append(FieldViolation(f"adam.{name}", f"{value} must be finite and >= 0"))
+        elif name == "learning_rate" and value > MAX_LR:
+            out.append(FieldViolation("adam.learning_rate", f"{value} must be at most {MAX_LR:g} (the learning "
+                                                            "rate ceiling)"))
+        elif name.startswith("beta") and value >= 1:
+            out.append(FieldViolation(f"adam.{name}", f"{value} must be in [0, 1)"))
+        elif name == "eps" and value == 0:
+            out.append(FieldViolation("adam.eps", "must be > 0"))
+    return out
+
+
 def _is_version_name(name: str) -> bool:
     try:
         validate_version(name)
@@ -230,7 +307,8 @@ class TrainerService:
     """
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
-                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "") -> None:
+                 identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "",
+                 record_deltas: bool = True) -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
         if segment and segment_index(run, segment) is None:
@@ -245,6 +323,8 @@ class TrainerService:
         self._pinned: str | None = None     # the resume point this trainer pins in the store
         self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
+        self._bases = _DeltaBases()                   # what the next record's deltas are taken against
+        self.record_deltas = record_deltas            # False: every record's files go whole
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -279,6 +359,7 @@ class TrainerService:
         for export in self._exports.values():
             export.close()
         self._exports.clear()
+        await self._bases.close()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -332,18 +413,27 @@ class TrainerService:
 
     async def forward_backward(self, batch: TrainBatch | None) -> ForwardBackwardResult:
         """Accumulate the gradients of one objective; the method is the batch's type."""
-        if not isinstance(batch, (SFTBatch, DPOBatch, PPOBatch)):
-            raise InvalidArgument.field("batch", "set one of sft, dpo, ppo (unknown or missing method)")
+        if not isinstance(batch, (SFTBatch, DPOBatch, PPOBatch, TokenLossBatch)):
+            raise InvalidArgument.field("batch", "set one of sft, dpo, ppo, token (unknown or missing method)")
 
         async def work() -> ForwardBackwardResult:
             # Checked under the lock: a queued LoadWeights may change the vocabulary.
             self._check_batch(batch)
             staleness = self._staleness(batch) if isinstance(batch, PPOBatch) else []
+            if isinstance(batch, TokenLossBatch) and not hasattr(self._trainer, "forward_backward_tokens"):
+                raise FailedPrecondition("token batches (Tinker's per-token losses) are not supported by a "
+                                         "--dp/--tp/--ep trainer yet: serve the trainer in one process")
+            forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
             try:
-                result = await self._compute(self._forward_backward, batch, staleness)
+                if isinstance(batch, TokenLossBatch):
+                    result = await self._compute(self._forward_backward_tokens, batch)
+                else:
+                    result = await self._compute(self._forward_backward, batch, staleness)
             except ServiceError:
                 raise       # a refusal, before anything was computed
             except Exception as err:
+                if forward_only:    # no backward ran: the pending gradients are as they were
+                    raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err})") from None
                 # A backward that failed part-way may have added to some gradients: every pending gradient
                 # goes (the batches accumulated before it included), so nothing half-applied blocks or
                 # leaks into a later step.
@@ -353,7 +443,7 @@ class TrainerService:
                     raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err})") from None
                 raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err}); no gradient is pending "
                                f"now ({dropped} batch(es) accumulated before it were dropped too)") from None
-            self._accumulated += 1
+            self._accumulated += 0 if forward_only else 1
             result = dataclasses.replace(result, accumulated_batches=self._accumulated)
             TOKENS.inc(result.tokens)
             TOKENS_PER_S.set(result.tokens_per_s)
@@ -377,8 +467,66 @@ class TrainerService:
             out = self._check_completions([(f"dpo.pairs[{i}].{side}", c) for i, pair in enumerate(batch.pairs)
                                            for side, c in zip(("chosen", "rejected"), pair, strict=True)])
             _raise_if(out + dpo_pair_violations(batch.pairs, "dpo.pairs"))
+        elif isinstance(batch, TokenLossBatch):
+            self._check_token_batch(batch)
         else:
             self._check_ppo(batch)
+
+    def _check_token_batch(self, batch: TokenLossBatch) -> None:
+        if batch.loss not in TOKEN_LOSSES:
+            raise InvalidArgument.field("token.loss", f"{batch.loss!r} is not a loss: expected one of "
+                                                      f"{', '.join(TOKEN_LOSSES)}")
+        if not batch.sequences:
+            raise InvalidArgument.field("token.sequences", "empty batch")
+        config = self._trainer.model.config
+        vocab, max_len = config.vocab_size, config.max_position_embeddings
+        out: list[FieldViolation] = []
+        rl = batch.loss != "cross_entropy"
+        for i, seq in enumerate(batch.sequences):
+            where, n = f"token.sequences[{i}]", len(seq.input_ids)
+            if not n:
+                out.append(FieldViolation(f"{where}.input_ids", "must hold at least one token id"))
+            if len(seq.target_ids) != n:
+                out.append(FieldViolation(f"{where}.target_ids", f"{len(seq.target_ids)} targets for {n} input ids "
+                                                                 "(one per position)"))
+            for name, ids in (("input_ids", seq.input_ids), ("target_ids", seq.target_ids)):
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    out.append(FieldViolation(f"{where}.{name}", f"ids {bad[:4]} are outside the vocabulary "
+                                                                 f"[0, {vocab})"))
+            if n > max_len:
+                out.append(FieldViolation(f"{where}.input_ids", f"{n} tokens exceed the model's context length "
+                                                                f"{max_len}"))
+            for name in ("weights", "logprobs", "advantages"):
+                values = getattr(seq, name)
+                if values is None:
+                    if rl and name != "weights":
+                        out.append(FieldViolation(f"{where}.{name}", f"required by the {batch.loss} loss"))
+                    continue
+                if len(values) != n:
+                    out.append(FieldViolation(f"{where}.{name}", f"{len(values)} values for {n} positions"))
+                elif not all(math.isfinite(v) for v in values):
+                    out.append(FieldViolation(f"{where}.{name}", "must be finite"))
+        allowed = TOKEN_LOSSES[batch.loss]
+        for key, value in batch.config.items():
+            if key not in allowed:
+                keys = ", ".join(allowed) or "none"
+                out.append(FieldViolation(f"token.config.{key}", f"not a key of the {batch.loss} loss (its keys: "
+                                                                 f"{keys})"))
+            elif not (math.isfinite(value) and value >= 0):
+                out.append(FieldViolation(f"token.config.{key}", f"{value} must be finite and >= 0"))
+        merged = {**allowed, **batch.config}
+        if "clip_low_threshold" in merged and merged["clip_low_threshold"] > merged["clip_high_threshold"]:
+            out.append(FieldViolation("token.config", "clip_low_threshold must not exceed clip_high_threshold"))
+        try:
+            SamplingOptions(temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p).check()
+        except InvalidOption as err:
+            out.append(FieldViolation(f"token.{err.field}", str(err)))
+        total = sum(len(s.input_ids) for s in batch.sequences)
+        if total > self.limits.max_batch_tokens:
+            out.append(FieldViolation("batch", f"{total} tokens exceed this trainer's limit of "
+                                               f"{self.limits.max_batch_tokens} per request"))
+        _raise_if(out)
 
     def _check_ppo(self, batch: PPOBatch) -> None:
         rollouts = batch.rollouts
@@ -453,6 +601,29 @@ class TrainerService:
             + "; ".join(v.description for v in violations),
             precondition_violations=violations)
 
+    def _forward_backward_tokens(self, batch: TokenLossBatch) -> ForwardBackwardResult:
+        """The tensor work of a token batch (on the compute thread)."""
+        trainer = self._trainer
+        sampling = (batch.temperature, batch.top_k, batch.top_p)
+        seqs = [ScoredSequence(s.input_ids, 0, s.target_ids, *sampling) for s in batch.sequences]
+
+        def per_position(name: str) -> list[tuple[float, ...]] | None:
+            rows = [getattr(s, name) for s in batch.sequences]
+            if all(r is None for r in rows):
+                return None
+            # A sequence without the input gets 1 (weights) or 0 (the RL inputs) at every position.
+            fill = 1.0 if name == "weights" else 0.0
+            return [r if r is not None else (fill,) * len(s.input_ids) for r, s in zip(rows, batch.sequences)]
+
+        m, logprobs = trainer.forward_backward_tokens(
+            batch.loss, seqs, weights=per_position("weights"), behaviour=per_position("logprobs"),
+            advantages=per_position("advantages"), config={**TOKEN_LOSSES[batch.loss], **batch.config},
+            forward_only=batch.forward_only)
+        return ForwardBackwardResult(
+            method=batch.method, loss=float(m["loss"]), tokens=int(m["tokens"]), tokens_per_s=float(m["tokens_per_s"]),
+            step=trainer.step, accumulated_batches=0, metrics={k: float(v) for k, v in m.items()},
+            token_logprobs=tuple(logprobs))
+
     def _forward_backward(self, batch: TrainBatch, staleness: list[int]) -> ForwardBackwardResult:
         """The tensor work of one ForwardBackward (on the compute thread)."""
         trainer = self._trainer
@@ -494,20 +665,26 @@ class TrainerService:
         self._accumulated = 0
         return True
 
-    async def optim_step(self, lr: float | None = None) -> OptimResult:
-        """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule);
-        FAILED_PRECONDITION when there are none, or when the step would make a weight or optimizer
-        state non-finite (the step is then undone and its gradients dropped); INVALID_ARGUMENT for a bad `lr`
-        (negative, non-finite, or above the ceiling :data:`~zerokl.services.trainer.trainer.MAX_LR`)."""
+    async def optim_step(self, lr: float | None = None, adam: AdamParams | None = None) -> OptimResult:
+        """Apply the accumulated gradients at `lr` (None or 0: the trainer's schedule), or with this
+        step's own ``adam`` hyperparameters; FAILED_PRECONDITION when there are none, or when the step
+        would make a weight or optimizer state non-finite (the step is then undone and its gradients
+        dropped); INVALID_ARGUMENT for a bad `lr` (negative, non-finite, or above the ceiling
+        :data:`~zerokl.services.trainer.trainer.MAX_LR`) or ``adam``."""
         if lr is not None and not (math.isfinite(lr) and 0.0 <= lr <= MAX_LR):
             raise InvalidArgument.field("lr", f"must be finite, >= 0 and at most {MAX_LR:g} (the learning rate "
                                               f"ceiling; 0: the trainer's schedule), got {lr}")
+        if adam is not None:
+            _raise_if(_adam_violations(adam, lr))
 
         async def work() -> OptimResult:
             if self._accumulated == 0:
                 raise FailedPrecondition("no gradients accumulated since the last step: call ForwardBackward first")
             try:
-                m = await self._compute(self._trainer.optim_step, lr or None)
+                if adam is not None:
+                    m = await self._compute(self._trainer.optim_step, None, adam)
+                else:
+                    m = await self._compute(self._trainer.optim_step, lr or None)
             except NonFiniteStep as err:
                 raise FailedPrecondition(f"{err}; the step was refused and undone (weights, optimizer state and "
                                          f"step {self._trainer.step} as before it, its gradients dropped)") from None
@@ -610,50 +787,59 @@ class TrainerService:
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            return _provisional(name, spec), False, self._exports[name].descriptor
-        recorded = None
-        if await self._stored(name):
-            # The store holds this name already: a step redone (after a restart or a rollback), whose record
-            # must be the same files, or a name taken by other contents. Recorded now, before anything is
-            # shared (AlreadyExists if the files differ): the fleet never serves bytes that the store holds
-            # otherwise under the same name, which a restart would serve. Rare, so the store's I/O on the
-            # step's path is.
-            recorded, _ = await self._publish_now(trainer, name, lineage, spec, weights_only)
+            return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
+        stored = await self._stored(name)
+        own = stored is not None and self._lineage[-1] == LineageEntry(name, trainer.step) \
+            and (weights_only or stored.spec.metadata.get(META_STATE) == "full")
+        if stored is not None and not own:
+            # Any other name the store holds: a step redone (after a restart or a rollback), whose record is the
+            # same files, or a name taken by other contents. Recorded now, before anything is shared:
+            # publish_checkpoint recognizes the same files (the share goes on) and refuses other ones
+            # (ALREADY_EXISTS), so the fleet never serves bytes that the store holds otherwise under the same
+            # name, which a restart would serve. Rare, so the store's I/O on the step's path is.
+            stored, _ = await self._publish_now(trainer, name, lineage, spec, weights_only)
         state = await self._compute(trainer.serving_state_dict)
         export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
+        # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
+        # records), and at a checkpoint the trainer state, copied where it is before the next step.
+        snapshot = None if stored is not None else await self._compute(
+            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
+            serving=export.tensors())
         self._exports[name] = export
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
-        if recorded is not None:
-            self._records[name] = _Record(step=trainer.step, spec=spec, snapshot=None, manifest=recorded)
-            if recorded.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
-                await self.pin_resume_point(name)
-        else:
-            # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
-            # records), and at a checkpoint the trainer state, copied where it is before the next step.
-            snapshot = await self._compute(snapshot_checkpoint, trainer, run=self.segment, lineage=lineage,
-                                           weights_only=weights_only, serving=export.tensors())
-            record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
-            earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
-            self._records[name] = record
-            record.task = asyncio.ensure_future(self._record(record, name, earlier))
-            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        if own:
+            # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
+            self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
+            self._set_identity(self._identity.with_weights(name))
+            return stored, False, export.descriptor
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
+        if stored is not None:
+            # Recorded above: the store held these very files (created False, as a plain save says).
+            self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
+            if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
+                await self.pin_resume_point(name)
+            return stored, False, export.descriptor
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
+        self._records[name] = record
+        record.task = asyncio.ensure_future(self._record(record, name, earlier))
+        record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return _provisional(name, spec), True, export.descriptor
 
-    async def _stored(self, name: str) -> bool:
-        """Whether the store holds ``name`` (False while it is unreachable: the background record then finds
-        out, as it did before this check)."""
+    async def _stored(self, name: str) -> WeightsManifest | None:
+        """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
+        the share goes on, and the record that follows retries and says what it finds)."""
         try:
-            await self.repo.manifest(name)
+            return await asyncio.wait_for(self.repo.manifest(name), _STORE_CHECK_S)
         except NotFound:
-            return False
-        except Unavailable as err:
-            log.warning("trainer: the weight store is unreachable (%s); sharing %s unchecked", err.message, name)
-            return False
-        return True
+            return None
+        except (Unavailable, asyncio.TimeoutError) as err:
+            log.warning("trainer: the weight store cannot say whether it holds %s (%s); sharing it unchecked", name,
+                        getattr(err, "message", None) or type(err).__name__)
+            return None
 
     async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
         """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
@@ -674,37 +860,44 @@ class TrainerService:
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec)
+            async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
+                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec,
+                                                       base if self.record_deltas else None)
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise
             raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
                               f"{name} is not recorded yet (RecordWeights retries)") from None
-        record.manifest = manifest
-        await asyncio.to_thread(shutil.rmtree, record.directory, True)
+        record.manifest, record.record_s = manifest, time.monotonic() - record.started
+        log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
+                 manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
+                 else "weights only")
+        await self._bases.offer(record.step, manifest, record.directory)
         if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
 
-    async def record_weights(self, version: str) -> WeightsManifest:
+    async def record_weights(self, version: str) -> tuple[WeightsManifest, float]:
         """Wait for the store's record of a version saved with share (retrying its upload after an
-        outage); NOT_FOUND when this trainer process never shared it."""
+        outage); (its manifest, seconds from the share to the commit). NOT_FOUND when this trainer
+        process never shared it."""
         record = self._records.get(version)
         if record is None:
             raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
                            "forgets what it had not recorded)")
-        if record.manifest is not None:
-            return record.manifest
-        assert record.task is not None
-        try:
-            return await asyncio.shield(record.task)
-        except Unavailable:
-            if record.directory is None:
-                raise
-            # The checkpoint is on disk: upload it again (the store may be back).
-            record.task = asyncio.ensure_future(self._upload(record, version))
-            record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
-            return await asyncio.shield(record.task)
+        if record.manifest is None:
+            assert record.task is not None
+            try:
+                await asyncio.shield(record.task)
+            except Unavailable:
+                if record.directory is None:
+                    raise
+                # The checkpoint is on disk: upload it again (the store may be back).
+                record.task = asyncio.ensure_future(self._upload(record, version))
+                record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+                await asyncio.shield(record.task)
+        assert record.manifest is not None
+        return record.manifest, record.record_s
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -832,7 +1025,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def OptimStep(self, request: trainer_pb2.OptimStepRequest,
                         context: grpc.aio.ServicerContext) -> trainer_pb2.OptimStepResponse:
-        return convert.optim_result_to_proto(await self._service.optim_step(request.lr))
+        adam = convert.adam_params_from_proto(request.adam) if request.HasField("adam") else None
+        return convert.optim_result_to_proto(await self._service.optim_step(request.lr, adam))
 
     async def SaveWeights(self, request: trainer_pb2.SaveWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
@@ -850,7 +1044,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if not request.version:
             raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
-        return convert.save_result_to_proto(await self._service.record_weights(request.version), True)
+        manifest, record_s = await self._service.record_weights(request.version)
+        response = convert.save_result_to_proto(manifest, True)
+        response.record_s = record_s
+        return response
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:

@@ -31,17 +31,20 @@ from zerokl.kernels.model.indexer_loss import indexer_losses
 from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_dict
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
-from zerokl.services.trainer.losses import PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss
-from zerokl.services.trainer.optim import NonFiniteStep, optimizer_step
+from zerokl.kernels.ops import one_cpu_thread
+from zerokl.services.trainer.losses import (PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss,
+                                            token_loss_terms)
+from zerokl.services.trainer.optim import AdamParams, NonFiniteStep, adamw, grad_norm, optimizer_step
 from zerokl.services.trainer.step_graphs import StepGraphs
 from zerokl.vocab import Completion, InvalidOption, Rollout
 
-__all__ = ["DTYPES", "MAX_LR", "TrainConfig", "Trainer"]
+__all__ = ["DTYPES", "MAX_LR", "ScoredSequence", "TrainConfig", "Trainer"]
 
 #: TrainConfig.dtype's choices -> the model dtype (fp8: e4m3 projections, bf16 elsewhere).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
-#: The highest learning rate any surface accepts (TrainConfig.lr, OptimStep's lr, a job's learning_rate).
+#: The highest learning rate any surface accepts (TrainConfig.lr, OptimStep's lr and adam.learning_rate, a job's
+#: learning_rate).
 #: AdamW moves every trained weight by about lr per step whatever the gradient's size, and a model's
 #: weights are O(0.01..1): at lr 1 one step already replaces them rather than updating them, and far
 #: above it (lr 1e9) a step leaves finite weights whose activations overflow, weights no replica can
@@ -160,6 +163,31 @@ def bucket(n: int, minimum: int) -> int:
     return -(-n // step) * step
 
 
+@dataclass(frozen=True)
+class ScoredSequence:
+    """Tokens the training forward reads and the tokens it scores: row ``first + i`` of
+    ``input_ids`` predicts ``targets[i]``, under the sampling distribution of the last three fields.
+
+    A :class:`Completion` is its prompt and completion without the last token, scored from the
+    prompt's last token on (:meth:`of`); a Tinker ``Datum`` is its ``model_input`` scored at every
+    position (``first`` 0) against any ``target_tokens`` (the cookbook puts 0 on prompt positions).
+    """
+
+    input_ids: tuple[int, ...]
+    first: int
+    targets: tuple[int, ...]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @staticmethod
+    def of(c: Completion) -> "ScoredSequence":
+        """The completion's tokens scored after its prompt (the last token is only a target)."""
+        full = (*c.prompt_ids, *c.completion_ids)
+        return ScoredSequence(full[:-1], len(c.prompt_ids) - 1, tuple(c.completion_ids), c.temperature, c.top_k,
+                              c.top_p)
+
+
 @dataclass
 class TokenBatch:
     """Completions laid out for the training forward (:meth:`Trainer.batch_of`).
@@ -223,9 +251,8 @@ class Trainer:
         # With master weights the optimizer owns fp32 copies of the trained parameters (same order
         # as self.params); the model's Parameters stay the objects everything else references.
         self.masters = [p.detach().float().clone() for p in params] if self.master_weights else None
-        # foreach=False: one fixed loop over parameters (deterministic on every backend).
-        self.optimizer = torch.optim.AdamW(self._optimized, lr=config.lr, betas=config.betas,
-                                           weight_decay=config.weight_decay, foreach=False)
+        # One fixed loop over parameters; on a CPU the same bits on every machine (optim.adamw).
+        self.optimizer = adamw(self._optimized, config.lr, config.betas, config.weight_decay, self.device)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
         # weights are re-made after each optimizer step); the distributed trainer turns them off.
         graphs = config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
@@ -266,31 +293,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ logprobs
 
-    def batch_of(self, seqs: Sequence[Completion], bucketed: bool | None = None) -> TokenBatch:
-        """``seqs`` packed into one batch on the model's device, with each completion token's
-        predicting row and sampling parameters (what :meth:`token_logprobs` reads).
+    def batch_of(self, seqs: Sequence[Completion | ScoredSequence], bucketed: bool | None = None) -> TokenBatch:
+        """``seqs`` packed into one batch on the model's device, with each scored token's
+        predicting row and sampling parameters (what :meth:`token_logprobs` reads): a
+        Completion's completion tokens, a :class:`ScoredSequence`'s targets.
 
         bucketed (default: when CUDA graphs run the steps): the packed tokens, the scored rows
         and the completion width padded to their shape buckets (:func:`bucket`), so that batch
         shapes recur; every row's bits are the same either way (each is computed alone)."""
         if bucketed is None:
             bucketed = self._graphs is not None
+        seqs = [s if isinstance(s, ScoredSequence) else ScoredSequence.of(s) for s in seqs]
         pad = self.model.config.pad_token_id or 0
         ids, positions, rows, token_targets, slots, temp, top_k, top_p = [], [], [], [], [], [], [], []
-        t = max(len(s.completion_ids) for s in seqs)
+        t = max(len(s.targets) for s in seqs)
         if bucketed:
             t = bucket(t, WIDTH_BUCKET)
         targets = torch.full((len(seqs), t), pad, dtype=torch.int64)
         mask = torch.zeros(len(seqs), t)
         for b, s in enumerate(seqs):
-            full = list(s.prompt_ids) + list(s.completion_ids)
-            start, n, p = len(ids), len(s.completion_ids), len(s.prompt_ids)
-            ids += full[:-1]                                 # the last token is only a target
-            positions += range(len(full) - 1)
-            targets[b, :n] = torch.tensor(s.completion_ids)
+            start, n = len(ids), len(s.targets)
+            ids += s.input_ids
+            positions += range(len(s.input_ids))
+            targets[b, :n] = torch.tensor(s.targets)
             mask[b, :n] = 1
-            rows += range(start + p - 1, start + p - 1 + n)
-            token_targets += s.completion_ids
+            rows += range(start + s.first, start + s.first + n)
+            token_targets += s.targets
             slots += range(b * t, b * t + n)
             temp += [s.temperature] * n
             top_k += [s.top_k] * n
@@ -406,7 +434,10 @@ class Trainer:
             key = (method, loss_scale, batch.filters, id(self.reference), sparse, tuple(t.shape for t in inputs))
             terms = self._graphs.run(key, inputs, step)
         else:
-            terms = step(inputs)
+            # On a CPU the whole step runs on one intra-op thread: the backward's GEMMs and sums are
+            # plain torch, whose bits follow MKL's thread split (the forward's ops hold it already).
+            with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+                terms = step(inputs)
         if method == "ppo":
             stats = PPOStats.from_terms(terms)
             metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
@@ -418,6 +449,51 @@ class Trainer:
         metrics["tokens"] = tokens
         metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
         return metrics
+
+    def forward_backward_tokens(self, loss: str, seqs: Sequence[ScoredSequence], *,
+                                weights: Sequence[Sequence[float]] | None = None,
+                                behaviour: Sequence[Sequence[float]] | None = None,
+                                advantages: Sequence[Sequence[float]] | None = None,
+                                config: dict[str, float] | None = None,
+                                forward_only: bool = False) -> tuple[dict, list[torch.Tensor]]:
+        """One of Tinker's per-token losses (losses.TOKEN_LOSSES, a sum over positions) on ``seqs``;
+        accumulates its gradients unless ``forward_only``. Returns (metrics, the trainer's fp32 logprob
+        of every target, one CPU tensor per sequence: the numbers inference samples with).
+
+        ``weights`` (cross_entropy; None: 1 everywhere), ``behaviour`` (the sampling logprobs) and
+        ``advantages`` hold one value per target of each sequence (None: 0 everywhere); ``config``
+        the loss's keys, every one given (losses.TOKEN_LOSSES has the defaults)."""
+        start = time.perf_counter()
+        self.model.train()
+        batch = self.batch_of(seqs, bucketed=False)
+        b, t = batch.mask.shape
+
+        def padded(rows: Sequence[Sequence[float]] | None) -> torch.Tensor:
+            out = torch.zeros(b, t, dtype=torch.float32)
+            for i, row in enumerate(rows or ()):
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+            return out.to(self.device)
+
+        valid = batch.mask > 0
+        w = batch.mask.clone() if weights is None else padded(weights)
+        coef = self.config.indexer_loss_coef if not forward_only else 0.0
+        # On a CPU on one intra-op thread, as forward_backward: the backward's bits never follow MKL's split.
+        with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
+            with torch.set_grad_enabled(not forward_only), \
+                    indexer_losses(self.model) if coef > 0 else contextlib.nullcontext([]) as indexer_kl:
+                lp = self.token_logprobs(self.model, batch)
+                total, terms = token_loss_terms(loss, lp, valid, w, padded(behaviour), padded(advantages),
+                                                config or {})
+            if not forward_only:
+                if indexer_kl:                      # the indexer's own loss (zerokl.kernels.model.indexer_loss)
+                    total = total + coef * torch.stack(indexer_kl).mean()
+                total.backward()
+                self.tokens_seen += batch.tokens
+        values = torch.stack([v.double() for v in terms.values()]).tolist()      # one read, after the backward
+        metrics = dict(zip(terms, values))
+        metrics["tokens_per_s"] = batch.tokens / max(time.perf_counter() - start, 1e-9)
+        logprobs = [lp[i, : len(s.targets)].detach().to("cpu", torch.float32, copy=True) for i, s in enumerate(seqs)]
+        return metrics, logprobs
 
     def _dpo(self, batch: TokenBatch, n: int):
         """DPO's loss and terms on ``batch``: the n chosen completions, then the n rejected ones."""
@@ -467,8 +543,10 @@ class Trainer:
             return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         return c.lr
 
-    def optim_step(self, lr: float | None = None) -> dict:
+    def optim_step(self, lr: float | None = None, adam: AdamParams | None = None) -> dict:
         """Clip, step AdamW at `lr` (default: the scheduled learning rate), zero the gradients.
+        ``adam`` (instead of ``lr``) sets this step's learning rate, betas, eps, weight decay and
+        clip (optim.AdamParams; Tinker's per-call optimizer parameters).
 
         A step that fails, or leaves any trained parameter or optimizer state
         non-finite, is undone: parameters, optimizer state and the step counter
@@ -485,7 +563,6 @@ class Trainer:
                 m.grad = None if p.grad is None else p.grad.detach().float()
                 p.grad = None
         grads = [p.grad for p in self._optimized if p.grad is not None]
-        norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads)) if grads else torch.zeros(())
 
         def masters_to_model() -> None:
             if self.masters is not None:
@@ -501,8 +578,8 @@ class Trainer:
             for p in self.params:
                 p.grad = None
 
-        metrics = optimizer_step(self, grads, float(norm), lr, non_finite=non_finite, after_update=masters_to_model,
-                                 release=release)
+        metrics = optimizer_step(self, grads, grad_norm(grads), lr, non_finite=non_finite,
+                                 after_update=masters_to_model, release=release, adam=adam)
         if self.fp8:
             # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
             self._refresh_fp8()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
+import torch
+
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.vocab import Completion, Rollout
 
@@ -18,6 +20,8 @@ __all__ = [
     "SFTBatch",
     "DPOBatch",
     "PPOBatch",
+    "TokenSequence",
+    "TokenLossBatch",
     "TrainBatch",
     "PPOMetrics",
     "ForwardBackwardResult",
@@ -25,7 +29,7 @@ __all__ = [
     "TrainerState",
 ]
 
-METHODS = ("sft", "dpo", "ppo")
+METHODS = ("sft", "dpo", "ppo", "token")
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,34 @@ class PPOBatch:
     method = "ppo"
 
 
-TrainBatch = Union[SFTBatch, DPOBatch, PPOBatch]
+@dataclass(frozen=True)
+class TokenSequence:
+    """A sequence scored at every position (a Tinker ``Datum``): position i reads input_ids[0..i] and
+    scores target_ids[i]. The per-position inputs are None (unused) or one value per position."""
+
+    input_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+    weights: tuple[float, ...] | None = None        # cross_entropy's (None: 1 everywhere)
+    logprobs: tuple[float, ...] | None = None       # the sampling logprobs (RL losses)
+    advantages: tuple[float, ...] | None = None     # per-position advantages (RL losses)
+
+
+@dataclass(frozen=True)
+class TokenLossBatch:
+    """One of Tinker's per-token losses (losses.TOKEN_LOSSES: a sum over positions) on ``sequences``,
+    its logprobs taken under (temperature, top_k, top_p): the defaults are the model's own distribution."""
+
+    loss: str
+    sequences: tuple[TokenSequence, ...]
+    config: Mapping[str, float] = field(default_factory=dict)   # the loss's keys; absent: defaults
+    forward_only: bool = False          # loss and logprobs only, no gradients
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    method = "token"
+
+
+TrainBatch = Union[SFTBatch, DPOBatch, PPOBatch, TokenLossBatch]
 
 
 @dataclass(frozen=True)
@@ -93,6 +124,8 @@ class ForwardBackwardResult:
     accumulated_batches: int                    # ForwardBackward calls since the last OptimStep, this one included
     ppo: PPOMetrics | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
+    # token batches: the trainer's fp32 logprob of every target, one tensor per sequence
+    token_logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,12 @@ import asyncio
 import concurrent.futures
 import hashlib
 import json
+import logging
 import mmap
 import os
 import pathlib
 import tempfile
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Mapping
 
 import grpc
@@ -22,7 +24,7 @@ import grpc.aio
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
-from zerokl.services.weightstore import convert
+from zerokl.services.weightstore import convert, delta
 from zerokl.services.weightstore.store import (
     FETCHED_MANIFEST,
     GcResult,
@@ -35,7 +37,9 @@ from zerokl.services.weightstore.store import (
 )
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["WeightStoreClient", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests"]
+__all__ = ["WeightStoreClient", "UploadBase", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests", "is_serving_file"]
+
+log = logging.getLogger(__name__)
 
 
 def is_serving_file(name: str) -> bool:
@@ -51,7 +55,33 @@ def _files(src: pathlib.Path) -> list[pathlib.Path]:
 # while the store verifies and writes (one chunk at a time left both sides idle half the time);
 # the bytes held unacknowledged stay bounded (8 x 4 MiB).
 CHUNKS_IN_FLIGHT = 8
-PARALLEL_SHARDS = 4     # files of one upload sent at once
+# Files of one upload sent at once, each on a PutShard stream of its own (the store writes each in a thread of its
+# own): a version written as several shards (the trainer's records) takes that many of the host's cores.
+PARALLEL_SHARDS = 8
+
+
+@dataclass(frozen=True)
+class UploadBase:
+    """A published version whose files the uploader still holds in ``directory``: a file of the same name and size
+    goes as a delta against it (:mod:`~zerokl.services.weightstore.delta`: what changed) when that is smaller."""
+
+    manifest: WeightsManifest
+    directory: pathlib.Path
+
+    def delta_base(self, name: str, size: int) -> tuple[delta.DeltaBase, pathlib.Path] | None:
+        """What a file ``name`` of ``size`` bytes may be a delta against, and the local copy of it."""
+        info = next((s for s in self.manifest.shards if s.name == name), None)
+        local = self.directory / name
+        if size < delta.MIN_SIZE or info is None or info.size != size or info.depth >= delta.MAX_DEPTH \
+                or not local.is_file() \
+                or local.stat().st_size != size:
+            return None
+        return delta.DeltaBase(self.manifest.version, name, size, info.sha256), local
+
+
+def _encode_file(view: Any, ref: delta.DeltaBase, local: pathlib.Path) -> bytes | None:
+    with open(local, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as old:
+        return delta.encode(view, old, ref)
 
 
 def shard_digests(data: Any) -> tuple[str, list[bytes]]:
@@ -95,13 +125,14 @@ class WeightStoreClient(ServiceClient):
                       parent_version: str = "", step: int | None = None, numerics_version: str = "",
                       numerics_fingerprint: str = "", model_config: Mapping[str, Any] | None = None,
                       metadata: Mapping[str, str] | None = None,
-                      max_shard_bytes: int = 2 * 1024**3) -> WeightsManifest:
+                      max_shard_bytes: int = 2 * 1024**3, base: UploadBase | None = None) -> WeightsManifest:
         """Publish a state dict or a checkpoint directory as ``version``.
 
         A state dict is written as a sharded safetensors checkpoint (with
         ``model_config`` as config.json) first. For a directory, a missing
         ``model_config`` is read from its config.json. Re-running after a
-        crash resumes the open upload of that version.
+        crash resumes the open upload of that version. ``base``: files that
+        an earlier version holds too go as deltas against it (:class:`UploadBase`).
         """
         if isinstance(source, Mapping):
             # torch is imported on use: the weight-store server itself never needs it.
@@ -120,8 +151,33 @@ class WeightStoreClient(ServiceClient):
         spec = VersionSpec(parent_version, step, numerics_version, numerics_fingerprint,
                            dict(model_config or {}), dict(metadata or {}))
         upload = await self.begin_upload(version)
-        await self.upload_dir(upload.upload_id, src)
+        await self.upload_dir(upload.upload_id, src, base)
         return await self.commit(upload.upload_id, [p.name for p in _files(src)], spec)
+
+    async def publish_preset(self, preset: str, seed: int, dtype: str, version: str) -> WeightsManifest:
+        """Publish the seeded random model of a preset, made in ``dtype`` ("float32", "bfloat16", or "fp8":
+        the bf16 model quantized, e4m3 values + block scales, as the trainer publishes FP8 versions),
+        with the numerics fingerprint it is served under. ValueError for an unknown preset or dtype."""
+        import torch
+
+        from zerokl.kernels import __version__ as numerics_version
+        from zerokl.kernels import fingerprint
+        from zerokl.kernels.model import Model, ModelConfig
+        from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
+
+        if dtype == "fp8":
+            torch_dtype = torch.float8_e4m3fn
+            model = quantize_fp8(Model(ModelConfig.preset(preset), seed=seed, dtype=FP8_ACTIVATIONS))
+        elif dtype in ("float32", "bfloat16"):
+            torch_dtype = getattr(torch, dtype)
+            model = Model(ModelConfig.preset(preset), seed=seed, dtype=torch_dtype)
+        else:
+            raise ValueError(f"dtype {dtype!r}: expected float32, bfloat16 or fp8")
+        with tempfile.TemporaryDirectory(prefix="zerokl-preset-") as tmp:
+            model.save_pretrained(tmp)
+            return await self.publish(tmp, version, numerics_version=numerics_version,
+                                      numerics_fingerprint=fingerprint(dtype=torch_dtype),
+                                      metadata={"source": f"preset-{preset}-seed{seed}"})
 
     async def begin_upload(self, version: str) -> UploadStatus:
         """Open (or re-open) the upload of ``version``."""
@@ -133,8 +189,10 @@ class WeightStoreClient(ServiceClient):
         return convert.upload_status_from_proto(
             await self._stub.GetUpload(weights_pb2.GetUploadRequest(upload_id=upload_id)))
 
-    async def upload_dir(self, upload_id: str, src: str | os.PathLike[str]) -> UploadStatus:
-        """Send every file of ``src`` as a shard, each from where the server's copy ends.
+    async def upload_dir(self, upload_id: str, src: str | os.PathLike[str],
+                         base: UploadBase | None = None) -> UploadStatus:
+        """Send every file of ``src`` as a shard, each from where the server's copy ends (as a delta against
+        ``base``'s file of the same name where :meth:`put_shard` finds that smaller).
 
         Safe to call again after an interruption: complete shards are
         skipped, partial ones continue at their last acknowledged offset.
@@ -146,12 +204,13 @@ class WeightStoreClient(ServiceClient):
 
         async def put(path: pathlib.Path) -> None:
             async with slots:
-                await self.put_shard(upload_id, path)
+                await self.put_shard(upload_id, path, base)
         await asyncio.gather(*(put(path) for path in _files(pathlib.Path(src))
                                if path.name not in held or not held[path.name].complete))
         return await self.upload_status(upload_id)
 
-    async def put_shard(self, upload_id: str, path: str | os.PathLike[str]) -> ShardStatus:
+    async def put_shard(self, upload_id: str, path: str | os.PathLike[str],
+                        base: UploadBase | None = None) -> ShardStatus:
         """Stream one file as a shard, starting where the server says its copy ends.
 
         The file is read once (mapped) for both of its checksums: the whole file's sha256 for
@@ -159,27 +218,53 @@ class WeightStoreClient(ServiceClient):
         :data:`CHUNKS_IN_FLIGHT` chunks are sent ahead of the store's acknowledgements; each
         acknowledgement says the chunk is stored, so an interruption loses no acknowledged byte,
         and an error status ends the stream and is raised here.
+
+        With a ``base`` holding a file of the same name and size, what travels is the delta against
+        it when that is at most half the file (:func:`~zerokl.services.weightstore.delta.encode`, in
+        threads beside the file's sha256); a store that refuses the base (FAILED_PRECONDITION) or
+        finds the delta does not decode to the file (DATA_LOSS) gets the file whole instead.
         """
         path = pathlib.Path(path)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         try:
+            against = base.delta_base(path.name, size) if base is not None and size else None
+            if against is not None:
+                sha256, encoded = await asyncio.gather(
+                    asyncio.to_thread(lambda: hashlib.sha256(view).hexdigest()),
+                    asyncio.to_thread(_encode_file, view, *against))
+                if encoded is not None:
+                    delta_sha256, digests = await asyncio.to_thread(shard_digests, encoded)
+                    header = weights_pb2.ShardHeader(upload_id=upload_id, name=path.name, size=size, sha256=sha256,
+                                                     base_version=against[0].version, delta_size=len(encoded),
+                                                     delta_sha256=delta_sha256)
+                    try:
+                        return await self._put(header, encoded, digests)
+                    except grpc.aio.AioRpcError as err:
+                        if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS):
+                            raise
+                        log.warning("the store took no delta of %s against %s (%s: %s); sending it whole", path.name,
+                                    against[0].version, err.code().name, err.details())
             sha256, digests = await asyncio.to_thread(shard_digests, view)
-            call = self._stub.PutShard()
-            try:
-                await call.write(weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
-                    upload_id=upload_id, name=path.name, size=size, sha256=sha256)))
-                status = await self._ack(call)
-                if not status.complete:
-                    status = await self._send_chunks(call, view, status.received, size, digests)
-                await call.done_writing()
-                return convert.shard_status_from_proto(status)
-            finally:
-                call.cancel()  # no-op when finished; ends the stream if we stop early
+            return await self._put(weights_pb2.ShardHeader(upload_id=upload_id, name=path.name, size=size,
+                                                           sha256=sha256), view, digests)
         finally:
             if isinstance(view, mmap.mmap):
                 view.close()
+
+    async def _put(self, header: weights_pb2.ShardHeader, view: Any, digests: list[bytes]) -> ShardStatus:
+        """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends."""
+        call = self._stub.PutShard()
+        try:
+            await call.write(weights_pb2.PutShardRequest(header=header))
+            status = await self._ack(call)
+            if not status.complete:
+                status = await self._send_chunks(call, view, status.received, len(view), digests)
+            await call.done_writing()
+            return convert.shard_status_from_proto(status)
+        finally:
+            call.cancel()  # no-op when finished; ends the stream if we stop early
 
     async def _send_chunks(self, call: Any, view: Any, start: int, size: int,
                            digests: list[bytes]) -> weights_pb2.ShardStatus:

@@ -72,7 +72,8 @@ def manifest_to_proto(m: WeightsManifest) -> weights_pb2.WeightsManifest:
         version=m.version, parent_version=m.spec.parent_version,
         numerics_version=m.spec.numerics_version, numerics_fingerprint=m.spec.numerics_fingerprint,
         model_config_json=_config_json(m.spec.model_config),
-        shards=[weights_pb2.ShardInfo(name=s.name, size=s.size, sha256=s.sha256) for s in m.shards],
+        shards=[weights_pb2.ShardInfo(name=s.name, size=s.size, sha256=s.sha256, base_version=s.base,
+                                      stored_size=s.stored_bytes, depth=s.depth) for s in m.shards],
         created_at=_ts(m.created_at), metadata=dict(m.spec.metadata))
     if m.spec.step is not None:
         msg.step = m.spec.step
@@ -83,19 +84,24 @@ def manifest_from_proto(msg: weights_pb2.WeightsManifest) -> WeightsManifest:
     """``zerokl.v1.WeightsManifest`` -> WeightsManifest."""
     spec = VersionSpec(msg.parent_version, msg.step if msg.HasField("step") else None, msg.numerics_version,
                        msg.numerics_fingerprint, _config_from_json(msg.model_config_json), dict(msg.metadata))
-    return WeightsManifest(msg.version, spec, tuple(ShardInfo(s.name, s.size, s.sha256) for s in msg.shards),
+    # stored_size 0 of a whole shard: a sender that predates the field (the file's own size).
+    return WeightsManifest(msg.version, spec, tuple(ShardInfo(s.name, s.size, s.sha256, s.base_version,
+                                                              s.stored_size if s.base_version or s.stored_size else None,
+                                                              s.depth) for s in msg.shards),
                            _when(msg.created_at))
 
 
 def shard_status_to_proto(s: ShardStatus) -> weights_pb2.ShardStatus:
     """ShardStatus -> ``zerokl.v1.ShardStatus``."""
     return weights_pb2.ShardStatus(name=s.name, size=s.size, sha256=s.sha256, received=s.received,
-                                   complete=s.complete)
+                                   complete=s.complete, base_version=s.base, delta_size=s.delta_size,
+                                   delta_sha256=s.delta_sha256)
 
 
 def shard_status_from_proto(msg: weights_pb2.ShardStatus) -> ShardStatus:
     """``zerokl.v1.ShardStatus`` -> ShardStatus."""
-    return ShardStatus(msg.name, msg.size, msg.sha256, msg.received, msg.complete)
+    return ShardStatus(msg.name, msg.size, msg.sha256, msg.received, msg.complete, msg.base_version, msg.delta_size,
+                       msg.delta_sha256)
 
 
 def upload_status_to_proto(u: UploadStatus) -> weights_pb2.UploadStatus:

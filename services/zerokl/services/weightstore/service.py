@@ -17,7 +17,7 @@ from zerokl.services.runtime.errors import InvalidArgument, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.weightstore import convert
-from zerokl.services.weightstore.store import VersionStore, WeightsManifest
+from zerokl.services.weightstore.store import DeltaSpec, VersionStore, WeightsManifest
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "VersionWatch", "WeightStoreServicer", "add_weight_store"]
@@ -150,7 +150,8 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         if first is None or first.WhichOneof("msg") != "header":
             raise InvalidArgument.field("header", "the first PutShard message must be a ShardHeader")
         h = first.header
-        writer = await asyncio.to_thread(self._store.shard_writer, h.upload_id, h.name, h.size, h.sha256)
+        as_delta = DeltaSpec(h.base_version, h.delta_size, h.delta_sha256) if h.base_version else None
+        writer = await asyncio.to_thread(self._store.shard_writer, h.upload_id, h.name, h.size, h.sha256, as_delta)
         yield convert.shard_status_to_proto(writer.status())
         async for req in requests:
             if req.WhichOneof("msg") != "chunk":

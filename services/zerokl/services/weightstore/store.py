@@ -6,7 +6,9 @@ directly); the gRPC service is a thin layer over it.
 Storage layout (keys)::
 
     manifests/<version>.json          the manifest; its presence IS publication
-    versions/<version>/<shard>        shard files (a Hugging Face style checkpoint dir)
+    versions/<version>/<shard>        shard files stored whole (a Hugging Face style checkpoint dir)
+    deltas/<version>/<shard>          shards stored as a delta against the same shard of an earlier
+                                      version (:mod:`.delta`: what changed, frame by frame)
     uploads/<id>/upload.json          an open upload: version, creation time
     uploads/<id>/shards/<shard>.json  a declared shard: size, sha256, complete
     uploads/<id>/parts/<shard>/<offset:020d>  bytes received so far (StorageBackend.stage: one
@@ -17,22 +19,41 @@ Rules: shards are written (and verified) before the manifest and the manifest
 last, so a reader never sees a version with missing or unverified shards; a
 delete removes the manifest first. A shard whose bytes no longer match the
 manifest's sha256 is never handed out whole (:meth:`VersionStore.iter_shard`).
+
+Delta shards share content: a version's delta reads the bytes of its base version's
+shard, which may itself be a delta (at most :data:`~.delta.MAX_DEPTH` deep). A delta is
+accepted only against a published base, and only once it decodes, against the base the
+store holds, to the sha256 declared for the whole file. Deleting a version removes its
+manifest, then every stored shard no version or open upload needs any more, following
+delta bases (mark and sweep, :meth:`VersionStore.sweep`): the bytes of a deleted version
+that a later version's delta reads stay until that version goes too, and its name cannot
+be published again meanwhile.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import hashlib
+import itertools
 import json
+import mmap
 import os
 import pathlib
 import re
 import secrets
+import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn, Sequence
 
-from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, Chunk, make_chunk, rechunk, verify_chunk
+from zerokl.services.runtime.chunks import (
+    MAX_CHUNK_BYTES,
+    Chunk,
+    chunks_from_pieces,
+    make_chunk,
+    rechunk,
+    verify_chunk,
+)
 from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
@@ -41,6 +62,7 @@ from zerokl.services.runtime.errors import (
     NotFound,
     PreconditionViolation,
 )
+from zerokl.services.weightstore import delta
 from zerokl.services.weightstore.backends import ObjectMissing, StorageBackend
 
 __all__ = [
@@ -53,6 +75,7 @@ __all__ = [
     "UploadStatus",
     "VersionEntry",
     "GcResult",
+    "DeltaSpec",
     "ShardWriter",
     "ShardFileWriter",
     "VersionStore",
@@ -112,11 +135,20 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One file of a version: name, size in bytes, lowercase hex sha256."""
+    """One file of a version: name, size in bytes, lowercase hex sha256 (of the whole file), and how the store
+    holds it: whole, or as a delta against the shard of the same name in version ``base``."""
 
     name: str
     size: int
     sha256: str
+    base: str = ""                      # "": stored whole; else the version whose same-named shard the delta reads
+    stored_size: int | None = None      # bytes the store holds for it (the delta's); None: ``size``
+    depth: int = 0                      # deltas from here down to a shard stored whole (0: stored whole)
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes the store wrote for this shard."""
+        return self.size if self.stored_size is None else self.stored_size
 
 
 @dataclass(frozen=True)
@@ -168,6 +200,11 @@ class WeightsManifest:
         """Bytes over all shards."""
         return sum(s.size for s in self.shards)
 
+    @property
+    def stored_size(self) -> int:
+        """Bytes the store wrote for this version (less than :attr:`total_size` where shards are deltas)."""
+        return sum(s.stored_bytes for s in self.shards)
+
     def to_json(self) -> bytes:
         """The stored form (also written next to fetched checkpoints)."""
         return json.dumps({
@@ -180,7 +217,7 @@ class WeightsManifest:
             "model_config": dict(self.spec.model_config),
             "metadata": dict(self.spec.metadata),
             "created_at": self.created_at.isoformat(),
-            "shards": [dataclasses.asdict(s) for s in self.shards],
+            "shards": [{**dataclasses.asdict(s), "stored_size": s.stored_bytes} for s in self.shards],
         }, indent=2, sort_keys=True).encode()
 
     @classmethod
@@ -191,19 +228,41 @@ class WeightsManifest:
             raise ValueError(f"unknown manifest format {d.get('format')!r}")
         spec = VersionSpec(d["parent_version"], d["step"], d["numerics_version"], d["numerics_fingerprint"],
                            d["model_config"], d["metadata"])
-        shards = tuple(ShardInfo(s["name"], int(s["size"]), s["sha256"]) for s in d["shards"])
+        shards = tuple(ShardInfo(s["name"], int(s["size"]), s["sha256"], s.get("base", ""),
+                                 int(s.get("stored_size", s["size"])), int(s.get("depth", 0))) for s in d["shards"])
         return cls(d["version"], spec, shards, dt.datetime.fromisoformat(d["created_at"]))
 
 
 @dataclass(frozen=True)
 class ShardStatus:
-    """A declared shard of an upload; ``received`` is where PutShard resumes."""
+    """A declared shard of an upload; ``received`` is where PutShard resumes, in the bytes that travel: the
+    file's, or the delta's when ``base`` is set."""
 
     name: str
     size: int
     sha256: str
     received: int
     complete: bool
+    base: str = ""                      # the delta's base version ("": the file travels whole)
+    delta_size: int = 0                 # bytes of the delta object
+    delta_sha256: str = ""              # its sha256
+    # The store's own record (not on the wire): the base shard as it was when the delta was declared, so the
+    # upload completes and commits even if that version is deleted meanwhile (its bytes stay: the sweep keeps them).
+    base_info: ShardInfo | None = field(default=None, compare=False)
+
+    @property
+    def sent_size(self) -> int:
+        """Bytes that travel for this shard."""
+        return self.delta_size if self.base else self.size
+
+
+@dataclass(frozen=True)
+class DeltaSpec:
+    """A shard declared as a delta: against the same-named shard of version ``base``, ``size`` bytes with ``sha256``."""
+
+    base: str
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -240,6 +299,8 @@ class ShardWriter:
     can) and fed to the shard's running sha256 as it arrives, so a broken stream resumes at
     :attr:`received` and no byte is read back or written twice. When the last byte arrives the
     running hash is checked against the declared sha256 and the staged bytes become the shard.
+    A shard declared as a delta receives the delta object's bytes (checked against its own
+    sha256), and is accepted only when it decodes, against its base, to the whole file's sha256.
     """
 
     def __init__(self, store: "VersionStore", upload_id: str, version: str, decl: ShardStatus) -> None:
@@ -264,7 +325,7 @@ class ShardWriter:
         """Verify and stage the next chunk; finishes the shard on its last byte."""
         if self.complete:
             raise FailedPrecondition(f"shard {self._decl.name} is already complete")
-        verify_chunk(chunk, self.received, self._decl.size)
+        verify_chunk(chunk, self.received, self._decl.sent_size)
         if chunk.data:
             try:
                 self._store._backend.stage(self._prefix, chunk.offset, chunk.data)
@@ -273,23 +334,26 @@ class ShardWriter:
                 raise FailedPrecondition(f"shard {self._decl.name}: {err}; ask GetUpload where it stands") from None
             self._sha256.update(chunk.data)
             self.received = chunk.end
-        if self.received == self._decl.size:
+        if self.received == self._decl.sent_size:
             self._finish()
 
     def _finish(self) -> None:
         store, decl = self._store, self._decl
-        key = store._shard_key(self._version, decl.name)
+        key = store._delta_key(self._version, decl.name) if decl.base else store._shard_key(self._version, decl.name)
         got = self._sha256.hexdigest()
-        if got != decl.sha256:
+        want = decl.delta_sha256 if decl.base else decl.sha256
+        if got != want:
             store._reset_shard(self._upload_id, key, decl.name)
-            raise DataLoss(f"shard {decl.name}: received bytes hash to {got}, declared {decl.sha256}; "
+            raise DataLoss(f"shard {decl.name}: received bytes hash to {got}, declared {want}; "
                            "the shard was reset, upload it again from offset 0")
+        if decl.base:
+            store._check_delta(self._upload_id, key, decl, store._backend.iter_staged(self._prefix))
         try:
-            store._backend.commit_staged(self._prefix, key, decl.size)
+            store._backend.commit_staged(self._prefix, key, decl.sent_size)
         except ValueError as err:
             store._reset_shard(self._upload_id, key, decl.name)
             raise DataLoss(f"shard {decl.name}: {err}; the shard was reset, upload it again from offset 0") from None
-        store._write_decl(self._upload_id, dataclasses.replace(decl, received=decl.size, complete=True))
+        store._write_decl(self._upload_id, dataclasses.replace(decl, received=decl.sent_size, complete=True))
         self.complete = True
 
 
@@ -375,6 +439,10 @@ class VersionStore:
         return f"versions/{version}/{name}"
 
     @staticmethod
+    def _delta_key(version: str, name: str) -> str:
+        return f"deltas/{version}/{name}"
+
+    @staticmethod
     def _upload_key(upload_id: str) -> str:
         return f"uploads/{upload_id}/upload.json"
 
@@ -441,6 +509,37 @@ class VersionStore:
         """Published versions, oldest first, with their pins."""
         return [VersionEntry(m, self.pins(m.version)) for m in self.manifests()]
 
+    def _delta_header(self, key: str) -> delta.DeltaHeader:
+        """The header of the delta object at ``key`` (ObjectMissing when there is none; ValueError if malformed)."""
+        data = b""
+        pieces = self._backend.iter_read(key, 0, 64 * 1024)
+        try:
+            for piece in pieces:
+                data += piece
+                if len(data) >= 12 and len(data) >= delta.header_size(data):
+                    return delta.read_header(data)
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()
+        raise ValueError(f"{key} ends inside its delta header")
+
+    def _content(self, version: str, name: str, is_delta: bool | None = None, depth: int = 0) -> Iterator[bytes]:
+        """The whole bytes of shard ``name`` as stored for ``version`` (whole, or a delta decoded over its base's
+        content), unverified: the caller checks the sha256. ``is_delta`` None: look which object exists (a
+        delta's base, whose manifest may be gone). ObjectMissing / ValueError when the store cannot make it."""
+        if depth > delta.MAX_DEPTH:
+            raise ValueError(f"shard {name} of {version} sits on more than {delta.MAX_DEPTH} deltas")
+        key = self._delta_key(version, name)
+        if is_delta is None:
+            is_delta = self._backend.stat(key) is not None
+        if not is_delta:
+            yield from self._backend.iter_read(self._shard_key(version, name), 0, delta.FRAME)
+            return
+        header = self._delta_header(key)
+        yield from delta.decode(self._content(header.base.version, header.base.name, None, depth + 1),
+                                self._backend.iter_read(key, 0, delta.FRAME))
+
     def iter_shard(self, version: str, name: str, offset: int = 0,
                    chunk_size: int = MAX_CHUNK_BYTES) -> Iterator[Chunk]:
         """Chunks of one shard from ``offset``, verified against the manifest.
@@ -459,7 +558,7 @@ class VersionStore:
 
         def tail() -> Iterator[bytes]:
             nonlocal seen
-            for piece in self._backend.iter_read(self._shard_key(manifest.version, name), 0, chunk_size):
+            for piece in self._content(manifest.version, name, bool(shard.base)):
                 h.update(piece)
                 start = seen
                 seen += len(piece)
@@ -479,6 +578,8 @@ class VersionStore:
                 position += len(data)
         except ObjectMissing:
             raise DataLoss(f"shard {name} of version {manifest.version} is missing from storage") from None
+        except ValueError as err:   # a delta that does not decode over its base
+            raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: {err}") from None
         if seen != shard.size or h.hexdigest() != shard.sha256:
             raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: its bytes do not match "
                            f"the manifest sha256 {shard.sha256}; it will not be served")
@@ -529,14 +630,22 @@ class VersionStore:
         for obj in self._backend.list(prefix):
             d = json.loads(self._backend.read_bytes(obj.key))
             name = obj.key[len(prefix):-len(".json")]
-            received = d["size"] if d["complete"] else self._backend.staged_size(self._parts_prefix(upload_id,
-                                                                                                     name))
-            out[name] = ShardStatus(name, d["size"], d["sha256"], received, d["complete"])
+            base, delta_size = d.get("base", ""), int(d.get("delta_size", 0))
+            received = (delta_size if base else d["size"]) if d["complete"] else \
+                self._backend.staged_size(self._parts_prefix(upload_id, name))
+            info = d.get("base_info")
+            out[name] = ShardStatus(name, d["size"], d["sha256"], received, d["complete"], base, delta_size,
+                                    d.get("delta_sha256", ""),
+                                    ShardInfo(name, info["size"], info["sha256"], info["base"], None, info["depth"])
+                                    if info else None)
         return out
 
     def _write_decl(self, upload_id: str, s: ShardStatus) -> None:
         self._backend.put_bytes(self._decl_key(upload_id, s.name), json.dumps(
-            {"size": s.size, "sha256": s.sha256, "complete": s.complete}).encode())
+            {"size": s.size, "sha256": s.sha256, "complete": s.complete, "base": s.base, "delta_size": s.delta_size,
+             "delta_sha256": s.delta_sha256,
+             "base_info": {"size": s.base_info.size, "sha256": s.base_info.sha256, "base": s.base_info.base,
+                           "depth": s.base_info.depth} if s.base_info is not None else None}).encode())
 
     def upload_status(self, upload_id: str) -> UploadStatus:
         """Where an upload stands: per declared shard, bytes held and whether complete."""
@@ -556,45 +665,118 @@ class VersionStore:
             for upload_id, v, _created in self._open_uploads():
                 if v == version:
                     return self.upload_status(upload_id)
+            if self._stored_objects(version):
+                self.sweep()    # leftovers of a deleted version go, unless a later version's delta reads them
+            if self._stored_objects(version):
+                # A deleted version whose bytes a later version's delta still reads: its name stays taken.
+                raise FailedPrecondition(
+                    f"version {version} was deleted, but its stored shards are still the base of a later version's "
+                    "delta; name another version",
+                    precondition_violations=[PreconditionViolation("RETAINED", version, "bytes read by a later delta")])
             upload_id = secrets.token_hex(16)
             created = self._clock()
             self._backend.put_bytes(self._upload_key(upload_id), json.dumps(
                 {"version": version, "created_at": created.isoformat()}).encode())
             return UploadStatus(upload_id, version, (), created)
 
-    def _declare(self, upload_id: str, name: str, size: int, sha256: str) -> tuple[str, ShardStatus]:
+    def _declare(self, upload_id: str, name: str, size: int, sha256: str,
+                 as_delta: DeltaSpec | None = None) -> tuple[str, ShardStatus]:
         version, _ = self._read_upload(upload_id)
         validate_name(name, "name")
         _validate_sha256(sha256)
         if size < 0:
             raise InvalidArgument.field("size", f"{size} is negative")
+        if as_delta is not None:
+            validate_version(as_delta.base, "base_version")
+            _validate_sha256(as_delta.sha256)
+            if as_delta.size <= 0:
+                raise InvalidArgument.field("delta_size", f"{as_delta.size}: a delta object holds at least its header")
         with self._lock:
+            base_info = self._check_base(as_delta.base, name, size) if as_delta is not None else None
             decl = self._declared(upload_id).get(name)
-            if decl is None:
-                decl = ShardStatus(name, size, sha256, 0, False)
-                self._write_decl(upload_id, decl)
-            elif (decl.size, decl.sha256) != (size, sha256):
+            wanted = ShardStatus(name, size, sha256, 0, False, *((as_delta.base, as_delta.size, as_delta.sha256,
+                                                                  base_info) if as_delta is not None else ()))
+            if decl is not None and (decl.size, decl.sha256) != (size, sha256):
                 raise FailedPrecondition(
                     f"shard {name} of upload {upload_id} was declared with size {decl.size} and sha256 "
                     f"{decl.sha256}; abort the upload to change its content")
+            if decl is None or not decl.complete and (decl.base, decl.delta_size, decl.delta_sha256) != \
+                    (wanted.base, wanted.delta_size, wanted.delta_sha256):
+                # New, or the same file sent another way (whole after a refused delta): staged bytes start over.
+                if decl is not None:
+                    self._backend.delete_prefix(self._parts_prefix(upload_id, name))
+                decl = wanted
+                self._write_decl(upload_id, decl)
         return version, decl
 
-    def shard_writer(self, upload_id: str, name: str, size: int, sha256: str) -> ShardWriter:
+    def _check_base(self, base: str, name: str, size: int) -> ShardInfo:
+        """The published shard a delta of ``name`` (``size`` bytes) may be taken against; FailedPrecondition
+        (type BASE) when there is none or the chain would grow past MAX_DEPTH."""
+        manifest = self._load_manifest(base)
+        info = next((s for s in manifest.shards if s.name == name), None) if manifest is not None else None
+        why = ("is not published" if manifest is None else f"has no shard {name}" if info is None
+               else f"holds {name} with {info.size} bytes, not {size}" if info.size != size
+               else f"holds {name} {info.depth} deltas deep already" if info.depth >= delta.MAX_DEPTH else "")
+        if why:
+            raise FailedPrecondition(f"shard {name} cannot be a delta against version {base}: {base} {why}; "
+                                     "send it whole", precondition_violations=[PreconditionViolation("BASE", base, why)])
+        assert info is not None
+        return info
+
+    def _check_delta(self, upload_id: str, key: str, decl: ShardStatus, staged: Iterable[bytes]) -> None:
+        """A received delta decodes, against the base the store holds, to the file declared; DataLoss (the
+        shard reset) otherwise."""
+        def fail(why: str) -> NoReturn:
+            self._reset_shard(upload_id, key, decl.name)
+            raise DataLoss(f"shard {decl.name}: the delta against {decl.base} {why}; the shard was reset, "
+                           "upload it again from offset 0 (or whole)")
+        base = decl.base_info
+        assert base is not None
+        pieces = iter(staged)
+        first = next(pieces, b"")
+        try:
+            header = delta.read_header(first if len(first) >= 12 and len(first) >= delta.header_size(first)
+                                       else first + b"".join(pieces))
+        except (ValueError, struct.error) as err:
+            fail(f"is malformed ({err})")
+        if header.base != delta.DeltaBase(decl.base, decl.name, base.size, base.sha256) or header.size != decl.size:
+            fail(f"names another base or size ({header.base}, {header.size} bytes)")
+        h, seen = hashlib.sha256(), 0
+        try:
+            staged_again = itertools.chain([first], pieces)
+            for piece in delta.decode(self._content(decl.base, decl.name, bool(base.base)), staged_again):
+                h.update(piece)
+                seen += len(piece)
+        except (ValueError, ObjectMissing) as err:
+            fail(f"does not decode ({err})")
+        if (seen, h.hexdigest()) != (decl.size, decl.sha256):
+            fail(f"decodes to {seen} bytes hashing to {h.hexdigest()}, not the {decl.size} declared with {decl.sha256}")
+
+    def shard_writer(self, upload_id: str, name: str, size: int, sha256: str,
+                     as_delta: DeltaSpec | None = None) -> ShardWriter:
         """Declare (or re-open) a shard of an upload and return a writer resuming at its ``received``.
 
-        Re-declaring with another size or sha256 is :class:`FailedPrecondition`.
+        Re-declaring with another size or sha256 is :class:`FailedPrecondition`. ``as_delta``: the chunks will
+        be a delta object (:mod:`.delta`) against the same-named shard of a published version (FailedPrecondition,
+        type BASE, when that cannot be: send the file whole).
         """
-        version, decl = self._declare(upload_id, name, size, sha256)
+        version, decl = self._declare(upload_id, name, size, sha256, as_delta)
         writer = ShardWriter(self, upload_id, version, decl)
-        if writer.received == size and not writer.complete:
+        if writer.received == decl.sent_size and not writer.complete:
             # Every byte is already held (an empty shard, or a writer cut off
             # between its last chunk and the final check): finish now, since
             # no further chunk will come to trigger it.
             writer._finish()
         return writer
 
-    def put_shard_file(self, upload_id: str, name: str, path: str | os.PathLike[str]) -> ShardStatus:
-        """Upload a local file as a shard in one pass (no per-chunk parts), verified."""
+    def put_shard_file(self, upload_id: str, name: str, path: str | os.PathLike[str],
+                       base: tuple[str, str | os.PathLike[str]] | None = None) -> ShardStatus:
+        """Upload a local file as a shard in one pass (no per-chunk parts), verified. ``base``: (version, a
+        local copy of its same-named shard): store the file as a delta against it when that is worth it."""
+        if base is not None:
+            status = self._put_shard_delta(upload_id, name, path, *base)
+            if status is not None:
+                return status
         size = os.path.getsize(path)
         version, decl = self._declare(upload_id, name, size, file_sha256(path))
         if not decl.complete:
@@ -605,6 +787,34 @@ class VersionStore:
             self._store_verified(upload_id, version, decl, pieces())
             self._backend.delete_prefix(self._parts_prefix(upload_id, name))
         return dataclasses.replace(decl, received=size, complete=True)
+
+    def _put_shard_delta(self, upload_id: str, name: str, path: str | os.PathLike[str], base_version: str,
+                         base_path: str | os.PathLike[str]) -> ShardStatus | None:
+        """put_shard_file as a delta against ``base_path`` (the base version's shard); None when the base does not
+        fit or the delta is not worth it (the caller stores the file whole)."""
+        size = os.path.getsize(path)
+        if size < delta.MIN_SIZE:
+            return None
+        try:
+            with self._lock:
+                info = self._check_base(base_version, name, size)
+        except FailedPrecondition:
+            return None
+        with open(path, "rb") as f, open(base_path, "rb") as g:
+            if not size or os.fstat(g.fileno()).st_size != size:
+                return None
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as new, \
+                    mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ) as old:
+                encoded = delta.encode(new, old, delta.DeltaBase(base_version, name, size, info.sha256))
+                sha256 = hashlib.sha256(new).hexdigest()
+        if encoded is None:
+            return None
+        writer = self.shard_writer(upload_id, name, size, sha256,
+                                   DeltaSpec(base_version, len(encoded), hashlib.sha256(encoded).hexdigest()))
+        for chunk in chunks_from_pieces([encoded[writer.received:]], start=writer.received, total_size=len(encoded)):
+            if not writer.complete:
+                writer.write(chunk)
+        return writer.status()
 
     def _store_verified(self, upload_id: str, version: str, decl: ShardStatus, pieces: Iterable[bytes]) -> None:
         """Write a shard's final object from ``pieces`` and mark it complete if it matches its sha256."""
@@ -656,10 +866,13 @@ class VersionStore:
                 raise AlreadyExists(f"version {status.version} is already published")
             infos = []
             for name in sorted(shards):
-                obj = self._backend.stat(self._shard_key(status.version, name))
-                if obj is None or obj.size != declared[name].size:
+                decl = declared[name]
+                key = self._delta_key(status.version, name) if decl.base else self._shard_key(status.version, name)
+                obj = self._backend.stat(key)
+                if obj is None or obj.size != decl.sent_size:
                     raise DataLoss(f"shard {name} of upload {upload_id} vanished or changed size in storage")
-                infos.append(ShardInfo(name, declared[name].size, declared[name].sha256))
+                depth = decl.base_info.depth + 1 if decl.base and decl.base_info is not None else 0
+                infos.append(ShardInfo(name, decl.size, decl.sha256, decl.base, decl.sent_size, depth))
             manifest = WeightsManifest(status.version, dataclasses.replace(
                 spec, model_config=dict(spec.model_config), metadata=dict(spec.metadata)), tuple(infos), self._clock())
             self._backend.put_bytes(self._manifest_key(status.version), manifest.to_json())
@@ -675,18 +888,23 @@ class VersionStore:
             self._drop_upload(upload_id, version)
 
     def _drop_upload(self, upload_id: str, version: str) -> None:
-        if self._load_manifest(version) is None:
-            self._backend.delete_prefix(f"versions/{version}/")
         self._backend.delete_prefix(f"uploads/{upload_id}/")
+        self.sweep()     # the shards it stored, unless published or still a delta's base
 
-    def publish_dir(self, src: str | os.PathLike[str], version: str, spec: VersionSpec) -> WeightsManifest:
-        """Publish every regular file directly inside ``src`` as one version."""
+    def publish_dir(self, src: str | os.PathLike[str], version: str, spec: VersionSpec,
+                    base: tuple[str, str | os.PathLike[str]] | None = None) -> WeightsManifest:
+        """Publish every regular file directly inside ``src`` as one version. ``base``: (a published version, a
+        local directory of its files): a file with a same-named, same-sized file there is stored as a delta
+        against it when that is smaller (:mod:`.delta`)."""
         files = sorted(p for p in pathlib.Path(src).iterdir() if p.is_file() and not p.name.startswith("."))
         if not files:
             raise InvalidArgument.field("src", f"{src} holds no files")
         upload = self.begin_upload(version)
         for path in files:
-            self.put_shard_file(upload.upload_id, path.name, path)
+            other = pathlib.Path(base[1]) / path.name if base is not None else None
+            self.put_shard_file(upload.upload_id, path.name, path,
+                                (base[0], other) if base is not None and other is not None and other.is_file()
+                                else None)
         return self.commit(upload.upload_id, [p.name for p in files], spec)
 
     # ---- deleting, pins, retention -----------------------------------------
@@ -702,10 +920,53 @@ class VersionStore:
                     precondition_violations=[PreconditionViolation("PINNED", version, f"pinned by {o}") for o in owners])
             self._delete_unchecked(version)
 
-    def _delete_unchecked(self, version: str) -> None:
-        # Manifest first: from this instant the version is gone for readers.
+    def _delete_unchecked(self, version: str, sweep: bool = True) -> None:
+        # Manifest first: from this instant the version is gone for readers. Its shards go with the sweep,
+        # unless a later version's delta reads them.
         self._backend.delete(self._manifest_key(version))
-        self._backend.delete_prefix(f"versions/{version}/")
+        if sweep:
+            self.sweep()
+
+    def _stored_objects(self, version: str) -> list[str]:
+        return [o.key for o in self._backend.list(f"versions/{version}/") + self._backend.list(f"deltas/{version}/")]
+
+    def sweep(self) -> list[str]:
+        """Delete every stored shard that no published version and no open upload needs, directly or as a
+        delta's base (mark and sweep); the keys deleted.
+
+        Safe beside uploads of other processes on the same storage: the objects are listed first, then the
+        open uploads (whose shards and delta bases are kept), then the manifests; an object written after the
+        listing is not looked at, one written before it belongs to an upload declared before it, and an
+        upload committed meanwhile was seen as an upload or its manifest is seen.
+        """
+        with self._lock:
+            objects = [o.key for prefix in ("versions/", "deltas/") for o in self._backend.list(prefix)]
+            live: set[str] = set()
+            todo: list[str] = []             # keys to keep, and to follow when they are deltas
+            for upload_id, version, _created in self._open_uploads():
+                live.add(version)
+                for decl in self._declared(upload_id).values():
+                    if decl.base:            # an upload's delta reads its base (whole or a delta itself)
+                        todo += [self._delta_key(decl.base, decl.name), self._shard_key(decl.base, decl.name)]
+            live.update(m.version for m in self.manifests())
+            present = set(objects)
+            todo += [k for k in objects if k.split("/", 2)[1] in live]
+            marked: set[str] = set()
+            while todo:
+                key = todo.pop()
+                if key not in present or key in marked:
+                    continue
+                marked.add(key)
+                if key.startswith("deltas/"):
+                    try:
+                        base = self._delta_header(key).base
+                    except (ObjectMissing, ValueError):
+                        continue    # unreadable: it keeps nothing (reading it fails as DataLoss anyway)
+                    todo += [self._delta_key(base.version, base.name), self._shard_key(base.version, base.name)]
+            doomed = [k for k in objects if k not in marked]
+            for key in doomed:
+                self._backend.delete(key)
+            return doomed
 
     def pin(self, version: str, owner: str) -> VersionEntry:
         """Keep ``version`` from deletion until ``owner`` unpins it (idempotent)."""
@@ -740,8 +1001,10 @@ class VersionStore:
                     if self.pins(manifest.version):
                         kept_pinned.append(manifest.version)
                     else:
-                        self._delete_unchecked(manifest.version)
+                        self._delete_unchecked(manifest.version, sweep=False)
                         deleted.append(manifest.version)
+                if deleted:
+                    self.sweep()
             cutoff = self._clock() - dt.timedelta(seconds=self.upload_ttl_s)
             for upload_id, version, created in self._open_uploads():
                 if created < cutoff:
