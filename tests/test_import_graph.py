@@ -130,3 +130,33 @@ def test_the_numerics_library_is_below_the_model_and_its_backends():
     assert "zerokl.kernels.model" not in edges.get("zerokl.kernels", {})
     assert "zerokl.kernels" not in edges.get("zerokl.kernels.triton", {})   # kernels dispatch to triton, never back
     assert not any(t.startswith("zerokl.services") for t in edges.get("zerokl.kernels.model", {}))
+
+
+
+def test_the_engine_imports_neither_grpc_nor_the_service_runtime():
+    """The engine (the package of the process that owns the device) reports in its own terms; the replica's
+    front maps them to gRPC statuses. Every import of every module under zerokl.services.engine counts,
+    those inside functions too, relative ones resolved."""
+    found = []
+    for module, (path, is_pkg) in sorted(MODULES.items()):
+        if module != "zerokl.services.engine" and not module.startswith("zerokl.services.engine."):
+            continue
+        here = module if is_pkg else module.rpartition(".")[0]
+        for imp in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(imp, ast.Import):
+                names = [a.name for a in imp.names]
+            elif isinstance(imp, ast.ImportFrom):
+                base = imp.module or ""
+                if imp.level:
+                    parts = here.split(".")
+                    base = ".".join(parts[:len(parts) - imp.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in imp.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top == "grpc" or top.startswith("grpc_") or name == "zerokl.services.runtime" \
+                        or name.startswith("zerokl.services.runtime."):
+                    found.append(f"{module}:{imp.lineno} imports {name}")
+    assert {"zerokl.services.engine.core", "zerokl.services.engine.child"} <= set(MODULES)
+    assert not found, "the engine must not import grpc or the service runtime:\n" + "\n".join(found)
