@@ -82,10 +82,12 @@ from zerokl.services.trainer.types import (
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore import convert as weights_convert
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
+from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
-from zerokl.services.weightsync import SharedExport, export_shared
-from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from zerokl.services.weightstore.sync import SharedBuffer, export_shared
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
@@ -296,7 +298,7 @@ class TrainerService:
         self._lineage = list(lineage)[-MAX_LINEAGE:]
         self._identity = identity
         self._pinned: str | None = None     # the resume point this trainer pins in the store
-        self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
+        self._exports: dict[str, SharedBuffer] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
         self._bases = _DeltaBases()                   # what the next record's deltas are taken against
         self.record_deltas = record_deltas            # False: every record's files go whole
@@ -643,12 +645,12 @@ class TrainerService:
 
     async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
                            weights_only: bool = False, share: bool = False
-                           ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                           ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
 
         Returns (manifest, created); created is False when the same checkpoint
         was already published under that name (a retry). With ``share``: (manifest, created,
-        shared): the serving weights are put in shared memory (:mod:`zerokl.services.weightsync`,
+        shared): the serving weights are put in shared memory (:mod:`zerokl.services.weightstore.sync`,
         one device copy) and the call answers at once; the checkpoint is written and uploaded to
         the store in the background (:meth:`record_weights` waits for it), so the RL step's
         critical path holds no file or store I/O. The manifest is then the one the store will hold
@@ -703,7 +705,7 @@ class TrainerService:
     # ------------------------------------------------------------------ in-place sharing (issue 37)
 
     async def _share(self, trainer: Trainer, name: str, lineage: list[LineageEntry], spec: VersionSpec,
-                     weights_only: bool) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                     weights_only: bool) -> tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights(share)'s work, under the lock: export, snapshot, then queue the store's record of
         ``name`` (written and uploaded outside the lock: the next step trains meanwhile)."""
         pending = self._records.get(name)
@@ -712,7 +714,7 @@ class TrainerService:
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
+            return pending.manifest or _provisional(name, spec), False, self._exports[name].export
         # The trainer's own current version, in the store already (a job starting where the last one ended): shared
         # again, not recorded again. Any other name the store holds is recorded as usual: publish_checkpoint then
         # recognizes the same files (a step redone after a restart) or refuses other ones (ALREADY_EXISTS).
@@ -720,21 +722,21 @@ class TrainerService:
         if stored is not None and not weights_only and stored.spec.metadata.get(META_STATE) != "full":
             stored = None
         state = await self._compute(trainer.serving_state_dict)
-        export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
+        shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records), and at a checkpoint the trainer state, copied where it is before the next step.
         snapshot = None if stored is not None else await self._compute(
             snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
-            serving=export.tensors())
-        self._exports[name] = export
+            serving=shared.tensors())
+        self._exports[name] = shared
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
         if stored is not None:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             self._set_identity(self._identity.with_weights(name))
-            return stored, False, export.descriptor
+            return stored, False, shared.export
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records[name] = record
@@ -742,7 +744,7 @@ class TrainerService:
         record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
-        return _provisional(name, spec), True, export.descriptor
+        return _provisional(name, spec), True, shared.export
 
     async def _stored(self, name: str) -> WeightsManifest | None:
         """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
@@ -935,7 +937,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             manifest, created, shared = await self._service.save_weights(
                 request.version, dict(request.metadata), request.weights_only, share=True)
             response = convert.save_result_to_proto(manifest, created)
-            response.shared.CopyFrom(shared)
+            response.shared.CopyFrom(weights_convert.shared_export_to_proto(shared))
             return response
         manifest, created = await self._service.save_weights(request.version, dict(request.metadata),
                                                              request.weights_only)
