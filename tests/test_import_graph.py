@@ -47,27 +47,34 @@ def _resolve(name: str) -> str | None:
     return name or None
 
 
+def imports(module: str) -> list[tuple[int, list[str]]]:
+    """(line, absolute names) of every import statement of ``module``, those inside functions included:
+    ``from pkg import x`` names ``pkg`` and ``pkg.x`` (x may be a submodule); relative imports resolved."""
+    path, is_pkg = MODULES[module]
+    here = module if is_pkg else module.rpartition(".")[0]
+    out = []
+    for imp in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(imp, ast.Import):
+            out.append((imp.lineno, [a.name for a in imp.names]))
+        elif isinstance(imp, ast.ImportFrom):
+            base = imp.module or ""
+            if imp.level:
+                parts = here.split(".")
+                base = ".".join(parts[:len(parts) - imp.level + 1] + ([base] if base else []))
+            out.append((imp.lineno, [base] + [f"{base}.{a.name}" for a in imp.names]))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def import_edges() -> dict[str, dict[str, list[str]]]:
     """node -> node it imports -> where ("module:line"), for every import between two nodes."""
     edges: dict[str, dict[str, list[str]]] = {}
-    for module, (path, is_pkg) in sorted(MODULES.items()):
-        here = module if is_pkg else module.rpartition(".")[0]
-        for imp in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(imp, ast.Import):
-                names = [a.name for a in imp.names]
-            elif isinstance(imp, ast.ImportFrom):
-                base = imp.module or ""
-                if imp.level:
-                    parts = here.split(".")
-                    base = ".".join(parts[:len(parts) - imp.level + 1] + ([base] if base else []))
-                names = [base] + [f"{base}.{a.name}" for a in imp.names]   # `from pkg import submodule`
-            else:
-                continue
+    for module in sorted(MODULES):
+        for lineno, names in imports(module):
             for target in {t for t in map(_resolve, names) if t}:
                 a, b = node(module), node(target)
                 if a != b:
-                    edges.setdefault(a, {}).setdefault(b, []).append(f"{module}:{imp.lineno}")
+                    edges.setdefault(a, {}).setdefault(b, []).append(f"{module}:{lineno}")
     return edges
 
 
@@ -130,3 +137,17 @@ def test_the_numerics_library_is_below_the_model_and_its_backends():
     assert "zerokl.kernels.model" not in edges.get("zerokl.kernels", {})
     assert "zerokl.kernels" not in edges.get("zerokl.kernels.triton", {})   # kernels dispatch to triton, never back
     assert not any(t.startswith("zerokl.services") for t in edges.get("zerokl.kernels.model", {}))
+
+
+
+def test_the_engine_imports_neither_grpc_nor_the_service_runtime():
+    """The engine (the package of the process that owns the device) reports in its own terms; the replica's
+    front maps them to gRPC statuses. Every import of every module under zerokl.services.engine counts,
+    those inside functions too."""
+    engine = [m for m in sorted(MODULES) if m == "zerokl.services.engine" or m.startswith("zerokl.services.engine.")]
+    assert {"zerokl.services.engine.core", "zerokl.services.engine.child"} <= set(engine)
+    found = [f"{module}:{lineno} imports {name}" for module in engine for lineno, names in imports(module)
+             for name in names
+             if name.split(".")[0] == "grpc" or name.split(".")[0].startswith("grpc_")
+             or name == "zerokl.services.runtime" or name.startswith("zerokl.services.runtime.")]
+    assert not found, "the engine must not import grpc or the service runtime:\n" + "\n".join(found)

@@ -86,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
             and not {"-h", "--help"} & set(args.args) and _tp_degree(args.args) == 1:
         # The engine process imports torch while this one does (start-up); the server takes it, or
         # stops it when it runs the engine on a thread after all (--tp > 1).
-        from zerokl.services.engine_child import prestart
+        from zerokl.services.engine.child import prestart
         prestart()
     module, func = SERVICES[args.service].split(":")
     return getattr(importlib.import_module(module), func)(args.args)

@@ -8,8 +8,8 @@ One wave of N requests (--prompt-len random tokens, --new-tokens generated, temp
 ignore_eos) runs in the real Engine (tiny preset, the countdown tokenizer, so outputs carry text),
 and each step's outputs are recorded. They are then replayed, timed with ``time.process_time``:
 
-- **core**: ``_Core._dispatch`` of each step (into the pass's :class:`StepOutputs`) and the
-  engine process's pickling of the pass's events (what ``_child_main`` sends through the pipe);
+- **core**: ``EngineCore._dispatch`` of each step (into the pass's :class:`StepOutputs`) and the
+  engine process's pickling of the pass's events (what ``core.serve`` sends through the pipe);
 - **front**: unpickling each pass, ``AsyncEngine._on_events`` (a stream per request, as ``submit``
   registers it) and every stream's consumer as a decode replica runs it (``Replica.stream_deltas``
   with ``--stream-interval``, then ``convert.delta_to_proto``: the messages gRPC would send).
@@ -33,7 +33,9 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SampleOutput
 from zerokl.services.inference import convert
-from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, _Core, _dumps, _Live, _loads
+from zerokl.services.engine.core import EngineCore, _Live
+from zerokl.services.engine.outputs import dumps, loads
+from zerokl.services.inference.async_engine import AsyncEngine, RequestStream
 from zerokl.services.inference.replica import Replica, ServingLimits
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.tokenizer import load_tokenizer
@@ -53,12 +55,12 @@ def record(engine: Engine, requests: list[GenerateRequest]) -> list[list[SampleO
 def core_side(engine: Engine, requests: list[GenerateRequest], steps: list[list[SampleOutput]]) -> tuple[float, list[bytes]]:
     """CPU seconds of the core's dispatch and pickling of every pass; the pipe messages."""
     sent: list[bytes] = []
-    core = _Core(engine, lambda events: sent.append(_dumps(events)))
+    core = EngineCore(engine, lambda events: sent.append(dumps(events)))
     for key, r in enumerate(requests, 1):
         core._live[r.request_id] = _Live(key, r, r.options.n)
     start = time.process_time()
     for outputs in steps:
-        core._dispatch(outputs)        # what one pass of _Core._serve does after its step
+        core._dispatch(outputs)        # what one pass of EngineCore._serve does after its step
         core._update_stats()
         core._flush()
     return time.process_time() - start, sent
@@ -94,7 +96,7 @@ def front_side(engine: Engine, requests: list[GenerateRequest], sent: list[bytes
         await asyncio.sleep(0)
         start = time.process_time()
         for data in sent:
-            front._on_events(_loads(data))
+            front._on_events(loads(data))
             await asyncio.sleep(0)               # the consumers a pass woke run before the next pass
         await asyncio.gather(*consumers)
         return time.process_time() - start, messages[0], got

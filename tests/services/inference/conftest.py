@@ -18,7 +18,7 @@ from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.services.inference import AsyncEngine, Replica, ServingLimits
-from zerokl.services.inference.async_engine import engine_of
+from zerokl.services.engine.core import engine_of
 from zerokl.services.inference.decode import Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.server import make_identity

@@ -31,8 +31,8 @@ from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SampleOutput
 from zerokl.vocab import SamplingOptions
 from zerokl.services.inference import AsyncEngine, InferenceClient, InferenceRequest
-from zerokl.services.inference.async_engine import (StepOutputs, _dumps, _loads, collect, engine_of,
-                                                      merge_outputs)
+from zerokl.services.engine.core import engine_of
+from zerokl.services.inference.async_engine import collect
 from zerokl.services.inference.types import fold_samples
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument, Unavailable
 
@@ -57,27 +57,6 @@ def assert_same_samples(outputs: list[SampleOutput], model: Model, ids: tuple[in
         assert torch.equal(torch.tensor(g.logprobs, dtype=torch.float64), torch.tensor(w.logprobs, dtype=torch.float64))
         if w.prompt_logprobs is not None:
             assert torch.equal(torch.tensor(g.prompt_logprobs), torch.tensor(w.prompt_logprobs))
-
-
-def test_a_pass_of_outputs_crosses_the_pipe_exactly_and_merges_per_sample() -> None:
-    outs = [SampleOutput("r", 0, [5, 6], [-0.1234567, -2.5], False, None, [-1.0, -3.25], 7, 3, "ab"),
-            SampleOutput("r", 1, [4], [-0.75], False, None, None, 7, 3, "c"),
-            SampleOutput("r", 1, [], [], True, "abort", None, 7),
-            SampleOutput("r", 0, [9], [float("-inf")], True, "error", error="ValueError: x")]
-    step = StepOutputs()
-    for out in outs:
-        step.add(1, out)
-    step.end(1, Unavailable("gone"))
-    got = _loads(_dumps(step))        # what the engine process sends: one pickle for the pass
-    got.index_tokens()
-    assert [got.output(i, "r") for i in range(len(outs))] == outs
-    assert got.keys == [1] * 4 and [(k, type(e), e.message) for k, e in got.ends] == [(1, Unavailable, "gone")]
-    # A stream hands on each sample's outputs merged: tokens, logprobs and text in order, the first part's
-    # prompt logprobs, the last part's finish and counts.
-    assert merge_outputs([(got, i) for i in range(len(outs))], "r") == [
-        SampleOutput("r", 0, [5, 6, 9], [-0.1234567, -2.5, float("-inf")], True, "error", [-1.0, -3.25], 0, 0,
-                     "ab", error="ValueError: x"),
-        SampleOutput("r", 1, [4], [-0.75], True, "abort", None, 7, 0, "c")]
 
 
 def test_outputs_through_the_process_are_the_in_process_engine_bits_under_concurrency(model) -> None:

@@ -17,7 +17,7 @@ import torch
 from zerokl.kernels.model import Model
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
-from zerokl.services.weightsync import open_shared
+from zerokl.services.weightstore.sync import open_shared
 
 from test_trainer_service import _flags, _prompts, _rollouts, trainer_server
 

@@ -1,8 +1,8 @@
 """zerokl.services.inference: the prefill and decode services, batch-invariant serving over gRPC.
 
-- :mod:`.async_engine`: :class:`AsyncEngine`, the synchronous engine run by an
-  engine core (its own process for a served replica, or a thread) behind per-request
-  asyncio streams, with the ``zerokl_`` metrics.
+- :mod:`.async_engine`: :class:`AsyncEngine`, the asyncio front of an engine core
+  (:mod:`zerokl.services.engine`: its own process for a served replica, or a thread):
+  per-request streams, the core's errors as statuses, the ``zerokl_`` metrics.
 - :mod:`.replica`: :class:`Replica`, request rules (pins, tokenizing, limits)
   and engine outputs as client deltas.
 - :mod:`.service`, :mod:`.decode`, :mod:`.prefill`: the ``zerokl.v1``
@@ -11,7 +11,7 @@
   converters; :mod:`.types`: the dataclasses they convert.
 - :mod:`.client`: :class:`InferenceClient`, the async gRPC client.
 """
-from zerokl.services.inference.async_engine import AsyncEngine, EngineInfo, RequestStream
+from zerokl.services.inference.async_engine import AsyncEngine, RequestStream
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.replica import Replica, ServingLimits
 from zerokl.services.inference.types import (
@@ -27,7 +27,6 @@ from zerokl.services.inference.types import (
 
 __all__ = [
     "AsyncEngine",
-    "EngineInfo",
     "GenerateDelta",
     "GenerateResult",
     "InferenceClient",

@@ -20,7 +20,9 @@ from zerokl.services.runtime.chunks import Chunk, ChunkAssembler, chunk_from_pro
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
-from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc, weights_pb2
+from zerokl.services.weightstore.convert import shared_export_to_proto
+from zerokl.services.weightstore.shared import SharedExport
+from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 __all__ = ["InferenceClient"]
 
@@ -54,13 +56,13 @@ class InferenceClient(ServiceClient):
         """What the replica computes with."""
         return identity_from_proto(self._got(await self._inference.Info(common_pb2.InfoRequest())))
 
-    async def switch_weights(self, version: str, *, shared: weights_pb2.SharedWeights | None = None,
+    async def switch_weights(self, version: str, *, shared: SharedExport | None = None,
                              timeout: float | None = None) -> ServiceIdentity:
         """Make the replica (or, on the scheduler, the whole fleet) serve weight-store ``version``;
         ``shared``: the trainer's in-memory copy of it (copied in place on the trainer's host)."""
         request = inference_pb2.SwitchWeightsRequest(version=version)
         if shared is not None:
-            request.shared.CopyFrom(shared)
+            request.shared.CopyFrom(shared_export_to_proto(shared))
         return identity_from_proto(self._got(await self._inference.SwitchWeights(request, timeout=timeout)))
 
     async def generate(self, request: InferenceRequest, *,

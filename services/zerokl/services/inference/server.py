@@ -29,10 +29,11 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, numerics_dtype, quantize_fp8
 from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_degrees
 from zerokl.tokenizer import Tokenizer, load_tokenizer
+from zerokl.services.engine import child as engine_child
 from zerokl.services.engine.engine import Engine
+from zerokl.services.engine.outputs import EngineInfo
 from zerokl.services.engine.types import EngineConfig
-from zerokl.services import engine_child
-from zerokl.services.inference.async_engine import AsyncEngine, EngineInfo
+from zerokl.services.inference.async_engine import AsyncEngine
 from zerokl.services.inference.decode import DEFAULT_HANDOFF_TIMEOUT_S, Decoder, add_decode_service
 from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits

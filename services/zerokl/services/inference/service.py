@@ -23,6 +23,7 @@ from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.optrace import require_operator
 from zerokl.services.runtime.server import stream_out
 from zerokl.services.runtime.tracing import tag_request
+from zerokl.services.weightstore.convert import shared_export_from_proto
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from zerokl.vocab import SamplingOptions
 
@@ -90,5 +91,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             raise InvalidArgument.field("version", "name a weight-store version or 'latest'")
         if request.HasField("shared"):
             # The trainer's in-memory copy (issue 37): a replica on its host copies it in place.
-            return identity_to_proto(await self._switch_weights(request.version, request.shared))
+            shared = shared_export_from_proto(request.shared)
+            return identity_to_proto(await self._switch_weights(request.version, shared))
         return identity_to_proto(await self._switch_weights(request.version))

@@ -9,9 +9,9 @@ again with the new weights version (the scheduler's registry re-reads Info on
 that transition).
 
 In place (issue 37): a switch that carries the trainer's
-:class:`~zerokl.v1.weights_pb2.SharedWeights` copies the version straight from the
+:class:`~zerokl.services.weightstore.shared.SharedExport` copies the version straight from the
 trainer's memory when the replica is on the trainer's host (CUDA IPC, or shared memory
-on a CPU fleet; :mod:`zerokl.services.weightsync`), checks the checksum of what arrived
+on a CPU fleet; :mod:`zerokl.services.weightstore.sync`), checks the checksum of what arrived
 (DATA_LOSS otherwise: never served) and the names, shapes and dtypes against the model it
 serves, then swaps as above. On another host, or when the memory cannot be opened, it
 fetches the version from the store, waiting up to ``record_wait_s`` for the trainer's
@@ -47,8 +47,8 @@ from zerokl.services.runtime.errors import (
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
 from zerokl.services.weightstore.client import WeightStoreClient
-from zerokl.services.weightsync import ChecksumMismatch, SharedUnavailable, open_shared
-from zerokl.v1 import weights_pb2
+from zerokl.services.weightstore.shared import SharedExport
+from zerokl.services.weightstore.sync import ChecksumMismatch, SharedUnavailable, open_shared
 
 __all__ = ["SharedLoader", "WeightSwitcher", "SWITCHES"]
 
@@ -60,19 +60,18 @@ SWITCHES = Counter("zerokl_replica_weight_switches", "Weight switches by where t
 
 
 class SharedLoader:
-    """``loader(engine) -> state_dict``: a version in the trainer's memory (a serialized
-    SharedWeights), copied onto the engine's device and checked against its model (names, shapes,
-    dtypes). Raises SharedUnavailable (the store path then: another host, the memory gone, or a
+    """``loader(engine) -> state_dict``: a version in the trainer's memory (its SharedExport), copied
+    onto the engine's device and checked against its model (names, shapes, dtypes). Raises SharedUnavailable (the store path then: another host, the memory gone, or a
     trainer in another dtype than the fleet's, whose store files are cast on load), ChecksumMismatch
     and ValueError (a malformed descriptor). Picklable: an engine process runs it."""
 
-    def __init__(self, descriptor: bytes) -> None:
-        self.descriptor = descriptor
+    def __init__(self, export: SharedExport) -> None:
+        self.export = export
 
     def __call__(self, engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - an Engine
         own = engine.model.state_dict()
         device = next(iter(own.values())).device
-        state = open_shared(weights_pb2.SharedWeights.FromString(self.descriptor), device)
+        state = open_shared(self.export, device)
         wrong = sorted(set(own) ^ set(state)) + sorted(
             k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
         if wrong:
@@ -95,7 +94,7 @@ class WeightSwitcher:
         self.record_wait_s = record_wait_s
         self.last_path = ""         # "shared" | "store": where the last switch's bytes came from
 
-    async def switch(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
+    async def switch(self, version: str, shared: SharedExport | None = None) -> ServiceIdentity:
         """Serve ``version`` (or ``latest``) from now on; returns the replica's new identity.
 
         ``shared``: the trainer's in-memory copy of ``version`` (module docstring)."""
@@ -118,13 +117,13 @@ class WeightSwitcher:
             except grpc.aio.AioRpcError as err:  # the store's NOT_FOUND / DATA_LOSS / UNAVAILABLE, relayed
                 raise RelayedError(err, f"weight store {self.store.target}") from None
 
-    async def _switch_shared(self, shared: weights_pb2.SharedWeights) -> ServiceIdentity:
+    async def _switch_shared(self, shared: SharedExport) -> ServiceIdentity:
         """Copy the version from the trainer's memory, check it, swap: where the engine runs (its
         process owns the device), by a loader the engine's core calls when the swap runs."""
         self._check_spec(shared.version, shared.numerics_fingerprint)
         try:
             async with self._not_serving() if self._not_serving else contextlib.nullcontext():
-                await self.replica.load_weights(SharedLoader(shared.SerializeToString()), shared.version)
+                await self.replica.load_weights(SharedLoader(shared), shared.version)
         except ChecksumMismatch as err:
             raise DataLoss(f"version {shared.version!r} from the trainer's memory: {err}; not served") from None
         except ValueError as err:

@@ -84,6 +84,7 @@ from zerokl.services.routing.fleet import FleetRecord, read_fleet, write_fleet
 from zerokl.services.routing.registry import ReplicaEndpoint, ReplicaView, Registry
 from zerokl.services.routing.replay import StreamLedger
 from zerokl.services.routing.router import NoReplica, Pin, Policy, Router, resolve_pin
+from zerokl.services.weightstore.shared import SharedExport
 from zerokl.v1 import inference_pb2_grpc
 from zerokl.vocab import SamplingOptions
 
@@ -499,7 +500,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ weights
 
-    async def switch_weights(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
+    async def switch_weights(self, version: str, shared: SharedExport | None = None) -> ServiceIdentity:
         """Switch every replica to weight-store ``version`` (or ``latest``), after a canary, or not at all.
 
         ``shared``: the trainer's in-memory copy of ``version`` (SaveWeights with share), passed to
@@ -530,7 +531,7 @@ class Scheduler:
         finally:
             self._health_dirty.set()   # a replica that lagged while the switch held the fleet converges now
 
-    async def _switch_all(self, version: str, shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
+    async def _switch_all(self, version: str, shared: SharedExport | None = None) -> ServiceIdentity:
         views = self.registry.views()
         if not views:
             raise NoReplica("no replica is registered")
@@ -575,7 +576,7 @@ class Scheduler:
         return self.identity
 
     async def _switch_one(self, view: ReplicaView, to: str,
-                          shared: weights_pb2.SharedWeights | None = None) -> ServiceIdentity:
+                          shared: SharedExport | None = None) -> ServiceIdentity:
         """SwitchWeights on one replica; its refusal relayed with its code (a version trained under other numerics
         is FAILED_PRECONDITION, for good: never an outage to wait out), UNAVAILABLE naming it."""
         with self.registry.lease(view.endpoint) as client:

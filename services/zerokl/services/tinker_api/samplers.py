@@ -31,7 +31,7 @@ from opentelemetry import trace
 
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.runtime.errors import Unavailable
-from zerokl.v1 import weights_pb2
+from zerokl.services.weightstore.shared import SharedExport
 
 __all__ = ["SamplerPool"]
 
@@ -89,7 +89,7 @@ class SamplerPool:
         return {r.address: r.version for r in self._replicas}
 
     @contextlib.asynccontextmanager
-    async def serving(self, version: str, shared: weights_pb2.SharedWeights | None = None
+    async def serving(self, version: str, shared: SharedExport | None = None
                       ) -> AsyncIterator[InferenceClient]:
         """A replica serving ``version`` for the duration (switched to it first if needed; ``shared``:
         the trainer's in-memory copy of it). UNAVAILABLE when there are no sampler replicas."""
@@ -112,7 +112,7 @@ class SamplerPool:
                 replica.inflight -= 1
                 self._changed.notify_all()
 
-    async def _acquire(self, version: str, shared: weights_pb2.SharedWeights | None) -> _Replica:
+    async def _acquire(self, version: str, shared: SharedExport | None) -> _Replica:
         since = time.monotonic()
         async with self._changed:
             self._waiting.setdefault(version, []).append(since)

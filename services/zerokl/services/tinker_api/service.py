@@ -67,7 +67,7 @@ from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.trainer.types import TokenLossBatch, TrainerState
 from zerokl.services.weightstore.client import WeightStoreClient
-from zerokl.v1 import weights_pb2
+from zerokl.services.weightstore.shared import SharedExport
 
 __all__ = ["TinkerService", "SessionFinished", "failure_of"]
 
@@ -184,7 +184,7 @@ class TinkerService:
         self._boundary = asyncio.Condition()     # notified whenever the trainer's holder may have changed state
         self._holder: _Run | None = None
         self._base_config: TrainConfig | None = None
-        self._shared: OrderedDict[str, weights_pb2.SharedWeights] = OrderedDict()
+        self._shared: OrderedDict[str, SharedExport] = OrderedDict()
         self._fingerprints: dict[str, str] = {base.version: base.numerics_fingerprint}
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -424,7 +424,7 @@ class TinkerService:
         return self._submit(run, call.seq_id, "SaveWeights" if call.kind == "weights" else "SaveWeightsForSampler",
                             work)
 
-    def _remember_shared(self, version: str, shared: weights_pb2.SharedWeights, fingerprint: str) -> None:
+    def _remember_shared(self, version: str, shared: SharedExport, fingerprint: str) -> None:
         self._fingerprints[version] = fingerprint
         self._shared[version] = shared
         while len(self._shared) > _SHARED_KEPT:

@@ -27,8 +27,10 @@ from zerokl.services.trainer.types import (
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore.convert import shared_export_from_proto
+from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
-from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TrainerClient"]
@@ -111,7 +113,7 @@ class TrainerClient(ServiceClient):
 
     async def share_weights(self, version: str = "", *, weights_only: bool = False,
                             metadata: Mapping[str, str] | None = None, timeout: float | None = None
-                            ) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                            ) -> tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights(share): the new version in the trainer's shared memory for the replicas on its
         host, recorded in the store in the background (``weights_only``: without the trainer state, so
         not a resume point); (manifest to be, created, descriptor)."""
@@ -119,7 +121,7 @@ class TrainerClient(ServiceClient):
                                              metadata=dict(metadata or {}))
         response = await self._stub.SaveWeights(msg, timeout=timeout)
         manifest, created = convert.save_result_from_proto(response)
-        return manifest, created, response.shared
+        return manifest, created, shared_export_from_proto(response.shared)
 
     async def record_weights(self, version: str, *, timeout: float | None = None) -> tuple[WeightsManifest, float]:
         """Wait until a version shared by :meth:`share_weights` is committed to the weight store; (its manifest:

@@ -85,10 +85,12 @@ from zerokl.services.trainer.types import (
     TrainBatch,
     TrainerState,
 )
+from zerokl.services.weightstore import convert as weights_convert
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
+from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
-from zerokl.services.weightsync import SharedExport, export_shared
-from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc, weights_pb2
+from zerokl.services.weightstore.sync import SharedBuffer, export_shared
+from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
@@ -321,7 +323,7 @@ class TrainerService:
         self._lineage = list(lineage)[-MAX_LINEAGE:]
         self._identity = identity
         self._pinned: str | None = None     # the resume point this trainer pins in the store
-        self._exports: dict[str, SharedExport] = {}   # versions in shared memory, oldest first
+        self._exports: dict[str, SharedBuffer] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
         self._bases = _DeltaBases()                   # what the next record's deltas are taken against
         self.record_deltas = record_deltas            # False: every record's files go whole
@@ -697,12 +699,12 @@ class TrainerService:
 
     async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
                            weights_only: bool = False, share: bool = False
-                           ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                           ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
 
         Returns (manifest, created); created is False when the same checkpoint
         was already published under that name (a retry). With ``share``: (manifest, created,
-        shared): the serving weights are put in shared memory (:mod:`zerokl.services.weightsync`,
+        shared): the serving weights are put in shared memory (:mod:`zerokl.services.weightstore.sync`,
         one device copy) and the call answers at once; the checkpoint is written and uploaded to
         the store in the background (:meth:`record_weights` waits for it), so the RL step's
         critical path holds no file or store I/O. The manifest is then the one the store will hold
@@ -735,7 +737,7 @@ class TrainerService:
         return await self._exclusive(work)
 
     async def _save(self, trainer: Trainer, version: str, metadata: Mapping[str, str], weights_only: bool,
-                    share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                    share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights' work under the lock: name, spec, then publish (or share); AlreadyExists when the store
         holds the name with other contents, before anything is shared."""
         name = version or default_version(self.segment, trainer.step)
@@ -778,7 +780,7 @@ class TrainerService:
     # ------------------------------------------------------------------ in-place sharing (issue 37)
 
     async def _share(self, trainer: Trainer, name: str, lineage: list[LineageEntry], spec: VersionSpec,
-                     weights_only: bool) -> tuple[WeightsManifest, bool, weights_pb2.SharedWeights]:
+                     weights_only: bool) -> tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights(share)'s work, under the lock: export, snapshot, then queue the store's record of
         ``name`` (written and uploaded outside the lock: the next step trains meanwhile)."""
         pending = self._records.get(name)
@@ -787,7 +789,7 @@ class TrainerService:
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
                                          f"step {trainer.step}: name another version")
-            return pending.manifest or _provisional(name, spec), False, self._exports[name].descriptor
+            return pending.manifest or _provisional(name, spec), False, self._exports[name].export
         stored = await self._stored(name)
         own = stored is not None and self._lineage[-1] == LineageEntry(name, trainer.step) \
             and (weights_only or stored.spec.metadata.get(META_STATE) == "full")
@@ -799,21 +801,21 @@ class TrainerService:
             # name, which a restart would serve. Rare, so the store's I/O on the step's path is.
             stored, _ = await self._publish_now(trainer, name, lineage, spec, weights_only)
         state = await self._compute(trainer.serving_state_dict)
-        export = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
+        shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records), and at a checkpoint the trainer state, copied where it is before the next step.
         snapshot = None if stored is not None else await self._compute(
             snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
-            serving=export.tensors())
-        self._exports[name] = export
+            serving=shared.tensors())
+        self._exports[name] = shared
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             self._set_identity(self._identity.with_weights(name))
-            return stored, False, export.descriptor
+            return stored, False, shared.export
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
         if stored is not None:
@@ -821,13 +823,13 @@ class TrainerService:
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
-            return stored, False, export.descriptor
+            return stored, False, shared.export
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records[name] = record
         record.task = asyncio.ensure_future(self._record(record, name, earlier))
         record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        return _provisional(name, spec), True, export.descriptor
+        return _provisional(name, spec), True, shared.export
 
     async def _stored(self, name: str) -> WeightsManifest | None:
         """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
@@ -1034,7 +1036,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             manifest, created, shared = await self._service.save_weights(
                 request.version, dict(request.metadata), request.weights_only, share=True)
             response = convert.save_result_to_proto(manifest, created)
-            response.shared.CopyFrom(shared)
+            response.shared.CopyFrom(weights_convert.shared_export_to_proto(shared))
             return response
         manifest, created = await self._service.save_weights(request.version, dict(request.metadata),
                                                              request.weights_only)

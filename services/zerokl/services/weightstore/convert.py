@@ -13,6 +13,7 @@ from typing import Any
 from google.protobuf import timestamp_pb2
 
 from zerokl.services.runtime.errors import InvalidArgument
+from zerokl.services.weightstore.shared import SharedCudaBuffer, SharedExport, SharedTensor
 from zerokl.services.weightstore.store import (
     GcResult,
     ShardInfo,
@@ -37,6 +38,8 @@ __all__ = [
     "gc_result_from_proto",
     "commit_request_to_proto",
     "commit_request_from_proto",
+    "shared_export_to_proto",
+    "shared_export_from_proto",
 ]
 
 
@@ -154,3 +157,30 @@ def commit_request_from_proto(msg: weights_pb2.CommitRequest) -> tuple[str, list
     spec = VersionSpec(msg.parent_version, msg.step if msg.HasField("step") else None, msg.numerics_version,
                        msg.numerics_fingerprint, _config_from_json(msg.model_config_json), dict(msg.metadata))
     return msg.upload_id, list(msg.shards), spec
+
+
+def shared_export_to_proto(e: SharedExport) -> weights_pb2.SharedWeights:
+    """SharedExport -> ``zerokl.v1.SharedWeights`` (the trainer's SaveWeights answer, a SwitchWeights request)."""
+    msg = weights_pb2.SharedWeights(
+        version=e.version, host_id=e.host_id, transport=e.transport, path=e.path, total_bytes=e.total_bytes,
+        checksum=e.checksum, numerics_fingerprint=e.numerics_fingerprint,
+        tensors=[weights_pb2.SharedTensor(name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset)
+                 for t in e.tensors])
+    if e.cuda is not None:
+        c = e.cuda
+        msg.cuda.CopyFrom(weights_pb2.SharedCudaBuffer(
+            device=c.device, handle=c.handle, storage_size_bytes=c.storage_size_bytes,
+            storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required))
+    return msg
+
+
+def shared_export_from_proto(msg: weights_pb2.SharedWeights) -> SharedExport:
+    """``zerokl.v1.SharedWeights`` -> SharedExport (checked when it is opened: ``sync.open_shared``)."""
+    c = msg.cuda
+    cuda = SharedCudaBuffer(c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
+                            c.ref_counter_offset, c.event_handle, c.event_sync_required) if msg.HasField("cuda") else None
+    return SharedExport(msg.version, msg.host_id, msg.transport, msg.total_bytes, msg.checksum,
+                        tuple(SharedTensor(t.name, t.dtype, tuple(t.shape), t.offset) for t in msg.tensors),
+                        msg.numerics_fingerprint, msg.path, cuda)

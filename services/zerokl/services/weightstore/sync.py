@@ -11,9 +11,9 @@ and shares that buffer:
 - ``cpu_shm``: the buffer is a file in shared memory (``/dev/shm``), mapped by both sides
   (the same path on a CPU fleet, so CI exercises the mechanism).
 
-What travels over gRPC is only the descriptor (:class:`~zerokl.v1.weights_pb2.SharedWeights`:
-transport, handles or path, per-tensor name/dtype/shape/offset, the buffer's checksum). The
-receiver copies the bytes into a buffer of its own, recomputes the checksum over what it
+What travels is only the descriptor (:class:`~zerokl.services.weightstore.shared.SharedExport`: transport, handles or path, per-tensor
+name/dtype/shape/offset, the buffer's checksum; over gRPC a ``zerokl.v1.SharedWeights``, converted
+at the service edges by :mod:`zerokl.services.weightstore.convert`). The receiver copies the bytes into a buffer of its own, recomputes the checksum over what it
 received and refuses a mismatch (:class:`ChecksumMismatch`, DATA_LOSS) before any byte is
 served. A replica on another host, or one that cannot open the memory, raises
 :class:`SharedUnavailable` and the caller falls back to the weight store, which records the
@@ -42,13 +42,13 @@ import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
-from zerokl.v1 import weights_pb2
+from zerokl.services.weightstore.shared import SharedCudaBuffer, SharedExport, SharedTensor
 
-__all__ = ["SharedExport", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
+__all__ = ["SharedBuffer", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
            "checksum", "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -113,25 +113,25 @@ def _check(expected: str, buffer: torch.Tensor) -> None:
 
 
 @dataclass
-class SharedExport:
-    """One version the trainer shares: the descriptor to send, and the memory behind it (kept alive
+class SharedBuffer:
+    """One version the trainer shares: its export (what is sent) and the memory behind it (kept alive
     until :meth:`close`; on CUDA torch's IPC ref counter also keeps it until every importer let go)."""
 
-    descriptor: weights_pb2.SharedWeights
+    export: SharedExport
     buffer: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        return int(self.descriptor.total_bytes)
+        return self.export.total_bytes
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shared tensors, as views of the buffer (they keep its memory alive after :meth:`close`)."""
-        return _views(self.buffer, self.descriptor.tensors)
+        return _views(self.buffer, self.export.tensors)
 
     def close(self) -> None:
-        if self.descriptor.transport == "cpu_shm":
+        if self.export.transport == "cpu_shm":
             with _suppress_oserror():
-                os.unlink(self.descriptor.path)
+                os.unlink(self.export.path)
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
 
@@ -143,16 +143,15 @@ class _suppress_oserror:
         return kind is not None and issubclass(kind, OSError)
 
 
-def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[weights_pb2.SharedTensor], int]:
+def _layout(state: Mapping[str, torch.Tensor]) -> tuple[tuple[SharedTensor, ...], int]:
     entries, offset = [], 0
     for name, t in state.items():
-        entries.append(weights_pb2.SharedTensor(name=name, dtype=str(t.dtype).removeprefix("torch."),
-                                                shape=list(t.shape), offset=offset))
+        entries.append(SharedTensor(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    return entries, offset
+    return tuple(entries), offset
 
 
-def _views(buffer: torch.Tensor, tensors) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _views(buffer: torch.Tensor, tensors: Iterable[SharedTensor]) -> dict[str, torch.Tensor]:
     """Each tensor as a view of ``buffer`` (no copy)."""
     out = {}
     for e in tensors:
@@ -172,7 +171,7 @@ def _views(buffer: torch.Tensor, tensors) -> dict[str, torch.Tensor]:  # noqa: A
 
 
 def export_shared(state: Mapping[str, torch.Tensor], version: str, numerics_fingerprint: str = "",
-                  device: torch.device | None = None) -> SharedExport:
+                  device: torch.device | None = None) -> SharedBuffer:
     """Pack ``state`` (name -> tensor) into one shared buffer on ``device`` (default: the tensors').
 
     Cost on the critical path: one device copy of the serving bytes and the checksum.
@@ -180,35 +179,34 @@ def export_shared(state: Mapping[str, torch.Tensor], version: str, numerics_fing
     device = torch.device(device) if device is not None else next(iter(state.values())).device
     entries, total = _layout(state)
     total = max(total, 8)
-    desc = weights_pb2.SharedWeights(version=version, host_id=host_id(), total_bytes=total, tensors=entries,
-                                     numerics_fingerprint=numerics_fingerprint)
+    path = ""
     if device.type == "cuda":
         buffer = torch.zeros(total, dtype=torch.uint8, device=device)
-        desc.transport = "cuda_ipc"
+        transport = "cuda_ipc"
     elif device.type == "cpu":
-        path = _shm_dir() / f"{SHM_PREFIX}{uuid.uuid4().hex}"
-        path.touch(mode=0o600)
-        buffer = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
+        shm = _shm_dir() / f"{SHM_PREFIX}{uuid.uuid4().hex}"
+        shm.touch(mode=0o600)
+        buffer = torch.from_file(str(shm), shared=True, size=total, dtype=torch.uint8)
         buffer.zero_()      # the padding between tensors too: the checksum covers every byte
-        desc.transport, desc.path = "cpu_shm", str(path)
+        transport, path = "cpu_shm", str(shm)
     else:
         raise SharedUnavailable(f"no in-place transport for {device.type} tensors")
     with torch.no_grad():
         for e, t in zip(entries, state.values(), strict=True):
             n = t.numel() * t.element_size()
             buffer[e.offset:e.offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-    desc.checksum = checksum(buffer)
+    digest = checksum(buffer)
+    cuda = None
     if device.type == "cuda":
         torch.cuda.synchronize(device)      # the bytes are in place before any importer reads them
         (dev, handle, size, offset, rc_handle, rc_offset, event, sync) = buffer.untyped_storage()._share_cuda_()
-        desc.cuda.CopyFrom(weights_pb2.SharedCudaBuffer(
-            device=int(dev), handle=bytes(handle), storage_size_bytes=int(size), storage_offset_bytes=int(offset),
-            ref_counter_handle=bytes(rc_handle), ref_counter_offset=int(rc_offset),
-            event_handle=bytes(event or b""), event_sync_required=bool(sync)))
-    return SharedExport(desc, buffer)
+        cuda = SharedCudaBuffer(int(dev), bytes(handle), int(size), int(offset), bytes(rc_handle), int(rc_offset),
+                                bytes(event or b""), bool(sync))
+    export = SharedExport(version, host_id(), transport, total, digest, entries, numerics_fingerprint, path, cuda)
+    return SharedBuffer(export, buffer)
 
 
-def open_shared(desc: weights_pb2.SharedWeights, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def open_shared(desc: SharedExport, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The shared version's tensors, copied into memory of our own on ``device`` and checked.
 
     Raises :class:`SharedUnavailable` (another host, no CUDA here, the memory gone: fall back to the
@@ -234,6 +232,8 @@ def open_shared(desc: weights_pb2.SharedWeights, device: torch.device | str = "c
     elif desc.transport == "cuda_ipc":
         if not torch.cuda.is_available():
             raise SharedUnavailable("a CUDA IPC buffer and no CUDA here")
+        if desc.cuda is None:   # no handles to open, as handles that do not open: the store has the version
+            raise SharedUnavailable("a CUDA IPC export without its handles")
         c = desc.cuda
         try:
             torch.cuda._lazy_init()
