@@ -4,6 +4,10 @@ Parameter names are those of transformers' GlmMoeDsaForCausalLM on disk
 (model.layers.N.self_attn.q_a_proj.weight, ...indexer.wq_b.weight,
 mlp.experts.E.gate_proj.weight, mlp.gate.e_score_correction_bias, lm_head.weight), so
 checkpoints move both ways between zerokl and transformers.
+
+Below the model graph (model.py's `Model.from_pretrained` / `save_pretrained` call down to
+here): this module reads the config (config.py) and lays out an FP8 model (fp8.py) but never
+imports the Model class; `load_pretrained` builds the model through the constructor it is handed.
 """
 from __future__ import annotations
 
@@ -11,12 +15,15 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
-from zerokl.kernels.model.model import Model, ModelConfig
+from zerokl.kernels.fp8_format import fp8_dequantize_weight
+from zerokl.kernels.model.config import ModelConfig
+from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8
 
 __all__ = ["save_pretrained", "save_state_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "FP8_QUANTIZATION"]
@@ -172,7 +179,6 @@ def _hf_leaf(proj: str) -> str:
 def _dequantize_unwanted(state: dict[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
     """An FP8 checkpoint's weights that this model keeps unquantized (kv_b_proj, which the absorbed
     attention folds in; anything else the model holds in its dtype): value times block scale."""
-    from zerokl.kernels.ops import fp8_dequantize_weight
     for name in [n for n in state if n.endswith("_scale_inv") and n not in want]:
         base = name.removesuffix("_scale_inv")
         scale, weight = state.pop(name), state[base]
@@ -239,9 +245,8 @@ def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write config.json and the weights under HF names (sharded with an index when large)."""
-    from zerokl.kernels.model.fp8 import is_fp8
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config.json and the weights of a Model under HF names (sharded with an index when large)."""
     dtype = torch.float8_e4m3fn if is_fp8(model) else model.dtype
     save_state_pretrained(model.state_dict(), model.config, dtype, directory, max_shard_bytes)
 
@@ -254,8 +259,11 @@ def save_state_pretrained(state: Mapping[str, torch.Tensor], config: ModelConfig
     (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
 
 
-def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
-    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None, *,
+                    empty: Callable[[ModelConfig, torch.dtype], nn.Module]) -> nn.Module:
+    """A model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+    `Model.from_pretrained(directory, dtype)` is the entry point: it passes `empty=Model.empty`
+    (a model of the config with unset weights), since this module sits below the Model class.
 
     dtype float8_e4m3fn asks for an FP8 model (bf16 activations): an FP8 checkpoint is read as it
     is, any other is quantized on load (zerokl.kernels.model.fp8, deterministic)."""
@@ -263,11 +271,10 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    from zerokl.kernels.model.fp8 import quantize_fp8
     fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
     to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
     act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
-    model = Model.empty(config, act)
+    model = empty(config, act)
     if fp8:
         quantize_fp8(model)                     # the layout (of unset values): every value is then read from the checkpoint
     state = _from_hf(load_tensors(path), config)
