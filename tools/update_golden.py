@@ -31,7 +31,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float8_e4m3fn":
 
 
 def current_entries(backends: list[str]) -> dict[str, dict]:
-    import zerokl.kernels.model  # noqa: F401  (registers the model's golden case)
     from zerokl.kernels import use_backend
     from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
     device = "cuda" if torch.cuda.is_available() else "cpu"
