@@ -18,6 +18,7 @@ import torch
 
 from zerokl.kernels import ops
 from zerokl.kernels.backend import device_name, get_backend, use_backend
+from zerokl.kernels.dtypes import dtype_name
 from zerokl.kernels.model.fp8 import quantize_fp8
 from zerokl.kernels.model.model import Model, ModelConfig
 from zerokl.kernels.portable import standard_normal, uniform
@@ -104,7 +105,7 @@ def fingerprint_key(backend: str | None = None, device: str | None = None, dtype
     """The (backend, device type, dtype) a fingerprint covers, e.g. torch/cpu/float32 or
     triton/cuda-sm90/bfloat16; the device part names what determines the bits (device_name)."""
     backend = backend or get_backend()
-    return f"{backend}/{device or device_name(backend=backend)}/{str(dtype).removeprefix('torch.')}"
+    return f"{backend}/{device or device_name(backend=backend)}/{dtype_name(dtype)}"
 
 
 def fingerprint_of(digests: dict[str, str]) -> str:

@@ -46,6 +46,7 @@ from typing import Mapping
 
 import torch
 
+from zerokl.kernels.dtypes import dtype_name
 from zerokl.v1 import weights_pb2
 
 __all__ = ["SharedExport", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
@@ -146,7 +147,7 @@ class _suppress_oserror:
 def _layout(state: Mapping[str, torch.Tensor]) -> tuple[list[weights_pb2.SharedTensor], int]:
     entries, offset = [], 0
     for name, t in state.items():
-        entries.append(weights_pb2.SharedTensor(name=name, dtype=str(t.dtype).removeprefix("torch."),
+        entries.append(weights_pb2.SharedTensor(name=name, dtype=dtype_name(t.dtype),
                                                 shape=list(t.shape), offset=offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return entries, offset

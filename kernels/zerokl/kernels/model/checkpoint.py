@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from zerokl.kernels.dtypes import DTYPES, FP8, MODEL_DTYPES, dtype_name
 from zerokl.kernels.fp8_format import fp8_dequantize_weight
 from zerokl.kernels.model.config import ModelConfig
 from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8
@@ -34,7 +35,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _FUSED_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config.json's quantization_config of an FP8 model (GLM-5-FP8 / DeepSeek-V3 layout, NUMERICS.md "FP8")
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -49,12 +49,12 @@ def config_to_hf(c: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json as transformers writes it for GlmMoeDsaConfig."""
     d = c.to_dict()
     d.pop("rope_theta")
-    if dtype == torch.float8_e4m3fn:          # an FP8 model: bf16 activations, e4m3 projections
+    if dtype == FP8:          # an FP8 model: bf16 activations, e4m3 projections
         d["quantization_config"] = dict(FP8_QUANTIZATION)
         dtype = torch.bfloat16
     d.update(
         architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name(dtype),
         mlp_layer_types=list(c.mlp_layer_types), indexer_types=list(c.indexer_types),
         layer_types=["indexed_attention"] * c.num_hidden_layers,
         rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
@@ -105,12 +105,13 @@ def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if isinstance(kw.get(key), list):
             kw[key] = kw[key][0]        # zerokl keeps one id; a tokenizer may add more stop ids
-    dtype = _DTYPES.get(str(d.get("dtype", d.get("torch_dtype", "float32"))), torch.float32)
+    stored = str(d.get("dtype", d.get("torch_dtype", "float32")))
+    dtype = DTYPES[stored] if stored in MODEL_DTYPES else torch.float32   # an unquantized model's dtype; else fp32
     quant = d.get("quantization_config")
     if quant:
         if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size", [])) != [128, 128]:
             raise CheckpointError(f"quantization_config {quant} is not supported (only fp8 with 128 x 128 weight blocks)")
-        dtype = torch.float8_e4m3fn
+        dtype = FP8
     return ModelConfig(**kw), dtype
 
 
@@ -247,7 +248,7 @@ def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write config.json and the weights of a Model under HF names (sharded with an index when large)."""
-    dtype = torch.float8_e4m3fn if is_fp8(model) else model.dtype
+    dtype = FP8 if is_fp8(model) else model.dtype
     save_state_pretrained(model.state_dict(), model.config, dtype, directory, max_shard_bytes)
 
 
@@ -271,9 +272,9 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
-    to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
-    act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
+    fp8 = stored_dtype == FP8            # an FP8 checkpoint: e4m3 values and their scales
+    to_fp8 = dtype == FP8 and not fp8     # a checkpoint quantized on load
+    act = torch.bfloat16 if dtype in (None, FP8) and (fp8 or to_fp8) else (dtype or stored_dtype)
     model = empty(config, act)
     if fp8:
         quantize_fp8(model)                     # the layout (of unset values): every value is then read from the checkpoint
