@@ -27,7 +27,6 @@ def _verify(args: argparse.Namespace) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from tqdm import tqdm
 
-    import zerokl.kernels.model  # noqa: F401  (registers the model's golden case)
     from zerokl.kernels import INVARIANT_BACKENDS, __version__
     from zerokl.kernels.verify import OP_CASES, check_golden, check_op, format_table
 
@@ -60,7 +59,6 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    import zerokl.kernels.model  # noqa: F401  (registers the model's golden case)
     from zerokl.kernels import __version__, default_backend, device_name, fingerprint
     print(f"numerics_version  {__version__}")
     print(f"device            {device_name()}")

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
+from zerokl.kernels.dtypes import dtype_name
 from zerokl.kernels.trace import MODEL_LAYER, OpTrace, Trace, trace_sequence
 
 __all__ = ["Divergence", "LayerSummary", "DiffReport", "compare", "ulp_distance", "Side", "parse_side",
@@ -146,7 +147,7 @@ def _first_element(oa: OpTrace, ob: OpTrace, token: int, div: Divergence, expert
         coarse = max(va.dtype, vb.dtype, key=lambda d: torch.finfo(d).eps)
         va, vb = va.to(coarse), vb.to(coarse)
     div.ulp = ulp_distance(va, vb)
-    div.ulp_dtype = str(va.dtype).removeprefix("torch.") if div.ulp is not None else ""
+    div.ulp_dtype = dtype_name(va.dtype) if div.ulp is not None else ""
     if oa.op == "mlp.experts" and div.index:
         ids = [e.tensor() if e is not None else None for e in experts]
         slot = div.index[0]
@@ -245,7 +246,7 @@ def _trace_local(side: Side, ids: Sequence[int], sampling: dict[str, Any], captu
     if torch.cuda.is_available() and backend != "torch":
         model = model.cuda()
     with use_backend(backend):
-        meta = {"service": "local", "backend": backend, "dtype": str(model.dtype).removeprefix("torch."),
+        meta = {"service": "local", "backend": backend, "dtype": dtype_name(model.dtype),
                 "device": device_name(model.embed_tokens.weight.device, backend), "weights_version": side.where}
         return trace_sequence(model, ids, capture=capture, meta=meta, **sampling)
 

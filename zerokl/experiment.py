@@ -52,6 +52,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm import tqdm
 
+from zerokl.kernels.dtypes import to_dtype
+
 __all__ = ["ARMS", "FP8_ARMS", "INCOMPLETE", "add_arguments", "main", "run", "run_arm", "sft_warm_start", "trend", "write_report"]
 
 #: arm name -> inference backend (None: the trainer's own)
@@ -63,7 +65,8 @@ FP8_ARMS = {"zerokl-fp8": "fp8", "mismatch-fp8": "bfloat16"}
 INCOMPLETE = 75
 #: The published GLM countdown run without aligned numerics (README, "Why").
 PUBLISHED = {"kl": 0.013, "clip_fraction": 0.45}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: --dtype of the non-FP8 arms (zerokl.kernels.dtypes names them).
+_ARM_DTYPES = ("bfloat16", "float32")
 #: SFT (steps, peak lr) per preset. tiny's is the shipped checkpoint's recipe. `small` at tiny's lr 3e-3
 #: stayed at 0.8% greedy test accuracy after 1,200 steps (loss ~1.2, H200, bf16); at 3e-4 it reached 22%
 #: by step 400 of 600 (loss 0.29), at 1e-3 6% (docs/rl.md, the GPU proof run).
@@ -85,7 +88,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="checkpoints, the cached SFT warm start and problem sets (default: OUT/state)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the trainer and the engine run")
     ap.add_argument("--preset", default="tiny", help="model size: a ModelConfig preset with the countdown vocabulary")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
+    ap.add_argument("--dtype", choices=_ARM_DTYPES, default="float32",
                     help="weights and compute dtype of both arms (default %(default)s)")
     ap.add_argument("--arms", type=_csv(str), default=["zerokl", "mismatch"],
                     help=f"comma-separated, from {', '.join(ARMS)}")
@@ -252,7 +255,7 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
                              "use another --state-dir")
         return True
     train, test, tok = data
-    dtype = _DTYPES[s.dtype]
+    dtype = to_dtype(s.dtype)
     trainer = Trainer(Model(countdown_config(tok, s.preset), seed=s.seed, dtype=dtype).to(device),
                       TrainConfig(lr=lr, warmup_steps=warmup, total_steps=steps, seed=s.seed))
     rng = random.Random(s.seed)
@@ -321,7 +324,7 @@ def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path)
     from zerokl.tasks.setup import SFT_CHECKPOINT
     from zerokl.kernels.model import Model
     from zerokl.tasks.setup import countdown_config
-    dtype = _DTYPES[s.dtype]
+    dtype = to_dtype(s.dtype)
     if s.start == "scratch":
         return Model(countdown_config(tok, s.preset), seed=s.seed, dtype=dtype).to(device)
     if s.start == "shipped" and (s.preset, s.difficulty) != ("tiny", "demo"):
@@ -383,7 +386,7 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     if saved is None:
         model = _start_model(s, device, tok, state_dir)
     else:
-        model = Model(countdown_config(tok, s.preset), seed=0, dtype=_DTYPES[s.dtype]).to(device)
+        model = Model(countdown_config(tok, s.preset), seed=0, dtype=to_dtype(s.dtype)).to(device)
     trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed, dtype=FP8_ARMS.get(arm)))
     rng = random.Random(s.seed)
     state = ArmState(step=0, records=[])

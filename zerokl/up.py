@@ -111,7 +111,9 @@ _STOP_ORDER = ("tinker", "scheduler", "prefill", "decode", "trainer", "weight-st
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
-_DTYPES = ("bfloat16", "float32", "fp8")   # fp8: e4m3 projections + bf16 activations (NUMERICS.md, "FP8")
+# --dtype: zerokl.kernels.dtypes.COMPUTE_DTYPES, spelled here so that `zerokl up` starts without importing
+# torch (tests/kernels/test_dtypes.py checks that they agree). fp8: e4m3 projections + bf16 activations.
+_DTYPE_CHOICES = ("bfloat16", "float32", "fp8")
 _STREAM_INTERVAL = 8   # the decode replicas' --stream-interval
 
 
@@ -233,7 +235,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
     m.add_argument("--weights-version", default=None,
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
-    m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    m.add_argument("--dtype", choices=sorted(_DTYPE_CHOICES), default=None,
                    help="the fleet's model dtype: a preset is made and published in it, so the replicas serve "
                         "and the trainer trains in it (with fp32 master weights). Default for a preset: bfloat16 "
                         "where CUDA is available, else float32. A --model checkpoint is published as it is: "
@@ -470,9 +472,6 @@ def _fleet_dtype(args: argparse.Namespace) -> str | None:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-# --dtype -> the dtype a model's numbers are computed in (the fingerprint key's last part).
-_NUMERICS = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn"}
-_FP8 = _NUMERICS["fp8"]
 
 
 def _flag(flags: Sequence[str], name: str) -> str | None:
@@ -484,13 +483,20 @@ def _flag(flags: Sequence[str], name: str) -> str | None:
 
 def _stored_dtype(directory: str | os.PathLike[str], what: str) -> str:
     """The dtype a checkpoint directory stores its weights in (float8_e4m3fn for an FP8 checkpoint)."""
+    from zerokl.kernels.dtypes import dtype_name
     from zerokl.kernels.model.checkpoint import CheckpointError, config_from_hf
 
     try:
         _, dtype = config_from_hf(json.loads((pathlib.Path(directory) / "config.json").read_text()))
     except (OSError, ValueError, KeyError, CheckpointError) as err:
         raise UpError(f"{what}: not a glm_moe_dsa checkpoint directory: {err}") from None
-    return str(dtype).removeprefix("torch.")
+    return dtype_name(dtype)
+
+
+def _canonical_dtype(name: str) -> str:
+    """The canonical name of a --dtype ("fp8" -> "float8_e4m3fn"), what the fingerprint key names."""
+    from zerokl.kernels.dtypes import canonical_name   # not at module level: zerokl up starts without torch
+    return canonical_name(name)
 
 
 def _check_exact(args: argparse.Namespace, stored: str | None, what: str) -> None:
@@ -502,6 +508,7 @@ def _check_exact(args: argparse.Namespace, stored: str | None, what: str) -> Non
     computes in its ``--dtype`` (an FP8 checkpoint stays FP8 whatever it asks), else the stored dtype; the
     trainer likewise, except that it cannot train an FP8 checkpoint in another dtype (it does not dequantize).
     """
+    from zerokl.kernels.dtypes import FP8_ALIAS, canonical_name, names_fp8   # not at module level: as above
     sides = {}
     for side, extra, option in (("replicas", args.replica_flag, "--replica-flag"),
                                 ("trainer", args.trainer_flag, "--trainer-flag")):
@@ -513,13 +520,15 @@ def _check_exact(args: argparse.Namespace, stored: str | None, what: str) -> Non
                           f"in {asked}, the rest of the fleet in {args.dtype}; drop {option}=--dtype")
         culprit = f"{option}=--dtype={asked}" if asked is not None else f"--dtype {args.dtype}"
         asked = asked or args.dtype
-        if asked is not None and asked not in _NUMERICS:
-            raise UpError(f"{option}=--dtype={asked}: expected one of {', '.join(sorted(_NUMERICS))}")
-        if side == "trainer" and stored == _FP8 and asked not in (None, "fp8"):
+        if asked is not None and asked not in _DTYPE_CHOICES:
+            raise UpError(f"{option}=--dtype={asked}: expected one of {', '.join(sorted(_DTYPE_CHOICES))}")
+        if side == "trainer" and names_fp8(stored) and not (asked is None or names_fp8(asked)):
             raise UpError(f"{culprit}: {what} is an FP8 checkpoint, which the replicas serve in FP8 whatever "
                           f"they are asked and the trainer cannot train in {asked} (it does not dequantize): "
                           "leave --dtype out or pass --dtype fp8")
-        computes = _FP8 if stored == _FP8 or asked == "fp8" else _NUMERICS[asked] if asked else stored
+        # the dtype its numbers are computed in, by canonical name (the fingerprint key's last part)
+        computes = canonical_name(FP8_ALIAS) if names_fp8(stored) or names_fp8(asked) else \
+            canonical_name(asked) if asked else stored
         kind = _device_type(device)
         sides[side] = (kind, computes, culprit if asked is not None else "", f"{option}=--device={device}"
                        if device is not None else "")
@@ -868,7 +877,7 @@ async def run(args: argparse.Namespace) -> int:
         # Refused before anything starts: a place another cluster holds, a fleet that could not be exact.
         _check_free(workdir, {"--port": args.port, **({"--tinker-port": args.tinker_port} if args.tinker else {})})
         _check_exact(args, _stored_dtype(args.model, f"--model {args.model}") if args.model
-                     else _NUMERICS[args.dtype], f"--model {args.model}" if args.model else "the preset")
+                     else _canonical_dtype(args.dtype), f"--model {args.model}" if args.model else "the preset")
     except UpError as err:
         print(f"zerokl up: {err}", file=sys.stderr)
         return 1

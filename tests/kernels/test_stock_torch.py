@@ -117,7 +117,6 @@ def test_zerokl_torch_backend_bits_do_not_depend_on_threads_or_column_shards():
 _DIGESTS = """
 import json, torch
 from zerokl.kernels import use_backend
-import zerokl.kernels.model  # registers the model's golden case
 from zerokl.kernels.fingerprint import golden_digests
 from zerokl.kernels.portable_check import check_primitives
 out = {}

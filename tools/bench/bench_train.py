@@ -48,6 +48,7 @@ import torch
 
 from zerokl.kernels import ops, use_backend
 from zerokl.kernels.backend import default_backend
+from zerokl.kernels.dtypes import dtype_name
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion, Rollout
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out) if args.out else None
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     results = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "device": name,
-                        "commit": commit(), "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+                        "commit": commit(), "dtype": dtype_name(dtype), "torch": torch.__version__,
                         "args": vars(args)}, "rows": []}
     if args.append and out is not None and (out / "bench_train.json").exists():
         results["rows"] = json.loads((out / "bench_train.json").read_text())["rows"]

@@ -15,6 +15,10 @@ from typing import Iterator
 
 import torch
 
+# The CPU backends load with the library; the Triton package is imported on first use only
+# (backend_module): TRITON_INTERPRET must be set before it loads, and a CPU host may lack it.
+from zerokl.kernels import stock_ops, torch_ops
+
 __all__ = ["BACKENDS", "INVARIANT_BACKENDS", "default_backend", "get_backend", "use_backend", "backend_module", "device_name"]
 
 INVARIANT_BACKENDS = ("torch", "triton")   # the ones with a fingerprint and the guarantee
@@ -66,10 +70,8 @@ def backend_module(name: str | None = None) -> ModuleType:
     """The module implementing the ops for `name` (default: the active backend)."""
     name = name or get_backend()
     if name == "torch":
-        from zerokl.kernels import torch_ops
         return torch_ops
     if name == "stock":
-        from zerokl.kernels import stock_ops
         return stock_ops
     if not torch.cuda.is_available():
         # Triton decides at decoration time whether to interpret: set it before import.

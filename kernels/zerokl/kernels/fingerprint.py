@@ -1,21 +1,26 @@
 """The numerics fingerprint: a hash of golden-vector outputs on the active backend.
 
-Two processes whose fingerprints agree compute the same bits for every op (and,
-once registered, the reference model forward). Services advertise it; the
-scheduler never pairs replicas whose fingerprints differ; every weight version
-records the fingerprint it was trained under.
+Two processes whose fingerprints agree compute the same bits for every op and for
+the reference model's forward. Services advertise it; the scheduler never pairs
+replicas whose fingerprints differ; every weight version records the fingerprint it
+was trained under.
+
+The top of the numerics library: the model graph is part of the definition, so this
+module imports zerokl.kernels.model (which is built on the ops below) and the package's
+front door imports this module; `zerokl.kernels.fingerprint()` works on any first call.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
-from typing import Callable
-
 import torch
 
 from zerokl.kernels import ops
 from zerokl.kernels.backend import device_name, get_backend, use_backend
+from zerokl.kernels.dtypes import dtype_name
+from zerokl.kernels.model.fp8 import quantize_fp8
+from zerokl.kernels.model.model import Model, ModelConfig
 from zerokl.kernels.portable import standard_normal, uniform
 from zerokl.kernels.sampling import SamplingParams, sample
 from zerokl.kernels.version import __version__
@@ -41,7 +46,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
         w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
         out["fp8_quantize"] = torch.cat([q.float(), s], 1)
         out["fp8_linear"] = ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev))
-        out.update(_registered_cases(dev, dtype))   # the FP8 model's logits replace the bf16 ones
+        out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)   # the FP8 model's logits replace the bf16 ones
         return out
 
     def x(seed, *shape, scale=1.0, dt=dtype):
@@ -70,27 +75,19 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
         SamplingParams.make(4, temperature=0.9, top_k=20, top_p=0.9, seed=1234, position=torch.arange(4)))))
     draw = sample(x(30, 4, 97, scale=3, dt=torch.float32), params)
     out["sampling"] = torch.cat([draw.tokens.float(), draw.logprobs])
-    out.update(_registered_cases(dev, dtype))
+    out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)
     return out
 
 
-# Golden cases registered from above this module: the model graph is part of the definition, but
-# it is built on these kernels, so its case is registered by zerokl.kernels.model when that
-# package loads (the library never imports the model). name -> fn(device, dtype) -> tensor.
-_CASES: dict[str, Callable[[torch.device, torch.dtype], torch.Tensor]] = {}
-REQUIRED_CASES = ("model_tiny_logits",)
-
-
-def _registered_cases(dev: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    missing = [name for name in REQUIRED_CASES if name not in _CASES]
-    if missing:   # never a silently different fingerprint
-        raise RuntimeError(f"golden cases {missing} are registered by zerokl.kernels.model: import it first")
-    return {name: case(dev, dtype) for name, case in _CASES.items()}
-
-
-def register_golden_case(name: str, fn: Callable[[torch.device, torch.dtype], torch.Tensor]) -> None:
-    """Add a golden case computed above the ops (the model's forward); idempotent per name."""
-    _CASES[name] = fn
+def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The model graph is part of the definition: logits of the seeded tiny model on a prompt
+    longer than its index_topk (so the sparse path counts too)."""
+    fp8 = dtype == torch.float8_e4m3fn                   # the FP8 model: bf16 with quantized projections
+    model = Model(ModelConfig.preset("tiny"), seed=0, dtype=torch.bfloat16 if fp8 else dtype)
+    if fp8:
+        quantize_fp8(model)
+    prompt = torch.randint(0, 64, (1, 48), generator=torch.Generator().manual_seed(31)).to(device)   # integers: portable
+    return model.to(device)(prompt)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -108,7 +105,7 @@ def fingerprint_key(backend: str | None = None, device: str | None = None, dtype
     """The (backend, device type, dtype) a fingerprint covers, e.g. torch/cpu/float32 or
     triton/cuda-sm90/bfloat16; the device part names what determines the bits (device_name)."""
     backend = backend or get_backend()
-    return f"{backend}/{device or device_name(backend=backend)}/{str(dtype).removeprefix('torch.')}"
+    return f"{backend}/{device or device_name(backend=backend)}/{dtype_name(dtype)}"
 
 
 def fingerprint_of(digests: dict[str, str]) -> str:

@@ -23,7 +23,9 @@ from typing import Callable, Iterator, NamedTuple
 import torch
 
 from zerokl.kernels.backend import backend_module, get_backend
-from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
+from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX, fp8_dequantize_weight
+from zerokl.kernels.portable import exp64, log64
+from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
 
 __all__ = [
     "REDUCTION_SPLITS",
@@ -545,7 +547,6 @@ def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
     """inv_freq[i] = theta ** (-2i / dim) as fp32: exp(-(2i/dim) ln theta) evaluated in float64 from
     IEEE basic operations (kernels/zerokl/kernels/portable.py) and rounded once, so these constants are the same on
     every machine (libm's and torch's pow are dispatched by ISA)."""
-    from zerokl.kernels.portable import exp64, log64
     ln_theta = log64(torch.tensor([float(theta)], dtype=torch.float64))
     exponents = torch.tensor([-2.0 * i / dim for i in range(dim // 2)], dtype=torch.float64)
     return exp64(exponents * ln_theta).to(torch.float32)
@@ -943,16 +944,8 @@ def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
     q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
-
-
-def fp8_dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [N, K] float8_e4m3fn and its block scales -> q * s in `dtype` (exact in fp32)."""
-    n, k = weight.shape
-    s = scale.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-    return (weight.float() * s).to(dtype)
 
 
 def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The quantization is a definition, not a kernel choice: the stock backend quantizes as the torch
+# backend does and dequantizes by the format's definition (a backend never imports ops).
+from zerokl.kernels import torch_ops
+from zerokl.kernels.fp8_format import fp8_dequantize_weight
+
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
     "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions", "fp8_quantize",
@@ -24,7 +29,6 @@ def linear(x, weight, bias=None, out_dtype=None):
 
 
 def fp8_quantize(x):
-    from zerokl.kernels import torch_ops   # the quantization is a definition, not a kernel choice
     return torch_ops.fp8_quantize(x)
 
 
@@ -37,12 +41,10 @@ def fp8_linear(x, weight, weight_scale, bias=None, out_dtype=None):
 
 
 def fp8_grouped_linear(x, weight, weight_scale, offsets):
-    from zerokl.kernels import torch_ops
     return torch_ops.fp8_grouped_linear(x, weight, weight_scale, offsets)
 
 
 def fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype):
-    from zerokl.kernels.ops import fp8_dequantize_weight
     xs = q.float() * sx.repeat_interleave(128, 1)[:, :q.shape[1]]
     out = F.linear(xs, fp8_dequantize_weight(weight, weight_scale), None if bias is None else bias.float())
     return out.to(out_dtype)

@@ -32,6 +32,8 @@ from typing import Sequence
 
 import torch
 
+from zerokl.kernels.dtypes import dtype_name
+
 __all__ = [
     "OpTrace",
     "Trace",
@@ -145,7 +147,7 @@ class _Recorder:
     def add(self, op: str, x: torch.Tensor, layer: int | None = None) -> None:
         layer = self.layer if layer is None else layer
         rows = x.detach()
-        entry = OpTrace(layer, op, str(rows.dtype).removeprefix("torch."), tuple(rows.shape[1:]), row_digests(rows))
+        entry = OpTrace(layer, op, dtype_name(rows.dtype), tuple(rows.shape[1:]), row_digests(rows))
         if "*" in self.capture or entry.key in self.capture:
             entry.values = rows.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
         self.ops.append(entry)

@@ -18,7 +18,9 @@ import torch
 
 from zerokl.kernels import ops
 from zerokl.kernels.backend import use_backend
+from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
 from zerokl.kernels.sampling import SamplingParams, sample, sampling_logprobs
+from zerokl.kernels.version import __version__
 
 __all__ = ["OpCase", "OP_CASES", "InvarianceResult", "check_op", "GOLDEN_TABLE", "GoldenCheck", "check_golden",
            "SHARD_CHECKS", "check_sharding", "format_table"]
@@ -293,8 +295,6 @@ class GoldenCheck:
 
 def check_golden(backend: str, dtype: torch.dtype = torch.float32) -> GoldenCheck:
     """Compare this machine's golden digests for `backend` with the recorded table."""
-    from zerokl.kernels.fingerprint import fingerprint, fingerprint_key, golden_digests
-    from zerokl.kernels.version import __version__
     device = "cuda" if torch.cuda.is_available() else "cpu"
     key = fingerprint_key(backend, dtype=dtype)
     table = json.loads(GOLDEN_TABLE.read_text()) if GOLDEN_TABLE.exists() else {}

@@ -278,7 +278,6 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
     import torch
 
     from zerokl.kernels.model import Model, ModelConfig
-    from zerokl.kernels.model.checkpoint import load_pretrained
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.services.weightstore.client import WeightStoreClient
 
@@ -329,7 +328,7 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
                 async with WeightStoreClient(store) as client:
                     await client.fetch(final, tmp_path / "final", serving_only=True)
             asyncio.run(fetch())
-            served = load_pretrained(tmp_path / "final").state_dict()
+            served = Model.from_pretrained(tmp_path / "final").state_dict()
         want = reference.result()
     assert served.keys() == want.keys()
     assert all(torch.equal(served[k], want[k]) for k in want)

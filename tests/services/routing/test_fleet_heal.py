@@ -113,7 +113,7 @@ def test_a_decode_replica_killed_mid_rl_job_is_waited_for_and_kl_stays_zero(flee
 
 
 def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_for_bit(fleet, tmp_path) -> None:  # noqa: ANN001
-    from zerokl.kernels.model.checkpoint import load_pretrained
+    from zerokl.kernels.model import Model
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.jobs.manager import _countdown_data
     from zerokl.services.rl.loop import RLConfig, Task, run_rl
@@ -168,7 +168,7 @@ def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_f
     for ev, rec in zip(steps, records, strict=True):
         assert (ev.metrics["loss"], ev.metrics["grad_norm"], ev.metrics["reward"], ev.metrics["tokens"]) == \
             (rec.loss, rec.grad_norm, rec.reward, rec.tokens), ev.step
-    served, want = load_pretrained(tmp_path / "final").state_dict(), trainer.serving_state_dict()
+    served, want = Model.from_pretrained(tmp_path / "final").state_dict(), trainer.serving_state_dict()
     assert served.keys() == want.keys() and all(torch.equal(served[k], want[k]) for k in want)
 
 

@@ -4,6 +4,10 @@ Parameter names are those of transformers' GlmMoeDsaForCausalLM on disk
 (model.layers.N.self_attn.q_a_proj.weight, ...indexer.wq_b.weight,
 mlp.experts.E.gate_proj.weight, mlp.gate.e_score_correction_bias, lm_head.weight), so
 checkpoints move both ways between zerokl and transformers.
+
+Below the model graph (model.py's `Model.from_pretrained` / `save_pretrained` call down to
+here): this module reads the config (config.py) and lays out an FP8 model (fp8.py) but never
+imports the Model class; `load_pretrained` builds the model through the constructor it is handed.
 """
 from __future__ import annotations
 
@@ -11,12 +15,16 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
-from zerokl.kernels.model.model import Model, ModelConfig
+from zerokl.kernels.dtypes import DTYPES, FP8, MODEL_DTYPES, dtype_name
+from zerokl.kernels.fp8_format import fp8_dequantize_weight
+from zerokl.kernels.model.config import ModelConfig
+from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8
 
 __all__ = ["save_pretrained", "save_state_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "FP8_QUANTIZATION"]
@@ -27,7 +35,6 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 _FUSED_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # config.json's quantization_config of an FP8 model (GLM-5-FP8 / DeepSeek-V3 layout, NUMERICS.md "FP8")
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -42,12 +49,12 @@ def config_to_hf(c: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json as transformers writes it for GlmMoeDsaConfig."""
     d = c.to_dict()
     d.pop("rope_theta")
-    if dtype == torch.float8_e4m3fn:          # an FP8 model: bf16 activations, e4m3 projections
+    if dtype == FP8:          # an FP8 model: bf16 activations, e4m3 projections
         d["quantization_config"] = dict(FP8_QUANTIZATION)
         dtype = torch.bfloat16
     d.update(
         architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa",
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=dtype_name(dtype),
         mlp_layer_types=list(c.mlp_layer_types), indexer_types=list(c.indexer_types),
         layer_types=["indexed_attention"] * c.num_hidden_layers,
         rope_parameters={"rope_theta": c.rope_theta, "rope_type": "default"},
@@ -98,12 +105,13 @@ def config_from_hf(d: dict) -> tuple[ModelConfig, torch.dtype]:
     for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
         if isinstance(kw.get(key), list):
             kw[key] = kw[key][0]        # zerokl keeps one id; a tokenizer may add more stop ids
-    dtype = _DTYPES.get(str(d.get("dtype", d.get("torch_dtype", "float32"))), torch.float32)
+    stored = str(d.get("dtype", d.get("torch_dtype", "float32")))
+    dtype = DTYPES[stored] if stored in MODEL_DTYPES else torch.float32   # an unquantized model's dtype; else fp32
     quant = d.get("quantization_config")
     if quant:
         if quant.get("quant_method") != "fp8" or list(quant.get("weight_block_size", [])) != [128, 128]:
             raise CheckpointError(f"quantization_config {quant} is not supported (only fp8 with 128 x 128 weight blocks)")
-        dtype = torch.float8_e4m3fn
+        dtype = FP8
     return ModelConfig(**kw), dtype
 
 
@@ -172,7 +180,6 @@ def _hf_leaf(proj: str) -> str:
 def _dequantize_unwanted(state: dict[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
     """An FP8 checkpoint's weights that this model keeps unquantized (kv_b_proj, which the absorbed
     attention folds in; anything else the model holds in its dtype): value times block scale."""
-    from zerokl.kernels.ops import fp8_dequantize_weight
     for name in [n for n in state if n.endswith("_scale_inv") and n not in want]:
         base = name.removesuffix("_scale_inv")
         scale, weight = state.pop(name), state[base]
@@ -239,10 +246,9 @@ def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def save_pretrained(model: Model, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write config.json and the weights under HF names (sharded with an index when large)."""
-    from zerokl.kernels.model.fp8 import is_fp8
-    dtype = torch.float8_e4m3fn if is_fp8(model) else model.dtype
+def save_pretrained(model: nn.Module, directory: str | os.PathLike, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config.json and the weights of a Model under HF names (sharded with an index when large)."""
+    dtype = FP8 if is_fp8(model) else model.dtype
     save_state_pretrained(model.state_dict(), model.config, dtype, directory, max_shard_bytes)
 
 
@@ -254,8 +260,11 @@ def save_state_pretrained(state: Mapping[str, torch.Tensor], config: ModelConfig
     (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
 
 
-def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None) -> Model:
-    """A Model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None, *,
+                    empty: Callable[[ModelConfig, torch.dtype], nn.Module]) -> nn.Module:
+    """A model from a glm_moe_dsa checkpoint directory; every tensor must match by name and shape.
+    `Model.from_pretrained(directory, dtype)` is the entry point: it passes `empty=Model.empty`
+    (a model of the config with unset weights), since this module sits below the Model class.
 
     dtype float8_e4m3fn asks for an FP8 model (bf16 activations): an FP8 checkpoint is read as it
     is, any other is quantized on load (zerokl.kernels.model.fp8, deterministic)."""
@@ -263,11 +272,10 @@ def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = No
     if not (path / CONFIG_FILE).exists():
         raise CheckpointError(f"{path}: no {CONFIG_FILE}")
     config, stored_dtype = config_from_hf(json.loads((path / CONFIG_FILE).read_text()))
-    from zerokl.kernels.model.fp8 import quantize_fp8
-    fp8 = stored_dtype == torch.float8_e4m3fn            # an FP8 checkpoint: e4m3 values and their scales
-    to_fp8 = dtype == torch.float8_e4m3fn and not fp8     # a checkpoint quantized on load
-    act = torch.bfloat16 if dtype in (None, torch.float8_e4m3fn) and (fp8 or to_fp8) else (dtype or stored_dtype)
-    model = Model.empty(config, act)
+    fp8 = stored_dtype == FP8            # an FP8 checkpoint: e4m3 values and their scales
+    to_fp8 = dtype == FP8 and not fp8     # a checkpoint quantized on load
+    act = torch.bfloat16 if dtype in (None, FP8) and (fp8 or to_fp8) else (dtype or stored_dtype)
+    model = empty(config, act)
     if fp8:
         quantize_fp8(model)                     # the layout (of unset values): every value is then read from the checkpoint
     state = _from_hf(load_tensors(path), config)

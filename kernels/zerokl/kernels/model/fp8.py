@@ -23,6 +23,10 @@ trainer started from the version the replicas serve computes their bits at step 
 What an FP8 fleet moves between trainer and replicas is the served form: e4m3 values (1 byte per
 weight) and fp32 scales (4 bytes per 128 x 128 block), never the masters. Half the bytes of bf16
 weights, and no quantization on the replica: its bits are the trainer's by construction.
+
+Below the model graph (the checkpoint reader, itself below model.py, lays out an FP8 model with
+it): the model's modules name their quantized weights (`FP8_PROJECTIONS`: Linear submodules,
+`FP8_STACKED`: the MoE's stacked experts), so this module never imports their classes.
 """
 from __future__ import annotations
 
@@ -32,17 +36,10 @@ import torch
 from torch import nn
 
 from zerokl.kernels import ops
-from zerokl.kernels.model.model import MLP, MLAttention, Model, MoE
 
-__all__ = ["QUANTIZED_PROJECTIONS", "FP8_ACTIVATIONS", "is_fp8", "has_fp8_masters", "numerics_dtype", "quantize_fp8",
+__all__ = ["FP8_ACTIVATIONS", "is_fp8", "has_fp8_masters", "numerics_dtype", "quantize_fp8",
            "refresh_fp8", "serving_state_dict", "serving_fp8_model", "trainable_fp8"]
 
-# (module type, attribute names) whose weights an FP8 model holds in e4m3.
-QUANTIZED_PROJECTIONS: tuple[tuple[type, tuple[str, ...]], ...] = (
-    (MLAttention, ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")),
-    (MLP, ("gate_proj", "up_proj", "down_proj")),
-)
-_EXPERTS = ("gate_proj", "up_proj", "down_proj")    # MoE's stacked [E, out, in] expert weights
 #: The dtype of everything an FP8 model keeps unquantized (activations, embeddings, norms, lm_head,
 #: kv_b_proj, the indexer): bf16, as GLM-5-FP8 / DeepSeek-V3 serve; the fingerprint key
 #: `.../float8_e4m3fn` means e4m3 projections with bf16 activations.
@@ -64,18 +61,16 @@ def numerics_dtype(model: nn.Module) -> torch.dtype:
     return torch.float8_e4m3fn if is_fp8(model) else next(model.parameters()).dtype
 
 
-def _quantized(model: Model):
-    """(module, attribute name) of every weight an FP8 model quantizes."""
+def _quantized(model: nn.Module):
+    """(module, attribute name) of every weight an FP8 model quantizes: the weights the model's
+    modules name (model.py: FP8_PROJECTIONS, FP8_STACKED), in module order."""
     for module in model.modules():
-        for kind, names in QUANTIZED_PROJECTIONS:
-            if isinstance(module, kind):
-                yield from ((getattr(module, name), "weight") for name in names)
-        if isinstance(module, MoE):
-            yield from ((module, name) for name in _EXPERTS)
+        yield from ((getattr(module, name), "weight") for name in getattr(module, "FP8_PROJECTIONS", ()))
+        yield from ((module, name) for name in getattr(module, "FP8_STACKED", ()))
 
 
 @torch.no_grad()
-def quantize_fp8(model: Model, masters: bool = False) -> Model:
+def quantize_fp8(model: nn.Module, masters: bool = False) -> nn.Module:
     """Quantize the model's projections to block-scaled e4m3 in place (see the module docstring);
     returns the model. masters=True keeps each weight trainable beside its e4m3 values (the
     trainer's FP8 model). Deterministic: the same weights give the same bytes on any device."""
@@ -92,7 +87,7 @@ def quantize_fp8(model: Model, masters: bool = False) -> Model:
 
 
 @torch.no_grad()
-def refresh_fp8(model: Model, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
+def refresh_fp8(model: nn.Module, masters: Mapping[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Re-quantize a trainer's FP8 model from its masters (after an optimizer step).
 
     masters: the tensor to quantize for a weight, keyed by the weight Parameter itself (identity,
@@ -106,7 +101,7 @@ def refresh_fp8(model: Model, masters: Mapping[torch.Tensor, torch.Tensor] | Non
 
 
 @torch.no_grad()
-def trainable_fp8(model: Model) -> Model:
+def trainable_fp8(model: nn.Module) -> nn.Module:
     """The trainer's FP8 form of `model`, in place; returns it.
 
     - An fp32 or bf16 model: rounded to bf16 (FP8_ACTIVATIONS) and quantized with masters
@@ -133,21 +128,22 @@ def trainable_fp8(model: Model) -> Model:
 
 
 @torch.no_grad()
-def serving_fp8_model(model: Model) -> Model:
+def serving_fp8_model(model: nn.Module) -> nn.Module:
     """A separate served FP8 model (e4m3 weights, no masters) with `model`'s serving bytes: the
     trainer's FP8 model's `serving_state_dict`, or a plain model quantized (quantize_fp8)."""
     device = model.embed_tokens.weight.device
-    served = quantize_fp8(Model.empty(model.config, FP8_ACTIVATIONS).to(device))   # the layout; every value is set below
+    empty = type(model).empty                     # the model's own constructor of unset weights (Model.empty)
+    served = quantize_fp8(empty(model.config, FP8_ACTIVATIONS).to(device))   # the layout; every value is set below
     if is_fp8(model):
         served.load_state_dict(serving_state_dict(model))
     else:
-        src = Model.empty(model.config, FP8_ACTIVATIONS).to(device)
+        src = empty(model.config, FP8_ACTIVATIONS).to(device)
         src.load_state_dict(model.state_dict())
         served.load_state_dict(quantize_fp8(src).state_dict())
     return served.eval().requires_grad_(False)
 
 
-def serving_state_dict(model: Model) -> dict[str, torch.Tensor]:
+def serving_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A trainer's FP8 model as a replica holds it: each quantized weight's e4m3 values under the
     weight's own name, its scales beside it (the checkpoint layout of save_pretrained)."""
     state = model.state_dict()

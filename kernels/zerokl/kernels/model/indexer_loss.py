@@ -12,7 +12,8 @@ states), so the loss trains only the indexer's parameters and the LM loss only t
 
 `indexer_losses(model)` asks a model's attention layers for it during a training-layout
 forward (kernels/zerokl/kernels/model/model.py: MLAttention appends one loss per indexer layer whose rows
-exceed index_topk keys).
+exceed index_topk keys). Below the model (model.py imports the loss): the layers are found by
+the `indexer_losses` attribute they declare, not by their class.
 """
 from __future__ import annotations
 
@@ -78,8 +79,7 @@ def indexer_losses(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
             logits = model(input_ids)
         aux = torch.stack(losses).mean()   # one per indexer layer (none if no row exceeds index_topk)
     """
-    from zerokl.kernels.model.model import MLAttention
-    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    layers = [m for m in model.modules() if hasattr(m, "indexer_losses")]   # MLAttention's slot
     losses: list[torch.Tensor] = []
     for m in layers:
         m.indexer_losses = losses

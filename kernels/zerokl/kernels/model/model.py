@@ -1,139 +1,28 @@
 """The GLM-5-family model (glm_moe_dsa): MLA with a DSA lightning indexer and MoE, on zerokl.kernels.
 
 Part of the numerical definition: the order of these ops is versioned with the kernels.
-Reads top to bottom: config, attention batch and cache layouts, pure functions, leaf
-modules, block, model. No I/O here (see checkpoint.py) and no parallelism: tensor
-parallelism is applied from outside (parallel.py); the model only fixes the orders it
-reproduces (split-tree row-parallel projections, per-instance head count).
+Reads top to bottom: attention batch and cache layouts, pure functions, leaf modules, block,
+model (the config is config.py). No I/O here (checkpoint.py, below this module, reads and
+writes the files; `Model.from_pretrained` hands it the model's constructor) and no parallelism:
+tensor parallelism is applied from outside (parallel.py); the model only fixes the orders it
+reproduces (split-tree row-parallel projections, per-instance head count). Each module names
+the projections an FP8 model holds in e4m3 (FP8_PROJECTIONS, FP8_STACKED): fp8.py quantizes
+them from below without naming the model's classes.
 """
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from zerokl.kernels import ops, trace
+from zerokl.kernels.model import checkpoint
+from zerokl.kernels.model.config import ModelConfig
+from zerokl.kernels.model.indexer_loss import indexer_kl_loss
 from zerokl.kernels.portable import standard_normal
 
 __all__ = ["ModelConfig", "AttentionBatch", "KVCache", "Model"]
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """One frozen description of a GLM-5-family model (names follow the HF config.json keys)."""
-
-    vocab_size: int = 154880                 # token ids are in [0, vocab_size)
-    hidden_size: int = 6144                  # residual stream width D
-    intermediate_size: int = 12288           # dense-MLP hidden width (dense layers)
-    moe_intermediate_size: int = 2048        # per-expert hidden width I (routed and shared experts)
-    num_hidden_layers: int = 78              # decoder blocks
-    num_attention_heads: int = 64            # MLA heads H
-    q_lora_rank: int = 2048                  # query latent width (q_a_proj output)
-    kv_lora_rank: int = 512                  # KV latent width R: what the cache stores per token
-    qk_nope_head_dim: int = 192              # per-head query/key width without RoPE
-    qk_rope_head_dim: int = 64               # per-head RoPE width P (one shared rope key per token)
-    v_head_dim: int = 256                    # per-head value width
-    n_routed_experts: int = 256              # routed experts E
-    n_shared_experts: int = 1                # shared experts (fused into one MLP of width I * n_shared)
-    num_experts_per_tok: int = 8             # experts per token k
-    n_group: int = 1                         # expert groups for group-limited routing
-    topk_group: int = 1                      # groups a token may route into
-    routed_scaling_factor: float = 2.5       # route_scale applied to the normalized weights
-    norm_topk_prob: bool = True              # normalize the k routing weights to sum to 1
-    mlp_layer_types: tuple[str, ...] = ()    # per layer "dense" | "sparse"; () = derive from first_k_dense_replace
-    first_k_dense_replace: int = 3           # leading dense layers when mlp_layer_types is not given
-    indexer_types: tuple[str, ...] = ()      # per layer "full" | "shared" (reuse the previous full layer's top-k)
-    index_n_heads: int = 32                  # lightning-indexer heads Hi
-    index_head_dim: int = 128                # indexer head width (its first qk_rope_head_dim dims get RoPE)
-    index_topk: int = 2048                   # keys each query attends; <= this many keys means dense causal
-    rms_norm_eps: float = 1e-5               # block and final RMSNorm eps (latent norms use 1e-6 as GLM-5 does)
-    rope_theta: float = 1_000_000.0          # RoPE base
-    rope_interleave: bool = True             # MLA RoPE pairs (2i, 2i+1) (GLM-5) vs half-split
-    indexer_rope_interleave: bool = True     # the same for the indexer's RoPE
-    max_position_embeddings: int = 202752    # longest supported context
-    bos_token_id: int | None = 0             # prepended by the tokenizer side, not by the model
-    eos_token_id: int | None = 1             # ends generation
-    pad_token_id: int | None = None          # padding id in batched training inputs
-    tie_word_embeddings: bool = False        # GLM-5 keeps lm_head separate
-
-    def __post_init__(self):
-        n = self.num_hidden_layers
-        if not self.mlp_layer_types:
-            dense = min(self.first_k_dense_replace, n)
-            object.__setattr__(self, "mlp_layer_types", ("dense",) * dense + ("sparse",) * (n - dense))
-        if not self.indexer_types:
-            object.__setattr__(self, "indexer_types", ("full",) * n)
-        object.__setattr__(self, "mlp_layer_types", tuple(self.mlp_layer_types))
-        object.__setattr__(self, "indexer_types", tuple(self.indexer_types))
-        problems = []
-        if len(self.mlp_layer_types) != n or set(self.mlp_layer_types) - {"dense", "sparse"}:
-            problems.append(f"mlp_layer_types must be {n} entries of 'dense'|'sparse'")
-        if len(self.indexer_types) != n or set(self.indexer_types) - {"full", "shared"}:
-            problems.append(f"indexer_types must be {n} entries of 'full'|'shared'")
-        elif self.indexer_types[0] == "shared":
-            problems.append("indexer_types[0] is 'shared' but no earlier layer has an indexer")
-        if self.qk_rope_head_dim % 2 or self.index_head_dim < self.qk_rope_head_dim:
-            problems.append("qk_rope_head_dim must be even and <= index_head_dim")
-        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
-            problems.append("n_routed_experts must divide into n_group groups and topk_group <= n_group")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            problems.append("num_experts_per_tok > n_routed_experts")
-        if problems:
-            raise ValueError("invalid ModelConfig: " + "; ".join(problems))
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        """1/sqrt(qk_nope + qk_rope) (GLM-5 uses default RoPE: no YaRN mscale)."""
-        return self.qk_head_dim ** -0.5
-
-    @staticmethod
-    def preset(name: str) -> "ModelConfig":
-        """'tiny' (CPU demo, ~2M params), 'small' (~200M, GPU benchmarks), 'glm5' (GLM-5's real dimensions)."""
-        try:
-            return _PRESETS[name]
-        except KeyError:
-            raise ValueError(f"unknown preset {name!r}: expected one of {sorted(_PRESETS)}") from None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def hash(self) -> str:
-        """sha256 of the canonical JSON (services compare it before sharing work)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
-
-    def replace(self, **changes) -> "ModelConfig":
-        """A copy with `changes`; per-layer type lists are re-derived when the depth changes."""
-        if "num_hidden_layers" in changes:
-            changes.setdefault("mlp_layer_types", ())
-            changes.setdefault("indexer_types", ())
-        return dataclasses.replace(self, **changes)
-
-
-_PRESETS = {
-    # Sequences of 64-256 tokens exceed index_topk = 32, so the sparse path is always exercised.
-    "tiny": ModelConfig(
-        vocab_size=64, hidden_size=128, intermediate_size=256, moe_intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-        v_head_dim=16, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, index_n_heads=4, index_head_dim=32, index_topk=32,
-        rope_theta=10000.0, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    ),
-    "small": ModelConfig(
-        vocab_size=32768, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=512, num_hidden_layers=8,
-        num_attention_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32,
-        v_head_dim=64, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2,
-        first_k_dense_replace=1, index_n_heads=8, index_head_dim=64, index_topk=512, max_position_embeddings=8192,
-    ),
-    "glm5": ModelConfig(),
-}
 
 
 # ----------------------------------------------------------------------------- attention batch
@@ -356,6 +245,10 @@ class Indexer(nn.Module):
 class MLAttention(nn.Module):
     """Multi-head latent attention, absorbed form on every path, over indexer-selected keys."""
 
+    # Linear submodules whose weights an FP8 model holds in e4m3 (zerokl.kernels.model.fp8); kv_b_proj
+    # stays in the model dtype: the absorbed attention folds it into the queries and values.
+    FP8_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
+
     def __init__(self, c: ModelConfig, has_indexer: bool):
         super().__init__()
         self.c = c
@@ -426,7 +319,6 @@ class MLAttention(nn.Module):
     def _indexer_loss(self, x, q_latent, positions, inv_freq, q_absorbed, q_rope, latent, k_rope, selected):
         """The indexer's KL loss (indexer_loss.indexer_kl_loss) on the rows it chose keys for
         (more than index_topk keys); the main model's tensors enter detached."""
-        from zerokl.kernels.model.indexer_loss import indexer_kl_loss
         long = torch.nonzero(positions >= self.c.index_topk).squeeze(1)
         x_d, sel = x.detach(), selected[long]
         keys = self.indexer.keys(x_d, positions, inv_freq)
@@ -436,6 +328,8 @@ class MLAttention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU MLP (dense layers and the shared experts); down_proj is row-parallel: split-tree K order."""
+
+    FP8_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")    # quantized in an FP8 model (fp8.py)
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -464,6 +358,8 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """Dropless routed SwiGLU experts plus the shared expert, added after the routed sum."""
+
+    FP8_STACKED = ("gate_proj", "up_proj", "down_proj")        # stacked [E, out, in] expert weights quantized in an FP8 model
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -609,14 +505,13 @@ class Model(nn.Module):
             x, selected = block(x, batch, self.inv_freq, cache, selected)
         return x
 
-    # Thin entry points; the I/O lives in zerokl.kernels.model.checkpoint.
+    # Thin entry points; the I/O lives in zerokl.kernels.model.checkpoint, below this module (it builds
+    # the model it reads through the constructor handed to it: cls.empty).
     @classmethod
     def from_pretrained(cls, directory, dtype: torch.dtype | None = None) -> "Model":
         """Load a glm_moe_dsa checkpoint (config.json + safetensors, HF parameter names)."""
-        from zerokl.kernels.model.checkpoint import load_pretrained
-        return load_pretrained(directory, dtype)
+        return checkpoint.load_pretrained(directory, dtype, empty=cls.empty)
 
-    def save_pretrained(self, directory, max_shard_bytes: int = 2 * 1024**3) -> None:
+    def save_pretrained(self, directory, max_shard_bytes: int = checkpoint.DEFAULT_MAX_SHARD_BYTES) -> None:
         """Write config.json + safetensors with HF parameter names (sharded with an index when large)."""
-        from zerokl.kernels.model.checkpoint import save_pretrained
-        save_pretrained(self, directory, max_shard_bytes)
+        checkpoint.save_pretrained(self, directory, max_shard_bytes)

@@ -11,7 +11,9 @@ from typing import Callable
 
 import torch
 
-from zerokl.kernels import ops, use_backend
+from zerokl.kernels import ops
+from zerokl.kernels.backend import use_backend
+from zerokl.kernels.model.fp8 import quantize_fp8
 from zerokl.kernels.model.model import KVCache, Model, ModelConfig
 from zerokl.kernels.model.paging import BlockPool, SequenceChunk, batch_for_chunks
 
@@ -96,7 +98,6 @@ def three_path_parity(backend: str, seed: int, prompts: int = 2, config: ModelCo
     with use_backend(backend), torch.no_grad():
         model = Model(config, seed=seed, dtype=torch.bfloat16 if fp8 else dtype)
         if fp8:
-            from zerokl.kernels.model.fp8 import quantize_fp8
             quantize_fp8(model)
         model = model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
         for i in range(prompts):

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from zerokl.kernels.dtypes import DTYPES, dtype_name
 from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.types import KVHeader, TensorLayout
@@ -37,13 +38,6 @@ KV_TENSORS = ("latent", "rope", "index_k")
 # and none of the supported devices is one.
 if sys.byteorder != "little":  # pragma: no cover - no such host in use
     raise ImportError("zerokl KV handoff needs a little-endian host")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as a flat uint8 host tensor (a view when ``t`` is already a contiguous host tensor)."""
@@ -64,7 +58,7 @@ def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIde
     for name in KV_TENSORS:
         t = getattr(handoff, name)
         raw = _host_bytes(t)
-        layouts.append(TensorLayout(name, _dtype_name(t.dtype), tuple(t.shape), offset, raw.numel()))
+        layouts.append(TensorLayout(name, dtype_name(t.dtype), tuple(t.shape), offset, raw.numel()))
         parts.append(raw)
         offset += raw.numel()
     blob = memoryview(torch.cat(parts).numpy()) if offset else memoryview(b"")
@@ -87,7 +81,7 @@ def expected_layouts(config: ModelConfig, dtype: torch.dtype, num_tokens: int) -
     for name in KV_TENSORS:
         shape = (config.num_hidden_layers, num_tokens, dims[name])
         nbytes = shape[0] * shape[1] * shape[2] * size
-        out.append(TensorLayout(name, _dtype_name(dtype), shape, offset, nbytes))
+        out.append(TensorLayout(name, dtype_name(dtype), shape, offset, nbytes))
         offset += nbytes
     return tuple(out)
 
@@ -200,7 +194,7 @@ class KVReceiver:
             raise DataLoss(f"KV blob incomplete: {self._received} of {self.header.total_bytes} bytes received")
         if self._sha.digest() != self.header.sha256:
             raise DataLoss(f"KV blob of {self._received} bytes does not match the header's sha256")
-        tensors = {t.name: self._buf[t.offset:t.offset + t.nbytes].view(_DTYPES[t.dtype]).reshape(t.shape)
+        tensors = {t.name: self._buf[t.offset:t.offset + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
                    for t in self.header.tensors}
         h = self.header
         return KVHandoff(tuple(h.prompt_ids[: h.num_tokens]), tensors["latent"], tensors["rope"], tensors["index_k"],

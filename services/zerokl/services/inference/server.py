@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
+from zerokl.kernels.dtypes import COMPUTE_DTYPES, FP8, dtype_name, names_fp8, to_dtype
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, numerics_dtype, quantize_fp8
 from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_degrees
@@ -61,9 +62,9 @@ DEFAULT_PORTS = {"prefill": 50051, "decode": 50052}
 # Measured on an H200 (docs/perf.md, issue 32), one replica at 64 / 256 streams: 4.1k / 7.8k tok/s at
 # 5 ms, 8.1k / 8.4k at 0.5 ms, 11.5k / 8.5k at 0.05 ms.
 DEFAULT_GIL_SWITCH_MS = 0.05
-# --dtype -> the dtype Model.from_pretrained is asked for. fp8: block-scaled e4m3 projections with
-# bf16 activations (zerokl.kernels.model.fp8): an FP8 checkpoint as it is, any other quantized on load.
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# --dtype (zerokl.kernels.dtypes.COMPUTE_DTYPES) -> the dtype Model.from_pretrained is asked for. fp8:
+# block-scaled e4m3 projections with bf16 activations (zerokl.kernels.model.fp8): an FP8 checkpoint as
+# it is, any other quantized on load.
 
 
 @dataclass
@@ -90,7 +91,7 @@ def build_parser(service: str) -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="DIR", help="checkpoint directory (config.json + safetensors)")
     src.add_argument("--preset", help="a seeded random model of this preset (tiny, small): for demos and tests")
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
-    m.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+    m.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default=None,
                    help="model dtype (default: the checkpoint's, float32 for a preset). fp8: block-scaled e4m3 "
                         "projections, bf16 activations (an FP8 checkpoint as it is; a bf16/fp32 one or a preset "
                         "quantized on load, deterministically); the replica reports the FP8 fingerprint")
@@ -170,12 +171,12 @@ def model_source(args: argparse.Namespace) -> tuple[str, str | None]:
 def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model, weights version and tokenizer the flags select."""
     version, tok_spec = model_source(args)
-    dtype = _DTYPES[args.dtype] if args.dtype else None
+    dtype = to_dtype(args.dtype) if args.dtype else None
     if args.model:
         model = Model.from_pretrained(pathlib.Path(args.model).expanduser(), dtype=dtype)
     else:
         config = ModelConfig.preset(args.preset)
-        if dtype == torch.float8_e4m3fn:     # the bf16 preset, quantized: what `zerokl up --dtype fp8` publishes
+        if dtype == FP8:     # the bf16 preset, quantized: what `zerokl up --dtype fp8` publishes
             model = quantize_fp8(Model(config, seed=args.seed, dtype=FP8_ACTIVATIONS))
         else:
             model = Model(config, seed=args.seed, dtype=dtype or torch.float32)
@@ -199,7 +200,7 @@ def make_identity(service: str, model: Model, weights_version: str, replica_id: 
     return ServiceIdentity(
         service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
         numerics_fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
-        device=device_name(), dtype=str(dtype).removeprefix("torch."), weights_version=weights_version,
+        device=device_name(), dtype=dtype_name(dtype), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
@@ -210,7 +211,7 @@ def identity_from_info(service: str, info: EngineInfo, weights_version: str,
     return ServiceIdentity(
         service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
         numerics_fingerprint=info.fingerprint, backend=info.backend, device=info.device_name,
-        dtype=str(info.numerics_dtype).removeprefix("torch."), weights_version=weights_version,
+        dtype=dtype_name(info.numerics_dtype), weights_version=weights_version,
         model_config_hash=model_config_hash(info.model_config.to_dict()))
 
 
@@ -260,7 +261,7 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     tp: TensorParallelGroup | None = None
     lockstep: LockstepEngine | None = None
     if args.tp != 1:
-        if args.dtype == "fp8":
+        if names_fp8(args.dtype):
             # apply_tensor_parallel shards bf16/fp32 weights; the FP8 blocks and their scales are not sharded yet.
             parser.error("--dtype fp8 serves at --tp 1 for now")
         if args.tp not in supported_tp_degrees():

@@ -35,6 +35,7 @@ from prometheus_client import Counter
 
 import torch
 
+from zerokl.kernels.dtypes import FP8, names_fp8
 from zerokl.kernels.model import Model
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import (
@@ -154,8 +155,8 @@ class WeightSwitcher:
         dest = self.cache / manifest.version
         await self.store.fetch(manifest.version, dest, serving_only=True)
         # An FP8 replica (identity dtype float8_e4m3fn) loads FP8: a non-FP8 version is quantized on load.
-        fp8 = self.replica.identity.dtype == "float8_e4m3fn"
-        dtype = torch.float8_e4m3fn if fp8 else self.replica.dtype
+        fp8 = names_fp8(self.replica.identity.dtype)
+        dtype = FP8 if fp8 else self.replica.dtype
         model = await asyncio.to_thread(Model.from_pretrained, dest, dtype=dtype)
         if model.config != self.replica.model_config:
             raise FailedPrecondition(

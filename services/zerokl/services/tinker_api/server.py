@@ -35,6 +35,7 @@ import uvicorn
 
 import grpc
 
+from zerokl.kernels.dtypes import COMPUTE_DTYPES
 from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, identity_to_proto
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
@@ -85,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight-store version of the base model (default: the store's newest at start), or "
                         "preset:NAME[:seedN]: the version preset-NAME-seedN (what replicas started with --preset "
                         "serve), published into the store in --dtype when it is not there yet")
-    m.add_argument("--dtype", choices=("float32", "bfloat16", "fp8"), default="float32",
+    m.add_argument("--dtype", choices=COMPUTE_DTYPES, default="float32",
                    help="the dtype a preset base model is published in (the fleet's; default %(default)s)")
     m.add_argument("--model-name", metavar="NAME", action="append", default=[],
                    help="a name Tinker's base_model may use for it; the first is canonical (repeatable; "

@@ -37,6 +37,7 @@ import torch
 
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import device_name, fingerprint, get_backend
+from zerokl.kernels.dtypes import dtype_name, names_fp8
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import numerics_dtype
 from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
@@ -148,7 +149,7 @@ def make_identity(model: Model, weights_version: str, replica_id: str | None = N
     return ServiceIdentity(
         service="trainer", replica_id=replica_id or default_replica_id("trainer"), numerics_version=numerics_version,
         numerics_fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
-        device=device_name(device), dtype=str(dtype).removeprefix("torch."), weights_version=weights_version,
+        device=device_name(device), dtype=dtype_name(dtype), weights_version=weights_version,
         model_config_hash=model_config_hash(model.config.to_dict()))
 
 
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--tp must be one of {supported_tp_degrees()}")
         if args.lora_rank > 0 or args.kl_coef > 0:
             parser.error("--dp/--tp/--ep train full weights without a reference (--lora-rank 0, --kl-coef 0)")
-        if args.dtype == "fp8":
+        if names_fp8(args.dtype):
             parser.error("--dtype fp8 trains in one process for now (--dp/--tp/--ep 1)")
         if args.threads:
             torch.set_num_threads(args.threads)

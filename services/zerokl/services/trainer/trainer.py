@@ -22,6 +22,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from zerokl.kernels.dtypes import COMPUTE_DTYPES, names_fp8, to_dtype
 from zerokl.kernels.logprob import fused_logprobs
 from zerokl.kernels.sampling import SamplingParams, sampling_logprobs
 from zerokl.kernels.model import Model
@@ -38,10 +39,7 @@ from zerokl.services.trainer.optim import AdamParams, NonFiniteStep, adamw, grad
 from zerokl.services.trainer.step_graphs import StepGraphs
 from zerokl.vocab import Completion, InvalidOption, Rollout
 
-__all__ = ["DTYPES", "MAX_LR", "ScoredSequence", "TrainConfig", "Trainer"]
-
-#: TrainConfig.dtype's choices -> the model dtype (fp8: e4m3 projections, bf16 elsewhere).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+__all__ = ["MAX_LR", "ScoredSequence", "TrainConfig", "Trainer"]
 
 #: The highest learning rate any surface accepts (TrainConfig.lr, OptimStep's lr and adam.learning_rate, a job's
 #: learning_rate).
@@ -141,8 +139,8 @@ class TrainConfig:
             if not isinstance(value, bool) and not (value is None and name != "activation_checkpointing"):
                 raise bad(name, "must be true or false" + (" (or unset)" if name != "activation_checkpointing"
                                                           else ""), value)
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise bad("dtype", f"must be one of {', '.join(DTYPES)} (or unset: the model's own)", self.dtype)
+        if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(COMPUTE_DTYPES)} (or unset: the model's own)", self.dtype)
         if self.dtype == "fp8" and self.lora_rank > 0:
             raise bad("lora_rank", "must be 0 with dtype fp8 (it trains full weights: LoRA adapters would need "
                                    "their merged weights quantized per version)", self.lora_rank)
@@ -234,7 +232,7 @@ class Trainer:
     def __init__(self, model: Model, config: TrainConfig = TrainConfig()):
         self.model, self.config = model, config
         # A served FP8 model (an FP8 checkpoint) with no dtype asked for trains on its FP8 forward too.
-        self.fp8 = config.dtype == "fp8" or (config.dtype is None and is_fp8(model))
+        self.fp8 = names_fp8(config.dtype) or (config.dtype is None and is_fp8(model))
         self._cast(model, config, self.fp8)
         self.reference = copy.deepcopy(model).eval() if config.kl_coef > 0 else None
         if self.reference is not None:
@@ -265,13 +263,13 @@ class Trainer:
         """Bring `model` to config.dtype in place (see TrainConfig.dtype); refuse what cannot hold."""
         if config.dtype is None and not fp8:
             return
-        if config.dtype is not None and config.dtype not in DTYPES:
-            raise ValueError(f"TrainConfig.dtype {config.dtype!r}: expected one of {', '.join(DTYPES)} or None")
+        if config.dtype is not None and config.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"TrainConfig.dtype {config.dtype!r}: expected one of {', '.join(COMPUTE_DTYPES)} or None")
         if not fp8:
             if is_fp8(model):
                 raise ValueError(f"TrainConfig.dtype {config.dtype!r} on an FP8 model: load its checkpoint in "
                                  f"{config.dtype} (Model.from_pretrained(dir, dtype)) to dequantize it")
-            model.to(DTYPES[config.dtype])
+            model.to(to_dtype(config.dtype))
             return
         if config.lora_rank > 0:
             raise ValueError("TrainConfig.dtype 'fp8' trains full weights: LoRA adapters would need their merged "

@@ -158,21 +158,19 @@ class WeightStoreClient(ServiceClient):
         """Publish the seeded random model of a preset, made in ``dtype`` ("float32", "bfloat16", or "fp8":
         the bf16 model quantized, e4m3 values + block scales, as the trainer publishes FP8 versions),
         with the numerics fingerprint it is served under. ValueError for an unknown preset or dtype."""
-        import torch
-
         from zerokl.kernels import __version__ as numerics_version
         from zerokl.kernels import fingerprint
+        from zerokl.kernels.dtypes import COMPUTE_DTYPES, FP8, to_dtype
         from zerokl.kernels.model import Model, ModelConfig
         from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
 
-        if dtype == "fp8":
-            torch_dtype = torch.float8_e4m3fn
-            model = quantize_fp8(Model(ModelConfig.preset(preset), seed=seed, dtype=FP8_ACTIVATIONS))
-        elif dtype in ("float32", "bfloat16"):
-            torch_dtype = getattr(torch, dtype)
-            model = Model(ModelConfig.preset(preset), seed=seed, dtype=torch_dtype)
-        else:
+        if dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype {dtype!r}: expected float32, bfloat16 or fp8")
+        torch_dtype = to_dtype(dtype)
+        if torch_dtype == FP8:
+            model = quantize_fp8(Model(ModelConfig.preset(preset), seed=seed, dtype=FP8_ACTIVATIONS))
+        else:
+            model = Model(ModelConfig.preset(preset), seed=seed, dtype=torch_dtype)
         with tempfile.TemporaryDirectory(prefix="zerokl-preset-") as tmp:
             model.save_pretrained(tmp)
             return await self.publish(tmp, version, numerics_version=numerics_version,

@@ -46,6 +46,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from zerokl.kernels.dtypes import dtype_name
 from zerokl.services.weightstore.shared import SharedCudaBuffer, SharedExport, SharedTensor
 
 __all__ = ["SharedBuffer", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
@@ -146,7 +147,7 @@ class _suppress_oserror:
 def _layout(state: Mapping[str, torch.Tensor]) -> tuple[tuple[SharedTensor, ...], int]:
     entries, offset = [], 0
     for name, t in state.items():
-        entries.append(SharedTensor(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        entries.append(SharedTensor(name, dtype_name(t.dtype), tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return tuple(entries), offset
 
