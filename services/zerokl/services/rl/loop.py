@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
+from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
@@ -98,17 +98,6 @@ class Task:
     reward: Callable[[str, object], float]
 
 
-# How versions end: the trainer's SaveWeights names them "<run>-step000012"
-# (checkpointing.default_version), the in-process port "<run>-00012".
-_VERSION_STEP = re.compile(r"-(?:step)?(\d+)$")
-
-
-def _version_index(v: str) -> int | None:
-    """The optimizer step a weights version was published at (None: the name does not say)."""
-    m = _VERSION_STEP.search(v)
-    return int(m.group(1)) if m else None
-
-
 def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config: RLConfig,
            on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
     """Run `config.steps` on-policy GRPO steps; returns one record per step."""
@@ -127,9 +116,9 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         for problem, group in zip(problems, groups):
             for s in group:
                 if s.weights_version != version:
-                    now, then = _version_index(version), _version_index(s.weights_version)
+                    now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
                     # A version whose step cannot be read is as stale as can be: refused.
-                    lag = now - then if now is not None and then is not None else None
+                    lag = now.step - then.step if now is not None and then is not None else None
                     if lag is None or lag > config.max_staleness or lag < 0:
                         raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
                                                 f"(max_staleness {config.max_staleness})")

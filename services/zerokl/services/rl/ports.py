@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Rollout
 
 __all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort", "sampling_seed"]
@@ -64,7 +65,7 @@ class LocalTrainerPort:
     def __init__(self, trainer, run: str = "run"):
         self.trainer, self.run = trainer, run
         self.versions: dict[str, dict] = {}
-        self._version = f"{run}-00000"
+        self._version = str(WeightsVersion.in_process(run, 0))
         self.versions[self._version] = trainer.serving_state_dict()
 
     @property
@@ -75,7 +76,7 @@ class LocalTrainerPort:
         return self.trainer.grpo_step(rollouts, group_size)
 
     def publish(self) -> str:
-        self._version = f"{self.run}-{self.trainer.step:05d}"
+        self._version = str(WeightsVersion.in_process(self.run, self.trainer.step))
         self.versions[self._version] = self.trainer.serving_state_dict()
         return self._version
 

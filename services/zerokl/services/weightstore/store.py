@@ -64,9 +64,9 @@ from zerokl.services.runtime.errors import (
 )
 from zerokl.services.weightstore import delta
 from zerokl.services.weightstore.backends import ObjectMissing, StorageBackend
+from zerokl.services.weightstore.versions import LATEST, WeightsVersion, validate_name
 
 __all__ = [
-    "LATEST",
     "MANIFEST_FORMAT",
     "ShardInfo",
     "VersionSpec",
@@ -79,37 +79,17 @@ __all__ = [
     "ShardWriter",
     "ShardFileWriter",
     "VersionStore",
-    "validate_version",
-    "validate_name",
     "file_sha256",
 ]
 
-LATEST = "latest"
 MANIFEST_FORMAT = "zerokl.weights/1"
 FETCHED_MANIFEST = "zerokl_manifest.json"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
-
-
-def validate_name(value: str, what: str) -> str:
-    """A version id, shard name or pin owner: 1-128 of ``[A-Za-z0-9._-]``, starting alphanumeric."""
-    if not _NAME.fullmatch(value or ""):
-        raise InvalidArgument.field(what, f"{value!r} is not 1-128 characters of [A-Za-z0-9._-] starting "
-                                          "with a letter or digit")
-    return value
-
-
-def validate_version(version: str, what: str = "version") -> str:
-    """A version id; ``latest`` is reserved (it names the newest version in reads)."""
-    validate_name(version, what)
-    if version == LATEST:
-        raise InvalidArgument.field(what, f"{LATEST!r} is reserved")
-    return version
 
 
 def _validate_upload_id(upload_id: str) -> str:
@@ -165,7 +145,7 @@ class VersionSpec:
     def validate(self) -> None:
         """Raise :class:`InvalidArgument` for a malformed spec."""
         if self.parent_version:
-            validate_version(self.parent_version, "parent_version")
+            WeightsVersion.validate(self.parent_version, "parent_version")
         if self.step is not None and self.step < 0:
             raise InvalidArgument.field("step", f"{self.step} is negative")
         if not isinstance(self.model_config, Mapping):
@@ -495,7 +475,7 @@ class VersionStore:
             if newest is None:
                 raise NotFound("no version is published yet")
             return newest
-        manifest = self._load_manifest(validate_version(version))
+        manifest = self._load_manifest(WeightsVersion.validate(version))
         if manifest is None:
             raise NotFound(f"version {version} is not published")
         return manifest
@@ -658,7 +638,7 @@ class VersionStore:
 
         :class:`AlreadyExists` when the version is already published.
         """
-        validate_version(version)
+        WeightsVersion.validate(version)
         with self._lock:
             if self._load_manifest(version) is not None:
                 raise AlreadyExists(f"version {version} is already published")
@@ -687,7 +667,7 @@ class VersionStore:
         if size < 0:
             raise InvalidArgument.field("size", f"{size} is negative")
         if as_delta is not None:
-            validate_version(as_delta.base, "base_version")
+            WeightsVersion.validate(as_delta.base, "base_version")
             _validate_sha256(as_delta.sha256)
             if as_delta.size <= 0:
                 raise InvalidArgument.field("delta_size", f"{as_delta.size}: a delta object holds at least its header")
@@ -912,7 +892,7 @@ class VersionStore:
     def delete(self, version: str) -> None:
         """Delete a published version: :class:`FailedPrecondition` while pinned, :class:`NotFound` if absent."""
         with self._lock:
-            self.get_manifest(validate_version(version))
+            self.get_manifest(WeightsVersion.validate(version))
             owners = self.pins(version)
             if owners:
                 raise FailedPrecondition(
@@ -972,7 +952,7 @@ class VersionStore:
         """Keep ``version`` from deletion until ``owner`` unpins it (idempotent)."""
         validate_name(owner, "owner")
         with self._lock:
-            manifest = self.get_manifest(validate_version(version))
+            manifest = self.get_manifest(WeightsVersion.validate(version))
             self._backend.put_bytes(f"pins/{version}/{owner}", json.dumps(
                 {"created_at": self._clock().isoformat()}).encode())
             return VersionEntry(manifest, self.pins(version))
@@ -981,7 +961,7 @@ class VersionStore:
         """Release ``owner``'s pin (idempotent)."""
         validate_name(owner, "owner")
         with self._lock:
-            manifest = self.get_manifest(validate_version(version))
+            manifest = self.get_manifest(WeightsVersion.validate(version))
             self._backend.delete(f"pins/{version}/{owner}")
             return VersionEntry(manifest, self.pins(version))
 
