@@ -279,8 +279,7 @@ def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, tr
     version = trainer_port.weights_version
     problems = rng.sample(list(task.train), config.prompts_per_step)
     t0 = time.perf_counter()
-    groups = engine.generate([task.encode_prompt(p) for p in problems], config.group_size, config.max_tokens,
-                             config.temperature, config.top_p, seed=config.seed * 1_000_003 + step - 1,
+    groups = engine.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step - 1),
                              weights_version=version)
     rollout_s = time.perf_counter() - t0
     batch = [Rollout(Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p), s.logprobs,

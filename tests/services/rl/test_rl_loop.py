@@ -58,8 +58,9 @@ class _StampedRollouts:
     def __init__(self, served: str):
         self.served = served
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version, ignore_eos=False):
-        return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(n)] for p in prompts]
+    def generate(self, prompts, options, weights_version):
+        return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(options.n)]
+                for p in prompts]
 
 
 class _TrainerAt:
