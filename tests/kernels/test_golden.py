@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 
-import zerokl.kernels.model  # noqa: F401  (registers the model's golden case)
 from zerokl.kernels import __version__, use_backend
 from zerokl.kernels.fingerprint import fingerprint_key, fingerprint_of, golden_digests
 
