@@ -157,3 +157,21 @@ def test_a_corrupt_cache_entry_is_never_accepted_or_served(backend: StorageBacke
     fresh = VersionStore(backend, cache_dir=tmp_path / "cache")
     assert_reads_back(fresh, "v4", tmp_path)
     assert fresh.delta_stats["cache_rejected"] == 1
+
+
+def test_the_server_keeps_the_cache_beside_the_data_or_names_one_per_bucket(tmp_path: pathlib.Path,
+                                                                            s3_endpoint: str) -> None:
+    from conftest import S3_KEY, S3_SECRET
+
+    from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend
+    from zerokl.services.weightstore.server import build_parser, cache_dir_from_args
+
+    args = build_parser().parse_args(["--root", str(tmp_path / "root")])
+    assert cache_dir_from_args(args, LocalDirBackend(tmp_path / "root")) == (tmp_path / "root" / ".decoded").resolve()
+    buckets = [S3Backend(s3_endpoint, f"zerokl-cache-{i}", S3_KEY, S3_SECRET, secure=False, region="us-east-1")
+               for i in range(2)]
+    dirs = [cache_dir_from_args(build_parser().parse_args([]), b) for b in buckets]
+    assert dirs[0] != dirs[1] and all(d.name.startswith("zerokl-weight-store-") for d in dirs)
+    assert cache_dir_from_args(build_parser().parse_args(["--cache-dir", str(tmp_path / "c")]), buckets[0]) \
+        == tmp_path / "c"
+    assert VersionStore(buckets[0], cache_dir=tmp_path / "c", cache_bytes=0).cache is None
