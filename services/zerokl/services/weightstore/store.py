@@ -451,6 +451,7 @@ class VersionStore:
         self._lock = threading.RLock()
         directory = cache_dir if cache_dir is not None else backend.scratch_dir()
         self.delta_stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()     # shards are accepted in threads of their own
         self.cache = DecodedCache(directory, cache_bytes, self._cache_rejected) \
             if directory is not None and cache_bytes > 0 else None
 
@@ -588,9 +589,9 @@ class VersionStore:
 
     def _count(self, trace: "_Trace", purpose: str) -> None:
         """Add what ``trace`` saw to :attr:`delta_stats` and the process's metrics."""
-        self.delta_stats[f"{purpose}_layers"] += trace.layers
-        self.delta_stats["cache_hit"] += len(trace.hits)
-        self.delta_stats["cache_miss"] += trace.misses
+        with self._stats_lock:
+            self.delta_stats.update({f"{purpose}_layers": trace.layers, "cache_hit": len(trace.hits),
+                                     "cache_miss": trace.misses})
         WEIGHTSTORE_DELTA_LAYERS.labels(purpose).inc(trace.layers)
         if trace.hits:
             WEIGHTSTORE_DECODED_CACHE.labels("hit").inc(len(trace.hits))
@@ -598,7 +599,8 @@ class VersionStore:
             WEIGHTSTORE_DECODED_CACHE.labels("miss").inc(trace.misses)
 
     def _cache_rejected(self, version: str, name: str) -> None:
-        self.delta_stats["cache_rejected"] += 1
+        with self._stats_lock:
+            self.delta_stats["cache_rejected"] += 1
         WEIGHTSTORE_DECODED_CACHE.labels("rejected").inc()
 
     def _cache_was_wrong(self, trace: "_Trace") -> bool:
