@@ -31,6 +31,7 @@ from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluat
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.trainer import Trainer
+from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout
 
 __all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
@@ -146,7 +147,7 @@ class ArmTrainerPort(LocalTrainerPort):
 
     def __init__(self, trainer: Trainer, run: str, tis_cap: float | None = None, serve_fp8: bool = False):
         self.trainer, self.run, self.tis_cap, self.serve_fp8 = trainer, run, tis_cap, serve_fp8
-        self._version = f"{run}-{trainer.step:05d}"
+        self._version = str(WeightsVersion.in_process(run, trainer.step))
         self.versions = {self._version: self._serving()}
 
     def _serving(self) -> dict[str, torch.Tensor]:
@@ -162,7 +163,7 @@ class ArmTrainerPort(LocalTrainerPort):
         return tis_grpo_step(self.trainer, rollouts, group_size, self.tis_cap)
 
     def publish(self) -> str:
-        self._version = f"{self.run}-{self.trainer.step:05d}"
+        self._version = str(WeightsVersion.in_process(self.run, self.trainer.step))
         self.versions = {self._version: self._serving()}
         return self._version
 
@@ -278,8 +279,7 @@ def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, tr
     version = trainer_port.weights_version
     problems = rng.sample(list(task.train), config.prompts_per_step)
     t0 = time.perf_counter()
-    groups = engine.generate([task.encode_prompt(p) for p in problems], config.group_size, config.max_tokens,
-                             config.temperature, config.top_p, seed=config.seed * 1_000_003 + step - 1,
+    groups = engine.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step - 1),
                              weights_version=version)
     rollout_s = time.perf_counter() - t0
     batch = [Rollout(Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p), s.logprobs,

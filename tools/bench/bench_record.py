@@ -17,7 +17,9 @@ issue 49). Several files travel at once (``PARALLEL_SHARDS``).
 Printed per step: the fraction of the serving weights' elements (and bytes) that changed since the step
 before, the record's bytes and the bytes the store wrote, the write and upload seconds and the rates:
 **GB/s of the record** (its bytes over write + upload) and of what was written. Every version is read
-back through the store (decoded) and compared byte for byte with the files written.
+back through the store (decoded) and compared byte for byte with the files written. And the delta layers
+the store decoded to accept the record (its ``zerokl_weightstore_delta_layers`` metric; without the store's
+cache of decoded shards that is the sum of the delta files' chain depths, also printed).
 """
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ import pathlib
 import platform
 import random
 import shutil
+import re
 import signal
 import sys
 import tempfile
 import time
+import urllib.request
 
 import grpc.aio
 import torch
@@ -60,6 +64,15 @@ from bench_rl_step import commit, start  # noqa: E402
 from bench_train import build_model  # noqa: E402
 
 RUN = "bench-record"
+
+
+def delta_layers(metrics_port: int | None) -> dict[str, float]:
+    """The store's delta layers decoded so far, by purpose (accept, read); {} from a store without the metric."""
+    if metrics_port is None:
+        return {}
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {m.group(1): float(m.group(2)) for m in
+            re.finditer(r'^zerokl_weightstore_delta_layers_total\{purpose="(\w+)"\} (\S+)$', text, re.M)}
 
 
 def make_trainer(args: argparse.Namespace) -> Trainer:
@@ -127,8 +140,10 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
         os.environ.update(env)
     else:
         flags = ["--root", str(work / "weights")]
-    ws, address = start(["zerokl.services.weightstore", *flags, "--port", "0"], work / "weight-store.log",
-                        "the weight store")
+    ws, address = start(["zerokl.services.weightstore", *flags, "--port", "0", "--metrics-port", "0"],
+                        work / "weight-store.log", "the weight store")
+    found = re.search(r" metrics on :(\d+)", (work / "weight-store.log").read_text())
+    metrics_port = int(found.group(1)) if found else None
     repo = RemoteWeights(grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20),
                                                                      ("grpc.max_receive_message_length", 16 << 20)]),
                          address)
@@ -157,8 +172,10 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
             write_snapshot(snapshot, tmp)
             del snapshot
             t1 = time.perf_counter()
+            layers0 = delta_layers(metrics_port)
             manifest, created = await publish_checkpoint(repo, tmp, version, spec, None if args.no_delta else base)
             t2 = time.perf_counter()
+            layers1 = delta_layers(metrics_port)
             assert created
             if args.verify:
                 with tempfile.TemporaryDirectory(dir=work) as back:
@@ -176,7 +193,9 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                    "serving_bytes": sum(s.size for s in manifest.shards if is_serving_file(s.name)),
                    "serving_written": sum(s.stored_bytes for s in manifest.shards if is_serving_file(s.name)),
                    "files": len(manifest.shards), "deltas": sum(1 for s in manifest.shards if s.base),
-                   "snapshot_s": ts - t0, "write_s": t1 - ts, "upload_s": t2 - t1}
+                   "snapshot_s": ts - t0, "write_s": t1 - ts, "upload_s": t2 - t1,
+                   "chain_layers": sum(s.depth for s in manifest.shards if s.base),
+                   "accept_layers": layers1.get("accept", 0.0) - layers0.get("accept", 0.0) if layers1 else None}
             row["gb_per_s"] = row["bytes"] / 1e9 / (t2 - t0)
             row["written_gb_per_s"] = row["written"] / 1e9 / (t2 - t0)
             rows.append(row)
@@ -186,7 +205,9 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                   f"({100 * row['written'] / row['bytes']:.1f}%; serving weights {row['serving_written'] / 1e6:.1f} "
                   f"of {row['serving_bytes'] / 1e6:.1f} MB) | snapshot {row['snapshot_s']:.2f} s write "
                   f"{row['write_s']:.2f} s upload {row['upload_s']:.2f} s: {row['gb_per_s']:.3f} GB/s of record, "
-                  f"{row['written_gb_per_s']:.3f} GB/s written", flush=True)
+                  f"{row['written_gb_per_s']:.3f} GB/s written | delta layers decoded to accept: "
+                  f"{'?' if row['accept_layers'] is None else int(row['accept_layers'])} (chain depths "
+                  f"{row['chain_layers']})", flush=True)
     finally:
         await repo.close()
         ws.send_signal(signal.SIGTERM)

@@ -6,10 +6,10 @@ import torch
 
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
-from zerokl.services.rl.loop import RLConfig, StaleRolloutError, Task, _version_index, run_rl
+from zerokl.services.rl.loop import RLConfig, StaleRolloutError, Task, run_rl
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort, Sampled
-from zerokl.services.trainer.checkpointing import default_version
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
 
 TOK = CountdownTokenizer()
@@ -58,8 +58,9 @@ class _StampedRollouts:
     def __init__(self, served: str):
         self.served = served
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version, ignore_eos=False):
-        return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(n)] for p in prompts]
+    def generate(self, prompts, options, weights_version):
+        return [[Sampled(tuple(p), (5, 6), (-1.0, -1.0), "1+2", self.served) for _ in range(options.n)]
+                for p in prompts]
 
 
 class _TrainerAt:
@@ -80,14 +81,12 @@ class _TrainerAt:
 def test_staleness_is_counted_in_the_trainers_version_names():
     """Versions are named `<run>-step000003` (SaveWeights): a rollout two versions old is refused under
     max_staleness 1 and accepted (counted stale) under 2; a name without a step is never accepted."""
-    assert [_version_index(default_version("run", 3)), _version_index("run-00012"), _version_index("v1.0")] == \
-        [3, 12, None]
     config = RLConfig(steps=1, prompts_per_step=2, group_size=2, max_tokens=2, eval_every=0, max_staleness=1)
-    trainer = _TrainerAt(default_version("run", 3))
+    trainer = _TrainerAt(str(WeightsVersion("run", 3)))
     with pytest.raises(StaleRolloutError, match="run-step000001"):
-        run_rl(_task(), _StampedRollouts(default_version("run", 1)), trainer, config)
+        run_rl(_task(), _StampedRollouts(str(WeightsVersion("run", 1))), trainer, config)
     assert trainer.updates == 0
-    records = run_rl(_task(), _StampedRollouts(default_version("run", 1)), trainer,
+    records = run_rl(_task(), _StampedRollouts(str(WeightsVersion("run", 1))), trainer,
                      dataclasses.replace(config, max_staleness=2))
     assert trainer.updates == 1 and records[0].stale_rollouts == 4
     with pytest.raises(StaleRolloutError):

@@ -129,18 +129,14 @@ class DPOJobSpec:
 
 
 @dataclass(frozen=True)
-class RLJobSpec:
-    steps: int
+class RLJobSpec(RLConfig):
+    """An RL job: the loop's settings (its RLConfig fields, which :func:`run_rl` is handed as they are) and the
+    job's own below. The Jobs API's RLJob message names both at one level."""
+
+    # Required here: RLConfig's default is the experiment's (an explicit field(), since a bare annotation
+    # would take the inherited class attribute as its default).
+    steps: int = field()
     countdown: CountdownTask = CountdownTask()
-    prompts_per_step: int = 8
-    group_size: int = 8
-    max_tokens: int = 24
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    max_staleness: int = 0
-    eval_every: int = 5
-    eval_prompts: int = 32
     learning_rate: float = 0.0
     train_config: TrainConfig | None = None
     # The trainer state (fp32 masters, AdamW moments, counters: a resume point) is recorded every N steps
@@ -148,10 +144,9 @@ class RLJobSpec:
     # read the store). A trainer restart redoes the steps since the newest recorded checkpoint.
     checkpoint_every: int = 10
     # The reward (zerokl.tasks.synthetic.REWARDS): "countdown" (TinyZero's), or "vowel_share", a synthetic
-    # reward any policy earns some of (for measuring the loop: zerokl/tasks/synthetic.py). ignore_eos: every
-    # answer runs to max_tokens (length-controlled rollouts).
+    # reward any policy earns some of (for measuring the loop: zerokl/tasks/synthetic.py), with ignore_eos
+    # (RLConfig's) for length-controlled rollouts.
     reward: str = "countdown"
-    ignore_eos: bool = False
     kind = "rl"
 
 
@@ -536,10 +531,6 @@ class JobManager:
         from zerokl.tasks.synthetic import vowel_share
         train, test, tok = _countdown_data(spec.countdown)
         task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if spec.reward == "vowel_share" else reward)
-        config = RLConfig(steps=spec.steps, prompts_per_step=spec.prompts_per_step, group_size=spec.group_size,
-                          max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                          seed=spec.seed, max_staleness=spec.max_staleness, eval_every=spec.eval_every,
-                          eval_prompts=spec.eval_prompts, ignore_eos=spec.ignore_eos)
         port = _FleetRollouts(self, job)
 
         def on_step(record: StepRecord) -> None:
@@ -550,7 +541,7 @@ class JobManager:
             # cancel makes the next step a checkpoint (_TrainerSession._checkpoint_due).
             self._step_done(job, record.step, record.weights_version, metrics, stoppable=bool(record.checkpoint))
 
-        run_rl(task, port, trainer, config, on_step)
+        run_rl(task, port, trainer, spec, on_step)
         # Every version the job served is in the store before it succeeds (resume, audit): the last ones'
         # records were uploading in the background (redone by _unit if the trainer restarted before they landed).
         trainer._unit(lambda: (trainer.await_records(), {})[1])
@@ -617,12 +608,10 @@ class _FleetRollouts:
     def __init__(self, manager: JobManager, job: _Job) -> None:
         self.manager, self.job = manager, job
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version,  # noqa: ANN001, ANN201
-                 ignore_eos=False):
+    def generate(self, prompts, options, weights_version):  # noqa: ANN001, ANN201
         async def one(i: int, ids: tuple[int, ...]) -> GenerateResult:
-            options = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n,
-                                      seed=sampling_seed(seed + i), ignore_eos=ignore_eos)
-            request = InferenceRequest(prompt_ids=ids, options=options, weights_version=weights_version)
+            request = InferenceRequest(prompt_ids=ids, options=dataclasses.replace(
+                options, seed=sampling_seed(options.seed + i)), weights_version=weights_version)
             return GenerateResult.collect([d async for d in self.manager._generate(request)])
 
         async def all_prompts() -> list[GenerateResult]:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
-from zerokl.vocab import Completion, Rollout
+from zerokl.services.weightstore.versions import WeightsVersion
+from zerokl.vocab import Completion, Rollout, SamplingOptions
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
 
@@ -30,6 +30,9 @@ class StaleRolloutError(RuntimeError):
 
 @dataclass(frozen=True)
 class RLConfig:
+    """The loop's settings. A Jobs API RL job is one of these plus the job's own fields
+    (:class:`~zerokl.services.jobs.manager.RLJobSpec`); the experiment and the benchmarks build one."""
+
     steps: int = 30                      # RL updates
     prompts_per_step: int = 8            # distinct prompts per update
     group_size: int = 8                  # samples per prompt (GRPO group)
@@ -41,6 +44,17 @@ class RLConfig:
     eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
     eval_prompts: int = 32
     ignore_eos: bool = False             # answers run to max_tokens, past eos (length-controlled rollouts)
+
+    def rollout_options(self, step: int) -> SamplingOptions:
+        """The sampling of step ``step``'s rollouts (0-based): ``group_size`` samples per prompt, seeded by the
+        run's seed and the step, so a step redone samples the same tokens."""
+        return SamplingOptions(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens,
+                               n=self.group_size, seed=sampling_seed(self.seed * 1_000_003 + step),
+                               ignore_eos=self.ignore_eos)
+
+    def eval_options(self) -> SamplingOptions:
+        """The sampling of :func:`evaluate`: one greedy answer per problem."""
+        return SamplingOptions(temperature=0.0, top_p=1.0, max_tokens=self.max_tokens, n=1, seed=0)
 
 
 @dataclass
@@ -98,17 +112,6 @@ class Task:
     reward: Callable[[str, object], float]
 
 
-# How versions end: the trainer's SaveWeights names them "<run>-step000012"
-# (checkpointing.default_version), the in-process port "<run>-00012".
-_VERSION_STEP = re.compile(r"-(?:step)?(\d+)$")
-
-
-def _version_index(v: str) -> int | None:
-    """The optimizer step a weights version was published at (None: the name does not say)."""
-    m = _VERSION_STEP.search(v)
-    return int(m.group(1)) if m else None
-
-
 def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config: RLConfig,
            on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
     """Run `config.steps` on-policy GRPO steps; returns one record per step."""
@@ -118,18 +121,16 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         version = trainer.weights_version
         problems = rng.sample(list(task.train), config.prompts_per_step)
         t0 = time.perf_counter()
-        groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.group_size,
-                                        config.max_tokens, config.temperature, config.top_p,
-                                        seed=sampling_seed(config.seed * 1_000_003 + step),
-                                        weights_version=version, ignore_eos=config.ignore_eos)
+        groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step),
+                                        weights_version=version)
         rollout_s = time.perf_counter() - t0
         batch, stale = [], 0
         for problem, group in zip(problems, groups):
             for s in group:
                 if s.weights_version != version:
-                    now, then = _version_index(version), _version_index(s.weights_version)
+                    now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
                     # A version whose step cannot be read is as stale as can be: refused.
-                    lag = now - then if now is not None and then is not None else None
+                    lag = now.step - then.step if now is not None and then is not None else None
                     if lag is None or lag > config.max_staleness or lag < 0:
                         raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
                                                 f"(max_staleness {config.max_staleness})")
@@ -170,7 +171,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
 def evaluate(task: Task, port: RolloutPort, version: str, config: RLConfig) -> float:
     """Greedy accuracy (reward == 1.0) on the first eval_prompts test problems."""
     problems = list(task.test)[: config.eval_prompts]
-    groups = port.generate([task.encode_prompt(p) for p in problems], 1, config.max_tokens, 0.0, 1.0, 0, version)
+    groups = port.generate([task.encode_prompt(p) for p in problems], config.eval_options(), version)
     return sum(task.reward(g[0].text, p) == 1.0 for p, g in zip(problems, groups)) / max(1, len(problems))
 
 

@@ -15,7 +15,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from zerokl.vocab import Rollout
+from zerokl.services.weightstore.versions import WeightsVersion
+from zerokl.vocab import Rollout, SamplingOptions
 
 __all__ = ["Sampled", "RolloutPort", "TrainerPort", "LocalTrainerPort", "LocalEnginePort", "sampling_seed"]
 
@@ -37,8 +38,11 @@ class Sampled:
 
 
 class RolloutPort(Protocol):
-    def generate(self, prompts: Sequence[tuple[int, ...]], n: int, max_tokens: int, temperature: float,
-                 top_p: float, seed: int, weights_version: str, ignore_eos: bool = False) -> list[list[Sampled]]: ...
+    """``options.n`` samples per prompt on ``weights_version``; prompt ``i`` is sampled with seed
+    ``sampling_seed(options.seed + i)``, so a group's draws do not depend on the prompts beside it."""
+
+    def generate(self, prompts: Sequence[tuple[int, ...]], options: SamplingOptions,
+                 weights_version: str) -> list[list[Sampled]]: ...
 
 
 class TrainerPort(Protocol):
@@ -64,7 +68,7 @@ class LocalTrainerPort:
     def __init__(self, trainer, run: str = "run"):
         self.trainer, self.run = trainer, run
         self.versions: dict[str, dict] = {}
-        self._version = f"{run}-00000"
+        self._version = str(WeightsVersion.in_process(run, 0))
         self.versions[self._version] = trainer.serving_state_dict()
 
     @property
@@ -75,7 +79,7 @@ class LocalTrainerPort:
         return self.trainer.grpo_step(rollouts, group_size)
 
     def publish(self) -> str:
-        self._version = f"{self.run}-{self.trainer.step:05d}"
+        self._version = str(WeightsVersion.in_process(self.run, self.trainer.step))
         self.versions[self._version] = self.trainer.serving_state_dict()
         return self._version
 
@@ -112,15 +116,12 @@ class LocalEnginePort:
         from zerokl.services.engine.engine import Engine
         return Engine(self._model_for(version), self.engine_config, tokenizer=self.tokenizer)
 
-    def generate(self, prompts, n, max_tokens, temperature, top_p, seed, weights_version, ignore_eos=False):
+    def generate(self, prompts, options, weights_version):
         from zerokl.kernels import use_backend
         from zerokl.kernels.backend import get_backend
         from zerokl.services.engine.engine import run_to_completion
         from zerokl.services.engine.types import GenerateRequest
-        from zerokl.vocab import SamplingOptions
-        opts = SamplingOptions(temperature=temperature, top_p=top_p, max_tokens=max_tokens, n=n, seed=seed,
-                               ignore_eos=ignore_eos)
-        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(opts, seed=sampling_seed(seed + i)))
+        reqs = [GenerateRequest(f"p{i}", p, dataclasses.replace(options, seed=sampling_seed(options.seed + i)))
                 for i, p in enumerate(prompts)]
         with use_backend(self.backend or get_backend()):
             outs = run_to_completion(self._engine_for(weights_version), reqs)
@@ -131,5 +132,5 @@ class LocalEnginePort:
                 toks, lps, text = per.get(d.index, ([], [], ""))
                 per[d.index] = [toks + d.token_ids, lps + d.logprobs, text + d.text]
             groups.append([Sampled(r.prompt_ids, tuple(per[i][0]), tuple(per[i][1]), per[i][2], weights_version)
-                           for i in range(n)])
+                           for i in range(options.n)])
         return groups

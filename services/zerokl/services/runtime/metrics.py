@@ -45,6 +45,8 @@ __all__ = [
     "GENERATION_TOKENS",
     "KV_HANDOFF_BYTES",
     "KV_HANDOFF_SECONDS",
+    "WEIGHTSTORE_DELTA_LAYERS",
+    "WEIGHTSTORE_DECODED_CACHE",
     "SERVING_INFO",
     "CountedHistogram",
     "set_serving_info",
@@ -126,6 +128,14 @@ KV_HANDOFF_BYTES = Counter(
 KV_HANDOFF_SECONDS = Histogram(
     "zerokl_kv_handoff_seconds", "Decode side: from requesting a prompt's KV to holding all of it, verified.",
     buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+# The weight store's delta shards: layers decoded (a delta object read over its base) to accept a delta or to
+# serve a read, and lookups of its cache of decoded shards (hit, miss, rejected: an entry whose bytes were wrong).
+WEIGHTSTORE_DELTA_LAYERS = Counter(
+    "zerokl_weightstore_delta_layers", "Delta layers the weight store decoded, by purpose (accept, read).",
+    ["purpose"], registry=REGISTRY)
+WEIGHTSTORE_DECODED_CACHE = Counter(
+    "zerokl_weightstore_decoded_cache", "Lookups of the weight store's decoded-shard cache, by result "
+    "(hit, miss, rejected).", ["result"], registry=REGISTRY)
 # Info-style: a constant 1 whose labels say what this process computes with,
 # so dashboards can group by fingerprint / weights version and alert when
 # replicas disagree.

@@ -71,6 +71,7 @@ from zerokl.services.runtime.errors import (
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.client import UploadBase, WeightStoreClient
 from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
+from zerokl.services.weightstore.versions import segment_index
 
 __all__ = [
     "STATE_TENSORS",
@@ -82,7 +83,6 @@ __all__ = [
     "MAX_LINEAGE",
     "LineageEntry",
     "TrainerCheckpoint",
-    "default_version",
     "CheckpointSnapshot",
     "snapshot_checkpoint",
     "write_snapshot",
@@ -96,8 +96,6 @@ __all__ = [
     "LocalWeights",
     "RemoteWeights",
     "find_resume_point",
-    "run_segment",
-    "segment_index",
     "publish_checkpoint",
     "SHARDED_JSON",
     "save_sharded",
@@ -124,26 +122,6 @@ class LineageEntry:
 
     version: str
     step: int
-
-
-def default_version(run: str, step: int) -> str:
-    """The version SaveWeights publishes when none is named: ``<run>-step000012``."""
-    return f"{run}-step{step:06d}"
-
-
-def run_segment(run: str, index: int) -> str:
-    """The name a run publishes under after its ``index``-th fresh start (a trainer reset to step 0 by
-    LoadWeights without its state, e.g. a job with its own hyperparameters): ``run`` for the first,
-    then ``run.2``, ``run.3``... so the new steps' versions never take names the run already used."""
-    return run if index <= 1 else f"{run}.{index}"
-
-
-def segment_index(run: str, name: str) -> int | None:
-    """``name``'s index among ``run``'s segments (1 for ``run`` itself); None: not one of them."""
-    if name == run:
-        return 1
-    head, _, tail = name.rpartition(".")
-    return int(tail) if head == run and tail.isdigit() and not tail.startswith("0") and int(tail) >= 2 else None
 
 
 # ----------------------------------------------------------------------------- TrainConfig <-> JSON
@@ -553,8 +531,9 @@ class RemoteWeights:
 
 async def find_resume_point(repo: WeightsRepo, run: str) -> WeightsManifest | None:
     """The newest version of ``run`` that carries trainer state (None: the run has not published one):
-    of its newest segment (:func:`run_segment`), the one of the highest step, the later committed on a
-    tie (records of a run may commit out of order after a store outage)."""
+    of its newest segment (:func:`~zerokl.services.weightstore.versions.run_segment`), the one of the
+    highest step, the later committed on a tie (records of a run may commit out of order after a store
+    outage)."""
     points = [(index, m) for m in await repo.manifests()
               if (index := segment_index(run, m.spec.metadata.get(META_RUN, ""))) is not None
               and m.spec.metadata.get(META_STATE) == "full"]

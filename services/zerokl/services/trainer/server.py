@@ -54,12 +54,12 @@ from zerokl.services.trainer.checkpointing import (
     find_resume_point,
     load_serving_model,
     read_checkpoint,
-    segment_index,
 )
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.backends import LocalDirBackend
-from zerokl.services.weightstore.store import VersionStore, validate_name
+from zerokl.services.weightstore.store import VersionStore
+from zerokl.services.weightstore.versions import segment_index, validate_name
 from zerokl.vocab import InvalidOption
 
 __all__ = ["DEFAULT_PORT", "DEFAULT_INIT", "build_parser", "train_config_from_args", "open_repo", "start_trainer",

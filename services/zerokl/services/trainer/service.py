@@ -61,12 +61,9 @@ from zerokl.services.trainer.checkpointing import (
     META_STATE,
     LineageEntry,
     WeightsRepo,
-    default_version,
     CheckpointSnapshot,
     publish_checkpoint,
     read_checkpoint,
-    run_segment,
-    segment_index,
     snapshot_checkpoint,
     write_checkpoint,
     write_snapshot,
@@ -88,8 +85,9 @@ from zerokl.services.trainer.types import (
 from zerokl.services.weightstore import convert as weights_convert
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
-from zerokl.services.weightstore.store import VersionSpec, WeightsManifest, validate_version
+from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
 from zerokl.services.weightstore.sync import SharedBuffer, export_shared
+from zerokl.services.weightstore.versions import WeightsVersion, run_segment, segment_index
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
@@ -288,7 +286,7 @@ def _adam_violations(adam: AdamParams, lr: float | None) -> list[FieldViolation]
 
 def _is_version_name(name: str) -> bool:
     try:
-        validate_version(name)
+        WeightsVersion.validate(name)
     except InvalidArgument:
         return False
     return True
@@ -317,7 +315,7 @@ class TrainerService:
             raise ValueError(f"{segment!r} is not a segment of run {run!r}")
         self.repo = repo
         self.run = run                      # the job's name (--run): pins and resume look at all its segments
-        self.segment = segment or run       # what versions are published under now (checkpointing.run_segment)
+        self.segment = segment or run       # what versions are published under now (versions.run_segment)
         self.limits = limits
         self._trainer = trainer
         self._lineage = list(lineage)[-MAX_LINEAGE:]
@@ -729,7 +727,7 @@ class TrainerService:
             # The run's default name for this step holds other contents: the trainer was taken back to an
             # earlier version (LoadWeights) after the run published later steps. Its steps go on under the
             # run's next segment, so they never take (or serve under) a name the run used for other bytes.
-            taken = default_version(self.segment, trainer.step)
+            taken = str(WeightsVersion(self.segment, trainer.step))
             self.segment = await self._fresh_segment(next_one=True)
             log.warning("trainer: %s is taken by other contents in the weight store; publishing under segment %s",
                         taken, self.segment)
@@ -740,8 +738,8 @@ class TrainerService:
                     share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights' work under the lock: name, spec, then publish (or share); AlreadyExists when the store
         holds the name with other contents, before anything is shared."""
-        name = version or default_version(self.segment, trainer.step)
-        validate_version(name, "version")
+        name = version or str(WeightsVersion(self.segment, trainer.step))
+        WeightsVersion.validate(name, "version")
         entry = LineageEntry(name, trainer.step)
         # A repeat of the save that made the current base writes the same files (same lineage).
         repeat = self._lineage[-1] == entry

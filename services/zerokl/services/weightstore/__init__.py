@@ -3,6 +3,8 @@
 - :mod:`.store`: :class:`VersionStore`, the logic (atomic publish, verified
   reads, pins, retention), usable directly without gRPC.
 - :mod:`.backends`: :class:`LocalDirBackend` and :class:`S3Backend` under it.
+- :mod:`.versions`: version names: what a name may be, and :class:`~.versions.WeightsVersion`, the
+  name of a step's version (``<run>-step000012``) built and read back.
 - :mod:`.service` / :mod:`.server`: the ``zerokl.v1.WeightStore`` gRPC service and its command line.
 - :mod:`.client`: :class:`WeightStoreClient`, the async gRPC client.
 - :mod:`.checkpoint`: state dict <-> Hugging Face style safetensors directory.

@@ -101,6 +101,11 @@ class StorageBackend(abc.ABC):
     def describe(self) -> str:
         """Where the data lives, for logs (never includes credentials)."""
 
+    def scratch_dir(self) -> pathlib.Path | None:
+        """A local directory beside the data for what the store can rebuild from it (its cache of decoded
+        shards), or None when the backend has none (a bucket: the server names one)."""
+        return None
+
     def put_bytes(self, key: str, data: bytes) -> None:
         """Store ``data`` at ``key`` atomically."""
         self.put_stream(key, [data], len(data))
@@ -239,6 +244,10 @@ class LocalDirBackend(StorageBackend):
 
     def describe(self) -> str:
         return f"local directory {self.root}"
+
+    def scratch_dir(self) -> pathlib.Path:
+        # A hidden segment is no valid key: list() never shows what is under it, no key can reach it.
+        return self.root / ".decoded"
 
     # One staging file from offset 0, appended in place and renamed to its key when complete: each
     # byte is written once, and made durable once (fsync at the commit, not per piece). A crash

@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
+import pathlib
 import sys
+import tempfile
 from typing import Sequence
 
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
+from zerokl.services.weightstore.cache import DEFAULT_MAX_BYTES
 from zerokl.services.weightstore.service import add_weight_store
 from zerokl.services.weightstore.store import VersionStore
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_ROOT", "build_parser", "backend_from_args", "main"]
+__all__ = ["DEFAULT_PORT", "DEFAULT_ROOT", "build_parser", "backend_from_args", "cache_dir_from_args", "main"]
 
 DEFAULT_PORT = 50055
 DEFAULT_ROOT = os.environ.get("ZEROKL_WEIGHTS_DIR", "~/.zerokl/weights")
@@ -38,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--s3-prefix", default="", help="key prefix inside the bucket, ending in '/'")
     g.add_argument("--s3-region", default=None, help="S3 region (default: the SDK's own resolution)")
     g.add_argument("--s3-insecure", action="store_true", help="plain HTTP to the S3 endpoint")
+    c = p.add_argument_group("decoded-shard cache (accepting or reading a delta decodes one layer, not its chain)")
+    c.add_argument("--cache-dir", default=None,
+                   help="local directory of the newest decoded version of each shard (default: ROOT/.decoded for "
+                        "--root; a directory under the system temp dir named after the bucket for S3)")
+    c.add_argument("--cache-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="at most this many bytes in the cache (default %(default)s; 0: no cache)")
     r = p.add_argument_group("retention")
     r.add_argument("--keep-last", type=int, default=None,
                    help="after each publish keep only the newest N unpinned versions (default: keep all)")
@@ -64,12 +74,25 @@ def backend_from_args(args: argparse.Namespace) -> StorageBackend:
     return LocalDirBackend(args.root)
 
 
+def cache_dir_from_args(args: argparse.Namespace, backend: StorageBackend) -> pathlib.Path | None:
+    """Where the decoded-shard cache goes: ``--cache-dir``, else the backend's scratch directory, else (a bucket) a
+    directory of the system temp dir named after where the data lives, so a restart on this host finds it."""
+    if args.cache_dir:
+        return pathlib.Path(args.cache_dir).expanduser()
+    scratch = backend.scratch_dir()
+    if scratch is not None:
+        return scratch
+    where = hashlib.sha256(backend.describe().encode()).hexdigest()[:16]
+    return pathlib.Path(tempfile.gettempdir()) / f"zerokl-weight-store-{where}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the weight store until SIGTERM/SIGINT; returns the exit status."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     options = options_from_args(args)
     backend = backend_from_args(args)
-    store = VersionStore(backend, keep_last=args.keep_last, upload_ttl_s=args.upload_ttl)
+    store = VersionStore(backend, keep_last=args.keep_last, upload_ttl_s=args.upload_ttl,
+                         cache_dir=cache_dir_from_args(args, backend), cache_bytes=args.cache_bytes)
     identity = ServiceIdentity("weight-store", args.replica_id or default_replica_id("weight-store"))
 
     def setup(server: ServiceServer) -> None:

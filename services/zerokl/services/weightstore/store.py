@@ -28,9 +28,16 @@ manifest, then every stored shard no version or open upload needs any more, foll
 delta bases (mark and sweep, :meth:`VersionStore.sweep`): the bytes of a deleted version
 that a later version's delta reads stay until that version goes too, and its name cannot
 be published again meanwhile.
+
+Decoding a chain costs a layer per delta; the store keeps the newest decoded bytes of each
+shard name in a local cache (:mod:`.cache`, files under the backend's scratch directory or
+``cache_dir``), so accepting the next delta, or reading the newest version, reads one layer
+whatever the depth. The cache only stands in for bytes the backend holds: a miss (a restart
+on a wiped disk) decodes the chain, and no byte from it is accepted or served unchecked.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime as dt
 import hashlib
@@ -62,11 +69,13 @@ from zerokl.services.runtime.errors import (
     NotFound,
     PreconditionViolation,
 )
+from zerokl.services.runtime.metrics import WEIGHTSTORE_DECODED_CACHE, WEIGHTSTORE_DELTA_LAYERS
 from zerokl.services.weightstore import delta
 from zerokl.services.weightstore.backends import ObjectMissing, StorageBackend
+from zerokl.services.weightstore.cache import DEFAULT_MAX_BYTES, DecodedCache, EntryWriter
+from zerokl.services.weightstore.versions import LATEST, WeightsVersion, validate_name
 
 __all__ = [
-    "LATEST",
     "MANIFEST_FORMAT",
     "ShardInfo",
     "VersionSpec",
@@ -79,37 +88,17 @@ __all__ = [
     "ShardWriter",
     "ShardFileWriter",
     "VersionStore",
-    "validate_version",
-    "validate_name",
     "file_sha256",
 ]
 
-LATEST = "latest"
 MANIFEST_FORMAT = "zerokl.weights/1"
 FETCHED_MANIFEST = "zerokl_manifest.json"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
-
-
-def validate_name(value: str, what: str) -> str:
-    """A version id, shard name or pin owner: 1-128 of ``[A-Za-z0-9._-]``, starting alphanumeric."""
-    if not _NAME.fullmatch(value or ""):
-        raise InvalidArgument.field(what, f"{value!r} is not 1-128 characters of [A-Za-z0-9._-] starting "
-                                          "with a letter or digit")
-    return value
-
-
-def validate_version(version: str, what: str = "version") -> str:
-    """A version id; ``latest`` is reserved (it names the newest version in reads)."""
-    validate_name(version, what)
-    if version == LATEST:
-        raise InvalidArgument.field(what, f"{LATEST!r} is reserved")
-    return version
 
 
 def _validate_upload_id(upload_id: str) -> str:
@@ -165,7 +154,7 @@ class VersionSpec:
     def validate(self) -> None:
         """Raise :class:`InvalidArgument` for a malformed spec."""
         if self.parent_version:
-            validate_version(self.parent_version, "parent_version")
+            WeightsVersion.validate(self.parent_version, "parent_version")
         if self.step is not None and self.step < 0:
             raise InvalidArgument.field("step", f"{self.step} is negative")
         if not isinstance(self.model_config, Mapping):
@@ -292,6 +281,18 @@ class GcResult:
     expired_uploads: tuple[str, ...]
 
 
+@dataclass
+class _Trace:
+    """One decode of a shard: whether it may read the cache of decoded shards (and hash an entry it has not
+    seen before serving it), and what it did: delta layers decoded, entries read, lookups that missed."""
+
+    use_cache: bool = True
+    verify: bool = True
+    layers: int = 0
+    hits: list[tuple[str, str, str]] = field(default_factory=list)
+    misses: int = 0
+
+
 class ShardWriter:
     """Receives one shard's chunks for an upload (from :meth:`VersionStore.shard_writer`).
 
@@ -347,7 +348,7 @@ class ShardWriter:
             raise DataLoss(f"shard {decl.name}: received bytes hash to {got}, declared {want}; "
                            "the shard was reset, upload it again from offset 0")
         if decl.base:
-            store._check_delta(self._upload_id, key, decl, store._backend.iter_staged(self._prefix))
+            store._check_delta(self._upload_id, key, decl, lambda: store._backend.iter_staged(self._prefix))
         try:
             store._backend.commit_staged(self._prefix, key, decl.sent_size)
         except ValueError as err:
@@ -411,10 +412,16 @@ class VersionStore:
     collection drops unpublished uploads older than this. Mutations are
     serialized within this process; across processes, uploads of different
     versions never touch the same keys.
+
+    ``cache_dir``: where the cache of decoded shards lives (:mod:`.cache`; default: the backend's
+    :meth:`~.backends.StorageBackend.scratch_dir`, none for a bucket); ``cache_bytes``: its budget (0: no
+    cache). :attr:`delta_stats` counts delta layers decoded (``accept_layers``, ``read_layers``) and cache
+    lookups (``cache_hit``, ``cache_miss``, ``cache_rejected``).
     """
 
     def __init__(self, backend: StorageBackend, *, keep_last: int | None = None,
-                 upload_ttl_s: float = 7 * 24 * 3600, clock: Callable[[], dt.datetime] = _now) -> None:
+                 upload_ttl_s: float = 7 * 24 * 3600, clock: Callable[[], dt.datetime] = _now,
+                 cache_dir: str | os.PathLike[str] | None = None, cache_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         self._backend = backend
@@ -422,6 +429,11 @@ class VersionStore:
         self.upload_ttl_s = upload_ttl_s
         self._clock = clock
         self._lock = threading.RLock()
+        directory = cache_dir if cache_dir is not None else backend.scratch_dir()
+        self.delta_stats: collections.Counter[str] = collections.Counter()
+        self._stats_lock = threading.Lock()     # shards are accepted in threads of their own
+        self.cache = DecodedCache(directory, cache_bytes, self._cache_rejected) \
+            if directory is not None and cache_bytes > 0 else None
 
     @property
     def backend(self) -> StorageBackend:
@@ -495,7 +507,7 @@ class VersionStore:
             if newest is None:
                 raise NotFound("no version is published yet")
             return newest
-        manifest = self._load_manifest(validate_version(version))
+        manifest = self._load_manifest(WeightsVersion.validate(version))
         if manifest is None:
             raise NotFound(f"version {version} is not published")
         return manifest
@@ -524,12 +536,24 @@ class VersionStore:
                 close()
         raise ValueError(f"{key} ends inside its delta header")
 
-    def _content(self, version: str, name: str, is_delta: bool | None = None, depth: int = 0) -> Iterator[bytes]:
+    def _content(self, version: str, name: str, is_delta: bool | None = None, depth: int = 0,
+                 sha256: str = "", trace: "_Trace | None" = None) -> Iterator[bytes]:
         """The whole bytes of shard ``name`` as stored for ``version`` (whole, or a delta decoded over its base's
         content), unverified: the caller checks the sha256. ``is_delta`` None: look which object exists (a
-        delta's base, whose manifest may be gone). ObjectMissing / ValueError when the store cannot make it."""
+        delta's base, whose manifest may be gone). ObjectMissing / ValueError when the store cannot make it.
+
+        With a ``trace`` that allows it, the bytes come from the cache of decoded shards where it holds this
+        shard (``sha256``: its bytes'), or the first base down the chain it holds: one layer, not the chain.
+        ``trace`` counts the layers decoded and the cache entries read."""
         if depth > delta.MAX_DEPTH:
             raise ValueError(f"shard {name} of {version} sits on more than {delta.MAX_DEPTH} deltas")
+        if trace is not None and trace.use_cache and sha256 and self.cache is not None:
+            f = self.cache.open(version, name, sha256, verify=trace.verify)
+            if f is not None:
+                trace.hits.append((version, name, sha256))
+                yield from self.cache.read(f)
+                return
+            trace.misses += 1
         key = self._delta_key(version, name)
         if is_delta is None:
             is_delta = self._backend.stat(key) is not None
@@ -537,8 +561,34 @@ class VersionStore:
             yield from self._backend.iter_read(self._shard_key(version, name), 0, delta.FRAME)
             return
         header = self._delta_header(key)
-        yield from delta.decode(self._content(header.base.version, header.base.name, None, depth + 1),
+        if trace is not None:
+            trace.layers += 1
+        yield from delta.decode(self._content(header.base.version, header.base.name, None, depth + 1,
+                                              header.base.sha256, trace),
                                 self._backend.iter_read(key, 0, delta.FRAME))
+
+    def _count(self, trace: "_Trace", purpose: str) -> None:
+        """Add what ``trace`` saw to :attr:`delta_stats` and the process's metrics."""
+        with self._stats_lock:
+            self.delta_stats.update({f"{purpose}_layers": trace.layers, "cache_hit": len(trace.hits),
+                                     "cache_miss": trace.misses})
+        WEIGHTSTORE_DELTA_LAYERS.labels(purpose).inc(trace.layers)
+        if trace.hits:
+            WEIGHTSTORE_DECODED_CACHE.labels("hit").inc(len(trace.hits))
+        if trace.misses:
+            WEIGHTSTORE_DECODED_CACHE.labels("miss").inc(trace.misses)
+
+    def _cache_rejected(self, version: str, name: str) -> None:
+        with self._stats_lock:
+            self.delta_stats["cache_rejected"] += 1
+        WEIGHTSTORE_DECODED_CACHE.labels("rejected").inc()
+
+    def _cache_was_wrong(self, trace: "_Trace") -> bool:
+        """After a decode over cached bytes did not give the declared file: check the entries it read (dropping
+        a wrong one); True when one was wrong (decode again, through the chain)."""
+        if self.cache is None or not trace.hits:
+            return False
+        return not all([self.cache.check(*hit) for hit in trace.hits])
 
     def iter_shard(self, version: str, name: str, offset: int = 0,
                    chunk_size: int = MAX_CHUNK_BYTES) -> Iterator[Chunk]:
@@ -555,10 +605,17 @@ class VersionStore:
             raise InvalidArgument.field("offset", f"{offset} is outside 0..{shard.size} (size of {name})")
         h = hashlib.sha256()
         seen = 0
+        trace = _Trace()
+        # A delta decoded through its chain (the cache did not hold it: a restart, a wiped disk) fills the cache
+        # for the next reader, unless the name has an entry already (the newest accepted version's).
+        entry: EntryWriter | None = self.cache.writer(manifest.version, name, shard.sha256, shard.size, replace=False) \
+            if self.cache is not None and shard.base else None
 
         def tail() -> Iterator[bytes]:
             nonlocal seen
-            for piece in self._content(manifest.version, name, bool(shard.base)):
+            for piece in self._content(manifest.version, name, bool(shard.base), 0, shard.sha256, trace):
+                if entry is not None and not trace.hits:
+                    entry.write(piece)
                 h.update(piece)
                 start = seen
                 seen += len(piece)
@@ -571,18 +628,29 @@ class VersionStore:
         pending: Chunk | None = None
         position = offset
         try:
-            for data in rechunk(tail(), chunk_size):
-                if pending is not None:
-                    yield pending
-                pending = make_chunk(position, data, shard.size)
-                position += len(data)
-        except ObjectMissing:
-            raise DataLoss(f"shard {name} of version {manifest.version} is missing from storage") from None
-        except ValueError as err:   # a delta that does not decode over its base
-            raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: {err}") from None
-        if seen != shard.size or h.hexdigest() != shard.sha256:
-            raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: its bytes do not match "
-                           f"the manifest sha256 {shard.sha256}; it will not be served")
+            try:
+                for data in rechunk(tail(), chunk_size):
+                    if pending is not None:
+                        yield pending
+                    pending = make_chunk(position, data, shard.size)
+                    position += len(data)
+            except ObjectMissing:
+                raise DataLoss(f"shard {name} of version {manifest.version} is missing from storage") from None
+            except ValueError as err:   # a delta that does not decode over its base
+                self._cache_was_wrong(trace)
+                raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: {err}") from None
+            finally:
+                self._count(trace, "read")
+            if seen != shard.size or h.hexdigest() != shard.sha256:
+                # A cache entry that changed behind this process's back is dropped: a retry reads the chain.
+                self._cache_was_wrong(trace)
+                raise DataLoss(f"shard {name} of version {manifest.version} is corrupt: its bytes do not match "
+                               f"the manifest sha256 {shard.sha256}; it will not be served")
+            if entry is not None and not trace.hits:
+                entry.commit()
+        finally:
+            if entry is not None:
+                entry.abort()       # (a no-op once committed)
         yield pending if pending is not None else make_chunk(offset, b"", shard.size)
 
     def fetch(self, version: str, dest: str | os.PathLike[str]) -> WeightsManifest:
@@ -658,7 +726,7 @@ class VersionStore:
 
         :class:`AlreadyExists` when the version is already published.
         """
-        validate_version(version)
+        WeightsVersion.validate(version)
         with self._lock:
             if self._load_manifest(version) is not None:
                 raise AlreadyExists(f"version {version} is already published")
@@ -687,7 +755,7 @@ class VersionStore:
         if size < 0:
             raise InvalidArgument.field("size", f"{size} is negative")
         if as_delta is not None:
-            validate_version(as_delta.base, "base_version")
+            WeightsVersion.validate(as_delta.base, "base_version")
             _validate_sha256(as_delta.sha256)
             if as_delta.size <= 0:
                 raise InvalidArgument.field("delta_size", f"{as_delta.size}: a delta object holds at least its header")
@@ -723,34 +791,64 @@ class VersionStore:
         assert info is not None
         return info
 
-    def _check_delta(self, upload_id: str, key: str, decl: ShardStatus, staged: Iterable[bytes]) -> None:
-        """A received delta decodes, against the base the store holds, to the file declared; DataLoss (the
-        shard reset) otherwise."""
+    def _check_delta(self, upload_id: str, key: str, decl: ShardStatus,
+                     staged: Callable[[], Iterable[bytes]]) -> None:
+        """A received delta (``staged()``: its bytes) decodes, against the base the store holds, to the file
+        declared; DataLoss (the shard reset) otherwise.
+
+        The base comes from the cache of decoded shards where it holds it (one layer to decode, not the chain);
+        the file decoded, checked, replaces it there (the next version's delta reads it). A decode over a cached
+        base that does not give the declared file checks that entry, and decodes through the chain when the
+        entry was wrong: a cached byte never decides whether a delta is accepted."""
         def fail(why: str) -> NoReturn:
             self._reset_shard(upload_id, key, decl.name)
             raise DataLoss(f"shard {decl.name}: the delta against {decl.base} {why}; the shard was reset, "
                            "upload it again from offset 0 (or whole)")
         base = decl.base_info
         assert base is not None
-        pieces = iter(staged)
+        pieces = iter(staged())
         first = next(pieces, b"")
         try:
-            header = delta.read_header(first if len(first) >= 12 and len(first) >= delta.header_size(first)
-                                       else first + b"".join(pieces))
+            in_first = len(first) >= 12 and len(first) >= delta.header_size(first)
+            header = delta.read_header(first if in_first else first + b"".join(pieces))
         except (ValueError, struct.error) as err:
             fail(f"is malformed ({err})")
         if header.base != delta.DeltaBase(decl.base, decl.name, base.size, base.sha256) or header.size != decl.size:
             fail(f"names another base or size ({header.base}, {header.size} bytes)")
-        h, seen = hashlib.sha256(), 0
-        try:
-            staged_again = itertools.chain([first], pieces)
-            for piece in delta.decode(self._content(decl.base, decl.name, bool(base.base)), staged_again):
-                h.update(piece)
-                seen += len(piece)
-        except (ValueError, ObjectMissing) as err:
-            fail(f"does not decode ({err})")
-        if (seen, h.hexdigest()) != (decl.size, decl.sha256):
-            fail(f"decodes to {seen} bytes hashing to {h.hexdigest()}, not the {decl.size} declared with {decl.sha256}")
+        version, _ = self._read_upload(upload_id)
+
+        def decoded(trace: _Trace, delta_bytes: Iterable[bytes]) -> tuple[int, str, str, EntryWriter | None]:
+            """(bytes, sha256, error) of the file the delta decodes to, and a cache entry of it, uncommitted."""
+            h, seen, error = hashlib.sha256(), 0, ""
+            entry = self.cache.writer(version, decl.name, decl.sha256, decl.size) if self.cache is not None else None
+            try:
+                for piece in delta.decode(self._content(decl.base, decl.name, bool(base.base), 0, base.sha256, trace),
+                                          delta_bytes):
+                    h.update(piece)
+                    seen += len(piece)
+                    if entry is not None:
+                        entry.write(piece)
+            except (ValueError, ObjectMissing) as err:
+                error = str(err)
+            finally:
+                trace.layers += 1       # the received delta itself
+                self._count(trace, "accept")
+            return seen, h.hexdigest(), error, entry
+
+        trace = _Trace(verify=False)    # the result is checked whole: an entry is not hashed first
+        seen, got, error, entry = decoded(trace, itertools.chain([first], pieces) if in_first else staged())
+        if (error or (seen, got) != (decl.size, decl.sha256)) and self._cache_was_wrong(trace):
+            if entry is not None:
+                entry.abort()
+            seen, got, error, entry = decoded(_Trace(use_cache=False), staged())
+        if error or (seen, got) != (decl.size, decl.sha256):
+            if entry is not None:
+                entry.abort()
+            if error:
+                fail(f"does not decode ({error})")
+            fail(f"decodes to {seen} bytes hashing to {got}, not the {decl.size} declared with {decl.sha256}")
+        if entry is not None:
+            entry.commit()
 
     def shard_writer(self, upload_id: str, name: str, size: int, sha256: str,
                      as_delta: DeltaSpec | None = None) -> ShardWriter:
@@ -912,7 +1010,7 @@ class VersionStore:
     def delete(self, version: str) -> None:
         """Delete a published version: :class:`FailedPrecondition` while pinned, :class:`NotFound` if absent."""
         with self._lock:
-            self.get_manifest(validate_version(version))
+            self.get_manifest(WeightsVersion.validate(version))
             owners = self.pins(version)
             if owners:
                 raise FailedPrecondition(
@@ -972,7 +1070,7 @@ class VersionStore:
         """Keep ``version`` from deletion until ``owner`` unpins it (idempotent)."""
         validate_name(owner, "owner")
         with self._lock:
-            manifest = self.get_manifest(validate_version(version))
+            manifest = self.get_manifest(WeightsVersion.validate(version))
             self._backend.put_bytes(f"pins/{version}/{owner}", json.dumps(
                 {"created_at": self._clock().isoformat()}).encode())
             return VersionEntry(manifest, self.pins(version))
@@ -981,7 +1079,7 @@ class VersionStore:
         """Release ``owner``'s pin (idempotent)."""
         validate_name(owner, "owner")
         with self._lock:
-            manifest = self.get_manifest(validate_version(version))
+            manifest = self.get_manifest(WeightsVersion.validate(version))
             self._backend.delete(f"pins/{version}/{owner}")
             return VersionEntry(manifest, self.pins(version))
 
