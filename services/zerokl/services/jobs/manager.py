@@ -74,6 +74,7 @@ from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.service import check_train_config, dpo_pair_violations, pin_owner
 from zerokl.services.trainer.trainer import MAX_LR, TrainConfig
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
@@ -792,16 +793,9 @@ class _TrainerSession:
         own: a trainer that restarts before then comes back on an older durable version, and the job fails
         saying so (the store lost nothing; the next job starts from that version)."""
         manifest, created, shared = self._call(self.client.share_weights())
-        if created and manifest.version != self.served:
-            self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
-        try:
-            self._switch_fleet(manifest.version, shared)
-        except CanaryFailed as err:
-            self._reject(manifest.version, err)
-        self.unswitched = ""
-        self.weights_version = manifest.version
-        self.unrecorded.append(manifest.version)    # (a version the store holds already lands at once)
-        self.durability.shared(manifest.version, 0, checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
+        # this job's own when created: a failure before the fleet serves it deletes it
+        self._serve_shared(manifest, shared, own=created and manifest.version != self.served, step=0,
+                           checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
@@ -1116,7 +1110,16 @@ class _TrainerSession:
         canary; the serving bytes shared, the perf_counter time the trainer answered, and their checksum."""
         manifest, _, shared = self._call(self.client.share_weights(weights_only=weights_only))
         exported = time.perf_counter()
-        if manifest.version != self.weights_version:
+        self._serve_shared(manifest, shared, own=manifest.version != self.weights_version,
+                           step=self.trainer_step - self.base_step, checkpoint=not weights_only)
+        return int(shared.total_bytes), exported, shared.checksum
+
+    def _serve_shared(self, manifest: WeightsManifest, shared: SharedExport, *, own: bool, step: int,
+                      checkpoint: bool) -> None:
+        """The fleet switched to a version the trainer shared in place (``own``: saved for this job, deleted if
+        its canary fails, with the trainer rolled back); its record left to land in the background (a version
+        the store holds already lands at once) and counted for the job's durability reports."""
+        if own:
             self.unswitched = manifest.version
         try:
             self._switch_fleet(manifest.version, shared)
@@ -1125,8 +1128,7 @@ class _TrainerSession:
         self.unswitched = ""
         self.weights_version = manifest.version
         self.unrecorded.append(manifest.version)
-        self.durability.shared(manifest.version, self.trainer_step - self.base_step, checkpoint=not weights_only)
-        return int(shared.total_bytes), exported, shared.checksum
+        self.durability.shared(manifest.version, step, checkpoint=checkpoint)
 
     def await_records(self, keep: int = 0) -> None:
         """Wait for the store's records of the versions shared, oldest first, until at most ``keep`` are
