@@ -12,7 +12,7 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import has_fp8_masters, is_fp8, numerics_dtype, quantize_fp8
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.vocab import Completion, Rollout
+from zerokl.vocab import Completion, Rollout, SamplingOptions
 
 from conftest import below_16, engine_rollouts
 
@@ -182,7 +182,8 @@ def test_an_fp8_trainer_with_a_kl_reference_resumes_and_the_local_ports_serve_it
     port = LocalTrainerPort(trainer)
     engine = LocalEnginePort(port, CountdownTokenizer())
     for step in range(2):
-        groups = engine.generate(_prompts(2, step), 2, 6, 1.0, 1.0, seed=step, weights_version=port.weights_version)
+        options = SamplingOptions(temperature=1.0, top_p=1.0, max_tokens=6, n=2, seed=step)
+        groups = engine.generate(_prompts(2, step), options, weights_version=port.weights_version)
         rollouts = [Rollout(Completion(s.prompt_ids, s.completion_ids), s.logprobs, below_16(s.completion_ids))
                     for g in groups for s in g]
         m = port.grpo_step(rollouts, 2)
