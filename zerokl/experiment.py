@@ -335,17 +335,21 @@ def _sft_recipe(args: argparse.Namespace, preset: str) -> tuple:
 
 
 def _data(s: Setting, state_dir: pathlib.Path):  # noqa: ANN202
-    """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw)."""
+    """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw).
+
+    The test problems are the --eval-prompts the evaluations read (draws are prefix-stable: the first
+    k test problems are the same whatever the count drawn; 4-number trace problems are slow to draw)."""
     from zerokl.tokenizer import CountdownTokenizer
     from zerokl.tasks.countdown import Problem
     from zerokl.tasks.setup import countdown_data
     trace = "-trace" if s.answers == "trace" else ""
-    path = state_dir / f"problems-{s.difficulty}{trace}-seed{s.seed}-{s.train_problems}.json"
+    n_test = max(1, s.eval_prompts)
+    path = state_dir / f"problems-{s.difficulty}{trace}-seed{s.seed}-{s.train_problems}-{n_test}.json"
     if path.exists():
         d = json.loads(path.read_text())
         load = lambda rows: [Problem(tuple(r[0]), r[1], r[2]) for r in rows]  # noqa: E731
         return load(d["train"]), load(d["test"]), CountdownTokenizer()
-    train, test, tok = countdown_data(s.seed, s.train_problems, difficulty=s.difficulty, answers=s.answers)
+    train, test, tok = countdown_data(s.seed, s.train_problems, n_test, difficulty=s.difficulty, answers=s.answers)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")        # processes of one run may draw it at once
     tmp.write_text(json.dumps({k: [[list(p.numbers), p.target, p.solution] for p in v]

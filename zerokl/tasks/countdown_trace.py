@@ -84,7 +84,7 @@ def trace_problems(n: int, seed: int = 0, split: str = "train", **distribution) 
     is TRACE_TOKENS long (deterministic: generate_problems' draws are a prefix-stable sequence).
     Raises ValueError when the distribution holds too few."""
     lo, hi = TRACE_TOKENS
-    draws = 12 * n + 100
+    draws = 16 * n + 200                # about 8% of 4-number draws qualify: one pass, as a rule
     while True:
         drawn = generate_problems(draws, seed, split=split, **distribution)
         kept = [p for p in drawn if lo <= trace_tokens(p) <= hi]
