@@ -206,8 +206,9 @@ def test_reinforce_with_the_routing_flip_arm_and_masked_is_on_search_trace_answe
     """CI's CPU smoke of a map cell (`--cell reinforce-router-trace`: REINFORCE without a clip; rollouts whose
     MoE routers run in bf16; sequence-level masked IS; search-trace answers on 4-number problems) at toy
     scale: the zerokl arm exact at every step, the routing-flip arm's flipped router decisions measured."""
-    assert experiment.main([*TOY, "--cell", "reinforce-router-trace", *SFT, "--sft-steps", "2", "--steps", "2",
-                            "--max-tokens", "12", "--train-problems", "60", "--out", str(tmp_path)]) == 0
+    assert experiment.main([*TOY, "--cell", "reinforce-router-trace", *SFT, "--sft-steps", "1", "--sft-batch", "2",
+                            "--steps", "2", "--max-tokens", "12", "--train-problems", "60",
+                            "--out", str(tmp_path)]) == 0
     arms = _metrics(tmp_path)
     assert set(arms) == {"zerokl", "mismatch-router", "mismatch-router-seq-mis"}
     _telemetry_is_recorded(arms)

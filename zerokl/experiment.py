@@ -68,8 +68,8 @@ from zerokl.kernels.dtypes import to_dtype
 from zerokl.services.trainer.losses import ESTIMATORS, PolicyObjective
 from zerokl.tasks.setup import ANSWERS
 
-__all__ = ["ARMS", "CELLS", "INCOMPLETE", "NUMERICS", "Numerics", "add_arguments", "main", "parse_arm", "run", "run_arm",
-           "sft_warm_start", "trend", "write_report"]
+__all__ = ["ARMS", "CELLS", "INCOMPLETE", "NUMERICS", "Numerics", "add_arguments", "main", "parse_arm", "run",
+           "run_arm", "sft_warm_start", "trend", "write_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +125,8 @@ CELLS: dict[str, tuple[str, list[str]]] = {
                       ["--estimator", "reinforce", "--arms", f"{_FP8},mismatch-fp8-mis,mismatch-fp8-seq-mis",
                        "--answers", "short", "--lr", "1e-5"]),
     "gspo-fp8": ("GSPO (sequence-level ratio), FP8 rollouts with a bf16 trainer, short answers, lr 1e-5",
-                 ["--estimator", "gspo", "--arms", f"{_FP8},mismatch-fp8-seq-mis", "--answers", "short", "--lr", "1e-5"]),
+                 ["--estimator", "gspo", "--arms", f"{_FP8},mismatch-fp8-seq-mis", "--answers", "short",
+                  "--lr", "1e-5"]),
     "clip-fp8-lr1e-4": ("GRPO-clip, FP8 rollouts with a bf16 trainer, short answers, lr 1e-4 (10x)",
                         ["--estimator", "grpo-clip", "--arms", f"{_FP8},mismatch-fp8-tis,mismatch-fp8-seq-mis",
                          "--answers", "short", "--lr", "1e-4"]),
@@ -555,8 +556,8 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         record["arm"], record["seed"] = arm, s.rl_seed
         if numerics.exact and (record["kl"] != 0.0 or record["mismatched_tokens"] != 0):
             # The contract, checked at every step of every zerokl arm: a broken one stops the run.
-            raise RuntimeError(f"arm {arm} step {record['step']}: KL {record['kl']!r} and {record['mismatched_tokens']} "
-                               "mismatched tokens; a zerokl arm must have KL 0.0 and none")
+            raise RuntimeError(f"arm {arm} step {record['step']}: KL {record['kl']!r} and "
+                               f"{record['mismatched_tokens']} mismatched tokens; a zerokl arm must have KL 0.0 and none")
         if on_step:
             on_step(record)
 
@@ -885,8 +886,8 @@ def run(args: argparse.Namespace) -> int:
     elif data is not None:
         for name, arm, k in units:
             su = _setting(args, rl_seed=k)
-            records, done = run_arm(arm, su, device, data, state_dir, _arm_path(args, state_dir, name), args.steps, budget,
-                                    args.checkpoint_every, _step_printer(name, args.steps),
+            records, done = run_arm(arm, su, device, data, state_dir, _arm_path(args, state_dir, name), args.steps,
+                                    budget, args.checkpoint_every, _step_printer(name, args.steps),
                                     same_run=_sweep_path(state_dir, su) if arm == "zerokl" else None)
             arms[name] = records
             if not done:

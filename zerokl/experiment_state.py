@@ -38,8 +38,8 @@ from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout
 
-__all__ = ["TIMING_KEYS", "TELEMETRY_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "FlippingRouter", "RouterFlips",
-           "capture_rng", "restore_rng", "save_state", "load_state", "save_records", "load_records", "rl_step",
+__all__ = ["TIMING_KEYS", "TELEMETRY_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "FlippingRouter",
+           "RouterFlips", "capture_rng", "restore_rng", "save_state", "load_state", "save_records", "load_records", "rl_step",
            "run_steps", "policy_step"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.

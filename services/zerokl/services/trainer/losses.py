@@ -274,7 +274,8 @@ def policy_loss_terms(logprobs: torch.Tensor, behaviour: torch.Tensor, advantage
         }
         if corrected:
             terms |= {
-                "behaviour_clip_fraction": (on & ((rho < 1.0 - o.clip_eps) | (rho > 1.0 + o.clip_eps))).sum().float() / n,
+                "behaviour_clip_fraction":
+                    (on & ((rho < 1.0 - o.clip_eps) | (rho > 1.0 + o.clip_eps))).sum().float() / n,
                 "correction_dropped_fraction": dropped.sum().float() / n,
                 "correction_discarded_weight": discarded,
             }
