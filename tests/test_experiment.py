@@ -205,11 +205,12 @@ def test_fp8_arms_smoke(tmp_path):
 def test_reinforce_with_the_routing_flip_arm_and_masked_is_on_search_trace_answers(tmp_path):
     """CI's CPU smoke of a map cell (`--cell reinforce-router-trace`: REINFORCE without a clip; rollouts whose
     MoE routers run in bf16; sequence-level masked IS; search-trace answers on 4-number problems) at toy
-    scale: the zerokl arm exact at every step, the routing-flip arm's flipped router decisions measured."""
+    scale: the zerokl arm exact at every step, the routing-flip arm's flipped router decisions measured;
+    then --map assembles the map from the cells run into one folder (this one)."""
+    out = tmp_path / "reinforce-router-trace"
     assert experiment.main([*TOY, "--cell", "reinforce-router-trace", *SFT, "--sft-steps", "1", "--sft-batch", "2",
-                            "--steps", "2", "--max-tokens", "12", "--train-problems", "60",
-                            "--out", str(tmp_path)]) == 0
-    arms = _metrics(tmp_path)
+                            "--steps", "2", "--max-tokens", "12", "--train-problems", "60", "--out", str(out)]) == 0
+    arms = _metrics(out)
     assert set(arms) == {"zerokl", "mismatch-router", "mismatch-router-seq-mis"}
     _telemetry_is_recorded(arms)
     for rec in arms["zerokl"]:
@@ -217,14 +218,19 @@ def test_reinforce_with_the_routing_flip_arm_and_masked_is_on_search_trace_answe
     flips = [rec["router_flip_fraction"] for rec in arms["mismatch-router"] + arms["mismatch-router-seq-mis"]]
     assert all(0.0 <= f < 0.5 for f in flips) and any(f > 0.0 for f in flips)
     assert all(rec["router_decisions"] > 0 for rec in arms["mismatch-router"])
-    run = json.loads((tmp_path / "run.json").read_text())
+    run = json.loads((out / "run.json").read_text())
     assert run["setting"]["estimator"] == "reinforce" and run["setting"]["answers"] == "trace"
     assert run["setting"]["difficulty"] == "hard" and run["setting"]["max_tokens"] == 12      # the flag after the cell
-    report = (tmp_path / "report.md").read_text()
+    report = (out / "report.md").read_text()
     assert "- cell: reinforce-router-trace:" in report and "Stability telemetry" in report
-    assert (tmp_path / "state" / "cells" / "reinforce-router-trace" / "arm-zerokl.pt").exists()
-    sft = json.loads((tmp_path / "sft.json").read_text())
+    assert (out / "state" / "cells" / "reinforce-router-trace" / "arm-zerokl.pt").exists()
+    sft = json.loads((out / "sft.json").read_text())
     assert sft["recipe"]["answers"] == "trace"
+    assert experiment.main(["countdown", "--map", str(tmp_path)]) == 0
+    table = (tmp_path / "map.md").read_text()
+    assert re.search(r"\| reinforce-router-trace \| mismatch-router \| 1 × 2 \| [+-]\d\.\d{3} ± ", table)
+    assert "| reinforce-router-trace | mismatch-router-seq-mis | 1 × 2 |" in table
+    assert "| clip-bf16 | not run |" in table and (tmp_path / "map.png").stat().st_size > 0
 
 
 def test_gspo_over_two_rl_seeds_reports_mean_and_standard_error(tmp_path):

@@ -69,7 +69,7 @@ from zerokl.services.trainer.losses import ESTIMATORS, PolicyObjective
 from zerokl.tasks.setup import ANSWERS
 
 __all__ = ["ARMS", "CELLS", "INCOMPLETE", "NUMERICS", "Numerics", "add_arguments", "main", "parse_arm", "run",
-           "run_arm", "sft_warm_start", "trend", "write_report"]
+           "run_arm", "sft_warm_start", "trend", "write_map", "write_report"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +198,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="a cell of the map: its estimator, arms, answers and learning rate (flags given after it "
                          "override them); --grid lists the cells")
     ap.add_argument("--grid", action="store_true", help="print the map's cells and their commands, and exit")
+    ap.add_argument("--map", default=None, metavar="DIR",
+                    help="instead of running: the map of the cells run into DIR/CELL (--out of each cell's command) "
+                         "as DIR/map.md and DIR/map.png")
     ap.add_argument("--difficulty", default="demo", help="problem distribution (zerokl.tasks.setup.DIFFICULTIES)")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per arm (raise it to extend a finished run)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (default %(default)s)")
@@ -648,46 +651,144 @@ def _stability_rows(arms: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
+def _partner(arm: str) -> str:
+    """The zerokl arm a mismatched arm pairs with (same seeds): zerokl-fp8 for FP8 rollouts."""
+    return "zerokl-fp8" if parse_arm(arm)[0].endswith("fp8") else "zerokl"
+
+
+def _mean_se(xs: list[float], single_se: float = float("nan")) -> tuple[float, float]:
+    """(mean, standard error): std / √n over several values; `single_se` for one."""
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, single_se
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def _arm_stats(records: list[dict]) -> dict[str, dict]:
+    """Per arm of a run's metrics lines: its seeds, reward rise, last greedy test accuracy and largest grad
+    norm as (mean, s.e.) over seeds, the largest |log ratio| and mean |KL|, and "diff": its reward rise
+    minus its zerokl partner's on the same seeds (None for a zerokl arm). With one seed the s.e. is the
+    rise's own under the step-to-step noise (trend), and the difference's combines both arms' (as if
+    independent: the pair shares its samples until they part, so this overstates it)."""
+    by_arm: dict[str, dict[int, list[dict]]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {}).setdefault(r.get("seed", 0), []).append(r)
+    trends = {arm: {k: trend([r["reward"] for r in rs]) for k, rs in seeds.items()} for arm, seeds in by_arm.items()}
+    stats: dict[str, dict] = {}
+    for arm, seeds in by_arm.items():
+        t = trends[arm]
+        accs = [[r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None] for rs in seeds.values()]
+        stats[arm] = {
+            "seeds": sorted(seeds), "steps": min(len(rs) for rs in seeds.values()),
+            "rise": _mean_se([x["rise"] for x in t.values()], next(iter(t.values()))["se"]),
+            "acc": _mean_se([a[-1] for a in accs if a]),
+            "grad": _mean_se([max(r["grad_norm"] for r in rs) for rs in seeds.values()]),
+            "log_ratio": max(r.get("max_abs_log_ratio", 0.0) for rs in seeds.values() for r in rs),
+            "abs_kl": sum(abs(r["kl"]) for rs in seeds.values() for r in rs) / sum(len(rs) for rs in seeds.values()),
+            "flips": _mean_se([r["router_flip_fraction"] for rs in seeds.values() for r in rs
+                               if "router_flip_fraction" in r]),
+            "diff": None}
+    for arm in stats:
+        z = _partner(arm)
+        if arm == z or z not in trends:
+            continue
+        common = sorted(set(trends[arm]) & set(trends[z]))
+        if common:
+            single = math.hypot(trends[arm][common[0]]["se"], trends[z][common[0]]["se"])
+            stats[arm]["diff"] = _mean_se([trends[arm][k]["rise"] - trends[z][k]["rise"] for k in common], single)
+    return stats
+
+
+def _pm(x: tuple[float, float], fmt: str = "+.3f") -> str:
+    return "-" if math.isnan(x[0]) else f"{x[0]:{fmt}} ± {x[1]:.3f}"
+
+
 def _seed_rows(arms: dict[str, list[dict]]) -> list[str]:
     """With several RL seeds: per arm, the mean over seeds ± its standard error (std / √seeds) of the
     reward rise, the last greedy test accuracy and the largest gradient norm; and each arm's
     difference to its zerokl partner (same seeds) with the s.e. of that difference."""
-    by_arm: dict[str, dict[int, list[dict]]] = {}
-    for rs in arms.values():
-        for r in rs:
-            by_arm.setdefault(r["arm"], {}).setdefault(r.get("seed", 0), []).append(r)
-    if not any(len(seeds) > 1 for seeds in by_arm.values()):
+    stats = _arm_stats([r for rs in arms.values() for r in rs])
+    if not any(len(st["seeds"]) > 1 for st in stats.values()):
         return []
-
-    def per_seed(arm: str) -> dict[str, dict[int, float]]:
-        out: dict[str, dict[int, float]] = {"rise": {}, "acc": {}, "grad": {}}
-        for k, rs in by_arm[arm].items():
-            out["rise"][k] = trend([r["reward"] for r in rs])["rise"]
-            accs = [r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None]
-            if accs:
-                out["acc"][k] = accs[-1]
-            out["grad"][k] = max(r["grad_norm"] for r in rs)
-        return out
-
-    def mean_se(xs: list[float]) -> str:
-        if not xs:
-            return "-"
-        m = sum(xs) / len(xs)
-        se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else float("nan")
-        return f"{m:+.3f} ± {se:.3f}"
-
-    stats = {arm: per_seed(arm) for arm in by_arm}
     rows = ["| arm | seeds | reward rise (mean ± s.e. over seeds) | last greedy test accuracy | largest grad norm | "
             "reward rise minus the zerokl partner's (same seeds) |", "|---|---|---|---|---|---|"]
     for arm, st in stats.items():
-        partner = "zerokl-fp8" if parse_arm(arm)[0].endswith("fp8") else "zerokl"
-        diff = "-"
-        if arm != partner and partner in stats:
-            common = sorted(set(st["rise"]) & set(stats[partner]["rise"]))
-            diff = mean_se([st["rise"][k] - stats[partner]["rise"][k] for k in common])
-        rows.append(f"| {arm} | {len(st['rise'])} | {mean_se(list(st['rise'].values()))} | "
-                    f"{mean_se(list(st['acc'].values()))} | {mean_se(list(st['grad'].values()))} | {diff} |")
+        rows.append(f"| {arm} | {len(st['seeds'])} | {_pm(st['rise'])} | {_pm(st['acc'])} | {_pm(st['grad'])} | "
+                    f"{'-' if st['diff'] is None else _pm(st['diff'])} |")
     return rows
+
+
+def _verdict(diff: tuple[float, float]) -> str:
+    """Whether the mismatched arm's reward rise differs from its zerokl partner's beyond 2 s.e."""
+    m, se = diff
+    if math.isnan(se) or se == 0:
+        return "not measurable (one step or no noise)"
+    if m <= -2 * se:
+        return f"**lower** by {-m / se:.1f} s.e."
+    if m >= 2 * se:
+        return f"higher by {m / se:.1f} s.e."
+    return "no difference beyond 2 s.e."
+
+
+def write_map(folder: pathlib.Path) -> str:
+    """The map from the cells run into FOLDER/CELL (their metrics.jsonl): FOLDER/map.md, a row per
+    mismatched arm of each cell against its zerokl partner, and FOLDER/map.png, each cell's mean reward
+    per arm; returns map.md's text. Cells not run are listed as such."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = ["# The map: where train/inference mismatch bites (zerokl experiment countdown --map)", "",
+             "Each row: a mismatched arm of a cell against its zerokl partner, the same seeds. Reward rise: mean of "
+             "the last quarter of steps minus the first (mean ± s.e. over seeds; with one seed, the s.e. under the "
+             "step-to-step noise). The verdict compares the difference with 2 s.e.", "",
+             "| cell | arm | seeds × steps | reward rise: zerokl partner | reward rise: arm | difference | verdict | "
+             "largest grad norm: partner / arm | max abs log ratio | mean abs KL | router flips |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    curves: dict[str, dict[str, list[float]]] = {}
+    for cell in CELLS:
+        path = folder / cell / "metrics.jsonl"
+        if not path.exists():
+            lines.append(f"| {cell} | not run | | | | | | | | | |")
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        stats = _arm_stats(records)
+        for arm, st in stats.items():
+            zerokl = stats.get(_partner(arm))
+            if st["diff"] is None or zerokl is None:
+                continue
+            flips = "-" if math.isnan(st["flips"][0]) else f"{st['flips'][0]:.2%}"
+            lines.append(f"| {cell} | {arm} | {len(st['seeds'])} × {st['steps']} | {_pm(zerokl['rise'])} | "
+                         f"{_pm(st['rise'])} | {_pm(st['diff'])} | {_verdict(st['diff'])} | "
+                         f"{zerokl['grad'][0]:.3g} / {st['grad'][0]:.3g} | {st['log_ratio']:.3g} | "
+                         f"{st['abs_kl']:.3g} | {flips} |")
+        per_arm: dict[str, dict[int, list[float]]] = {}
+        for r in records:
+            per_arm.setdefault(r["arm"], {}).setdefault(r["step"], []).append(r["reward"])
+        curves[cell] = {arm: [sum(v) / len(v) for _, v in sorted(steps.items())] for arm, steps in per_arm.items()}
+    if curves:
+        n = len(curves)
+        cols = min(4, n)
+        fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5 * cols, 3.5 * ((n + cols - 1) // cols)),
+                                 squeeze=False)
+        for ax, (cell, arms) in zip(axes.flat, curves.items()):
+            for arm, ys in arms.items():
+                ax.plot(range(1, len(ys) + 1), ys, label=arm, lw=1)
+            ax.set_title(cell, fontsize=9)
+            ax.set_xlabel("RL step")
+            ax.set_ylabel("mean reward (over seeds)")
+            ax.legend(fontsize=6)
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(folder / "map.png", dpi=100)
+        plt.close(fig)
+        lines += ["", "![map](map.png)"]
+    text = "\n".join(lines) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "map.md").write_text(text)
+    return text
 
 
 def _median(xs: list[float]) -> float:
@@ -850,6 +951,9 @@ def run(args: argparse.Namespace) -> int:
     from zerokl.kernels.backend import get_backend
     if args.grid:
         print(_grid())
+        return 0
+    if args.map:
+        print(write_map(pathlib.Path(args.map)))
         return 0
     if args.cell:
         args = _with_cell(args)
