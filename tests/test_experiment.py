@@ -184,13 +184,17 @@ def test_trend_separates_a_rise_from_noise():
 
 
 def test_fp8_arms_smoke(tmp_path):
-    """CI's CPU smoke of the FP8 arms (`--arms zerokl-fp8,mismatch-fp8`, tiny, 2 steps): sampling
+    """CI's CPU smoke of the FP8 arms (`--arms zerokl-fp8,mismatch-fp8,mismatch-fp8-seq-mis`, tiny, 2 steps): sampling
     in FP8 and training on the same FP8 forward gives KL exactly 0.0 and no mismatched token at
     every step; sampling in FP8 while training in bf16 (the industry's setup) mismatches."""
     assert experiment.main([*TOY, "--start", "shipped", "--steps", "2", "--eval-every", "0",
-                            "--arms", "zerokl-fp8,mismatch-fp8", "--out", str(tmp_path)]) == 0
+                            "--arms", "zerokl-fp8,mismatch-fp8,mismatch-fp8-seq-mis", "--out", str(tmp_path)]) == 0
     arms = _metrics(tmp_path)
-    assert {a: [x["step"] for x in v] for a, v in arms.items()} == {"zerokl-fp8": [1, 2], "mismatch-fp8": [1, 2]}
+    assert {a: [x["step"] for x in v] for a, v in arms.items()} == \
+        {"zerokl-fp8": [1, 2], "mismatch-fp8": [1, 2], "mismatch-fp8-seq-mis": [1, 2]}
+    # A correction on FP8 rollouts: the same first rollouts as the uncorrected arm, the update re-weighted.
+    assert arms["mismatch-fp8-seq-mis"][0]["kl"] == arms["mismatch-fp8"][0]["kl"]
+    assert 0.0 <= arms["mismatch-fp8-seq-mis"][0]["correction_dropped_fraction"] <= 1.0
     for rec in arms["zerokl-fp8"]:
         assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["clip_fraction"] == 0.0
         assert rec["ratio_min"] == rec["ratio_max"] == 1.0
