@@ -1,4 +1,5 @@
-"""`zerokl experiment countdown`: the arms side by side, pieces that resume bitwise, the sweep, the TIS loss.
+"""`zerokl experiment countdown`: the arms side by side, pieces that resume bitwise, the sweep, the map's
+cells (estimators, corrections, the routing-flip arm, search-trace answers, RL seeds).
 
 Everything at toy size on the CPU (`tiny`, 2 prompts x 4 samples): the GPU run is the same
 command with --device cuda --preset small --dtype bfloat16 (docs/rl/gpu/README.md).
@@ -13,11 +14,23 @@ import pytest
 import torch
 
 from zerokl import experiment
-from zerokl.experiment_state import TIMING_KEYS, tis_ppo_loss
+from zerokl.experiment_state import TELEMETRY_KEYS, TIMING_KEYS
 
 TOY = ["countdown", "--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--prompts", "2", "--group", "4",
        "--eval-every", "2", "--eval-prompts", "4", "--train-problems", "300", "--max-tokens", "8"]
 SFT = ["--start", "sft", "--sft-steps", "3", "--sft-batch", "4", "--sft-eval-every", "3"]
+
+
+def _telemetry_is_recorded(arms: dict[str, list[dict]]) -> None:
+    """Every step of every arm carries the stability telemetry; a zerokl arm's says its numbers are exact."""
+    for arm, records in arms.items():
+        for rec in records:
+            assert {"grad_norm", "entropy", "max_abs_log_ratio", "low_prob_fraction"} <= set(rec), arm
+            assert math.isfinite(rec["grad_norm"]) and rec["entropy"] > 0.0 and 0.0 <= rec["low_prob_fraction"] <= 1.0
+            if arm.startswith("zerokl"):
+                assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["max_abs_log_ratio"] == 0.0
+            if "-" in arm and arm.rsplit("-", 1)[-1] in ("tis", "mis"):
+                assert {k for k in TELEMETRY_KEYS if k.startswith("correction")} <= set(rec), arm
 
 
 def _metrics(out) -> dict[str, list[dict]]:
@@ -29,16 +42,18 @@ def _metrics(out) -> dict[str, list[dict]]:
 
 
 def test_cli_smoke_sft_then_three_arms_side_by_side(tmp_path):
-    """CI's CPU smoke of the GPU command: SFT warm start on the device, then every arm."""
+    """CI's CPU smoke of the GPU command: SFT warm start on the device, then the GRPO-clip arms (with the
+    token-level corrections: truncated and masked IS)."""
     doc = tmp_path / "rl.md"
     doc.write_text("# RL\n\nbefore\n<!-- experiment-table:begin -->\nold\n<!-- experiment-table:end -->\nafter\n")
     r = subprocess.run([sys.executable, "-m", "zerokl", "experiment", *TOY, *SFT, "--steps", "2",
-                        "--arms", "zerokl,mismatch,mismatch-tis", "--out", str(tmp_path), "--update-doc", str(doc)],
-                       capture_output=True, text=True, timeout=600)
+                        "--arms", "zerokl,mismatch,mismatch-tis,mismatch-mis", "--out", str(tmp_path),
+                        "--update-doc", str(doc)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     arms = _metrics(tmp_path)
     assert {a: [x["step"] for x in v] for a, v in arms.items()} == \
-        {"zerokl": [1, 2], "mismatch": [1, 2], "mismatch-tis": [1, 2]}
+        {"zerokl": [1, 2], "mismatch": [1, 2], "mismatch-tis": [1, 2], "mismatch-mis": [1, 2]}
+    _telemetry_is_recorded(arms)
     for rec in arms["zerokl"]:
         assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["clip_fraction"] == 0.0
         assert rec["ratio_min"] == rec["ratio_max"] == 1.0
@@ -48,11 +63,13 @@ def test_cli_smoke_sft_then_three_arms_side_by_side(tmp_path):
     for rec in arms["mismatch"]:
         assert 0 < rec["mismatched_fraction"] <= 1.0
     assert any(rec["kl"] != 0.0 for rec in arms["mismatch"])
-    # Same warm start, seeds and backend: the TIS arm's first rollouts are the mismatch arm's.
-    first, tis = arms["mismatch"][0], arms["mismatch-tis"][0]
-    assert (tis["kl"], tis["mismatched_tokens"], tis["reward"]) == (first["kl"], first["mismatched_tokens"],
-                                                                     first["reward"])
-    assert 0.0 <= tis["tis_discarded_weight"] < 1.0 and tis["clip_fraction"] == 0.0
+    # Same warm start, seeds and backend: the corrected arms' first rollouts are the mismatch arm's.
+    first = arms["mismatch"][0]
+    for corrected in ("mismatch-tis", "mismatch-mis"):
+        c = arms[corrected][0]
+        assert (c["kl"], c["mismatched_tokens"], c["reward"]) == (first["kl"], first["mismatched_tokens"],
+                                                                  first["reward"])
+        assert 0.0 <= c["correction_discarded_weight"] < 1.0 and c["clip_fraction"] == 0.0
     for rec in arms["zerokl"] + arms["mismatch"]:
         assert rec["rollout_tokens"] > 0 and rec["rollout_tokens_per_s"] > 0 and rec["tokens_per_s"] > 0
     assert [rec.get("test_accuracy") is not None for rec in arms["zerokl"]] == [False, True]
@@ -158,24 +175,6 @@ def test_a_sweep_point_that_already_ran_every_step_is_the_zerokl_arm_in_the_repo
     assert "| zerokl | 2 / 2 |" in (tmp_path / "arms" / "report.md").read_text()
 
 
-def test_tis_loss_truncates_and_reports_the_discarded_weight():
-    # Two sequences of two tokens; pi_train / pi_infer = 0.5, 1 (equal logprobs), 3, 4 (masked out).
-    train = torch.log(torch.tensor([[0.2, 0.3], [0.6, 0.4]])).requires_grad_()
-    infer = train.detach() - torch.log(torch.tensor([[0.5, 1.0], [3.0, 4.0]]))
-    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
-    loss, stats = tis_ppo_loss(train, infer, torch.tensor([1.0, -1.0]), mask, clip_eps=0.2, cap=2.0)
-    # Weights min(ratio, 2) = 0.5, 1, 2; loss = -(0.5 + 1 - 2) / 3.
-    assert math.isclose(float(loss.detach()), 0.5 / 3, rel_tol=1e-6)
-    assert math.isclose(stats["tis_discarded_weight"], 1.0 / 4.5, rel_tol=1e-6)
-    assert math.isclose(stats["tis_truncated_fraction"], 1 / 3, rel_tol=1e-6)
-    assert math.isclose(stats["behaviour_clip_fraction"], 2 / 3, rel_tol=1e-6)
-    assert stats["clip_fraction"] == 0.0 and stats["mismatched_tokens"] == 2 and stats["tokens"] == 3
-    loss.backward()
-    # d loss / d logprob = -weight * advantage / tokens (the ratio is 1 at the first update).
-    expected = -torch.tensor([[0.5, 1.0], [-2.0, 0.0]]) / 3
-    assert torch.allclose(train.grad, expected)
-
-
 def test_trend_separates_a_rise_from_noise():
     flat = [0.2, 0.3] * 10
     rising = [0.1 + 0.02 * i + (0.01 if i % 2 else -0.01) for i in range(20)]
@@ -185,18 +184,103 @@ def test_trend_separates_a_rise_from_noise():
 
 
 def test_fp8_arms_smoke(tmp_path):
-    """CI's CPU smoke of the FP8 arms (`--arms zerokl-fp8,mismatch-fp8`, tiny, 2 steps): sampling
+    """CI's CPU smoke of the FP8 arms (`--arms zerokl-fp8,mismatch-fp8,mismatch-fp8-seq-mis`, tiny, 2 steps): sampling
     in FP8 and training on the same FP8 forward gives KL exactly 0.0 and no mismatched token at
     every step; sampling in FP8 while training in bf16 (the industry's setup) mismatches."""
     assert experiment.main([*TOY, "--start", "shipped", "--steps", "2", "--eval-every", "0",
-                            "--arms", "zerokl-fp8,mismatch-fp8", "--out", str(tmp_path)]) == 0
+                            "--arms", "zerokl-fp8,mismatch-fp8,mismatch-fp8-seq-mis", "--out", str(tmp_path)]) == 0
     arms = _metrics(tmp_path)
-    assert {a: [x["step"] for x in v] for a, v in arms.items()} == {"zerokl-fp8": [1, 2], "mismatch-fp8": [1, 2]}
+    assert {a: [x["step"] for x in v] for a, v in arms.items()} == \
+        {"zerokl-fp8": [1, 2], "mismatch-fp8": [1, 2], "mismatch-fp8-seq-mis": [1, 2]}
+    # A correction on FP8 rollouts: the same first rollouts as the uncorrected arm, the update re-weighted.
+    assert arms["mismatch-fp8-seq-mis"][0]["kl"] == arms["mismatch-fp8"][0]["kl"]
+    assert 0.0 <= arms["mismatch-fp8-seq-mis"][0]["correction_dropped_fraction"] <= 1.0
     for rec in arms["zerokl-fp8"]:
         assert rec["kl"] == 0.0 and rec["mismatched_tokens"] == 0 and rec["clip_fraction"] == 0.0
         assert rec["ratio_min"] == rec["ratio_max"] == 1.0
+    _telemetry_is_recorded(arms)
     assert any(rec["mismatched_tokens"] > 0 for rec in arms["mismatch-fp8"])
     # Same warm start, seeds and FP8 engine at step 1: the two arms sampled the same rollouts.
     assert arms["zerokl-fp8"][0]["reward"] == arms["mismatch-fp8"][0]["reward"]
     report = (tmp_path / "report.md").read_text()
     assert "| zerokl-fp8 | 2 / 2 | **0.0 at every step** | 0 of" in report and "| mismatch-fp8 | 2 / 2 |" in report
+
+
+def test_reinforce_with_the_routing_flip_arm_and_masked_is_on_search_trace_answers(tmp_path):
+    """CI's CPU smoke of a map cell (`--cell reinforce-router-trace`: REINFORCE without a clip; rollouts whose
+    MoE routers run in bf16; sequence-level masked IS; search-trace answers on 4-number problems) at toy
+    scale: the zerokl arm exact at every step, the routing-flip arm's flipped router decisions measured;
+    then --map assembles the map from the cells run into one folder (this one)."""
+    out = tmp_path / "reinforce-router-trace"
+    assert experiment.main([*TOY, "--cell", "reinforce-router-trace", *SFT, "--sft-steps", "1", "--sft-batch", "2",
+                            "--steps", "2", "--max-tokens", "12", "--train-problems", "60", "--out", str(out)]) == 0
+    arms = _metrics(out)
+    assert set(arms) == {"zerokl", "mismatch-router", "mismatch-router-seq-mis"}
+    _telemetry_is_recorded(arms)
+    for rec in arms["zerokl"]:
+        assert "router_flip_fraction" not in rec and rec["clip_fraction"] == 0.0
+    flips = [rec["router_flip_fraction"] for rec in arms["mismatch-router"] + arms["mismatch-router-seq-mis"]]
+    assert all(0.0 <= f < 0.5 for f in flips) and any(f > 0.0 for f in flips)
+    assert all(rec["router_decisions"] > 0 for rec in arms["mismatch-router"])
+    run = json.loads((out / "run.json").read_text())
+    assert run["setting"]["estimator"] == "reinforce" and run["setting"]["answers"] == "trace"
+    assert run["setting"]["difficulty"] == "hard" and run["setting"]["max_tokens"] == 12      # the flag after the cell
+    report = (out / "report.md").read_text()
+    assert "- cell: reinforce-router-trace:" in report and "Stability telemetry" in report
+    assert (out / "state" / "cells" / "reinforce-router-trace" / "arm-zerokl.pt").exists()
+    sft = json.loads((out / "sft.json").read_text())
+    assert sft["recipe"]["answers"] == "trace"
+    assert experiment.main(["countdown", "--map", str(tmp_path)]) == 0
+    table = (tmp_path / "map.md").read_text()
+    assert re.search(r"\| reinforce-router-trace \| mismatch-router \| 1 × 2 \| [+-]\d\.\d{3} ± ", table)
+    assert "| reinforce-router-trace | mismatch-router-seq-mis | 1 × 2 |" in table
+    assert "| clip-bf16 | not run |" in table and (tmp_path / "map.png").stat().st_size > 0
+
+
+def test_gspo_over_two_rl_seeds_reports_mean_and_standard_error(tmp_path):
+    """CI's CPU smoke of the sequence-level estimator (GSPO) and of --seeds: each arm once per RL seed from the
+    same warm start, the report's mean ± s.e. over seeds and each arm's difference to its zerokl partner."""
+    assert experiment.main([*TOY, "--start", "shipped", "--steps", "2", "--eval-every", "2", "--estimator", "gspo",
+                            "--arms", "zerokl,mismatch-seq-mis", "--seeds", "0,1", "--out", str(tmp_path)]) == 0
+    units = _units(tmp_path)
+    assert sorted(units) == ["mismatch-seq-mis-seed0", "mismatch-seq-mis-seed1", "zerokl-seed0", "zerokl-seed1"]
+    _telemetry_is_recorded({u: v for u, v in units.items()})
+    # The seeds sample different rollouts; a pair shares its seed's (the same first-step rewards).
+    assert units["zerokl-seed0"][0]["reward"] == units["mismatch-seq-mis-seed0"][0]["reward"]
+    assert [r["seed"] for r in units["zerokl-seed1"]] == [1, 1]
+    report = (tmp_path / "report.md").read_text()
+    assert "Over RL seeds (mean ± standard error" in report
+    assert re.search(r"\| mismatch-seq-mis \| 2 \| [+-]\d\.\d{3} ± \d\.\d{3} \|", report)
+    with pytest.raises(SystemExit, match="seq-mis"):
+        experiment.main([*TOY, "--start", "shipped", "--estimator", "gspo", "--arms", "zerokl,mismatch-tis",
+                         "--out", str(tmp_path / "refused")])
+
+
+def _units(out) -> dict[str, list[dict]]:
+    units: dict[str, list[dict]] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        units.setdefault(f"{r['arm']}-seed{r['seed']}", []).append(r)
+    return units
+
+
+def test_the_grid_lists_at_least_eight_cells_each_a_zerokl_mismatched_pair(capsys):
+    assert experiment.main(["countdown", "--grid"]) == 0
+    table = capsys.readouterr().out
+    assert len(experiment.CELLS) >= 8
+    for name, (_, flags) in experiment.CELLS.items():
+        assert f"--cell {name} " in table
+        arms = flags[flags.index("--arms") + 1].split(",")
+        numerics = [experiment.NUMERICS[experiment.parse_arm(a)[0]] for a in arms]
+        assert numerics[0].exact and any(not n.exact for n in numerics), name
+        # Every arm of every cell is a valid estimator/correction pair.
+        estimator = flags[flags.index("--estimator") + 1]
+        for a in arms:
+            experiment.PolicyObjective(estimator=estimator, correction=experiment.parse_arm(a)[1])
+    # Together the cells cover every estimator, every rollout numerics, both answer lengths and two learning rates.
+    every = [x for _, flags in experiment.CELLS.values() for x in flags]
+    assert {"grpo-clip", "reinforce", "gspo"} <= set(every) and {"short", "trace"} <= set(every)
+    assert {"1e-5", "1e-4"} <= set(every)
+    arms = {a for _, flags in experiment.CELLS.values() for a in flags[flags.index("--arms") + 1].split(",")}
+    assert {experiment.parse_arm(a)[0] for a in arms} == set(experiment.NUMERICS)
+    assert {experiment.parse_arm(a)[1] for a in arms} == {"none", "tis", "mis", "seq-mis"}

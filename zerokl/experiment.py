@@ -1,6 +1,8 @@
-"""`zerokl experiment countdown`: the same GRPO run with aligned and with mismatched numerics.
+"""`zerokl experiment countdown`: the same RL run with aligned and with mismatched numerics.
 
-Arms, all from the same warm start with the same seeds, prompts and hyperparameters:
+An arm is a rollout numerics, optionally with a correction (`--arms`, e.g. ``mismatch-fp8-seq-mis``);
+all arms of a run start from the same warm start with the same seeds, prompts and hyperparameters.
+Rollout numerics:
 
 * **zerokl**: inference samples with the trainer's own kernels (the invariant
   backend: triton on CUDA, torch on CPU), so the behaviour logprobs the trainer
@@ -8,10 +10,11 @@ Arms, all from the same warm start with the same seeds, prompts and hyperparamet
 * **mismatch**: inference samples with the ``stock`` backend (plain torch ops, the
   fast non-invariant path a typical serving stack runs) in the engine's continuous
   batching, while the trainer keeps the invariant forward: an RL stack with
-  separate engines. PPO's ratio is taken against inference's logprobs.
-* **mismatch-tis** (optional): the mismatch arm with the usual correction,
-  truncated importance sampling: each token weighted by min(pi_train/pi_infer, C);
-  the weight mass above C is reported as discarded signal.
+  separate engines. The estimator's ratio is taken against inference's logprobs.
+* **mismatch-router**: inference runs the trainer's kernels except its MoE routers, which
+  compute their logits from bf16 input and weights (a serving stack's bf16 router) where the
+  trainer's are fp32; a token keeps the exact route unless its expert set flips. Each step
+  records the share of flipped router decisions (experiment_state.FlippingRouter).
 * **zerokl-fp8**: inference samples in block-scaled FP8 (e4m3 projections, bf16
   activations; zerokl.kernels.model.fp8) and the trainer trains on the same FP8 forward
   (TrainConfig.dtype "fp8": fp32 masters quantized after every step, straight-through
@@ -19,6 +22,15 @@ Arms, all from the same warm start with the same seeds, prompts and hyperparamet
 * **mismatch-fp8**: the industry's common setup: inference samples in FP8 from the
   trainer's weights quantized at load, the trainer trains in bf16 (fp32 masters) on
   the bf16 forward. Both kernels are invariant; the mismatch is FP8 vs bf16 numerics.
+
+Corrections (a suffix of a mismatched arm: ``-tis``, ``-mis``, ``-seq-mis``; losses.CORRECTIONS):
+truncated IS, token-level masked IS, sequence-level masked IS. The estimator (``--estimator``:
+grpo-clip, reinforce, gspo; losses.ESTIMATORS), the answers (``--answers``: short TinyZero
+answers, or a search trace of 512+ tokens before the answer: zerokl.tasks.countdown_trace) and
+the learning rate are per run. A **cell** of the map (issue 53) is one such run, a same-seed
+pair zerokl vs mismatched plus corrections: ``--cell NAME`` sets its flags, ``--grid`` lists
+the cells. Every zerokl arm must have KL 0.0 and no mismatched token at every step: a step that
+breaks it stops the run.
 
 Warm start: the shipped CPU SFT checkpoint (``tiny``), or SFT on the device from
 solver demonstrations with the same recipe at the chosen size, cached under the
@@ -53,14 +65,95 @@ import torch
 from tqdm import tqdm
 
 from zerokl.kernels.dtypes import to_dtype
+from zerokl.services.trainer.losses import ESTIMATORS, PolicyObjective
+from zerokl.tasks.setup import ANSWERS
 
-__all__ = ["ARMS", "FP8_ARMS", "INCOMPLETE", "add_arguments", "main", "run", "run_arm", "sft_warm_start", "trend", "write_report"]
+__all__ = ["ARMS", "CELLS", "INCOMPLETE", "NUMERICS", "Numerics", "add_arguments", "main", "parse_arm", "run",
+           "run_arm", "sft_warm_start", "trend", "write_map", "write_report"]
 
-#: arm name -> inference backend (None: the trainer's own)
-ARMS = {"zerokl": None, "mismatch": "stock", "mismatch-tis": "stock", "zerokl-fp8": None, "mismatch-fp8": None}
-#: FP8 arm -> the trainer's TrainConfig.dtype; their inference serves FP8 (the FP8 fleet's bf16
-#: activations whatever --dtype, which sets the other arms'; the warm start is rounded to bf16).
-FP8_ARMS = {"zerokl-fp8": "fp8", "mismatch-fp8": "bfloat16"}
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """How an arm's rollouts are computed against its trainer."""
+
+    backend: str | None = None          # inference kernels (None: the trainer's own)
+    fp8_trainer: str | None = None      # FP8 rollouts; the trainer's TrainConfig.dtype ("fp8": the same forward)
+    flip_routers: bool = False          # the rollout's MoE routers in bf16 (experiment_state.FlippingRouter)
+
+    @property
+    def exact(self) -> bool:
+        """Whether this is a zerokl arm: KL 0.0 and no mismatched token at every step, asserted."""
+        return self.backend is None and not self.flip_routers and self.fp8_trainer in (None, "fp8")
+
+
+#: rollout numerics of an arm -> how its rollouts are computed
+NUMERICS = {"zerokl": Numerics(), "mismatch": Numerics(backend="stock"), "mismatch-router": Numerics(flip_routers=True),
+            "zerokl-fp8": Numerics(fp8_trainer="fp8"), "mismatch-fp8": Numerics(fp8_trainer="bfloat16")}
+#: Every arm: a rollout numerics, or a mismatched one with a correction (losses.CORRECTIONS).
+ARMS = (*NUMERICS, *(f"{n}-{c}" for n in NUMERICS if not NUMERICS[n].exact for c in ("tis", "mis", "seq-mis")))
+
+
+def parse_arm(arm: str) -> tuple[str, str]:
+    """(rollout numerics, correction) of an arm name, e.g. "mismatch-fp8-seq-mis" -> ("mismatch-fp8", "seq-mis")."""
+    if arm not in ARMS:
+        raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
+    for c in ("seq-mis", "mis", "tis"):                   # "-seq-mis" before "-mis": it ends with it
+        if arm.endswith("-" + c) and arm[: -len(c) - 1] in NUMERICS:
+            return arm[: -len(c) - 1], c
+    return arm, "none"
+
+
+#: The cells of the map (issue 53): name -> (what it varies, its flags). Each is a same-seed pair, zerokl
+#: vs mismatched rollouts, beside the mismatched arm's corrections; run one with --cell NAME plus the
+#: scale flags (docs/rl.md, "The map"). "trace" cells answer with a search trace of 512+ tokens, on
+#: 4-number problems (3-number traces are mostly shorter: zerokl.tasks.countdown_trace).
+_FP8 = "zerokl-fp8,mismatch-fp8"
+CELLS: dict[str, tuple[str, list[str]]] = {
+    "clip-bf16": ("GRPO-clip, stock bf16 rollouts, short answers, lr 1e-5 (the published H200 run's setting)",
+                  ["--estimator", "grpo-clip", "--arms", "zerokl,mismatch,mismatch-tis,mismatch-seq-mis",
+                   "--answers", "short", "--lr", "1e-5"]),
+    "clip-fp8": ("GRPO-clip, FP8 rollouts with a bf16 trainer, short answers, lr 1e-5",
+                 ["--estimator", "grpo-clip", "--arms", f"{_FP8},mismatch-fp8-tis,mismatch-fp8-seq-mis",
+                  "--answers", "short", "--lr", "1e-5"]),
+    "clip-router": ("GRPO-clip, routing flips (bf16 rollout router), short answers, lr 1e-5",
+                    ["--estimator", "grpo-clip", "--arms", "zerokl,mismatch-router,mismatch-router-seq-mis",
+                     "--answers", "short", "--lr", "1e-5"]),
+    "reinforce-bf16": ("REINFORCE (no clip), stock bf16 rollouts, short answers, lr 1e-5",
+                       ["--estimator", "reinforce", "--arms", "zerokl,mismatch,mismatch-mis,mismatch-seq-mis",
+                        "--answers", "short", "--lr", "1e-5"]),
+    "reinforce-fp8": ("REINFORCE (no clip), FP8 rollouts with a bf16 trainer, short answers, lr 1e-5",
+                      ["--estimator", "reinforce", "--arms", f"{_FP8},mismatch-fp8-mis,mismatch-fp8-seq-mis",
+                       "--answers", "short", "--lr", "1e-5"]),
+    "gspo-fp8": ("GSPO (sequence-level ratio), FP8 rollouts with a bf16 trainer, short answers, lr 1e-5",
+                 ["--estimator", "gspo", "--arms", f"{_FP8},mismatch-fp8-seq-mis", "--answers", "short",
+                  "--lr", "1e-5"]),
+    "clip-fp8-lr1e-4": ("GRPO-clip, FP8 rollouts with a bf16 trainer, short answers, lr 1e-4 (10x)",
+                        ["--estimator", "grpo-clip", "--arms", f"{_FP8},mismatch-fp8-tis,mismatch-fp8-seq-mis",
+                         "--answers", "short", "--lr", "1e-4"]),
+    "reinforce-fp8-lr1e-4": ("REINFORCE (no clip), FP8 rollouts with a bf16 trainer, short answers, lr 1e-4 (10x)",
+                             ["--estimator", "reinforce", "--arms", f"{_FP8},mismatch-fp8-seq-mis", "--answers",
+                              "short", "--lr", "1e-4"]),
+    "clip-fp8-trace": ("GRPO-clip, FP8 rollouts with a bf16 trainer, search-trace answers (512+ tokens), lr 1e-5",
+                       ["--estimator", "grpo-clip", "--arms", f"{_FP8},mismatch-fp8-tis,mismatch-fp8-seq-mis",
+                        "--answers", "trace", "--difficulty", "hard", "--lr", "1e-5"]),
+    "reinforce-fp8-trace": ("REINFORCE (no clip), FP8 rollouts with a bf16 trainer, search-trace answers, lr 1e-5",
+                            ["--estimator", "reinforce", "--arms", f"{_FP8},mismatch-fp8-mis,mismatch-fp8-seq-mis",
+                             "--answers", "trace", "--difficulty", "hard", "--lr", "1e-5"]),
+    "reinforce-router-trace": ("REINFORCE (no clip), routing flips, search-trace answers, lr 1e-5",
+                               ["--estimator", "reinforce", "--arms", "zerokl,mismatch-router,mismatch-router-seq-mis",
+                                "--answers", "trace", "--difficulty", "hard", "--lr", "1e-5"]),
+    "gspo-bf16-trace": ("GSPO (sequence-level ratio), stock bf16 rollouts, search-trace answers, lr 1e-5",
+                        ["--estimator", "gspo", "--arms", "zerokl,mismatch,mismatch-seq-mis", "--answers", "trace",
+                         "--difficulty", "hard", "--lr", "1e-5"]),
+}
+#: The scale of the GPU grid's cells (docs/rl.md): `small` in bf16, 50 steps first, three seeds. Trace
+#: cells sample 16 prompts x 8 of up to 1,024 tokens (about 90,000 tokens a step) with room in the KV cache.
+GPU_SCALE = ["--preset", "small", "--device", "cuda", "--dtype", "bfloat16", "--steps", "50",
+             "--seeds", "0,1,2", "--prompts", "64", "--group", "8", "--eval-every", "10", "--eval-prompts", "128",
+             "--max-num-seqs", "512", "--max-num-batched-tokens", "8192", "--num-blocks", "4096", "--checkpoint-every",
+             "10", "--processes", "3", "--max-minutes", "9"]
+GPU_TRACE_SCALE = ["--prompts", "16", "--max-num-batched-tokens", "16384", "--num-blocks", "12288"]
+
 #: Exit status of an invocation that stopped for its budget with work left: run the same command again.
 INCOMPLETE = 75
 #: The published GLM countdown run without aligned numerics (README, "Why").
@@ -92,6 +185,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="weights and compute dtype of both arms (default %(default)s)")
     ap.add_argument("--arms", type=_csv(str), default=["zerokl", "mismatch"],
                     help=f"comma-separated, from {', '.join(ARMS)}")
+    ap.add_argument("--estimator", choices=ESTIMATORS, default="grpo-clip",
+                    help="policy-gradient estimator of every arm (zerokl.services.trainer.losses.ESTIMATORS; "
+                         "default %(default)s)")
+    ap.add_argument("--answers", choices=tuple(ANSWERS), default="short",
+                    help="short: the TinyZero answer (at most 24 tokens); trace: a depth-first search trace, then the "
+                         "answer (512+ tokens; zerokl.tasks.countdown_trace)")
+    ap.add_argument("--seeds", type=_csv(int), default=None,
+                    help="run every arm once per RL seed (prompt order and sampling; the warm start and problems "
+                         "keep --seed) and report mean ± s.e. over seeds")
+    ap.add_argument("--cell", default=None, choices=tuple(CELLS),
+                    help="a cell of the map: its estimator, arms, answers and learning rate (flags given after it "
+                         "override them); --grid lists the cells")
+    ap.add_argument("--grid", action="store_true", help="print the map's cells and their commands, and exit")
+    ap.add_argument("--map", default=None, metavar="DIR",
+                    help="instead of running: the map of the cells run into DIR/CELL (--out of each cell's command) "
+                         "as DIR/map.md and DIR/map.png")
     ap.add_argument("--difficulty", default="demo", help="problem distribution (zerokl.tasks.setup.DIFFICULTIES)")
     ap.add_argument("--steps", type=int, default=30, help="GRPO steps per arm (raise it to extend a finished run)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (default %(default)s)")
@@ -100,8 +209,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--temperature", type=float, default=1.0,
                     help="sampling temperature of the rollouts (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=None,
-                    help="sampled tokens per completion (default zerokl.tasks.setup.MAX_TOKENS, 24)")
-    ap.add_argument("--tis-cap", type=float, default=2.0, help="truncation C of the mismatch-tis arm's weights")
+                    help="sampled tokens per completion (default per --answers: 24 short, 1024 trace)")
+    ap.add_argument("--correction-cap", type=float, default=2.0,
+                    help="C of the corrections: tis truncates each token's weight at C, mis and seq-mis drop a token "
+                         "or sequence whose ratio exceeds C (default %(default)s)")
     ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps (0: never)")
     ap.add_argument("--eval-prompts", type=int, default=64,
                     help="test problems of each greedy evaluation (default %(default)s)")
@@ -152,6 +263,27 @@ def main(argv: list[str] | None = None) -> int:
     return run(args)
 
 
+def _with_cell(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the cell's flags applied under the command's own (which come after them, so win)."""
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="zerokl experiment")
+    add_arguments(ap)
+    own = _argv(args)
+    again = ap.parse_args([*CELLS[args.cell][1], *own])
+    again.argv = own
+    return again
+
+
+def _grid() -> str:
+    """The map's cells as a markdown table: what each varies and its command (the GPU grid's scale)."""
+    lines = ["| cell | what it varies | arms | command (GPU grid) |", "|---|---|---|---|"]
+    for name, (what, flags) in CELLS.items():
+        arms = flags[flags.index("--arms") + 1]
+        scale = GPU_SCALE + (GPU_TRACE_SCALE if "trace" in flags else [])
+        lines.append(f"| {name} | {what} | {arms} | `zerokl experiment countdown --cell {name} "
+                     f"{shlex.join(scale)} --out runs/map/{name} --state-dir runs/map/state` |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- setup
 
 @dataclasses.dataclass(frozen=True)
@@ -169,30 +301,34 @@ class Setting:
     lr: float
     temperature: float
     max_tokens: int
-    seed: int
+    seed: int                       # the warm start's, the problems' (and by default the RL seed)
+    rl_seed: int                    # prompt order and sampling
+    estimator: str                  # losses.ESTIMATORS
+    answers: str                    # zerokl.tasks.setup.ANSWERS
     eval_every: int
     eval_prompts: int
     max_num_seqs: int
     max_num_batched_tokens: int
     num_blocks: int
-    tis_cap: float
+    correction_cap: float
     sft: tuple = ()                 # (steps, batch, lr, warmup) when start == "sft"
 
 
 def _setting(args: argparse.Namespace, **override) -> Setting:
-    from zerokl.tasks.setup import MAX_TOKENS
-    a = {k: getattr(args, k) for k in ("preset", "difficulty", "lr")} | override
+    a = {k: getattr(args, k) for k in ("preset", "difficulty", "lr")} | {"rl_seed": args.seed} | override
     start = args.start
     if start == "auto":
-        start = "shipped" if (a["preset"], args.dtype, a["difficulty"]) == ("tiny", "float32", "demo") else "sft"
+        shipped = (a["preset"], args.dtype, a["difficulty"], args.answers) == ("tiny", "float32", "demo", "short")
+        start = "shipped" if shipped else "sft"
     train = args.train_problems or (2000 if a["difficulty"] == "easy" else 20000)
     return Setting(preset=a["preset"], dtype=args.dtype, device=torch.device(args.device).type,
                    difficulty=a["difficulty"], train_problems=train, start=start, prompts=args.prompts,
                    group=args.group, lr=a["lr"], temperature=args.temperature,
-                   max_tokens=args.max_tokens or MAX_TOKENS, seed=args.seed,
+                   max_tokens=args.max_tokens or ANSWERS[args.answers].max_tokens, seed=args.seed,
+                   rl_seed=a["rl_seed"], estimator=args.estimator, answers=args.answers,
                    eval_every=args.eval_every, eval_prompts=args.eval_prompts, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                   tis_cap=args.tis_cap,
+                   correction_cap=args.correction_cap,
                    sft=_sft_recipe(args, a["preset"]) if start == "sft" else ())
 
 
@@ -203,16 +339,21 @@ def _sft_recipe(args: argparse.Namespace, preset: str) -> tuple:
 
 
 def _data(s: Setting, state_dir: pathlib.Path):  # noqa: ANN202
-    """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw)."""
+    """(train, test, tokenizer); problem sets are cached in the state folder (20,000 take minutes to draw).
+
+    The test problems are the --eval-prompts the evaluations read (draws are prefix-stable: the first
+    k test problems are the same whatever the count drawn; 4-number trace problems are slow to draw)."""
     from zerokl.tokenizer import CountdownTokenizer
     from zerokl.tasks.countdown import Problem
     from zerokl.tasks.setup import countdown_data
-    path = state_dir / f"problems-{s.difficulty}-seed{s.seed}-{s.train_problems}.json"
+    trace = "-trace" if s.answers == "trace" else ""
+    n_test = max(1, s.eval_prompts)
+    path = state_dir / f"problems-{s.difficulty}{trace}-seed{s.seed}-{s.train_problems}-{n_test}.json"
     if path.exists():
         d = json.loads(path.read_text())
         load = lambda rows: [Problem(tuple(r[0]), r[1], r[2]) for r in rows]  # noqa: E731
         return load(d["train"]), load(d["test"]), CountdownTokenizer()
-    train, test, tok = countdown_data(s.seed, s.train_problems, difficulty=s.difficulty)
+    train, test, tok = countdown_data(s.seed, s.train_problems, n_test, difficulty=s.difficulty, answers=s.answers)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")        # processes of one run may draw it at once
     tmp.write_text(json.dumps({k: [[list(p.numbers), p.target, p.solution] for p in v]
@@ -246,7 +387,8 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
     from zerokl.tasks.setup import countdown_config, demonstration_batch, greedy_accuracy
     steps, batch, lr, warmup = s.sft
     recipe = {"preset": s.preset, "dtype": s.dtype, "device": s.device, "difficulty": s.difficulty, "seed": s.seed,
-              "train_problems": s.train_problems, "steps": steps, "batch": batch, "lr": lr, "warmup_steps": warmup}
+              "train_problems": s.train_problems, "steps": steps, "batch": batch, "lr": lr, "warmup_steps": warmup,
+              "answers": s.answers}
     record = folder / "sft.json"
     if record.exists():
         made = json.loads(record.read_text())
@@ -281,13 +423,13 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
     since = 0
     while step < steps and budget.allows_step():
         t0 = time.monotonic()
-        loss = trainer.sft_step(demonstration_batch(rng.sample(train, batch), tok))["loss"]
+        loss = trainer.sft_step(demonstration_batch(rng.sample(train, batch), tok, s.answers))["loss"]
         step += 1
         budget.spent(time.monotonic() - t0)
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
         if step % eval_every == 0 or step == steps:
-            acc = greedy_accuracy(_copy(trainer.model), test[:eval_prompts], tok)
+            acc = greedy_accuracy(_copy(trainer.model), test[:eval_prompts], tok, s.max_tokens)
             curve.append({"step": step, "loss": loss, "test_accuracy": acc})
             tqdm.write(f"SFT step {step} loss {loss:.4f} greedy test accuracy {acc:.2f}")
         since += 1
@@ -316,7 +458,8 @@ def _copy(model):  # noqa: ANN001, ANN202
 
 
 def _sft_folder(state_dir: pathlib.Path, s: Setting) -> pathlib.Path:
-    return state_dir / f"sft-{s.preset}-{s.difficulty}-{s.dtype}-{s.device}"
+    trace = "-trace" if s.answers == "trace" else ""
+    return state_dir / f"sft-{s.preset}-{s.difficulty}{trace}-{s.dtype}-{s.device}"
 
 
 def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path):  # noqa: ANN001, ANN202
@@ -327,8 +470,9 @@ def _start_model(s: Setting, device: torch.device, tok, state_dir: pathlib.Path)
     dtype = to_dtype(s.dtype)
     if s.start == "scratch":
         return Model(countdown_config(tok, s.preset), seed=s.seed, dtype=dtype).to(device)
-    if s.start == "shipped" and (s.preset, s.difficulty) != ("tiny", "demo"):
-        raise SystemExit("the shipped SFT checkpoint is the tiny model on the demo's problems: use --start sft")
+    if s.start == "shipped" and (s.preset, s.difficulty, s.answers) != ("tiny", "demo", "short"):
+        raise SystemExit("the shipped SFT checkpoint is the tiny model on the demo's problems with short answers: "
+                         "use --start sft")
     folder = SFT_CHECKPOINT if s.start == "shipped" else _sft_folder(state_dir, s)
     return Model.from_pretrained(folder, dtype=dtype).to(device)
 
@@ -340,7 +484,7 @@ def _first_part(s: Setting, device: torch.device, state_dir: pathlib.Path, data,
     _, test, tok = data
     try:
         model = _start_model(s, device, tok, state_dir)
-        return describe(diff_backends(model, encode_prompt(test[0], tok), backend, ARMS["mismatch"]))
+        return describe(diff_backends(model, encode_prompt(test[0], tok), backend, NUMERICS["mismatch"].backend))
     except Exception as err:  # noqa: BLE001 - a detail of the report must not cost the run its report
         return f"not computed ({type(err).__name__}: {err})"
 
@@ -361,8 +505,9 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     from zerokl.services.engine.types import EngineConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.tasks.setup import countdown_config
-    if arm not in ARMS:
-        raise SystemExit(f"unknown arm {arm!r}: expected one of {', '.join(ARMS)}")
+    numerics_name, correction = parse_arm(arm)
+    numerics = NUMERICS[numerics_name]
+    objective = _objective(s, correction)
     train, test, tok = data
     meta = dataclasses.asdict(s) | {"arm": arm}
     # A finished arm is answered from its records: its checkpoint holds GBs of optimizer state.
@@ -387,21 +532,22 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         model = _start_model(s, device, tok, state_dir)
     else:
         model = Model(countdown_config(tok, s.preset), seed=0, dtype=to_dtype(s.dtype)).to(device)
-    trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed, dtype=FP8_ARMS.get(arm)))
-    rng = random.Random(s.seed)
+    trainer = Trainer(model.train(), TrainConfig(lr=s.lr, seed=s.seed, dtype=numerics.fp8_trainer))
+    rng = random.Random(s.rl_seed)
     state = ArmState(step=0, records=[])
     if saved is not None:
         trainer.load_state_dict(saved["trainer"])
         rng.setstate(saved["loop_rng"])
         restore_rng(saved["rng"])
         state = ArmState(step=saved["step"], records=saved["records"])
-    trainer_port = ArmTrainerPort(trainer, run=f"countdown-{arm}", tis_cap=s.tis_cap if arm == "mismatch-tis" else None,
-                                  serve_fp8=arm in FP8_ARMS)
+    trainer_port = ArmTrainerPort(trainer, run=f"countdown-{arm}", objective=objective,
+                                  serve_fp8=numerics.fp8_trainer is not None)
     engine_config = EngineConfig(max_num_batched_tokens=s.max_num_batched_tokens, num_blocks=s.num_blocks,
                                  max_num_seqs=s.max_num_seqs)
-    engine = ArmEnginePort(trainer_port, tok, engine_config, backend=ARMS[arm])
+    engine = ArmEnginePort(trainer_port, tok, engine_config, backend=numerics.backend,
+                           flip_routers=numerics.flip_routers)
     config = RLConfig(steps=steps, prompts_per_step=s.prompts, group_size=s.group, max_tokens=s.max_tokens,
-                      temperature=s.temperature, seed=s.seed, eval_every=s.eval_every, eval_prompts=s.eval_prompts)
+                      temperature=s.temperature, seed=s.rl_seed, eval_every=s.eval_every, eval_prompts=s.eval_prompts)
 
     def checkpoint() -> None:
         save_state(state_path, {"meta": meta, "trainer": trainer.state_dict(), "loop_rng": rng.getstate(),
@@ -410,13 +556,25 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
         save_records(state_path, meta, state.records)
 
     def each(record: dict) -> None:
-        record["arm"] = arm
+        record["arm"], record["seed"] = arm, s.rl_seed
+        if numerics.exact and (record["kl"] != 0.0 or record["mismatched_tokens"] != 0):
+            # The contract, checked at every step of every zerokl arm: a broken one stops the run.
+            raise RuntimeError(f"arm {arm} step {record['step']}: KL {record['kl']!r} and "
+                               f"{record['mismatched_tokens']} mismatched tokens; a zerokl arm must have KL 0.0 and none")
         if on_step:
             on_step(record)
 
     run_steps(steps, state, rng, _task(train, test, tok), engine, trainer_port, config, budget, checkpoint,
               checkpoint_every, each)
     return state.records, state.done
+
+
+def _objective(s: Setting, correction: str) -> PolicyObjective:
+    """The arm's estimator and correction; an impossible pair (gspo with a token-level weight) named."""
+    try:
+        return PolicyObjective(estimator=s.estimator, correction=correction, cap=s.correction_cap)
+    except ValueError as err:
+        raise SystemExit(f"--estimator {s.estimator} with the {correction} correction: {err}") from None
 
 
 # ----------------------------------------------------------------------------- statistics and report
@@ -440,6 +598,7 @@ def trend(rewards: list[float], window: int | None = None) -> dict:
 
 
 def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
+    """One row per unit (arm, or arm and seed): the contract, the mismatch, the outcome."""
     rows = ["| arm | steps | KL per step: max abs (mean) | mismatched tokens | clip fraction: mean (max) | "
             "importance ratio range | reward: first → last quarter (rise ± s.e.; step noise) | greedy test accuracy "
             "| rollout tok/s | train tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -456,11 +615,13 @@ def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
         kl = "**0.0 at every step**" if all(k == 0.0 for k in kls) else \
             f"{max(abs(k) for k in kls):.3g} ({sum(kls) / len(kls):.3g})"
         clip = f"{sum(clips) / len(clips):.4f} ({max(clips):.4f})"
-        if arm == "mismatch-tis":
-            disc = [r["tis_discarded_weight"] for r in rs]
+        if "correction_dropped_fraction" in rs[0]:
+            drop = [r["correction_dropped_fraction"] for r in rs]
+            disc = [r["correction_discarded_weight"] for r in rs]
             bclip = [r["behaviour_clip_fraction"] for r in rs]
-            clip += (f"; outside [1-ε, 1+ε] vs inference {sum(bclip) / len(bclip):.4f}; TIS discarded weight "
-                     f"{sum(disc) / len(disc):.4f} (max {max(disc):.4f})")
+            clip += (f"; outside [1-ε, 1+ε] vs inference {sum(bclip) / len(bclip):.4f}; correction dropped "
+                     f"{sum(drop) / len(drop):.4f} of tokens, discarded weight {sum(disc) / len(disc):.4f} "
+                     f"(max {max(disc):.4f})")
         rows.append(
             f"| {arm} | {len(rs)} / {steps} | {kl} | {mis:,} of {tok:,} ({mis / max(1, tok):.1%}) | {clip} | "
             f"[{min(r['ratio_min'] for r in rs):.7g}, {max(r['ratio_max'] for r in rs):.7g}] | "
@@ -469,30 +630,210 @@ def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
     return rows
 
 
+def _stability_rows(arms: dict[str, list[dict]]) -> list[str]:
+    """One row per unit: the telemetry that shows a collapse early (policy_step's, and the router's flips)."""
+    rows = ["| arm | grad norm: median (max) | entropy: first → last step | max abs log ratio: median (max) | "
+            "low-probability tokens (p < 1e-3): mean | router decisions flipped (rows with a flip) | mean answer "
+            "tokens |", "|---|---|---|---|---|---|---|"]
+    for arm, rs in arms.items():
+        rs = [r for r in rs if "entropy" in r]
+        if not rs:
+            continue
+        g, lr = [r["grad_norm"] for r in rs], [r["max_abs_log_ratio"] for r in rs]
+        flips = [r for r in rs if "router_flip_fraction" in r]
+        flip = "-" if not flips else (f"{sum(r['router_flip_fraction'] for r in flips) / len(flips):.2%} "
+                                      f"({sum(r['router_flip_row_fraction'] for r in flips) / len(flips):.2%})")
+        samples = sum(r.get("samples", 0) for r in rs)
+        answer = f"{sum(r['rollout_tokens'] for r in rs) / samples:.0f}" if samples else "-"
+        rows.append(f"| {arm} | {_median(g):.4g} ({max(g):.4g}) | {rs[0]['entropy']:.4f} → {rs[-1]['entropy']:.4f} | "
+                    f"{_median(lr):.3g} ({max(lr):.3g}) | {sum(r['low_prob_fraction'] for r in rs) / len(rs):.4f} | "
+                    f"{flip} | {answer} |")
+    return rows
+
+
+def _partner(arm: str) -> str:
+    """The zerokl arm a mismatched arm pairs with (same seeds): zerokl-fp8 for FP8 rollouts."""
+    return "zerokl-fp8" if parse_arm(arm)[0].endswith("fp8") else "zerokl"
+
+
+def _mean_se(xs: list[float], single_se: float = float("nan")) -> tuple[float, float]:
+    """(mean, standard error): std / √n over several values; `single_se` for one."""
+    if not xs:
+        return float("nan"), float("nan")
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, single_se
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+
+
+def _arm_stats(records: list[dict]) -> dict[str, dict]:
+    """Per arm of a run's metrics lines: its seeds, reward rise, last greedy test accuracy and largest grad
+    norm as (mean, s.e.) over seeds, the largest |log ratio| and mean |KL|, and "diff": its reward rise
+    minus its zerokl partner's on the same seeds (None for a zerokl arm). With one seed the s.e. is the
+    rise's own under the step-to-step noise (trend), and the difference's combines both arms' (as if
+    independent: the pair shares its samples until they part, so this overstates it)."""
+    by_arm: dict[str, dict[int, list[dict]]] = {}
+    for r in records:
+        by_arm.setdefault(r["arm"], {}).setdefault(r.get("seed", 0), []).append(r)
+    trends = {arm: {k: trend([r["reward"] for r in rs]) for k, rs in seeds.items()} for arm, seeds in by_arm.items()}
+    stats: dict[str, dict] = {}
+    for arm, seeds in by_arm.items():
+        t = trends[arm]
+        accs = [[r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None] for rs in seeds.values()]
+        stats[arm] = {
+            "seeds": sorted(seeds), "steps": min(len(rs) for rs in seeds.values()),
+            "rise": _mean_se([x["rise"] for x in t.values()], next(iter(t.values()))["se"]),
+            "acc": _mean_se([a[-1] for a in accs if a]),
+            "grad": _mean_se([max(r["grad_norm"] for r in rs) for rs in seeds.values()]),
+            "log_ratio": max(r.get("max_abs_log_ratio", 0.0) for rs in seeds.values() for r in rs),
+            "abs_kl": sum(abs(r["kl"]) for rs in seeds.values() for r in rs) / sum(len(rs) for rs in seeds.values()),
+            "flips": _mean_se([r["router_flip_fraction"] for rs in seeds.values() for r in rs
+                               if "router_flip_fraction" in r]),
+            "diff": None}
+    for arm in stats:
+        z = _partner(arm)
+        if arm == z or z not in trends:
+            continue
+        common = sorted(set(trends[arm]) & set(trends[z]))
+        if common:
+            single = math.hypot(trends[arm][common[0]]["se"], trends[z][common[0]]["se"])
+            stats[arm]["diff"] = _mean_se([trends[arm][k]["rise"] - trends[z][k]["rise"] for k in common], single)
+    return stats
+
+
+def _pm(x: tuple[float, float], fmt: str = "+.3f") -> str:
+    return "-" if math.isnan(x[0]) else f"{x[0]:{fmt}} ± {x[1]:.3f}"
+
+
+def _seed_rows(arms: dict[str, list[dict]]) -> list[str]:
+    """With several RL seeds: per arm, the mean over seeds ± its standard error (std / √seeds) of the
+    reward rise, the last greedy test accuracy and the largest gradient norm; and each arm's
+    difference to its zerokl partner (same seeds) with the s.e. of that difference."""
+    stats = _arm_stats([r for rs in arms.values() for r in rs])
+    if not any(len(st["seeds"]) > 1 for st in stats.values()):
+        return []
+    rows = ["| arm | seeds | reward rise (mean ± s.e. over seeds) | last greedy test accuracy | largest grad norm | "
+            "reward rise minus the zerokl partner's (same seeds) |", "|---|---|---|---|---|---|"]
+    for arm, st in stats.items():
+        rows.append(f"| {arm} | {len(st['seeds'])} | {_pm(st['rise'])} | {_pm(st['acc'])} | {_pm(st['grad'])} | "
+                    f"{'-' if st['diff'] is None else _pm(st['diff'])} |")
+    return rows
+
+
+def _verdict(diff: tuple[float, float]) -> str:
+    """Whether the mismatched arm's reward rise differs from its zerokl partner's beyond 2 s.e."""
+    m, se = diff
+    if math.isnan(se) or se == 0:
+        return "not measurable (one step or no noise)"
+    if m <= -2 * se:
+        return f"**lower** by {-m / se:.1f} s.e."
+    if m >= 2 * se:
+        return f"higher by {m / se:.1f} s.e."
+    return "no difference beyond 2 s.e."
+
+
+def write_map(folder: pathlib.Path) -> str:
+    """The map from the cells run into FOLDER/CELL (their metrics.jsonl): FOLDER/map.md, a row per
+    mismatched arm of each cell against its zerokl partner, and FOLDER/map.png, each cell's mean reward
+    per arm; returns map.md's text. Cells not run are listed as such."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lines = ["# The map: where train/inference mismatch bites (zerokl experiment countdown --map)", "",
+             "Each row: a mismatched arm of a cell against its zerokl partner, the same seeds. Reward rise: mean of "
+             "the last quarter of steps minus the first (mean ± s.e. over seeds; with one seed, the s.e. under the "
+             "step-to-step noise). The verdict compares the difference with 2 s.e.", "",
+             "| cell | arm | seeds × steps | reward rise: zerokl partner | reward rise: arm | difference | verdict | "
+             "largest grad norm: partner / arm | max abs log ratio | mean abs KL | router flips |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    curves: dict[str, dict[str, list[float]]] = {}
+    for cell in CELLS:
+        path = folder / cell / "metrics.jsonl"
+        if not path.exists():
+            lines.append(f"| {cell} | not run | | | | | | | | | |")
+            continue
+        records = [json.loads(line) for line in path.read_text().splitlines() if line]
+        stats = _arm_stats(records)
+        for arm, st in stats.items():
+            zerokl = stats.get(_partner(arm))
+            if st["diff"] is None or zerokl is None:
+                continue
+            flips = "-" if math.isnan(st["flips"][0]) else f"{st['flips'][0]:.2%}"
+            lines.append(f"| {cell} | {arm} | {len(st['seeds'])} × {st['steps']} | {_pm(zerokl['rise'])} | "
+                         f"{_pm(st['rise'])} | {_pm(st['diff'])} | {_verdict(st['diff'])} | "
+                         f"{zerokl['grad'][0]:.3g} / {st['grad'][0]:.3g} | {st['log_ratio']:.3g} | "
+                         f"{st['abs_kl']:.3g} | {flips} |")
+        per_arm: dict[str, dict[int, list[float]]] = {}
+        for r in records:
+            per_arm.setdefault(r["arm"], {}).setdefault(r["step"], []).append(r["reward"])
+        curves[cell] = {arm: [sum(v) / len(v) for _, v in sorted(steps.items())] for arm, steps in per_arm.items()}
+    if curves:
+        n = len(curves)
+        cols = min(4, n)
+        fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5 * cols, 3.5 * ((n + cols - 1) // cols)),
+                                 squeeze=False)
+        for ax, (cell, arms) in zip(axes.flat, curves.items()):
+            for arm, ys in arms.items():
+                ax.plot(range(1, len(ys) + 1), ys, label=arm, lw=1)
+            ax.set_title(cell, fontsize=9)
+            ax.set_xlabel("RL step")
+            ax.set_ylabel("mean reward (over seeds)")
+            ax.legend(fontsize=6)
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(folder / "map.png", dpi=100)
+        plt.close(fig)
+        lines += ["", "![map](map.png)"]
+    text = "\n".join(lines) + "\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "map.md").write_text(text)
+    return text
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else float("nan")
 
 
+#: The report's plot: (metrics key, panel title); reward and accuracy, the mismatch, then the stability telemetry.
+_PANELS = [("reward", "mean reward"), ("test_accuracy", "greedy test accuracy"),
+           ("kl", "train/inference KL (exact)"), ("mismatched_fraction", "mismatched-token fraction"),
+           ("grad_norm", "gradient norm (before clipping)"), ("entropy", "entropy of the trainer's distribution"),
+           ("max_abs_log_ratio", "max |log ratio| trainer vs rollout"),
+           ("low_prob_fraction", "share of sampled tokens with p < 1e-3"),
+           ("clip_fraction", "clip fraction"), ("ratio_min", "importance ratio min / max"),
+           ("router_flip_fraction", "router decisions flipped"),
+           ("correction_dropped_fraction", "tokens dropped or truncated by the correction")]
+
+
 def _plot(arms: dict[str, list[dict]], out: pathlib.Path, title: str) -> str:
+    """experiment.png: a panel per _PANELS entry, a colour per arm, a line style per seed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    panels = [("reward", "mean reward"), ("test_accuracy", "greedy test accuracy"),
-              ("kl", "train/inference KL (exact)"), ("mismatched_fraction", "mismatched-token fraction"),
-              ("clip_fraction", "PPO clip fraction"), ("ratio_min", "importance ratio min / max"),
-              ("rollout_tokens_per_s", "rollout tokens/s"), ("tokens_per_s", "training tokens/s")]
-    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
-    for ax, (key, label) in zip(axes.flat, panels, strict=True):
-        for arm, records in arms.items():
+    fig, axes = plt.subplots(3, 4, figsize=(20, 11))
+    names = list(dict.fromkeys(r["arm"] for rs in arms.values() for r in rs[:1]))
+    colors = {a: f"C{i % 10}" for i, a in enumerate(names)}
+    seeds = sorted({r.get("seed", 0) for rs in arms.values() for r in rs[:1]})
+    styles = {k: ("-", "--", ":", "-.")[i % 4] for i, k in enumerate(seeds)}
+    for ax, (key, label) in zip(axes.flat, _PANELS, strict=True):
+        for unit, records in arms.items():
             pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=2, label=arm)
+            if not pts:
+                continue
+            arm, seed = records[0]["arm"], records[0].get("seed", 0)
+            kw = {"color": colors[arm], "linestyle": styles[seed], "marker": "o", "ms": 2}
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=unit, **kw)
             if key == "ratio_min":
-                ax.plot([r["step"] for r in records], [r["ratio_max"] for r in records], marker="o", ms=2,
-                        color=line.get_color())
+                ax.plot([r["step"] for r in records], [r["ratio_max"] for r in records], **kw)
+        if key in ("grad_norm", "max_abs_log_ratio") and ax.lines and all(
+                min(line.get_ydata()) > 0 for line in ax.lines):
+            ax.set_yscale("log")
         ax.set_xlabel("RL step")
         ax.set_title(label, fontsize=9)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "experiment.png", dpi=100)
@@ -501,22 +842,30 @@ def _plot(arms: dict[str, list[dict]], out: pathlib.Path, title: str) -> str:
 
 
 def write_report(arms: dict[str, list[dict]], out: pathlib.Path, header: dict, steps: int) -> list[str]:
-    """metrics.jsonl (one line per arm and step, with "arm"), experiment.png and report.md; returns the summary table."""
+    """metrics.jsonl (one line per unit and step, with "arm" and "seed"), experiment.png and report.md
+    (summary, stability telemetry, with several seeds their mean ± s.e., every step); returns the summary table."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "metrics.jsonl", "w") as f:
         for records in arms.values():
             for r in records:
                 f.write(json.dumps(r) + "\n")
-    title = f"countdown GRPO, {header['model']}: zerokl numerics vs mismatched inference"
+    title = f"countdown RL, {header['model']}: zerokl numerics vs mismatched inference"
     plot = _plot(arms, out, title)
     rows = _summary_rows(arms, steps)
     lines = [f"# zerokl experiment countdown ({header['model']})", ""]
-    lines += [f"- {k}: {v}" for k, v in header.items()] + ["", *rows, "",
-              f"Published, without aligned numerics (GLM countdown run): KL ≈ {PUBLISHED['kl']}, "
+    lines += [f"- {k}: {v}" for k, v in header.items()] + ["", *rows, ""]
+    stability = _stability_rows(arms)
+    if len(stability) > 2:
+        lines += ["Stability telemetry (what shows a collapse early):", "", *stability, ""]
+    seeds = _seed_rows(arms)
+    if seeds:
+        lines += ["Over RL seeds (mean ± standard error; the pair shares each seed):", "", *seeds, ""]
+    lines += [f"Published, without aligned numerics (GLM countdown run): KL ≈ {PUBLISHED['kl']}, "
               f"≈ {PUBLISHED['clip_fraction']:.0%} of tokens clipped. Reward rise: mean of the last quarter of steps "
               "minus the first; s.e. from the step-to-step noise (std of consecutive differences / √2).", ""]
     names = list(arms)
-    keys = [("reward", ".3f"), ("kl", ".3g"), ("mismatched_fraction", ".3f"), ("clip_fraction", ".4f")]
+    keys = [("reward", ".3f"), ("kl", ".3g"), ("mismatched_fraction", ".3f"), ("clip_fraction", ".4f"),
+            ("grad_norm", ".4g"), ("entropy", ".4f"), ("max_abs_log_ratio", ".3g")]
     lines += ["| step | " + " | ".join(f"{k} {a}" for k, _ in keys for a in names) + " | test acc |",
               "|---|" + "---|" * (len(keys) * len(names) + 1)]
     for i in range(max((len(v) for v in arms.values()), default=0)):
@@ -524,7 +873,8 @@ def write_report(arms: dict[str, list[dict]], out: pathlib.Path, header: dict, s
         for k, fmt in keys:
             for a in names:
                 r = arms[a][i] if i < len(arms[a]) else None
-                cells.append("" if r is None else (repr(r[k]) if k == "kl" and r[k] == 0.0 else format(r[k], fmt)))
+                v = None if r is None else r.get(k)
+                cells.append("" if v is None else (repr(v) if k == "kl" and v == 0.0 else format(v, fmt)))
         for a in names:
             r = arms[a][i] if i < len(arms[a]) else None
             if r is not None and r.get("test_accuracy") is not None:
@@ -557,11 +907,15 @@ def _budget(args: argparse.Namespace):  # noqa: ANN202
 def _step_printer(arm: str, total: int):  # noqa: ANN202
     def on_step(r: dict) -> None:
         acc = "" if r.get("test_accuracy") is None else f" test_acc {r['test_accuracy']:.3f}"
-        tis = "" if "tis_discarded_weight" not in r else f" tis_discarded {r['tis_discarded_weight']:.4f}"
+        corr = ("" if "correction_dropped_fraction" not in r else
+                f" dropped {r['correction_dropped_fraction']:.4f} discarded {r['correction_discarded_weight']:.4f}")
+        flips = "" if "router_flip_fraction" not in r else f" router_flips {r['router_flip_fraction']:.4f}"
         print(f"[{arm}] step {r['step']:3d}/{total} reward {r['reward']:.3f} kl {r['kl']!r} mismatched "
               f"{r['mismatched_tokens']}/{r['tokens']} clip {r['clip_fraction']:.4f} ratio [{r['ratio_min']:.7g}, "
-              f"{r['ratio_max']:.7g}]{tis}{acc} rollout {r['rollout_tokens_per_s']:.0f} tok/s train "
-              f"{r['tokens_per_s']:.0f} tok/s", flush=True)
+              f"{r['ratio_max']:.7g}] grad_norm {r['grad_norm']:.4g} entropy {r.get('entropy', float('nan')):.4f} "
+              f"max|logratio| {r.get('max_abs_log_ratio', float('nan')):.3g} low_p "
+              f"{r.get('low_prob_fraction', float('nan')):.4f}{corr}{flips}{acc} rollout "
+              f"{r['rollout_tokens_per_s']:.0f} tok/s train {r['tokens_per_s']:.0f} tok/s", flush=True)
     return on_step
 
 
@@ -595,6 +949,14 @@ def run(args: argparse.Namespace) -> int:
     from zerokl.experiment_state import load_records
     from zerokl.kernels import __version__, fingerprint
     from zerokl.kernels.backend import get_backend
+    if args.grid:
+        print(_grid())
+        return 0
+    if args.map:
+        print(write_map(pathlib.Path(args.map)))
+        return 0
+    if args.cell:
+        args = _with_cell(args)
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
@@ -612,25 +974,32 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown arm(s) {', '.join(bad)}: expected {', '.join(ARMS)}")
     s = _setting(args)
+    for arm in args.arms:                           # an impossible estimator/correction pair fails before any work
+        _objective(s, parse_arm(arm)[1])
+    # One unit per arm and RL seed: (its name, the arm, the seed); named by the arm alone without --seeds.
+    units = [(arm if args.seeds is None else f"{arm}-seed{k}", arm, k)
+             for arm in args.arms for k in (args.seeds or [args.seed])]
     t0 = time.monotonic()
     data = _prepare(s, device, state_dir, budget, args)
-    arms: dict[str, list[dict]] = {a: [] for a in args.arms}
+    arms: dict[str, list[dict]] = {name: [] for name, _, _ in units}
     complete = data is not None
     failed = []
-    if data is not None and args.processes > 1 and len(args.arms) > 1:
-        complete, failed = _fan_out(args, budget, state_dir, [(arm, ["--arms", arm]) for arm in args.arms])
+    if data is not None and args.processes > 1 and len(units) > 1:
+        complete, failed = _fan_out(args, budget, state_dir, [
+            (name, ["--arms", arm, *([] if args.seeds is None else ["--seeds", str(k)])]) for name, arm, k in units])
     elif data is not None:
-        for arm in args.arms:
-            records, done = run_arm(arm, s, device, data, state_dir, state_dir / f"arm-{arm}.pt", args.steps, budget,
-                                    args.checkpoint_every, _step_printer(arm, args.steps),
-                                    same_run=_sweep_path(state_dir, s) if arm == "zerokl" else None)
-            arms[arm] = records
+        for name, arm, k in units:
+            su = _setting(args, rl_seed=k)
+            records, done = run_arm(arm, su, device, data, state_dir, _arm_path(args, state_dir, name), args.steps,
+                                    budget, args.checkpoint_every, _step_printer(name, args.steps),
+                                    same_run=_sweep_path(state_dir, su) if arm == "zerokl" else None)
+            arms[name] = records
             if not done:
                 complete = False
                 break
-    for arm in args.arms:                           # arms not run in this process: what their checkpoints hold
-        if not arms[arm]:
-            arms[arm] = load_records(state_dir / f"arm-{arm}.pt")[1][: args.steps]
+    for name in arms:                               # units not run in this process: what their checkpoints hold
+        if not arms[name]:
+            arms[name] = load_records(_arm_path(args, state_dir, name))[1][: args.steps]
     if s.start == "sft":
         start = f"SFT on {device.type}, {s.sft[0]} steps × {s.sft[1]} demonstrations, lr {s.sft[2]}"
     else:
@@ -644,17 +1013,28 @@ def run(args: argparse.Namespace) -> int:
         if sft["curve"]:
             start += f" (greedy test accuracy {sft['curve'][-1]['test_accuracy']:.2f}, {sft['wall_time_s']} s)"
     backend = get_backend()
-    first_part = _first_part(s, device, state_dir, data, backend) if data is not None and "mismatch" in args.arms else None
+    used = {parse_arm(a)[0] for a in args.arms}
+    first_part = (_first_part(s, device, state_dir, data, backend)
+                  if data is not None and any(NUMERICS[n].backend == "stock" for n in used) else None)
     header = {"model": f"{s.preset}, {s.dtype}, {device.type}",
               "status": "complete" if complete else "INCOMPLETE: run the same command again to continue",
               "command": f"`{command}`", "numerics": f"{__version__} fingerprint {fingerprint()}",
-              "trainer and zerokl-arm inference backend": backend, "mismatch-arm inference backend": "stock",
+              **({"cell": f"{args.cell}: {CELLS[args.cell][0]}"} if args.cell else {}),
+              "estimator": s.estimator, "answers": f"{s.answers} (at most {s.max_tokens} tokens)",
+              "trainer and zerokl-arm inference backend": backend,
+              **({"mismatch-arm inference backend": "stock"} if "mismatch" in used else {}),
+              **({"mismatch-router arm": "the trainer's kernels except the MoE routers' logits, computed from bf16 "
+                  "input and weights; a token keeps the exact route unless its expert set flips"}
+                 if "mismatch-router" in used else {}),
               **({"FP8 arms (e4m3 projections, bf16 activations)": "zerokl-fp8 samples in FP8 and trains on the same "
                   "FP8 forward; mismatch-fp8 samples in FP8 (the trainer's weights quantized at load) and trains "
-                  f"in bf16; both on the {backend} backend"} if set(args.arms) & set(FP8_ARMS) else {}),
+                  f"in bf16; both on the {backend} backend"} if used & {"zerokl-fp8", "mismatch-fp8"} else {}),
+              **({"correction cap C": s.correction_cap} if any(parse_arm(a)[1] != "none" for a in args.arms) else {}),
               "start": start, "problems": f"{s.difficulty} ({s.train_problems} train)",
               "steps per arm": args.steps, "samples per step": f"{s.prompts} prompts × {s.group}",
-              "learning rate": s.lr, "seed": s.seed, "wall time of this piece (s)": f"{time.monotonic() - t0:.0f}"}
+              "learning rate": s.lr, "seed": s.seed,
+              **({"RL seeds": ", ".join(map(str, args.seeds))} if args.seeds else {}),
+              "wall time of this piece (s)": f"{time.monotonic() - t0:.0f}"}
     if args.processes > 1:
         header["arms at once"] = (f"up to {args.processes}, one process each, sharing the {device.type} device "
                                   "(tokens/s are measured under that sharing)")
@@ -662,12 +1042,19 @@ def run(args: argparse.Namespace) -> int:
         header["where the stock path first parts (zerokl diff, first test prompt)"] = first_part
     rows = write_report(arms, out, header, args.steps)
     (out / "run.json").write_text(json.dumps({"command": command, "setting": dataclasses.asdict(s),
-                                              "arms": args.arms, "steps": args.steps, "complete": complete},
+                                              "arms": args.arms, "seeds": args.seeds or [args.seed],
+                                              "steps": args.steps, "complete": complete},
                                              indent=2) + "\n")
     if args.update_doc:
         _update_doc(pathlib.Path(args.update_doc), rows, {k: header[k] for k in
                                                           ("model", "status", "command", "numerics", "start")})
     return _exit_status(complete, failed, out / "report.md")
+
+
+def _arm_path(args: argparse.Namespace, state_dir: pathlib.Path, unit: str) -> pathlib.Path:
+    """A unit's checkpoint: STATE/arm-UNIT.pt, or a cell's STATE/cells/CELL/arm-UNIT.pt (cells share a
+    state folder's warm starts and problems, not their arms)."""
+    return (state_dir / "cells" / args.cell if args.cell else state_dir) / f"arm-{unit}.pt"
 
 
 # ----------------------------------------------------------------------------- processes

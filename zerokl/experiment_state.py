@@ -8,8 +8,10 @@ only state is what the checkpoint holds (sampling seeds are derived from the ste
 number, not drawn from a stream).
 
 Also here: the in-process ports an arm runs on (one served model reloaded in place
-per version, not a new model per step), and the truncated-importance-sampling update
-of the `mismatch-tis` arm.
+per version, not a new model per step), the policy update of every arm (an estimator and
+a correction, :func:`policy_step`, with the step's collapse telemetry: gradient norm,
+entropy, max |log ratio|, low-probability share), and the routing-flip arm's router
+(:class:`FlippingRouter`: the rollout's MoE router in its own numerics).
 """
 from __future__ import annotations
 
@@ -26,20 +28,25 @@ from typing import Callable
 import numpy as np
 import torch
 
+from zerokl.kernels import ops
 from zerokl.kernels.model.fp8 import serving_fp8_model
+from zerokl.kernels.model.model import MoE, Router
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
-from zerokl.services.trainer.losses import group_advantages
+from zerokl.services.trainer.losses import PolicyObjective, group_advantages, policy_loss_terms
 from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout
 
-__all__ = ["TIMING_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "capture_rng", "restore_rng",
-           "save_state", "load_state", "save_records", "load_records", "rl_step", "run_steps", "tis_ppo_loss",
-           "tis_grpo_step"]
+__all__ = ["TIMING_KEYS", "TELEMETRY_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "FlippingRouter",
+           "RouterFlips", "capture_rng", "restore_rng", "save_state", "load_state", "save_records", "load_records", "rl_step",
+           "run_steps", "policy_step"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
 TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "sync_s", "rollout_tokens_per_s")
+#: The policy update's fields a metrics line carries beside run_rl's StepRecord (policy_step's telemetry).
+TELEMETRY_KEYS = ("entropy", "max_abs_log_ratio", "low_prob_fraction", "behaviour_clip_fraction",
+                  "correction_dropped_fraction", "correction_discarded_weight")
 
 
 # ----------------------------------------------------------------------------- budget
@@ -140,13 +147,14 @@ class ArmTrainerPort(LocalTrainerPort):
     """LocalTrainerPort that keeps only the newest version (a 100-step run must not hold 100 copies
     of the weights) and names versions by the trainer's step, so a resumed port names them alike.
 
-    With `tis_cap` set, updates are truncated-importance-sampling GRPO (:func:`tis_grpo_step`).
+    With `objective` set, updates are :func:`policy_step` (the experiment's estimator and correction,
+    with its telemetry); without, the trainer's own GRPO step.
     With `serve_fp8` each version is published as an FP8 engine serves it (e4m3 values + block
     scales): an FP8 trainer's own bytes, or a bf16/fp32 trainer's weights quantized (the FP8 arms).
     """
 
-    def __init__(self, trainer: Trainer, run: str, tis_cap: float | None = None, serve_fp8: bool = False):
-        self.trainer, self.run, self.tis_cap, self.serve_fp8 = trainer, run, tis_cap, serve_fp8
+    def __init__(self, trainer: Trainer, run: str, objective: PolicyObjective | None = None, serve_fp8: bool = False):
+        self.trainer, self.run, self.objective, self.serve_fp8 = trainer, run, objective, serve_fp8
         self._version = str(WeightsVersion.in_process(run, trainer.step))
         self.versions = {self._version: self._serving()}
 
@@ -158,9 +166,9 @@ class ArmTrainerPort(LocalTrainerPort):
         return self.trainer.serving_state_dict()
 
     def grpo_step(self, rollouts, group_size):  # noqa: ANN001, ANN201
-        if self.tis_cap is None:
+        if self.objective is None:
             return self.trainer.grpo_step(rollouts, group_size)
-        return tis_grpo_step(self.trainer, rollouts, group_size, self.tis_cap)
+        return policy_step(self.trainer, rollouts, group_size, self.objective)
 
     def publish(self) -> str:
         self._version = str(WeightsVersion.in_process(self.run, self.trainer.step))
@@ -178,11 +186,28 @@ class ArmEnginePort(LocalEnginePort):
     with an empty prefix cache, as a fresh engine would: a run resumed from a checkpoint (a fresh
     engine) computes what the uninterrupted run did, on the stock backend too, whose bits do
     depend on cache hits.
+
+    With `flip_routers` the served model's MoE routers are :class:`FlippingRouter`s (the routing-flip
+    arm; the engine then runs without CUDA graphs, whose padded rows the flip counts would include)
+    and each `generate` leaves its rollouts' counts in `last_router_flips`.
     """
 
-    def __init__(self, trainer_port: LocalTrainerPort, tokenizer, engine_config=None, backend: str | None = None):  # noqa: ANN001
+    def __init__(self, trainer_port: LocalTrainerPort, tokenizer, engine_config=None, backend: str | None = None,  # noqa: ANN001
+                 flip_routers: bool = False):
         super().__init__(trainer_port, tokenizer, engine_config, backend)
+        if flip_routers:
+            self.engine_config = dataclasses.replace(self.engine_config, cuda_graphs=False)
         self._engine = None
+        self.router_flips = RouterFlips() if flip_routers else None
+        self.last_router_flips: dict | None = None
+
+    def generate(self, prompts, options, weights_version):  # noqa: ANN001, ANN201
+        if self.router_flips is not None:
+            self.router_flips.reset()
+        groups = super().generate(prompts, options, weights_version)
+        if self.router_flips is not None:
+            self.last_router_flips = self.router_flips.read()
+        return groups
 
     def _model_for(self, version: str):  # noqa: ANN202
         if self._model is None:
@@ -192,6 +217,8 @@ class ArmEnginePort(LocalEnginePort):
                 self._model = serving_fp8_model(trainer.model)
             else:
                 self._model = copy.deepcopy(trainer.model).eval().requires_grad_(False)
+            if self.router_flips is not None:
+                FlippingRouter.install(self._model, self.router_flips)
         if version != self._loaded:
             if self._engine is None:
                 self._model.load_state_dict(self.trainer_port.versions[version])
@@ -209,65 +236,119 @@ class ArmEnginePort(LocalEnginePort):
         return self._engine
 
 
-# ----------------------------------------------------------------------------- truncated importance sampling
+# ----------------------------------------------------------------------------- the routing-flip arm's router
 
-def tis_ppo_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 clip_eps: float, cap: float) -> tuple[torch.Tensor, dict]:
-    """GRPO/PPO-clip on the trainer's own old logprobs, each token weighted by min(pi_train / pi_infer, cap).
+class RouterFlips:
+    """Counts of the flipping routers' decisions since `reset`, kept on the device (no read per layer).
 
-    The usual correction for an inference engine whose numbers differ from the trainer's
-    (truncated importance sampling, as in "Your efficient RL framework secretly brings you
-    off-policy RL training", Yao et al. 2025): the PPO ratio is taken against the trainer's
-    recomputed logprobs (exactly 1 at the first update), and the mismatch is corrected by
-    a per-token weight, truncated at `cap`. The weight mass above the cap is signal the
-    correction discards.
-
-    logprobs [B, T] (with grad), behaviour [B, T] (inference's), advantages [B], mask [B, T].
+    A decision is one token's expert set at one MoE layer; it flips when the rollout's router picks
+    another set than the trainer's would on the same input. A row (a token of one forward) flips when
+    any of its layers does: the router-replay paper's "tokens that differ in at least one layer".
     """
-    mask = mask.float()
-    on = mask > 0
-    old = logprobs.detach()
-    ratio = torch.exp(logprobs - old)                                  # 1.0, carrying the gradient
-    adv = advantages.view(-1, 1).float()
-    per_token = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
-    raw = torch.exp(old - behaviour)                                   # pi_train / pi_infer per token
-    weight = torch.clamp(raw, max=cap)
-    loss = -(weight * per_token * mask).sum() / mask.sum().clamp(min=1)
-    r, w = raw[on], weight[on]
-    n = int(on.sum())
-    stats = {
-        "loss": float(loss.detach()),
-        "kl": float(((behaviour - old) * mask).sum() / mask.sum().clamp(min=1)),
-        "mismatched_tokens": int((old[on] != behaviour[on]).sum()),
-        "clip_fraction": float(((ratio[on] < 1.0 - clip_eps) | (ratio[on] > 1.0 + clip_eps)).float().mean()) if n else 0.0,
-        "ratio_min": float(r.min()) if n else 1.0,
-        "ratio_max": float(r.max()) if n else 1.0,
-        "tokens": n,
-        # What plain PPO against inference's logprobs would have clipped at this step.
-        "behaviour_clip_fraction": float(((r < 1.0 - clip_eps) | (r > 1.0 + clip_eps)).float().mean()) if n else 0.0,
-        "tis_truncated_fraction": float((r > cap).float().mean()) if n else 0.0,
-        "tis_discarded_weight": float((r - w).sum() / r.sum()) if n else 0.0,
-    }
-    return loss, stats
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.decisions, self.flipped, self.rows, self.flipped_rows = 0, 0, 0, 0
+        self._pending: torch.Tensor | None = None      # [T] the current forward's rows flipped so far
+
+    def add(self, first_layer: bool, flip: torch.Tensor) -> None:
+        """One MoE layer's flips [T] (bool); `first_layer` starts a new forward."""
+        if first_layer:
+            self._flush()
+            self._pending = flip.clone()
+        elif self._pending is not None and self._pending.shape == flip.shape:
+            self._pending |= flip
+        self.decisions += flip.numel()
+        self.flipped = self.flipped + flip.sum()
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            self.rows += self._pending.numel()
+            self.flipped_rows = self.flipped_rows + self._pending.sum()
+            self._pending = None
+
+    def read(self) -> dict:
+        """{"router_decisions", "router_flip_fraction", "router_flip_row_fraction"} (one host read)."""
+        self._flush()
+        flipped, rows = int(self.flipped), int(self.flipped_rows)
+        return {"router_decisions": self.decisions, "router_flip_fraction": flipped / max(1, self.decisions),
+                "router_flip_row_fraction": rows / max(1, self.rows)}
 
 
-def tis_grpo_step(trainer: Trainer, rollouts: list[Rollout], group_size: int, cap: float) -> dict:
-    """One GRPO update with the truncated-importance-sampling loss, through the trainer's own forward
-    and optimizer step (same logprob path as Trainer.grpo_step, different objective)."""
+class FlippingRouter(Router):
+    """The rollout's MoE router in its own numerics: logits from bf16 input and weight (a serving
+    stack's bf16 router) instead of the trainer's fp32 ones.
+
+    Where the bf16 logits pick the same expert set as the trainer's router, the token keeps the
+    exact route (weights and expert order): only tokens whose experts flip compute anything else.
+    So the arm isolates routing flips; every other op is the trainer's invariant kernel.
+    """
+
+    def __init__(self, router: Router, flips: RouterFlips, first: bool):
+        super().__init__(router.c)
+        self.load_state_dict(router.state_dict())
+        self.to(router.weight.device)
+        self.flips, self.first = flips, first
+
+    @staticmethod
+    def install(model: torch.nn.Module, flips: RouterFlips) -> None:
+        """Replace every MoE layer's router of `model` by a FlippingRouter counting into `flips`."""
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        for i, moe in enumerate(moes):
+            moe.gate = FlippingRouter(moe.gate, flips, first=i == 0).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = super().forward(x)
+        c = self.c
+        logits = ops.linear(x.to(torch.bfloat16), self.weight.to(torch.bfloat16)).float()
+        flip_weights, flip_ids = ops.moe_route(logits, self.e_score_correction_bias, c.num_experts_per_tok,
+                                               c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob)
+        flip = (ids.sort(dim=1).values != flip_ids.sort(dim=1).values).any(dim=1)       # [T] another expert set
+        self.flips.add(self.first, flip)
+        return (torch.where(flip.unsqueeze(1), flip_weights, weights),
+                torch.where(flip.unsqueeze(1), flip_ids, ids))
+
+
+# ----------------------------------------------------------------------------- the policy update
+
+#: Rows of the entropy's head pass at once ([rows, vocab] logits).
+_ENTROPY_ROWS = 4096
+
+
+def policy_step(trainer: Trainer, rollouts: list[Rollout], group_size: int, objective: PolicyObjective) -> dict:
+    """One policy-gradient update with `objective` (losses.policy_loss_terms) through the trainer's own
+    forward (the logprobs Trainer.grpo_step computes, so KL is 0 against an aligned engine) and its
+    optimizer step; also the mean entropy of the trainer's sampling distribution at the sampled positions."""
     start = time.perf_counter()
-    trainer.model.train()
+    model = trainer.model.train()
     adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size).to(trainer.device)
     batch = trainer.batch_of([r.sequence for r in rollouts])
-    behaviour = torch.zeros(batch.mask.shape)
-    for b, r in enumerate(rollouts):
-        behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
-    logprobs = trainer.token_logprobs(trainer.model, batch)
-    loss, metrics = tis_ppo_loss(logprobs, behaviour.to(trainer.device), adv, batch.mask, trainer.config.clip_eps, cap)
+    behaviour = trainer._behaviour(rollouts, batch)
+    hidden = trainer._token_hidden(model, batch)
+    logprobs = trainer.token_logprobs(model, batch, hidden=hidden)
+    loss, terms = policy_loss_terms(logprobs, behaviour, adv, batch.mask, objective)
+    terms["entropy"] = _mean_entropy(model, hidden.detach()[: batch.tokens], batch.params.temperature[: batch.tokens])
     loss.backward()
+    values = torch.stack([v.double() for v in terms.values()]).tolist()             # one read, after the backward
+    metrics = dict(zip(terms, values))
+    metrics["mismatched_tokens"], metrics["tokens"] = int(metrics["mismatched_tokens"]), int(metrics["tokens"])
     trainer.tokens_seen += metrics["tokens"]
     metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - start, 1e-9)
     metrics["reward"] = float(sum(r.reward for r in rollouts) / len(rollouts))
     return metrics | trainer.optim_step()
+
+
+@torch.no_grad()
+def _mean_entropy(model: torch.nn.Module, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Mean entropy (nats) of softmax(logits / temperature) over the rows of `hidden` [N, D]."""
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    for i in range(0, hidden.shape[0], _ENTROPY_ROWS):
+        logits = model.lm_head(model.norm(hidden[i: i + _ENTROPY_ROWS])).float()
+        logp = torch.log_softmax(logits / temperature[i: i + _ENTROPY_ROWS].clamp(min=1e-6).unsqueeze(1), dim=-1)
+        total += -(logp.exp() * logp).sum(dim=-1).double().sum()
+    return total / max(1, hidden.shape[0])
 
 
 # ----------------------------------------------------------------------------- one RL step
@@ -300,10 +381,13 @@ def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, tr
         tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s))
     record["mismatched_fraction"] = m["mismatched_tokens"] / max(1, m["tokens"])
     record["rollout_tokens"] = rollout_tokens
+    record["samples"] = len(batch)
     record["rollout_tokens_per_s"] = rollout_tokens / max(rollout_s, 1e-9)
-    for k in ("behaviour_clip_fraction", "tis_truncated_fraction", "tis_discarded_weight"):
+    for k in TELEMETRY_KEYS:
         if k in m:
             record[k] = m[k]
+    if getattr(engine, "last_router_flips", None) is not None:
+        record |= engine.last_router_flips
     if config.eval_every and step % config.eval_every == 0:
         record["test_accuracy"] = evaluate(task, engine, new_version, config)
     return record
