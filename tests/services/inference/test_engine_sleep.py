@@ -64,3 +64,41 @@ def test_sleep_holds_requests_and_a_swap_wakes_the_engine_with_the_same_bits(mod
     for request in (long, held, after):
         version, outputs = got[request.request_id]
         assert_same_samples(outputs, weights[version], request.prompt_ids, request.options)
+
+
+def test_sleep_and_wake_rpcs_on_a_replica(model) -> None:
+    """Sleep / Wake over gRPC: a bad level is INVALID_ARGUMENT naming the field; a request sent while the
+    replica sleeps waits and completes after Wake with the offline engine's bits."""
+    import grpc
+    import grpc.aio
+
+    from conftest import decode_server
+    from zerokl.services.inference import InferenceClient, InferenceRequest
+
+    options = SamplingOptions(seed=5, max_tokens=6, temperature=0.8)
+    ids = tuple(range(3, 25))
+
+    async def main():
+        async with decode_server(model, process=True) as (server, replica):
+            client = InferenceClient(server.address)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await client.sleep(3)
+                assert bad.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "level" in bad.value.details()
+                asleep = await client.sleep(1)
+                assert asleep.level == 1 and asleep.released_bytes > 0
+                waiting = asyncio.create_task(client.generate_all(InferenceRequest(prompt_ids=ids, options=options)))
+                await asyncio.sleep(0.2)
+                assert not waiting.done()
+                awake = await client.wake()
+                assert awake.level == 0
+                result = await waiting
+            finally:
+                await client.close()
+            return result
+
+    result = asyncio.run(main())
+    from conftest import offline
+    want = offline(model, ids, options)[0]
+    assert list(result.samples[0].token_ids) == want.token_ids
+    assert list(result.samples[0].logprobs) == want.logprobs
