@@ -179,11 +179,13 @@ def _nothing() -> None:
 
 def optimizer_step(trainer: _Steppable, grads: Sequence[torch.Tensor], norm: float, lr: float | None, *,
                    non_finite: Callable[[], str | None], after_update: Callable[[], None] = _nothing,
-                   release: Callable[[], None] = _nothing, adam: AdamParams | None = None) -> dict:
+                   release: Callable[[], None] = _nothing, adam: AdamParams | None = None,
+                   run: Callable[[], None] | None = None) -> dict:
     """One guarded AdamW step of ``trainer`` over ``grads`` (whose norm is ``norm``); returns
     ``{"grad_norm", "lr", "step"}``. ``non_finite()`` returns what the step made non-finite
     (e.g. "2 tensor(s) non-finite, e.g. ...") or None. ``adam`` (then ``lr`` must be None) sets
-    this step's hyperparameters; without it they are the trainer's configuration's."""
+    this step's hyperparameters; without it they are the trainer's configuration's. ``run`` steps
+    the optimizer (default ``trainer.optimizer.step()``; the offloaded trainer streams its state)."""
     config = trainer.config
     if adam is not None:
         if lr is not None:
@@ -202,7 +204,7 @@ def optimizer_step(trainer: _Steppable, grads: Sequence[torch.Tensor], norm: flo
         for group in trainer.optimizer.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=decay)
         try:
-            trainer.optimizer.step()
+            (run or trainer.optimizer.step)()
         except RuntimeError as err:
             # AdamW casts lr / bias_correction to the parameters' dtype: an lr that overflows it fails mid-loop.
             if "overflow" not in str(err):
