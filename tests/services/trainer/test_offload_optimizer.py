@@ -23,7 +23,7 @@ def _data(seed: int) -> list[Completion]:
 
 
 def _trainer(dtype: torch.dtype, **kw) -> Trainer:
-    return Trainer(Model(TINY, seed=3, dtype=dtype), TrainConfig(lr=1e-3, weight_decay=0.01, **kw))
+    return Trainer(Model(TINY, seed=3, dtype=dtype), TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, **kw))
 
 
 def _state(t: Trainer) -> list[torch.Tensor]:
@@ -50,6 +50,7 @@ def test_offloaded_steps_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype)
         data = _data(step)
         m_on, m_off = on.sft_step(data), off.sft_step(data)
         assert m_on["grad_norm"] == m_off["grad_norm"] and m_on["loss"] == m_off["loss"]
+        assert m_on["grad_norm"] > 0.05                 # every step clips (grad_clip 0.05): the clip's bits too
         _assert_same(on, off)
     # Between steps the state is in host memory (pinned where a GPU is present).
     for t in [*(off.masters or []), *(v for s in off.optimizer.state.values() for k, v in s.items() if k != "step")]:

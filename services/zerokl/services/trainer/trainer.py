@@ -579,17 +579,16 @@ class Trainer:
         clip runs on those), AdamW steps the masters, and the model's parameters
         are set in place to the masters rounded to their dtype (round to nearest).
         """
-        grads32: list[torch.Tensor | None] = []
-        if self.masters is not None:
-            for p, m in zip(self.params, self.masters, strict=True):
-                g = None if p.grad is None else p.grad.detach().float()
-                if self.offload:
-                    grads32.append(g)       # on the device: it meets its master there (_offloaded_step)
-                else:
-                    m.grad = g
-                p.grad = None
-        grads = ([g for g in grads32 if g is not None] if self.offload and self.masters is not None
-                 else [p.grad for p in self._optimized if p.grad is not None])
+        if self.offload:
+            # Offloaded, each fp32 gradient is made (from the model's) when its master comes to the device:
+            # the norm of the model's gradients is theirs (a bf16 value's fp32 square is the same number).
+            grads = [p.grad for p in self.params if p.grad is not None]
+        else:
+            if self.masters is not None:
+                for p, m in zip(self.params, self.masters, strict=True):
+                    m.grad = None if p.grad is None else p.grad.detach().float()
+                    p.grad = None
+            grads = [p.grad for p in self._optimized if p.grad is not None]
 
         def masters_to_model() -> None:
             if self.masters is not None and not self.offload:     # offloaded: done per parameter on the device
@@ -605,7 +604,7 @@ class Trainer:
             for p in self.params:
                 p.grad = None
 
-        run = (lambda: self._offloaded_step(grads32)) if self.offload else None
+        run = self._offloaded_step if self.offload else None
         self._finite = {}
         try:
             metrics = optimizer_step(self, grads, grad_norm(grads), lr, non_finite=non_finite,
@@ -619,13 +618,13 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _offloaded_step(self, grads32: Sequence[torch.Tensor | None]) -> None:
+    def _offloaded_step(self, scale: float | None) -> None:
         """AdamW with its state in host memory: for each parameter in turn its state (moments, master)
-        comes to the device, steps there alone (torch's single-tensor AdamW treats every parameter
-        alone: the bits of the whole step on the device) and goes back to its pinned host buffers; the
-        model's parameter gets its master's rounding meanwhile. Peak device memory: one parameter's
-        state. Each parameter's state is checked finite on the device (``_non_finite`` reads the flags).
-        ``grads32``: the fp32 gradients of the masters (device), when there are masters."""
+        comes to the device, its gradient is made (fp32 for a master) and clipped by ``scale`` (None: no
+        clip), it steps there alone (torch's single-tensor AdamW treats every parameter alone: the bits of
+        the whole step on the device) and goes back to its pinned host buffers; the model's parameter gets
+        its master's rounding meanwhile. Peak device memory: one parameter's state and fp32 gradient. Each
+        parameter's state is checked finite on the device (``_non_finite`` reads the flags)."""
         device = self.device
         optimizer = self.optimizer
         index = {id(t): k for k, t in enumerate(self._optimized)}
@@ -634,9 +633,16 @@ class Trainer:
             try:
                 for o in params:
                     i = index[id(o)]
-                    grad = grads32[i] if self.masters is not None else o.grad
-                    if grad is None:
+                    p = self.params[i]
+                    if p.grad is None:
                         continue
+                    if self.masters is not None:
+                        grad = p.grad.detach().float()
+                        p.grad = None
+                    else:
+                        grad = p.grad
+                    if scale is not None:
+                        grad.mul_(scale)
                     home = o.data
                     if self.masters is not None:
                         o.data = home.to(device, non_blocking=True)
@@ -661,7 +667,7 @@ class Trainer:
                             state[k] = _hosted(v)
                     self._finite[i] = torch.stack(flags).all()
                     if self.masters is not None:
-                        self.params[i].copy_(o.data.to(self.params[i].dtype))
+                        p.copy_(o.data.to(p.dtype))
                         home.copy_(o.data, non_blocking=True)
                         o.data, o.grad = home, None
             finally:
