@@ -91,3 +91,28 @@ def test_sleep_refuses_a_busy_engine_and_a_bad_level() -> None:
     with pytest.raises(RuntimeError, match="requests in the engine"):
         engine.sleep(1)
     assert engine.sleep_level == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_on_cuda_releases_device_memory_and_recaptures_graphs_to_the_same_bits(level: int) -> None:
+    """On CUDA (decode graphs captured, overlapped decode): asleep, the engine's device memory is back with the
+    driver; woken (level 2: its weights loaded again), its decode graphs are captured anew on the new cache and
+    every request's tokens and logprobs equal those before it slept."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model = Model(CONFIG, seed=0, dtype=torch.bfloat16).cuda().eval()
+    engine = Engine(model, EngineConfig(num_blocks=2048))       # a KV cache worth measuring
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    requests = _requests(4)
+    before = _run(engine, requests)
+    assert engine.runner._graphs                                # decode steps ran from graphs
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_reserved()
+    released = engine.sleep(level)
+    assert engine.runner._graphs == {} and torch.cuda.memory_reserved() <= held - released
+    if level == 2:
+        engine.load_weights(weights, "")
+    engine.wake()
+    _assert_same(before, _run(engine, requests))
+    assert engine.runner._graphs                                # captured again, on the new cache

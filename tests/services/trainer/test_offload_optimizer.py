@@ -89,3 +89,27 @@ def test_offload_refused_with_fp8() -> None:
         with pytest.raises(InvalidOption) as err:
             config.check()
         assert err.value.field == "offload_optimizer"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype) -> None:
+    """On CUDA the state lives in pinned host memory between steps and is stepped on the device: the same bits as
+    AdamW with its state on the device (torch's single-tensor AdamW), a refused step undone alike."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make = lambda **kw: Trainer(Model(TINY, seed=3, dtype=dtype).cuda(),  # noqa: E731
+                                TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, cuda_graphs=False, **kw))
+    on, off = make(), make(offload_optimizer=True)
+    for step in range(3):
+        on.sft_step(_data(step))
+        off.sft_step(_data(step))
+        _assert_same(on, off)
+    hosted = [*(off.masters or []), *(v for s in off.optimizer.state.values() for k, v in s.items() if k != "step")]
+    assert hosted and all(t.device.type == "cpu" and t.is_pinned() for t in hosted)
+    for t in (on, off):
+        t.forward_backward("sft", _data(5))
+        with pytest.raises(NonFiniteStep):
+            t.optim_step(lr=1e38)
+        t.sft_step(_data(6))
+    _assert_same(on, off)
