@@ -13,10 +13,13 @@ nvidia-smi per process, sampled every 0.2 s; CPU: each process's peak RSS) of th
 engine process) and the trainer.
 
 The slice (--preset glm5 --layers 2: 12.2 B parameters, 22.7 GiB in bf16) is written as a checkpoint into
---workdir first; the weight store then holds its first version and every step's record (deltas against the
-version before), so --workdir needs ~100 GB of disk for a few steps. Its trainer defaults to
+--workdir first (deleted once the store holds it). Disk: the store's first version, `zerokl up`'s served copy
+of it and the trainer's delta base (22.7 GiB each), every step's delta record, and the job's last step's full
+checkpoint (weights and the bf16 AdamW moments, ~68 GiB): ~140 GB for a short job, more than a 64 GB machine
+has (run it on a host with more disk, --gpu picking one of its GPUs). Its trainer defaults to
 --master-weights off: fp32 masters (45 GiB) and their AdamW moments (91 GiB) fit neither an 80 GB GPU nor a
-128 GB host; bf16 moments (45 GiB) live on the host.
+128 GB host; bf16 moments (45 GiB) live on the host. A run longer than a device call's 10 minutes goes in the
+background (setsid) and is polled: it prints a progress line per step and rewrites --out after each.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,8 +177,9 @@ def main() -> int:
                     help="cut the preset to this many layers, the first dense (default: 2 for glm5, the preset's own "
                          "otherwise)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES for the fleet (one GPU of a larger host)")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=8, help="prompts a step (default %(default)s)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts a step (default %(default)s)")
     ap.add_argument("--group", type=int, default=8, help="answers a prompt (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens an answer, past eos (default %(default)s)")
     ap.add_argument("--lr", type=float, default=1e-5)
@@ -207,6 +212,8 @@ def main() -> int:
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = args.gpu
     result: dict = {"meta": {"preset": args.preset, "layers": args.layers, "device": args.device, "steps": args.steps,
                              "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                              "sleep_level": args.sleep_level, "master_weights": master, "argv": argv[2:]},
@@ -219,6 +226,8 @@ def main() -> int:
         services = wait_up(fleet, proc, args.up_timeout)
         result["meta"]["up_s"] = time.monotonic() - t0
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
+        if model is not None:
+            shutil.rmtree(model)        # the store holds it (and `zerokl up` its served copy): disk for the records
         with MemoryWatch(services, args.device) as memory:
             asyncio.run(run_job(args, services, result, out))
         replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
