@@ -1067,11 +1067,10 @@ class _TrainerSession:
         if sleep is None:
             yield {}
             return
-        t0 = time.perf_counter()
-        state = self._call(sleep())
-        slept = {"sleep_s": time.perf_counter() - t0, "sleep_bytes": float(state.released_bytes)}
         try:
-            yield slept
+            t0 = time.perf_counter()
+            state = self._call(sleep())     # a replica that could not sleep fails the step: the others wake below
+            yield {"sleep_s": time.perf_counter() - t0, "sleep_bytes": float(state.released_bytes)}
         except BaseException:
             try:
                 if self.manager._wake_fleet is not None:
