@@ -8,7 +8,7 @@ import torch
 
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
-from zerokl.services.engine.types import EngineConfig, GenerateRequest
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, OwnedWeights
 from zerokl.vocab import SamplingOptions
 
 CONFIG = ModelConfig.preset("tiny")
@@ -81,6 +81,23 @@ def test_level_2_releases_the_weights_and_a_load_refills_them(engine: Engine) ->
     engine.wake()
     # The cache identity was the same before (an unnamed version): compare the bits of a fresh engine's run.
     _assert_same(before, _run(engine, requests))
+
+
+def test_level_2_takes_owned_weights_without_a_copy(engine: Engine) -> None:
+    """A state dict the engine may keep (OwnedWeights: the replica's own copy of the trainer's export) becomes its
+    weights as it is (one copy in memory at the wake, not two); a plain one is copied (its owner keeps it)."""
+    requests = _requests(5)
+    before = _run(engine, requests)
+    for owned in (False, True):
+        weights = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        engine.sleep(2)
+        engine.load_weights(OwnedWeights(weights) if owned else weights, "")
+        engine.wake()
+        shared = [t.data_ptr() == weights[k].data_ptr() for k, t in engine.model.state_dict().items()]
+        assert all(shared) if owned else not any(shared)
+        _assert_same(before, _run(engine, requests))
+    engine.sleep(2)                                     # and sleeps again: the adopted memory is released
+    assert all(t.untyped_storage().nbytes() == 0 for t in engine.model.state_dict().values())
 
 
 def test_sleep_refuses_a_busy_engine_and_a_bad_level() -> None:

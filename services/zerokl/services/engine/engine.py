@@ -34,7 +34,7 @@ from zerokl.services.engine.runner import DecodeBatch, DecodeLaunch, ModelRunner
 from zerokl.services.engine.scheduler import Sample as _Sample
 from zerokl.services.engine.scheduler import SampleState as _State
 from zerokl.services.engine.scheduler import Scheduler
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, OwnedWeights, SampleOutput
 
 __all__ = ["Engine", "RequestError", "WeightsCorrupted", "device_failed", "sample_seed"]
 
@@ -214,8 +214,9 @@ class Engine:
         """Replace the model's weights in place (same config); only between requests.
 
         Every cached prefix is forgotten: its KV was computed with the old weights;
-        new keys are seeded with ``weights_version``. An engine asleep at level 2 gets its
-        weights' memory back first and stays asleep at level 1 (:meth:`wake` then allocates the
+        new keys are seeded with ``weights_version``. An engine asleep at level 2 takes an
+        :class:`OwnedWeights` dict's tensors as they are, else gets its weights' memory back and
+        copies; either way it stays asleep at level 1 (:meth:`wake` then allocates the
         KV cache, once the caller dropped ``state_dict``: the two never hold memory together).
         Raises RuntimeError while requests are in the engine and ValueError for
         missing, unexpected or misshapen tensors (nothing is changed then);
@@ -230,6 +231,11 @@ class Engine:
             raise ValueError(f"weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                              f"wrong shape {wrong[:3]}")
         name = ""
+        if self._sleep_level == 2 and self._adopt(state_dict):
+            self._released, self._sleep_level = [], 1
+            self.blocks.reset_prefix_cache()
+            self.set_cache_identity(weights_version, self._numerics_fingerprint)
+            return
         try:
             if self._sleep_level == 2:
                 # The weights' memory comes back (its bytes are garbage until the copies below land).
@@ -287,6 +293,26 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()        # back to the driver: another process (the trainer) allocates it
         return released
+
+    def _adopt(self, state_dict: dict[str, torch.Tensor]) -> bool:
+        """Take an :class:`OwnedWeights` state dict's tensors as the model's weights (no copy); False (nothing
+        changed) for any other dict or when a tensor's dtype, device or layout differs from the model's."""
+        if not isinstance(state_dict, OwnedWeights):
+            return False
+        own = self.model.state_dict()
+        if any(t.dtype != own[k].dtype or t.device != own[k].device or not t.is_contiguous()
+               for k, t in state_dict.items()):
+            return False
+        with torch.no_grad():
+            for module_name, module in self.model.named_modules():
+                prefix = f"{module_name}." if module_name else ""
+                for name, p in module._parameters.items():
+                    if p is not None and prefix + name in state_dict:
+                        p.data = state_dict[prefix + name]
+                for name, b in module._buffers.items():
+                    if b is not None and prefix + name in state_dict:
+                        module._buffers[name] = state_dict[prefix + name]
+        return True
 
     def wake(self) -> None:
         """Serve again: a fresh KV cache. An engine whose weights were released (level 2) wakes only

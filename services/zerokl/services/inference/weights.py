@@ -37,6 +37,7 @@ import torch
 
 from zerokl.kernels.dtypes import FP8, names_fp8
 from zerokl.kernels.model import Model
+from zerokl.services.engine.types import OwnedWeights
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import (
     DataLoss,
@@ -77,7 +78,7 @@ class SharedLoader:
             k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
         if wrong:
             raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
-        return state
+        return OwnedWeights(state)      # our own copy: a sleeping engine takes it as its weights (no second copy)
 
 
 class WeightSwitcher:
