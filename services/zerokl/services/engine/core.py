@@ -23,8 +23,8 @@ admits them; a request pinned to a weights version is checked against the versio
 *when it is admitted*. Sleep (co-location with a trainer on one device) is the same discipline: a
 ``sleep`` waits for the admitted requests, then releases the KV cache (level 1) or the weights too
 (level 2); requests that arrive while it sleeps wait, held, and are admitted when a ``wake`` or a weight
-swap (which wakes it: the swap's weights refill a level-2 sleeper) brings the engine back. Failures are :class:`~zerokl.services.engine.outputs.CoreError` (the front
-maps them to its statuses).
+swap (which wakes it: the swap's weights refill a level-2 sleeper) brings the engine back. Failures are
+:class:`~zerokl.services.engine.outputs.CoreError` (the front maps them to its statuses).
 """
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ class EngineCore:
     between steps), ``("sleep", token, level)``, ``("wake", token)``, ``("version", v)`` (the version the
     engine holds, set by its owner), ``("stop",)``.
     Events: ``("admit", key, error, version)``, ``("done", token, error, result)``, ``("version", v)`` (a
-    swap landed), ``("sleep", level)`` (the engine's sleep level changed: 0 awake), ``("fitness", reason)``, ``("stats", running, waiting, kv_usage, new_prompt_tokens,
-    new_generation_tokens)`` and, last, ``("step", StepOutputs)``: every stream's outputs and ends of the
+    swap landed), ``("sleep", level)`` (the engine's sleep level changed: 0 awake), ``("fitness", reason)``,
+    ``("stats", running, waiting, kv_usage, new_prompt_tokens, new_generation_tokens)`` and, last, ``("step", StepOutputs)``: every stream's outputs and ends of the
     pass, as columns. An error in an event is a :class:`CoreError`, or a swap loader's own error as it raised it.
     """
 
@@ -293,10 +293,11 @@ class EngineCore:
 
     def _woken(self) -> CoreError | None:
         """Wake the engine (a fresh KV cache); the error that kept it asleep, if any."""
+        if self.engine.sleep_level == 2:     # its weights were released and not refilled
+            return CoreError("FAILED_PRECONDITION", "cannot wake: the weights were released (sleep level 2); "
+                                                    "a weight switch wakes it")
         try:
             self.engine.wake()
-        except RuntimeError as err:     # its weights were released and not refilled
-            return CoreError("FAILED_PRECONDITION", f"cannot wake: {err}; a weight switch wakes it")
         except Exception as err:  # noqa: BLE001 - e.g. out of memory: still asleep, the caller hears why
             log.exception("waking the engine failed")
             return _unavailable(f"cannot wake: {type(err).__name__}: {err}")
