@@ -109,8 +109,8 @@ class MemoryWatch:
                 self.peak[name] = max(self.peak.get(name, 0.0), float(total))
             return
         try:
-            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                  capture_output=True, text=True, timeout=10).stdout
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
             used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                                   capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):

@@ -85,7 +85,8 @@ def test_a_refused_offloaded_step_is_undone_like_an_on_device_one() -> None:
 
 
 def test_offload_refused_with_fp8() -> None:
-    for config in (TrainConfig(dtype="fp8", offload_optimizer=True), TrainConfig(offload_optimizer=1)):  # type: ignore[arg-type]
+    bad = (TrainConfig(dtype="fp8", offload_optimizer=True), TrainConfig(offload_optimizer=1))  # type: ignore[arg-type]
+    for config in bad:
         with pytest.raises(InvalidOption) as err:
             config.check()
         assert err.value.field == "offload_optimizer"

@@ -81,8 +81,8 @@ class EngineCore:
     engine holds, set by its owner), ``("stop",)``.
     Events: ``("admit", key, error, version)``, ``("done", token, error, result)``, ``("version", v)`` (a
     swap landed), ``("sleep", level)`` (the engine's sleep level changed: 0 awake), ``("fitness", reason)``,
-    ``("stats", running, waiting, kv_usage, new_prompt_tokens, new_generation_tokens)`` and, last, ``("step", StepOutputs)``: every stream's outputs and ends of the
-    pass, as columns. An error in an event is a :class:`CoreError`, or a swap loader's own error as it raised it.
+    ``("stats", running, waiting, kv_usage, new_prompt_tokens, new_generation_tokens)`` and, last,
+    ``("step", StepOutputs)``: every stream's outputs and ends of the pass, as columns. An error in an event is a :class:`CoreError`, or a swap loader's own error as it raised it.
     """
 
     def __init__(self, engine: Any, emit: Callable[[list[tuple]], None], weights_version: str = "",
