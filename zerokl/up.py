@@ -254,6 +254,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(for several devices; on one device a decode replica's own prefill costs no KV "
                         "handoff). Default %(default)s: the decode replicas prefill themselves")
     s.add_argument("--no-trainer", action="store_true", help="do not start the trainer")
+    s.add_argument("--colocate", action="store_true",
+                   help="co-location, for a model that does not fit the device twice: the trainer keeps its optimizer "
+                        "state in host memory between steps (--offload-optimizer) and, before each RL step trains, "
+                        "every replica releases its KV cache and weights (sleep level 2; "
+                        "--scheduler-flag=--colocate-sleep-level=1 keeps the weights); the step's in-place weight "
+                        "switch wakes them with the new version (ARCHITECTURE.md, \"Co-location\")")
     s.add_argument("--replica-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve prefill|decode` flag for every replica, e.g. --replica-flag=--tp=2 "
                         "(repeatable)")
@@ -624,13 +630,14 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
         # The trainer's forward in the fleet's dtype, as the replicas serve it (an FP8 fleet's on the FP8
         # forward, from a non-FP8 --model too): one fingerprint for the whole fleet (_check_exact).
         t.flags = ["--weight-store", store.address, "--init", version, *dtype, *threads, "--port", str(t.port),
-                   "--replica-id", "trainer", *common, *args.trainer_flag]
+                   "--replica-id", "trainer", *(["--offload-optimizer"] if args.colocate else []), *common,
+                   *args.trainer_flag]
         children.append(t)
     port = args.port or _free_port()
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
                "--replica-id", "scheduler", "--state-dir", str(workdir / "scheduler"), *s.serve_metrics(), *common,
-               *args.scheduler_flag]
+               *(["--colocate-sleep-level", "2"] if args.colocate else []), *args.scheduler_flag]
     if trainer:
         s.flags += ["--trainer", t.address, "--weight-store", store.address]
     if args.prefill_replicas:
@@ -870,6 +877,9 @@ async def run(args: argparse.Namespace) -> int:
     workdir = pathlib.Path(args.workdir).expanduser().resolve()
     if args.decode_replicas < 1 or args.prefill_replicas < 0:
         raise SystemExit("zerokl up: need at least one decode replica and no negative counts")
+    if args.colocate and args.no_trainer:
+        raise SystemExit("zerokl up: --colocate shares the device between the replicas and the trainer: not with "
+                         "--no-trainer")
     if not args.model and not args.preset:
         args.model = str(SFT_CHECKPOINT)
     args.dtype = _fleet_dtype(args)

@@ -21,6 +21,24 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class WakeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ("level", "released_bytes")
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    released_bytes: int
+    def __init__(self, level: _Optional[int] = ..., released_bytes: _Optional[int] = ...) -> None: ...
+
 class SwitchWeightsRequest(_message.Message):
     __slots__ = ("version", "shared")
     VERSION_FIELD_NUMBER: _ClassVar[int]

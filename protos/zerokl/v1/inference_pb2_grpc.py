@@ -60,6 +60,16 @@ class InferenceStub:
                 request_serializer=zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.SerializeToString,
                 response_deserializer=zerokl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/zerokl.v1.Inference/Sleep',
+                request_serializer=zerokl_dot_v1_dot_inference__pb2.SleepRequest.SerializeToString,
+                response_deserializer=zerokl_dot_v1_dot_inference__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/zerokl.v1.Inference/Wake',
+                request_serializer=zerokl_dot_v1_dot_inference__pb2.WakeRequest.SerializeToString,
+                response_deserializer=zerokl_dot_v1_dot_inference__pb2.SleepResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -116,6 +126,30 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Co-location (a trainer on this replica's device): once the requests it
+        admitted have finished, release the KV cache (level 1) or the KV cache
+        and the weights (level 2), until Wake or a SwitchWeights (which wakes it;
+        the switch's weights refill a level-2 sleeper). Requests that arrive
+        meanwhile wait and are admitted when it wakes (a pinned one is then
+        checked against the version it serves). On the scheduler: every replica
+        of the fleet. Internal (peer or operator token).
+        Errors: INVALID_ARGUMENT (level not 1 or 2), FAILED_PRECONDITION (this
+        replica cannot sleep, e.g. a tensor-parallel one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Allocates the KV cache again and admits the requests that waited.
+        Errors: FAILED_PRECONDITION (the weights were released: SwitchWeights
+        wakes it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +177,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.SwitchWeights,
                     request_deserializer=zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.FromString,
                     response_serializer=zerokl_dot_v1_dot_common__pb2.ServiceInfo.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=zerokl_dot_v1_dot_inference__pb2.SleepRequest.FromString,
+                    response_serializer=zerokl_dot_v1_dot_inference__pb2.SleepResponse.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=zerokl_dot_v1_dot_inference__pb2.WakeRequest.FromString,
+                    response_serializer=zerokl_dot_v1_dot_inference__pb2.SleepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -280,6 +324,60 @@ class Inference:
             '/zerokl.v1.Inference/SwitchWeights',
             zerokl_dot_v1_dot_inference__pb2.SwitchWeightsRequest.SerializeToString,
             zerokl_dot_v1_dot_common__pb2.ServiceInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zerokl.v1.Inference/Sleep',
+            zerokl_dot_v1_dot_inference__pb2.SleepRequest.SerializeToString,
+            zerokl_dot_v1_dot_inference__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zerokl.v1.Inference/Wake',
+            zerokl_dot_v1_dot_inference__pb2.WakeRequest.SerializeToString,
+            zerokl_dot_v1_dot_inference__pb2.SleepResponse.FromString,
             options,
             channel_credentials,
             insecure,

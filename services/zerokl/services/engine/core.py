@@ -20,8 +20,11 @@ and the device is probed until it computes again) or weights failed to load midw
 load succeeds); it says so with a ``fitness`` event. A weight swap waits until the requests already
 admitted have finished, holds back the ones that arrive meanwhile, replaces the weights and only then
 admits them; a request pinned to a weights version is checked against the version the core holds
-*when it is admitted*. Failures are :class:`~zerokl.services.engine.outputs.CoreError` (the front
-maps them to its statuses).
+*when it is admitted*. Sleep (co-location with a trainer on one device) is the same discipline: a
+``sleep`` waits for the admitted requests, then releases the KV cache (level 1) or the weights too
+(level 2); requests that arrive while it sleeps wait, held, and are admitted when a ``wake`` or a weight
+swap (which wakes it: the swap's weights refill a level-2 sleeper) brings the engine back. Failures are
+:class:`~zerokl.services.engine.outputs.CoreError` (the front maps them to its statuses).
 """
 from __future__ import annotations
 
@@ -74,11 +77,12 @@ class EngineCore:
 
     Commands: ``("add", key, request, pinned_version)``, ``("abort", key, request_id)``,
     ``("swap", token, state_dict, version)``, ``("call", token, fn, args)`` (``fn(engine, *args)``
-    between steps), ``("version", v)`` (the version the engine holds, set by its owner), ``("stop",)``.
+    between steps), ``("sleep", token, level)``, ``("wake", token)``, ``("version", v)`` (the version the
+    engine holds, set by its owner), ``("stop",)``.
     Events: ``("admit", key, error, version)``, ``("done", token, error, result)``, ``("version", v)`` (a
-    swap landed), ``("fitness", reason)``, ``("stats", running, waiting, kv_usage, new_prompt_tokens,
-    new_generation_tokens)`` and, last, ``("step", StepOutputs)``: every stream's outputs and ends of the
-    pass, as columns. An error in an event is a :class:`CoreError`, or a swap loader's own error as it raised it.
+    swap landed), ``("sleep", level)`` (the engine's sleep level changed: 0 awake), ``("fitness", reason)``,
+    ``("stats", running, waiting, kv_usage, new_prompt_tokens, new_generation_tokens)`` and, last,
+    ``("step", StepOutputs)``: every stream's outputs and ends of the pass, as columns. An error in an event is a :class:`CoreError`, or a swap loader's own error as it raised it.
     """
 
     def __init__(self, engine: Any, emit: Callable[[list[tuple]], None], weights_version: str = "",
@@ -93,6 +97,7 @@ class EngineCore:
         self._inbox: list[tuple] = []
         self._stopping = False
         self._swap: tuple | None = None                 # (token, state_dict, version) waiting for the batch
+        self._sleep: tuple | None = None                # (token, level) waiting for the batch
         self._held: list[tuple] = []                    # add commands waiting for the swap
         self._live: dict[str, _Live] = {}
         self._unfit: dict[str, str] = {}                # why it cannot serve, by cause
@@ -129,7 +134,8 @@ class EngineCore:
         while True:
             self._flush()
             with self._cond:
-                while not self._inbox and not self._stopping and not engine.has_work() and self._swap is None:
+                while (not self._inbox and not self._stopping and not engine.has_work() and self._swap is None
+                       and self._sleep is None):
                     # A failed device is probed now and then; otherwise sleep until told.
                     if not self._cond.wait(_PROBE_INTERVAL_S if "device" in self._unfit else None):
                         break
@@ -139,7 +145,7 @@ class EngineCore:
             for command in commands:
                 kind = command[0]
                 if kind == "add":
-                    if self._swap is not None:
+                    if self._swap is not None or self._sleep is not None or self._asleep():
                         self._held.append(command)
                     else:
                         self._add(*command[1:])
@@ -151,6 +157,12 @@ class EngineCore:
                     self._swap = command[1:]
                 elif kind == "call":
                     self._call(*command[1:])
+                elif kind == "sleep":
+                    if self._sleep is not None:  # a second sleep before the first ran: the first is moot
+                        self._events.append(("done", self._sleep[0], None, 0))
+                    self._sleep = command[1:]
+                elif kind == "wake":
+                    self._wake(command[1])
                 elif kind == "version":
                     self.weights_version = command[1]
                 elif kind == "stop":
@@ -159,6 +171,9 @@ class EngineCore:
                 break
             if self._swap is not None and not engine.has_work():
                 self._run_swap()
+                continue
+            if self._sleep is not None and not engine.has_work():
+                self._run_sleep()
                 continue
             if engine.has_work():
                 try:
@@ -220,6 +235,9 @@ class EngineCore:
         if self._swap is not None:
             self._events.append(("done", self._swap[0], error, None))
             self._swap = None
+        if self._sleep is not None:
+            self._events.append(("done", self._sleep[0], error, None))
+            self._sleep = None
         for command in self._held:
             self._events.append(("admit", command[1], error, ""))
         self._held = []
@@ -250,10 +268,51 @@ class EngineCore:
         except Exception as err:  # weights that do not fit: the old ones keep serving
             error = CoreError("FAILED_PRECONDITION", f"cannot load weights {version!r}: {err}")
         del state_dict, source  # shared-memory tensors: let the sender's storage go
+        if error is None and self._asleep():
+            error = self._woken()       # a swap wakes a sleeping engine (after the loaded copy is gone)
+        self._events.append(("done", token, error, None))
+        self._admit_held()
+
+    # ---- sleep (co-location with a trainer on one device)
+
+    def _asleep(self) -> bool:
+        return bool(getattr(self.engine, "sleep_level", 0))
+
+    def _run_sleep(self) -> None:
+        assert self._sleep is not None
+        (token, level), self._sleep = self._sleep, None
+        try:
+            released = self.engine.sleep(level)
+        except (AttributeError, ValueError, RuntimeError) as err:
+            self._events.append(("done", token, CoreError("FAILED_PRECONDITION", f"cannot sleep: {err}"), None))
+            self._admit_held()
+            return
+        self._events.append(("sleep", self.engine.sleep_level))
+        log.info("asleep at level %d (%d bytes released)", self.engine.sleep_level, released)
+        self._events.append(("done", token, None, released))
+
+    def _woken(self) -> CoreError | None:
+        """Wake the engine (a fresh KV cache); the error that kept it asleep, if any."""
+        if self.engine.sleep_level == 2:     # its weights were released and not refilled
+            return CoreError("FAILED_PRECONDITION", "cannot wake: the weights were released (sleep level 2); "
+                                                    "a weight switch wakes it")
+        try:
+            self.engine.wake()
+        except Exception as err:  # noqa: BLE001 - e.g. out of memory: still asleep, the caller hears why
+            log.exception("waking the engine failed")
+            return _unavailable(f"cannot wake: {type(err).__name__}: {err}")
+        self._events.append(("sleep", 0))
+        log.info("awake")
+        return None
+
+    def _wake(self, token: int) -> None:
+        error = self._woken() if self._asleep() else None
         self._events.append(("done", token, error, None))
         self._admit_held()
 
     def _admit_held(self) -> None:
+        if self._asleep() or self._sleep is not None:
+            return                      # they wait for the engine to wake
         held, self._held = self._held, []
         for command in held:
             self._add(*command[1:])

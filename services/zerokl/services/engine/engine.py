@@ -34,7 +34,7 @@ from zerokl.services.engine.runner import DecodeBatch, DecodeLaunch, ModelRunner
 from zerokl.services.engine.scheduler import Sample as _Sample
 from zerokl.services.engine.scheduler import SampleState as _State
 from zerokl.services.engine.scheduler import Scheduler
-from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, SampleOutput
+from zerokl.services.engine.types import EngineConfig, GenerateRequest, KVHandoff, OwnedWeights, SampleOutput
 
 __all__ = ["Engine", "RequestError", "WeightsCorrupted", "device_failed", "sample_seed"]
 
@@ -100,6 +100,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.runner, self._fail, self.stats)
         self.overlap = (cuda if config.overlap_decode is None else config.overlap_decode)
         self._inflight: _InFlight | None = None   # the launched decode step not read back yet (overlap)
+        self._sleep_level = 0                     # 0 awake; 1 the KV cache released; 2 the weights too (sleep)
+        self._released: list[tuple[torch.UntypedStorage, int]] = []   # the weights' storages and their sizes
         if config.warm_up:
             self.warm_up_stats = self.runner.warm_up(config.max_num_batched_tokens)
 
@@ -180,7 +182,9 @@ class Engine:
             raise RequestError("KV handoff first-token logprobs must be finite")
 
     def add_request(self, request: GenerateRequest) -> None:
-        """Queue a request (validated first; raises RequestError)."""
+        """Queue a request (validated first; raises RequestError; RuntimeError while asleep)."""
+        if self._sleep_level:
+            raise RuntimeError("the engine is asleep: wake it before adding requests")
         self.validate(request)
         first = _Sample(request, 0, list(request.prompt_ids), self.scheduler.next_arrival(),
                         max_len=min(len(request.prompt_ids) + request.options.max_tokens, self.max_model_len))
@@ -210,7 +214,10 @@ class Engine:
         """Replace the model's weights in place (same config); only between requests.
 
         Every cached prefix is forgotten: its KV was computed with the old weights;
-        new keys are seeded with ``weights_version``.
+        new keys are seeded with ``weights_version``. An engine asleep at level 2 takes an
+        :class:`OwnedWeights` dict's tensors as they are, else gets its weights' memory back and
+        copies; either way it stays asleep at level 1 (:meth:`wake` then allocates the
+        KV cache, once the caller dropped ``state_dict``: the two never hold memory together).
         Raises RuntimeError while requests are in the engine and ValueError for
         missing, unexpected or misshapen tensors (nothing is changed then);
         WeightsCorrupted when a copy fails after others were made.
@@ -224,7 +231,17 @@ class Engine:
             raise ValueError(f"weights do not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                              f"wrong shape {wrong[:3]}")
         name = ""
+        if self._sleep_level == 2 and self._adopt(state_dict):
+            self._released, self._sleep_level = [], 1
+            self.blocks.reset_prefix_cache()
+            self.set_cache_identity(weights_version, self._numerics_fingerprint)
+            return
         try:
+            if self._sleep_level == 2:
+                # The weights' memory comes back (its bytes are garbage until the copies below land).
+                for storage, nbytes in self._released:
+                    storage.resize_(nbytes)
+                self._released, self._sleep_level = [], 1
             with torch.no_grad():
                 for name, t in own.items():
                     t.copy_(state_dict[name])
@@ -234,6 +251,77 @@ class Engine:
         finally:
             self.blocks.reset_prefix_cache()    # whatever is in the model now, the cached KV is not its
         self.set_cache_identity(weights_version, self._numerics_fingerprint)
+
+    # ------------------------------------------------------------------ sleep (co-location)
+
+    @property
+    def sleep_level(self) -> int:
+        """0: awake; 1: asleep, the KV cache released; 2: asleep, the weights released too."""
+        return self._sleep_level
+
+    def sleep(self, level: int) -> int:
+        """Release device memory for a co-located trainer (vLLM's sleep mode); only between requests.
+
+        Level 1 drops the KV cache (every cached prefix with it: its KV is gone) and the decode graphs,
+        which captured its addresses; level 2 also releases the storage of every weight (shapes and
+        dtypes stay: :meth:`load_weights` refills them). Returns the bytes released by this call (0 when
+        already asleep at that level). Raises RuntimeError while requests are in the engine, ValueError
+        for another level.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: expected 1 (KV cache) or 2 (KV cache and weights)")
+        if self.has_work():
+            raise RuntimeError("sleep with requests in the engine")
+        released = 0
+        if self._sleep_level == 0:
+            cache = self.runner.cache
+            released += sum(t.numel() * t.element_size() for t in (cache.latent, cache.rope, cache.index_k))
+            self.blocks.reset_prefix_cache()
+            self.runner.release_kv()
+            self._sleep_level = 1
+        if level == 2 and self._sleep_level == 1:
+            storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
+            for t in self.model.state_dict().values():
+                storage = t.untyped_storage()
+                if storage.nbytes() and storage.data_ptr() not in storages:
+                    storages[storage.data_ptr()] = (storage, storage.nbytes())
+            for storage, _ in storages.values():
+                storage.resize_(0)
+            self._released = list(storages.values())
+            released += sum(n for _, n in self._released)
+            self._sleep_level = 2
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()        # back to the driver: another process (the trainer) allocates it
+        return released
+
+    def _adopt(self, state_dict: dict[str, torch.Tensor]) -> bool:
+        """Take an :class:`OwnedWeights` state dict's tensors as the model's weights (no copy); False (nothing
+        changed) for any other dict or when a tensor's dtype, device or layout differs from the model's."""
+        if not isinstance(state_dict, OwnedWeights):
+            return False
+        own = self.model.state_dict()
+        if any(t.dtype != own[k].dtype or t.device != own[k].device or not t.is_contiguous()
+               for k, t in state_dict.items()):
+            return False
+        with torch.no_grad():
+            for module_name, module in self.model.named_modules():
+                prefix = f"{module_name}." if module_name else ""
+                for name, p in module._parameters.items():
+                    if p is not None and prefix + name in state_dict:
+                        p.data = state_dict[prefix + name]
+                for name, b in module._buffers.items():
+                    if b is not None and prefix + name in state_dict:
+                        module._buffers[name] = state_dict[prefix + name]
+        return True
+
+    def wake(self) -> None:
+        """Serve again: a fresh KV cache. An engine whose weights were released (level 2) wakes only
+        after :meth:`load_weights` refilled them (RuntimeError otherwise). A no-op when awake."""
+        if self._sleep_level == 2:
+            raise RuntimeError("the engine's weights were released (sleep level 2): load weights to wake it")
+        if self._sleep_level == 1:
+            self.runner.allocate_kv()
+            self._sleep_level = 0
 
     def probe(self) -> None:
         """Raise if the device cannot compute (a lost CUDA context fails every call, this one too)."""

@@ -184,6 +184,19 @@ class ModelRunner:
             self._slot_len = [0] * slots                              # how many of its entries
             self._free_slots = list(range(slots - 1, -1, -1))
 
+    # ------------------------------------------------------------------ sleep (co-location)
+
+    def release_kv(self) -> None:
+        """Drop the KV cache and the decode graphs (they captured its addresses): the engine sleeps."""
+        self.cache = None  # type: ignore[assignment]
+        self._graphs.clear()
+        self._pool = None
+
+    def allocate_kv(self) -> None:
+        """A fresh KV cache of the configured size (graphs are captured again at their first use)."""
+        mc = self.model.config
+        self.cache = KVCache.allocate(mc, self.config.num_blocks + 1, self.block_size, self.model.dtype, self.device)
+
     # ------------------------------------------------------------------ KV moves (the scheduler's KVMover)
 
     def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:

@@ -7,7 +7,13 @@ import torch
 
 from zerokl.vocab import FinishReason, SamplingOptions
 
-__all__ = ["GenerateRequest", "SampleOutput", "KVHandoff", "EngineConfig"]
+__all__ = ["GenerateRequest", "SampleOutput", "KVHandoff", "EngineConfig", "OwnedWeights"]
+
+
+class OwnedWeights(dict):
+    """A state dict whose tensors are the engine's to keep (memory nobody else holds, e.g. the copy a
+    replica made of the trainer's export): an engine whose weights were released (sleep level 2) takes
+    them as its weights instead of copying them, so a wake holds one copy of the weights, not two."""
 
 @dataclass(frozen=True)
 class KVHandoff:

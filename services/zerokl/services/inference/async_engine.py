@@ -38,6 +38,11 @@ the requests already admitted have finished, holds back the ones that arrive mea
 weights and only then admits them. A request pinned to a weights version is checked against the
 version the core holds *when it is admitted*, and every stream records that version, so an output is
 never stamped with weights that did not compute it.
+
+Sleep (:meth:`AsyncEngine.sleep` / :meth:`AsyncEngine.wake`; co-location with a trainer on one device):
+the core waits for the admitted requests, then releases the KV cache (level 1) or the weights too (level
+2). Requests submitted while it sleeps wait (held in the core, as during a swap) and are admitted when it
+wakes: by :meth:`AsyncEngine.wake`, or by the next weight swap, which refills a level-2 sleeper's weights.
 """
 from __future__ import annotations
 
@@ -248,6 +253,9 @@ class AsyncEngine:
         self._pending: dict[int, asyncio.Future[Any]] = {}  # swaps and calls by token
         self._keys = itertools.count(1)
         self._unfit: str | None = None                     # the core's last fitness report
+        self.sleep_level = 0                               # the core's last sleep report (0: awake)
+        self.sleeps = 0                                    # sleeps and wakes so far (co-location)
+        self.wakes = 0
         self._dead: str | None = None                      # the core (thread or process) ended unasked
         self._fitness_callbacks: list[Callable[[str | None], None]] = []
         self._thread: threading.Thread | None = None
@@ -465,6 +473,19 @@ class AsyncEngine:
             raise error
         return result
 
+    async def sleep(self, level: int) -> int:
+        """Release the KV cache (``level`` 1) or the weights too (2) once the admitted requests are done;
+        returns the bytes released. Requests submitted meanwhile wait for :meth:`wake` or a weight swap.
+        FAILED_PRECONDITION for an engine that cannot sleep (another level, a tensor-parallel engine)."""
+        self._check_open()
+        return await self._request(("sleep", level))
+
+    async def wake(self) -> None:
+        """Allocate the KV cache again and admit the requests that waited. FAILED_PRECONDITION while the
+        weights are released (level 2): a weight swap wakes it."""
+        self._check_open()
+        await self._request(("wake",))
+
     def set_cache_identity(self, weights_version: str, numerics_fingerprint: str) -> None:
         """Key the engine's prefix cache by these (before the first request, or at a swap)."""
         self._post(("call", None, _set_cache_identity, (weights_version, numerics_fingerprint)))
@@ -555,6 +576,15 @@ class AsyncEngine:
                     _resolve(future, _service_error(error), result)
             elif kind == "version":
                 self._weights_version = event[1]
+            elif kind == "sleep":
+                if event[1] and not self.sleep_level:
+                    self.sleeps += 1
+                    metrics.ENGINE_SLEEPS.inc()
+                elif not event[1] and self.sleep_level:
+                    self.wakes += 1
+                    metrics.ENGINE_WAKES.inc()
+                self.sleep_level = event[1]
+                metrics.ENGINE_SLEEP_LEVEL.set(event[1])
             elif kind == "fitness":
                 self._unfit = event[1]
                 self._tell_fitness()

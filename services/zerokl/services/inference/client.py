@@ -15,7 +15,8 @@ import grpc
 import grpc.aio
 
 from zerokl.services.inference import convert
-from zerokl.services.inference.types import GenerateDelta, GenerateResult, InferenceRequest, KVHeader, ScoreResult
+from zerokl.services.inference.types import GenerateDelta, GenerateResult, InferenceRequest, KVHeader, ScoreResult, \
+    SleepState
 from zerokl.services.runtime.chunks import Chunk, ChunkAssembler, chunk_from_proto
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
@@ -64,6 +65,17 @@ class InferenceClient(ServiceClient):
         if shared is not None:
             request.shared.CopyFrom(shared_export_to_proto(shared))
         return identity_from_proto(self._got(await self._inference.SwitchWeights(request, timeout=timeout)))
+
+    async def sleep(self, level: int, *, timeout: float | None = None) -> SleepState:
+        """Release the replica's KV cache (``level`` 1) or its weights too (2) for a co-located trainer (on the
+        scheduler: every replica of the fleet); requests wait until Wake or a SwitchWeights wakes it."""
+        return convert.sleep_state_from_proto(
+            self._got(await self._inference.Sleep(inference_pb2.SleepRequest(level=level), timeout=timeout)))
+
+    async def wake(self, *, timeout: float | None = None) -> SleepState:
+        """Serve again (a replica whose weights were released wakes by SwitchWeights instead)."""
+        return convert.sleep_state_from_proto(
+            self._got(await self._inference.Wake(inference_pb2.WakeRequest(), timeout=timeout)))
 
     async def generate(self, request: InferenceRequest, *,
                        timeout: float | None = None) -> AsyncIterator[GenerateDelta]:

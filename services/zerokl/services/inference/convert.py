@@ -13,6 +13,7 @@ from zerokl.services.inference.types import (
     InferenceRequest,
     KVHeader,
     ScoreResult,
+    SleepState,
     TensorLayout,
     Usage,
 )
@@ -35,6 +36,9 @@ __all__ = [
     "score_response_trace",
     "kv_header_to_proto",
     "kv_header_from_proto",
+    "sleep_level_from_proto",
+    "sleep_state_to_proto",
+    "sleep_state_from_proto",
 ]
 
 _DEFAULTS = SamplingOptions()
@@ -201,3 +205,19 @@ def kv_header_from_proto(msg: inference_pb2.KVHeader) -> KVHeader:
         num_cached_tokens=msg.num_cached_tokens,
         prompt_logprobs=tuple(msg.prompt_logprobs.values) if msg.HasField("prompt_logprobs") else None,
         first_token_ids=tuple(msg.first_token_ids), first_logprobs=tuple(msg.first_logprobs))
+
+
+def sleep_level_from_proto(request: inference_pb2.SleepRequest) -> int:
+    """A Sleep call's level (1 or 2); INVALID_ARGUMENT naming the field otherwise."""
+    if request.level not in (1, 2):
+        raise InvalidArgument.field("level", f"must be 1 (the KV cache) or 2 (the KV cache and the weights), "
+                                             f"got {request.level}")
+    return int(request.level)
+
+
+def sleep_state_to_proto(state: SleepState) -> inference_pb2.SleepResponse:
+    return inference_pb2.SleepResponse(level=state.level, released_bytes=state.released_bytes)
+
+
+def sleep_state_from_proto(msg: inference_pb2.SleepResponse) -> SleepState:
+    return SleepState(int(msg.level), int(msg.released_bytes))

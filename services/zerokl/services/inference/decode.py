@@ -39,7 +39,7 @@ from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, Usage
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, SleepState, Usage
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.auth import Role, caller_role
 from zerokl.services.runtime.errors import (
@@ -111,6 +111,12 @@ class Decoder:
 
     async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace:
         return await self.replica.trace(ids, options, capture)
+
+    async def sleep(self, level: int) -> SleepState:
+        return await self.replica.sleep(level)
+
+    async def wake(self) -> SleepState:
+        return await self.replica.wake()
 
     def abort(self, request_id: str) -> bool:
         """Abort a request: while its KV is read, or in the engine after."""

@@ -27,7 +27,7 @@ from zerokl.services.inference import convert
 from zerokl.services.inference.kv import handoff_to_blob
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, SleepState
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_to_proto, split_bytes
 from zerokl.services.runtime.errors import Cancelled, FailedPrecondition
@@ -95,6 +95,12 @@ class Prefiller:
 
     async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace:
         return await self.replica.trace(ids, options, capture)
+
+    async def sleep(self, level: int) -> SleepState:
+        return await self.replica.sleep(level)
+
+    async def wake(self) -> SleepState:
+        return await self.replica.wake()
 
     def abort(self, request_id: str) -> bool:
         """Abort a prefill running in this replica's engine."""

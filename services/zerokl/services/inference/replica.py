@@ -17,7 +17,7 @@ from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, Usage
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, SleepState, Usage
 from zerokl.services.runtime.errors import (
     Cancelled,
     FailedPrecondition,
@@ -71,6 +71,17 @@ class Replica:
         """Serve ``version`` from now on: waits for admitted requests, then swaps (see AsyncEngine)."""
         await self.engine.load_weights(state_dict, version)
         return self.identity
+
+    async def sleep(self, level: int) -> SleepState:
+        """Release the KV cache (``level`` 1) or the weights too (2) for a co-located trainer, once the
+        admitted requests finished; requests wait meanwhile (see AsyncEngine.sleep)."""
+        released = await self.engine.sleep(level)
+        return SleepState(self.engine.sleep_level, int(released or 0))
+
+    async def wake(self) -> SleepState:
+        """Serve again (FAILED_PRECONDITION while the weights are released: a weight switch wakes it)."""
+        await self.engine.wake()
+        return SleepState(self.engine.sleep_level)
 
     # ------------------------------------------------------------------ request rules
 

@@ -17,7 +17,7 @@ import grpc.aio
 
 from zerokl.kernels.trace import Trace
 from zerokl.services.inference import convert
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, SleepState
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.optrace import require_operator
@@ -44,6 +44,10 @@ class InferenceBackend(Protocol):
     async def trace(self, ids: tuple[int, ...], options: SamplingOptions, capture: tuple[str, ...]) -> Trace: ...
 
     def abort(self, request_id: str) -> bool | Awaitable[bool]: ...
+
+    async def sleep(self, level: int) -> SleepState: ...
+
+    async def wake(self) -> SleepState: ...
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -82,6 +86,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         result = await self._backend.score(scored)
         trace = await self._backend.trace(result.token_ids, scored.options, capture) if capture is not None else None
         return convert.score_result_to_proto(result, trace)
+
+    async def Sleep(self, request: inference_pb2.SleepRequest,
+                    context: grpc.aio.ServicerContext) -> inference_pb2.SleepResponse:
+        level = convert.sleep_level_from_proto(request)
+        return convert.sleep_state_to_proto(await self._backend.sleep(level))
+
+    async def Wake(self, request: inference_pb2.WakeRequest,
+                   context: grpc.aio.ServicerContext) -> inference_pb2.SleepResponse:
+        return convert.sleep_state_to_proto(await self._backend.wake())
 
     async def SwitchWeights(self, request: inference_pb2.SwitchWeightsRequest,
                             context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:

@@ -101,6 +101,11 @@ class LockstepEngine:
         self._send("set_cache_identity", weights_version, numerics_fingerprint)
         self.engine.set_cache_identity(weights_version, numerics_fingerprint)
 
+    def sleep(self, level: int) -> int:
+        """Not for a tensor-parallel replica (yet): its followers would keep their memory and fall out of
+        lockstep; the core answers FAILED_PRECONDITION."""
+        raise ValueError("a tensor-parallel replica does not sleep (co-location is for --tp 1)")
+
     def load_weights(self, state_dict: dict, weights_version: str = "") -> None:
         """Every rank loads its shards of the full `state_dict` (sent to the followers first)."""
         self._send("load_weights", weights_version)

@@ -21,6 +21,7 @@ __all__ = [
     "fold_samples",
     "GenerateResult",
     "ScoreResult",
+    "SleepState",
     "TensorLayout",
     "KVHeader",
 ]
@@ -169,6 +170,14 @@ class ScoreResult:
     logprobs: tuple[float, ...]          # len(token_ids) - 1 values
     weights_version: str = ""
     numerics_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class SleepState:
+    """A replica's (or the fleet's) sleep after a Sleep or Wake call (co-location with a trainer)."""
+
+    level: int                  # 0 awake; 1 the KV cache released; 2 the weights too (the fleet's deepest)
+    released_bytes: int = 0     # device bytes the call released (summed over the fleet on the scheduler)
 
 
 @dataclass(frozen=True)

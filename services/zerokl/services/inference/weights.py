@@ -37,6 +37,7 @@ import torch
 
 from zerokl.kernels.dtypes import FP8, names_fp8
 from zerokl.kernels.model import Model
+from zerokl.services.engine.types import OwnedWeights
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import (
     DataLoss,
@@ -77,7 +78,7 @@ class SharedLoader:
             k for k in set(own) & set(state) if own[k].shape != state[k].shape or own[k].dtype != state[k].dtype)
         if wrong:
             raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
-        return state
+        return OwnedWeights(state)      # our own copy: a sleeping engine takes it as its weights (no second copy)
 
 
 class WeightSwitcher:
@@ -107,7 +108,7 @@ class WeightSwitcher:
         async with self._lock:
             try:
                 if shared is not None:
-                    if version == self.replica.identity.weights_version:
+                    if await self._serving(version):
                         return self.replica.identity
                     try:
                         return await self._switch_shared(shared)
@@ -149,7 +150,7 @@ class WeightSwitcher:
 
     async def _switch(self, version: str, wait_for_record: bool = False) -> ServiceIdentity:
         manifest = await self._manifest(version, wait_for_record)
-        if manifest.version == self.replica.identity.weights_version:
+        if await self._serving(manifest.version):
             return self.replica.identity
         self._check_spec(manifest.version, manifest.spec.numerics_fingerprint)
         dest = self.cache / manifest.version
@@ -171,6 +172,16 @@ class WeightSwitcher:
         identity = self.replica.identity
         set_serving_info(identity)
         return identity
+
+    async def _serving(self, version: str) -> bool:
+        """Whether the replica holds ``version`` already (nothing to swap): an engine asleep with its KV
+        cache released just wakes; one whose weights were released (sleep level 2) needs them again."""
+        engine = self.replica.engine
+        if version != self.replica.identity.weights_version or engine.sleep_level == 2:
+            return False
+        if engine.sleep_level:
+            await engine.wake()
+        return True
 
     def _check_spec(self, version: str, fingerprint: str) -> None:
         ours = self.replica.identity.numerics_fingerprint

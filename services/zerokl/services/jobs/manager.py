@@ -59,7 +59,7 @@ import time
 import uuid
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, NoReturn, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, NoReturn, Sequence, TypeVar
 
 import grpc
 import grpc.aio
@@ -337,6 +337,8 @@ class JobManager:
     fail their canary are deleted (without one they stay, and the job says so).
     ``served_version()``: the version the fleet serves now (on the event loop): where
     a job that fails before serving a version of its own takes the trainer back.
+    ``sleep_fleet()`` (co-location: the fleet and the trainer share a device): put every replica to
+    sleep before each RL step trains; the step's weight switch wakes them (None: they stay awake).
     ``state_dir``: where job records are kept across restarts (None: memory
     only). A job waits up to ``trainer_wait_s`` for a restarting trainer,
     ``fleet_wait_s`` for a restarting prefill/decode replica and
@@ -347,8 +349,11 @@ class JobManager:
                  switch_weights: Callable[[str], Awaitable[Any]], *, weight_store: WeightStoreClient | None = None,
                  state_dir: str | os.PathLike[str] | None = None, trainer_wait_s: float = 120.0,
                  fleet_wait_s: float = 120.0, store_wait_s: float = 120.0,
-                 served_version: Callable[[], str] = lambda: "") -> None:
+                 served_version: Callable[[], str] = lambda: "",
+                 sleep_fleet: Callable[[], Awaitable[Any]] | None = None,
+                 wake_fleet: Callable[[], Awaitable[Any]] | None = None) -> None:
         self.trainer = trainer
+        self._sleep_fleet, self._wake_fleet = sleep_fleet, wake_fleet   # co-location (_TrainerSession._colocated)
         self.weight_store = weight_store
         self._served_version = served_version
         self._generate = generate
@@ -1047,6 +1052,38 @@ class _TrainerSession:
     # ---- TrainerPort (zerokl.services.rl.ports) ----
 
     def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
+        with self._colocated() as slept:
+            out = self._grpo_unit(rollouts, group_size)
+        return {**out, **slept}
+
+    @contextlib.contextmanager
+    def _colocated(self) -> Iterator[dict[str, float]]:
+        """Co-location (the manager's ``sleep_fleet``): the fleet sleeps (its KV cache and weights released)
+        before the step trains, and the step's switch to the new version wakes it (SwitchWeights refills the
+        weights from the trainer's shared copy). The dict it yields gets the sleep's seconds and bytes. A step
+        that fails wakes the fleet on what it serves (a replica whose weights were released takes them back
+        through a switch to that version), so no replica is left asleep; the step's own error stands."""
+        sleep = self.manager._sleep_fleet
+        if sleep is None:
+            yield {}
+            return
+        try:
+            t0 = time.perf_counter()
+            state = self._call(sleep())     # a replica that could not sleep fails the step: the others wake below
+            yield {"sleep_s": time.perf_counter() - t0, "sleep_bytes": float(state.released_bytes)}
+        except BaseException:
+            try:
+                if self.manager._wake_fleet is not None:
+                    self._call(self.manager._wake_fleet())
+            except Exception as err:  # noqa: BLE001 - the weights were released: a switch brings them back
+                log.info("waking the fleet after a failed step: %s; switching it to %s", err, self.weights_version)
+                try:
+                    self._call(self.manager._switch(self.weights_version))
+                except Exception:  # noqa: BLE001 - the step's error is the job's; this one is logged
+                    log.exception("the fleet could not be woken after a failed step")
+            raise
+
+    def _grpo_unit(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         def work() -> dict[str, Any]:
             # The earlier versions' store records upload in the background; beyond RECORD_LAG of them this
             # step waits for the oldest (backpressure: each pending record holds a snapshot in the trainer's

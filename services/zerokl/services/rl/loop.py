@@ -100,6 +100,10 @@ class StepRecord:
     record_bytes: float | None = None
     record_written_bytes: float | None = None
     record_s: float | None = None
+    # Co-location (the fleet and the trainer on one device): the fleet's sleep before the step trained (its
+    # seconds, in neither train_s nor sync_s; the wake is the switch, in sync_s) and the device bytes released.
+    sleep_s: float | None = None
+    sleep_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +148,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
         # A port publishes in publish(), or already inside grpo_step (the services' port, one
         # restartable unit with the update) and then says how long that took as m["sync_s"].
         sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
-        train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0)
+        train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0) - m.get("sleep_s", 0.0)
         record = StepRecord(
             step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
             mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
@@ -158,7 +162,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
             checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
             record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
-            record_s=m.get("record_s"),
+            record_s=m.get("record_s"), sleep_s=m.get("sleep_s"), sleep_bytes=m.get("sleep_bytes"),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

@@ -59,7 +59,7 @@ from opentelemetry import trace
 
 from zerokl.services.inference.client import InferenceClient
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
-from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, coalesce
+from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, SleepState, coalesce
 from zerokl.services.runtime import metrics as runtime_metrics
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -574,6 +574,36 @@ class Scheduler:
                  "registry refresh %.3f s", new, " (shared in place)" if shared is not None else "", t1 - t0,
                  t2 - t1, len(rest), t3 - t2, time.perf_counter() - t3)
         return self.identity
+
+    async def sleep(self, level: int) -> SleepState:
+        """Every replica releases its KV cache (``level`` 1) or its weights too (2) for a trainer sharing
+        their device (co-location), once the requests it admitted finished; requests that arrive meanwhile
+        wait on their replica until :meth:`wake` or :meth:`switch_weights` wakes it. Serialized with
+        switches. A replica's refusal is relayed naming it; one that is unreachable is UNAVAILABLE."""
+        async with self._switching:
+            return await self._on_every_replica(lambda client: client.sleep(level), "sleep")
+
+    async def wake(self) -> SleepState:
+        """Every replica serves again (one whose weights were released wakes by :meth:`switch_weights`)."""
+        async with self._switching:
+            return await self._on_every_replica(lambda client: client.wake(), "wake")
+
+    async def _on_every_replica(self, call, what: str) -> SleepState:  # noqa: ANN001 - InferenceClient -> SleepState
+        views = self.registry.views()
+        if not views:
+            raise NoReplica("no replica is registered")
+
+        async def one(view: ReplicaView) -> SleepState:
+            with self.registry.lease(view.endpoint) as client:
+                try:
+                    return await call(client)
+                except grpc.aio.AioRpcError as err:
+                    if err.code() is grpc.StatusCode.UNAVAILABLE:
+                        raise Unavailable(f"{_name(view)} could not {what}: {err.details()}") from None
+                    raise _relayed(view, err, views) from None
+
+        states = await asyncio.gather(*(one(v) for v in views))
+        return SleepState(max(s.level for s in states), sum(s.released_bytes for s in states))
 
     async def _switch_one(self, view: ReplicaView, to: str,
                           shared: SharedExport | None = None) -> ServiceIdentity:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import sys
 from typing import Sequence
 
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--fleet-wait", type=float, default=120.0, metavar="S",
                    help="seconds a job waits for a restarting prefill/decode replica before it fails "
                         "(default %(default)s)")
+    j.add_argument("--colocate-sleep-level", type=int, choices=(0, 1, 2), default=0, metavar="N",
+                   help="co-location (the fleet and the trainer share a device): before each RL step trains, every "
+                        "replica releases its KV cache (1) or its KV cache and weights (2); the step's weight switch "
+                        "wakes it (0: off, the default)")
     j.add_argument("--state-dir", metavar="DIR", default=None,
                    help="keep job records (jobs.json) and the fleet's target weights version (fleet.json) here, "
                         "so they survive a restart (default: memory only)")
@@ -163,7 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                  if args.weight_store else None)
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
                           state_dir=args.state_dir, fleet_wait_s=args.fleet_wait,
-                          served_version=lambda: scheduler.target_version or scheduler.identity.weights_version)
+                          served_version=lambda: scheduler.target_version or scheduler.identity.weights_version,
+                          sleep_fleet=(functools.partial(scheduler.sleep, args.colocate_sleep_level)
+                                       if args.colocate_sleep_level else None),
+                          wake_fleet=scheduler.wake if args.colocate_sleep_level else None)
         add_jobs_service(server, jobs)
         metrics = start_metrics_server(args.metrics_port, args.host) if args.metrics_port is not None else None
         try:

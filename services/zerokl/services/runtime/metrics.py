@@ -41,6 +41,9 @@ __all__ = [
     "REQUESTS_RUNNING",
     "REQUESTS_WAITING",
     "KV_CACHE_USAGE",
+    "ENGINE_SLEEP_LEVEL",
+    "ENGINE_SLEEPS",
+    "ENGINE_WAKES",
     "PROMPT_TOKENS",
     "GENERATION_TOKENS",
     "KV_HANDOFF_BYTES",
@@ -116,6 +119,14 @@ REQUESTS_WAITING = Gauge(
     "zerokl_num_requests_waiting", "Requests queued, waiting for a batch slot.", registry=REGISTRY)
 KV_CACHE_USAGE = Gauge(
     "zerokl_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=REGISTRY)
+ENGINE_SLEEP_LEVEL = Gauge(
+    "zerokl_engine_sleep_level", "The engine's sleep level (co-location): 0 awake, 1 KV cache released, "
+    "2 weights released too.", registry=REGISTRY)
+ENGINE_SLEEPS = Counter(
+    "zerokl_engine_sleeps", "Times the engine went to sleep (released its KV cache, and at level 2 its weights, "
+    "for a co-located trainer).", registry=REGISTRY)
+ENGINE_WAKES = Counter(
+    "zerokl_engine_wakes", "Times the engine woke (by Wake or a weight switch).", registry=REGISTRY)
 PROMPT_TOKENS = Counter(
     "zerokl_prompt_tokens", "Prompt tokens processed.", registry=REGISTRY)
 GENERATION_TOKENS = Counter(

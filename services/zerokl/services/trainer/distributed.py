@@ -491,6 +491,9 @@ def _without_masters(t: Trainer):
     FSDP2-sharded masters (and their gather/shard for checkpoints) are not built: the distributed
     trainer steps its parameters in their own dtype, as before master weights existed. Asked for
     explicitly they are refused; on by default (a bf16 model) they are turned off."""
+    if t.config.offload_optimizer:
+        raise ValueError("the distributed trainer keeps its optimizer state on the devices: use "
+                         "TrainConfig(offload_optimizer=False) or train in one process")
     if t.config.master_weights:
         raise ValueError("the distributed trainer does not keep fp32 master weights: use "
                          "TrainConfig(master_weights=False) (steps in the model's dtype) or train in one process")

@@ -179,11 +179,15 @@ def _nothing() -> None:
 
 def optimizer_step(trainer: _Steppable, grads: Sequence[torch.Tensor], norm: float, lr: float | None, *,
                    non_finite: Callable[[], str | None], after_update: Callable[[], None] = _nothing,
-                   release: Callable[[], None] = _nothing, adam: AdamParams | None = None) -> dict:
+                   release: Callable[[], None] = _nothing, adam: AdamParams | None = None,
+                   run: Callable[[float | None], None] | None = None) -> dict:
     """One guarded AdamW step of ``trainer`` over ``grads`` (whose norm is ``norm``); returns
     ``{"grad_norm", "lr", "step"}``. ``non_finite()`` returns what the step made non-finite
     (e.g. "2 tensor(s) non-finite, e.g. ...") or None. ``adam`` (then ``lr`` must be None) sets
-    this step's hyperparameters; without it they are the trainer's configuration's."""
+    this step's hyperparameters; without it they are the trainer's configuration's. ``run(scale)``
+    clips and steps instead of the default (``grads`` times ``scale``, None: no clip; then
+    ``trainer.optimizer.step()``): the offloaded trainer makes each fp32 gradient, clips and steps it
+    one parameter at a time (the same operations, so the same bits)."""
     config = trainer.config
     if adam is not None:
         if lr is not None:
@@ -195,14 +199,17 @@ def optimizer_step(trainer: _Steppable, grads: Sequence[torch.Tensor], norm: flo
                                        config.weight_decay, config.grad_clip)
     before = trainer.snapshot()
     try:
-        if clip > 0 and norm > clip:
-            scale = clip / (norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
+        scale = clip / (norm + 1e-6) if clip > 0 and norm > clip else None
         for group in trainer.optimizer.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=decay)
         try:
-            trainer.optimizer.step()
+            if run is not None:
+                run(scale)
+            else:
+                if scale is not None:
+                    for g in grads:
+                        g.mul_(scale)
+                trainer.optimizer.step()
         except RuntimeError as err:
             # AdamW casts lr / bias_correction to the parameters' dtype: an lr that overflows it fails mid-loop.
             if "overflow" not in str(err):

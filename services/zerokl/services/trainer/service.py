@@ -807,7 +807,9 @@ class TrainerService:
             snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
             serving=shared.tensors())
         self._exports[name] = shared
-        while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
+        # Co-location (offload_optimizer: a replica shares the device): only the newest export stays on it.
+        kept = 1 if trainer.config.offload_optimizer else _SHARED_KEPT
+        while len(self._exports) > kept:            # the oldest first: a switch back reads the store
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.

@@ -93,6 +93,12 @@ class TrainConfig:
     # (every row is computed alone), the gradients are those of the padded batch. No effect on
     # CPU, FP8 or the distributed trainer (its steps hold collectives).
     cuda_graphs: bool | None = None
+    # Keep the optimizer state (AdamW's moments, and the fp32 masters with master weights) in pinned host
+    # memory between steps, for an inference replica sharing the device (co-location, `zerokl up --colocate`):
+    # the optimizer step brings one parameter's state to the device at a time, steps it there (AdamW's
+    # single-tensor step: the bits of the on-device step) and sends it back; the device memory the step used
+    # goes back to the driver. Not with dtype fp8 or the distributed trainer.
+    offload_optimizer: bool = False
 
     def check(self) -> None:
         """Raise :class:`~zerokl.vocab.InvalidOption` naming the first field out of its range.
@@ -134,16 +140,19 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
                 raise bad(name, f"must be an integer in [0, {limit})", value)
-        for name in ("activation_checkpointing", "master_weights", "cuda_graphs"):
+        for name in ("activation_checkpointing", "master_weights", "cuda_graphs", "offload_optimizer"):
             value = getattr(self, name)
-            if not isinstance(value, bool) and not (value is None and name != "activation_checkpointing"):
-                raise bad(name, "must be true or false" + (" (or unset)" if name != "activation_checkpointing"
-                                                          else ""), value)
+            optional = name in ("master_weights", "cuda_graphs")
+            if not isinstance(value, bool) and not (value is None and optional):
+                raise bad(name, "must be true or false" + (" (or unset)" if optional else ""), value)
         if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
             raise bad("dtype", f"must be one of {', '.join(COMPUTE_DTYPES)} (or unset: the model's own)", self.dtype)
         if self.dtype == "fp8" and self.lora_rank > 0:
             raise bad("lora_rank", "must be 0 with dtype fp8 (it trains full weights: LoRA adapters would need "
                                    "their merged weights quantized per version)", self.lora_rank)
+        if self.dtype == "fp8" and self.offload_optimizer:
+            raise bad("offload_optimizer", "must be false with dtype fp8 (the e4m3 values are quantized from the "
+                                           "fp32 masters on the device)", self.offload_optimizer)
         if self.dtype == "fp8" and self.master_weights is False:
             raise bad("master_weights", "must be unset or true with dtype fp8 (the e4m3 values are quantized "
                                         "from fp32 masters)", self.master_weights)
@@ -153,6 +162,13 @@ class TrainConfig:
 #: rows, completion width (a count n is padded to a multiple of max(minimum, 2 ** (bits(n) - 4)):
 #: at most 1/8 more, about eight shapes per doubling, so the shapes of RL batches recur).
 TOKEN_BUCKET, ROW_BUCKET, WIDTH_BUCKET = 64, 256, 16
+
+
+def _hosted(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory, pinned where a GPU can reach it (for asynchronous copies both ways)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    out.copy_(t)
+    return out
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -246,9 +262,16 @@ class Trainer:
         self.params = params
         self.master_weights = (config.master_weights if config.master_weights is not None
                                else self.fp8 or any(p.dtype != torch.float32 for p in params))
+        if config.offload_optimizer and self.fp8:
+            raise ValueError("TrainConfig.offload_optimizer with an FP8 model: its e4m3 values are quantized from "
+                             "the fp32 masters on the device (offload_optimizer false)")
+        self.offload = config.offload_optimizer
         # With master weights the optimizer owns fp32 copies of the trained parameters (same order
         # as self.params); the model's Parameters stay the objects everything else references.
-        self.masters = [p.detach().float().clone() for p in params] if self.master_weights else None
+        # Offloaded, they live in pinned host memory (_offloaded_step brings each to the device for its step).
+        self.masters = ([_hosted(p.detach().float()) if self.offload else p.detach().float().clone() for p in params]
+                        if self.master_weights else None)
+        self._finite: dict[int, torch.Tensor] = {}     # offloaded: each stepped parameter's state finite (device)
         # One fixed loop over parameters; on a CPU the same bits on every machine (optim.adamw).
         self.optimizer = adamw(self._optimized, config.lr, config.betas, config.weight_decay, self.device)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
@@ -556,14 +579,19 @@ class Trainer:
         clip runs on those), AdamW steps the masters, and the model's parameters
         are set in place to the masters rounded to their dtype (round to nearest).
         """
-        if self.masters is not None:
-            for p, m in zip(self.params, self.masters, strict=True):
-                m.grad = None if p.grad is None else p.grad.detach().float()
-                p.grad = None
-        grads = [p.grad for p in self._optimized if p.grad is not None]
+        if self.offload:
+            # Offloaded, each fp32 gradient is made (from the model's) when its master comes to the device:
+            # the norm of the model's gradients is theirs (a bf16 value's fp32 square is the same number).
+            grads = [p.grad for p in self.params if p.grad is not None]
+        else:
+            if self.masters is not None:
+                for p, m in zip(self.params, self.masters, strict=True):
+                    m.grad = None if p.grad is None else p.grad.detach().float()
+                    p.grad = None
+            grads = [p.grad for p in self._optimized if p.grad is not None]
 
         def masters_to_model() -> None:
-            if self.masters is not None:
+            if self.masters is not None and not self.offload:     # offloaded: done per parameter on the device
                 with torch.no_grad():
                     for p, m in zip(self.params, self.masters, strict=True):
                         p.copy_(m.to(p.dtype))
@@ -576,12 +604,90 @@ class Trainer:
             for p in self.params:
                 p.grad = None
 
-        metrics = optimizer_step(self, grads, grad_norm(grads), lr, non_finite=non_finite,
-                                 after_update=masters_to_model, release=release, adam=adam)
+        run = self._offloaded_step if self.offload else None
+        self._finite = {}
+        try:
+            metrics = optimizer_step(self, grads, grad_norm(grads), lr, non_finite=non_finite,
+                                     after_update=masters_to_model, release=release, adam=adam, run=run)
+        finally:
+            if self.offload and self.device.type == "cuda":
+                torch.cuda.empty_cache()    # the step's device memory back to the driver: a co-located replica's
         if self.fp8:
             # Only a step that stands is quantized: an undone one leaves the e4m3 values as before.
             self._refresh_fp8()
         return metrics
+
+    @torch.no_grad()
+    def _offloaded_step(self, scale: float | None) -> None:
+        """AdamW with its state in host memory: for each parameter in turn its state (moments, master)
+        comes to the device, its gradient is made (fp32 for a master) and clipped by ``scale`` (None: no
+        clip), it steps there alone (torch's single-tensor AdamW treats every parameter alone: the bits of
+        the whole step on the device) and goes back to its pinned host buffers; the model's parameter gets
+        its master's rounding meanwhile. Peak device memory: one parameter's state and fp32 gradient. Each
+        parameter's state is checked finite on the device (``_non_finite`` reads the flags)."""
+        device = self.device
+        optimizer = self.optimizer
+        index = {id(t): k for k, t in enumerate(self._optimized)}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            try:
+                for o in params:
+                    i = index[id(o)]
+                    p = self.params[i]
+                    if p.grad is None:
+                        continue
+                    if self.masters is not None:
+                        grad = p.grad.detach().float()
+                        p.grad = None
+                    else:
+                        grad = p.grad
+                    if scale is not None:
+                        grad.mul_(scale)
+                    home = o.data
+                    if self.masters is not None:
+                        o.data = home.to(device, non_blocking=True)
+                        o.grad = grad
+                    state = optimizer.state.get(o, {})
+                    hosted = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+                    for k, v in hosted.items():
+                        state[k] = v.to(device, non_blocking=True)
+                    group["params"] = [o]
+                    optimizer.step()
+                    state = optimizer.state[o]
+                    flags = [torch.isfinite(o).all()]
+                    for k, v in list(state.items()):
+                        if k == "step" or not isinstance(v, torch.Tensor):
+                            continue
+                        if v.is_floating_point():
+                            flags.append(torch.isfinite(v).all())
+                        if k in hosted:
+                            hosted[k].copy_(v, non_blocking=True)
+                            state[k] = hosted[k]
+                        else:
+                            state[k] = _hosted(v)
+                    self._finite[i] = torch.stack(flags).all()
+                    if self.masters is not None:
+                        p.copy_(o.data.to(p.dtype))
+                        home.copy_(o.data, non_blocking=True)
+                        o.data, o.grad = home, None
+            finally:
+                group["params"] = params
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()      # the host buffers hold the step's bytes
+
+    def _offload_state(self) -> None:
+        """Every optimizer state tensor (and master) into pinned host memory (after a load or a restore)."""
+        if not self.offload:
+            return
+        with torch.no_grad():
+            for m in self.masters or []:
+                if m.device.type != "cpu" or (torch.cuda.is_available() and not m.is_pinned()):
+                    m.data = _hosted(m.data)
+            for state in self.optimizer.state.values():
+                for k, v in list(state.items()):
+                    if k != "step" and isinstance(v, torch.Tensor) and (
+                            v.device.type != "cpu" or (torch.cuda.is_available() and not v.is_pinned())):
+                        state[k] = _hosted(v)
 
     def _refresh_fp8(self) -> None:
         """Re-quantize the FP8 model's e4m3 values and scales from the fp32 masters (one rounding)."""
@@ -590,7 +696,8 @@ class Trainer:
     def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
         """Copies of the trained tensors, fp32 masters, optimizer state and learning rates
         (what :meth:`restore` puts back when an optimizer step is undone)."""
-        params = [p.detach().clone() for p in self.params]
+        # Offloaded (a co-located replica shares the device), the copy of the parameters waits on the host too.
+        params = [p.detach().to("cpu", copy=True) if self.offload else p.detach().clone() for p in self.params]
         masters = [m.detach().clone() for m in self.masters] if self.masters is not None else []
         state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
                  for p, s in self.optimizer.state.items()}
@@ -607,22 +714,29 @@ class Trainer:
         self.optimizer.state.update(state)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
+        self._offload_state()
 
     def _non_finite(self) -> list[str]:
         """Names of trained parameters (or their optimizer state) holding a NaN or infinity.
 
         One device-to-host read for all of them (a read per tensor costs a sync each on a GPU:
         four per parameter); names are looked up only when something is non-finite."""
-        checked: list[tuple[int, str, torch.Tensor]] = []        # (parameter index, state key or "", tensor)
+        checked: list[tuple[int, str, torch.Tensor]] = []        # (parameter index, state key or "", finite)
         for i, (p, o) in enumerate(zip(self.params, self._optimized, strict=True)):
-            checked += [(i, "", p), (i, "", o)]
+            checked.append((i, "", torch.isfinite(p).all()))
+            if self.offload:
+                # Offloaded: its master and moments were checked on the device as they were stepped.
+                if i in self._finite:
+                    checked.append((i, "optimizer state", self._finite[i]))
+                continue
+            checked.append((i, "", torch.isfinite(o).all()))
             # AdamW's "step" is a count (kept on the CPU beside GPU moments), not a value a bad
             # gradient can make non-finite: the moments are what the check is for.
-            checked += [(i, k, v) for k, v in self.optimizer.state.get(o, {}).items()
+            checked += [(i, k, torch.isfinite(v).all()) for k, v in self.optimizer.state.get(o, {}).items()
                         if k != "step" and isinstance(v, torch.Tensor) and v.is_floating_point()]
         if not checked:
             return []
-        finite = torch.stack([torch.isfinite(t).all() for _, _, t in checked])
+        finite = torch.stack([t for _, _, t in checked])
         if bool(finite.all()):
             return []
         names = {id(p): n for n, p in self.model.named_parameters()}
@@ -691,4 +805,5 @@ class Trainer:
                 for p, m in zip(self.params, self.masters, strict=True):
                     p.copy_(m.to(p.dtype))
         self.optimizer.load_state_dict(state["optimizer"])
+        self._offload_state()
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]

@@ -1,0 +1,93 @@
+"""Co-location end to end (issue 49): `zerokl up --colocate`, then an RL job through the services.
+
+Before every step trains, the scheduler puts the fleet to sleep (each decode replica releases its KV cache
+and its weights: sleep level 2) and the trainer keeps its AdamW state and fp32 masters in host memory between
+steps (--offload-optimizer); the step's in-place weight switch wakes the replica with the new version from the
+trainer's memory. KL == 0.0 and 0 mismatched tokens at every step; every sleep and wake is counted (the step
+events' sleep_s / sleep_bytes, the replica's zerokl_engine_sleeps / wakes), and the fleet serves afterwards;
+a step that fails after the fleet slept (its version fails the canary) leaves the fleet awake.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import pytest
+
+from test_jobs_bf16 import _with_exploding_moments
+from zerokl.services.inference import InferenceClient, InferenceRequest
+from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.service import JobsClient
+from zerokl.services.trainer.client import TrainerClient
+from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import SamplingOptions
+
+pytestmark = pytest.mark.timeout(600)
+
+TASK = CountdownTask(seed=0, train_problems=300, test_problems=8)
+
+
+def _counter(metrics_address: str, name: str, labels: str = "", suffix: str = "_total") -> float:
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{name}{suffix}{re.escape(labels)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, zerokl_up) -> None:  # noqa: ANN001
+    steps = 3
+    with zerokl_up(tmp_path / "up", "--colocate", "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3",
+                   "--trainer-flag=--run=colocated") as services:
+        decode = services["decode-0"]["metrics"]
+        before = {name: _counter(decode, name) for name in ("zerokl_engine_sleeps", "zerokl_engine_wakes")}
+        shared_before = _counter(decode, "zerokl_replica_weight_switches", '{path="shared"}')
+        address = services["scheduler"]["address"]
+
+        async def main():
+            async with JobsClient(address) as jobs:
+                spec = RLJobSpec(steps=steps, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=10,
+                                 seed=3, eval_every=0)
+                job = await jobs.submit(spec, "rl-colocated")
+                events = [ev async for ev in jobs.watch(job.job_id)]
+            async with InferenceClient(address) as inference:
+                served = await inference.generate_all(InferenceRequest(
+                    prompt_ids=(3, 4, 5, 6), options=SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)))
+            return events, served
+
+        events, served = asyncio.run(main())
+        assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
+        stepped = [ev for ev in events if ev.step is not None]
+        assert [ev.step for ev in stepped] == list(range(1, steps + 1))
+        for ev in stepped:
+            m = ev.metrics
+            assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
+            assert m["sleep_bytes"] > 0 and m["sleep_s"] >= 0.0, m
+        # One sleep before each step trained, one wake by each step's switch (from the trainer's memory).
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps
+        assert _counter(decode, "zerokl_engine_wakes") - before["zerokl_engine_wakes"] == steps
+        assert _counter(decode, "zerokl_replica_weight_switches", '{path="shared"}') - shared_before == steps + 1
+        # Awake afterwards, on the job's last version.
+        assert served.weights_version == stepped[-1].weights_version
+        assert len(served.samples[0].token_ids) == 4
+        assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
+
+        # A step that fails after the fleet slept (its version fails the canary: AdamW moments of 1e20 loaded by
+        # hand, as in test_jobs_bf16) leaves the fleet awake on the version the job started from.
+        async def poisoned():
+            async with JobsClient(address) as jobs, WeightStoreClient(services["weight-store"]["address"]) as weights, \
+                    TrainerClient(services["trainer"]["address"]) as trainer:
+                await trainer.load_weights(await _with_exploding_moments(weights, stepped[-1].weights_version,
+                                                                         tmp_path), restore_state=True)
+                job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=2, group_size=4,
+                                                  max_tokens=10, seed=4, eval_every=0), "poison")
+                final = [ev async for ev in jobs.watch(job.job_id)][-1].status
+            async with InferenceClient(address) as inference:
+                after = await inference.generate_all(InferenceRequest(
+                    prompt_ids=(3, 4, 5, 6), options=SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)))
+            return final, after
+
+        final, after = asyncio.run(poisoned())
+        assert final.state is JobState.FAILED and "failed its canary" in final.error, final
+        assert after.weights_version == final.weights_version and len(after.samples[0].token_ids) == 4
+        assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps + 1

@@ -1,0 +1,116 @@
+"""TrainConfig.offload_optimizer (co-location): the optimizer state lives in host memory between steps and
+each parameter is stepped alone; the weights, masters and AdamW moments after N steps equal the
+on-device step's bit for bit (fp32 model; bf16 model with fp32 masters; a refused step undone alike),
+and a checkpoint written by one loads into the other."""
+import copy
+import random
+
+import pytest
+import torch
+
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.services.trainer.optim import NonFiniteStep
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.vocab import Completion, InvalidOption
+
+TINY = ModelConfig.preset("tiny")
+
+
+def _data(seed: int) -> list[Completion]:
+    rng = random.Random(seed)
+    return [Completion(tuple(rng.randrange(3, 64) for _ in range(rng.randint(4, 20))),
+                       tuple(rng.randrange(3, 64) for _ in range(5))) for _ in range(4)]
+
+
+def _trainer(dtype: torch.dtype, **kw) -> Trainer:
+    return Trainer(Model(TINY, seed=3, dtype=dtype), TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, **kw))
+
+
+def _state(t: Trainer) -> list[torch.Tensor]:
+    out = [p.detach() for p in t.params] + list(t.masters or [])
+    for o in t._optimized:
+        s = t.optimizer.state.get(o, {})
+        out += [s[k] for k in ("exp_avg", "exp_avg_sq") if k in s]
+        out += [s["step"]] if "step" in s else []
+    return out
+
+
+def _assert_same(a: Trainer, b: Trainer) -> None:
+    sa, sb = _state(a), _state(b)
+    assert len(sa) == len(sb)
+    for x, y in zip(sa, sb, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_offloaded_steps_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype) -> None:
+    on, off = _trainer(dtype), _trainer(dtype, offload_optimizer=True)
+    assert (on.masters is None) == (dtype == torch.float32) and off.offload
+    for step in range(3):
+        data = _data(step)
+        m_on, m_off = on.sft_step(data), off.sft_step(data)
+        assert m_on["grad_norm"] == m_off["grad_norm"] and m_on["loss"] == m_off["loss"]
+        assert m_on["grad_norm"] > 0.05                 # every step clips (grad_clip 0.05): the clip's bits too
+        _assert_same(on, off)
+    # Between steps the state is in host memory (pinned where a GPU is present).
+    for t in [*(off.masters or []), *(v for s in off.optimizer.state.values() for k, v in s.items() if k != "step")]:
+        assert t.device.type == "cpu"
+        assert t.is_pinned() == torch.cuda.is_available()
+    # A checkpoint of the offloaded trainer resumes an on-device one, and back.
+    resumed, back = _trainer(dtype), _trainer(dtype, offload_optimizer=True)
+    resumed.load_state_dict(copy.deepcopy(off.state_dict()))     # copies: a state dict holds the live tensors
+    back.load_state_dict(copy.deepcopy(on.state_dict()))
+    data = _data(9)
+    for t in (on, off, resumed, back):
+        t.sft_step(data)
+    _assert_same(on, off)
+    _assert_same(on, resumed)
+    _assert_same(on, back)
+
+
+def test_a_refused_offloaded_step_is_undone_like_an_on_device_one() -> None:
+    on, off = _trainer(torch.bfloat16), _trainer(torch.bfloat16, offload_optimizer=True)
+    for t in (on, off):
+        t.sft_step(_data(0))
+    before = [x.clone() for x in _state(off)]
+    for t in (on, off):
+        t.forward_backward("sft", _data(1))
+        with pytest.raises(NonFiniteStep):
+            t.optim_step(lr=1e38)           # overflows: every tensor back as it was
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(off), strict=True))
+    _assert_same(on, off)
+    for t in (on, off):
+        t.sft_step(_data(2))
+    _assert_same(on, off)
+
+
+def test_offload_refused_with_fp8() -> None:
+    bad = (TrainConfig(dtype="fp8", offload_optimizer=True), TrainConfig(offload_optimizer=1))  # type: ignore[arg-type]
+    for config in bad:
+        with pytest.raises(InvalidOption) as err:
+            config.check()
+        assert err.value.field == "offload_optimizer"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
+def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype) -> None:
+    """On CUDA the state lives in pinned host memory between steps and is stepped on the device: the same bits as
+    AdamW with its state on the device (torch's single-tensor AdamW), a refused step undone alike."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    make = lambda **kw: Trainer(Model(TINY, seed=3, dtype=dtype).cuda(),  # noqa: E731
+                                TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, cuda_graphs=False, **kw))
+    on, off = make(), make(offload_optimizer=True)
+    for step in range(3):
+        on.sft_step(_data(step))
+        off.sft_step(_data(step))
+        _assert_same(on, off)
+    hosted = [*(off.masters or []), *(v for s in off.optimizer.state.values() for k, v in s.items() if k != "step")]
+    assert hosted and all(t.device.type == "cpu" and t.is_pinned() for t in hosted)
+    for t in (on, off):
+        t.forward_backward("sft", _data(5))
+        with pytest.raises(NonFiniteStep):
+            t.optim_step(lr=1e38)
+        t.sft_step(_data(6))
+    _assert_same(on, off)

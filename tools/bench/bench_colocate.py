@@ -1,0 +1,259 @@
+"""An RL job through the services with the fleet and the trainer co-located on one device (issue 49).
+
+    python tools/bench/bench_colocate.py                          # GLM-5 2-layer slice, bf16, one GPU
+    python tools/bench/bench_colocate.py --preset tiny --device cpu   # the same path on a CPU, < 2 min
+
+`zerokl up --colocate` (one decode replica, the trainer, the weight store, the scheduler) on the model, then
+an RL job of --steps steps: before each step trains, the replica sleeps (KV cache and weights released: level
+2, `--sleep-level 1` keeps the weights), the trainer keeps its AdamW state in pinned host memory between steps
+(--offload-optimizer) and the step's in-place weight switch wakes the replica with the new version. Printed
+per step (and written to --out as JSON): KL (must be 0.0), rollout tok/s (completion tokens / rollout_s),
+train tok/s (the trainer's tokens / train_s), sync and sleep seconds, and the peak device memory (GPU:
+nvidia-smi per process, sampled every 0.2 s; CPU: each process's peak RSS) of the replica (its server and
+engine process) and the trainer.
+
+The slice (--preset glm5 --layers 2: 12.2 B parameters, 22.7 GiB in bf16) is written as a checkpoint into
+--workdir first (deleted once the store holds it). Disk: the store's first version, `zerokl up`'s served copy
+of it and the trainer's delta base (22.7 GiB each), every step's delta record, and the job's last step's full
+checkpoint (weights and the bf16 AdamW moments, ~68 GiB): ~140 GB for a short job, more than a 64 GB machine
+has (run it on a host with more disk, --gpu picking one of its GPUs). Its trainer defaults to
+--master-weights off: fp32 masters (45 GiB) and their AdamW moments (91 GiB) fit neither an 80 GB GPU nor a
+128 GB host; bf16 moments (45 GiB) live on the host. A run longer than a device call's 10 minutes goes in the
+background (setsid) and is polled: it prints a progress line per step and rewrites --out after each.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def model_dir(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path | None:
+    """The model as a checkpoint when --layers cuts a preset (None: `zerokl up --preset` makes it)."""
+    if args.layers is None:
+        return None
+    import torch
+
+    from zerokl.kernels.model import Model, ModelConfig
+    config = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.layers, first_k_dense_replace=1)
+    out = workdir / f"model-{args.preset}-{args.layers}l-seed{args.seed}"
+    if (out / "config.json").exists():
+        return out
+    t0 = time.monotonic()
+    print(f"writing the {args.preset} {args.layers}-layer model (bf16) to {out} ...", flush=True)
+    model = Model(config, seed=args.seed, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters in {time.monotonic() - t0:.0f} s",
+          flush=True)
+    return out
+
+
+class MemoryWatch:
+    """Peak memory of each process of the fleet, by service (a background thread)."""
+
+    def __init__(self, services: dict[str, dict], device: str) -> None:
+        self.device = device
+        self.roots = {name: s["pid"] for name, s in services.items() if s.get("pid")}
+        self.peak: dict[str, float] = {}        # service -> peak bytes (sum over its process tree)
+        self.total_peak = 0.0                   # GPU: the device's used memory
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "MemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.device == "cpu":
+            self._sample()
+
+    def _tree(self, root: int) -> set[int]:
+        children: dict[int, list[int]] = {}
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        out, todo = set(), [root]
+        while todo:
+            pid = todo.pop()
+            out.add(pid)
+            todo += children.get(pid, [])
+        return out
+
+    def _sample(self) -> None:
+        trees = {name: self._tree(pid) for name, pid in self.roots.items()}
+        if self.device == "cpu":
+            for name, pids in trees.items():
+                total = 0
+                for pid in pids:
+                    try:
+                        status = pathlib.Path(f"/proc/{pid}/status").read_text()
+                    except OSError:
+                        continue
+                    hwm = [line for line in status.splitlines() if line.startswith("VmHWM:")]
+                    total += int(hwm[0].split()[1]) * 1024 if hwm else 0
+                self.peak[name] = max(self.peak.get(name, 0.0), float(total))
+            return
+        try:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                                   "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return
+        by_pid = {}
+        for line in apps.strip().splitlines():
+            pid, mib = (x.strip() for x in line.split(","))
+            if pid.isdigit() and mib.isdigit():
+                by_pid[int(pid)] = int(mib) * 2**20
+        for name, pids in trees.items():
+            self.peak[name] = max(self.peak.get(name, 0.0), float(sum(by_pid.get(p, 0) for p in pids)))
+        if used.strip():
+            self.total_peak = max(self.total_peak, float(used.strip().splitlines()[0]) * 2**20)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample()
+
+
+def wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> dict[str, dict]:
+    deadline = time.monotonic() + timeout
+    state = workdir / "up.json"
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"zerokl up exited with {proc.returncode}; see {workdir / 'up.log'} and {workdir}/logs")
+        if state.exists():
+            services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
+            if services and all(s["status"] == "SERVING" for s in services.values()):
+                return services
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the fleet did not come up in {timeout:g} s; see {workdir}/logs")
+        time.sleep(0.5)
+
+
+async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path) -> None:
+    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.service import JobsClient
+    spec = RLJobSpec(steps=args.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=args.prompts,
+                     group_size=args.group, max_tokens=args.max_tokens, seed=args.seed, eval_every=0,
+                     reward="vowel_share", ignore_eos=True, learning_rate=args.lr)
+    async with JobsClient(services["scheduler"]["address"]) as jobs:
+        job = await jobs.submit(spec, "bench-colocate")
+        async for ev in jobs.watch(job.job_id):
+            if ev.step is not None:
+                m = ev.metrics
+                row = {"step": ev.step, "weights_version": ev.weights_version, **m,
+                       "rollout_tok_s": m["tokens"] / max(m["rollout_s"], 1e-9), "train_tok_s": m["tokens_per_s"]}
+                result["steps"].append(row)
+                print(f"step {ev.step}: kl {m['kl']} mismatched {m['mismatched_tokens']:.0f} | {m['tokens']:.0f} tokens"
+                      f" | rollout {m['rollout_s']:.2f} s ({row['rollout_tok_s']:.0f} tok/s) train {m['train_s']:.2f} s "
+                      f"({row['train_tok_s']:.0f} tok/s) | sleep {m.get('sleep_s', 0):.2f} s "
+                      f"({m.get('sleep_bytes', 0) / 2**20:.1f} MiB released) sync {m['sync_s']:.2f} s (wake + "
+                      f"{m.get('sync_bytes', 0) / 2**20:.1f} MiB in place)", flush=True)
+                out.write_text(json.dumps(result, indent=1))
+            elif ev.status.state.done:
+                if ev.status.state is not JobState.SUCCEEDED:
+                    raise SystemExit(f"the job ended {ev.status.state.value}: {ev.status.error}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--preset", default="glm5", help="model preset (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="cut the preset to this many layers, the first dense (default: 2 for glm5, the preset's own "
+                         "otherwise)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--gpu", default=None, help="CUDA_VISIBLE_DEVICES for the fleet (one GPU of a larger host)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts a step (default %(default)s)")
+    ap.add_argument("--group", type=int, default=8, help="answers a prompt (default %(default)s)")
+    ap.add_argument("--max-tokens", type=int, default=256, help="tokens an answer, past eos (default %(default)s)")
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sleep-level", type=int, choices=(1, 2), default=2)
+    ap.add_argument("--master-weights", choices=("auto", "on", "off"), default=None,
+                    help="the trainer's fp32 masters (default: off for glm5, auto otherwise)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="replica KV blocks (default: enough for the batch)")
+    ap.add_argument("--workdir", default=None, help="the fleet's workdir (default /tmp/bench-colocate-PRESET)")
+    ap.add_argument("--out", default=None, help="JSON (default docs/bench/colocate-PRESET-DEVICE.json)")
+    ap.add_argument("--up-timeout", type=float, default=1800.0)
+    args = ap.parse_args()
+    if args.layers is None and args.preset == "glm5":
+        args.layers = 2
+    master = args.master_weights or ("off" if args.preset == "glm5" else "auto")
+    name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}"
+    workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
+    out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
+    workdir.mkdir(parents=True, exist_ok=True)
+    fleet = workdir / "fleet"
+    model = model_dir(args, workdir)
+    tokens = args.prompts * args.group * (args.max_tokens + 64)
+    blocks = args.num_blocks or max(64, -(-tokens // 16) + 16)
+    argv = [sys.executable, "-m", "zerokl", "up", "--workdir", str(fleet), "--port", "0", "--colocate",
+            *(["--model", str(model)] if model else ["--preset", args.preset, "--seed", str(args.seed)]),
+            "--dtype", "bfloat16", f"--trainer-flag=--master-weights={master}", "--trainer-flag=--run=colocate",
+            f"--scheduler-flag=--colocate-sleep-level={args.sleep_level}",
+            f"--replica-flag=--num-blocks={blocks}", f"--replica-flag=--max-num-seqs={args.prompts * args.group}",
+            "--replica-flag=--max-num-batched-tokens=4096"]
+    env = dict(os.environ)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif args.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = args.gpu
+    result: dict = {"meta": {"preset": args.preset, "layers": args.layers, "device": args.device, "steps": args.steps,
+                             "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+                             "sleep_level": args.sleep_level, "master_weights": master, "argv": argv[2:]},
+                    "steps": []}
+    print("starting:", " ".join(argv[2:]), flush=True)
+    with (workdir / "up.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        t0 = time.monotonic()
+        services = wait_up(fleet, proc, args.up_timeout)
+        result["meta"]["up_s"] = time.monotonic() - t0
+        print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
+        if model is not None:
+            shutil.rmtree(model)        # the store holds it (and `zerokl up` its served copy): disk for the records
+        with MemoryWatch(services, args.device) as memory:
+            asyncio.run(run_job(args, services, result, out))
+        replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
+        result["peak_memory"] = {"by_service": memory.peak, "replica": replica,
+                                 "trainer": memory.peak.get("trainer", 0.0), "device_total": memory.total_peak,
+                                 "what": "GPU bytes (nvidia-smi, per process tree)" if args.device == "cuda"
+                                 else "peak RSS bytes (VmHWM, per process tree)"}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    steps = result["steps"]
+    result["kl_all_zero"] = bool(steps) and all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in steps)
+    result["rollout_tok_s"] = sorted(r["rollout_tok_s"] for r in steps)[len(steps) // 2] if steps else None
+    result["train_tok_s"] = sorted(r["train_tok_s"] for r in steps)[len(steps) // 2] if steps else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    p = result["peak_memory"]
+    print(f"KL 0.0 every step: {result['kl_all_zero']} | median rollout {result['rollout_tok_s']:.0f} tok/s, train "
+          f"{result['train_tok_s']:.0f} tok/s | peak memory ({p['what']}): replica {p['replica'] / 2**30:.2f} GiB, "
+          f"trainer {p['trainer'] / 2**30:.2f} GiB, device {p['device_total'] / 2**30:.2f} GiB | {out}", flush=True)
+    return 0 if result["kl_all_zero"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
