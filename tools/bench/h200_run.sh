@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -73,6 +73,21 @@ elif [ "$MODE" = wave4-rl ]; then
   timeout 560 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
     --preset small --prompts 64 --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" --reward vowel_share $long \
     --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" > "$OUT/rl-job.log" 2>&1
+  pkill -f -- "-m zerokl (up|serve)"; sleep 1
+elif [ "$MODE" = wave5 ]; then
+  # issue 49, wave 5: the CUDA tests of co-location (sleep / wake, the offloaded optimizer) and the RL job through
+  # `zerokl up` vs in process with superseded records and the record process (RL_MAX_TOKENS, RL_HALF_TIME,
+  # RL_PROMPTS as wave4-rl; RL_TESTS=0 skips the tests)
+  device_wheels
+  if [ "${RL_TESTS:-1}" = 1 ]; then
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
+      tests/services/trainer/test_offload_optimizer.py -k cuda > "$OUT/colocate_tests.log" 2>&1
+  fi
+  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
+  timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+    --dtype bfloat16 --preset small --prompts "${RL_PROMPTS:-64}" --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" \
+    --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
+    > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
