@@ -88,8 +88,9 @@ class StepRecord:
     # Waiting, before the step trained, for the store's background record of the previous version
     # (in neither train_s nor sync_s: it overlaps the rollouts and is ~0 when the upload kept up).
     record_wait_s: float | None = None
-    # Versions served whose store record was still pending after this step's (at most the job's RECORD_LAG),
-    # and whether this step's record carries the trainer state (a resume point).
+    # Versions served whose store record was still pending after this step's (weights-only ones the trainer
+    # has not superseded yet, and at most the job's RECORD_LAG checkpoints), and whether this step's record
+    # carries the trainer state (a resume point).
     record_lag: int | None = None
     checkpoint: bool | None = None
     # Durability (issue 49): the job step of the newest version whose store record landed, and of the newest
@@ -100,6 +101,9 @@ class StepRecord:
     record_bytes: float | None = None
     record_written_bytes: float | None = None
     record_s: float | None = None
+    # Weights-only versions superseded since the step before: served in place by every replica, read by no one
+    # from the store, so never recorded (ARCHITECTURE.md, "Durable versions").
+    superseded: int | None = None
 
 
 @dataclass(frozen=True)
@@ -158,7 +162,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
             checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
             record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
-            record_s=m.get("record_s"),
+            record_s=m.get("record_s"), superseded=None if m.get("superseded") is None else int(m["superseded"]),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

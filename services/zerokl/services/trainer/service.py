@@ -77,6 +77,7 @@ from zerokl.services.trainer.types import (
     OptimResult,
     PPOBatch,
     PPOMetrics,
+    Recorded,
     SFTBatch,
     TokenLossBatch,
     TrainBatch,
@@ -145,16 +146,26 @@ class _Record:
 
     step: int
     spec: VersionSpec
-    snapshot: CheckpointSnapshot | None          # until written
-    task: "asyncio.Future[WeightsManifest] | None" = None
+    snapshot: CheckpointSnapshot | None          # until written (or superseded)
+    task: "asyncio.Future[WeightsManifest | None] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
     started: float = dataclasses.field(default_factory=time.monotonic)   # when it was shared
     record_s: float = 0.0                       # share -> the store's commit, once committed
+    begun: bool = False                         # its files are being written or uploaded: never superseded then
+    waiters: int = 0                            # RecordWeights calls waiting for it: someone reads it
+    superseded_by: str = ""                     # never recorded: the newer version whose share dropped it
 
     @property
     def weights_only(self) -> bool:
         return self.spec.metadata.get(META_STATE) != "full"
+
+    @property
+    def supersedable(self) -> bool:
+        """Whether a newer share may drop it: weights only (a resume point is always recorded), its record not
+        started, and no RecordWeights waiting for it."""
+        return (self.weights_only and self.manifest is None and not self.begun and not self.waiters
+                and not self.superseded_by)
 
 
 class _DeltaBases:
@@ -696,7 +707,7 @@ class TrainerService:
         return await self._exclusive(work)
 
     async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
-                           weights_only: bool = False, share: bool = False
+                           weights_only: bool = False, share: bool = False, supersede: bool = False
                            ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
 
@@ -706,7 +717,9 @@ class TrainerService:
         one device copy) and the call answers at once; the checkpoint is written and uploaded to
         the store in the background (:meth:`record_weights` waits for it), so the RL step's
         critical path holds no file or store I/O. The manifest is then the one the store will hold
-        (no shards yet).
+        (no shards yet). With ``supersede`` (and ``share``) the caller serves the version shared before this
+        one: the weights-only versions shared before that one whose record has not started (and that no
+        :meth:`record_weights` waits for) are never recorded (:meth:`_supersede`).
         """
         metadata = dict(metadata or {})
         reserved = sorted(k for k in metadata if k.startswith("zerokl."))
@@ -720,7 +733,7 @@ class TrainerService:
                     f"{self._accumulated} ForwardBackward batch(es) are accumulated but not applied: a resume point "
                     "is a step boundary (call OptimStep first, or publish weights_only)")
             try:
-                return await self._save(trainer, version, metadata, weights_only, share)
+                return await self._save(trainer, version, metadata, weights_only, share, supersede)
             except AlreadyExists:
                 if version:
                     raise   # a name the caller chose: theirs to change
@@ -731,11 +744,12 @@ class TrainerService:
             self.segment = await self._fresh_segment(next_one=True)
             log.warning("trainer: %s is taken by other contents in the weight store; publishing under segment %s",
                         taken, self.segment)
-            return await self._save(trainer, version, metadata, weights_only, share)
+            return await self._save(trainer, version, metadata, weights_only, share, supersede)
         return await self._exclusive(work)
 
     async def _save(self, trainer: Trainer, version: str, metadata: Mapping[str, str], weights_only: bool,
-                    share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
+                    share: bool, supersede: bool = False
+                    ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights' work under the lock: name, spec, then publish (or share); AlreadyExists when the store
         holds the name with other contents, before anything is shared."""
         name = version or str(WeightsVersion(self.segment, trainer.step))
@@ -753,7 +767,10 @@ class TrainerService:
             model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
             metadata={**metadata, META_RUN: self.segment, META_STATE: "none" if weights_only else "full"})
         if share:
-            return await self._share(trainer, name, lineage, spec, weights_only)
+            shared = await self._share(trainer, name, lineage, spec, weights_only)
+            if supersede:
+                self._supersede(name)
+            return shared
         manifest, created = await self._publish_now(trainer, name, lineage, spec, weights_only)
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
@@ -811,6 +828,7 @@ class TrainerService:
             self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
+            self._records.pop(name, None)
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             self._set_identity(self._identity.with_weights(name))
             return stored, False, shared.export
@@ -818,16 +836,33 @@ class TrainerService:
         self._set_identity(self._identity.with_weights(name))
         if stored is not None:
             # Recorded above: the store held these very files (created False, as a plain save says).
+            self._records.pop(name, None)
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
-        self._records[name] = record
+        self._records.pop(name, None)
+        self._records[name] = record    # last: the newest share (_supersede keeps it)
         record.task = asyncio.ensure_future(self._record(record, name, earlier))
         record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return _provisional(name, spec), True, shared.export
+
+    def _supersede(self, newest: str) -> None:
+        """``newest`` was just shared and its caller serves the version shared before it: drop the records of the
+        versions shared before that one which nobody reads (:attr:`_Record.supersedable`). A replica that read one
+        from the store waited for its record in its switch (it landed before the caller shared again), so what is
+        dropped here every replica took in place; a resume point is never dropped. Their snapshots go at once."""
+        names = list(self._records)
+        if newest not in names:
+            return
+        at = names.index(newest)
+        for name in names[:max(at - 1, 0)]:      # the one before ``newest``: what the caller serves, recorded
+            record = self._records[name]
+            if record.supersedable:
+                record.superseded_by, record.snapshot = newest, None
+                log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
 
     async def _stored(self, name: str) -> WeightsManifest | None:
         """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
@@ -841,9 +876,17 @@ class TrainerService:
                         getattr(err, "message", None) or type(err).__name__)
             return None
 
-    async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
-        """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
-        after the records queued before it (versions reach the store in the order they were shared)."""
+    async def _record(self, record: _Record, name: str,
+                      earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest | None:
+        """After the records queued before it (versions reach the store in the order they were shared, one at a
+        time), write ``name``'s snapshot to files (in a worker thread, beside the training) and upload them;
+        None when it was superseded before its turn came (never recorded)."""
+        for task in earlier:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+        if record.superseded_by:
+            return None
+        record.begun = True
         assert record.snapshot is not None
         directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
         try:
@@ -852,9 +895,6 @@ class TrainerService:
             shutil.rmtree(directory, True)
             raise
         record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
-        for task in earlier:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(task)
         return await self._upload(record, name)
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
@@ -877,16 +917,18 @@ class TrainerService:
             await self.pin_resume_point(name)
         return manifest
 
-    async def record_weights(self, version: str) -> tuple[WeightsManifest, float]:
+    async def record_weights(self, version: str) -> Recorded:
         """Wait for the store's record of a version saved with share (retrying its upload after an
-        outage); (its manifest, seconds from the share to the commit). NOT_FOUND when this trainer
+        outage): its manifest and the seconds from the share to the commit; at once, that it was superseded
+        (never recorded). Waiting for a record keeps it from being superseded. NOT_FOUND when this trainer
         process never shared it."""
         record = self._records.get(version)
         if record is None:
             raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
                            "forgets what it had not recorded)")
-        if record.manifest is None:
+        if record.manifest is None and not record.superseded_by:
             assert record.task is not None
+            record.waiters += 1
             try:
                 await asyncio.shield(record.task)
             except Unavailable:
@@ -896,8 +938,12 @@ class TrainerService:
                 record.task = asyncio.ensure_future(self._upload(record, version))
                 record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 await asyncio.shield(record.task)
+            finally:
+                record.waiters -= 1
+        if record.superseded_by:
+            return Recorded(None, superseded_by=record.superseded_by)
         assert record.manifest is not None
-        return record.manifest, record.record_s
+        return Recorded(record.manifest, record.record_s)
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -1032,7 +1078,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if request.share:
             manifest, created, shared = await self._service.save_weights(
-                request.version, dict(request.metadata), request.weights_only, share=True)
+                request.version, dict(request.metadata), request.weights_only, share=True,
+                supersede=request.supersede)
             response = convert.save_result_to_proto(manifest, created)
             response.shared.CopyFrom(weights_convert.shared_export_to_proto(shared))
             return response
@@ -1044,10 +1091,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if not request.version:
             raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
-        manifest, record_s = await self._service.record_weights(request.version)
-        response = convert.save_result_to_proto(manifest, True)
-        response.record_s = record_s
-        return response
+        return convert.recorded_to_proto(await self._service.record_weights(request.version))
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:
