@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc.aio
 import torch
@@ -69,6 +69,7 @@ from zerokl.services.trainer.checkpointing import (
     write_snapshot,
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
+from zerokl.services.trainer.recorder import RecordWorker
 from zerokl.services.trainer.optim import AdamParams, NonFiniteStep
 from zerokl.services.trainer.trainer import MAX_LR, ScoredSequence, TrainConfig, Trainer
 from zerokl.services.trainer.types import (
@@ -84,7 +85,6 @@ from zerokl.services.trainer.types import (
     TrainerState,
 )
 from zerokl.services.weightstore import convert as weights_convert
-from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
 from zerokl.services.weightstore.sync import SharedBuffer, export_shared
@@ -146,7 +146,8 @@ class _Record:
 
     step: int
     spec: VersionSpec
-    snapshot: CheckpointSnapshot | None          # until written (or superseded)
+    snapshot: CheckpointSnapshot | None          # a checkpoint's, until written (or superseded)
+    export: SharedBuffer | None = None          # a weights-only version's bytes, until the record process wrote them
     task: "asyncio.Future[WeightsManifest | None] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
@@ -161,64 +162,15 @@ class _Record:
         return self.spec.metadata.get(META_STATE) != "full"
 
     @property
+    def pending(self) -> bool:
+        return self.manifest is None and not self.superseded_by
+
+    @property
     def supersedable(self) -> bool:
         """Whether a newer share may drop it: weights only (a resume point is always recorded), its record not
         started, and no RecordWeights waiting for it."""
         return (self.weights_only and self.manifest is None and not self.begun and not self.waiters
                 and not self.superseded_by)
-
-
-class _DeltaBases:
-    """The serving files of the newest version this trainer recorded, kept on its disk: the next record's files go
-    as deltas against them, so the store writes what changed (weightstore/delta.py). A record's upload holds the
-    base it started with (a retried record may upload beside the next one): a directory is removed only once
-    no upload reads it."""
-
-    def __init__(self) -> None:
-        self.current: UploadBase | None = None
-        self._step = -1
-        self._users: dict[pathlib.Path, int] = {}
-        self._retired: set[pathlib.Path] = set()
-
-    @contextlib.asynccontextmanager
-    async def use(self) -> AsyncIterator[UploadBase | None]:
-        base = self.current
-        if base is not None:
-            self._users[base.directory] = self._users.get(base.directory, 0) + 1
-        try:
-            yield base
-        finally:
-            if base is not None:
-                self._users[base.directory] -= 1
-                await self._collect()
-
-    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
-        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
-        the base of the next records (unless a later version's already are); the rest of it goes."""
-        def keep_serving() -> None:
-            for path in directory.iterdir():
-                if not is_serving_file(path.name):
-                    path.unlink()
-        await asyncio.to_thread(keep_serving)
-        if step < self._step:
-            self._retired.add(directory)
-        else:
-            if self.current is not None:
-                self._retired.add(self.current.directory)
-            self.current, self._step = UploadBase(manifest, directory), step
-        await self._collect()
-
-    async def close(self) -> None:
-        if self.current is not None:
-            self._retired.add(self.current.directory)
-            self.current = None
-        await self._collect()
-
-    async def _collect(self) -> None:
-        for directory in [d for d in self._retired if not self._users.get(d)]:
-            self._retired.discard(directory)
-            self._users.pop(directory, None)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
 @dataclass(frozen=True)
@@ -319,7 +271,7 @@ class TrainerService:
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
                  identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "",
-                 record_deltas: bool = True) -> None:
+                 recorder: RecordWorker | None = None) -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
         if segment and segment_index(run, segment) is None:
@@ -334,8 +286,9 @@ class TrainerService:
         self._pinned: str | None = None     # the resume point this trainer pins in the store
         self._exports: dict[str, SharedBuffer] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
-        self._bases = _DeltaBases()                   # what the next record's deltas are taken against
-        self.record_deltas = record_deltas            # False: every record's files go whole
+        # Writes and uploads the records of shared versions in a process of its own, on the store ``repo`` is
+        # (built from the same flags: trainer/server.py); None: this service cannot share versions.
+        self._recorder = recorder
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -370,7 +323,8 @@ class TrainerService:
         for export in self._exports.values():
             export.close()
         self._exports.clear()
-        await self._bases.close()
+        if self._recorder is not None:
+            await self._recorder.close()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -819,13 +773,14 @@ class TrainerService:
         shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
-        # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = None if stored is not None else await self._compute(
-            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
+        # records: a weights-only version's record process writes its files from them), and at a checkpoint the
+        # trainer state, copied where it is before the next step.
+        snapshot = None if stored is not None or weights_only else await self._compute(
+            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=False,
             serving=shared.tensors())
         self._exports[name] = shared
         while len(self._exports) > _SHARED_KEPT:    # the oldest first: a switch back reads the store
-            self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
+            self._release(self._exports.pop(next(iter(self._exports))))
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
             self._records.pop(name, None)
@@ -841,7 +796,7 @@ class TrainerService:
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
-        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot, export=None if snapshot else shared)
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records.pop(name, None)
         self._records[name] = record    # last: the newest share (_supersede keeps it)
@@ -862,7 +817,19 @@ class TrainerService:
             record = self._records[name]
             if record.supersedable:
                 record.superseded_by, record.snapshot = newest, None
+                self._drop_export(record)
                 log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
+
+    def _release(self, shared: SharedBuffer) -> None:
+        """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""
+        if not any(r.export is shared for r in self._records.values()):
+            shared.close()
+
+    def _drop_export(self, record: _Record) -> None:
+        """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""
+        shared, record.export = record.export, None
+        if shared is not None and shared not in self._exports.values():
+            self._release(shared)
 
     async def _stored(self, name: str) -> WeightsManifest | None:
         """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
@@ -887,32 +854,45 @@ class TrainerService:
         if record.superseded_by:
             return None
         record.begun = True
-        assert record.snapshot is not None
-        directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
-        try:
-            await asyncio.to_thread(write_snapshot, record.snapshot, directory)
-        except BaseException:
-            shutil.rmtree(directory, True)
-            raise
+        if record.export is not None:
+            # Weights only: the record process writes the files from the shared memory (and checks its bytes).
+            try:
+                model = self._trainer.model
+                directory = await self._record_process().write(
+                    record.export.export, model.config, torch.float8_e4m3fn if self._trainer.fp8 else model.dtype)
+            finally:
+                self._drop_export(record)
+        else:
+            # A checkpoint: the trainer state's snapshot is this process's memory, written here (in a thread).
+            assert record.snapshot is not None
+            directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
+            try:
+                await asyncio.to_thread(write_snapshot, record.snapshot, directory)
+            except BaseException:
+                shutil.rmtree(directory, True)
+                raise
         record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
         return await self._upload(record, name)
+
+    def _record_process(self) -> RecordWorker:
+        if self._recorder is None:
+            raise FailedPrecondition("this trainer has no record process (a service built without one cannot "
+                                     "record versions it shares)")
+        return self._recorder
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
-                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec,
-                                                       base if self.record_deltas else None)
-        except grpc.aio.AioRpcError as err:
-            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
+            # The record process uploads (the files of the version recorded before: deltas against them) and
+            # owns the directory from here.
+            manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
+        except Unavailable as err:
+            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
                               f"{name} is not recorded yet (RecordWeights retries)") from None
         record.manifest, record.record_s = manifest, time.monotonic() - record.started
         log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
                  manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
                  else "weights only")
-        await self._bases.offer(record.step, manifest, record.directory)
         if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
