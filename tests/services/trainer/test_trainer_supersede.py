@@ -8,8 +8,9 @@ is fixed, not timed: the first one's upload hangs and every later one waits its 
 - SaveWeights(share, supersede) drops the weights-only versions shared before the caller's served one, but never a
   resume point (trainer state), nor one a RecordWeights waits for, nor the one the caller serves;
 - RecordWeights of a superseded version answers at once, with the store still stopped, naming the newer version;
-- once the store goes on (SIGCONT), every other version is recorded, in order, and reads back; the superseded
-  ones are not in the store.
+- once the store goes on (SIGCONT), every other version is recorded (the store checked each file's sha256);
+  the superseded ones are not in the store;
+- the record process (trainer/recorder.py) killed, the next record starts another.
 """
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ def test_weights_only_versions_nobody_reads_are_superseded_never_recorded(tmp_pa
             assert {v1, v2, v4, v6, v7} <= held and not {v3, v5} & held
             # A superseded version stays superseded (and answers at once).
             assert (await client.record_weights(v3)).superseded_by == v5
+            # The record process is the trainer's own: killed, the next record starts another (and it records).
+            worker = service._recorder._process
+            worker.kill()
+            worker.join(30)
+            v8 = await step(8)
+            assert (await client.record_weights(v8)).manifest.version == v8
+            assert v8 in {p.name for p in (tmp_path / "w" / "versions").iterdir()}
     try:
         asyncio.run(main())
     finally:
