@@ -35,8 +35,9 @@ and the in-process half runs as many steps as the services did):
   then `zerokl jobs submit rl`'s RLJobSpec through the Jobs API; each step's event gives
   rollout_s, train_s, sync_s (optimizer step's end -> the replica serving the new version, in
   place from the trainer's memory), record_wait_s and record_lag (the store's background records:
-  weights only, the trainer state every --checkpoint-every steps), sync_bytes, tokens, KL,
-  mismatched tokens;
+  weights only, the trainer state every --checkpoint-every steps; a step waits only behind
+  checkpoints), superseded (weights-only versions nobody read, never recorded), the bytes the
+  records that landed held and wrote, sync_bytes, tokens, KL, mismatched tokens;
 - in process: the same RL loop (`run_rl`) on the same first version (the fleet's version 1 read
   back from its store) with the experiment's in-process ports (one Engine of the same size,
   reloaded in place; the Trainer), the same RLConfig and seeds.

@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
+from zerokl.kernels.model import ModelConfig
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -148,6 +149,8 @@ class _Record:
     spec: VersionSpec
     snapshot: CheckpointSnapshot | None          # a checkpoint's, until written (or superseded)
     export: SharedBuffer | None = None          # a weights-only version's bytes, until the record process wrote them
+    model_config: ModelConfig | None = None     # with ``export``: its config.json, and its serving dtype
+    dtype: torch.dtype | None = None
     task: "asyncio.Future[WeightsManifest | None] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
@@ -796,7 +799,10 @@ class TrainerService:
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
-        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot, export=None if snapshot else shared)
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        if snapshot is None:
+            record.export, record.model_config = shared, trainer.model.config
+            record.dtype = torch.float8_e4m3fn if trainer.fp8 else trainer.model.dtype
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records.pop(name, None)
         self._records[name] = record    # last: the newest share (_supersede keeps it)
@@ -856,10 +862,9 @@ class TrainerService:
         record.begun = True
         if record.export is not None:
             # Weights only: the record process writes the files from the shared memory (and checks its bytes).
+            assert record.model_config is not None and record.dtype is not None
             try:
-                model = self._trainer.model
-                directory = await self._record_process().write(
-                    record.export.export, model.config, torch.float8_e4m3fn if self._trainer.fp8 else model.dtype)
+                directory = await self._record_process().write(record.export.export, record.model_config, record.dtype)
             finally:
                 self._drop_export(record)
         else:
