@@ -6,8 +6,9 @@ low-level API. The scheduler runs one job at a time, in submission order:
 * **RL**: sample prompts -> Generate n per prompt through the scheduler, pinned to
   the version the fleet serves -> rewards -> ForwardBackward(ppo) + OptimStep on
   the trainer -> SaveWeights(share) -> SwitchWeights on every replica -> next step,
-  while the weight store records each version in the background (the trainer state
-  only every ``checkpoint_every`` steps; see :class:`_TrainerSession`). The loop
+  while the weight store records the versions someone reads in the background (the trainer
+  state only every ``checkpoint_every`` steps; weights-only versions nobody read are superseded;
+  see :class:`_TrainerSession`). The loop
   itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
 * **SFT / DPO**: batches -> ForwardBackward + OptimStep; publish and switch the
   fleet every ``publish_every`` steps and at the end.
