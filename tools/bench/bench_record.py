@@ -20,6 +20,14 @@ before, the record's bytes and the bytes the store wrote, the write and upload s
 back through the store (decoded) and compared byte for byte with the files written. And the delta layers
 the store decoded to accept the record (its ``zerokl_weightstore_delta_layers`` metric; without the store's
 cache of decoded shards that is the sum of the delta files' chain depths, also printed).
+
+With ``--beside``, what a record in flight costs the step beside it (the trainer service's case): --steps
+training steps timed on one compute thread (as the service runs them) three times, (1) alone, (2) with the
+newest version recorded over and over beside them in this process's threads and event loop (the trainer's
+record before the record process: snapshot, ``write_snapshot``, ``publish_checkpoint`` with deltas), (3) the
+same records in the trainer's record process (``trainer/recorder.py``: the version exported to shared
+memory, the child writes, hashes and uploads); printed: the median step of each and the records each arm
+completed (and their GB/s).
 """
 from __future__ import annotations
 
@@ -54,9 +62,12 @@ from zerokl.services.trainer.checkpointing import (
     write_snapshot,
 )
 from zerokl.services.trainer.losses import group_advantages
+from zerokl.services.trainer.recorder import DeltaBases, RecordWorker
+from zerokl.services.trainer.server import build_parser as trainer_parser
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.store import VersionSpec
+from zerokl.services.weightstore.sync import export_shared
 from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -243,6 +254,97 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
     return result
 
 
+async def beside(args: argparse.Namespace, work: pathlib.Path) -> dict:
+    """--beside: the step's seconds alone, with the record in this process, with it in the record process."""
+    import concurrent.futures
+    import statistics
+    torch.manual_seed(args.seed)
+    trainer = make_trainer(args)
+    rng = random.Random(args.seed)
+    ws, address = start(["zerokl.services.weightstore", "--root", str(work / "weights"), "--port", "0"],
+                        work / "weight-store.log", "the weight store")
+    repo = RemoteWeights(grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 16 << 20),
+                                                                     ("grpc.max_receive_message_length", 16 << 20)]),
+                         address)
+    compute = concurrent.futures.ThreadPoolExecutor(1)     # the trainer service's one compute thread
+    loop = asyncio.get_running_loop()
+    dtype = trainer.model.dtype
+    counter = iter(range(1_000_000))
+
+    async def steps() -> list[float]:
+        out = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            await loop.run_in_executor(compute, train_step, trainer, rng, args)
+            out.append(time.perf_counter() - t)
+        return out
+
+    def spec() -> VersionSpec:
+        return VersionSpec(step=trainer.step, metadata={META_RUN: RUN, META_STATE: "none"})
+
+    async def in_process(stop: asyncio.Event, done: list[int]) -> None:
+        bases = DeltaBases()
+        while not stop.is_set():
+            name, s = f"{RUN}-{next(counter):05d}", spec()
+            snap = await loop.run_in_executor(compute, lambda: snapshot_checkpoint(
+                trainer, run=RUN, lineage=[LineageEntry("init", 0)], weights_only=True))
+            directory = pathlib.Path(tempfile.mkdtemp(dir=work))
+            await asyncio.to_thread(write_snapshot, snap, directory)
+            del snap
+            async with bases.use() as base:
+                manifest, _ = await publish_checkpoint(repo, directory, name, s, None if args.no_delta else base)
+            await bases.offer(s.step, manifest, directory)
+            done.append(manifest.total_size)
+        await bases.close()
+
+    worker = RecordWorker(trainer_parser().parse_args(["--weight-store", address]), deltas=not args.no_delta)
+
+    async def in_worker(stop: asyncio.Event, done: list[int]) -> None:
+        while not stop.is_set():
+            name, s = f"{RUN}-{next(counter):05d}", spec()
+            shared = await loop.run_in_executor(compute, lambda: export_shared(trainer.serving_state_dict(), name))
+            try:
+                directory = await worker.write(shared.export, trainer.model.config, dtype)
+            finally:
+                shared.close()
+            manifest = await worker.upload(directory, name, s, s.step)
+            done.append(manifest.total_size)
+
+    arms: dict[str, dict] = {}
+    try:
+        # The record process is started (its imports) before any arm is timed.
+        warm = export_shared(trainer.serving_state_dict(), "warm")
+        await worker.write(warm.export, trainer.model.config, dtype)
+        warm.close()
+        await steps()   # warm-up: the first steps compile and allocate
+        for arm, recorder in (("alone", None), ("record in the trainer's process", in_process),
+                              ("record process", in_worker)):
+            stop, done = asyncio.Event(), []
+            task = asyncio.ensure_future(recorder(stop, done)) if recorder else None
+            t0 = time.perf_counter()
+            seconds = await steps()
+            wall = time.perf_counter() - t0
+            stop.set()
+            if task is not None:
+                await task
+            arms[arm] = {"step_s": seconds, "median_step_s": statistics.median(seconds), "records": len(done),
+                         "record_gb_per_s": sum(done) / 1e9 / wall}
+            print(f"{arm}: median step {arms[arm]['median_step_s']:.3f} s over {len(seconds)} steps "
+                  f"({', '.join(f'{x:.2f}' for x in seconds)}); {len(done)} records beside them, "
+                  f"{arms[arm]['record_gb_per_s']:.3f} GB/s", flush=True)
+    finally:
+        await worker.close()
+        await repo.close()
+        ws.send_signal(signal.SIGTERM)
+        ws.wait(60)
+    alone = arms["alone"]["median_step_s"]
+    return {"date": datetime.date.today().isoformat(), "commit": commit(), "machine": platform.node(),
+            "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0], "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "device": args.device, "preset": args.preset, "layers": args.layers,
+            "dtype": args.dtype, "delta": not args.no_delta, "beside": arms,
+            "slowdown": {arm: a["median_step_s"] / alone for arm, a in arms.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -266,10 +368,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads here")
     p.add_argument("--workdir", default=None, help="where the checkpoints and the store go (default: a temp dir)")
     p.add_argument("--out", default=None, help="the JSON result to this path")
+    p.add_argument("--beside", action="store_true",
+                   help="time the steps alone and beside a record (in process, in the record process)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="zerokl-bench-record-", dir=args.workdir) as tmp:
-        result = asyncio.run(bench(args, pathlib.Path(tmp)))
+        result = asyncio.run((beside if args.beside else bench)(args, pathlib.Path(tmp)))
     if args.out:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

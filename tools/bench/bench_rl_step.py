@@ -35,8 +35,9 @@ and the in-process half runs as many steps as the services did):
   then `zerokl jobs submit rl`'s RLJobSpec through the Jobs API; each step's event gives
   rollout_s, train_s, sync_s (optimizer step's end -> the replica serving the new version, in
   place from the trainer's memory), record_wait_s and record_lag (the store's background records:
-  weights only, the trainer state every --checkpoint-every steps), sync_bytes, tokens, KL,
-  mismatched tokens;
+  weights only, the trainer state every --checkpoint-every steps; a step waits only behind
+  checkpoints), superseded (weights-only versions nobody read, never recorded), the bytes the
+  records that landed held and wrote, sync_bytes, tokens, KL, mismatched tokens;
 - in process: the same RL loop (`run_rl`) on the same first version (the fleet's version 1 read
   back from its store) with the experiment's in-process ports (one Engine of the same size,
   reloaded in place; the Trainer), the same RLConfig and seeds.
@@ -295,7 +296,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
                           f"mismatched {m['mismatched_tokens']:.0f} | durable up to step {m.get('durable_step', -1):.0f}"
                           f" (checkpoint {m.get('checkpoint_step', -1):.0f}); records landed: "
                           f"{m.get('record_bytes', 0) / 1e6:.0f} MB, {m.get('record_written_bytes', 0) / 1e6:.0f} MB "
-                          f"written", flush=True)
+                          f"written, {m.get('superseded', 0):.0f} superseded", flush=True)
                     on_step(rows)
                     if args.half_time and time.monotonic() - started > args.half_time and not cancelled:
                         print(f"services: past --half-time {args.half_time:g} s; cancelling the job after step "
@@ -361,7 +362,7 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
 
 _KEYS = ("rollout_s", "train_s", "sync_s", "sync_export_s", "sync_switch_s", "record_wait_s", "record_lag",
          "checkpoint", "sync_bytes", "tokens", "kl", "mismatched_tokens", "loss", "reward", "durable_step",
-         "checkpoint_step", "record_bytes", "record_written_bytes", "record_s")
+         "checkpoint_step", "record_bytes", "record_written_bytes", "record_s", "superseded")
 
 
 def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dict]) -> dict:
@@ -412,6 +413,8 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "record_bytes_per_step": recorded / len(service), "record_written_bytes_per_step": written / len(service),
         "record_written_fraction": written / recorded if recorded else None,
         "record_gb_per_s": recorded / 1e9 / record_s if record_s else None,
+        # Weights-only versions never recorded (served in place, read by no one: ARCHITECTURE.md "Durable versions").
+        "superseded_versions": sum(r.get("superseded") or 0 for r in service),
         "compared_steps": [r["step"] for r in warm_s],
         # Target 1 (<= 1.25): the service's whole step over the in-process rollout + train.
         "step_ratio": (service_step / len(warm_s)) / (local_step / len(warm_l)),
@@ -455,7 +458,8 @@ def print_job_table(result: dict) -> None:
           f"store: {result['record_bytes_per_step'] / 1e6:.0f} MB recorded and "
           f"{result['record_written_bytes_per_step'] / 1e6:.0f} MB written per step"
           + (f" ({100 * result['record_written_fraction']:.1f}%), {result['record_gb_per_s']:.3f} GB/s of record "
-             "(share -> commit)" if result['record_gb_per_s'] else "") + "; KL 0.0 every step: "
+             "(share -> commit)" if result['record_gb_per_s'] else "")
+          + f"; {result['superseded_versions']} weights-only versions superseded (never recorded); KL 0.0 every step: "
           f"{result['kl_all_zero']} (in process {result['in_process_kl_all_zero']}); same trajectory: "
           f"{result['same_trajectory']}")
 

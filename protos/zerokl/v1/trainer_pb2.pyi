@@ -227,7 +227,7 @@ class OptimStepResponse(_message.Message):
     def __init__(self, grad_norm: _Optional[float] = ..., lr: _Optional[float] = ..., step: _Optional[int] = ...) -> None: ...
 
 class SaveWeightsRequest(_message.Message):
-    __slots__ = ("version", "metadata", "weights_only", "share")
+    __slots__ = ("version", "metadata", "weights_only", "share", "supersede")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,23 +239,27 @@ class SaveWeightsRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDE_FIELD_NUMBER: _ClassVar[int]
     version: str
     metadata: _containers.ScalarMap[str, str]
     weights_only: bool
     share: bool
-    def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ..., share: _Optional[bool] = ...) -> None: ...
+    supersede: bool
+    def __init__(self, version: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., weights_only: _Optional[bool] = ..., share: _Optional[bool] = ..., supersede: _Optional[bool] = ...) -> None: ...
 
 class SaveWeightsResponse(_message.Message):
-    __slots__ = ("manifest", "created", "shared", "record_s")
+    __slots__ = ("manifest", "created", "shared", "record_s", "superseded_by")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     RECORD_S_FIELD_NUMBER: _ClassVar[int]
+    SUPERSEDED_BY_FIELD_NUMBER: _ClassVar[int]
     manifest: _weights_pb2.WeightsManifest
     created: bool
     shared: _weights_pb2.SharedWeights
     record_s: float
-    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ..., record_s: _Optional[float] = ...) -> None: ...
+    superseded_by: str
+    def __init__(self, manifest: _Optional[_Union[_weights_pb2.WeightsManifest, _Mapping]] = ..., created: _Optional[bool] = ..., shared: _Optional[_Union[_weights_pb2.SharedWeights, _Mapping]] = ..., record_s: _Optional[float] = ..., superseded_by: _Optional[str] = ...) -> None: ...
 
 class RecordWeightsRequest(_message.Message):
     __slots__ = ("version",)

@@ -142,8 +142,11 @@ class TrainerServicer:
     def RecordWeights(self, request, context):
         """Waits until a version saved with share is committed to the weight store
         (retrying its upload after a store outage); its manifest. A version
-        already recorded answers at once. Errors: NOT_FOUND (never saved by this
-        trainer process), UNAVAILABLE (the store is unreachable: call again).
+        already recorded answers at once; one superseded (never recorded: a
+        weights-only version nobody read, see SaveWeightsRequest.supersede)
+        answers at once with `superseded_by` set and no manifest. Errors: NOT_FOUND
+        (never saved by this trainer process), UNAVAILABLE (the store is
+        unreachable: call again).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

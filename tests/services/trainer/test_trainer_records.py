@@ -41,7 +41,7 @@ def test_records_after_the_first_are_deltas_that_read_back_bit_for_bit(tmp_path:
                 version = manifest.version
                 shared[version] = {k: v.clone() for k, v in open_shared(desc).items()}
             recorded = [await client.record_weights(v) for v in shared]
-        first, *later = [m for m, _ in recorded]
+        first, *later = [r.manifest for r in recorded]
         assert first.shard(MODEL).base == ""    # nothing recorded before it by this trainer: whole
         for before, manifest in zip([first, *later], later):
             shard = manifest.shard(MODEL)

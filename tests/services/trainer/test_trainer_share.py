@@ -43,8 +43,9 @@ def test_a_shared_version_is_the_trainers_serving_weights_and_the_store_records_
             # A retry (the reply was lost): the same version, the same memory.
             again, created, repeat = await client.share_weights()
             assert not created and repeat == shared
-            recorded, record_s = await client.record_weights("share-step000001")
-            assert record_s > 0.0
+            answer = await client.record_weights("share-step000001")
+            recorded, record_s = answer.manifest, answer.record_s
+            assert record_s > 0.0 and not answer.superseded
             assert {s.name for s in recorded.shards} >= {"config.json", "model.safetensors"}
             stored = Model.from_pretrained(tmp_path / "w" / "versions" / recorded.version).state_dict()
             assert all(torch.equal(stored[k], got[k]) for k in want)
@@ -54,7 +55,7 @@ def test_a_shared_version_is_the_trainers_serving_weights_and_the_store_records_
             assert fb.ppo.kl == 0.0 and fb.ppo.mismatched_tokens == 0
             _, _, second = await client.share_weights()
             assert second.version == "share-step000002"
-            assert (await client.record_weights(second.version))[0].version == second.version
+            assert (await client.record_weights(second.version)).manifest.version == second.version
             # Bad calls: clear statuses, the trainer keeps serving.
             err = await _status(client.record_weights("never-shared"))
             assert err.code() is grpc.StatusCode.NOT_FOUND

@@ -6,8 +6,9 @@ low-level API. The scheduler runs one job at a time, in submission order:
 * **RL**: sample prompts -> Generate n per prompt through the scheduler, pinned to
   the version the fleet serves -> rewards -> ForwardBackward(ppo) + OptimStep on
   the trainer -> SaveWeights(share) -> SwitchWeights on every replica -> next step,
-  while the weight store records each version in the background (the trainer state
-  only every ``checkpoint_every`` steps; see :class:`_TrainerSession`). The loop
+  while the weight store records the versions someone reads in the background (the trainer
+  state only every ``checkpoint_every`` steps; weights-only versions nobody read are superseded;
+  see :class:`_TrainerSession`). The loop
   itself is :func:`~zerokl.services.rl.loop.run_rl`; here it gets ports that speak gRPC.
 * **SFT / DPO**: batches -> ForwardBackward + OptimStep; publish and switch the
   fleet every ``publish_every`` steps and at the end.
@@ -44,6 +45,7 @@ scheduler and the gRPC clients live.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import enum
 import functools
@@ -73,6 +75,7 @@ from zerokl.services.trainer.checkpointing import META_STATE
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.service import check_train_config, dpo_pair_violations, pin_owner
 from zerokl.services.trainer.trainer import MAX_LR, TrainConfig
+from zerokl.services.trainer.types import Recorded
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
@@ -87,10 +90,11 @@ T = TypeVar("T")
 
 JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
 _OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# RL versions served but not yet recorded in the weight store, at most: a step waits for the oldest record
-# beyond it. Each pending record holds its snapshot (the serving bytes; a checkpoint's trainer state) in the
-# trainer's memory, and a trainer restart redoes at most the steps since the newest recorded checkpoint.
-RECORD_LAG = 3
+# An RL job's checkpoints (versions recorded with the trainer state) not yet recorded in the weight store, at
+# most: a step waits for the oldest beyond it. Each holds its snapshot (the serving bytes, the fp32 masters and
+# AdamW moments) in the trainer's memory. A step never waits for a weights-only record: the trainer supersedes
+# those nobody reads (SaveWeights(supersede)), which bounds their snapshots without a wait.
+RECORD_LAG = 2
 
 
 # ----------------------------------------------------------------------------- specs
@@ -516,10 +520,22 @@ class JobManager:
         (so the next job starts from weights the fleet served), and the job's error says so."""
         assert job.spec is not None
         trainer = _TrainerSession(self, job)
+        # An RL job's problems are made (or found made: _countdown_data) beside the trainer's start, which waits on
+        # the trainer and the fleet: 20,000 countdown problems take seconds of the job's start on their own.
+        data = None
+        if isinstance(job.spec, RLJobSpec):
+            data = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zerokl-job-data")
+            problems = data.submit(_countdown_data, job.spec.countdown)
         try:
+            t0 = time.perf_counter()
             version = trainer.start()
+            started = time.perf_counter()
             self._loop.call_soon_threadsafe(lambda: setattr(job, "weights_version", version))  # type: ignore
             if isinstance(job.spec, RLJobSpec):
+                problems.result()
+                log.info("job %s: started on %s in %.2f s (the trainer's share and the fleet's switch %.2f s, then "
+                         "the task's problems %.2f s more)", job.job_id, version, time.perf_counter() - t0,
+                         started - t0, time.perf_counter() - started)
                 self._run_rl(job, job.spec, trainer)
             else:
                 self._run_supervised(job, job.spec, trainer)
@@ -530,6 +546,9 @@ class JobManager:
             if note:
                 err.add_note(note)
             raise
+        finally:
+            if data is not None:
+                data.shutdown(wait=False)
 
     def _run_rl(self, job: _Job, spec: RLJobSpec, trainer: "_TrainerSession") -> None:
         from zerokl.tasks.setup import encode_prompt
@@ -673,6 +692,12 @@ class _Durability:
         self._start_landed = False
         self.durable_step = self.checkpoint_step = -1.0  # -1: none of the job's versions is durable yet
         self._bytes = self._written = self._seconds = 0.0
+        self._superseded = 0                            # versions superseded (never recorded) since the last report
+        self.superseded_total = 0
+
+    def checkpoint(self, version: str) -> bool:
+        """Whether ``version`` was shared with its trainer state (a resume point once recorded)."""
+        return self._steps.get(version, (-1, False))[1]
 
     def shared(self, version: str, step: int, checkpoint: bool) -> None:
         self._steps[version] = (step, checkpoint)
@@ -683,24 +708,32 @@ class _Durability:
         """The job's start version once recorded (with ``pending``: also while its record is on the way)."""
         return self._start if self._start_landed or pending else ""
 
-    def landed(self, version: str, recorded: tuple[WeightsManifest, float] | None) -> None:
+    def landed(self, version: str, recorded: Recorded | None) -> None:
+        """``version``'s record is done: committed (``recorded``; None: the store held it already), or superseded
+        (never recorded, never durable: counted apart)."""
+        if recorded is not None and recorded.manifest is None:
+            self._superseded += 1
+            self.superseded_total += 1
+            return
         step, checkpoint = self._steps.get(version, (-1, False))
         if recorded is not None:    # what the store holds says (a same-named weights-only version carries no state)
-            checkpoint = recorded[0].spec.metadata.get(META_STATE) == "full"
+            checkpoint = recorded.manifest.spec.metadata.get(META_STATE) == "full"
         self.durable_step = max(self.durable_step, float(step))
         if checkpoint:
             self.checkpoint_step = max(self.checkpoint_step, float(step))
         self._start_landed |= version == self._start and checkpoint
         if recorded is not None:
-            manifest, seconds = recorded
-            self._bytes += manifest.total_size
-            self._written += manifest.stored_size
-            self._seconds += seconds
+            assert recorded.manifest is not None
+            self._bytes += recorded.manifest.total_size
+            self._written += recorded.manifest.stored_size
+            self._seconds += recorded.record_s
 
     def report(self) -> dict[str, float]:
         out = {"durable_step": self.durable_step, "checkpoint_step": self.checkpoint_step,
-               "record_bytes": self._bytes, "record_written_bytes": self._written, "record_s": self._seconds}
+               "record_bytes": self._bytes, "record_written_bytes": self._written, "record_s": self._seconds,
+               "superseded": float(self._superseded)}
         self._bytes = self._written = self._seconds = 0.0
+        self._superseded = 0
         return out
 
 
@@ -708,10 +741,12 @@ class _TrainerSession:
     """TrainerPort over TrainerClient, with the fleet switched after every publish.
 
     An RL step is one unit (ForwardBackward(ppo), OptimStep, SaveWeights(share), the fleet's
-    switch). Its version is recorded in the weight store in the background: weights only, or with
-    the trainer state (a resume point) every ``checkpoint_every`` steps and at the job's last, and
-    at most :data:`RECORD_LAG` versions are ever unrecorded (the next step waits for the oldest
-    record beyond that). The steps since the newest recorded full checkpoint are kept: when the
+    switch). Its version is recorded in the weight store in the background: with the trainer state (a
+    resume point) every ``checkpoint_every`` steps and at the job's last, of which at most
+    :data:`RECORD_LAG` are ever unrecorded (the next step waits for the oldest beyond that); weights
+    only otherwise, and then only if nobody reads it: the trainer supersedes a weights-only version
+    whose record has not started once the fleet serves a newer one (ARCHITECTURE.md, "Durable
+    versions"), and no step waits for one. The steps since the newest recorded full checkpoint are kept: when the
     trainer restarts (UNAVAILABLE, or a record it no longer knows), the session waits for it,
     reads where it resumed (that checkpoint, or a later one whose record landed) and redoes every
     kept step after it from the same rollouts: the same bits (checked against each version's
@@ -867,7 +902,8 @@ class _TrainerSession:
         self.unrecorded = [v for v in self.unrecorded if v not in again]
         for step in redo:
             self._train(step.rollouts, step.group_size)
-            manifest, _, shared = self._call(self.client.share_weights(weights_only=step.weights_only))
+            manifest, _, shared = self._call(self.client.share_weights(weights_only=step.weights_only,
+                                                                       supersede=True))
             if (manifest.version, shared.checksum) != (step.version, step.checksum):
                 raise FailedPrecondition(
                     f"redoing the step that made {step.version} gave {manifest.version} with checksum "
@@ -1085,11 +1121,12 @@ class _TrainerSession:
 
     def _grpo_unit(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         def work() -> dict[str, Any]:
-            # The earlier versions' store records upload in the background; beyond RECORD_LAG of them this
-            # step waits for the oldest (backpressure: each pending record holds a snapshot in the trainer's
-            # memory). Not train_s: recording's tail.
+            # The earlier versions' store records upload in the background; beyond RECORD_LAG checkpoints
+            # this step waits for the oldest (backpressure: each holds the trainer state's snapshot in the
+            # trainer's memory). Weights-only records are never waited for. Not train_s: recording's tail.
             t0 = time.perf_counter()
-            self.await_records(keep=RECORD_LAG - 1)
+            self._collect_records(restarted=True)
+            self.await_checkpoints(keep=RECORD_LAG - 1)
             record_wait_s = time.perf_counter() - t0
             self._train_and_publish(rollouts, group_size)
             self._collect_records()
@@ -1145,7 +1182,9 @@ class _TrainerSession:
         """SaveWeights(share): the new version from the trainer's memory to the fleet (replicas on its host
         copy it in place, others read the store once the trainer's background record lands), after its
         canary; the serving bytes shared, the perf_counter time the trainer answered, and their checksum."""
-        manifest, _, shared = self._call(self.client.share_weights(weights_only=weights_only))
+        # supersede: the fleet serves the version shared before this one (the step's unit switched to it), so the
+        # weights-only versions before that one whose record has not started are read by no one.
+        manifest, _, shared = self._call(self.client.share_weights(weights_only=weights_only, supersede=True))
         exported = time.perf_counter()
         self._serve_shared(manifest, shared, own=manifest.version != self.weights_version,
                            step=self.trainer_step - self.base_step, checkpoint=not weights_only)
@@ -1168,28 +1207,43 @@ class _TrainerSession:
         self.durability.shared(manifest.version, step, checkpoint=checkpoint)
 
     def await_records(self, keep: int = 0) -> None:
-        """Wait for the store's records of the versions shared, oldest first, until at most ``keep`` are
-        pending (retried while the store is out); a trainer that forgot one (restarted) is UNAVAILABLE to
-        :meth:`_unit`, which redoes the steps since its checkpoint."""
+        """Wait for the store's records of the versions shared, oldest first (recorded or superseded), until at
+        most ``keep`` are pending (retried while the store is out); a trainer that forgot one (restarted) is
+        UNAVAILABLE to :meth:`_unit`, which redoes the steps since its checkpoint."""
         while len(self.unrecorded) > keep:
             version = self.unrecorded[0]
             self._landed(version, self._await_record(version))
 
-    def _collect_records(self) -> None:
-        """The records that landed already, oldest first, without waiting for one that has not (a RecordWeights
-        with a short deadline): the job's reports say which versions are durable as soon as they are."""
+    def await_checkpoints(self, keep: int = 0) -> None:
+        """Wait, oldest first, until at most ``keep`` checkpoints are pending (the weights-only records ahead of one
+        are done before it anyway: records land in the order shared)."""
+        while sum(self.durability.checkpoint(v) for v in self.unrecorded) > keep:
+            version = self.unrecorded[0]
+            self._landed(version, self._await_record(version))
+
+    def _collect_records(self, restarted: bool = False) -> None:
+        """The records done already (landed or superseded), oldest first, without waiting for one that is not (a
+        RecordWeights with a short deadline): the job's reports say which versions are durable as soon as they
+        are. With ``restarted``, a version the trainer no longer knows is asked after (:meth:`_await_record`: in
+        the store, or the trainer restarted: :meth:`_unit` redoes the steps)."""
         while self.unrecorded:
             try:
                 recorded = self._call(self.client.record_weights(self.unrecorded[0], timeout=0.01))
-            except grpc.aio.AioRpcError:
-                return      # not yet (or the trainer is out: await_records tells which, when the lag needs it)
+            except grpc.aio.AioRpcError as err:
+                if restarted and err.code() is grpc.StatusCode.NOT_FOUND:
+                    recorded = self._await_record(self.unrecorded[0])
+                else:
+                    return      # not yet (or the trainer is out: the step's calls tell which)
             self._landed(self.unrecorded[0], recorded)
 
-    def _landed(self, version: str, recorded: tuple[WeightsManifest, float] | None) -> None:
-        """``version``'s record is in the store (``recorded``: its manifest and seconds; None: found there)."""
+    def _landed(self, version: str, recorded: Recorded | None) -> None:
+        """``version``'s record is done (``recorded``: its manifest and seconds, or superseded; None: found in the
+        store)."""
         assert self.unrecorded[0] == version
         self.unrecorded.pop(0)
         self.durability.landed(version, recorded)
+        if recorded is not None and recorded.superseded:
+            return      # never durable: neither a resume point nor the end of a kept step
         if self.durability.first_checkpoint() == version and not self.checkpoint:
             self.checkpoint = version    # the job's start, recorded with its trainer state: a resume point
         steps = [s.version for s in self._kept]
@@ -1197,7 +1251,7 @@ class _TrainerSession:
             # A resume point in the store: the steps up to it need never be redone.
             self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
 
-    def _await_record(self, version: str) -> tuple[WeightsManifest, float] | None:
+    def _await_record(self, version: str) -> Recorded | None:
         deadline = None
         while True:
             try:

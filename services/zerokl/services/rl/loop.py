@@ -88,8 +88,9 @@ class StepRecord:
     # Waiting, before the step trained, for the store's background record of the previous version
     # (in neither train_s nor sync_s: it overlaps the rollouts and is ~0 when the upload kept up).
     record_wait_s: float | None = None
-    # Versions served whose store record was still pending after this step's (at most the job's RECORD_LAG),
-    # and whether this step's record carries the trainer state (a resume point).
+    # Versions served whose store record was still pending after this step's (weights-only ones the trainer
+    # has not superseded yet, and at most the job's RECORD_LAG checkpoints), and whether this step's record
+    # carries the trainer state (a resume point).
     record_lag: int | None = None
     checkpoint: bool | None = None
     # Durability (issue 49): the job step of the newest version whose store record landed, and of the newest
@@ -104,6 +105,9 @@ class StepRecord:
     # seconds, in neither train_s nor sync_s; the wake is the switch, in sync_s) and the device bytes released.
     sleep_s: float | None = None
     sleep_bytes: float | None = None
+    # Weights-only versions superseded since the step before: served in place by every replica, read by no one
+    # from the store, so never recorded (ARCHITECTURE.md, "Durable versions").
+    superseded: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
             checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
             record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
             record_s=m.get("record_s"), sleep_s=m.get("sleep_s"), sleep_bytes=m.get("sleep_bytes"),
+            superseded=None if m.get("superseded") is None else int(m["superseded"]),
         )
         if config.eval_every and (step + 1) % config.eval_every == 0:
             record.test_accuracy = evaluate(task, rollouts_port, new_version, config)

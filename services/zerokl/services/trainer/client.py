@@ -23,6 +23,7 @@ from zerokl.services.trainer.types import (
     ForwardBackwardResult,
     OptimResult,
     PPOBatch,
+    Recorded,
     SFTBatch,
     TrainBatch,
     TrainerState,
@@ -111,23 +112,26 @@ class TrainerClient(ServiceClient):
         msg = trainer_pb2.SaveWeightsRequest(version=version, metadata=dict(metadata or {}), weights_only=weights_only)
         return convert.save_result_from_proto(await self._stub.SaveWeights(msg, timeout=timeout))
 
-    async def share_weights(self, version: str = "", *, weights_only: bool = False,
+    async def share_weights(self, version: str = "", *, weights_only: bool = False, supersede: bool = False,
                             metadata: Mapping[str, str] | None = None, timeout: float | None = None
                             ) -> tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights(share): the new version in the trainer's shared memory for the replicas on its
         host, recorded in the store in the background (``weights_only``: without the trainer state, so
-        not a resume point); (manifest to be, created, descriptor)."""
+        not a resume point); (manifest to be, created, descriptor). ``supersede``: the caller serves the
+        version shared before this one, so older weights-only versions not yet being recorded need never be
+        (:class:`Recorded`)."""
         msg = trainer_pb2.SaveWeightsRequest(version=version, share=True, weights_only=weights_only,
-                                             metadata=dict(metadata or {}))
+                                             supersede=supersede, metadata=dict(metadata or {}))
         response = await self._stub.SaveWeights(msg, timeout=timeout)
         manifest, created = convert.save_result_from_proto(response)
         return manifest, created, shared_export_from_proto(response.shared)
 
-    async def record_weights(self, version: str, *, timeout: float | None = None) -> tuple[WeightsManifest, float]:
-        """Wait until a version shared by :meth:`share_weights` is committed to the weight store; (its manifest:
-        ``stored_size`` says what the store wrote, seconds from the share to the commit)."""
+    async def record_weights(self, version: str, *, timeout: float | None = None) -> Recorded:
+        """Wait until a version shared by :meth:`share_weights` is committed to the weight store (its manifest:
+        ``stored_size`` says what the store wrote, seconds from the share to the commit), or answer at once that
+        it was superseded (never recorded)."""
         response = await self._stub.RecordWeights(trainer_pb2.RecordWeightsRequest(version=version), timeout=timeout)
-        return convert.save_result_from_proto(response)[0], response.record_s
+        return convert.recorded_from_proto(response)
 
     async def load_weights(self, version: str, *, restore_state: bool = False, config: TrainConfig | None = None,
                            timeout: float | None = None) -> TrainerState:

@@ -25,6 +25,7 @@ from zerokl.services.trainer.types import (
     OptimResult,
     PPOBatch,
     PPOMetrics,
+    Recorded,
     SFTBatch,
     TokenLossBatch,
     TokenSequence,
@@ -57,6 +58,8 @@ __all__ = [
     "optim_result_from_proto",
     "save_result_to_proto",
     "save_result_from_proto",
+    "recorded_to_proto",
+    "recorded_from_proto",
     "train_config_to_proto",
     "train_config_from_proto",
     "state_to_proto",
@@ -250,6 +253,20 @@ def save_result_to_proto(manifest: WeightsManifest, created: bool) -> trainer_pb
 def save_result_from_proto(msg: trainer_pb2.SaveWeightsResponse) -> tuple[WeightsManifest, bool]:
     """``zerokl.v1.SaveWeightsResponse`` -> (manifest, created)."""
     return manifest_from_proto(msg.manifest), msg.created
+
+
+def recorded_to_proto(r: Recorded) -> trainer_pb2.SaveWeightsResponse:
+    """Recorded -> RecordWeights' ``zerokl.v1.SaveWeightsResponse`` (no manifest when superseded)."""
+    if r.manifest is None:
+        return trainer_pb2.SaveWeightsResponse(superseded_by=r.superseded_by)
+    return trainer_pb2.SaveWeightsResponse(manifest=manifest_to_proto(r.manifest), created=True, record_s=r.record_s)
+
+
+def recorded_from_proto(msg: trainer_pb2.SaveWeightsResponse) -> Recorded:
+    """RecordWeights' ``zerokl.v1.SaveWeightsResponse`` -> Recorded."""
+    if msg.superseded_by:
+        return Recorded(None, superseded_by=msg.superseded_by)
+    return Recorded(manifest_from_proto(msg.manifest), msg.record_s)
 
 
 # TrainConfig fields carried by several proto fields; every other field has a proto field of its name.

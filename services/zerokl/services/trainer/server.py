@@ -55,6 +55,7 @@ from zerokl.services.trainer.checkpointing import (
     load_serving_model,
     read_checkpoint,
 )
+from zerokl.services.trainer.recorder import RecordWorker
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.backends import LocalDirBackend
@@ -214,7 +215,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
         identity = make_identity(trainer.model, manifest.version, args.replica_id)
         service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits,
                                  segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "",
-                                 record_deltas=args.record_deltas == "on")
+                                 recorder=RecordWorker(args, deltas=args.record_deltas == "on"))
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)
@@ -222,7 +223,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
     trainer = await asyncio.to_thread(Trainer, model, config)
     identity = make_identity(model, version, args.replica_id)
     service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,
-                             limits=limits, record_deltas=args.record_deltas == "on")
+                             limits=limits, recorder=RecordWorker(args, deltas=args.record_deltas == "on"))
     return Started(service, None)
 
 

@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
 import grpc.aio
 import torch
@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge
 from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.kernels.model.fp8 import numerics_dtype
+from zerokl.kernels.model import ModelConfig
 from zerokl.kernels.model.checkpoint import config_to_hf
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -69,6 +70,7 @@ from zerokl.services.trainer.checkpointing import (
     write_snapshot,
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
+from zerokl.services.trainer.recorder import RecordWorker
 from zerokl.services.trainer.optim import AdamParams, NonFiniteStep
 from zerokl.services.trainer.trainer import MAX_LR, ScoredSequence, TrainConfig, Trainer
 from zerokl.services.trainer.types import (
@@ -77,13 +79,13 @@ from zerokl.services.trainer.types import (
     OptimResult,
     PPOBatch,
     PPOMetrics,
+    Recorded,
     SFTBatch,
     TokenLossBatch,
     TrainBatch,
     TrainerState,
 )
 from zerokl.services.weightstore import convert as weights_convert
-from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
 from zerokl.services.weightstore.sync import SharedBuffer, export_shared
@@ -145,69 +147,33 @@ class _Record:
 
     step: int
     spec: VersionSpec
-    snapshot: CheckpointSnapshot | None          # until written
-    task: "asyncio.Future[WeightsManifest] | None" = None
+    snapshot: CheckpointSnapshot | None          # a checkpoint's, until written (or superseded)
+    export: SharedBuffer | None = None          # a weights-only version's bytes, until the record process wrote them
+    model_config: ModelConfig | None = None     # with ``export``: its config.json, and its serving dtype
+    dtype: torch.dtype | None = None
+    task: "asyncio.Future[WeightsManifest | None] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
     started: float = dataclasses.field(default_factory=time.monotonic)   # when it was shared
     record_s: float = 0.0                       # share -> the store's commit, once committed
+    begun: bool = False                         # its files are being written or uploaded: never superseded then
+    waiters: int = 0                            # RecordWeights calls waiting for it: someone reads it
+    superseded_by: str = ""                     # never recorded: the newer version whose share dropped it
 
     @property
     def weights_only(self) -> bool:
         return self.spec.metadata.get(META_STATE) != "full"
 
+    @property
+    def pending(self) -> bool:
+        return self.manifest is None and not self.superseded_by
 
-class _DeltaBases:
-    """The serving files of the newest version this trainer recorded, kept on its disk: the next record's files go
-    as deltas against them, so the store writes what changed (weightstore/delta.py). A record's upload holds the
-    base it started with (a retried record may upload beside the next one): a directory is removed only once
-    no upload reads it."""
-
-    def __init__(self) -> None:
-        self.current: UploadBase | None = None
-        self._step = -1
-        self._users: dict[pathlib.Path, int] = {}
-        self._retired: set[pathlib.Path] = set()
-
-    @contextlib.asynccontextmanager
-    async def use(self) -> AsyncIterator[UploadBase | None]:
-        base = self.current
-        if base is not None:
-            self._users[base.directory] = self._users.get(base.directory, 0) + 1
-        try:
-            yield base
-        finally:
-            if base is not None:
-                self._users[base.directory] -= 1
-                await self._collect()
-
-    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
-        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
-        the base of the next records (unless a later version's already are); the rest of it goes."""
-        def keep_serving() -> None:
-            for path in directory.iterdir():
-                if not is_serving_file(path.name):
-                    path.unlink()
-        await asyncio.to_thread(keep_serving)
-        if step < self._step:
-            self._retired.add(directory)
-        else:
-            if self.current is not None:
-                self._retired.add(self.current.directory)
-            self.current, self._step = UploadBase(manifest, directory), step
-        await self._collect()
-
-    async def close(self) -> None:
-        if self.current is not None:
-            self._retired.add(self.current.directory)
-            self.current = None
-        await self._collect()
-
-    async def _collect(self) -> None:
-        for directory in [d for d in self._retired if not self._users.get(d)]:
-            self._retired.discard(directory)
-            self._users.pop(directory, None)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+    @property
+    def supersedable(self) -> bool:
+        """Whether a newer share may drop it: weights only (a resume point is always recorded), its record not
+        started, and no RecordWeights waiting for it."""
+        return (self.weights_only and self.manifest is None and not self.begun and not self.waiters
+                and not self.superseded_by)
 
 
 @dataclass(frozen=True)
@@ -308,7 +274,7 @@ class TrainerService:
 
     def __init__(self, trainer: Trainer, repo: WeightsRepo, *, run: str, lineage: Sequence[LineageEntry],
                  identity: ServiceIdentity, limits: TrainerLimits = TrainerLimits(), segment: str = "",
-                 record_deltas: bool = True) -> None:
+                 recorder: RecordWorker | None = None) -> None:
         if not lineage:
             raise ValueError("lineage must name the version the trainer starts from")
         if segment and segment_index(run, segment) is None:
@@ -323,8 +289,9 @@ class TrainerService:
         self._pinned: str | None = None     # the resume point this trainer pins in the store
         self._exports: dict[str, SharedBuffer] = {}   # versions in shared memory, oldest first
         self._records: dict[str, _Record] = {}        # versions saved with share: their store records
-        self._bases = _DeltaBases()                   # what the next record's deltas are taken against
-        self.record_deltas = record_deltas            # False: every record's files go whole
+        # Writes and uploads the records of shared versions in a process of its own, on the store ``repo`` is
+        # (built from the same flags: trainer/server.py); None: this service cannot share versions.
+        self._recorder = recorder
         self._accumulated = 0
         self._lock = asyncio.Lock()
         # One thread for every tensor operation: the model is used by one
@@ -359,7 +326,8 @@ class TrainerService:
         for export in self._exports.values():
             export.close()
         self._exports.clear()
-        await self._bases.close()
+        if self._recorder is not None:
+            await self._recorder.close()
         await self.repo.close()
 
     async def _exclusive(self, work: Callable[[], Awaitable[_T]]) -> _T:
@@ -696,7 +664,7 @@ class TrainerService:
         return await self._exclusive(work)
 
     async def save_weights(self, version: str = "", metadata: Mapping[str, str] | None = None,
-                           weights_only: bool = False, share: bool = False
+                           weights_only: bool = False, share: bool = False, supersede: bool = False
                            ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """Publish the current weights (and, unless ``weights_only``, the trainer state) as a version.
 
@@ -706,7 +674,9 @@ class TrainerService:
         one device copy) and the call answers at once; the checkpoint is written and uploaded to
         the store in the background (:meth:`record_weights` waits for it), so the RL step's
         critical path holds no file or store I/O. The manifest is then the one the store will hold
-        (no shards yet).
+        (no shards yet). With ``supersede`` (and ``share``) the caller serves the version shared before this
+        one: the weights-only versions shared before that one whose record has not started (and that no
+        :meth:`record_weights` waits for) are never recorded (:meth:`_supersede`).
         """
         metadata = dict(metadata or {})
         reserved = sorted(k for k in metadata if k.startswith("zerokl."))
@@ -720,7 +690,7 @@ class TrainerService:
                     f"{self._accumulated} ForwardBackward batch(es) are accumulated but not applied: a resume point "
                     "is a step boundary (call OptimStep first, or publish weights_only)")
             try:
-                return await self._save(trainer, version, metadata, weights_only, share)
+                return await self._save(trainer, version, metadata, weights_only, share, supersede)
             except AlreadyExists:
                 if version:
                     raise   # a name the caller chose: theirs to change
@@ -731,11 +701,12 @@ class TrainerService:
             self.segment = await self._fresh_segment(next_one=True)
             log.warning("trainer: %s is taken by other contents in the weight store; publishing under segment %s",
                         taken, self.segment)
-            return await self._save(trainer, version, metadata, weights_only, share)
+            return await self._save(trainer, version, metadata, weights_only, share, supersede)
         return await self._exclusive(work)
 
     async def _save(self, trainer: Trainer, version: str, metadata: Mapping[str, str], weights_only: bool,
-                    share: bool) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
+                    share: bool, supersede: bool = False
+                    ) -> tuple[WeightsManifest, bool] | tuple[WeightsManifest, bool, SharedExport]:
         """SaveWeights' work under the lock: name, spec, then publish (or share); AlreadyExists when the store
         holds the name with other contents, before anything is shared."""
         name = version or str(WeightsVersion(self.segment, trainer.step))
@@ -753,7 +724,10 @@ class TrainerService:
             model_config=config_to_hf(trainer.model.config, numerics_dtype(trainer.model)),   # FP8: quantization_config
             metadata={**metadata, META_RUN: self.segment, META_STATE: "none" if weights_only else "full"})
         if share:
-            return await self._share(trainer, name, lineage, spec, weights_only)
+            shared = await self._share(trainer, name, lineage, spec, weights_only)
+            if supersede:
+                self._supersede(name)
+            return shared
         manifest, created = await self._publish_now(trainer, name, lineage, spec, weights_only)
         self._lineage = lineage[-MAX_LINEAGE:]
         self._set_identity(self._identity.with_weights(name))
@@ -802,17 +776,19 @@ class TrainerService:
         shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
-        # records), and at a checkpoint the trainer state, copied where it is before the next step.
-        snapshot = None if stored is not None else await self._compute(
-            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=weights_only,
+        # records: a weights-only version's record process writes its files from them), and at a checkpoint the
+        # trainer state, copied where it is before the next step.
+        snapshot = None if stored is not None or weights_only else await self._compute(
+            snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=False,
             serving=shared.tensors())
         self._exports[name] = shared
         # Co-location (offload_optimizer: a replica shares the device): only the newest export stays on it.
         kept = 1 if trainer.config.offload_optimizer else _SHARED_KEPT
         while len(self._exports) > kept:            # the oldest first: a switch back reads the store
-            self._exports.pop(next(iter(self._exports))).close()    # (a record still writing holds its bytes)
+            self._release(self._exports.pop(next(iter(self._exports))))
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
+            self._records.pop(name, None)
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             self._set_identity(self._identity.with_weights(name))
             return stored, False, shared.export
@@ -820,16 +796,48 @@ class TrainerService:
         self._set_identity(self._identity.with_weights(name))
         if stored is not None:
             # Recorded above: the store held these very files (created False, as a plain save says).
+            self._records.pop(name, None)
             self._records[name] = _Record(step=trainer.step, spec=stored.spec, snapshot=None, manifest=stored)
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        if snapshot is None:
+            record.export, record.model_config = shared, trainer.model.config
+            record.dtype = torch.float8_e4m3fn if trainer.fp8 else trainer.model.dtype
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
-        self._records[name] = record
+        self._records.pop(name, None)
+        self._records[name] = record    # last: the newest share (_supersede keeps it)
         record.task = asyncio.ensure_future(self._record(record, name, earlier))
         record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return _provisional(name, spec), True, shared.export
+
+    def _supersede(self, newest: str) -> None:
+        """``newest`` was just shared and its caller serves the version shared before it: drop the records of the
+        versions shared before that one which nobody reads (:attr:`_Record.supersedable`). A replica that read one
+        from the store waited for its record in its switch (it landed before the caller shared again), so what is
+        dropped here every replica took in place; a resume point is never dropped. Their snapshots go at once."""
+        names = list(self._records)
+        if newest not in names:
+            return
+        at = names.index(newest)
+        for name in names[:max(at - 1, 0)]:      # the one before ``newest``: what the caller serves, recorded
+            record = self._records[name]
+            if record.supersedable:
+                record.superseded_by, record.snapshot = newest, None
+                self._drop_export(record)
+                log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
+
+    def _release(self, shared: SharedBuffer) -> None:
+        """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""
+        if not any(r.export is shared for r in self._records.values()):
+            shared.close()
+
+    def _drop_export(self, record: _Record) -> None:
+        """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""
+        shared, record.export = record.export, None
+        if shared is not None and shared not in self._exports.values():
+            self._release(shared)
 
     async def _stored(self, name: str) -> WeightsManifest | None:
         """The store's manifest of ``name``; None when it holds none, or cannot say within a few seconds (an outage:
@@ -843,52 +851,71 @@ class TrainerService:
                         getattr(err, "message", None) or type(err).__name__)
             return None
 
-    async def _record(self, record: _Record, name: str, earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest:
-        """Write ``name``'s snapshot to files (in a worker thread, beside the training), then upload them
-        after the records queued before it (versions reach the store in the order they were shared)."""
-        assert record.snapshot is not None
-        directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
-        try:
-            await asyncio.to_thread(write_snapshot, record.snapshot, directory)
-        except BaseException:
-            shutil.rmtree(directory, True)
-            raise
-        record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
+    async def _record(self, record: _Record, name: str,
+                      earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest | None:
+        """After the records queued before it (versions reach the store in the order they were shared, one at a
+        time), write ``name``'s snapshot to files (in a worker thread, beside the training) and upload them;
+        None when it was superseded before its turn came (never recorded)."""
         for task in earlier:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
+        if record.superseded_by:
+            return None
+        record.begun = True
+        if record.export is not None:
+            # Weights only: the record process writes the files from the shared memory (and checks its bytes).
+            assert record.model_config is not None and record.dtype is not None
+            try:
+                directory = await self._record_process().write(record.export.export, record.model_config, record.dtype)
+            finally:
+                self._drop_export(record)
+        else:
+            # A checkpoint: the trainer state's snapshot is this process's memory, written here (in a thread).
+            assert record.snapshot is not None
+            directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
+            try:
+                await asyncio.to_thread(write_snapshot, record.snapshot, directory)
+            except BaseException:
+                shutil.rmtree(directory, True)
+                raise
+        record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
         return await self._upload(record, name)
+
+    def _record_process(self) -> RecordWorker:
+        if self._recorder is None:
+            raise FailedPrecondition("this trainer has no record process (a service built without one cannot "
+                                     "record versions it shares)")
+        return self._recorder
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         assert record.directory is not None
         try:
-            async with self._bases.use() as base:     # the files of the version recorded before: deltas against them
-                manifest, _ = await publish_checkpoint(self.repo, record.directory, name, record.spec,
-                                                       base if self.record_deltas else None)
-        except grpc.aio.AioRpcError as err:
-            if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise
-            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.details()}; "
+            # The record process uploads (the files of the version recorded before: deltas against them) and
+            # owns the directory from here.
+            manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
+        except Unavailable as err:
+            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
                               f"{name} is not recorded yet (RecordWeights retries)") from None
         record.manifest, record.record_s = manifest, time.monotonic() - record.started
         log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
                  manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
                  else "weights only")
-        await self._bases.offer(record.step, manifest, record.directory)
         if not record.weights_only:
             await self.pin_resume_point(name)
         return manifest
 
-    async def record_weights(self, version: str) -> tuple[WeightsManifest, float]:
+    async def record_weights(self, version: str) -> Recorded:
         """Wait for the store's record of a version saved with share (retrying its upload after an
-        outage); (its manifest, seconds from the share to the commit). NOT_FOUND when this trainer
+        outage): its manifest and the seconds from the share to the commit; at once, that it was superseded
+        (never recorded). Waiting for a record keeps it from being superseded. NOT_FOUND when this trainer
         process never shared it."""
         record = self._records.get(version)
         if record is None:
             raise NotFound(f"this trainer shared no version {version!r} (it records what it shares; a restart "
                            "forgets what it had not recorded)")
-        if record.manifest is None:
+        if record.manifest is None and not record.superseded_by:
             assert record.task is not None
+            record.waiters += 1
             try:
                 await asyncio.shield(record.task)
             except Unavailable:
@@ -898,8 +925,12 @@ class TrainerService:
                 record.task = asyncio.ensure_future(self._upload(record, version))
                 record.task.add_done_callback(lambda t: t.cancelled() or t.exception())
                 await asyncio.shield(record.task)
+            finally:
+                record.waiters -= 1
+        if record.superseded_by:
+            return Recorded(None, superseded_by=record.superseded_by)
         assert record.manifest is not None
-        return record.manifest, record.record_s
+        return Recorded(record.manifest, record.record_s)
 
     async def pin_resume_point(self, version: str) -> None:
         """Pin the run's newest resume point and unpin the previous one, so retention never deletes it.
@@ -1034,7 +1065,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                           context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if request.share:
             manifest, created, shared = await self._service.save_weights(
-                request.version, dict(request.metadata), request.weights_only, share=True)
+                request.version, dict(request.metadata), request.weights_only, share=True,
+                supersede=request.supersede)
             response = convert.save_result_to_proto(manifest, created)
             response.shared.CopyFrom(weights_convert.shared_export_to_proto(shared))
             return response
@@ -1046,10 +1078,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                             context: grpc.aio.ServicerContext) -> trainer_pb2.SaveWeightsResponse:
         if not request.version:
             raise InvalidArgument.field("version", "name a version SaveWeights(share) returned")
-        manifest, record_s = await self._service.record_weights(request.version)
-        response = convert.save_result_to_proto(manifest, True)
-        response.record_s = record_s
-        return response
+        return convert.recorded_to_proto(await self._service.record_weights(request.version))
 
     async def LoadWeights(self, request: trainer_pb2.LoadWeightsRequest,
                           context: grpc.aio.ServicerContext) -> trainer_pb2.TrainerState:

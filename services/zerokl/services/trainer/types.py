@@ -13,6 +13,7 @@ from typing import Mapping, Union
 import torch
 
 from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import Completion, Rollout
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "ForwardBackwardResult",
     "OptimResult",
     "TrainerState",
+    "Recorded",
 ]
 
 METHODS = ("sft", "dpo", "ppo", "token")
@@ -151,3 +153,19 @@ class TrainerState:
     model_config_json: str
     numerics_version: str
     numerics_fingerprint: str
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """RecordWeights: what became of a version saved with share. Recorded: its store manifest (``stored_size`` says
+    what the store wrote) and the seconds from the share to the commit. Superseded (a weights-only version nobody
+    read, shared before the version the caller serves; never recorded): ``superseded_by`` names the newer
+    version shared when it was dropped, and there is no manifest."""
+
+    manifest: WeightsManifest | None
+    record_s: float = 0.0
+    superseded_by: str = ""
+
+    @property
+    def superseded(self) -> bool:
+        return bool(self.superseded_by)

@@ -1,0 +1,247 @@
+"""The store's records of a trainer's shared versions, written and uploaded in a process of its own (issue 49).
+
+An RL job shares every step's version in place and records it in the weight store in the background
+(:mod:`zerokl.services.trainer.service`). That record's host work (a version's files written from the
+trainer's shared memory, their sha256 and per-chunk checksums, the delta against the version recorded
+before, the gRPC upload) ran in threads of the trainer's own process, so its Python-level work took the
+trainer's interpreter lock beside the step: on an H100 a ~0.27 s update took 0.6-1.4 s with a record in
+flight (docs/perf.md). Here it runs in a child process spawned once per trainer (on the first record),
+which opens the store as the trainer does (:func:`zerokl.services.trainer.server.open_repo`, the same
+flags), and is fed plain descriptors over a pipe, one request at a time:
+
+- ``write``: a weights-only version's serving files, from the trainer's shared export
+  (:class:`~zerokl.services.weightstore.shared.SharedExport`: the child copies the bytes out and checks
+  their checksum, :func:`~zerokl.services.weightstore.sync.open_shared`, so what is recorded is what the
+  fleet was sent); a checkpoint's files (its trainer state) the trainer writes itself;
+- ``upload``: a written directory published as a version (each file that the version recorded before
+  holds too goes as a delta against it, :class:`DeltaBases`); the child owns the directory from then on.
+
+The child dies with the trainer (``PR_SET_PDEATHSIG``): a trainer killed with a record in flight leaves an
+open upload in the store, never a manifest, as before. A child that dies alone fails the request in flight
+and the next request starts another.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any, AsyncIterator
+
+import torch
+
+from zerokl.kernels.model import ModelConfig
+from zerokl.services.runtime import errors
+from zerokl.services.runtime.errors import ServiceError, Unavailable
+from zerokl.services.weightstore.client import UploadBase, is_serving_file
+from zerokl.services.weightstore.shared import SharedExport
+from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
+
+__all__ = ["DeltaBases", "RecordWorker", "RecordFailed"]
+
+log = logging.getLogger(__name__)
+
+_CHILD_THREADS = 4      # the child's torch threads (its host copies); the store client has its own pool
+
+
+class RecordFailed(RuntimeError):
+    """The record process could not write or upload a version (its error, by name)."""
+
+
+class DeltaBases:
+    """The serving files of the newest version recorded, kept on disk: the next record's files go as deltas against
+    them, so the store writes what changed (weightstore/delta.py). A record's upload holds the base it started
+    with (a retried record may upload beside the next one): a directory is removed only once no upload reads it."""
+
+    def __init__(self) -> None:
+        self.current: UploadBase | None = None
+        self._step = -1
+        self._users: dict[pathlib.Path, int] = {}
+        self._retired: set[pathlib.Path] = set()
+
+    @contextlib.asynccontextmanager
+    async def use(self) -> AsyncIterator[UploadBase | None]:
+        base = self.current
+        if base is not None:
+            self._users[base.directory] = self._users.get(base.directory, 0) + 1
+        try:
+            yield base
+        finally:
+            if base is not None:
+                self._users[base.directory] -= 1
+                await self._collect()
+
+    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
+        """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
+        the base of the next records (unless a later version's already are); the rest of it goes."""
+        def keep_serving() -> None:
+            for path in directory.iterdir():
+                if not is_serving_file(path.name):
+                    path.unlink()
+        await asyncio.to_thread(keep_serving)
+        if step < self._step:
+            self._retired.add(directory)
+        else:
+            if self.current is not None:
+                self._retired.add(self.current.directory)
+            self.current, self._step = UploadBase(manifest, directory), step
+        await self._collect()
+
+    async def close(self) -> None:
+        if self.current is not None:
+            self._retired.add(self.current.directory)
+            self.current = None
+        await self._collect()
+
+    async def _collect(self) -> None:
+        for directory in [d for d in self._retired if not self._users.get(d)]:
+            self._retired.discard(directory)
+            self._users.pop(directory, None)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+
+
+class RecordWorker:
+    """The trainer's side of the record process: one request at a time, in the order called.
+
+    ``args``: the trainer's flags (the child opens the same store with them); ``deltas``: send files as deltas
+    against the version recorded before (``--record-deltas``)."""
+
+    def __init__(self, args: argparse.Namespace, deltas: bool = True) -> None:
+        self._args = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v)})
+        self.deltas = deltas
+        self._process: Any = None
+        self._conn: Any = None
+        self._lock = asyncio.Lock()
+
+    async def write(self, export: SharedExport, model_config: ModelConfig, dtype: torch.dtype) -> pathlib.Path:
+        """A weights-only version's serving files, written by the child from the trainer's shared ``export`` (kept
+        open by the caller until this returns); the directory."""
+        return pathlib.Path(await self._call(("write", export, model_config, dtype)))
+
+    async def upload(self, directory: pathlib.Path, name: str, spec: VersionSpec, step: int) -> WeightsManifest:
+        """Publish ``directory`` as ``name`` (recorded at trainer ``step``; the child owns the directory from here:
+        a failed upload keeps it for a retry); its manifest. :class:`Unavailable` when the store is out."""
+        return await self._call(("upload", str(directory), name, spec, step))
+
+    async def close(self) -> None:
+        """Stop the child (after the request in flight), its delta bases removed."""
+        async with self._lock:
+            if self._process is None:
+                return
+            with contextlib.suppress(OSError, EOFError, BrokenPipeError):
+                await asyncio.to_thread(self._conn.send, ("close",))
+                await asyncio.to_thread(self._conn.recv)
+            await asyncio.to_thread(self._process.join, 30)
+            if self._process.is_alive():
+                self._process.kill()
+            self._conn.close()
+            self._process = self._conn = None
+
+    async def _call(self, request: tuple) -> Any:
+        async with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            try:
+                await asyncio.to_thread(self._conn.send, request)
+                kind, value = await asyncio.to_thread(self._conn.recv)
+            except (EOFError, OSError) as err:
+                self._conn.close()
+                self._process = self._conn = None
+                raise RecordFailed(f"the record process died ({type(err).__name__}); the next record starts "
+                                   "another") from None
+        if kind == "ok":
+            return value
+        if kind == "raise":     # a service error of the store's (AlreadyExists, Unavailable...), as it was raised
+            name, message = value
+            error = getattr(errors, name, None)
+            raise (error if isinstance(error, type) and issubclass(error, ServiceError) else ServiceError)(message)
+        raise RecordFailed(value)
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_main, args=(child, os.getpid(), self._args, self.deltas),
+                                    name="zerokl-trainer-record", daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+
+
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, list, tuple, pathlib.PurePath))
+
+
+# ----------------------------------------------------------------------------- the child
+
+def _main(conn: Any, parent_pid: int, args: argparse.Namespace, deltas: bool) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        import signal
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: die with the trainer
+    if os.getppid() != parent_pid:
+        return      # the trainer died before the line above ran
+    torch.set_num_threads(_CHILD_THREADS)
+    asyncio.run(_serve(conn, args, deltas))
+
+
+async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
+    import grpc
+
+    from zerokl.services.trainer.checkpointing import CheckpointSnapshot, publish_checkpoint, write_snapshot
+    from zerokl.services.trainer.server import open_repo
+    from zerokl.services.weightstore.sync import open_shared
+
+    repo = await open_repo(args)
+    bases = DeltaBases()
+    try:
+        while True:
+            try:
+                request = await asyncio.to_thread(conn.recv)
+            except EOFError:
+                return
+            kind = request[0]
+            if kind == "close":
+                return
+            try:
+                if kind == "write":
+                    _, export, model_config, dtype = request
+
+                    def write() -> str:
+                        directory = tempfile.mkdtemp(prefix="zerokl-trainer-record-")
+                        try:
+                            tensors = open_shared(export)   # copied out and checked: what the fleet was sent
+                            write_snapshot(CheckpointSnapshot(tensors, model_config, dtype), directory)
+                        except BaseException:
+                            shutil.rmtree(directory, True)
+                            raise
+                        return directory
+                    reply: tuple = ("ok", await asyncio.to_thread(write))
+                elif kind == "upload":
+                    _, directory, name, spec, step = request
+                    path = pathlib.Path(directory)
+                    async with bases.use() as base:
+                        manifest, _ = await publish_checkpoint(repo, path, name, spec, base if deltas else None)
+                    await bases.offer(step, manifest, path)
+                    reply = ("ok", manifest)
+                else:
+                    reply = ("error", f"unknown request {kind!r}")
+            except ServiceError as err:
+                reply = ("raise", (type(err).__name__, err.message))
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    reply = ("raise", ("Unavailable", err.details()))
+                else:
+                    reply = ("error", f"{err.code().name}: {err.details()}")
+            except Exception as err:  # noqa: BLE001 - said to the trainer, by name; the child keeps serving
+                reply = ("error", f"{type(err).__name__}: {err}")
+            await asyncio.to_thread(conn.send, reply)
+    finally:
+        with contextlib.suppress(Exception):
+            conn.send(("ok", None))
+        await bases.close()
+        await repo.close()
