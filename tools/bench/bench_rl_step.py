@@ -263,6 +263,8 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
     argv = [sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0", "--preset", args.preset,
             "--seed", str(args.seed), "--dtype", args.dtype, f"--trainer-flag=--lr={args.lr!r}",
             f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench",
+            # one step's batch is every sample's prompt + answer (512 x ~1,050 ids at 1,024-token answers)
+            f"--trainer-flag=--max-batch-tokens={max(262144, args.prompts * args.group * (args.max_tokens + 128))}",
             f"--trainer-flag=--record-deltas={args.record_deltas}", *engine]
     workdir.mkdir(parents=True, exist_ok=True)
     with (workdir / "up.log").open("w") as log:
