@@ -280,6 +280,10 @@ class Engine:
             self.runner.release_kv()
             self._sleep_level = 1
         if level == 2 and self._sleep_level == 1:
+            # Weights received from another process (shared memory, CUDA IPC) live in storage that cannot be
+            # resized: the model lets go of it instead (its memory goes with the last reference), each such
+            # tensor on a fresh empty storage of its own that load_weights refills.
+            detached = self._detach_shared_weights()
             storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
             for t in self.model.state_dict().values():
                 storage = t.untyped_storage()
@@ -287,12 +291,32 @@ class Engine:
                     storages[storage.data_ptr()] = (storage, storage.nbytes())
             for storage, _ in storages.values():
                 storage.resize_(0)
-            self._released = list(storages.values())
+            self._released = [*storages.values(), *detached]
             released += sum(n for _, n in self._released)
             self._sleep_level = 2
         if self.device.type == "cuda":
             torch.cuda.empty_cache()        # back to the driver: another process (the trainer) allocates it
         return released
+
+    @torch.no_grad()
+    def _detach_shared_weights(self) -> list[tuple[torch.UntypedStorage, int]]:
+        """Every weight whose storage cannot be resized (received from another process) moved onto a fresh
+        empty storage of its own, same shape and strides; each new storage with the bytes it will need."""
+        out: list[tuple[torch.UntypedStorage, int]] = []
+        for module in self.model.modules():
+            for group in (module._parameters, module._buffers):
+                for name, t in group.items():
+                    if t is None or t.untyped_storage().resizable():
+                        continue
+                    storage = torch.UntypedStorage(0, device=t.device)
+                    fresh = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+                    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+                    if isinstance(t, torch.nn.Parameter):
+                        t.data = fresh
+                    else:
+                        group[name] = fresh
+                    out.append((storage, extent * t.element_size()))
+        return out
 
     def _adopt(self, state_dict: dict[str, torch.Tensor]) -> bool:
         """Take an :class:`OwnedWeights` state dict's tensors as the model's weights (no copy); False (nothing
