@@ -214,6 +214,7 @@ def summarize(args: argparse.Namespace, steps: list[dict], bitwise: bool) -> dic
         "threads": args.threads, "preset": args.preset,
         "layers": args.layers or ModelConfig.preset(args.preset).num_hidden_layers,
         "dtype": args.dtype, "master_weights": args.master_weights, "prompts": args.prompts, "group": args.group,
+        "activation_checkpointing": args.activation_checkpointing,
         "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": steps,
         "service_train_tokens_per_s": tokens / service_train, "in_process_train_tokens_per_s": tokens / in_process,
         "ratio": in_process / service_train, "save_weights_share_of_service_step": (service_step - service_train)
@@ -265,6 +266,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
             f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench",
             # one step's batch is every sample's prompt + answer (512 x ~1,050 ids at 1,024-token answers)
             f"--trainer-flag=--max-batch-tokens={max(262144, args.prompts * args.group * (args.max_tokens + 128))}",
+            *(["--trainer-flag=--activation-checkpointing"] if args.activation_checkpointing else []),
             f"--trainer-flag=--record-deltas={args.record_deltas}", *engine]
     workdir.mkdir(parents=True, exist_ok=True)
     with (workdir / "up.log").open("w") as log:
@@ -339,7 +341,8 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model.from_pretrained(first_version, dtype=dtype).to(device)
     trainer = Trainer(model, TrainConfig(lr=args.lr, master_weights={"auto": None, "on": True,
-                                                                      "off": False}[args.master_weights]))
+                                                                      "off": False}[args.master_weights],
+                                         activation_checkpointing=args.activation_checkpointing))
     train, test, tok = _countdown_data(CountdownTask(seed=args.seed))
     task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if args.reward == "vowel_share" else reward)
     port = ArmTrainerPort(trainer, "bench")
@@ -375,6 +378,7 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
+        "activation_checkpointing": args.activation_checkpointing,
         "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
         "reward": args.reward, "ignore_eos": args.ignore_eos,
         "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
@@ -573,6 +577,9 @@ def main() -> None:
                         "the weights; zerokl/tasks/synthetic.py)")
     p.add_argument("--record-deltas", default="on", choices=("on", "off"),
                    help="--job: the trainer records versions as deltas of the one before (on) or whole (off)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="--job: both halves' trainers recompute each block's activations in the backward (a step of "
+                        "512 answers of 1,024 tokens does not fit an 80 GB GPU without it)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="--job: every answer runs to --max-tokens (length-controlled rollouts)")
     p.add_argument("--num-blocks", type=int, default=8192, help="--job: KV blocks of the engines")

@@ -83,7 +83,7 @@ elif [ "$MODE" = wave5 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
       tests/services/trainer/test_offload_optimizer.py -k cuda > "$OUT/colocate_tests.log" 2>&1
   fi
-  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
+  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --activation-checkpointing --num-blocks 36864 --max-num-batched-tokens 8192"
   timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
     --dtype bfloat16 --preset small --prompts "${RL_PROMPTS:-64}" --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" \
     --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
