@@ -220,7 +220,8 @@ def _flag_hints(chain: list[argparse.ArgumentParser], unknown: list[str]) -> lis
     """What each unknown flag given to the command ``chain[-1]`` was likely meant to be: a flag of an
     enclosing command given after its sub-command ("--server is a flag of zerokl jobs: give it
     before list"), else the command's own flag it most resembles ("did you mean --max-tokens?": the
-    one flag it begins, else the nearest by difflib's ratio, at least 0.6). No hint for no likely match."""
+    one flag it begins, else the nearest by difflib's ratio, at least 0.6, of the flags it begins if
+    any, else of all). No hint for no likely match."""
     import difflib
 
     def flags(p: argparse.ArgumentParser) -> list[str]:
@@ -236,7 +237,7 @@ def _flag_hints(chain: list[argparse.ArgumentParser], unknown: list[str]) -> lis
             hint = f"{name} is a flag of {outer.prog}: give it before {chain[chain.index(outer) + 1].prog.split()[-1]}"
         else:
             begun = [f for f in own if f.startswith(name)]
-            close = begun if len(begun) == 1 else difflib.get_close_matches(name, own, n=1, cutoff=0.6)
+            close = begun if len(begun) == 1 else difflib.get_close_matches(name, begun or own, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else ""
         if hint and hint not in hints:
             hints.append(hint)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
@@ -22,6 +22,9 @@ from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout, SamplingOptions
 
 __all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
+
+
+_U32, _U64 = 2**32 - 1, 2**64 - 1
 
 
 class StaleRolloutError(RuntimeError):
@@ -33,16 +36,22 @@ class RLConfig:
     """The loop's settings. A Jobs API RL job is one of these plus the job's own fields
     (:class:`~zerokl.services.jobs.manager.RLJobSpec`); the experiment and the benchmarks build one."""
 
-    steps: int = 30                      # RL updates
-    prompts_per_step: int = 8            # distinct prompts per update
-    group_size: int = 8                  # samples per prompt (GRPO group)
-    max_tokens: int = 24                 # sampled tokens per completion
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0                        # prompt order and sampling seeds
-    max_staleness: int = 0               # accept rollouts this many versions old (0 = strictly on-policy)
-    eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
-    eval_prompts: int = 32
+    # A field's metadata is its command-line flag's (runtime/dataclass_flags.py): a name other than the
+    # field's, an integer's bounds (the Jobs API's wire types: uint32 counts, uint64 seeds).
+    steps: int = field(default=30, metadata={"range": (1, _U32)})                    # RL updates
+    # distinct prompts per update
+    prompts_per_step: int = field(default=8, metadata={"flag": "prompts", "range": (1, _U32)})
+    # samples per prompt (GRPO group)
+    group_size: int = field(default=8, metadata={"flag": "group", "range": (2, _U32)})
+    max_tokens: int = field(default=24, metadata={"range": (1, _U32)})             # sampled tokens per completion
+    temperature: float = 1.0                                                       # 0 = greedy
+    top_p: float = 1.0                                                             # nucleus mass, 1 = off
+    seed: int = field(default=0, metadata={"range": (0, _U64)})                    # prompt order and sampling seeds
+    # accept rollouts this many versions old (0 = strictly on-policy)
+    max_staleness: int = field(default=0, metadata={"range": (0, _U32)})
+    # greedy test accuracy every this many steps (0 = never)
+    eval_every: int = field(default=5, metadata={"range": (0, _U32)})
+    eval_prompts: int = field(default=32, metadata={"range": (1, _U32)})           # test problems of each evaluation
     ignore_eos: bool = False             # answers run to max_tokens, past eos (length-controlled rollouts)
 
     def rollout_options(self, step: int) -> SamplingOptions:
