@@ -27,9 +27,11 @@ import contextlib
 import datetime
 import json
 import os
+import pathlib
 import random
 import subprocess
 import tempfile
+import sys
 import time
 
 import torch
@@ -39,6 +41,9 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.vocab import SamplingOptions
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from engine_steps import timed_step  # noqa: E402
 
 PEAK_BF16 = 989e12        # H200 dense bf16 FLOP/s
 HBM = 4.8e12              # H200 HBM3e bytes/s
@@ -127,20 +132,12 @@ def serve(model: Model, reqs, cfg: EngineConfig, backend: str, profile: bool = F
             if profile and decode_only and steps == 10 and prof is None:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
-            t0 = time.perf_counter()
-            deltas = eng.step()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt, n = timed_step(eng, outs, torch.cuda.synchronize)
             if prof is not None and busy is None:
                 prof_t, prof_steps = prof_t + dt, prof_steps + 1
                 if prof_steps == 5 or not decode_only:
                     prof.__exit__(None, None, None)
                     busy = (device_busy_seconds(prof) / prof_t, 1e3 * prof_t / prof_steps)
-            n = 0
-            for d in deltas:
-                outs[d.request_id][0].extend(d.token_ids)
-                outs[d.request_id][1].extend(d.logprobs)
-                n += len(d.token_ids)
             if decode_only:
                 dec_t += dt
                 dec_tok += n
