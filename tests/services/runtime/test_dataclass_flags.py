@@ -92,3 +92,18 @@ def test_demo_refuses_bad_numbers_in_one_line(argv, message, capsys) -> None:
         cli.build_parser(["demo"]).parse_args(["demo", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_surface_takes_some_fields_with_its_own_defaults() -> None:
+    """What `zerokl experiment` or a benchmark needs to take only part of a config: ``skip`` on both sides,
+    ``defaults`` for its own values; a flag it skipped is not there."""
+    from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    keep = ("num_blocks", "max_num_seqs", "max_num_batched_tokens")
+    skip = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name not in keep)
+    add_dataclass_arguments(parser, EngineConfig, skip=skip, defaults=EngineConfig(num_blocks=2048))
+    got = dataclass_from_args(EngineConfig, parser.parse_args(["--max-num-seqs", "8"]), skip=skip)
+    assert got == EngineConfig(num_blocks=2048, max_num_seqs=8)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--block-size", "8"])

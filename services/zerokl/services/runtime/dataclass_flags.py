@@ -2,6 +2,8 @@
 
     add_dataclass_arguments(parser_or_group, TrainConfig)        # --lr, --weight-decay, --betas B1 B2, ...
     config = dataclass_from_args(TrainConfig, args)
+    add_dataclass_arguments(p, RLConfig, defaults=RLConfig(prompts_per_step=16))   # a surface's own defaults
+    add_dataclass_arguments(p, EngineConfig, skip=names)  # part of a config (dataclass_from_args(..., skip=names))
 
 One flag a field: ``--field-name`` (``metadata["flag"]`` names another, as ``--prompts`` for
 ``RLConfig.prompts_per_step``); its type, default and help come from the field. Help is the
@@ -141,12 +143,13 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | argparse._Argument
         parser.add_argument(flag_name(f), dest=f.name, help=help_text, **kw)
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
-    """The ``cls`` the flags of :func:`add_dataclass_arguments` describe (``fixed`` fields as given)."""
+def dataclass_from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), **fixed: Any) -> Any:
+    """The ``cls`` the flags of :func:`add_dataclass_arguments` describe (``fixed`` fields as given; the
+    fields ``skip``ped there, which have no flag, their defaults)."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in fixed:
+        if f.name in fixed or f.name in skip:
             continue
         v = getattr(args, f.name)
         if _is_optional_bool(hints[f.name]):
