@@ -21,7 +21,7 @@ from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
 from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout, SamplingOptions
 
-__all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
+__all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "rl_step", "evaluate", "as_dict", "StaleRolloutError"]
 
 
 _U32, _U64 = 2**32 - 1, 2**64 - 1
@@ -127,54 +127,63 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
     rng = random.Random(config.seed)
     records = []
     for step in range(config.steps):
-        version = trainer.weights_version
-        problems = rng.sample(list(task.train), config.prompts_per_step)
-        t0 = time.perf_counter()
-        groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step),
-                                        weights_version=version)
-        rollout_s = time.perf_counter() - t0
-        batch, stale = [], 0
-        for problem, group in zip(problems, groups):
-            for s in group:
-                if s.weights_version != version:
-                    now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
-                    # A version whose step cannot be read is as stale as can be: refused.
-                    lag = now.step - then.step if now is not None and then is not None else None
-                    if lag is None or lag > config.max_staleness or lag < 0:
-                        raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
-                                                f"(max_staleness {config.max_staleness})")
-                    stale += 1
-                seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
-                batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
-        t1 = time.perf_counter()
-        m = trainer.grpo_step(batch, config.group_size)
-        t2 = time.perf_counter()
-        new_version = trainer.publish()
-        # A port publishes in publish(), or already inside grpo_step (the services' port, one
-        # restartable unit with the update) and then says how long that took as m["sync_s"].
-        sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
-        train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0)
-        record = StepRecord(
-            step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
-            mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
-            ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
-            lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
-            train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
-            sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
-            sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
-            record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
-            checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
-            durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
-            checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
-            record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
-            record_s=m.get("record_s"),
-        )
-        if config.eval_every and (step + 1) % config.eval_every == 0:
-            record.test_accuracy = evaluate(task, rollouts_port, new_version, config)
+        record, _, _ = rl_step(step, rng, task, rollouts_port, trainer, config)
         records.append(record)
         if on_step:
             on_step(record)
     return records
+
+
+def rl_step(step: int, rng: random.Random, task: Task, rollouts_port: RolloutPort, trainer: TrainerPort,
+            config: RLConfig) -> tuple[StepRecord, dict, int]:
+    """Step ``step`` (0-based) of :func:`run_rl`: its prompts drawn from ``rng`` (the run's data cursor, which
+    a caller that checkpoints holds), sampled, rewarded, trained on and published. Returns the step's record,
+    the trainer port's metrics (a port may report more than the record keeps) and the sampled tokens."""
+    version = trainer.weights_version
+    problems = rng.sample(list(task.train), config.prompts_per_step)
+    t0 = time.perf_counter()
+    groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step),
+                                    weights_version=version)
+    rollout_s = time.perf_counter() - t0
+    batch, stale = [], 0
+    for problem, group in zip(problems, groups, strict=True):
+        for s in group:
+            if s.weights_version != version:
+                now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
+                # A version whose step cannot be read is as stale as can be: refused.
+                lag = now.step - then.step if now is not None and then is not None else None
+                if lag is None or lag > config.max_staleness or lag < 0:
+                    raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
+                                            f"(max_staleness {config.max_staleness})")
+                stale += 1
+            seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
+            batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
+    t1 = time.perf_counter()
+    m = trainer.grpo_step(batch, config.group_size)
+    t2 = time.perf_counter()
+    new_version = trainer.publish()
+    # A port publishes in publish(), or already inside grpo_step (the services' port, one
+    # restartable unit with the update) and then says how long that took as m["sync_s"].
+    sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
+    train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0)
+    record = StepRecord(
+        step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
+        mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
+        ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
+        lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
+        train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
+        sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
+        sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
+        record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
+        checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
+        durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
+        checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
+        record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
+        record_s=m.get("record_s"),
+    )
+    if config.eval_every and (step + 1) % config.eval_every == 0:
+        record.test_accuracy = evaluate(task, rollouts_port, new_version, config)
+    return record, m, sum(len(r.sequence.completion_ids) for r in batch)
 
 
 def evaluate(task: Task, port: RolloutPort, version: str, config: RLConfig) -> float:
