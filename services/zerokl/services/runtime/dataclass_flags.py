@@ -26,7 +26,7 @@ import types
 import typing
 from typing import Any, Callable, Literal
 
-__all__ = ["TRISTATE", "flag_name", "int_in", "add_dataclass_arguments", "dataclass_from_args"]
+__all__ = ["TRISTATE", "flag_name", "int_in", "int_list", "add_dataclass_arguments", "dataclass_from_args"]
 
 TRISTATE = {"auto": None, "on": True, "off": False}      # a `bool | None` field's choices
 
@@ -49,6 +49,14 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
         return value
     return parse
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers (``5,6,7``; spaces around them allowed)."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _comments(cls: type) -> dict[str, str]:
