@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,11 +30,7 @@ from zerokl.kernels.model import Model, ModelConfig
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from engine_steps import timed_step  # noqa: E402
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+from provenance import commit  # noqa: E402
 
 
 def _sync():

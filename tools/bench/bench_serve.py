@@ -29,8 +29,8 @@ import os
 import pathlib
 import random
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 
 import torch

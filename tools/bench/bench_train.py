@@ -38,9 +38,7 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -53,12 +51,10 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion, Rollout
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 # ----------------------------------------------------------------------------- models
