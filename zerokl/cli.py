@@ -108,13 +108,6 @@ def _up(args: argparse.Namespace) -> int:
     return asyncio.run(run(args))
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.replace(" ", "").split(",") if t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -220,7 +213,8 @@ def _flag_hints(chain: list[argparse.ArgumentParser], unknown: list[str]) -> lis
     """What each unknown flag given to the command ``chain[-1]`` was likely meant to be: a flag of an
     enclosing command given after its sub-command ("--server is a flag of zerokl jobs: give it
     before list"), else the command's own flag it most resembles ("did you mean --max-tokens?": the
-    one flag it begins, else the nearest by difflib's ratio, at least 0.6). No hint for no likely match."""
+    one flag it begins, else the nearest by difflib's ratio, at least 0.6, of the flags it begins if
+    any, else of all). No hint for no likely match."""
     import difflib
 
     def flags(p: argparse.ArgumentParser) -> list[str]:
@@ -236,7 +230,7 @@ def _flag_hints(chain: list[argparse.ArgumentParser], unknown: list[str]) -> lis
             hint = f"{name} is a flag of {outer.prog}: give it before {chain[chain.index(outer) + 1].prog.split()[-1]}"
         else:
             begun = [f for f in own if f.startswith(name)]
-            close = begun if len(begun) == 1 else difflib.get_close_matches(name, own, n=1, cutoff=0.6)
+            close = begun if len(begun) == 1 else difflib.get_close_matches(name, begun or own, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]}?" if close else ""
         if hint and hint not in hints:
             hints.append(hint)
@@ -295,6 +289,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     help="wait up to S seconds for every service to be SERVING on one version (a `zerokl up` "
                          "still starting, a service restarting), then report (default: report now)")
     from zerokl.connect import add_connection_arguments, add_security_arguments, client_security
+    from zerokl.services.runtime.dataclass_flags import int_list
     add_security_arguments(st)
     st.set_defaults(run=lambda a: up.status(a.workdir, a.json, client_security(a), a.wait))
 
@@ -331,7 +326,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                     "and numerics_fingerprint. Logprobs are the exact fp32 values; a prompt token outside "
                     "top-k/top-p has logprob -Infinity.")
     g.add_argument("prompt", nargs="?", default=None, help="prompt text (encoded by the server's tokenizer)")
-    g.add_argument("--prompt-ids", type=_int_list, default=None, metavar="1,2,3", help="prompt token ids")
+    g.add_argument("--prompt-ids", type=int_list, default=None, metavar="1,2,3", help="prompt token ids")
     add_connection_arguments(g, "the scheduler (as `zerokl up` starts it) or of a replica")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default %(default)s)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default %(default)s)")
@@ -340,7 +335,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                    help="with the sample index and position, fixes every draw (default %(default)s)")
     g.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per sample (default %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--stop-token-ids", type=_int_list, default=(), metavar="1,2",
+    g.add_argument("--stop-token-ids", type=int_list, default=(), metavar="1,2",
                    help="extra token ids that end a sample (included in the output, like eos)")
     g.add_argument("--n", type=int, default=1, help="samples of the prompt")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past eos")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import pathlib
@@ -31,6 +32,8 @@ import time
 
 from tqdm import tqdm
 
+from zerokl.services.rl.loop import RLConfig
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
 from zerokl.tasks.setup import SFT_CHECKPOINT
 
 __all__ = ["add_arguments", "main", "run", "write_report"]
@@ -88,15 +91,11 @@ def write_report(records: list[dict], out: pathlib.Path, header: dict) -> None:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The demo's flags (shared by `zerokl demo` and `python -m zerokl.demo`)."""
     ap.add_argument("--out", default="runs/demo", help="report folder")
-    ap.add_argument("--steps", type=int, default=30, help="GRPO steps")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt")
     ap.add_argument("--lr", type=float, default=1e-4, help="the trainer's learning rate")
-    ap.add_argument("--eval-every", type=int, default=5, help="greedy test accuracy every N steps")
-    ap.add_argument("--eval-prompts", type=int, default=64,
-                    help="test problems of each greedy evaluation (default %(default)s)")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="seeds the problems, their order and the sampling (default %(default)s)")
+    # One flag per RLConfig field, generated (--steps, --prompts, --group, --eval-every, --seed, ...): the GRPO
+    # job's settings; the demo's own defaults where they differ.
+    add_dataclass_arguments(ap.add_argument_group("the GRPO job"), RLConfig,
+                            defaults=RLConfig(prompts_per_step=16, eval_prompts=64))
     ap.add_argument("--sft-steps", type=int, default=0,
                     help="> 0: warm start by an SFT job of N steps from the seeded tiny model instead of the "
                          "shipped checkpoint")
@@ -165,8 +164,7 @@ async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
                 if ev.status.state.done and ev.status.state is not JobState.SUCCEEDED:
                     raise SystemExit(f"the SFT job {ev.status.state.value}: {ev.status.error}")
             bar.close()
-        spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
-                         seed=args.seed, eval_every=args.eval_every, eval_prompts=args.eval_prompts)
+        spec = RLJobSpec(**dataclasses.asdict(dataclass_from_args(RLConfig, args)), countdown=task)
         job = await jobs.submit(spec, "countdown GRPO")
         bar = tqdm(total=args.steps, desc="GRPO job", unit="step", disable=None)
         shown_config = False
@@ -222,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     write_report(records, out, {
         "title": "zerokl countdown GRPO through the five services (tiny model, CPU)",
         "numerics": f"{__version__} fingerprint {fingerprint()}",
-        "start": origin, "GRPO steps": args.steps, "samples per step": args.prompts * args.group,
+        "start": origin, "GRPO steps": args.steps, "samples per step": args.prompts_per_step * args.group_size,
         "learning rate": args.lr, "wall time (s)": f"{wall:.0f}",
     })
     kl_zero = all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in records)

@@ -439,19 +439,13 @@ def format_report(r: DiffReport, a_label: str = "A", b_label: str = "B") -> str:
 
 # ----------------------------------------------------------------------------- the command
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from zerokl.connect import add_security_arguments
+    from zerokl.services.runtime.dataclass_flags import int_list
     p.add_argument("a", metavar="A", help="host:port of a replica or the trainer, local:MODEL[,backend=..,dtype=..,seed=..], "
                                           "or a trace file")
     p.add_argument("b", metavar="B", help="the other side, in the same forms")
-    p.add_argument("--prompt-ids", type=_int_list, default=None, metavar="5,6,7", help="the token ids to trace")
+    p.add_argument("--prompt-ids", type=int_list, default=None, metavar="5,6,7", help="the token ids to trace")
     p.add_argument("--prompt", default=None, help="prompt text instead (tokenized by a replica side)")
     p.add_argument("--temperature", type=float, default=1.0, help="the logprobs' distribution (default %(default)s)")
     p.add_argument("--top-k", type=int, default=0, help="the sampling top-k the logprobs are taken under (0: off)")

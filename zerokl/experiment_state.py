@@ -31,12 +31,13 @@ import torch
 from zerokl.kernels import ops
 from zerokl.kernels.model.fp8 import serving_fp8_model
 from zerokl.kernels.model.model import MoE, Router
-from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, evaluate
+from zerokl.services.rl.loop import RLConfig, Task, as_dict
+from zerokl.services.rl.loop import rl_step as loop_rl_step
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
 from zerokl.services.trainer.losses import PolicyObjective, group_advantages, policy_loss_terms
 from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import WeightsVersion
-from zerokl.vocab import Completion, Rollout
+from zerokl.vocab import Rollout
 
 __all__ = ["TIMING_KEYS", "TELEMETRY_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "FlippingRouter",
            "RouterFlips", "capture_rng", "restore_rng", "save_state", "load_state", "save_records", "load_records", "rl_step",
@@ -355,41 +356,20 @@ def _mean_entropy(model: torch.nn.Module, hidden: torch.Tensor, temperature: tor
 
 def rl_step(step: int, rng: random.Random, task: Task, engine: ArmEnginePort, trainer_port: ArmTrainerPort,
             config: RLConfig) -> dict:
-    """RL step number `step` (1-based) of run_rl's loop, with the data cursor `rng` passed in so a
-    checkpoint can hold it; returns the metrics line (run_rl's StepRecord plus the experiment's fields)."""
-    version = trainer_port.weights_version
-    problems = rng.sample(list(task.train), config.prompts_per_step)
-    t0 = time.perf_counter()
-    groups = engine.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step - 1),
-                             weights_version=version)
-    rollout_s = time.perf_counter() - t0
-    batch = [Rollout(Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p), s.logprobs,
-                     task.reward(s.text, p), s.weights_version)
-             for p, group in zip(problems, groups, strict=True) for s in group]
-    rollout_tokens = sum(len(r.sequence.completion_ids) for r in batch)
-    t1 = time.perf_counter()
-    m = trainer_port.grpo_step(batch, config.group_size)
-    t2 = time.perf_counter()
-    # The update alone: publishing (the serving copy the engine reloads from) is sync_s, as in a job's events.
-    train_s = t2 - t1
-    new_version = trainer_port.publish()
-    sync_s = time.perf_counter() - t2
-    record = as_dict(StepRecord(
-        step=step, weights_version=new_version, reward=m["reward"], kl=m["kl"],
-        mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"], ratio_min=m["ratio_min"],
-        ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"], lr=m["lr"], tokens=m["tokens"],
-        tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s))
+    """RL step number `step` (1-based) of run_rl's loop (:func:`zerokl.services.rl.loop.rl_step`), with the
+    data cursor `rng` passed in so a checkpoint can hold it; returns the metrics line (run_rl's StepRecord
+    plus the experiment's fields)."""
+    step_record, m, rollout_tokens = loop_rl_step(step - 1, rng, task, engine, trainer_port, config)
+    record = as_dict(step_record)
     record["mismatched_fraction"] = m["mismatched_tokens"] / max(1, m["tokens"])
     record["rollout_tokens"] = rollout_tokens
-    record["samples"] = len(batch)
-    record["rollout_tokens_per_s"] = rollout_tokens / max(rollout_s, 1e-9)
+    record["samples"] = config.prompts_per_step * config.group_size
+    record["rollout_tokens_per_s"] = rollout_tokens / max(step_record.rollout_s, 1e-9)
     for k in TELEMETRY_KEYS:
         if k in m:
             record[k] = m[k]
     if getattr(engine, "last_router_flips", None) is not None:
         record |= engine.last_router_flips
-    if config.eval_every and step % config.eval_every == 0:
-        record["test_accuracy"] = evaluate(task, engine, new_version, config)
     return record
 
 

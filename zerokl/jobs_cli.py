@@ -15,24 +15,13 @@ import json
 import math
 from typing import Callable
 
+from zerokl.services.rl.loop import RLConfig
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args, int_in
 from zerokl.table import aligned
 
 __all__ = ["HEADLINE", "add_arguments", "hyperparameters_line", "run", "step_line"]
 
-_UINT32_MAX, _UINT64_MAX = 2**32 - 1, 2**64 - 1     # the wire types of counts and seeds
-
-
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (a clear usage error otherwise, never a traceback)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
-        return value
-    return parse
+_UINT32_MAX = 2**32 - 1     # the wire type of counts
 
 
 def _learning_rate(text: str) -> float:
@@ -56,20 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "form: submit them through the Jobs API (zerokl.v1.Jobs; in Python, "
                                    "zerokl.services.jobs.service.JobsClient with a DPOJobSpec).")
     s.add_argument("kind", choices=["rl", "sft"], help="rl: GRPO with exact KL per step; sft: supervised")
-    s.add_argument("--steps", type=_int_in(1, _UINT32_MAX), required=True, help="optimizer steps of the job")
+    # One flag per RLConfig field, generated (--steps, --prompts, --group, --seed, ...).
+    add_dataclass_arguments(s.add_argument_group("the RL job's settings (an sft job reads --steps and --seed)"),
+                            RLConfig, required=("steps",))
     s.add_argument("--name", default="", help="a name shown by `zerokl jobs list` (default: the kind)")
-    s.add_argument("--seed", type=_int_in(0, _UINT64_MAX), default=0,
-                   help="seeds the countdown problems, their order and the sampling (default %(default)s)")
-    s.add_argument("--train-problems", type=_int_in(1, 100_000), default=None,
+    s.add_argument("--train-problems", type=int_in(1, 100_000), default=None,
                    help="countdown problems drawn for training (default: the Jobs API's, 20000)")
-    s.add_argument("--test-problems", type=_int_in(1, _UINT32_MAX), default=None,
+    s.add_argument("--test-problems", type=int_in(1, _UINT32_MAX), default=None,
                    help="held-out countdown problems of the greedy evaluation (default: the Jobs API's, 200)")
-    s.add_argument("--batch-size", type=_int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
-    s.add_argument("--prompts", type=_int_in(1, _UINT32_MAX), default=8, help="rl: prompts per step")
-    s.add_argument("--group", type=_int_in(2, _UINT32_MAX), default=8, help="rl: samples per prompt")
-    s.add_argument("--eval-every", type=_int_in(0, _UINT32_MAX), default=5,
-                   help="rl: greedy test accuracy every N steps (0: never)")
-    s.add_argument("--checkpoint-every", type=_int_in(1, _UINT32_MAX), default=10,
+    s.add_argument("--batch-size", type=int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
+    s.add_argument("--checkpoint-every", type=int_in(1, _UINT32_MAX), default=10,
                    help="rl: record the trainer state (a resume point) every N steps and at the last; the other "
                         "steps' versions are recorded weights only (default %(default)s)")
     s.add_argument("--lr", type=_learning_rate, default=0.0,
@@ -199,9 +184,8 @@ async def _main(args: argparse.Namespace) -> int:
         sizes = {k: getattr(args, k) for k in ("train_problems", "test_problems") if getattr(args, k) is not None}
         task = CountdownTask(seed=args.seed, **sizes)
         if args.kind == "rl":
-            spec = RLJobSpec(args.steps, countdown=task, prompts_per_step=args.prompts, group_size=args.group,
-                             seed=args.seed, eval_every=args.eval_every, learning_rate=args.lr,
-                             checkpoint_every=args.checkpoint_every)
+            spec = RLJobSpec(**dataclasses.asdict(dataclass_from_args(RLConfig, args)), countdown=task,
+                             learning_rate=args.lr, checkpoint_every=args.checkpoint_every)
         else:
             spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed,
                               learning_rate=args.lr)

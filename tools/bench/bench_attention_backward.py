@@ -20,8 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
+import pathlib
 import sys
 
 import torch
@@ -31,16 +30,14 @@ from zerokl.kernels import ops, use_backend
 from zerokl.kernels.triton import attention as zt_attention
 from zerokl.kernels.triton.attention_backward import mla_attention_backward, mla_attention_backward_reference
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 CASES = {  # name: (H, R, P, batch, seq, index_topk)
     "small": (16, 256, 32, 8, 512, 512),
     "glm5": (64, 512, 64, 4, 4096, 2048),
     "glm5-16k": (64, 512, 64, 1, 16384, 2048),
 }
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 def make_case(name: str, dev):

@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -31,14 +29,12 @@ import triton.testing
 import zerokl.kernels as K
 from zerokl.kernels import stock_ops
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 ATTN = {  # name: (H, R, P, index_topk)

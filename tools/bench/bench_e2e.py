@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -30,10 +28,9 @@ import torch
 import zerokl.kernels as K
 from zerokl.kernels.model import Model, ModelConfig
 
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from engine_steps import timed_step  # noqa: E402
+from provenance import commit  # noqa: E402
 
 
 def _sync():
@@ -64,15 +61,7 @@ def run_engine(model, reqs, backend: str, budget: int):
         t_all = time.perf_counter()
         while eng.has_work():
             decode_only = not eng.waiting and eng.running
-            t0 = time.perf_counter()
-            deltas = eng.step()
-            _sync()
-            dt = time.perf_counter() - t0
-            n = 0
-            for d in deltas:
-                outs[d.request_id][0].extend(d.token_ids)
-                outs[d.request_id][1].extend(d.logprobs)
-                n += len(d.token_ids)
+            dt, n = timed_step(eng, outs, _sync)
             if decode_only:
                 dec_t += dt
                 dec_tok += n

@@ -16,7 +16,7 @@ import datetime
 import pathlib
 import random
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
@@ -27,6 +27,9 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.vocab import SamplingOptions
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
 
 
 def requests(n: int, max_tokens: int, seed: int = 0) -> list[GenerateRequest]:
@@ -71,8 +74,8 @@ def main() -> None:
         invariant[backend] = all(alone[k] == batch_out[backend][k] for k in alone)
     tokens = args.requests * args.max_tokens
     med = {b: statistics.median(v) for b, v in times.items()}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    stamp = f"{datetime.date.today()} · {K.device_name()} · tiny · {args.threads} thread(s) · commit {commit}"
+    commit_ = commit()
+    stamp = f"{datetime.date.today()} · {K.device_name()} · tiny · {args.threads} thread(s) · commit {commit_}"
     lines = [f"# Engine: invariant vs stock ({K.device_name()})", "", stamp, "",
              f"{args.requests} requests, {args.max_tokens} sampled tokens each (temperature 1), "
              f"{args.budget}-token steps, median of {args.repeats} alternating runs.", "",

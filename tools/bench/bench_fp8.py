@@ -17,19 +17,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
+import pathlib
+import sys
 
 import torch
 import triton.testing
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048)]
 MS = [1, 64, 512, 2048, 8192]
-
-
-def _commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 def _scaled_mm(qx, sx, qw, sw):
@@ -80,7 +78,7 @@ def main() -> None:
             print(f"N{n} K{k} M{m:5d}: zerokl {tf(t_z):7.1f} TF/s (GEMM alone {tf(t_g):7.1f}), cuBLASLt fp8 "
                   f"[{scaling}] {tf(t_c):7.1f}, bf16 {tf(t_b):7.1f}; GEMM / cuBLASLt {t_c / t_g:5.2f}x; "
                   f"rows == M=8192 rows: {invariant}", flush=True)
-    meta = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(), "commit": _commit(),
+    meta = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(), "commit": commit(),
             "torch": torch.__version__, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import random
 import shutil
@@ -40,10 +39,8 @@ import time
 
 from zerokl.kernels.model import ModelConfig
 
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
 
 
 LOGS: pathlib.Path | None = None     # --logs: each service's stderr goes to LOGS/<service>.log

@@ -18,24 +18,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import torch
 import triton
 import triton.testing
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048)]
 MS = [1, 8, 32, 128, 512, 2048, 8192]
-
-
-def commit() -> str:
-    c = os.environ.get("ZEROKL_COMMIT")
-    if c:
-        return c
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 def bench(fns, calls: int) -> float:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import torch
@@ -28,14 +26,12 @@ import zerokl.kernels as K
 from zerokl.kernels.model import ModelConfig
 from zerokl.kernels.model.model import MoE
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median") * 1e-3
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 def layer(shape: str, dev) -> MoE:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import pathlib
-import subprocess
+import sys
 import time
 from typing import Callable
 
@@ -21,6 +21,9 @@ import torch
 import zerokl.kernels as K
 from zerokl.kernels import portable
 from zerokl.kernels import reference as ref
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
 
 
 def _timeit(fn: Callable[[], object], sync: Callable[[], None], min_time: float = 0.2) -> float:
@@ -93,8 +96,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     backend = args.backend or K.default_backend()
     dtype = getattr(torch, args.dtype)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    stamp = f"{datetime.date.today()} · {K.device_name()} · backend {backend} · {args.dtype} · commit {commit}"
+    commit_ = commit()
+    stamp = f"{datetime.date.today()} · {K.device_name()} · backend {backend} · {args.dtype} · commit {commit_}"
     rows = []
     with K.use_backend(backend):
         for name, shape, inv, plain in cases(device, dtype, "gpu" if device == "cuda" else "cpu"):

@@ -57,6 +57,7 @@ from zerokl.vocab import SamplingOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import active_params, build_model, commit, hf_model  # noqa: E402
+from engine_steps import timed_step  # noqa: E402
 
 DEFAULT_CASES = "small:64x1024x512,small:256x1024x1024,small:16x2048x4,slice:16x2048x32"
 
@@ -152,14 +153,7 @@ def run_engine(eng: Engine, reqs: list[GenerateRequest]) -> dict:
         eng.add_request(r)
     while eng.has_work():
         prefilling = prompt_pending(eng)
-        t0 = time.perf_counter()
-        deltas = eng.step()
-        dt = time.perf_counter() - t0
-        n = 0
-        for d in deltas:
-            out[d.request_id][0].extend(d.token_ids)
-            out[d.request_id][1].extend(d.logprobs)
-            n += len(d.token_ids)
+        dt, n = timed_step(eng, out)              # host times: no device sync
         if prefilling:
             prefill_s += dt
         else:

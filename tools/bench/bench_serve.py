@@ -23,12 +23,13 @@ parameter slice through the portable CPU RNG would take hours. Parts:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
+import pathlib
 import random
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -39,6 +40,10 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.vocab import SamplingOptions
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_train import build_model  # noqa: E402  (seeded on-device init, Model.init_weights' recipe)
+from engine_steps import timed_step  # noqa: E402
 
 PEAK_BF16 = 989e12        # H200 dense bf16 FLOP/s
 HBM = 4.8e12              # H200 HBM3e bytes/s
@@ -59,42 +64,6 @@ def config_of(name: str) -> ModelConfig:
     if name == "slice":
         return SLICE
     raise ValueError(name)
-
-
-@contextlib.contextmanager
-def _no_init():
-    """Build a Model without its portable CPU init (weights are set on the device afterwards)."""
-    init = Model.init_weights
-    Model.init_weights = lambda self, seed: None
-    try:
-        yield
-    finally:
-        Model.init_weights = init
-
-
-def device_model(config: ModelConfig, seed: int = 0) -> Model:
-    """bf16 Model on CUDA with Normal(0, 0.02) weights (down/out projections scaled by depth),
-    unit norms, zero biases: Model.init_weights' recipe, drawn by a seeded CUDA generator."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with _no_init(), torch.device("cuda"):
-            model = Model(config, dtype=torch.bfloat16)
-    finally:
-        torch.set_default_dtype(default)
-    model.inv_freq.data = K.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta).cuda()
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    depth = (2 * config.num_hidden_layers) ** -0.5
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("norm.bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02 * (depth if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0),
-                          generator=g)
-    return model.eval()
 
 
 def make_requests(n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0) -> list[GenerateRequest]:
@@ -127,20 +96,12 @@ def serve(model: Model, reqs, cfg: EngineConfig, backend: str, profile: bool = F
             if profile and decode_only and steps == 10 and prof is None:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 prof.__enter__()
-            t0 = time.perf_counter()
-            deltas = eng.step()
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            dt, n = timed_step(eng, outs, torch.cuda.synchronize)
             if prof is not None and busy is None:
                 prof_t, prof_steps = prof_t + dt, prof_steps + 1
                 if prof_steps == 5 or not decode_only:
                     prof.__exit__(None, None, None)
                     busy = (device_busy_seconds(prof) / prof_t, 1e3 * prof_t / prof_steps)
-            n = 0
-            for d in deltas:
-                outs[d.request_id][0].extend(d.token_ids)
-                outs[d.request_id][1].extend(d.logprobs)
-                n += len(d.token_ids)
             if decode_only:
                 dec_t += dt
                 dec_tok += n
@@ -290,7 +251,7 @@ def main() -> int:
                 and not ("invariance" in parts and name == invariance_on):
             continue
         c = config_of(name)
-        model = device_model(c)
+        model = build_model(c, "cuda", torch.bfloat16).eval()
         for b in batches if name in parts else []:
             reqs = make_requests(b, args.prompt_len, args.new_tokens, c.vocab_size)
             cfg = engine_config(b, args.prompt_len, args.new_tokens, True, args.budget)
@@ -322,7 +283,7 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     if "slice" in parts or "prefill" in parts:
-        model = device_model(SLICE)
+        model = build_model(SLICE, "cuda", torch.bfloat16).eval()
         for b in batches if "slice" in parts else []:
             reqs = make_requests(b, args.prompt_len, args.new_tokens, SLICE.vocab_size)
             tri = serve(model, reqs, engine_config(b, args.prompt_len, args.new_tokens, True, args.budget), "triton")

@@ -64,12 +64,10 @@ from zerokl.tokenizer import load_tokenizer
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 from zerokl.vocab import SamplingOptions
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 Result = tuple[tuple[int, ...], tuple[float, ...]]   # one request's tokens and logprobs
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 @dataclass

@@ -38,9 +38,7 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import time
 
@@ -53,12 +51,10 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion, Rollout
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import commit  # noqa: E402
+
 PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 # ----------------------------------------------------------------------------- models
@@ -78,20 +74,14 @@ def build_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int 
         model = _Uninitialized(config, dtype=dtype)
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
-    depth_scale = (2 * config.num_hidden_layers) ** -0.5
     with torch.no_grad():
         model.inv_freq.copy_(ops.rope_inv_freq(config.qk_rope_head_dim, config.rope_theta).to(device))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.zero_()
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", "layernorm.weight")):
-                p.fill_(1.0)
-            elif name.endswith("norm.bias"):
-                p.zero_()
-            else:
-                std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
-                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
+    # Model.init_weights' recipe, drawn on the device (the subclass's own init_weights draws nothing).
+    Model.init_weights(model, seed, normal=lambda shape: torch.randn(shape, generator=g, device=device,
+                                                                     dtype=torch.float32))
     return model
 
 

@@ -12,6 +12,7 @@ them from below without naming the model's classes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -459,12 +460,17 @@ class Model(nn.Module):
         return self.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None) -> None:
+    def init_weights(self, seed: int | None,
+                     normal: Callable[[tuple[int, ...]], torch.Tensor] | None = None) -> None:
         """Normal(0, 0.02) projections (down/out projections scaled by depth), unit norms, zero biases.
 
         The draws come from kernels/zerokl/kernels/portable.standard_normal, so a seeded model has the same
-        weights on every machine (torch.randn's CPU kernel follows the ISA)."""
-        g = torch.Generator().manual_seed(0 if seed is None else seed)
+        weights on every machine (torch.randn's CPU kernel follows the ISA). ``normal`` (shape -> standard
+        normal draws, one call a parameter in order) replaces them: a benchmark draws on its device with a
+        seeded generator of its own (tools/bench/bench_train.py:build_model), by the same recipe."""
+        if normal is None:
+            g = torch.Generator().manual_seed(0 if seed is None else seed)
+            normal = lambda shape: standard_normal(shape, g)  # noqa: E731
         depth_scale = (2 * self.config.num_hidden_layers) ** -0.5
         for name, p in self.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -473,7 +479,7 @@ class Model(nn.Module):
                 p.zero_()
             else:
                 std = 0.02 * (depth_scale if name.endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0)
-                p.copy_(standard_normal(tuple(p.shape), g) * std)
+                p.copy_(normal(tuple(p.shape)) * std)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Training path: input_ids [B, S] (each row from position 0) -> logits [B, S, V]."""

@@ -590,24 +590,17 @@ class Engine:
                 try:        # one request's rows, computed apart: a failure here is that request's alone
                     logits = torch.stack([logits_of[(id(s), p)] for p in positions])
                     nxt = torch.tensor([s.token_ids[p + 1] for p in positions], device=self.device)
-                    lp = sampling_logprobs(logits, nxt, self._params(s, len(positions), positions))
+                    lp = sampling_logprobs(logits, nxt, self._params(s, positions))
                 except Exception as err:  # noqa: BLE001
                     self._fail(s, err)
                     continue
                 s.prompt_logprobs.extend(lp.tolist())
 
-    def _params(self, s: _Sample, rows: int, positions: Sequence[int], index: int | None = None) -> SamplingParams:
-        """``s``'s request's parameters for ``rows`` rows at ``positions``, keyed by sample ``index``
-        (``s``'s own by default; a prefill request's one sample draws the first token of each of its n)."""
-        o = s.opts
-        return SamplingParams(
-            temperature=torch.full((rows,), float(o.temperature), device=self.device),
-            top_k=torch.full((rows,), o.top_k, dtype=torch.int64, device=self.device),
-            top_p=torch.full((rows,), float(o.top_p), device=self.device),
-            seed=torch.full((rows,), sample_seed(o.seed, s.index if index is None else index), dtype=torch.int64,
-                            device=self.device),
-            position=torch.tensor(list(positions), dtype=torch.int64, device=self.device),
-        )
+    def _params(self, s: _Sample, positions: Sequence[int], index: int | None = None) -> SamplingParams:
+        """``s``'s request's parameters for one row per position, keyed by sample ``index`` (``s``'s own by
+        default; a prefill request's one sample draws the first token of each of its n)."""
+        row = SamplingRow.of(s.opts, sample_seed(s.opts.seed, s.index if index is None else index))
+        return row.params(positions, self.device)
 
     def _sample_and_finish(self, work, logits_of) -> list[SampleOutput]:
         out: list[SampleOutput] = []
@@ -629,7 +622,7 @@ class Engine:
                     # as a local n > 1 request's forked siblings draw from their parent's row.
                     row = logits_of[(id(s), s.target - 1)]
                     for i in range(s.opts.n):
-                        to_sample.append((s, i, row, self._params(s, 1, [s.num_prompt], index=i)))
+                        to_sample.append((s, i, row, self._params(s, [s.num_prompt], index=i)))
                     prefilled.append(s)
                 elif s.request.mode == "generate" and s.num_computed == len(s.token_ids):
                     h = s.request.handoff
@@ -639,7 +632,7 @@ class Engine:
                             given.append(q)
                             continue
                         row = logits_of[(id(q if not q.forked else self._parent(q)), len(q.token_ids) - 1)]
-                        to_sample.append((q, q.index, row, self._params(q, 1, [len(q.token_ids)])))
+                        to_sample.append((q, q.index, row, self._params(q, [len(q.token_ids)])))
             except Exception as err:  # noqa: BLE001
                 self._fail(s, err)
         # Each sample draws from its own logits row with its own (seed, position) key: sampling is

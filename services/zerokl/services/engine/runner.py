@@ -66,7 +66,9 @@ _PAD_HEADER = (0, 0, 0, 0, _ONE_BITS, _ONE_BITS, -1)   # padding: token 0 at pos
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One sample's sampling parameters in the form the runner ships (built once per sample)."""
+    """One sample's sampling parameters, built once per sample: the one place a request's
+    SamplingOptions become the tensors :func:`~zerokl.kernels.sampling.sample` reads, eagerly
+    (:meth:`params`) or packed into the runner's int64 row header (:attr:`packed`, :meth:`unpack`)."""
 
     temperature: float       # float32 value (0 = greedy)
     top_k: int
@@ -75,16 +77,39 @@ class SamplingRow:
 
     @staticmethod
     def of(options: SamplingOptions, seed: int) -> "SamplingRow":
-        # torch's float32 conversion raises on overflow (a temperature float32 cannot hold) with
-        # the same error the per-step parameter tensors would raise: a request error, its own.
-        t = float(torch.tensor(float(options.temperature), dtype=torch.float32))
-        p = float(torch.tensor(float(options.top_p), dtype=torch.float32))
+        # torch's float32 conversion raises on overflow (a temperature float32 cannot hold): a
+        # request error, its own.
+        t = torch.full((), float(options.temperature), dtype=torch.float32).item()
+        p = torch.full((), float(options.top_p), dtype=torch.float32).item()
         return SamplingRow(t, int(options.top_k), p, int(seed))
+
+    def params(self, positions: Sequence[int], device: torch.device | str) -> SamplingParams:
+        """The row's parameters for one row per position in ``positions`` (the absolute position of the
+        token each row draws or scores): tensors [len(positions)] on ``device``."""
+        rows = len(positions)
+        return SamplingParams(
+            temperature=torch.full((rows,), self.temperature, dtype=torch.float32, device=device),
+            top_k=torch.full((rows,), self.top_k, dtype=torch.int64, device=device),
+            top_p=torch.full((rows,), self.top_p, dtype=torch.float32, device=device),
+            seed=torch.full((rows,), self.seed, dtype=torch.int64, device=device),
+            position=torch.tensor(list(positions), dtype=torch.int64, device=device),
+        )
 
     @property
     def packed(self) -> tuple[int, int, int, int]:
         """(seed, top_k, temperature bits, top_p bits): the row's header fields 2..5."""
         return (self.seed, self.top_k, _f32_bits(self.temperature), _f32_bits(self.top_p))
+
+    @staticmethod
+    def unpack(packed: torch.Tensor, position: torch.Tensor) -> SamplingParams:
+        """:attr:`packed` rows [rows, 4] int64 back to parameters, on the device (reads nothing on the host)."""
+        return SamplingParams(
+            temperature=packed[:, 2].to(torch.int32).view(torch.float32),
+            top_k=packed[:, 1].contiguous(),
+            top_p=packed[:, 3].to(torch.int32).view(torch.float32),
+            seed=packed[:, 0].contiguous(),
+            position=position,
+        )
 
     @property
     def filters(self) -> tuple[bool, bool]:
@@ -380,13 +405,7 @@ class ModelRunner:
         positions, src = meta[:, 1].contiguous(), meta[:, 6]
         # The previous step's draw, handed over on the device (overlapped decode).
         tokens = torch.where(src >= 0, self._drawn[src.clamp(min=0)], meta[:, 0])
-        params = SamplingParams(
-            temperature=meta[:, 4].to(torch.int32).view(torch.float32),
-            top_k=meta[:, 3].contiguous(),
-            top_p=meta[:, 5].to(torch.int32).view(torch.float32),
-            seed=meta[:, 2].contiguous(),
-            position=positions + 1,
-        )
+        params = SamplingRow.unpack(meta[:, 2:6], positions + 1)
         batch = decode_batch(meta[:, _HEADER:], positions, self.block_size, width)
         logits = self.model.forward_tokens(tokens, batch, self.cache)
         draw = sample(logits.float(), params, filters)

@@ -1,7 +1,7 @@
 """Typed requests and outputs of the inference engine (no protobuf here: services convert)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,12 +78,13 @@ class EngineConfig:
     block_size: int = 16                     # tokens per block
     max_num_batched_tokens: int = 256        # token budget of one step (decode tokens + prefill chunks)
     max_num_seqs: int = 64                   # running samples at most
-    enable_prefix_caching: bool = True       # reuse full prompt blocks across requests
-    max_model_len: int | None = None         # defaults to the model's max_position_embeddings
+    # reuse full prompt blocks across requests
+    enable_prefix_caching: bool = field(default=True, metadata={"flag": "prefix-caching"})
+    max_model_len: int | None = None         # context length (None: the model's max_position_embeddings)
     cuda_graphs: bool = True                 # CUDA: capture decode steps as graphs per batch bucket (no effect on CPU)
     # Overlapped decode (vLLM's async scheduling): stage step N+1 while step N runs, N's tokens
-    # handed to N+1 on the device. None: on where the runner's decode path runs (CUDA); True
-    # also turns that path on on CPU (the same ops, eagerly). The same bits either way.
+    # handed to N+1 on the device. None (auto): on where the runner's decode path runs (CUDA); True
+    # (on) also turns that path on on CPU (the same ops, eagerly). The same bits either way.
     overlap_decode: bool | None = None
     # Compile every kernel shape and capture every decode graph when the engine is built, so
     # serving compiles nothing later (runner.warm_up). Opt-in: it costs start-up time (on an H200,

@@ -46,6 +46,7 @@ from zerokl.services.inference.tensor_parallel import (
 )
 from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, options_from_args, peer_credentials,
@@ -120,19 +121,7 @@ def build_parser(service: str) -> argparse.ArgumentParser:
                    help="torch intra-op threads (default: torch's choice). Bits do not depend on it; on a "
                         "small CPU host 1 avoids threads spinning against the server's own")
     e = p.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=int, default=512, help="KV blocks in the paged cache")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    e.add_argument("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
-    e.add_argument("--max-num-seqs", type=int, default=64, help="running samples at most")
-    e.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    e.add_argument("--no-prefix-caching", action="store_true", help="do not reuse full prompt blocks")
-    e.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly (CUDA: no graph capture)")
-    e.add_argument("--warm-up", action="store_true",
-                   help="before serving, compile every kernel shape and capture every decode graph (EngineConfig."
-                        "warm_up), so no request meets a compile or a capture; start-up takes longer (on an H200, "
-                        "`small` at --max-num-seqs 256: 79 s to SERVING against 29 s). Without it a kernel compiles "
-                        "once per Triton cache (zerokl up keeps it in the workdir) and a decode graph is captured "
-                        "at its first use")
+    add_dataclass_arguments(e, EngineConfig)     # one flag per field, generated: --num-blocks, --no-prefix-caching, ...
     e.add_argument("--max-n", type=int, default=16, help="samples per request at most")
     e.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="after a stream's first token, send a message once N engine steps' tokens are there (or "
@@ -230,10 +219,7 @@ def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
 
 def build_engine(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     """The engine the flags describe."""
-    config = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
-                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                          enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-                          cuda_graphs=not getattr(args, "no_cuda_graphs", False), warm_up=args.warm_up)
+    config = dataclass_from_args(EngineConfig, args)
     return Engine(loaded.model, config, loaded.tokenizer)
 
 

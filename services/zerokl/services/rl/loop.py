@@ -14,14 +14,17 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from zerokl.services.rl.ports import RolloutPort, TrainerPort, sampling_seed
 from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.vocab import Completion, Rollout, SamplingOptions
 
-__all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "evaluate", "as_dict", "StaleRolloutError"]
+__all__ = ["RLConfig", "StepRecord", "Task", "run_rl", "rl_step", "evaluate", "as_dict", "StaleRolloutError"]
+
+
+_U32, _U64 = 2**32 - 1, 2**64 - 1
 
 
 class StaleRolloutError(RuntimeError):
@@ -33,16 +36,22 @@ class RLConfig:
     """The loop's settings. A Jobs API RL job is one of these plus the job's own fields
     (:class:`~zerokl.services.jobs.manager.RLJobSpec`); the experiment and the benchmarks build one."""
 
-    steps: int = 30                      # RL updates
-    prompts_per_step: int = 8            # distinct prompts per update
-    group_size: int = 8                  # samples per prompt (GRPO group)
-    max_tokens: int = 24                 # sampled tokens per completion
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0                        # prompt order and sampling seeds
-    max_staleness: int = 0               # accept rollouts this many versions old (0 = strictly on-policy)
-    eval_every: int = 5                  # greedy test accuracy every this many steps (0 = never)
-    eval_prompts: int = 32
+    # A field's metadata is its command-line flag's (runtime/dataclass_flags.py): a name other than the
+    # field's, an integer's bounds (the Jobs API's wire types: uint32 counts, uint64 seeds).
+    steps: int = field(default=30, metadata={"range": (1, _U32)})                    # RL updates
+    # distinct prompts per update
+    prompts_per_step: int = field(default=8, metadata={"flag": "prompts", "range": (1, _U32)})
+    # samples per prompt (GRPO group)
+    group_size: int = field(default=8, metadata={"flag": "group", "range": (2, _U32)})
+    max_tokens: int = field(default=24, metadata={"range": (1, _U32)})             # sampled tokens per completion
+    temperature: float = 1.0                                                       # 0 = greedy
+    top_p: float = 1.0                                                             # nucleus mass, 1 = off
+    seed: int = field(default=0, metadata={"range": (0, _U64)})                    # prompt order and sampling seeds
+    # accept rollouts this many versions old (0 = strictly on-policy)
+    max_staleness: int = field(default=0, metadata={"range": (0, _U32)})
+    # greedy test accuracy every this many steps (0 = never)
+    eval_every: int = field(default=5, metadata={"range": (0, _U32)})
+    eval_prompts: int = field(default=32, metadata={"range": (1, _U32)})           # test problems of each evaluation
     ignore_eos: bool = False             # answers run to max_tokens, past eos (length-controlled rollouts)
 
     def rollout_options(self, step: int) -> SamplingOptions:
@@ -126,55 +135,64 @@ def run_rl(task: Task, rollouts_port: RolloutPort, trainer: TrainerPort, config:
     rng = random.Random(config.seed)
     records = []
     for step in range(config.steps):
-        version = trainer.weights_version
-        problems = rng.sample(list(task.train), config.prompts_per_step)
-        t0 = time.perf_counter()
-        groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step),
-                                        weights_version=version)
-        rollout_s = time.perf_counter() - t0
-        batch, stale = [], 0
-        for problem, group in zip(problems, groups):
-            for s in group:
-                if s.weights_version != version:
-                    now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
-                    # A version whose step cannot be read is as stale as can be: refused.
-                    lag = now.step - then.step if now is not None and then is not None else None
-                    if lag is None or lag > config.max_staleness or lag < 0:
-                        raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
-                                                f"(max_staleness {config.max_staleness})")
-                    stale += 1
-                seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
-                batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
-        t1 = time.perf_counter()
-        m = trainer.grpo_step(batch, config.group_size)
-        t2 = time.perf_counter()
-        new_version = trainer.publish()
-        # A port publishes in publish(), or already inside grpo_step (the services' port, one
-        # restartable unit with the update) and then says how long that took as m["sync_s"].
-        sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
-        train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0) - m.get("sleep_s", 0.0)
-        record = StepRecord(
-            step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
-            mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
-            ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
-            lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
-            train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
-            sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
-            sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
-            record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
-            checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
-            durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
-            checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
-            record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
-            record_s=m.get("record_s"), sleep_s=m.get("sleep_s"), sleep_bytes=m.get("sleep_bytes"),
-            superseded=None if m.get("superseded") is None else int(m["superseded"]),
-        )
-        if config.eval_every and (step + 1) % config.eval_every == 0:
-            record.test_accuracy = evaluate(task, rollouts_port, new_version, config)
+        record, _, _ = rl_step(step, rng, task, rollouts_port, trainer, config)
         records.append(record)
         if on_step:
             on_step(record)
     return records
+
+
+def rl_step(step: int, rng: random.Random, task: Task, rollouts_port: RolloutPort, trainer: TrainerPort,
+            config: RLConfig) -> tuple[StepRecord, dict, int]:
+    """Step ``step`` (0-based) of :func:`run_rl`: its prompts drawn from ``rng`` (the run's data cursor, which
+    a caller that checkpoints holds), sampled, rewarded, trained on and published. Returns the step's record,
+    the trainer port's metrics (a port may report more than the record keeps) and the sampled tokens."""
+    version = trainer.weights_version
+    problems = rng.sample(list(task.train), config.prompts_per_step)
+    t0 = time.perf_counter()
+    groups = rollouts_port.generate([task.encode_prompt(p) for p in problems], config.rollout_options(step),
+                                    weights_version=version)
+    rollout_s = time.perf_counter() - t0
+    batch, stale = [], 0
+    for problem, group in zip(problems, groups, strict=True):
+        for s in group:
+            if s.weights_version != version:
+                now, then = WeightsVersion.parse(version), WeightsVersion.parse(s.weights_version)
+                # A version whose step cannot be read is as stale as can be: refused.
+                lag = now.step - then.step if now is not None and then is not None else None
+                if lag is None or lag > config.max_staleness or lag < 0:
+                    raise StaleRolloutError(f"rollout from {s.weights_version} while updating {version} "
+                                            f"(max_staleness {config.max_staleness})")
+                stale += 1
+            seq = Completion(s.prompt_ids, s.completion_ids, config.temperature, 0, config.top_p)
+            batch.append(Rollout(seq, s.logprobs, task.reward(s.text, problem), s.weights_version))
+    t1 = time.perf_counter()
+    m = trainer.grpo_step(batch, config.group_size)
+    t2 = time.perf_counter()
+    new_version = trainer.publish()
+    # A port publishes in publish(), or already inside grpo_step (the services' port, one
+    # restartable unit with the update) and then says how long that took as m["sync_s"].
+    sync_s = m.get("sync_s", 0.0) + time.perf_counter() - t2
+    train_s = time.perf_counter() - t1 - sync_s - m.get("record_wait_s", 0.0) - m.get("sleep_s", 0.0)
+    record = StepRecord(
+        step=step + 1, weights_version=new_version, reward=m["reward"], kl=m["kl"],
+        mismatched_tokens=m["mismatched_tokens"], clip_fraction=m["clip_fraction"],
+        ratio_min=m["ratio_min"], ratio_max=m["ratio_max"], loss=m["loss"], grad_norm=m["grad_norm"],
+        lr=m["lr"], tokens=m["tokens"], tokens_per_s=m["tokens"] / max(train_s, 1e-9), rollout_s=rollout_s,
+        train_s=train_s, stale_rollouts=stale, sync_s=sync_s, sync_bytes=m.get("sync_bytes"),
+        sync_bytes_per_s=m.get("sync_bytes_per_s"), sync_export_s=m.get("sync_export_s"),
+        sync_switch_s=m.get("sync_switch_s"), record_wait_s=m.get("record_wait_s"),
+        record_lag=None if m.get("record_lag") is None else int(m["record_lag"]),
+        checkpoint=None if m.get("checkpoint") is None else bool(m["checkpoint"]),
+        durable_step=None if m.get("durable_step") is None else int(m["durable_step"]),
+        checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
+        record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
+        record_s=m.get("record_s"), sleep_s=m.get("sleep_s"), sleep_bytes=m.get("sleep_bytes"),
+        superseded=None if m.get("superseded") is None else int(m["superseded"]),
+    )
+    if config.eval_every and (step + 1) % config.eval_every == 0:
+        record.test_accuracy = evaluate(task, rollouts_port, new_version, config)
+    return record, m, sum(len(r.sequence.completion_ids) for r in batch)
 
 
 def evaluate(task: Task, port: RolloutPort, version: str, config: RLConfig) -> float:

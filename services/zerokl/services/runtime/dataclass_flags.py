@@ -2,14 +2,18 @@
 
     add_dataclass_arguments(parser_or_group, TrainConfig)        # --lr, --weight-decay, --betas B1 B2, ...
     config = dataclass_from_args(TrainConfig, args)
+    add_dataclass_arguments(p, RLConfig, defaults=RLConfig(prompts_per_step=16))   # a surface's own defaults
+    add_dataclass_arguments(p, EngineConfig, skip=names)  # part of a config (dataclass_from_args(..., skip=names))
 
-One flag a field: ``--field-name``; its type, default and help come from the field. Help is the
+One flag a field: ``--field-name`` (``metadata["flag"]`` names another, as ``--prompts`` for
+``RLConfig.prompts_per_step``); its type, default and help come from the field. Help is the
 field's ``metadata["help"]``, else its trailing ``# comment``, else the comment block right above
-it. Types: int, float, str; ``bool`` (``--x`` / ``--no-x``); ``bool | None`` (``auto``, ``on``,
-``off``: None, True, False); ``Literal[...]`` (its choices; ``Literal[...] | None``: the same,
-unset by default); ``tuple[T, T, ...]`` (``nargs``).
+it. Types: int, float, str (``T | None``: unset by default); an int field's ``metadata["range"]``
+``(low, high)`` is checked as the flag is parsed; ``bool`` (``--x`` / ``--no-x``); ``bool | None``
+(``auto``, ``on``, ``off``: None, True, False); ``Literal[...]`` (its choices; ``Literal[...] | None``:
+the same, unset by default); ``tuple[T, T, ...]`` (``nargs``).
 A field of another type is an error when the parser is built, so a new field reaches the command
-line or fails loudly (tests/services/trainer/test_trainer_service.py checks every TrainConfig field).
+line or fails loudly (tests check every field of TrainConfig, EngineConfig and RLConfig).
 """
 from __future__ import annotations
 
@@ -20,15 +24,39 @@ import io
 import tokenize
 import types
 import typing
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
-__all__ = ["TRISTATE", "flag_name", "add_dataclass_arguments", "dataclass_from_args"]
+__all__ = ["TRISTATE", "flag_name", "int_in", "int_list", "add_dataclass_arguments", "dataclass_from_args"]
 
 TRISTATE = {"auto": None, "on": True, "off": False}      # a `bool | None` field's choices
 
 
-def flag_name(field: str) -> str:
+def flag_name(field: str | dataclasses.Field) -> str:
+    """``--field-name``, or a field's ``metadata["flag"]``."""
+    if isinstance(field, dataclasses.Field):
+        return "--" + field.metadata.get("flag", field.name.replace("_", "-"))
     return "--" + field.replace("_", "-")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (a clear usage error otherwise, never a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+    return parse
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated integers (``5,6,7``; spaces around them allowed)."""
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _comments(cls: type) -> dict[str, str]:
@@ -63,6 +91,14 @@ def _is_optional_bool(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {bool, type(None)}
 
 
+def _optional(tp: Any) -> Any:
+    """T of a ``T | None`` field, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType) or type(None) not in typing.get_args(tp):
+        return None
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if len(args) == 1 else None
+
+
 def _optional_literal(tp: Any) -> tuple | None:
     """The choices of a ``Literal[...] | None`` field (None stays the default: "not set"), else None."""
     if typing.get_origin(tp) not in (typing.Union, types.UnionType):
@@ -74,11 +110,12 @@ def _optional_literal(tp: Any) -> tuple | None:
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
-                            skip: tuple[str, ...] = ()) -> None:
-    """Add one flag per field of the dataclass ``cls`` (except ``skip``), defaults from ``cls()``."""
+                            skip: tuple[str, ...] = (), defaults: Any = None, required: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of the dataclass ``cls`` (except ``skip``), defaults from ``defaults``
+    (an instance of ``cls``; default ``cls()``); the flags of the fields ``required`` must be given."""
     hints = typing.get_type_hints(cls)
     comments = _comments(cls)
-    defaults = cls()
+    defaults = cls() if defaults is None else defaults
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
@@ -99,19 +136,28 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser | argparse._Argument
                 raise TypeError(f"{cls.__name__}.{f.name}: no flag for {tp}")
             kw = dict(type=args[0], nargs=len(args), default=list(default),
                       metavar=tuple(f"{f.name.upper()}{i + 1}" for i in range(len(args))))
-        elif tp in (int, float, str):
-            kw = dict(type=tp, default=default)
+        elif tp in (int, float, str) or _optional(tp) in (int, float, str):
+            kind = tp if tp in (int, float, str) else _optional(tp)
+            kw = dict(type=int_in(*f.metadata["range"]) if "range" in f.metadata and kind is int else kind,
+                      default=default, metavar=flag_name(f)[2:].replace("-", "_").upper())
         else:
             raise TypeError(f"{cls.__name__}.{f.name}: no flag for {tp}")
-        parser.add_argument(flag_name(f.name), dest=f.name, help=f"{text} (default %(default)s)".lstrip(), **kw)
+        if f.name in required:
+            kw.pop("default")
+            kw["required"] = True
+            help_text = text
+        else:
+            help_text = f"{text} (default %(default)s)".lstrip()
+        parser.add_argument(flag_name(f), dest=f.name, help=help_text, **kw)
 
 
-def dataclass_from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:
-    """The ``cls`` the flags of :func:`add_dataclass_arguments` describe (``fixed`` fields as given)."""
+def dataclass_from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = (), **fixed: Any) -> Any:
+    """The ``cls`` the flags of :func:`add_dataclass_arguments` describe (``fixed`` fields as given; the
+    fields ``skip``ped there, which have no flag, their defaults)."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in fixed:
+        if f.name in fixed or f.name in skip:
             continue
         v = getattr(args, f.name)
         if _is_optional_bool(hints[f.name]):
