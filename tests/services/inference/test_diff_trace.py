@@ -29,7 +29,8 @@ from zerokl.services.runtime.auth import AuthConfig
 from zerokl.services.runtime.optrace import trace_options_to_proto
 from zerokl.services.runtime.server import create_channel
 from zerokl.up import ClientSecurity
-from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+from zerokl.services.trainer.checkpointing import open_repo
+from zerokl.services.trainer.server import build_parser, start_trainer
 from zerokl.services.trainer.service import TrainerService, add_trainer_service
 from zerokl.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 

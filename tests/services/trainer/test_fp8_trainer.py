@@ -118,7 +118,8 @@ def test_the_fp8_trainer_service_matches_fp8_replicas_and_publishes_their_bytes(
     from zerokl.kernels import fingerprint
     from zerokl.services.runtime import ServiceServer
     from zerokl.services.trainer.client import TrainerClient
-    from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+    from zerokl.services.trainer.checkpointing import open_repo
+    from zerokl.services.trainer.server import build_parser, start_trainer
     from zerokl.services.trainer.service import add_trainer_service
 
     fp8 = fingerprint(dtype=torch.float8_e4m3fn)

@@ -17,7 +17,8 @@ from zerokl.kernels import device_name, use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
-from zerokl.services.trainer.server import build_parser, open_repo, start_trainer
+from zerokl.services.trainer.checkpointing import open_repo
+from zerokl.services.trainer.server import build_parser, start_trainer
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion
 

@@ -35,7 +35,8 @@ from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violat
 from zerokl.services.trainer.checkpointing import STATE_JSON, STATE_TENSORS
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.server import build_parser, open_repo, start_trainer, train_config_from_args
+from zerokl.services.trainer.checkpointing import open_repo
+from zerokl.services.trainer.server import build_parser, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.trainer.types import PPOBatch

@@ -41,6 +41,7 @@ NOT_FOUND whichever store it uses.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -70,10 +71,13 @@ from zerokl.services.runtime.errors import (
 )
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.client import UploadBase, WeightStoreClient
+from zerokl.services.runtime.server import create_channel, peer_credentials
+from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
 from zerokl.services.weightstore.versions import segment_index
 
 __all__ = [
+    "open_repo",
     "STATE_TENSORS",
     "STATE_JSON",
     "RECORD_SHARD_BYTES",
@@ -643,3 +647,26 @@ def load_sharded(trainer, directory: str | os.PathLike[str]) -> dict:
             optimizer.setdefault(name, {})[what] = v
     trainer.load_full(model, optimizer, step=int(doc["step"]), tokens_seen=int(doc["tokens_seen"]))
     return doc
+
+
+# ----------------------------------------------------------------------------- the store a trainer's flags select
+
+async def open_repo(args: argparse.Namespace) -> WeightsRepo:
+    """The store the flags select; a remote one must answer within --weight-store-wait."""
+    if args.weight_store:
+        channel = create_channel(args.weight_store, token=_token(args), credentials=peer_credentials(args))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), args.weight_store_wait)
+        except asyncio.TimeoutError:
+            await channel.close()
+            raise SystemExit(f"--weight-store {args.weight_store}: no answer within "
+                             f"{args.weight_store_wait}s") from None
+        return RemoteWeights(channel, args.weight_store)
+    from zerokl.services.weightstore.server import DEFAULT_ROOT     # (the store's server, not imported by it)
+    return LocalWeights(VersionStore(LocalDirBackend(args.weights_dir or DEFAULT_ROOT)))
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    # The hop to the weight store carries the peer token: publishing weights is an internal RPC.
+    from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
+    return load_auth_token(args.peer_token_file, env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)

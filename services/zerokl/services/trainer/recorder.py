@@ -6,7 +6,7 @@ trainer's shared memory, their sha256 and per-chunk checksums, the delta against
 before, the gRPC upload) ran in threads of the trainer's own process, so its Python-level work took the
 trainer's interpreter lock beside the step: on an H100 a ~0.27 s update took 0.6-1.4 s with a record in
 flight (docs/perf.md). Here it runs in a child process spawned once per trainer (on the first record),
-which opens the store as the trainer does (:func:`zerokl.services.trainer.server.open_repo`, the same
+which opens the store as the trainer does (:func:`zerokl.services.trainer.checkpointing.open_repo`, the same
 flags), and is fed plain descriptors over a pipe, one request at a time:
 
 - ``write``: a weights-only version's serving files, from the trainer's shared export
@@ -193,7 +193,7 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
     import grpc
 
     from zerokl.services.trainer.checkpointing import CheckpointSnapshot, publish_checkpoint, write_snapshot
-    from zerokl.services.trainer.server import open_repo
+    from zerokl.services.trainer.checkpointing import open_repo
     from zerokl.services.weightstore.sync import open_shared
 
     repo = await open_repo(args)

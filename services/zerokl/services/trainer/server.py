@@ -44,26 +44,22 @@ from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dat
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.info import ServiceIdentity, default_replica_id, model_config_hash
 from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
-from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, create_channel, options_from_args,
-                                            peer_credentials, serve)
+from zerokl.services.runtime.server import ServiceServer, add_server_arguments, options_from_args, serve
 from zerokl.services.trainer.checkpointing import (
     LineageEntry,
-    LocalWeights,
-    RemoteWeights,
     WeightsRepo,
     find_resume_point,
     load_serving_model,
+    open_repo,
     read_checkpoint,
 )
 from zerokl.services.trainer.recorder import RecordWorker
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.services.weightstore.backends import LocalDirBackend
-from zerokl.services.weightstore.store import VersionStore
 from zerokl.services.weightstore.versions import segment_index, validate_name
 from zerokl.vocab import InvalidOption
 
-__all__ = ["DEFAULT_PORT", "DEFAULT_INIT", "build_parser", "train_config_from_args", "open_repo", "start_trainer",
+__all__ = ["DEFAULT_PORT", "DEFAULT_INIT", "build_parser", "train_config_from_args", "start_trainer",
            "make_identity", "main"]
 
 log = logging.getLogger(__name__)
@@ -120,27 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig the flags describe."""
     return dataclass_from_args(TrainConfig, args)
-
-
-async def open_repo(args: argparse.Namespace) -> WeightsRepo:
-    """The store the flags select; a remote one must answer within --weight-store-wait."""
-    if args.weight_store:
-        channel = create_channel(args.weight_store, token=_token(args), credentials=peer_credentials(args))
-        try:
-            await asyncio.wait_for(channel.channel_ready(), args.weight_store_wait)
-        except asyncio.TimeoutError:
-            await channel.close()
-            raise SystemExit(f"--weight-store {args.weight_store}: no answer within "
-                             f"{args.weight_store_wait}s") from None
-        return RemoteWeights(channel, args.weight_store)
-    from zerokl.services.weightstore.server import DEFAULT_ROOT
-    return LocalWeights(VersionStore(LocalDirBackend(args.weights_dir or DEFAULT_ROOT)))
-
-
-def _token(args: argparse.Namespace) -> str | None:
-    # The hop to the weight store carries the peer token: publishing weights is an internal RPC.
-    from zerokl.services.runtime.auth import PEER_TOKEN_ENV, PEER_TOKEN_FILE_ENV, load_auth_token
-    return load_auth_token(args.peer_token_file, env=PEER_TOKEN_ENV, file_env=PEER_TOKEN_FILE_ENV)
 
 
 def make_identity(model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
