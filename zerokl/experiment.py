@@ -631,7 +631,7 @@ def _summary_rows(arms: dict[str, list[dict]], steps: int) -> list[str]:
 
 
 def _stability_rows(arms: dict[str, list[dict]]) -> list[str]:
-    """One row per unit: the telemetry that shows a collapse early (policy_step's, and the router's flips)."""
+    """One row per unit: the telemetry that shows a collapse early (the objective's, and the router's flips)."""
     rows = ["| arm | grad norm: median (max) | entropy: first → last step | max abs log ratio: median (max) | "
             "low-probability tokens (p < 1e-3): mean | router decisions flipped (rows with a flip) | mean answer "
             "tokens |", "|---|---|---|---|---|---|---|"]

@@ -9,7 +9,7 @@ number, not drawn from a stream).
 
 Also here: the in-process ports an arm runs on (one served model reloaded in place
 per version, not a new model per step), the policy update of every arm (an estimator and
-a correction, :func:`policy_step`, with the step's collapse telemetry: gradient norm,
+a correction (Trainer.grpo_step's ``objective``), with the step's collapse telemetry: gradient norm,
 entropy, max |log ratio|, low-probability share), and the routing-flip arm's router
 (:class:`FlippingRouter`: the rollout's MoE router in its own numerics).
 """
@@ -34,18 +34,17 @@ from zerokl.kernels.model.model import MoE, Router
 from zerokl.services.rl.loop import RLConfig, Task, as_dict
 from zerokl.services.rl.loop import rl_step as loop_rl_step
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
-from zerokl.services.trainer.losses import PolicyObjective, group_advantages, policy_loss_terms
+from zerokl.services.trainer.losses import PolicyObjective
 from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import WeightsVersion
-from zerokl.vocab import Rollout
 
 __all__ = ["TIMING_KEYS", "TELEMETRY_KEYS", "ArmState", "Budget", "ArmEnginePort", "ArmTrainerPort", "FlippingRouter",
            "RouterFlips", "capture_rng", "restore_rng", "save_state", "load_state", "save_records", "load_records", "rl_step",
-           "run_steps", "policy_step"]
+           "run_steps"]
 
 #: Fields of a metrics line that measure wall time: the only ones a resumed run may change.
 TIMING_KEYS = ("tokens_per_s", "rollout_s", "train_s", "sync_s", "rollout_tokens_per_s")
-#: The policy update's fields a metrics line carries beside run_rl's StepRecord (policy_step's telemetry).
+#: The policy update's fields a metrics line carries beside run_rl's StepRecord (the objective's telemetry: Trainer.forward_backward).
 TELEMETRY_KEYS = ("entropy", "max_abs_log_ratio", "low_prob_fraction", "behaviour_clip_fraction",
                   "correction_dropped_fraction", "correction_discarded_weight")
 
@@ -148,7 +147,7 @@ class ArmTrainerPort(LocalTrainerPort):
     """LocalTrainerPort that keeps only the newest version (a 100-step run must not hold 100 copies
     of the weights) and names versions by the trainer's step, so a resumed port names them alike.
 
-    With `objective` set, updates are :func:`policy_step` (the experiment's estimator and correction,
+    With `objective` set, updates are the trainer's GRPO step with it (the experiment's estimator and correction,
     with its telemetry); without, the trainer's own GRPO step.
     With `serve_fp8` each version is published as an FP8 engine serves it (e4m3 values + block
     scales): an FP8 trainer's own bytes, or a bf16/fp32 trainer's weights quantized (the FP8 arms).
@@ -167,9 +166,7 @@ class ArmTrainerPort(LocalTrainerPort):
         return self.trainer.serving_state_dict()
 
     def grpo_step(self, rollouts, group_size):  # noqa: ANN001, ANN201
-        if self.objective is None:
-            return self.trainer.grpo_step(rollouts, group_size)
-        return policy_step(self.trainer, rollouts, group_size, self.objective)
+        return self.trainer.grpo_step(rollouts, group_size, self.objective)
 
     def publish(self) -> str:
         self._version = str(WeightsVersion.in_process(self.run, self.trainer.step))
@@ -310,46 +307,6 @@ class FlippingRouter(Router):
         self.flips.add(self.first, flip)
         return (torch.where(flip.unsqueeze(1), flip_weights, weights),
                 torch.where(flip.unsqueeze(1), flip_ids, ids))
-
-
-# ----------------------------------------------------------------------------- the policy update
-
-#: Rows of the entropy's head pass at once ([rows, vocab] logits).
-_ENTROPY_ROWS = 4096
-
-
-def policy_step(trainer: Trainer, rollouts: list[Rollout], group_size: int, objective: PolicyObjective) -> dict:
-    """One policy-gradient update with `objective` (losses.policy_loss_terms) through the trainer's own
-    forward (the logprobs Trainer.grpo_step computes, so KL is 0 against an aligned engine) and its
-    optimizer step; also the mean entropy of the trainer's sampling distribution at the sampled positions."""
-    start = time.perf_counter()
-    model = trainer.model.train()
-    adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size).to(trainer.device)
-    batch = trainer.batch_of([r.sequence for r in rollouts])
-    behaviour = trainer._behaviour(rollouts, batch)
-    hidden = trainer._token_hidden(model, batch)
-    logprobs = trainer.token_logprobs(model, batch, hidden=hidden)
-    loss, terms = policy_loss_terms(logprobs, behaviour, adv, batch.mask, objective)
-    terms["entropy"] = _mean_entropy(model, hidden.detach()[: batch.tokens], batch.params.temperature[: batch.tokens])
-    loss.backward()
-    values = torch.stack([v.double() for v in terms.values()]).tolist()             # one read, after the backward
-    metrics = dict(zip(terms, values))
-    metrics["mismatched_tokens"], metrics["tokens"] = int(metrics["mismatched_tokens"]), int(metrics["tokens"])
-    trainer.tokens_seen += metrics["tokens"]
-    metrics["tokens_per_s"] = metrics["tokens"] / max(time.perf_counter() - start, 1e-9)
-    metrics["reward"] = float(sum(r.reward for r in rollouts) / len(rollouts))
-    return metrics | trainer.optim_step()
-
-
-@torch.no_grad()
-def _mean_entropy(model: torch.nn.Module, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Mean entropy (nats) of softmax(logits / temperature) over the rows of `hidden` [N, D]."""
-    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
-    for i in range(0, hidden.shape[0], _ENTROPY_ROWS):
-        logits = model.lm_head(model.norm(hidden[i: i + _ENTROPY_ROWS])).float()
-        logp = torch.log_softmax(logits / temperature[i: i + _ENTROPY_ROWS].clamp(min=1e-6).unsqueeze(1), dim=-1)
-        total += -(logp.exp() * logp).sum(dim=-1).double().sum()
-    return total / max(1, hidden.shape[0])
 
 
 # ----------------------------------------------------------------------------- one RL step

@@ -33,8 +33,8 @@ from zerokl.kernels.model.lora import apply_lora, lora_parameters, merged_state_
 from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.kernels.ops import one_cpu_thread
-from zerokl.services.trainer.losses import (PPOStats, dpo_loss, group_advantages, ppo_clip_terms, sft_loss,
-                                            token_loss_terms)
+from zerokl.services.trainer.losses import (PolicyObjective, PPOStats, dpo_loss, group_advantages, policy_loss_terms,
+                                            ppo_clip_terms, sft_loss, token_loss_terms)
 from zerokl.services.trainer.optim import AdamParams, NonFiniteStep, adamw, grad_norm, optimizer_step
 from zerokl.services.trainer.step_graphs import StepGraphs
 from zerokl.vocab import Completion, InvalidOption, Rollout
@@ -50,6 +50,9 @@ __all__ = ["MAX_LR", "ScoredSequence", "TrainConfig", "Trainer"]
 MAX_LR = 1.0
 _UINT32, _UINT64 = 2**32, 2**64         # the wire types of TrainConfig's counts and seed
 
+
+#: Rows of an objective's entropy pass at once ([rows, vocab] logits).
+_ENTROPY_ROWS = 4096
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -415,12 +418,17 @@ class Trainer:
         """Accumulate gradients of one objective ('sft' | 'dpo' | 'ppo'); returns its metrics.
 
         loss_scale multiplies the loss before the backward (not the reported metrics): the
-        distributed trainer weights each data rank's share of a batch with it. SFT and PPO steps
+        distributed trainer weights each data rank's share of a batch with it. For 'ppo', ``objective``
+        (losses.PolicyObjective: an estimator and a correction, the experiment's) replaces PPO-clip against
+        the sampler's logprobs; its metrics then add the collapse telemetry and the sampled positions' entropy. SFT and PPO steps
         read nothing back from the device until their backward is queued (their metrics are
         read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph."""
         start = time.perf_counter()
         self.model.train()
         extra: list[torch.Tensor] = []
+        objective: PolicyObjective | None = kw.get("objective")
+        if objective is not None and (method != "ppo" or self.reference is not None):
+            raise ValueError("an objective is a 'ppo' update's, without a KL reference")
         if method == "sft":
             batch = self.batch_of(batch_items)
         elif method == "ppo":
@@ -439,7 +447,7 @@ class Trainer:
                     loss = sft_loss(self.token_logprobs(self.model, b), b.mask)
                     terms = {"loss": loss.detach()}
                 elif method == "ppo":
-                    loss, terms = self._ppo_terms(batch.with_tensors(list(inputs[:-2])), *inputs[-2:])
+                    loss, terms = self._ppo_terms(batch.with_tensors(list(inputs[:-2])), *inputs[-2:], objective)
                 else:
                     loss, terms = self._dpo(batch, len(batch_items))
             if indexer_kl:                          # the indexer's own loss (zerokl.kernels.model.indexer_loss)
@@ -452,19 +460,22 @@ class Trainer:
             # the shapes, and whether attention's longest key list passes the indexer's top-k (the
             # sparse path; the batch's length decides nothing else)
             sparse = batch.length > self.model.config.index_topk
-            key = (method, loss_scale, batch.filters, id(self.reference), sparse, tuple(t.shape for t in inputs))
+            key = (method, loss_scale, batch.filters, id(self.reference), sparse, objective,
+                   tuple(t.shape for t in inputs))
             terms = self._graphs.run(key, inputs, step)
         else:
             # On a CPU the whole step runs on one intra-op thread: the backward's GEMMs and sums are
             # plain torch, whose bits follow MKL's thread split (the forward's ops hold it already).
             with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
                 terms = step(inputs)
-        if method == "ppo":
+        if method == "ppo" and objective is None:
             stats = PPOStats.from_terms(terms)
             metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
         else:
             values = torch.stack([v.double() for v in terms.values()]).tolist()     # one read, after the backward
             metrics = dict(zip(terms, values))
+            if method == "ppo":
+                metrics["mismatched_tokens"] = int(metrics["mismatched_tokens"])
         tokens = batch.tokens
         self.tokens_seen += tokens
         metrics["tokens"] = tokens
@@ -539,10 +550,17 @@ class Trainer:
             behaviour[b, : len(r.logprobs)] = torch.tensor(r.logprobs, dtype=torch.float32)
         return behaviour.to(self.device)
 
-    def _ppo_terms(self, batch: TokenBatch, behaviour: torch.Tensor, advantages: torch.Tensor):
-        """PPO-clip's loss and its statistics as device tensors (losses.ppo_clip_terms)."""
+    def _ppo_terms(self, batch: TokenBatch, behaviour: torch.Tensor, advantages: torch.Tensor,
+                   objective: PolicyObjective | None = None):
+        """PPO-clip's loss and its statistics as device tensors (losses.ppo_clip_terms), or ``objective``'s
+        (losses.policy_loss_terms) with the mean entropy of the sampled positions' distributions."""
         hidden = self._token_hidden(self.model, batch)
         logprobs = self.token_logprobs(self.model, batch, hidden=hidden)
+        if objective is not None:
+            loss, terms = policy_loss_terms(logprobs, behaviour, advantages, batch.mask, objective)
+            terms["entropy"] = self._mean_entropy(hidden.detach()[: batch.tokens],
+                                                  batch.params.temperature[: batch.tokens])
+            return loss, terms
         ref = policy_full = None
         if self.reference is not None:
             # The KL penalty compares full (temperature-only) distributions: under top-k/top-p
@@ -554,6 +572,18 @@ class Trainer:
                 ref = self.token_logprobs(self.reference, batch, full, filters=(False, False))
         return ppo_clip_terms(logprobs, behaviour, advantages, batch.mask, self.config.clip_eps, ref,
                               self.config.kl_coef, policy_full)
+
+    @torch.no_grad()
+    def _mean_entropy(self, hidden: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """Mean entropy (nats) of softmax(logits / temperature) over the rows of ``hidden`` [N, D] (the sampled
+        positions' distributions: an objective's collapse telemetry), _ENTROPY_ROWS rows of logits at a time."""
+        model = self.model
+        total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+        for i in range(0, hidden.shape[0], _ENTROPY_ROWS):
+            logits = model.lm_head(model.norm(hidden[i: i + _ENTROPY_ROWS])).float()
+            logp = torch.log_softmax(logits / temperature[i: i + _ENTROPY_ROWS].clamp(min=1e-6).unsqueeze(1), dim=-1)
+            total += -(logp.exp() * logp).sum(dim=-1).double().sum()
+        return total / max(1, hidden.shape[0])
 
     def lr_at(self, step: int) -> float:
         c = self.config
@@ -755,10 +785,11 @@ class Trainer:
     def dpo_step(self, pairs: Sequence[tuple[Completion, Completion]]) -> dict:
         return self.forward_backward("dpo", pairs) | self.optim_step()
 
-    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int) -> dict:
-        """One on-policy GRPO update: group-normalized rewards, PPO-clip vs behaviour logprobs."""
+    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int, objective: PolicyObjective | None = None) -> dict:
+        """One on-policy GRPO update: group-normalized rewards, PPO-clip vs behaviour logprobs (or
+        ``objective``'s estimator and correction: :meth:`forward_backward`)."""
         adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size)
-        metrics = self.forward_backward("ppo", rollouts, advantages=adv)
+        metrics = self.forward_backward("ppo", rollouts, advantages=adv, objective=objective)
         metrics["reward"] = float(sum(r.reward for r in rollouts) / len(rollouts))
         return metrics | self.optim_step()
 
