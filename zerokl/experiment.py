@@ -65,6 +65,9 @@ import torch
 from tqdm import tqdm
 
 from zerokl.kernels.dtypes import to_dtype
+from zerokl.services.engine.types import EngineConfig
+from zerokl.services.rl.loop import RLConfig
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments
 from zerokl.services.trainer.losses import ESTIMATORS, PolicyObjective
 from zerokl.tasks.setup import ANSWERS
 
@@ -170,6 +173,16 @@ _SFT_STEPS_PER_RL_STEP = 10
 _DOC_BEGIN, _DOC_END = "<!-- experiment-table:begin -->", "<!-- experiment-table:end -->"
 
 
+#: The experiment's RLConfig and EngineConfig flags: the fields it honours (a Setting field each), its defaults.
+#: RLConfig's max_tokens and seed have the experiment's own flags (add_arguments); top_p, max_staleness and
+#: ignore_eos are not the experiment's (its arms sample at top_p 1, strictly on-policy, stopping at eos).
+_RL_SKIP = ("max_tokens", "seed", "top_p", "max_staleness", "ignore_eos")
+_RL_DEFAULTS = RLConfig(steps=30, prompts_per_step=16, group_size=8, temperature=1.0, eval_every=10, eval_prompts=64)
+_ENGINE_SKIP = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                     if f.name not in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"))
+_ENGINE_DEFAULTS = EngineConfig(num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512)
+
+
 def _csv(kind):  # noqa: ANN001, ANN202
     return lambda text: [kind(x) for x in text.split(",") if x]
 
@@ -202,20 +215,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="instead of running: the map of the cells run into DIR/CELL (--out of each cell's command) "
                          "as DIR/map.md and DIR/map.png")
     ap.add_argument("--difficulty", default="demo", help="problem distribution (zerokl.tasks.setup.DIFFICULTIES)")
-    ap.add_argument("--steps", type=int, default=30, help="GRPO steps per arm (raise it to extend a finished run)")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (default %(default)s)")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt (default %(default)s)")
     ap.add_argument("--lr", type=float, default=1e-4, help="GRPO learning rate (default %(default)s)")
-    ap.add_argument("--temperature", type=float, default=1.0,
-                    help="sampling temperature of the rollouts (default %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="sampled tokens per completion (default per --answers: 24 short, 1024 trace)")
     ap.add_argument("--correction-cap", type=float, default=2.0,
                     help="C of the corrections: tis truncates each token's weight at C, mis and seq-mis drop a token "
                          "or sequence whose ratio exceeds C (default %(default)s)")
-    ap.add_argument("--eval-every", type=int, default=10, help="greedy test accuracy every N steps (0: never)")
-    ap.add_argument("--eval-prompts", type=int, default=64,
-                    help="test problems of each greedy evaluation (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0,
                     help="seeds the model, the problems and the sampling (default %(default)s)")
     ap.add_argument("--train-problems", type=int, default=None,
@@ -233,9 +238,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="SFT recipe: learning-rate warmup steps (default %(default)s)")
     ap.add_argument("--sft-eval-every", type=int, default=250,
                     help="SFT recipe: greedy test accuracy every N steps (default %(default)s)")
-    ap.add_argument("--max-num-seqs", type=int, default=64, help="engine: running samples at most")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine: tokens per step")
-    ap.add_argument("--num-blocks", type=int, default=2048, help="engine: KV blocks of 16 tokens")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="stop, checkpointed, before this many minutes; exit 75 if work is left")
     ap.add_argument("--max-steps-this-run", type=int, default=None,
@@ -252,6 +254,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sweep-presets", type=_csv(str), default=None, help="default: --preset")
     ap.add_argument("--sweep-difficulties", type=_csv(str), default=None, help="default: --difficulty")
     ap.add_argument("--sweep-lrs", type=_csv(float), default=None, help="default: --lr")
+    # One flag per RLConfig and EngineConfig field the experiment honours, generated (--steps, --prompts,
+    # --group, --num-blocks, ...), with the experiment's defaults. Its own flags above: --max-tokens (the
+    # default depends on --answers) and --seed (it also seeds the warm start and the problems).
+    add_dataclass_arguments(ap.add_argument_group("the RL loop (GRPO steps per arm: raise --steps to extend a "
+                                                  "finished run)"), RLConfig, skip=_RL_SKIP, defaults=_RL_DEFAULTS)
+    add_dataclass_arguments(ap.add_argument_group("the engine"), EngineConfig, skip=_ENGINE_SKIP,
+                            defaults=_ENGINE_DEFAULTS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,8 +331,8 @@ def _setting(args: argparse.Namespace, **override) -> Setting:
         start = "shipped" if shipped else "sft"
     train = args.train_problems or (2000 if a["difficulty"] == "easy" else 20000)
     return Setting(preset=a["preset"], dtype=args.dtype, device=torch.device(args.device).type,
-                   difficulty=a["difficulty"], train_problems=train, start=start, prompts=args.prompts,
-                   group=args.group, lr=a["lr"], temperature=args.temperature,
+                   difficulty=a["difficulty"], train_problems=train, start=start, prompts=args.prompts_per_step,
+                   group=args.group_size, lr=a["lr"], temperature=args.temperature,
                    max_tokens=args.max_tokens or ANSWERS[args.answers].max_tokens, seed=args.seed,
                    rl_seed=a["rl_seed"], estimator=args.estimator, answers=args.answers,
                    eval_every=args.eval_every, eval_prompts=args.eval_prompts, max_num_seqs=args.max_num_seqs,
@@ -499,10 +508,9 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     `same_run`: another checkpoint of this very run (the sweep's point at the same setting: the
     zerokl arm's first steps), continued from when `state_path` holds none and its setting matches.
     """
-    from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, RLConfig, capture_rng, load_records,
+    from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, capture_rng, load_records,
                                          load_state, restore_rng, run_steps, save_records, save_state)
     from zerokl.kernels.model import Model
-    from zerokl.services.engine.types import EngineConfig
     from zerokl.services.trainer.trainer import TrainConfig, Trainer
     from zerokl.tasks.setup import countdown_config
     numerics_name, correction = parse_arm(arm)
@@ -1137,8 +1145,8 @@ def _sweep(args: argparse.Namespace, device: torch.device, out: pathlib.Path, st
                 f.write(json.dumps({"point": name} | r) + "\n")
     lines = ["# zerokl experiment countdown --sweep", "", f"- command: `{command}`",
              f"- status: {'complete' if complete else 'INCOMPLETE: run the same command again to continue'}",
-             f"- zerokl arm only, {args.steps} steps per point, {args.prompts} prompts × {args.group} samples, "
-             f"{args.dtype} on {device.type}, seed {args.seed}", "",
+             f"- zerokl arm only, {args.steps} steps per point, {args.prompts_per_step} prompts × {args.group_size} "
+             f"samples, {args.dtype} on {device.type}, seed {args.seed}", "",
              "A point learns when its reward rise (last quarter of steps minus first) is at least twice its "
              "standard error under the step-to-step noise (t ≥ 2).", "",
              "| point | steps | reward first → last quarter | rise | step noise | t | learns | greedy test accuracy |",

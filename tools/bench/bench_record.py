@@ -71,8 +71,9 @@ from zerokl.services.weightstore.sync import export_shared
 from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_rl_step import commit, start  # noqa: E402
+from bench_rl_step import start  # noqa: E402
 from bench_train import build_model  # noqa: E402
+from provenance import commit  # noqa: E402
 
 RUN = "bench-record"
 

@@ -77,6 +77,9 @@ from typing import Callable
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
+from zerokl.services.engine.types import EngineConfig
+from zerokl.services.rl.loop import RLConfig
+from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
 
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.losses import group_advantages
@@ -87,14 +90,19 @@ from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (its seeded on-device init, no portable draw)
+from provenance import commit  # noqa: E402
 
 INIT = "bench-init"
 RUN = "bench"
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
+#: The RLConfig and EngineConfig fields this benchmark takes (a flag each, generated), with its defaults:
+#: --prompts, --group, --steps, --seed both modes; --max-tokens, --ignore-eos and the engine's with --job.
+#: The job's other RLConfig fields keep RLConfig's defaults, except eval_every (0: the job never evaluates).
+_RL_FIELDS = ("steps", "prompts_per_step", "group_size", "max_tokens", "seed", "ignore_eos")
+_RL_SKIP = tuple(f.name for f in dataclasses.fields(RLConfig) if f.name not in _RL_FIELDS)
+_RL_DEFAULTS = RLConfig(steps=5, prompts_per_step=64, group_size=8, max_tokens=24, seed=0, ignore_eos=False)
+_ENGINE_SKIP = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                     if f.name not in ("num_blocks", "max_num_seqs", "max_num_batched_tokens"))
+_ENGINE_DEFAULTS = EngineConfig(num_blocks=8192, max_num_seqs=512, max_num_batched_tokens=2048)
 
 
 def sync(device: torch.device) -> None:
@@ -105,9 +113,9 @@ def sync(device: torch.device) -> None:
 def rollouts(rng: random.Random, args: argparse.Namespace, vocab: int, version: str) -> list[Rollout]:
     """--prompts groups of --group completions with random lengths and rewards (logprobs filled in later)."""
     out = []
-    for _ in range(args.prompts):
+    for _ in range(args.prompts_per_step):
         prompt = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(*args.prompt_len)))
-        for _ in range(args.group):
+        for _ in range(args.group_size):
             completion = tuple(rng.randrange(3, vocab) for _ in range(rng.randint(*args.completion_len)))
             out.append(Rollout(Completion(prompt, completion), (), float(rng.random() < 0.5), version))
     return out
@@ -160,7 +168,7 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                 batch = [Rollout(r.sequence, tuple(lp.tolist()), r.reward, r.weights_version)
                          for r, lp in zip(batch, behaviour, strict=True)]
                 t0 = time.perf_counter()
-                fb = await client.forward_backward("ppo", batch, group_size=args.group)
+                fb = await client.forward_backward("ppo", batch, group_size=args.group_size)
                 t1 = time.perf_counter()
                 opt = await client.optim_step()
                 t2 = time.perf_counter()
@@ -169,7 +177,7 @@ async def bench(args: argparse.Namespace, work: pathlib.Path) -> dict:
                 version = manifest.version
                 saved = sum(s.size for s in manifest.shards)
                 t4 = time.perf_counter()
-                adv = group_advantages(torch.tensor([r.reward for r in batch]), args.group)
+                adv = group_advantages(torch.tensor([r.reward for r in batch]), args.group_size)
                 m = reference.forward_backward("ppo", batch, advantages=adv)
                 sync(device)
                 t5 = time.perf_counter()
@@ -213,7 +221,7 @@ def summarize(args: argparse.Namespace, steps: list[dict], bitwise: bool) -> dic
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "threads": args.threads, "preset": args.preset,
         "layers": args.layers or ModelConfig.preset(args.preset).num_hidden_layers,
-        "dtype": args.dtype, "master_weights": args.master_weights, "prompts": args.prompts, "group": args.group,
+        "dtype": args.dtype, "master_weights": args.master_weights, "prompts": args.prompts_per_step, "group": args.group_size,
         "activation_checkpointing": args.activation_checkpointing,
         "prompt_len": args.prompt_len, "completion_len": args.completion_len, "steps": steps,
         "service_train_tokens_per_s": tokens / service_train, "in_process_train_tokens_per_s": tokens / in_process,
@@ -247,10 +255,8 @@ def _wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> d
         time.sleep(0.5)
 
 
-def _rl_config(args: argparse.Namespace):  # noqa: ANN202
-    from zerokl.services.rl.loop import RLConfig
-    return RLConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group,
-                    max_tokens=args.max_tokens, seed=args.seed, eval_every=0, ignore_eos=args.ignore_eos)
+def _rl_config(args: argparse.Namespace) -> RLConfig:
+    return dataclass_from_args(RLConfig, args, skip=_RL_SKIP, eval_every=0)
 
 
 async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
@@ -265,7 +271,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
             "--seed", str(args.seed), "--dtype", args.dtype, f"--trainer-flag=--lr={args.lr!r}",
             f"--trainer-flag=--master-weights={args.master_weights}", "--trainer-flag=--run=bench",
             # one step's batch is every sample's prompt + answer (512 x ~1,050 ids at 1,024-token answers)
-            f"--trainer-flag=--max-batch-tokens={max(262144, args.prompts * args.group * (args.max_tokens + 128))}",
+            f"--trainer-flag=--max-batch-tokens={max(262144, args.prompts_per_step * args.group_size * (args.max_tokens + 128))}",
             *(["--trainer-flag=--activation-checkpointing"] if args.activation_checkpointing else []),
             f"--trainer-flag=--record-deltas={args.record_deltas}", *engine]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -275,10 +281,8 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
         t_up = time.monotonic()
         services = _wait_up(workdir, proc, args.up_timeout)
         print(f"services: the fleet is up after {time.monotonic() - t_up:.1f} s", flush=True)
-        c = _rl_config(args)
-        spec = RLJobSpec(steps=c.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=c.prompts_per_step,
-                         group_size=c.group_size, max_tokens=c.max_tokens, seed=c.seed, eval_every=0,
-                         checkpoint_every=args.checkpoint_every, reward=args.reward, ignore_eos=args.ignore_eos)
+        spec = RLJobSpec(**dataclasses.asdict(_rl_config(args)), countdown=CountdownTask(seed=args.seed),
+                         checkpoint_every=args.checkpoint_every, reward=args.reward)
         async with JobsClient(services["scheduler"]["address"]) as jobs:
             job = await jobs.submit(spec, "bench-rl-job")
             started, cancelled, rows = time.monotonic(), False, []
@@ -332,7 +336,6 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     """The same job in this process (``steps`` of it): run_rl with the experiment's in-process ports on the
     fleet's first version; ``on_step`` after each step; stops past --half-time."""
     from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
-    from zerokl.services.engine.types import EngineConfig
     from zerokl.services.jobs.manager import CountdownTask, _countdown_data
     from zerokl.services.rl.loop import Task, as_dict, run_rl
     from zerokl.tasks.countdown import reward
@@ -346,8 +349,7 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     train, test, tok = _countdown_data(CountdownTask(seed=args.seed))
     task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if args.reward == "vowel_share" else reward)
     port = ArmTrainerPort(trainer, "bench")
-    engine = ArmEnginePort(port, tok, EngineConfig(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                                                   max_num_batched_tokens=args.max_num_batched_tokens))
+    engine = ArmEnginePort(port, tok, dataclass_from_args(EngineConfig, args, skip=_ENGINE_SKIP))
     rows, started = [], time.monotonic()
 
     def step_done(r) -> None:  # noqa: ANN001
@@ -379,7 +381,7 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
         "activation_checkpointing": args.activation_checkpointing,
-        "steps": args.steps, "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
+        "steps": args.steps, "prompts": args.prompts_per_step, "group": args.group_size, "max_tokens": args.max_tokens,
         "reward": args.reward, "ignore_eos": args.ignore_eos,
         "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
         "engine": {"num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
@@ -550,8 +552,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(f"stopped by signal {signum}")
 
 
-def main() -> None:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--preset", default="small")
@@ -560,18 +561,13 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--master-weights", default="auto", choices=("auto", "on", "off"),
                    help="fp32 master weights: auto = on for bf16 (default %(default)s)")
-    p.add_argument("--prompts", type=int, default=64, help="prompts per step (default %(default)s)")
-    p.add_argument("--group", type=int, default=8, help="samples per prompt (default %(default)s)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
     p.add_argument("--completion-len", type=int, nargs=2, default=(8, 40), metavar=("MIN", "MAX"))
-    p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads here and in the trainer")
     p.add_argument("--out", default=None, help="directory for bench-rl-step-<device>-<dtype>.json")
     p.add_argument("--job", default=None, metavar="PATH",
                    help="run a whole RL job through `zerokl up` and in process; the per-step JSON to PATH")
-    p.add_argument("--max-tokens", type=int, default=24, help="--job: sampled tokens per completion")
     p.add_argument("--reward", default="countdown", choices=("countdown", "vowel_share"),
                    help="--job: the RL reward (vowel_share: synthetic, earned by any policy, so every step moves "
                         "the weights; zerokl/tasks/synthetic.py)")
@@ -580,11 +576,6 @@ def main() -> None:
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="--job: both halves' trainers recompute each block's activations in the backward (a step of "
                         "512 answers of 1,024 tokens does not fit an 80 GB GPU without it)")
-    p.add_argument("--ignore-eos", action="store_true",
-                   help="--job: every answer runs to --max-tokens (length-controlled rollouts)")
-    p.add_argument("--num-blocks", type=int, default=8192, help="--job: KV blocks of the engines")
-    p.add_argument("--max-num-seqs", type=int, default=512, help="--job: running samples at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="--job: an engine step's token budget")
     p.add_argument("--up-timeout", type=float, default=600.0, help="--job: seconds for the fleet to come up")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="--job: the RL job records the trainer state every N steps and at the last (default "
@@ -595,7 +586,17 @@ def main() -> None:
                         "steps as the services did (0: no cap; default %(default)s)")
     p.add_argument("--plot-only", default=None, metavar="JSON",
                    help="draw a --job JSON's per-step breakdown to the same path with .png, and exit")
-    args = p.parse_args()
+    # One flag per RLConfig and EngineConfig field the benchmark takes, generated, with its defaults.
+    add_dataclass_arguments(p.add_argument_group("the RL steps (--seed also seeds the model; --max-tokens, --ignore-eos: --job only)"),
+                            RLConfig, skip=_RL_SKIP, defaults=_RL_DEFAULTS)
+    add_dataclass_arguments(p.add_argument_group("--job: the engines"), EngineConfig, skip=_ENGINE_SKIP,
+                            defaults=_ENGINE_DEFAULTS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    args = build_parser().parse_args(argv)
     if args.plot_only:
         src = pathlib.Path(args.plot_only)
         if not plot_job(json.loads(src.read_text()), src.with_suffix(".png")):

@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,15 +42,11 @@ from zerokl.vocab import SamplingOptions
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (seeded on-device init, Model.init_weights' recipe)
 from engine_steps import timed_step  # noqa: E402
+from provenance import commit  # noqa: E402
 
 PEAK_BF16 = 989e12        # H200 dense bf16 FLOP/s
 HBM = 4.8e12              # H200 HBM3e bytes/s
 SLICE = ModelConfig.preset("glm5").replace(num_hidden_layers=4, first_k_dense_replace=1)
-
-
-def commit() -> str:
-    return os.environ.get("ZEROKL_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
 
 
 def config_of(name: str) -> ModelConfig:

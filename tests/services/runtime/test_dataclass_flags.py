@@ -107,3 +107,85 @@ def test_a_surface_takes_some_fields_with_its_own_defaults() -> None:
     assert got == EngineConfig(num_blocks=2048, max_num_seqs=8)
     with pytest.raises(SystemExit):
         parser.parse_args(["--block-size", "8"])
+
+
+
+def _generated(cls: type, skip: tuple[str, ...], defaults: typing.Any) -> dict[str, argparse.Action]:
+    """dest -> the action add_dataclass_arguments makes for each field not skipped."""
+    from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments
+
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_dataclass_arguments(parser, cls, skip=skip, defaults=defaults)
+    return {a.dest: a for a in parser._actions if a.dest != "help"}
+
+
+def _partial_surfaces() -> dict[str, tuple]:
+    """name -> (its parser, the flags it needs, [(config class, the fields it takes, the defaults it shows)],
+    flags it must not have: fields it does not honour)."""
+    from zerokl import experiment
+
+    ap = argparse.ArgumentParser(allow_abbrev=False)
+    experiment.add_arguments(ap)
+    return {
+        "zerokl experiment": (ap, ["countdown"], [
+            (RLConfig, ("steps", "prompts_per_step", "group_size", "temperature", "eval_every", "eval_prompts"),
+             RLConfig(steps=30, prompts_per_step=16, group_size=8, eval_every=10, eval_prompts=64)),
+            (EngineConfig, ("num_blocks", "max_num_seqs", "max_num_batched_tokens"),
+             EngineConfig(num_blocks=2048, max_num_seqs=64, max_num_batched_tokens=512))],
+            ["--top-p", "--max-staleness", "--ignore-eos", "--block-size", "--warm-up"]),
+        "bench_rl_step": (_bench_rl_step().build_parser(), [], [
+            (RLConfig, ("steps", "prompts_per_step", "group_size", "max_tokens", "seed", "ignore_eos"),
+             RLConfig(steps=5, prompts_per_step=64, group_size=8, max_tokens=24, seed=0, ignore_eos=False)),
+            (EngineConfig, ("num_blocks", "max_num_seqs", "max_num_batched_tokens"),
+             EngineConfig(num_blocks=8192, max_num_seqs=512, max_num_batched_tokens=2048))],
+            ["--top-p", "--max-staleness", "--temperature", "--eval-every", "--block-size", "--warm-up"]),
+    }
+
+
+def _bench_rl_step():  # noqa: ANN202
+    """tools/bench/bench_rl_step.py as a module (the benchmarks are scripts, not a package)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[3] / "tools" / "bench" / "bench_rl_step.py"
+    spec = importlib.util.spec_from_file_location("bench_rl_step", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["zerokl experiment", "bench_rl_step"])
+def test_a_surface_taking_part_of_a_config_has_the_generated_flags(name: str) -> None:
+    """`zerokl experiment` and tools/bench/bench_rl_step.py take some RLConfig and EngineConfig fields: their
+    flags for them are the generated ones (names, help, types, bounds) with their own defaults, and parse back
+    into the config."""
+    parser, base, configs, absent = _partial_surfaces()[name]
+    actions = {a.dest: a for a in parser._actions}
+    for cls, fields, defaults in configs:
+        skip = tuple(f.name for f in dataclasses.fields(cls) if f.name not in fields)
+        for dest, want in _generated(cls, skip, defaults).items():
+            got = actions[dest]
+            assert (got.option_strings, got.help, got.default, got.type.__qualname__ if got.type else None,
+                    got.nargs, got.choices, got.metavar) == \
+                   (want.option_strings, want.help, want.default, want.type.__qualname__ if want.type else None,
+                    want.nargs, want.choices, want.metavar), dest
+        assert dataclass_from_args(cls, parser.parse_args(base), skip=skip) == defaults
+        changed = _every_field_changed(cls, defaults)
+        want = dataclasses.replace(defaults, **{f: getattr(changed, f) for f in fields})
+        argv = [t for f in fields for t in _flags_for(want)[slice(*_flag_span(want, f))]]
+        assert dataclass_from_args(cls, parser.parse_args([*base, *argv]), skip=skip) == want
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--prompts", "0"])          # the field's bounds
+    option_strings = {s for a in parser._actions for s in a.option_strings}
+    assert option_strings.isdisjoint(absent)
+
+
+def _flag_span(config: typing.Any, name: str) -> tuple[int, int]:
+    """Where field ``name``'s tokens lie in ``_flags_for(config)`` (a bool field's flag is one, the others two)."""
+    hints, i = typing.get_type_hints(type(config)), 0
+    for f in dataclasses.fields(config):
+        n = 1 if hints[f.name] is bool else 2
+        if f.name == name:
+            return i, i + n
+        i += n
+    raise KeyError(name)

@@ -44,7 +44,7 @@ class RLConfig:
     # samples per prompt (GRPO group)
     group_size: int = field(default=8, metadata={"flag": "group", "range": (2, _U32)})
     max_tokens: int = field(default=24, metadata={"range": (1, _U32)})             # sampled tokens per completion
-    temperature: float = 1.0                                                       # 0 = greedy
+    temperature: float = 1.0                                                       # sampling temperature, 0 = greedy
     top_p: float = 1.0                                                             # nucleus mass, 1 = off
     seed: int = field(default=0, metadata={"range": (0, _U64)})                    # prompt order and sampling seeds
     # accept rollouts this many versions old (0 = strictly on-policy)
