@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from conftest import CONFIG, TOKENIZER
+from conftest import CONFIG, TOKENIZER, decode_server, offline
 from test_engine_process import assert_same_samples
 from zerokl.kernels.model import Model
 from zerokl.services.engine.core import engine_of
@@ -72,7 +72,6 @@ def test_sleep_and_wake_rpcs_on_a_replica(model) -> None:
     import grpc
     import grpc.aio
 
-    from conftest import decode_server
     from zerokl.services.inference import InferenceClient, InferenceRequest
 
     options = SamplingOptions(seed=5, max_tokens=6, temperature=0.8)
@@ -98,7 +97,6 @@ def test_sleep_and_wake_rpcs_on_a_replica(model) -> None:
             return result
 
     result = asyncio.run(main())
-    from conftest import offline
     want = offline(model, ids, options)[0]
     assert list(result.samples[0].token_ids) == want.token_ids
     assert list(result.samples[0].logprobs) == want.logprobs

@@ -15,6 +15,7 @@ from zerokl.services.weightstore import delta
 from zerokl.services.weightstore.backends import StorageBackend
 from zerokl.services.weightstore.store import VersionStore
 
+from conftest import S3_KEY, S3_SECRET
 from test_weightstore_delta import NAME, SPEC, step, weights, write
 
 
@@ -161,8 +162,6 @@ def test_a_corrupt_cache_entry_is_never_accepted_or_served(backend: StorageBacke
 
 def test_the_server_keeps_the_cache_beside_the_data_or_names_one_per_bucket(tmp_path: pathlib.Path,
                                                                             s3_endpoint: str) -> None:
-    from conftest import S3_KEY, S3_SECRET
-
     from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend
     from zerokl.services.weightstore.server import build_parser, cache_dir_from_args
 
