@@ -29,13 +29,14 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from fleet import stop, wait_up  # noqa: E402
 
 
 def model_dir(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path | None:
@@ -130,21 +131,6 @@ class MemoryWatch:
             self._sample()
 
 
-def wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    state = workdir / "up.json"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"zerokl up exited with {proc.returncode}; see {workdir / 'up.log'} and {workdir}/logs")
-        if state.exists():
-            services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-            if services and all(s["status"] == "SERVING" for s in services.values()):
-                return services
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the fleet did not come up in {timeout:g} s; see {workdir}/logs")
-        time.sleep(0.5)
-
-
 async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path) -> None:
     from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
@@ -236,12 +222,7 @@ def main() -> int:
                                  "what": "GPU bytes (nvidia-smi, per process tree)" if args.device == "cuda"
                                  else "peak RSS bytes (VmHWM, per process tree)"}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
     steps = result["steps"]
     result["kl_all_zero"] = bool(steps) and all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in steps)
     result["rollout_tok_s"] = sorted(r["rollout_tok_s"] for r in steps)[len(steps) // 2] if steps else None

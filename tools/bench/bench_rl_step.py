@@ -90,6 +90,7 @@ from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (its seeded on-device init, no portable draw)
+from fleet import stop, wait_up  # noqa: E402
 from provenance import commit  # noqa: E402
 
 INIT = "bench-init"
@@ -240,21 +241,6 @@ def summarize(args: argparse.Namespace, steps: list[dict], bitwise: bool) -> dic
 
 # ----------------------------------------------------------------------------- --job: a whole RL job, both ways
 
-def _wait_up(workdir: pathlib.Path, proc: subprocess.Popen, timeout: float) -> dict[str, dict]:
-    deadline = time.monotonic() + timeout
-    state = workdir / "up.json"
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"zerokl up exited with {proc.returncode}; see {workdir / 'up.log'}")
-        if state.exists():
-            services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
-            if services and all(s["status"] == "SERVING" for s in services.values()):
-                return services
-        if time.monotonic() > deadline:
-            raise SystemExit(f"the fleet did not come up in {timeout:g} s; see {workdir}/logs")
-        time.sleep(0.5)
-
-
 def _rl_config(args: argparse.Namespace) -> RLConfig:
     return dataclass_from_args(RLConfig, args, skip=_RL_SKIP, eval_every=0)
 
@@ -279,7 +265,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         t_up = time.monotonic()
-        services = _wait_up(workdir, proc, args.up_timeout)
+        services = wait_up(workdir, proc, args.up_timeout)
         print(f"services: the fleet is up after {time.monotonic() - t_up:.1f} s", flush=True)
         spec = RLJobSpec(**dataclasses.asdict(_rl_config(args)), countdown=CountdownTask(seed=args.seed),
                          checkpoint_every=args.checkpoint_every, reward=args.reward)
@@ -319,12 +305,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
                         raise SystemExit(f"the job ended {ev.status.state.value}: {ev.status.error}")
         return rows
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
 
 
 class _HalfTime(Exception):
