@@ -4,6 +4,10 @@ import math
 import pytest
 import torch
 
+from conftest import engine_rollouts
+from zerokl.kernels.model import Model, ModelConfig
+from zerokl.services.trainer.trainer import TrainConfig, Trainer
+
 from zerokl.services.trainer.losses import (CORRECTIONS, ESTIMATORS, LOW_PROB, PolicyObjective, policy_loss_terms,
                                             ppo_clip_terms)
 
@@ -118,3 +122,21 @@ def test_low_probability_tokens_are_counted_under_inferences_probabilities():
     _, t, _ = _run(PolicyObjective(), train, infer)
     assert math.isclose(t["low_prob_fraction"], 1 / 3, rel_tol=1e-6)
     assert math.isclose(t["max_abs_log_ratio"], math.log(0.5 / (LOW_PROB / 2)), rel_tol=1e-5)
+
+
+def test_the_trainers_step_with_an_objective_is_its_grpo_step_for_the_default_one() -> None:
+    """Trainer.grpo_step(objective=PolicyObjective()) (the experiment's arms' update) gives the built-in
+    PPO-clip step's weights bit for bit, and adds the objective's telemetry (entropy) to its metrics; KL 0.0
+    against the trainer's own engine."""
+    def make() -> Trainer:
+        return Trainer(Model(ModelConfig.preset("tiny"), seed=1), TrainConfig(lr=1e-3))
+
+    plain, with_objective = make(), make()
+    rollouts = engine_rollouts(plain.serving_model(), [(3, 4, 5, 6), (7, 8, 9)], lambda ids: float(sum(ids) % 3), n=4)
+    a = plain.grpo_step(rollouts, 4)
+    b = with_objective.grpo_step(rollouts, 4, PolicyObjective())
+    assert all(torch.equal(x, y) for x, y in zip(plain.model.parameters(), with_objective.model.parameters()))
+    assert a["kl"] == b["kl"] == 0.0 and b["mismatched_tokens"] == 0 and a["loss"] == b["loss"]
+    assert "entropy" in b and "entropy" not in a
+    with pytest.raises(ValueError, match="objective"):
+        plain.forward_backward("sft", [r.sequence for r in rollouts], objective=PolicyObjective())
