@@ -20,14 +20,18 @@ def _up(workdir: pathlib.Path, *flags: str, timeout: float = 180.0) -> Iterator[
     every one is SERVING; SIGTERM on exit (the whole process group killed if it does not stop).
     The model is the tiny preset, seed 0 (the tests' reference), unless FLAGS give --model or --preset."""
     model = [] if any(f.split("=")[0] in ("--model", "--preset") for f in flags) else ["--preset", "tiny"]
-    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
-                             "--threads", "1", "--grace", "2", *model, *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    # Its own output beside the workdir: why it exited, when it does (the services' logs are in WORKDIR/logs)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    out = workdir.parent / f"{workdir.name}-up.out"
+    with out.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "zerokl", "up", "--workdir", str(workdir), "--port", "0",
+                                 "--threads", "1", "--grace", "2", *model, *flags],
+                                stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         state = workdir / "up.json"
         while True:
-            assert proc.poll() is None, "zerokl up exited"
+            assert proc.poll() is None, f"zerokl up exited {proc.returncode}: {out.read_text()[-3000:]}"
             if state.exists():
                 services = {s["name"]: s for s in json.loads(state.read_text())["services"]}
                 if all(s["status"] == "SERVING" for s in services.values()):
