@@ -29,14 +29,12 @@ swap (which wakes it: the swap's weights refill a level-2 sleeper) brings the en
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
 import functools
 import gc
 import logging
 import os
 import signal
-import sys
 import threading
 from typing import Any, Callable
 
@@ -45,6 +43,7 @@ import torch
 from zerokl.services.engine.engine import Engine, RequestError, WeightsCorrupted, device_failed
 from zerokl.services.engine.outputs import CoreError, EngineInfo, StepOutputs, dumps, loads
 from zerokl.services.engine.types import EngineConfig, GenerateRequest, SampleOutput
+from zerokl.services.lifetime import die_with_parent
 
 __all__ = ["EngineCore", "engine_of", "serve"]
 
@@ -452,23 +451,13 @@ def _engine_of_copy(model: Any, config: Any, tokenizer: Any) -> Engine:
     return Engine(copy.deepcopy(model), config if config is not None else EngineConfig(), tokenizer)
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent dies (no orphan holding the device)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:
-            pass
-
-
 def serve(conn: Any, parent_pid: int, threads: int | None) -> None:
     """The engine process's main: build the engine from the factory sent first, then serve the pipe.
 
     The front sends ``dumps((factory, weights_version))`` first and reads back ``("ready", EngineInfo)``
     or ``("failed", why)``; then commands go in and each pass's events come out, one message each.
     """
-    _die_with_parent()
-    if os.getppid() != parent_pid:  # the parent died before the death signal was armed
+    if not die_with_parent(parent_pid):     # the parent died before the death signal was armed
         os._exit(1)
     # A Ctrl-C or a SIGTERM sent to the process group is the parent's to handle: it drains its calls and then
     # stops this process through the pipe (a parent that dies instead takes this one with it: SIGKILL above).

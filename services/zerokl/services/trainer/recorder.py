@@ -33,14 +33,18 @@ import shutil
 import tempfile
 from typing import Any, AsyncIterator
 
+import grpc
 import torch
 
 from zerokl.kernels.model import ModelConfig
+from zerokl.services.lifetime import die_with_parent
 from zerokl.services.runtime import errors
-from zerokl.services.runtime.errors import ServiceError, Unavailable
+from zerokl.services.runtime.errors import ServiceError
+from zerokl.services.trainer.checkpointing import CheckpointSnapshot, open_repo, publish_checkpoint, write_snapshot
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
+from zerokl.services.weightstore.sync import open_shared
 
 __all__ = ["DeltaBases", "RecordWorker", "RecordFailed"]
 
@@ -179,23 +183,13 @@ def _plain(value: Any) -> bool:
 # ----------------------------------------------------------------------------- the child
 
 def _main(conn: Any, parent_pid: int, args: argparse.Namespace, deltas: bool) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: die with the trainer
-    if os.getppid() != parent_pid:
-        return      # the trainer died before the line above ran
+    if not die_with_parent(parent_pid):
+        return      # the trainer died before its death signal was armed
     torch.set_num_threads(_CHILD_THREADS)
     asyncio.run(_serve(conn, args, deltas))
 
 
 async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
-    import grpc
-
-    from zerokl.services.trainer.checkpointing import CheckpointSnapshot, publish_checkpoint, write_snapshot
-    from zerokl.services.trainer.checkpointing import open_repo
-    from zerokl.services.weightstore.sync import open_shared
-
     repo = await open_repo(args)
     bases = DeltaBases()
     try:
