@@ -39,7 +39,7 @@ import torch
 from zerokl.kernels.model import ModelConfig
 from zerokl.services.lifetime import die_with_parent
 from zerokl.services.runtime import errors
-from zerokl.services.runtime.errors import ServiceError
+from zerokl.services.runtime.errors import Internal, ServiceError
 from zerokl.services.trainer.checkpointing import CheckpointSnapshot, open_repo, publish_checkpoint, write_snapshot
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 _CHILD_THREADS = 4      # the child's torch threads (its host copies); the store client has its own pool
 
 
-class RecordFailed(RuntimeError):
-    """The record process could not write or upload a version (its error, by name)."""
+class RecordFailed(Internal):
+    """The record process could not write or upload a version (its error, by name): INTERNAL to a RecordWeights
+    caller, with that message."""
 
 
 class DeltaBases:

@@ -165,10 +165,6 @@ class _Record:
         return self.spec.metadata.get(META_STATE) != "full"
 
     @property
-    def pending(self) -> bool:
-        return self.manifest is None and not self.superseded_by
-
-    @property
     def supersedable(self) -> bool:
         """Whether a newer share may drop it: weights only (a resume point is always recorded), its record not
         started, and no RecordWeights waiting for it."""
@@ -804,7 +800,7 @@ class TrainerService:
         record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
         if snapshot is None:
             record.export, record.model_config = shared, trainer.model.config
-            record.dtype = torch.float8_e4m3fn if trainer.fp8 else trainer.model.dtype
+            record.dtype = numerics_dtype(trainer.model)       # float8_e4m3fn for an FP8 trainer's bytes
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records.pop(name, None)
         self._records[name] = record    # last: the newest share (_supersede keeps it)
