@@ -54,6 +54,7 @@ _UINT32, _UINT64 = 2**32, 2**64         # the wire types of TrainConfig's counts
 #: Rows of an objective's entropy pass at once ([rows, vocab] logits).
 _ENTROPY_ROWS = 4096
 
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The trainer's hyperparameters. Every field is a `zerokl serve trainer` flag (generated:
@@ -420,8 +421,8 @@ class Trainer:
         loss_scale multiplies the loss before the backward (not the reported metrics): the
         distributed trainer weights each data rank's share of a batch with it. For 'ppo', ``objective``
         (losses.PolicyObjective: an estimator and a correction, the experiment's) replaces PPO-clip against
-        the sampler's logprobs; its metrics then add the collapse telemetry and the sampled positions' entropy. SFT and PPO steps
-        read nothing back from the device until their backward is queued (their metrics are
+        the sampler's logprobs; its metrics then add the collapse telemetry and the sampled positions' entropy.
+        SFT and PPO steps read nothing back from the device until their backward is queued (their metrics are
         read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph."""
         start = time.perf_counter()
         self.model.train()
@@ -785,7 +786,8 @@ class Trainer:
     def dpo_step(self, pairs: Sequence[tuple[Completion, Completion]]) -> dict:
         return self.forward_backward("dpo", pairs) | self.optim_step()
 
-    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int, objective: PolicyObjective | None = None) -> dict:
+    def grpo_step(self, rollouts: Sequence[Rollout], group_size: int,
+                  objective: PolicyObjective | None = None) -> dict:
         """One on-policy GRPO update: group-normalized rewards, PPO-clip vs behaviour logprobs (or
         ``objective``'s estimator and correction: :meth:`forward_backward`)."""
         adv = group_advantages(torch.tensor([r.reward for r in rollouts]), group_size)
