@@ -298,24 +298,37 @@ class Engine:
             torch.cuda.empty_cache()        # back to the driver: another process (the trainer) allocates it
         return released
 
+    def _weight_slots(self):  # noqa: ANN202 - Iterator[tuple[str, dict, str]]
+        """(state-dict name, the module's _parameters or _buffers dict, key) of every weight: where a weight's
+        tensor can be replaced (a tied weight appears under each of its names)."""
+        for module_name, module in self.model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for group in (module._parameters, module._buffers):
+                for key, t in group.items():
+                    if t is not None:
+                        yield prefix + key, group, key
+
+    @staticmethod
+    def _set_slot(group: dict, key: str, tensor: torch.Tensor) -> None:
+        if isinstance(group[key], torch.nn.Parameter):
+            group[key].data = tensor
+        else:
+            group[key] = tensor
+
     @torch.no_grad()
     def _detach_shared_weights(self) -> list[tuple[torch.UntypedStorage, int]]:
         """Every weight whose storage cannot be resized (received from another process) moved onto a fresh
         empty storage of its own, same shape and strides; each new storage with the bytes it will need."""
         out: list[tuple[torch.UntypedStorage, int]] = []
-        for module in self.model.modules():
-            for group in (module._parameters, module._buffers):
-                for name, t in group.items():
-                    if t is None or t.untyped_storage().resizable():
-                        continue
-                    storage = torch.UntypedStorage(0, device=t.device)
-                    fresh = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
-                    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-                    if isinstance(t, torch.nn.Parameter):
-                        t.data = fresh
-                    else:
-                        group[name] = fresh
-                    out.append((storage, extent * t.element_size()))
+        for _, group, key in self._weight_slots():
+            t = group[key]
+            if t.untyped_storage().resizable():
+                continue
+            storage = torch.UntypedStorage(0, device=t.device)
+            fresh = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+            extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+            self._set_slot(group, key, fresh)
+            out.append((storage, extent * t.element_size()))
         return out
 
     def _adopt(self, state_dict: dict[str, torch.Tensor]) -> bool:
@@ -328,14 +341,9 @@ class Engine:
                for k, t in state_dict.items()):
             return False
         with torch.no_grad():
-            for module_name, module in self.model.named_modules():
-                prefix = f"{module_name}." if module_name else ""
-                for name, p in module._parameters.items():
-                    if p is not None and prefix + name in state_dict:
-                        p.data = state_dict[prefix + name]
-                for name, b in module._buffers.items():
-                    if b is not None and prefix + name in state_dict:
-                        module._buffers[name] = state_dict[prefix + name]
+            for name, group, key in self._weight_slots():
+                if name in state_dict:
+                    self._set_slot(group, key, state_dict[name])
         return True
 
     def wake(self) -> None:
