@@ -259,6 +259,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
             # one step's batch is every sample's prompt + answer (512 x ~1,050 ids at 1,024-token answers)
             f"--trainer-flag=--max-batch-tokens={max(262144, args.prompts_per_step * args.group_size * (args.max_tokens + 128))}",
             *(["--trainer-flag=--activation-checkpointing"] if args.activation_checkpointing else []),
+            f"--trainer-flag=--micro-batch-tokens={args.micro_batch_tokens}",
             f"--trainer-flag=--record-deltas={args.record_deltas}", *engine]
     workdir.mkdir(parents=True, exist_ok=True)
     with (workdir / "up.log").open("w") as log:
@@ -326,7 +327,8 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     model = Model.from_pretrained(first_version, dtype=dtype).to(device)
     trainer = Trainer(model, TrainConfig(lr=args.lr, master_weights={"auto": None, "on": True,
                                                                       "off": False}[args.master_weights],
-                                         activation_checkpointing=args.activation_checkpointing))
+                                         activation_checkpointing=args.activation_checkpointing,
+                                         micro_batch_tokens=args.micro_batch_tokens))
     train, test, tok = _countdown_data(CountdownTask(seed=args.seed))
     task = Task(train, test, lambda p: encode_prompt(p, tok), vowel_share if args.reward == "vowel_share" else reward)
     port = ArmTrainerPort(trainer, "bench")
@@ -361,7 +363,7 @@ def summarize_job(args: argparse.Namespace, service: list[dict], local: list[dic
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(args.device),
         "torch": torch.__version__, "cpus": os.cpu_count(), "load_average_1min": os.getloadavg()[0],
         "preset": args.preset, "dtype": args.dtype, "master_weights": args.master_weights,
-        "activation_checkpointing": args.activation_checkpointing,
+        "activation_checkpointing": args.activation_checkpointing, "micro_batch_tokens": args.micro_batch_tokens,
         "steps": args.steps, "prompts": args.prompts_per_step, "group": args.group_size, "max_tokens": args.max_tokens,
         "reward": args.reward, "ignore_eos": args.ignore_eos,
         "checkpoint_every": args.checkpoint_every, "half_time_s": args.half_time,
@@ -555,8 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--record-deltas", default="on", choices=("on", "off"),
                    help="--job: the trainer records versions as deltas of the one before (on) or whole (off)")
     p.add_argument("--activation-checkpointing", action="store_true",
-                   help="--job: both halves' trainers recompute each block's activations in the backward (a step of "
-                        "512 answers of 1,024 tokens does not fit an 80 GB GPU without it)")
+                   help="--job: both halves' trainers recompute each block's activations in the backward")
+    p.add_argument("--micro-batch-tokens", type=int, default=0,
+                   help="--job: both halves' trainers run a step's batch as micro-batches of this many packed tokens "
+                        "(TrainConfig.micro_batch_tokens; 0: the whole batch in one forward + backward, default)")
     p.add_argument("--up-timeout", type=float, default=600.0, help="--job: seconds for the fleet to come up")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="--job: the RL job records the trainer state every N steps and at the last (default "

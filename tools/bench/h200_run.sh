@@ -77,16 +77,18 @@ elif [ "$MODE" = wave4-rl ]; then
 elif [ "$MODE" = wave5 ]; then
   # issue 49, wave 5: the CUDA tests of co-location (sleep / wake, the offloaded optimizer) and the RL job through
   # `zerokl up` vs in process with superseded records and the record process (RL_MAX_TOKENS, RL_HALF_TIME,
-  # RL_PROMPTS as wave4-rl; RL_TESTS=0 skips the tests)
+  # RL_PROMPTS as wave4-rl; RL_TESTS=0 skips the tests; RL_MICRO: packed tokens per micro-batch, 0 = whole batch;
+  # RL_CKPT=0: long answers without activation checkpointing)
   device_wheels
   if [ "${RL_TESTS:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
       tests/services/trainer/test_offload_optimizer.py -k cuda > "$OUT/colocate_tests.log" 2>&1
   fi
-  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --activation-checkpointing --num-blocks 36864 --max-num-batched-tokens 8192"
+  long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
+  [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && [ "${RL_CKPT:-1}" = 1 ] && long="$long --activation-checkpointing"
   timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
     --dtype bfloat16 --preset small --prompts "${RL_PROMPTS:-64}" --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" \
-    --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
+    --micro-batch-tokens "${RL_MICRO:-0}" --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
     > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = numerics3 ]; then

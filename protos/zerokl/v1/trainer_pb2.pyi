@@ -282,7 +282,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainConfig(_message.Message):
-    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "total_steps", "lora_rank", "lora_alpha", "clip_eps", "kl_coef", "dpo_beta", "seed", "indexer_loss_coef", "activation_checkpointing", "logprob_chunk_rows", "master_weights", "dtype", "cuda_graphs", "offload_optimizer")
+    __slots__ = ("lr", "weight_decay", "beta1", "beta2", "grad_clip", "warmup_steps", "total_steps", "lora_rank", "lora_alpha", "clip_eps", "kl_coef", "dpo_beta", "seed", "indexer_loss_coef", "activation_checkpointing", "logprob_chunk_rows", "master_weights", "dtype", "cuda_graphs", "offload_optimizer", "micro_batch_tokens")
     LR_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class TrainConfig(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     OFFLOAD_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lr: float
     weight_decay: float
     beta1: float
@@ -323,7 +324,8 @@ class TrainConfig(_message.Message):
     dtype: str
     cuda_graphs: bool
     offload_optimizer: bool
-    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., clip_eps: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., seed: _Optional[int] = ..., indexer_loss_coef: _Optional[float] = ..., activation_checkpointing: _Optional[bool] = ..., logprob_chunk_rows: _Optional[int] = ..., master_weights: _Optional[bool] = ..., dtype: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., offload_optimizer: _Optional[bool] = ...) -> None: ...
+    micro_batch_tokens: int
+    def __init__(self, lr: _Optional[float] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., grad_clip: _Optional[float] = ..., warmup_steps: _Optional[int] = ..., total_steps: _Optional[int] = ..., lora_rank: _Optional[int] = ..., lora_alpha: _Optional[float] = ..., clip_eps: _Optional[float] = ..., kl_coef: _Optional[float] = ..., dpo_beta: _Optional[float] = ..., seed: _Optional[int] = ..., indexer_loss_coef: _Optional[float] = ..., activation_checkpointing: _Optional[bool] = ..., logprob_chunk_rows: _Optional[int] = ..., master_weights: _Optional[bool] = ..., dtype: _Optional[str] = ..., cuda_graphs: _Optional[bool] = ..., offload_optimizer: _Optional[bool] = ..., micro_batch_tokens: _Optional[int] = ...) -> None: ...
 
 class TrainerState(_message.Message):
     __slots__ = ("run", "step", "weights_version", "weights_step", "tokens_seen", "accumulated_batches", "config", "model_config_json", "numerics_version", "numerics_fingerprint")

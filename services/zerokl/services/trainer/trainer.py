@@ -103,6 +103,14 @@ class TrainConfig:
     # single-tensor step: the bits of the on-device step) and sends it back; the device memory the step used
     # goes back to the driver. Not with dtype fp8 or the distributed trainer.
     offload_optimizer: bool = False
+    # Packed tokens (prompt + completion) per forward + backward of an SFT / DPO / PPO batch; 0 = the whole
+    # batch at once. A larger batch runs as consecutive micro-batches of whole sequences (never a sequence
+    # split), each loss weighted by its share of the batch's normalizer (tokens; GSPO's sequences; DPO's
+    # pairs), gradients accumulated: the batch's gradient, at the memory of one micro-batch (512 answers of
+    # 1,024 tokens are 536k tokens: one forward of them ran out of an H100's 80 GB). The split depends on the
+    # batch alone, so two trainers with the same value (a job's fleet and its in-process twin) step to the
+    # same bits; a different value changes the gradient's summation order, so its bits (never a logprob's).
+    micro_batch_tokens: int = 0
 
     def check(self) -> None:
         """Raise :class:`~zerokl.vocab.InvalidOption` naming the first field out of its range.
@@ -139,7 +147,7 @@ class TrainConfig:
             if floats[name] <= 0.0:
                 raise bad(name, "must be > 0", floats[name])
         counts = {"warmup_steps": _UINT32, "total_steps": _UINT32, "lora_rank": _UINT32,
-                  "logprob_chunk_rows": _UINT32, "seed": _UINT64}
+                  "logprob_chunk_rows": _UINT32, "micro_batch_tokens": _UINT32, "seed": _UINT64}
         for name, limit in counts.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
@@ -244,6 +252,34 @@ class TokenBatch:
         """The model's training layout of the packed tokens (no key table, no cache)."""
         n = self.input_ids.shape[0]
         return AttentionBatch(self.positions, None, torch.arange(n, device=self.input_ids.device), self.length)
+
+
+#: How the terms of micro-batches make the whole batch's (the rest are means over scored tokens, weighted
+#: by each micro-batch's share of them; ``loss`` and DPO's accuracy by the loss's own shares).
+_SUMMED = frozenset({"tokens", "mismatched_tokens"})
+_LEAST, _MOST = frozenset({"ratio_min"}), frozenset({"ratio_max", "max_abs_log_ratio"})
+_LOSS_WEIGHTED = frozenset({"loss", "preference_accuracy"})
+
+
+def _combined_terms(parts: list[dict[str, torch.Tensor]], shares: list[float], token_shares: list[float],
+                    counted: list[int], sequence_clip: bool = False) -> dict[str, torch.Tensor]:
+    """The terms of a batch from its micro-batches' (0-dim device tensors; nothing read back): counts summed,
+    extremes over the micro-batches with a scored token, means weighted by ``token_shares`` (``loss`` and
+    DPO's accuracy, and with ``sequence_clip`` GSPO's per-sequence clip fraction, by ``shares``). A mass ratio
+    (``correction_discarded_weight``) comes out as its micro-batches' token-weighted mean."""
+    scored = [t for t, n in zip(parts, counted) if n > 0] or parts
+    out = {}
+    for name, first in parts[0].items():
+        if name in _SUMMED:
+            out[name] = torch.stack([t[name] for t in parts]).sum()
+        elif name in _LEAST or name in _MOST:
+            values = torch.stack([t[name] for t in scored])
+            out[name] = values.amin() if name in _LEAST else values.amax()
+        else:
+            by_loss = name in _LOSS_WEIGHTED or (sequence_clip and name == "clip_fraction")
+            weights = shares if by_loss else token_shares
+            out[name] = sum(w * t[name].double() for w, t in zip(weights, parts)).to(first.dtype)
+    return out
 
 
 class Trainer:
@@ -423,22 +459,92 @@ class Trainer:
         (losses.PolicyObjective: an estimator and a correction, the experiment's) replaces PPO-clip against
         the sampler's logprobs; its metrics then add the collapse telemetry and the sampled positions' entropy.
         SFT and PPO steps read nothing back from the device until their backward is queued (their metrics are
-        read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph."""
+        read after it), so with TrainConfig.cuda_graphs they replay from a CUDA graph. A batch of more than
+        TrainConfig.micro_batch_tokens runs as micro-batches (:meth:`micro_batches`), eagerly (each after the
+        first adds to the gradients), its metrics those of the whole batch (:func:`_combined_terms`)."""
         start = time.perf_counter()
         self.model.train()
-        extra: list[torch.Tensor] = []
         objective: PolicyObjective | None = kw.get("objective")
         if objective is not None and (method != "ppo" or self.reference is not None):
             raise ValueError("an objective is a 'ppo' update's, without a KL reference")
+        if method not in ("sft", "dpo", "ppo"):
+            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+        advantages = kw["advantages"] if method == "ppo" else None
+        parts = self.micro_batches(method, batch_items)
+        if len(parts) == 1:
+            terms, tokens = self._accumulate(method, batch_items, advantages, objective, loss_scale, graphs=True)
+        else:
+            # Each micro-batch's loss (a mean over its own tokens, sequences or pairs) weighted by its share of
+            # the batch's: the weighted sum is the batch's mean, so is its gradient.
+            counted = [self._counted(method, batch_items[a:b]) for a, b in parts]
+            normalizers = ([sum(1 for r in batch_items[a:b] if r.sequence.completion_ids) for a, b in parts]
+                           if objective is not None and objective.estimator == "gspo"
+                           else [b - a for a, b in parts] if method == "dpo" else counted)
+            shares = [n / max(1, sum(normalizers)) for n in normalizers]
+            token_shares = [n / max(1, sum(counted)) for n in counted]
+            results = [self._accumulate(method, batch_items[a:b], None if advantages is None else advantages[a:b],
+                                        objective, loss_scale * share, graphs=False)
+                       for (a, b), share in zip(parts, shares)]
+            terms = _combined_terms([t for t, _ in results], shares, token_shares, counted,
+                                    sequence_clip=objective is not None and objective.estimator == "gspo")
+            tokens = sum(n for _, n in results)
+        if method == "ppo" and objective is None:
+            stats = PPOStats.from_terms(terms)
+            metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
+        else:
+            values = torch.stack([v.double() for v in terms.values()]).tolist()     # one read, after the backward
+            metrics = dict(zip(terms, values))
+            if method == "ppo":
+                metrics["mismatched_tokens"] = int(metrics["mismatched_tokens"])
+        self.tokens_seen += tokens
+        metrics["tokens"] = tokens
+        metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
+        return metrics
+
+    @staticmethod
+    def _counted(method: str, items: Sequence) -> int:
+        """The scored tokens of ``items`` (a token-mean loss's normalizer)."""
+        seqs = ([r.sequence for r in items] if method == "ppo" else [s for p in items for s in p] if method == "dpo"
+                else items)
+        return sum(len(s.targets) if isinstance(s, ScoredSequence) else len(s.completion_ids) for s in seqs)
+
+    def micro_batches(self, method: str, batch_items: Sequence) -> list[tuple[int, int]]:
+        """[start, end) ranges of ``batch_items``, consecutive, each of at most TrainConfig.micro_batch_tokens
+        packed tokens (an item larger than that alone); one range with micro-batching off (0). The split
+        reads the items only: any trainer with the same value splits a batch the same way."""
+        limit = self.config.micro_batch_tokens
+        if limit <= 0:
+            return [(0, len(batch_items))]
+
+        def packed(item) -> int:
+            seqs = [item.sequence] if method == "ppo" else list(item) if method == "dpo" else [item]
+            return sum(len(s.input_ids) if isinstance(s, ScoredSequence)
+                       else len(s.prompt_ids) + len(s.completion_ids) - 1 for s in seqs)
+
+        parts, start, total = [], 0, 0
+        for i, item in enumerate(batch_items):
+            n = packed(item)
+            if i > start and total + n > limit:
+                parts.append((start, i))
+                start, total = i, 0
+            total += n
+        parts.append((start, len(batch_items)))
+        return parts
+
+    def _accumulate(self, method: str, batch_items: Sequence, advantages: torch.Tensor | None,
+                    objective: PolicyObjective | None, loss_scale: float, graphs: bool
+                    ) -> tuple[dict[str, torch.Tensor], int]:
+        """Forward + backward of one (micro-)batch, its loss times ``loss_scale``: its terms (0-dim device
+        tensors, nothing read back) and its completion tokens. ``graphs``: from a CUDA graph when the
+        trainer has them (a micro-batch after the first adds to the gradients: eager)."""
+        extra: list[torch.Tensor] = []
         if method == "sft":
             batch = self.batch_of(batch_items)
         elif method == "ppo":
             batch = self.batch_of([r.sequence for r in batch_items])
-            extra = [self._behaviour(batch_items, batch), kw["advantages"].to(self.device)]
-        elif method == "dpo":
-            batch = self.batch_of([p[0] for p in batch_items] + [p[1] for p in batch_items])
+            extra = [self._behaviour(batch_items, batch), advantages.to(self.device)]
         else:
-            raise ValueError(f"unknown method {method!r}: expected sft, dpo or ppo")
+            batch = self.batch_of([p[0] for p in batch_items] + [p[1] for p in batch_items])
         coef = self.config.indexer_loss_coef
 
         def step(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -457,7 +563,7 @@ class Trainer:
             return terms
 
         inputs = batch.tensors() + extra
-        if method != "dpo" and self._graphs is not None and coef == 0:
+        if graphs and method != "dpo" and self._graphs is not None and coef == 0:
             # the shapes, and whether attention's longest key list passes the indexer's top-k (the
             # sparse path; the batch's length decides nothing else)
             sparse = batch.length > self.model.config.index_topk
@@ -469,19 +575,7 @@ class Trainer:
             # plain torch, whose bits follow MKL's thread split (the forward's ops hold it already).
             with one_cpu_thread() if self.device.type == "cpu" else contextlib.nullcontext():
                 terms = step(inputs)
-        if method == "ppo" and objective is None:
-            stats = PPOStats.from_terms(terms)
-            metrics = dataclasses.asdict(stats) | {"kl": stats.kl_behaviour}
-        else:
-            values = torch.stack([v.double() for v in terms.values()]).tolist()     # one read, after the backward
-            metrics = dict(zip(terms, values))
-            if method == "ppo":
-                metrics["mismatched_tokens"] = int(metrics["mismatched_tokens"])
-        tokens = batch.tokens
-        self.tokens_seen += tokens
-        metrics["tokens"] = tokens
-        metrics["tokens_per_s"] = tokens / max(time.perf_counter() - start, 1e-9)
-        return metrics
+        return terms, batch.tokens
 
     def forward_backward_tokens(self, loss: str, seqs: Sequence[ScoredSequence], *,
                                 weights: Sequence[Sequence[float]] | None = None,
