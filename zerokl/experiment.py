@@ -154,7 +154,7 @@ CELLS: dict[str, tuple[str, list[str]]] = {
 #: batch, does not fit 8 cells x 50 steps into a 10-minute device call), every unit of a cell at once. --seeds
 #: 0,1,2 runs each arm once per RL seed. Trace cells sample 16 prompts x 8 of up to 1,024 tokens (about 90,000
 #: tokens a step) with room in the KV cache, from 2,000 training problems (the 4-number draws that give
-#: 512-960-token traces are slow to find: about a minute of CPU per 1,000).
+#: 512-960-token traces are slow to find: about 50 CPU seconds per 1,000).
 GPU_SCALE = ["--preset", "small", "--device", "cuda", "--dtype", "bfloat16", "--steps", "50", "--seeds", "0",
              "--prompts", "16", "--group", "8", "--eval-every", "10", "--eval-prompts", "128", "--max-num-seqs", "128",
              "--max-num-batched-tokens", "4096", "--num-blocks", "1024", "--checkpoint-every", "0", "--processes", "4",
