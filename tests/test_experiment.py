@@ -288,7 +288,8 @@ def test_the_map_says_whether_the_mismatch_hurts_over_seeds(tmp_path):
     assert "| 2 × 20 | 0.481 ± 0.001 / 0.103 ± 0.017 | 0.550 ± 0.050 / 0.200 ± 0.000 |" in row
     assert "| -0.315 ± 0.015 | **yes**: the rise is lower by 0.315 (21.0 s.e.) |" in row
     assert "| clip-bf16 | zerokl | **0.0 at every step** | 0 of 4,000 (0.0%) | 0 | 1.5 ± 0.500 |" in table
-    assert "| clip-bf16 | mismatch | 0.001 | 1,600 of 4,000 (40.0%) | 0.3 | 1.5 ± 0.500 | 0.500 → 0.500 | 1.00% |" in table
+    assert ("| clip-bf16 | mismatch | 0.001 | 1,600 of 4,000 (40.0%) | 0.3 | 1.5 ± 0.500 | 0.500 → 0.500 | 1.00% |"
+            in table)
 
 
 def _units(out) -> dict[str, list[dict]]:

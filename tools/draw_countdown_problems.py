@@ -5,7 +5,7 @@ the GPU machine's clock. tools/countdown_gpu.sh copies the files from .gpu/probl
 state folder.
 
     python tools/draw_countdown_problems.py --difficulties demo,hard --out .gpu/problems
-    python tools/draw_countdown_problems.py --difficulties hard --answers trace --train-problems 2000   # the map's trace cells
+    python tools/draw_countdown_problems.py --difficulties hard --answers trace --train-problems 2000  # trace cells
 """
 import argparse
 import pathlib
