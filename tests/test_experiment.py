@@ -232,9 +232,16 @@ def test_reinforce_with_the_routing_flip_arm_and_masked_is_on_search_trace_answe
     assert sft["recipe"]["answers"] == "trace"
     assert experiment.main(["countdown", "--map", str(tmp_path)]) == 0
     table = (tmp_path / "map.md").read_text()
-    assert re.search(r"\| reinforce-router-trace \| mismatch-router \| 1 × 2 \| [+-]\d\.\d{3} ± ", table)
+    # The outcome row: final reward and greedy test accuracy of the pair (binomial s.e. over 4 problems).
+    assert re.search(r"\| reinforce-router-trace \| mismatch-router \| 1 × 2 \| \d\.\d{3} / \d\.\d{3} \| "
+                     r"\d\.\d{3} ± \d\.\d{3} / \d\.\d{3} ± \d\.\d{3} \|", table)
     assert "| reinforce-router-trace | mismatch-router-seq-mis | 1 × 2 |" in table
-    assert "| clip-bf16 | not run |" in table and (tmp_path / "map.png").stat().st_size > 0
+    # The telemetry rows: the contract for the zerokl arm, the flips for the routing-flip arm.
+    assert "| reinforce-router-trace | zerokl | **0.0 at every step** | 0 of " in table
+    assert re.search(r"\| reinforce-router-trace \| mismatch-router \| [^|]+ \| [\d,]+ of [\d,]+ \([\d.]+%\) \|"
+                     r" [^|]+ \| [^|]+ \| [\d.]+ → [\d.]+ \| [\d.]+% \| [\d.]+% \| - \|", table)
+    assert "| clip-bf16 | not run |" in table
+    assert (tmp_path / "map.png").stat().st_size > 0 and (tmp_path / "map-telemetry.png").stat().st_size > 0
 
 
 def test_gspo_over_two_rl_seeds_reports_mean_and_standard_error(tmp_path):
@@ -254,6 +261,35 @@ def test_gspo_over_two_rl_seeds_reports_mean_and_standard_error(tmp_path):
     with pytest.raises(SystemExit, match="seq-mis"):
         experiment.main([*TOY, "--start", "shipped", "--estimator", "gspo", "--arms", "zerokl,mismatch-tis",
                          "--out", str(tmp_path / "refused")])
+
+
+def test_the_map_says_whether_the_mismatch_hurts_over_seeds(tmp_path):
+    """--map's statistics on a cell's metrics lines: a mismatched arm whose reward falls while its zerokl
+    partner's rises, on each of two seeds, is "lower" beyond 2 s.e. of the seeds' spread; the ± of the final
+    reward and test accuracy are over seeds; a cell still running is marked incomplete."""
+    cell = tmp_path / "clip-bf16"
+    cell.mkdir()
+    lines = []
+    for seed in (0, 1):
+        for arm, slope in (("zerokl", 0.01), ("mismatch", -0.01 - 0.002 * seed)):
+            for step in range(1, 21):
+                lines.append({"arm": arm, "seed": seed, "step": step, "reward": 0.3 + slope * step + 0.002 * seed,
+                              "kl": 0.0 if arm == "zerokl" else 1e-3, "tokens": 100,
+                              "mismatched_tokens": 0 if arm == "zerokl" else 40, "grad_norm": 1.0 + seed,
+                              "test_accuracy": (0.5 + 0.1 * seed if arm == "zerokl" else 0.2) if step == 20 else None,
+                              "entropy": 0.5, "max_abs_log_ratio": 0.0 if arm == "zerokl" else 0.3,
+                              "low_prob_fraction": 0.01})
+    (cell / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (cell / "run.json").write_text(json.dumps({"complete": False, "setting": {"eval_prompts": 128}}))
+    table = experiment.write_map(tmp_path)
+    row = next(line for line in table.splitlines() if line.startswith("| clip-bf16 (incomplete) | mismatch |"))
+    # Final reward: the last 5 steps' mean per seed (zerokl 0.48 and 0.482, mismatch 0.12 and 0.086), ± their
+    # s.e. over the 2 seeds; the rises' differences -0.30 and -0.33.
+    assert "| 2 × 20 | 0.481 ± 0.001 / 0.103 ± 0.017 | 0.550 ± 0.050 / 0.200 ± 0.000 |" in row
+    assert "| -0.315 ± 0.015 | **yes**: the rise is lower by 0.315 (21.0 s.e.) |" in row
+    assert "| clip-bf16 | zerokl | **0.0 at every step** | 0 of 4,000 (0.0%) | 0 | 1.5 ± 0.500 |" in table
+    assert ("| clip-bf16 | mismatch | 0.001 | 1,600 of 4,000 (40.0%) | 0.3 | 1.5 ± 0.500 | 0.500 → 0.500 | 1.00% |"
+            in table)
 
 
 def _units(out) -> dict[str, list[dict]]:

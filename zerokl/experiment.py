@@ -149,13 +149,17 @@ CELLS: dict[str, tuple[str, list[str]]] = {
                         ["--estimator", "gspo", "--arms", "zerokl,mismatch,mismatch-seq-mis", "--answers", "trace",
                          "--difficulty", "hard", "--lr", "1e-5"]),
 }
-#: The scale of the GPU grid's cells (docs/rl.md): `small` in bf16, 50 steps first, three seeds. Trace
-#: cells sample 16 prompts x 8 of up to 1,024 tokens (about 90,000 tokens a step) with room in the KV cache.
-GPU_SCALE = ["--preset", "small", "--device", "cuda", "--dtype", "bfloat16", "--steps", "50",
-             "--seeds", "0,1,2", "--prompts", "64", "--group", "8", "--eval-every", "10", "--eval-prompts", "128",
-             "--max-num-seqs", "512", "--max-num-batched-tokens", "8192", "--num-blocks", "4096", "--checkpoint-every",
-             "10", "--processes", "3", "--max-minutes", "9"]
-GPU_TRACE_SCALE = ["--prompts", "16", "--max-num-batched-tokens", "16384", "--num-blocks", "12288"]
+#: The scale of the GPU grid's cells (docs/rl.md, "How to reproduce the map"; `bash tools/bench/h200_run.sh map`
+#: runs them): `small` in bf16, 50 steps first, 16 prompts x 8 samples a step (512 a step, the H200 runs'
+#: batch, does not fit 8 cells x 50 steps into a 10-minute device call), every unit of a cell at once. --seeds
+#: 0,1,2 runs each arm once per RL seed. Trace cells sample 16 prompts x 8 of up to 1,024 tokens (about 90,000
+#: tokens a step) with room in the KV cache, from 2,000 training problems (the 4-number draws that give
+#: 512-960-token traces are slow to find: about 50 CPU seconds per 1,000).
+GPU_SCALE = ["--preset", "small", "--device", "cuda", "--dtype", "bfloat16", "--steps", "50", "--seeds", "0",
+             "--prompts", "16", "--group", "8", "--eval-every", "10", "--eval-prompts", "128", "--max-num-seqs", "128",
+             "--max-num-batched-tokens", "4096", "--num-blocks", "1024", "--checkpoint-every", "0", "--processes", "4",
+             "--max-minutes", "9"]
+GPU_TRACE_SCALE = ["--train-problems", "2000", "--max-num-batched-tokens", "16384", "--num-blocks", "12288"]
 
 #: Exit status of an invocation that stopped for its budget with work left: run the same command again.
 INCOMPLETE = 75
@@ -674,12 +678,16 @@ def _mean_se(xs: list[float], single_se: float = float("nan")) -> tuple[float, f
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
-def _arm_stats(records: list[dict]) -> dict[str, dict]:
-    """Per arm of a run's metrics lines: its seeds, reward rise, last greedy test accuracy and largest grad
-    norm as (mean, s.e.) over seeds, the largest |log ratio| and mean |KL|, and "diff": its reward rise
-    minus its zerokl partner's on the same seeds (None for a zerokl arm). With one seed the s.e. is the
-    rise's own under the step-to-step noise (trend), and the difference's combines both arms' (as if
-    independent: the pair shares its samples until they part, so this overstates it)."""
+def _arm_stats(records: list[dict], eval_prompts: int | None = None) -> dict[str, dict]:
+    """Per arm of a run's metrics lines, as (mean, s.e.) over its seeds: the reward rise, the final reward (mean
+    of the last quarter of steps), the last greedy test accuracy and the largest grad norm; and over every seed
+    and step: the largest |KL| of a step, the mismatched-token share, the largest |log ratio|, mean |KL|, the
+    entropy of the first step and of the last quarter, the low-probability share, router flips and the tokens
+    a correction dropped. "diff": its reward rise minus its zerokl partner's on the same seeds (None for a
+    zerokl arm). With one seed an s.e. is the run's own: the rise's under the step-to-step noise (trend), the
+    final reward's from the spread of the last quarter's steps, the test accuracy's binomial over
+    `eval_prompts` problems; the difference's combines both arms' (as if independent: the pair shares its
+    samples until they part, so this overstates it)."""
     by_arm: dict[str, dict[int, list[dict]]] = {}
     for r in records:
         by_arm.setdefault(r["arm"], {}).setdefault(r.get("seed", 0), []).append(r)
@@ -687,16 +695,33 @@ def _arm_stats(records: list[dict]) -> dict[str, dict]:
     stats: dict[str, dict] = {}
     for arm, seeds in by_arm.items():
         t = trends[arm]
-        accs = [[r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None] for rs in seeds.values()]
+        runs = list(seeds.values())
+        every = [r for rs in runs for r in rs]
+        accs = [[r["test_accuracy"] for r in rs if r.get("test_accuracy") is not None] for rs in runs]
+        lasts = [[r["reward"] for r in rs[-max(1, len(rs) // 4):]] for rs in runs]
+        acc = _mean_se([a[-1] for a in accs if a])
+        if eval_prompts and len([a for a in accs if a]) == 1:
+            acc = (acc[0], math.sqrt(acc[0] * (1 - acc[0]) / eval_prompts))
+        mis, tok = sum(r["mismatched_tokens"] for r in every), sum(r["tokens"] for r in every)
+        telemetry = [r for r in every if "entropy" in r]
         stats[arm] = {
-            "seeds": sorted(seeds), "steps": min(len(rs) for rs in seeds.values()),
+            "seeds": sorted(seeds), "steps": min(len(rs) for rs in runs),
             "rise": _mean_se([x["rise"] for x in t.values()], next(iter(t.values()))["se"]),
-            "acc": _mean_se([a[-1] for a in accs if a]),
-            "grad": _mean_se([max(r["grad_norm"] for r in rs) for rs in seeds.values()]),
-            "log_ratio": max(r.get("max_abs_log_ratio", 0.0) for rs in seeds.values() for r in rs),
-            "abs_kl": sum(abs(r["kl"]) for rs in seeds.values() for r in rs) / sum(len(rs) for rs in seeds.values()),
-            "flips": _mean_se([r["router_flip_fraction"] for rs in seeds.values() for r in rs
-                               if "router_flip_fraction" in r]),
+            "final": _mean_se([sum(x) / len(x) for x in lasts], _mean_se(lasts[0])[1]),
+            "acc": acc,
+            "grad": _mean_se([max(r["grad_norm"] for r in rs) for rs in runs]),
+            "max_kl": max(abs(r["kl"]) for r in every),
+            "exact": all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in every),
+            "mismatched": (mis, tok),
+            "log_ratio": max(r.get("max_abs_log_ratio", 0.0) for r in every),
+            "abs_kl": sum(abs(r["kl"]) for r in every) / len(every),
+            "entropy": (_mean_se([rs[0]["entropy"] for rs in runs if "entropy" in rs[0]])[0],
+                        _mean_se([r["entropy"] for rs in runs for r in rs[-max(1, len(rs) // 4):]
+                                  if "entropy" in r])[0]),
+            "low_prob": _mean_se([r["low_prob_fraction"] for r in telemetry])[0] if telemetry else float("nan"),
+            "flips": _mean_se([r["router_flip_fraction"] for r in every if "router_flip_fraction" in r]),
+            "dropped": _mean_se([r["correction_dropped_fraction"] for r in every
+                                 if "correction_dropped_fraction" in r])[0],
             "diff": None}
     for arm in stats:
         z = _partner(arm)
@@ -710,7 +735,10 @@ def _arm_stats(records: list[dict]) -> dict[str, dict]:
 
 
 def _pm(x: tuple[float, float], fmt: str = "+.3f") -> str:
-    return "-" if math.isnan(x[0]) else f"{x[0]:{fmt}} ± {x[1]:.3f}"
+    """"mean ± s.e." ("-" without a mean; the mean alone without an s.e.)."""
+    if math.isnan(x[0]):
+        return "-"
+    return f"{x[0]:{fmt}}" if math.isnan(x[1]) else f"{x[0]:{fmt}} ± {x[1]:.3f}"
 
 
 def _seed_rows(arms: dict[str, list[dict]]) -> list[str]:
@@ -729,74 +757,145 @@ def _seed_rows(arms: dict[str, list[dict]]) -> list[str]:
 
 
 def _verdict(diff: tuple[float, float]) -> str:
-    """Whether the mismatched arm's reward rise differs from its zerokl partner's beyond 2 s.e."""
+    """Whether the mismatched arm's reward rise differs from its zerokl partner's beyond 2 s.e., and by how much."""
     m, se = diff
     if math.isnan(se) or se == 0:
         return "not measurable (one step or no noise)"
     if m <= -2 * se:
-        return f"**lower** by {-m / se:.1f} s.e."
+        return f"**yes**: the rise is lower by {-m:.3f} ({-m / se:.1f} s.e.)"
     if m >= 2 * se:
-        return f"higher by {m / se:.1f} s.e."
+        return f"no: the rise is higher by {m:.3f} ({m / se:.1f} s.e.)"
     return "no difference beyond 2 s.e."
 
 
+#: The map's telemetry figure: (metrics key, panel title), a column each, a row per cell.
+_MAP_PANELS = [("test_accuracy", "greedy test accuracy"), ("grad_norm", "gradient norm (before clipping)"),
+               ("entropy", "entropy"), ("max_abs_log_ratio", "max |log ratio| trainer vs rollout"),
+               ("low_prob_fraction", "share of tokens with p < 1e-3")]
+
+
+def _cell_run(folder: pathlib.Path) -> tuple[list[dict], dict]:
+    """A cell's metrics lines and its run.json ({} when absent)."""
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line]
+    run = folder / "run.json"
+    return records, json.loads(run.read_text()) if run.exists() else {}
+
+
 def write_map(folder: pathlib.Path) -> str:
-    """The map from the cells run into FOLDER/CELL (their metrics.jsonl): FOLDER/map.md, a row per
-    mismatched arm of each cell against its zerokl partner, and FOLDER/map.png, each cell's mean reward
-    per arm; returns map.md's text. Cells not run are listed as such."""
+    """The map from the cells run into FOLDER/CELL (each cell's --out: metrics.jsonl, run.json); returns map.md.
+
+    FOLDER/map.md holds two tables ready for docs/rl.md: the outcome (a row per mismatched arm of each cell
+    against its zerokl partner on the same seeds: final reward and greedy test accuracy of both, the
+    difference of their reward rises ± s.e., a verdict against 2 s.e.) and the stability telemetry (a row per
+    arm, the zerokl arms included: the contract's KL and mismatched tokens, grad norm, entropy, max |log ratio|,
+    low-probability share, router flips, what a correction dropped); cells not run are listed as such.
+    FOLDER/map.png: each cell's reward per step and arm (mean over seeds; a band of ± s.e. with several);
+    FOLDER/map-telemetry.png: a row per cell run, a column per _MAP_PANELS entry."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lines = ["# The map: where train/inference mismatch bites (zerokl experiment countdown --map)", "",
-             "Each row: a mismatched arm of a cell against its zerokl partner, the same seeds. Reward rise: mean of "
-             "the last quarter of steps minus the first (mean ± s.e. over seeds; with one seed, the s.e. under the "
-             "step-to-step noise). The verdict compares the difference with 2 s.e.", "",
-             "| cell | arm | seeds × steps | reward rise: zerokl partner | reward rise: arm | difference | verdict | "
-             "largest grad norm: partner / arm | max abs log ratio | mean abs KL | router flips |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    curves: dict[str, dict[str, list[float]]] = {}
+    outcome = ["| cell | arm (vs its zerokl partner) | seeds × steps | final reward: partner / arm | greedy test "
+               "accuracy: partner / arm | reward rise: partner / arm | difference (arm − partner) | does the "
+               "mismatch hurt? |", "|---|---|---|---|---|---|---|---|"]
+    telemetry = ["| cell | arm | KL: largest abs of a step | mismatched tokens | max abs log ratio | largest grad "
+                 "norm | entropy: first step → last quarter | tokens with p < 1e-3 | router decisions flipped | "
+                 "dropped by the correction |", "|---|---|---|---|---|---|---|---|---|---|"]
+    runs: dict[str, tuple[list[dict], dict]] = {}
     for cell in CELLS:
-        path = folder / cell / "metrics.jsonl"
-        if not path.exists():
-            lines.append(f"| {cell} | not run | | | | | | | | | |")
+        if not (folder / cell / "metrics.jsonl").exists():
+            outcome.append(f"| {cell} | not run | | | | | | |")
             continue
-        records = [json.loads(line) for line in path.read_text().splitlines() if line]
-        stats = _arm_stats(records)
+        records, run = runs[cell] = _cell_run(folder / cell)
+        stats = _arm_stats(records, run.get("setting", {}).get("eval_prompts"))
+        status = "" if run.get("complete", True) else " (incomplete)"
         for arm, st in stats.items():
             zerokl = stats.get(_partner(arm))
             if st["diff"] is None or zerokl is None:
                 continue
+            outcome.append(f"| {cell}{status} | {arm} | {len(st['seeds'])} × {st['steps']} | "
+                           f"{_pm(zerokl['final'], '.3f')} / {_pm(st['final'], '.3f')} | "
+                           f"{_pm(zerokl['acc'], '.3f')} / {_pm(st['acc'], '.3f')} | "
+                           f"{_pm(zerokl['rise'])} / {_pm(st['rise'])} | {_pm(st['diff'])} | {_verdict(st['diff'])} |")
+        for arm, st in stats.items():
+            mis, tok = st["mismatched"]
+            kl = "**0.0 at every step**" if st["exact"] else f"{st['max_kl']:.3g}"
             flips = "-" if math.isnan(st["flips"][0]) else f"{st['flips'][0]:.2%}"
-            lines.append(f"| {cell} | {arm} | {len(st['seeds'])} × {st['steps']} | {_pm(zerokl['rise'])} | "
-                         f"{_pm(st['rise'])} | {_pm(st['diff'])} | {_verdict(st['diff'])} | "
-                         f"{zerokl['grad'][0]:.3g} / {st['grad'][0]:.3g} | {st['log_ratio']:.3g} | "
-                         f"{st['abs_kl']:.3g} | {flips} |")
-        per_arm: dict[str, dict[int, list[float]]] = {}
-        for r in records:
-            per_arm.setdefault(r["arm"], {}).setdefault(r["step"], []).append(r["reward"])
-        curves[cell] = {arm: [sum(v) / len(v) for _, v in sorted(steps.items())] for arm, steps in per_arm.items()}
-    if curves:
-        n = len(curves)
-        cols = min(4, n)
-        fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(5 * cols, 3.5 * ((n + cols - 1) // cols)),
-                                 squeeze=False)
-        for ax, (cell, arms) in zip(axes.flat, curves.items()):
-            for arm, ys in arms.items():
-                ax.plot(range(1, len(ys) + 1), ys, label=arm, lw=1)
-            ax.set_title(cell, fontsize=9)
-            ax.set_xlabel("RL step")
-            ax.set_ylabel("mean reward (over seeds)")
-            ax.legend(fontsize=6)
-        for ax in list(axes.flat)[n:]:
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(folder / "map.png", dpi=100)
-        plt.close(fig)
-        lines += ["", "![map](map.png)"]
-    text = "\n".join(lines) + "\n"
+            dropped = "-" if math.isnan(st["dropped"]) else f"{st['dropped']:.2%}"
+            low = "-" if math.isnan(st["low_prob"]) else f"{st['low_prob']:.2%}"
+            telemetry.append(f"| {cell} | {arm} | {kl} | {mis:,} of {tok:,} ({mis / max(1, tok):.1%}) | "
+                             f"{st['log_ratio']:.3g} | {_pm(st['grad'], '.3g')} | {st['entropy'][0]:.3f} → "
+                             f"{st['entropy'][1]:.3f} | {low} | {flips} | {dropped} |")
+    lines = ["# The map: where train/inference mismatch bites (zerokl experiment countdown --map)", "",
+             "Each outcome row: a mismatched arm of a cell against its zerokl partner, from the same warm start with "
+             "the same seeds. Final reward: the mean of the last quarter of steps; reward rise: that minus the "
+             "first quarter's. ± is the standard error over seeds; with one seed, the run's own (final reward: the "
+             "spread of the last quarter's steps; test accuracy: binomial over the evaluation problems; rise: the "
+             "step-to-step noise). The verdict compares the difference of the rises with 2 s.e.", "", *outcome, "",
+             "Stability telemetry (every step of every seed; a zerokl arm must show KL 0.0 and no mismatched token):",
+             "", *telemetry]
     folder.mkdir(parents=True, exist_ok=True)
+    if runs:
+        _plot_map(runs, folder, plt)
+        lines += ["", "![reward per cell](map.png)", "", "![telemetry per cell](map-telemetry.png)"]
+    text = "\n".join(lines) + "\n"
     (folder / "map.md").write_text(text)
     return text
+
+
+def _per_step(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float], list[float]]]:
+    """arm -> (steps, mean over seeds, s.e. over seeds (0 with one)) of `key` where recorded."""
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in records:
+        if r.get(key) is not None:
+            by.setdefault(r["arm"], {}).setdefault(r["step"], []).append(r[key])
+    out = {}
+    for arm, steps in by.items():
+        xs = sorted(steps)
+        ms = [_mean_se(steps[x], 0.0) for x in xs]
+        out[arm] = (xs, [m for m, _ in ms], [se for _, se in ms])
+    return out
+
+
+def _plot_map(runs: dict[str, tuple[list[dict], dict]], folder: pathlib.Path, plt) -> None:  # noqa: ANN001
+    """map.png (reward per cell) and map-telemetry.png (a row per cell); an arm keeps its colour everywhere."""
+    names = list(dict.fromkeys(r["arm"] for records, _ in runs.values() for r in records))
+    colors = {a: f"C{i % 10}" for i, a in enumerate(names)}
+    n = len(runs)
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.5 * rows), squeeze=False)
+    for ax, (cell, (records, _)) in zip(axes.flat, runs.items()):
+        for arm, (xs, ms, ses) in _per_step(records, "reward").items():
+            ax.plot(xs, ms, label=arm, lw=1, color=colors[arm])
+            if any(ses):
+                ax.fill_between(xs, [m - s for m, s in zip(ms, ses)], [m + s for m, s in zip(ms, ses)],
+                                color=colors[arm], alpha=0.15, lw=0)
+        ax.set_title(cell, fontsize=9)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("mean reward (over seeds)")
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(folder / "map.png", dpi=100)
+    plt.close(fig)
+    fig, axes = plt.subplots(n, len(_MAP_PANELS), figsize=(3.6 * len(_MAP_PANELS), 2.6 * n), squeeze=False)
+    for row, (cell, (records, _)) in zip(axes, runs.items()):
+        for ax, (key, label) in zip(row, _MAP_PANELS):
+            for arm, (xs, ms, _) in _per_step(records, key).items():
+                ax.plot(xs, ms, label=arm, lw=1, color=colors[arm], marker="o" if key == "test_accuracy" else None,
+                        ms=2)
+            if key in ("grad_norm", "max_abs_log_ratio") and ax.lines and all(
+                    min(line.get_ydata()) > 0 for line in ax.lines):
+                ax.set_yscale("log")
+            ax.set_title(f"{cell}: {label}", fontsize=8)
+            ax.tick_params(labelsize=7)
+        row[0].legend(fontsize=6)
+    for ax in axes[-1]:
+        ax.set_xlabel("RL step")
+    fig.tight_layout()
+    fig.savefig(folder / "map-telemetry.png", dpi=80)
+    plt.close(fig)
 
 
 def _median(xs: list[float]) -> float:

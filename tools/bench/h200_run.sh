@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -230,6 +230,80 @@ elif [ "$MODE" = wave3-fp8 ]; then
     --max-minutes 9.0 > "$OUT/fp8-arms.log" 2>&1
   tar -C runs -czf "$FINAL_OUT/gpu-fp8.tgz" gpu-fp8
   wait
+elif [ "$MODE" = map ]; then
+  # issue 53's map: each cell of `zerokl experiment countdown --grid` (MAP_CELLS: names, comma-separated, or
+  # short (default: the 8 short-answer cells), trace, all) run by its documented command (the grid's scale,
+  # experiment.GPU_SCALE) with these overrides: MAP_STEPS (50), MAP_SEEDS (0; 0,1,2: three RL seeds), MAP_PRESET
+  # (small), MAP_PROMPTS (16 prompts x 8 a step), MAP_ARMS (all: the cell's pair and its corrections; pair: zerokl
+  # and the mismatched arm only), MAP_DEVICE (cuda), MAP_DTYPE (bfloat16), MAP_EXTRA (more flags; the last value
+  # of a flag wins). MAP_PARALLEL cells at once (3), each with every unit (arm x seed) in its own process, all
+  # inside MAP_BUDGET_S seconds from the script's start (540): a cell gets --max-minutes of what is left when it
+  # starts, and none starts with less than MAP_MIN_CELL_S (75) left. Each finished cell re-renders the map
+  # (`zerokl experiment countdown --map`) and re-packs $OUT/map.tgz (every cell's report, metrics.jsonl, plot,
+  # run.json, log; map.md, map.png, map-telemetry.png, also copied beside it), so a cut-off call still brings
+  # back every cell done. State (SFT warm start, problems, unfinished arms' checkpoints) stays in MAP_STATE
+  # (runs/map-state): on a warm machine the same command continues unfinished cells and answers finished ones
+  # from their records; a finished cell's checkpoints (~3 GB an arm for `small`) are deleted unless MAP_KEEP_CKPT=1.
+  ls .whl/*.whl > /dev/null 2>&1 && device_wheels
+  MAP_BUDGET_S=${MAP_BUDGET_S:-540}; MAP_MIN_CELL_S=${MAP_MIN_CELL_S:-75}; MAP_PARALLEL=${MAP_PARALLEL:-3}
+  MAP_DIR=${MAP_DIR:-runs/map}; MAP_STATE=${MAP_STATE:-runs/map-state}; MAP_STEPS=${MAP_STEPS:-50}
+  mkdir -p "$MAP_DIR" "$MAP_STATE"
+  cp -n .gpu/problems/problems-*.json "$MAP_STATE"/ 2> /dev/null
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/runs/triton-cache} TQDM_MININTERVAL=30
+  # One line per cell: NAME, its units (arms x seeds: its processes), then its command's flags.
+  python3 - > "$OUT/map-cells.txt" <<'PY' || exit 3
+import os, shlex
+from zerokl.experiment import CELLS, GPU_SCALE, GPU_TRACE_SCALE
+pick = os.environ.get("MAP_CELLS", "short")
+names = {"short": [c for c in CELLS if "trace" not in c], "trace": [c for c in CELLS if "trace" in c],
+         "all": list(CELLS)}.get(pick) or pick.split(",")
+seeds = os.environ.get("MAP_SEEDS", "0")
+for name in names:
+    flags = CELLS[name][1]          # a KeyError names a cell that does not exist
+    arms = flags[flags.index("--arms") + 1].split(",")
+    arms = arms[:2] if os.environ.get("MAP_ARMS", "all") == "pair" else arms
+    units = len(arms) * len(seeds.split(","))
+    scale = GPU_SCALE + (GPU_TRACE_SCALE if "trace" in flags else [])
+    own = ["--steps", os.environ.get("MAP_STEPS", "50"), "--seeds", seeds, "--preset", os.environ.get("MAP_PRESET", "small"),
+           "--prompts", os.environ.get("MAP_PROMPTS", "16"), "--device", os.environ.get("MAP_DEVICE", "cuda"),
+           "--dtype", os.environ.get("MAP_DTYPE", "bfloat16"), "--arms", ",".join(arms), "--processes", str(units)]
+    print(name, units, shlex.join(["--cell", name, *scale, *own, *shlex.split(os.environ.get("MAP_EXTRA", ""))]))
+PY
+  # Step lines every 10th step and the last, SFT evaluations, each cell's end and any error reach stdout.
+  MAP_SHOW=" step +([0-9]*0|$MAP_STEPS)/$MAP_STEPS |^SFT step|complete;|INCOMPLETE|failed|Error|Traceback"
+  map_cell() {  # NAME FLAGS...: the cell's documented command with what is left of the budget
+    local cell=$1; shift
+    local left=$(( MAP_BUDGET_S - 20 - SECONDS ))
+    echo "== $cell: $left s left, $(date -u +%FT%TZ)"
+    timeout -k 15 $(( left + 45 )) python3 -m zerokl experiment countdown "$@" --out "$MAP_DIR/$cell" \
+      --state-dir "$MAP_STATE" --max-minutes "$(python3 -c "print(f'{$left / 60:.3f}')")" 2>&1 \
+      | tee "$MAP_DIR/$cell.log" | grep --line-buffered -E "$MAP_SHOW" | sed -u "s/^/[$cell] /"
+    echo "== $cell: exit ${PIPESTATUS[0]} at ${SECONDS} s"
+  }
+  map_pack() {  # the map of every cell done so far, packed; a finished cell's checkpoints deleted
+    local cell
+    for cell in $(cut -d' ' -f1 "$OUT/map-cells.txt"); do
+      if [ "${MAP_KEEP_CKPT:-0}" != 1 ] && grep -qs '"complete": true' "$MAP_DIR/$cell/run.json"; then
+        rm -f "$MAP_STATE/cells/$cell"/*.pt
+      fi
+    done
+    python3 -m zerokl experiment countdown --map "$MAP_DIR" > "$OUT/map-render.log" 2>&1
+    cp "$MAP_DIR"/map.md "$MAP_DIR"/map.png "$MAP_DIR"/map-telemetry.png "$FINAL_OUT"/ 2> /dev/null
+    tar -czf "$FINAL_OUT/map.tgz.tmp" -C "$(dirname "$MAP_DIR")" "$(basename "$MAP_DIR")" \
+      && mv "$FINAL_OUT/map.tgz.tmp" "$FINAL_OUT/map.tgz"
+    echo "== packed $(ls "$MAP_DIR"/*/metrics.jsonl 2> /dev/null | wc -l) cell(s) at ${SECONDS} s: $(du -h "$FINAL_OUT/map.tgz" | cut -f1)"
+  }
+  {
+    while read -r cell units flags; do
+      while [ "$(jobs -rp | wc -l)" -ge "$MAP_PARALLEL" ]; do wait -n; map_pack; done
+      if [ $(( MAP_BUDGET_S - 20 - SECONDS )) -lt "$MAP_MIN_CELL_S" ]; then echo "== $cell: not started (budget)"; continue; fi
+      eval "map_cell $cell $flags" &
+      sleep 2
+    done < "$OUT/map-cells.txt"
+    while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n; map_pack; done
+    map_pack
+  } 2>&1 | tee "$OUT/map.log"
+  sed -n '/^| cell | arm (vs/,/^$/p' "$MAP_DIR/map.md"
 elif [ "$MODE" = wave2 ]; then
   # issues 17 and 22 in one call: golden vectors (compared with the previous version's cuda-sm90
   # digests when .gpu/golden-previous.json is carried), the GPU test tier, serving and trainer benches
