@@ -450,7 +450,9 @@ async def _fetch_servable(client: object, workdir: pathlib.Path, version: str,
     for candidate in (version, *fallbacks):
         dest = workdir / "models" / candidate
         try:
-            await client.fetch(candidate, dest, serving_only=True)  # type: ignore[attr-defined]
+            # The store's directory is ours (--root WORKDIR/weights): its whole shards are linked, not copied.
+            await client.fetch(candidate, dest, serving_only=True,  # type: ignore[attr-defined]
+                               local_root=workdir / "weights")
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
                 raise
