@@ -22,7 +22,8 @@
    last served as a whole, recorded in ``WORKDIR/scheduler/fleet.json``: the
    newest that passed a canary, else the store's newest; when the store can no
    longer hand that one out whole, the most recently served good version that
-   it can) into ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
+   it can) into ``WORKDIR/models/VERSION`` (hard links to the store's files, checked, where it holds
+   them whole: no second copy on disk) and starts the decode replicas (which prefill
    their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
    replicas, for several devices) from it in ``--dtype`` (each decode replica
    streaming a message per 8 steps after the first token, since the scheduler

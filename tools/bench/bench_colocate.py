@@ -13,9 +13,11 @@ nvidia-smi per process, sampled every 0.2 s; CPU: each process's peak RSS) of th
 engine process) and the trainer.
 
 The slice (--preset glm5 --layers 2: 12.2 B parameters, 22.7 GiB in bf16) is written as a checkpoint into
---workdir first (deleted once the store holds it). Disk: the store's first version, `zerokl up`'s served copy
-of it and the trainer's delta base (22.7 GiB each), every step's delta record, and the job's last step's full
-checkpoint (weights and the bf16 AdamW moments, ~68 GiB): ~140 GB for a short job, more than a 64 GB machine
+--workdir first (deleted once the store holds it). The services' temp files go under --workdir too (TMPDIR), and
+the peak disk under it is reported by part (measured on the CPU: 9.4x the model's bf16 bytes at the last step's
+checkpoint with --master-weights off: the store's first version, the job start's resume point and the last one's
+bf16 AdamW moments, the record process's delta base and the checkpoint's files, the store's decoded cache; the
+replica's copy is hard links into the store): ~213 GiB for the slice, more than a 64 GiB machine
 has (run it on a host with more disk, --gpu picking one of its GPUs). Its trainer defaults to
 --master-weights off: fp32 masters (45 GiB) and their AdamW moments (91 GiB) fit neither an 80 GB GPU nor a
 128 GB host; bf16 moments (45 GiB) live on the host. A run longer than a device call's 10 minutes goes in the
@@ -298,11 +300,15 @@ def main() -> int:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         t0 = time.monotonic()
+        if model is not None:
+            # Gone as soon as the store holds it (its first version; the replica's copy is linked from there), not
+            # once the fleet is up: the trainer's start fetches the version meanwhile.
+            while not (fleet / "weights" / "manifests" / "1.json").exists() and proc.poll() is None:
+                time.sleep(0.2)
+            shutil.rmtree(model)
         services = wait_up(fleet, proc, args.up_timeout)
         result["meta"]["up_s"] = time.monotonic() - t0
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
-        if model is not None:
-            shutil.rmtree(model)        # the store holds it (and `zerokl up` its served copy): disk for the records
         disk.phase = "job"
         with MemoryWatch(services, args.device) as memory:
             asyncio.run(run_job(args, services, result, out))
