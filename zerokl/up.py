@@ -22,7 +22,8 @@
    last served as a whole, recorded in ``WORKDIR/scheduler/fleet.json``: the
    newest that passed a canary, else the store's newest; when the store can no
    longer hand that one out whole, the most recently served good version that
-   it can) into ``WORKDIR/models/VERSION`` and starts the decode replicas (which prefill
+   it can) into ``WORKDIR/models/VERSION`` (hard links to the store's files, checked, where it holds
+   them whole: no second copy on disk) and starts the decode replicas (which prefill
    their own prompts; ``--prefill-replicas N`` adds disaggregated prefill
    replicas, for several devices) from it in ``--dtype`` (each decode replica
    streaming a message per 8 steps after the first token, since the scheduler
@@ -450,7 +451,9 @@ async def _fetch_servable(client: object, workdir: pathlib.Path, version: str,
     for candidate in (version, *fallbacks):
         dest = workdir / "models" / candidate
         try:
-            await client.fetch(candidate, dest, serving_only=True)  # type: ignore[attr-defined]
+            # The store's directory is ours (--root WORKDIR/weights): its whole shards are linked, not copied.
+            await client.fetch(candidate, dest, serving_only=True,  # type: ignore[attr-defined]
+                               local_root=workdir / "weights")
         except grpc.aio.AioRpcError as err:
             if err.code() not in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.NOT_FOUND):
                 raise

@@ -13,9 +13,11 @@ nvidia-smi per process, sampled every 0.2 s; CPU: each process's peak RSS) of th
 engine process) and the trainer.
 
 The slice (--preset glm5 --layers 2: 12.2 B parameters, 22.7 GiB in bf16) is written as a checkpoint into
---workdir first (deleted once the store holds it). Disk: the store's first version, `zerokl up`'s served copy
-of it and the trainer's delta base (22.7 GiB each), every step's delta record, and the job's last step's full
-checkpoint (weights and the bf16 AdamW moments, ~68 GiB): ~140 GB for a short job, more than a 64 GB machine
+--workdir first (deleted once the store holds it). The services' temp files go under --workdir too (TMPDIR), and
+the peak disk under it is reported by part (measured on the CPU: 9.4x the model's bf16 bytes at the last step's
+checkpoint with --master-weights off: the store's first version, the job start's resume point and the last one's
+bf16 AdamW moments, the record process's delta base and the checkpoint's files, the store's decoded cache; the
+replica's copy is hard links into the store): ~213 GiB for the slice, more than a 64 GiB machine
 has (run it on a host with more disk, --gpu picking one of its GPUs). Its trainer defaults to
 --master-weights off: fp32 masters (45 GiB) and their AdamW moments (91 GiB) fit neither an 80 GB GPU nor a
 128 GB host; bf16 moments (45 GiB) live on the host. A run longer than a device call's 10 minutes goes in the
@@ -131,6 +133,90 @@ class MemoryWatch:
             self._sample()
 
 
+def _place(rel: pathlib.PurePath) -> str:
+    """Which part of the job a file under the workdir belongs to (the report's breakdown)."""
+    parts = rel.parts
+    if parts[0].startswith("model-"):
+        return "model dir (the bench's checkpoint)"
+    if parts[:2] == ("fleet", "weights"):
+        return {"versions": "store: whole shards", "deltas": "store: deltas", "uploads": "store: open uploads",
+                ".decoded": "store: decoded cache"}.get(parts[2] if len(parts) > 2 else "", "store: other")
+    if parts[:2] == ("fleet", "models"):
+        return "replica's served copy (WORKDIR/models)"
+    if parts[0] == "tmp" and len(parts) > 1:
+        for prefix, what in (("zerokl-trainer-record-", "trainer: record dirs (delta base, next record)"),
+                             ("zerokl-trainer-init-", "trainer: --init fetch"),
+                             ("zerokl-trainer-resume-", "trainer: resume fetch"),
+                             ("zerokl-weights-", "replica: switch fetch"), ("zerokl-publish-", "publish temp"),
+                             ("zerokl-preset-", "publish temp")):
+            if parts[1].startswith(prefix):
+                return what
+        return "tmp: other"
+    return "other"
+
+
+class DiskWatch:
+    """Disk the job holds under the workdir (the fleet's TMPDIR is inside it), sampled every 0.2 s: the peak,
+    by part at that moment (each file once however many hard links it has), and the peak growth of the
+    filesystem's used bytes (statvfs: what the workdir misses, other processes' writes included)."""
+
+    def __init__(self, workdir: pathlib.Path) -> None:
+        self.workdir = workdir
+        self.peak = 0
+        self.peak_parts: dict[str, int] = {}
+        self.peak_at = ""                       # the phase at the peak
+        self.phase = "start"
+        self.fs_start = self._fs_used()
+        self.fs_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _fs_used(self) -> int:
+        st = os.statvfs(self.workdir)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def __enter__(self) -> "DiskWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> None:
+        parts: dict[str, int] = {}
+        seen: set[tuple[int, int]] = set()
+        for dirpath, _dirs, files in os.walk(self.workdir):
+            for name in files:
+                path = pathlib.Path(dirpath, name)
+                try:
+                    st = path.lstat()
+                except OSError:
+                    continue
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                what = _place(path.relative_to(self.workdir))
+                parts[what] = parts.get(what, 0) + st.st_blocks * 512
+        total = sum(parts.values())
+        if total > self.peak:
+            self.peak, self.peak_parts, self.peak_at = total, parts, self.phase
+        self.fs_peak = max(self.fs_peak, self._fs_used() - self.fs_start)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(0.2):
+                return
+
+    def report(self, model_bytes: int) -> dict:
+        return {"what": "bytes on disk under the workdir (files counted once), sampled every 0.2 s",
+                "model_bytes": model_bytes, "peak": self.peak, "peak_x_model": self.peak / max(model_bytes, 1),
+                "peak_phase": self.peak_at,
+                "peak_parts": dict(sorted(self.peak_parts.items(), key=lambda kv: -kv[1])),
+                "fs_used_growth_peak": self.fs_peak}
+
+
 async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path) -> None:
     from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
@@ -186,6 +272,8 @@ def main() -> int:
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
     workdir.mkdir(parents=True, exist_ok=True)
     fleet = workdir / "fleet"
+    disk = DiskWatch(workdir).__enter__()
+    disk.phase = "model written"
     model = model_dir(args, workdir)
     tokens = args.prompts * args.group * (args.max_tokens + 64)
     blocks = args.num_blocks or max(64, -(-tokens // 16) + 16)
@@ -196,6 +284,8 @@ def main() -> int:
             f"--replica-flag=--num-blocks={blocks}", f"--replica-flag=--max-num-seqs={args.prompts * args.group}",
             "--replica-flag=--max-num-batched-tokens=4096"]
     env = dict(os.environ)
+    env["TMPDIR"] = str(workdir / "tmp")        # the services' temp files on the workdir's disk (and in its figure)
+    (workdir / "tmp").mkdir(exist_ok=True)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     elif args.gpu is not None:
@@ -205,15 +295,21 @@ def main() -> int:
                              "sleep_level": args.sleep_level, "master_weights": master, "argv": argv[2:]},
                     "steps": []}
     print("starting:", " ".join(argv[2:]), flush=True)
+    disk.phase = "fleet start"
     with (workdir / "up.log").open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         t0 = time.monotonic()
+        if model is not None:
+            # Gone as soon as the store holds it (its first version; the replica's copy is linked from there), not
+            # once the fleet is up: the trainer's start fetches the version meanwhile.
+            while not (fleet / "weights" / "manifests" / "1.json").exists() and proc.poll() is None:
+                time.sleep(0.2)
+            shutil.rmtree(model)
         services = wait_up(fleet, proc, args.up_timeout)
         result["meta"]["up_s"] = time.monotonic() - t0
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
-        if model is not None:
-            shutil.rmtree(model)        # the store holds it (and `zerokl up` its served copy): disk for the records
+        disk.phase = "job"
         with MemoryWatch(services, args.device) as memory:
             asyncio.run(run_job(args, services, result, out))
         replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
@@ -223,6 +319,10 @@ def main() -> int:
                                  else "peak RSS bytes (VmHWM, per process tree)"}
     finally:
         stop(proc)
+        disk.__exit__(None, None, None)
+        v1 = fleet / "weights" / "versions" / "1"
+        model_bytes = sum(f.stat().st_size for f in v1.iterdir() if f.name.startswith("model")) if v1.is_dir() else 0
+        result["peak_disk"] = disk.report(model_bytes)
     steps = result["steps"]
     result["kl_all_zero"] = bool(steps) and all(r["kl"] == 0.0 and r["mismatched_tokens"] == 0 for r in steps)
     result["rollout_tok_s"] = sorted(r["rollout_tok_s"] for r in steps)[len(steps) // 2] if steps else None
@@ -233,6 +333,10 @@ def main() -> int:
     print(f"KL 0.0 every step: {result['kl_all_zero']} | median rollout {result['rollout_tok_s']:.0f} tok/s, train "
           f"{result['train_tok_s']:.0f} tok/s | peak memory ({p['what']}): replica {p['replica'] / 2**30:.2f} GiB, "
           f"trainer {p['trainer'] / 2**30:.2f} GiB, device {p['device_total'] / 2**30:.2f} GiB | {out}", flush=True)
+    d = result["peak_disk"]
+    print(f"peak disk {d['peak'] / 2**30:.2f} GiB = {d['peak_x_model']:.2f}x the model's {d['model_bytes'] / 2**30:.2f} "
+          f"GiB (during {d['peak_phase']}): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in d["peak_parts"].items()),
+          flush=True)
     return 0 if result["kl_all_zero"] else 1
 
 

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from zerokl.services.runtime import ServiceIdentity, ServiceServer, field_violations, status_details
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, Chunk, chunk_to_proto, make_chunk
 from zerokl.services.weightstore import VersionSpec, VersionStore, WeightStoreClient
+from zerokl.services.weightstore.client import UploadBase
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
 from zerokl.kernels.model.checkpoint import load_tensors
 from zerokl.services.weightstore.server import backend_from_args, build_parser
@@ -361,4 +362,37 @@ def test_a_directory_of_several_multi_chunk_files_uploads_with_chunks_in_flight_
         await client.fetch("big", tmp_path / "dst")
         assert all((tmp_path / "dst" / name).read_bytes() == (src / name).read_bytes() for name in sizes)
         assert store.backend.list("uploads/") == []
+    run(backend, body)
+
+
+def test_fetch_links_from_the_stores_directory_on_this_host(tmp_path: pathlib.Path) -> None:
+    """`local_root` (a fleet whose store's directory is on the replica's disk: `zerokl up`): shards the store holds
+    whole are hard-linked from it after their sha256 matched the manifest, not streamed into a second copy; the
+    version stored as a delta streams; without `local_root` everything streams."""
+    backend = LocalDirBackend(tmp_path / "store")
+
+    async def body(client: WeightStoreClient, store: VersionStore, server: ServiceServer) -> None:
+        src = tmp_path / "src"
+        src.mkdir()
+        big = hashlib.sha256(b"x").digest() * (3 * 1024 * 1024 // 32)
+        (src / "model.safetensors").write_bytes(big)
+        (src / "config.json").write_text("{}")
+        await client.publish(src, "v1")
+        held = backend.root / "versions" / "v1" / "model.safetensors"
+        await client.fetch("v1", tmp_path / "linked", local_root=backend.root)
+        assert (tmp_path / "linked" / "model.safetensors").stat().st_ino == held.stat().st_ino
+        await client.fetch("v1", tmp_path / "copied")
+        assert (tmp_path / "copied" / "model.safetensors").stat().st_ino != held.stat().st_ino
+        assert (tmp_path / "copied" / "model.safetensors").read_bytes() == big
+        # A later version stored as a delta has no whole file to link: streamed, decoded, checked.
+        changed = bytearray(big)
+        changed[10] ^= 1
+        src2 = tmp_path / "src2"
+        src2.mkdir()
+        (src2 / "model.safetensors").write_bytes(bytes(changed))
+        (src2 / "config.json").write_text("{}")
+        manifest = await client.publish(src2, "v2", base=UploadBase(await client.manifest("v1"), tmp_path / "copied"))
+        assert manifest.shard("model.safetensors").base == "v1"
+        await client.fetch("v2", tmp_path / "v2", local_root=backend.root)
+        assert (tmp_path / "v2" / "model.safetensors").read_bytes() == bytes(changed)
     run(backend, body)

@@ -236,3 +236,30 @@ def test_storage_keys_cannot_escape(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidKey, match="outside"):
         backend.put_bytes("link/x", b"escape")
     assert not (tmp_path / "outside" / "x").exists()
+
+
+def test_fetch_from_a_local_directory_links_whole_shards_and_checks_them(tmp_path: pathlib.Path) -> None:
+    """A version fetched out of a local-directory store takes no second copy on disk: each shard it holds whole is
+    hard-linked (the store never writes a published file in place) and checked against the manifest first; one
+    whose bytes went bad is refused as a streamed one, the store's file untouched."""
+    backend = LocalDirBackend(tmp_path / "store")
+    store = VersionStore(backend)
+    files = make_checkpoint(tmp_path / "src", big=2 * MAX_CHUNK_BYTES)
+    store.publish_dir(tmp_path / "src", "v1", SPEC)
+    store.fetch("v1", tmp_path / "dst")
+    for name, data in files.items():
+        fetched, held = tmp_path / "dst" / name, backend.root / "versions" / "v1" / name
+        assert fetched.read_bytes() == data
+        assert fetched.stat().st_ino == held.stat().st_ino      # one file on disk, two names
+    name = "model-00002-of-00002.safetensors"
+    flipped = bytearray(files[name])
+    flipped[-1] ^= 1                                           # same size: only the sha256 tells
+    bad = backend.root / "versions" / "v1" / name
+    tmp = bad.with_name("rot")
+    tmp.write_bytes(bytes(flipped))
+    tmp.replace(bad)
+    with pytest.raises(DataLoss, match=name):
+        store.fetch("v1", tmp_path / "dst2")
+    assert not (tmp_path / "dst2" / name).exists() and not (tmp_path / "dst2" / f".{name}.partial").exists()
+    assert bad.read_bytes() == bytes(flipped)                   # the store's own file is the store's to judge
+    assert (tmp_path / "dst" / name).read_bytes() == files[name]     # a copy linked before keeps its bytes

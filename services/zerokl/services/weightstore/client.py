@@ -34,6 +34,7 @@ from zerokl.services.weightstore.store import (
     VersionEntry,
     VersionSpec,
     WeightsManifest,
+    local_shard_path,
 )
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
@@ -316,13 +317,17 @@ class WeightStoreClient(ServiceClient):
             await self._stub.GetManifest(weights_pb2.GetManifestRequest(version=version)))
 
     async def fetch(self, version: str, dest: str | os.PathLike[str], *,
-                    serving_only: bool = False) -> WeightsManifest:
+                    serving_only: bool = False, local_root: str | os.PathLike[str] | None = None) -> WeightsManifest:
         """Download ``version`` (or ``latest``) into directory ``dest``, verified and resumable.
 
         Complete files already in ``dest`` are kept, partial ones resumed;
         each file appears under its name only after its sha256 matched, and
         ``zerokl_manifest.json`` is written last. ``serving_only`` skips what
         an inference replica never reads (a trainer's optimizer state).
+        ``local_root``: the store's directory (its ``--root``) when this host
+        sees it: a shard it holds whole is hard-linked from there where that
+        is the same filesystem (no second copy on disk), then checked against
+        the manifest's sha256 as a streamed one; the rest is streamed.
         """
         manifest = await self.manifest(version)
         pathlib.Path(dest).mkdir(parents=True, exist_ok=True)
@@ -330,7 +335,8 @@ class WeightStoreClient(ServiceClient):
             if serving_only and not is_serving_file(shard.name):
                 continue
             writer = await asyncio.to_thread(ShardFileWriter, dest, shard)
-            if not writer.done:
+            source = local_shard_path(local_root, manifest.version, shard) if local_root is not None else None
+            if not writer.done and (source is None or not await asyncio.to_thread(writer.link, source)):
                 call = self._stub.Get(weights_pb2.GetRequest(version=manifest.version, shard=shard.name,
                                                              offset=writer.offset))
                 async for msg in call:

@@ -71,7 +71,7 @@ from zerokl.services.runtime.errors import (
 )
 from zerokl.services.runtime.metrics import WEIGHTSTORE_DECODED_CACHE, WEIGHTSTORE_DELTA_LAYERS
 from zerokl.services.weightstore import delta
-from zerokl.services.weightstore.backends import ObjectMissing, StorageBackend
+from zerokl.services.weightstore.backends import LocalDirBackend, ObjectMissing, StorageBackend
 from zerokl.services.weightstore.cache import DEFAULT_MAX_BYTES, DecodedCache, EntryWriter
 from zerokl.services.weightstore.versions import LATEST, WeightsVersion, validate_name
 
@@ -88,6 +88,7 @@ __all__ = [
     "ShardWriter",
     "ShardFileWriter",
     "VersionStore",
+    "local_shard_path",
     "file_sha256",
 ]
 
@@ -111,6 +112,14 @@ def _validate_sha256(value: str) -> str:
     if not _SHA256.fullmatch(value or ""):
         raise InvalidArgument.field("sha256", f"{value!r} is not a lowercase hex sha256")
     return value
+
+
+def local_shard_path(root: str | os.PathLike[str], version: str, shard: ShardInfo) -> pathlib.Path | None:
+    """Where a store in the local directory ``root`` (:class:`LocalDirBackend`) holds ``shard`` of ``version``
+    whole, None when it holds a delta (its bytes exist nowhere whole)."""
+    if shard.base:
+        return None
+    return pathlib.Path(root) / VersionStore._shard_key(version, validate_name(shard.name, "shard"))
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
@@ -382,6 +391,25 @@ class ShardFileWriter:
             if held > shard.size:
                 self.partial.unlink()
 
+    def link(self, source: str | os.PathLike[str]) -> bool:
+        """Take the shard's bytes from ``source``, a file of the store's own on this filesystem, by a hard link
+        instead of a copy (no second copy on disk: the store never writes a published file in place, and this
+        side only reads it); :meth:`finish` checks its sha256 as for streamed bytes. False (nothing changed)
+        when it cannot be linked: the caller streams the shard."""
+        if self.done:
+            return True
+        self.partial.unlink(missing_ok=True)
+        try:
+            if os.stat(source).st_size != self.shard.size:
+                return False
+            os.link(source, self.partial)
+        except OSError:     # another filesystem, no such file, links refused: streamed instead
+            self.partial.unlink(missing_ok=True)
+            self.offset = 0
+            return False
+        self.offset = self.shard.size
+        return True
+
     def write(self, chunk: Chunk) -> None:
         """Verify and append a chunk (which must start at :attr:`offset`)."""
         verify_chunk(chunk, self.offset, self.shard.size)
@@ -397,7 +425,7 @@ class ShardFileWriter:
             self.partial.write_bytes(b"")
         got = file_sha256(self.partial)
         if self.offset != self.shard.size or got != self.shard.sha256:
-            self.partial.unlink()
+            self.partial.unlink()   # (a link: only this name goes, never the store's file)
             raise DataLoss(f"shard {self.shard.name}: fetched bytes do not match the manifest sha256 "
                            f"({got} != {self.shard.sha256}); partial file discarded")
         os.replace(self.partial, self.final)
@@ -657,13 +685,17 @@ class VersionStore:
         """Copy a version into directory ``dest`` (a loadable checkpoint dir), verified and resumable.
 
         Files already there with the right checksum are kept; partial ones
-        are resumed. ``zerokl_manifest.json`` is written last.
+        are resumed. A shard stored whole in a local directory on ``dest``'s
+        filesystem is hard-linked, not copied (:meth:`ShardFileWriter.link`).
+        ``zerokl_manifest.json`` is written last.
         """
         manifest = self.get_manifest(version)
         pathlib.Path(dest).mkdir(parents=True, exist_ok=True)
+        root = self._backend.root if isinstance(self._backend, LocalDirBackend) else None
         for shard in manifest.shards:
             writer = ShardFileWriter(dest, shard)
-            if not writer.done:
+            source = local_shard_path(root, manifest.version, shard) if root is not None else None
+            if not writer.done and (source is None or not writer.link(source)):
                 for chunk in self.iter_shard(manifest.version, shard.name, writer.offset):
                     writer.write(chunk)
             writer.finish()
