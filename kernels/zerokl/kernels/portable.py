@@ -90,7 +90,10 @@ def _slices(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, tor
 # Slices of tensors that are used again unchanged (weights, and views of them such as one
 # expert's or one K segment's): keyed by the base tensor, then by the view's geometry, valid
 # while the version counter (shared by a base and its views, bumped by every in-place update
-# such as an optimizer step) is the one recorded. Entries die with their base tensor.
+# such as an optimizer step) and the data's address are the ones recorded. A Parameter whose
+# data is replaced (``p.data = t``: a sleeping engine adopting new weights) keeps its version
+# counter: whoever swaps data bumps it (torch.autograd.graph.increment_version), and the address
+# catches a swap that did not. Entries die with their base tensor.
 _SLICE_CACHE = WeakIdKeyDictionary()
 _SLICE_CACHE_LOCK = threading.Lock()
 
@@ -102,14 +105,15 @@ def _weight_slices(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tens
     with _SLICE_CACHE_LOCK:
         entries = _SLICE_CACHE.get(base)
         hit = entries.get(view) if entries is not None else None
-    if hit is not None and hit[0] == w._version:
+    stamp = (w._version, base.data_ptr())
+    if hit is not None and hit[0] == stamp:
         return hit[1]
     value = _slices(w, bits)
     with _SLICE_CACHE_LOCK:
         entries = _SLICE_CACHE.setdefault(base, {})
-        if any(version != w._version for version, _ in entries.values()):
+        if any(recorded != stamp for recorded, _ in entries.values()):
             entries.clear()                                  # the base changed: drop stale views
-        entries[view] = (w._version, value)
+        entries[view] = (stamp, value)
     return value
 
 

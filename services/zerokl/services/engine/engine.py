@@ -312,6 +312,9 @@ class Engine:
     def _set_slot(group: dict, key: str, tensor: torch.Tensor) -> None:
         if isinstance(group[key], torch.nn.Parameter):
             group[key].data = tensor
+            # A data swap keeps the Parameter's version counter, which caches of what a weight holds read
+            # (zerokl.kernels.portable's slices): bumped, they recompute instead of serving the old weights.
+            torch.autograd.graph.increment_version(group[key])
         else:
             group[key] = tensor
 
