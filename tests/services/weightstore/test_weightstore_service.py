@@ -395,4 +395,12 @@ def test_fetch_links_from_the_stores_directory_on_this_host(tmp_path: pathlib.Pa
         assert manifest.shard("model.safetensors").base == "v1"
         await client.fetch("v2", tmp_path / "v2", local_root=backend.root)
         assert (tmp_path / "v2" / "model.safetensors").read_bytes() == bytes(changed)
+        # The store's file rewritten in place (bit rot, a hand edit: the linked copy changes with it): the fetch
+        # does not take the link but asks the store, whose DATA_LOSS the caller sees as from a streamed fetch.
+        rotten = bytearray(big)
+        rotten[len(rotten) // 2] ^= 0xFF
+        held.write_bytes(bytes(rotten))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.fetch("v1", tmp_path / "linked", local_root=backend.root)
+        assert err.value.code() == grpc.StatusCode.DATA_LOSS
     run(backend, body)

@@ -24,6 +24,7 @@ import grpc.aio
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES, chunk_from_proto
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
+from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.weightstore import convert, delta
 from zerokl.services.weightstore.store import (
     FETCHED_MANIFEST,
@@ -336,7 +337,15 @@ class WeightStoreClient(ServiceClient):
                 continue
             writer = await asyncio.to_thread(ShardFileWriter, dest, shard)
             source = local_shard_path(local_root, manifest.version, shard) if local_root is not None else None
-            if not writer.done and (source is None or not await asyncio.to_thread(writer.link, source)):
+            if not writer.done and source is not None and await asyncio.to_thread(writer.link, source):
+                try:
+                    await asyncio.to_thread(writer.finish)
+                    continue
+                except DataLoss:
+                    # The store's file no longer matches its manifest (bit rot, a hand edit): its Get says so as
+                    # DATA_LOSS, as for any replica that streams it (the caller's fallback), so stream it.
+                    writer = await asyncio.to_thread(ShardFileWriter, dest, shard)
+            if not writer.done:
                 call = self._stub.Get(weights_pb2.GetRequest(version=manifest.version, shard=shard.name,
                                                              offset=writer.offset))
                 async for msg in call:
