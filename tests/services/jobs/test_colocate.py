@@ -45,8 +45,11 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
 
         async def main():
             async with JobsClient(address) as jobs:
+                # vowel_share: a reward any policy earns unevenly, so every step moves the weights (a tiny model's
+                # countdown rewards are all 0: zero advantages, the same weights every step, which hid a replica
+                # that served an earlier adopted version's cached weights from its second wake on).
                 spec = RLJobSpec(steps=steps, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=10,
-                                 seed=3, eval_every=0)
+                                 seed=3, eval_every=0, reward="vowel_share", ignore_eos=True)
                 job = await jobs.submit(spec, "rl-colocated")
                 events = [ev async for ev in jobs.watch(job.job_id)]
             async with InferenceClient(address) as inference:
@@ -61,6 +64,7 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         for ev in stepped:
             m = ev.metrics
             assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
+            assert m["grad_norm"] > 0.0, (ev.step, m)           # the step moved the weights
             assert m["sleep_bytes"] > 0 and m["sleep_s"] >= 0.0, m
         # One sleep before each step trained, one wake by each step's switch (from the trainer's memory).
         assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps
