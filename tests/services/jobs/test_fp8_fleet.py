@@ -32,7 +32,8 @@ def test_an_fp8_fleet_trains_with_zero_kl_and_serves_what_it_publishes(tmp_path,
         async def main() -> list:
             async with JobsClient(scheduler) as jobs:
                 spec = RLJobSpec(steps=2, countdown=CountdownTask(seed=0, train_problems=300, test_problems=4),
-                                 prompts_per_step=2, group_size=4, max_tokens=8, seed=1, eval_every=0)
+                                 prompts_per_step=2, group_size=4, max_tokens=8, seed=1, eval_every=0,
+                                 reward="vowel_share", ignore_eos=True)   # uneven rewards: the weights move
                 job = await jobs.submit(spec, "rl-fp8")
                 events = [ev async for ev in jobs.watch(job.job_id)]
             assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
@@ -45,6 +46,7 @@ def test_an_fp8_fleet_trains_with_zero_kl_and_serves_what_it_publishes(tmp_path,
     assert [ev.step for ev in steps] == [1, 2]
     for ev in steps:
         assert ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0 and ev.metrics["tokens"] > 0
+        assert ev.metrics["grad_norm"] > 0.0, ev.metrics
     # Each published version is an FP8 checkpoint (e4m3 + scales, 1 byte a quantized weight).
     versions = tmp_path / "up" / "weights" / "versions"
     first = versions / "1"

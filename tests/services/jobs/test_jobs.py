@@ -66,8 +66,9 @@ def _steps(events: list) -> list:
 def test_rl_job_has_exactly_zero_kl_and_switches_the_fleet_every_step(cluster: str) -> None:
     async def main() -> None:
         async with JobsClient(cluster) as jobs:
+            # vowel_share: uneven rewards, so every step moves the weights the fleet then serves
             spec = RLJobSpec(steps=3, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=12, seed=1,
-                             eval_every=3, eval_prompts=4)
+                             eval_every=3, eval_prompts=4, reward="vowel_share", ignore_eos=True)
             job = await jobs.submit(spec, "rl-test")
             assert job.state is JobState.QUEUED and job.total_steps == 3
             events = await _events(jobs, job.job_id)
@@ -76,7 +77,7 @@ def test_rl_job_has_exactly_zero_kl_and_switches_the_fleet_every_step(cluster: s
             assert [ev.step for ev in steps] == [1, 2, 3]
             for ev in steps:
                 assert ev.metrics["kl"] == 0.0 and ev.metrics["mismatched_tokens"] == 0.0
-                assert ev.metrics["tokens"] > 0 and ev.metrics["tokens_per_s"] > 0
+                assert ev.metrics["tokens"] > 0 and ev.metrics["tokens_per_s"] > 0 and ev.metrics["grad_norm"] > 0
                 # Where the step's time went: sampling, the update, the new version reaching the fleet.
                 assert {"rollout_s", "train_s", "sync_s"} <= ev.metrics.keys()
             assert "test_accuracy" in steps[-1].metrics

@@ -43,8 +43,9 @@ def _rl_job_in_bf16(services: dict[str, dict], steps: int) -> list:
 
     async def main() -> list:
         async with JobsClient(address) as jobs:
+            # vowel_share: uneven rewards, so every step moves the weights and each sync carries new ones
             spec = RLJobSpec(steps=steps, countdown=TASK, prompts_per_step=2, group_size=4, max_tokens=10, seed=3,
-                             eval_every=0)
+                             eval_every=0, reward="vowel_share", ignore_eos=True)
             job = await jobs.submit(spec, "rl-bf16")
             events = [ev async for ev in jobs.watch(job.job_id)]
             assert events[-1].status.state is JobState.SUCCEEDED, events[-1].status.error
@@ -57,7 +58,7 @@ def _rl_job_in_bf16(services: dict[str, dict], steps: int) -> list:
     for ev in steps_events:
         m = ev.metrics
         assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
-        assert m["tokens"] > 0
+        assert m["tokens"] > 0 and m["grad_norm"] > 0.0, m
         assert {"rollout_s", "train_s", "sync_s", "sync_bytes", "sync_bytes_per_s"} <= m.keys()
         assert m["sync_bytes"] > 0
     assert info.weights_version == steps_events[-1].weights_version
