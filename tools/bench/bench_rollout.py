@@ -10,8 +10,9 @@ the invariant backend, CUDA graphs on, --budget tokens per step). MODEL is a pre
 `tiny`) or `slice` (GLM-5 at real dimensions, --slice-layers layers, the first dense).
 Reported per case, from the engine's own steps timed on the host (each step ends in its one
 device->host copy):
-  prefill   prompt tokens / time of the steps that ran prompt tokens; MFU = (2 x active
-            parameters + causal attention FLOPs) x tokens / s over --peak-tflops
+  prefill   prompt tokens / time of the steps that ran prompt tokens; MFU = flops.prefill_flops / s over
+            --peak-tflops (the work done: no FLOPs for the embedding lookup, the lm_head on one row a
+            prompt; before 2026-12-06 both were counted on every prompt token, about 2x the slice's work)
   decode    generated tokens / time of the steps that ran decode rows only; the median step
   end2end   generated tokens / wall time from the first add_request to the last token
   cold      one engine per case (as a server keeps one); a first pass of other prompts of the
@@ -56,7 +57,8 @@ from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.vocab import SamplingOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_train import active_params, build_model, commit, hf_model  # noqa: E402
+from bench_train import build_model, commit, hf_model  # noqa: E402
+from flops import prefill_flops  # noqa: E402
 from engine_steps import timed_step  # noqa: E402
 
 DEFAULT_CASES = "small:64x1024x512,small:256x1024x1024,small:16x2048x4,slice:16x2048x32"
@@ -82,18 +84,6 @@ def model_config(name: str, slice_layers: int) -> ModelConfig:
     if name == "slice":
         return ModelConfig.preset("glm5").replace(num_hidden_layers=slice_layers, first_k_dense_replace=1)
     return ModelConfig.preset(name)
-
-
-def attention_flops_forward(config: ModelConfig, prompt_len: int) -> float:
-    """Forward attention FLOPs per prompt token (absorbed MLA: scores over r + rope, output over r;
-    the indexer's scores over every earlier key where the prompt is longer than its top-k)."""
-    c = config
-    causal = (prompt_len + 1) / 2
-    attended = causal if prompt_len <= c.index_topk else sum(min(i + 1, c.index_topk) for i in range(prompt_len)) / prompt_len
-    flops = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim) * attended * c.num_hidden_layers
-    if prompt_len > c.index_topk:
-        flops += 2 * c.index_n_heads * c.index_head_dim * causal * c.num_hidden_layers
-    return flops
 
 
 def _sync(device: torch.device) -> None:
@@ -180,7 +170,7 @@ def run_case(model, config: ModelConfig, b: int, l: int, g: int, args) -> dict:
     reqs = make_requests(b, l, g, config.vocab_size)
     max_len = l + g + 16
     prompt_tokens = b * l
-    flops = (2 * active_params(config) + attention_flops_forward(config, l)) * prompt_tokens
+    flops = prefill_flops(config, b, l)
     row: dict = {"case": f"{args.model_name}:{b}x{l}x{g}"}
     outputs = {}
     for mode in ("overlap", "sync"):

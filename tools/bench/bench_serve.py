@@ -41,10 +41,10 @@ from zerokl.vocab import SamplingOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (seeded on-device init, Model.init_weights' recipe)
+from flops import PEAK_BF16, decode_weight_bytes, prefill_flops  # noqa: E402
 from engine_steps import timed_step  # noqa: E402
 from provenance import commit  # noqa: E402
 
-PEAK_BF16 = 989e12        # H200 dense bf16 FLOP/s
 HBM = 4.8e12              # H200 HBM3e bytes/s
 SLICE = ModelConfig.preset("glm5").replace(num_hidden_layers=4, first_k_dense_replace=1)
 
@@ -142,44 +142,9 @@ def hf_generate(config: ModelConfig, batch: int, prompt_len: int, new_tokens: in
     return {"decode_tok_s": batch * (new_tokens - 1) / (tn - t1)}
 
 
-def param_counts(c: ModelConfig) -> dict:
-    """Parameters by role (for FLOPs and bytes)."""
-    h, r, p, dn, v, d = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.hidden_size
-    attn = (d * c.q_lora_rank + c.q_lora_rank * h * c.qk_head_dim + d * (r + p) + r * h * (dn + v) + h * v * d
-            + c.q_lora_rank * c.index_n_heads * c.index_head_dim + d * c.index_head_dim + d * c.index_n_heads)
-    expert = 3 * d * c.moe_intermediate_size
-    dense_mlp = 3 * d * c.intermediate_size
-    n_dense = sum(t == "dense" for t in c.mlp_layer_types)
-    n_moe = c.num_hidden_layers - n_dense
-    shared = expert * c.n_shared_experts + d * c.n_routed_experts
-    always = c.num_hidden_layers * attn + n_dense * dense_mlp + n_moe * shared
-    return {"always": always, "expert": expert, "n_moe": n_moe, "lm_head": d * c.vocab_size}
-
-
 def hbm_bound(c: ModelConfig, batch: int) -> float:
-    """Decode tok/s if a step only read its weights at HBM speed: every non-expert weight, the
-    lm_head, and the experts the batch touches (expected distinct experts of batch * k uniform picks)."""
-    pc = param_counts(c)
-    e, k = c.n_routed_experts, c.num_experts_per_tok
-    touched = e * (1 - (1 - k / e) ** batch)
-    weight_bytes = 2 * (pc["always"] + pc["lm_head"] + pc["n_moe"] * touched * pc["expert"])
-    return batch / (weight_bytes / HBM)
-
-
-def prefill_flops(c: ModelConfig, prompts: int, length: int) -> float:
-    """Active-parameter FLOPs (2 per MAC; lm_head on one row per prompt) + attention FLOPs
-    (absorbed MLA over min(pos + 1, index_topk) keys; indexer scores over all keys when a
-    prompt is longer than index_topk)."""
-    pc = param_counts(c)
-    active = pc["always"] + pc["n_moe"] * c.num_experts_per_tok * pc["expert"]
-    flops = 2 * active * prompts * length + 2 * pc["lm_head"] * prompts
-    keys = sum(min(i + 1, c.index_topk) for i in range(length))
-    flops += prompts * c.num_hidden_layers * 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim) * keys
-    if length > c.index_topk:
-        all_keys = length * (length + 1) // 2
-        n_idx = sum(t == "full" for t in c.indexer_types)
-        flops += prompts * n_idx * 2 * c.index_n_heads * c.index_head_dim * all_keys
-    return flops
+    """Decode tok/s if a step only read its weights at HBM speed (flops.decode_weight_bytes, bf16)."""
+    return batch / (decode_weight_bytes(c, batch) / HBM)
 
 
 def prefill(model: Model, prompts: int, length: int, budget: int) -> dict:

@@ -23,11 +23,12 @@ Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position bu
          and their ratio (completion tokens / forward_backward seconds, median step).
 Ratios: each backend's tokens/s over the stock backend's and over transformers'.
 
-MFU = 6 x active params x tokens/s / 989e12 (H200 dense bf16). Active params count every
-parameter a token uses (embedding and lm_head included, num_experts_per_tok of the routed
-experts). With attention: + 3 x (the absorbed MLA's 2*H*(2R+P) FLOPs per attended key, plus
-the indexer's 2*Hi*Di per causal key on sparse layers, counted once: it has no backward)
-per token. Big models are built on the device (meta, then a seeded torch.randn on the device
+MFU = 6 x active params x tokens/s / 989e12 (H100 / H200 dense bf16), the counts of flops.py: active
+params are those a token multiplies by (the lm_head included, the embedding table not: a lookup;
+num_experts_per_tok of the routed experts; before 2026-12-06 the embedding was counted too, which
+put the GLM-5 slice's MFU about a quarter too high). With attention: + 3 x (the absorbed MLA's
+2*H*(2R+P) FLOPs per attended key, plus the indexer's 2*Hi*Di per causal key on its full layers,
+counted once: it has no backward) per token. Big models are built on the device (meta, then a seeded torch.randn on the device
 per tensor): cheap and deterministic per GPU, never GLM-5's weights through the CPU's
 portable RNG. A part that runs out of memory is recorded as such, with the peak reached.
 Results are written after every measurement (JSON, markdown table, PNG when matplotlib is there).
@@ -52,9 +53,9 @@ from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from flops import PEAK_BF16, active_params, total_params, train_attention_flops_per_token  # noqa: E402
 from provenance import commit  # noqa: E402
 
-PEAK_BF16 = 989e12      # H200 SXM dense bf16 FLOP/s
 
 
 # ----------------------------------------------------------------------------- models
@@ -83,34 +84,6 @@ def build_model(config: ModelConfig, device: str, dtype: torch.dtype, seed: int 
     Model.init_weights(model, seed, normal=lambda shape: torch.randn(shape, generator=g, device=device,
                                                                      dtype=torch.float32))
     return model
-
-
-def active_params(config: ModelConfig) -> int:
-    """Parameters one token uses: all but the routed experts it is not sent to."""
-    with torch.device("meta"):
-        model = _Uninitialized(config)
-    total = sum(p.numel() for p in model.parameters())
-    routed = sum(p.numel() for n, p in model.named_parameters() if n.endswith(("mlp.gate_proj", "mlp.up_proj",
-                                                                                "mlp.down_proj")))
-    return total - routed + routed * config.num_experts_per_tok // config.n_routed_experts
-
-
-def total_params(config: ModelConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in _Uninitialized(config).parameters())
-
-
-def attention_flops_per_token(config: ModelConfig, seq: int) -> float:
-    """Training FLOPs of attention per token, averaged over the positions of a `seq`-token sequence."""
-    c = config
-    h, r, p, topk = c.num_attention_heads, c.kv_lora_rank, c.qk_rope_head_dim, c.index_topk
-    causal = (seq + 1) / 2                                                    # mean keys in a causal prefix
-    attended = causal if seq <= topk else sum(min(i + 1, topk) for i in range(seq)) / seq
-    flops = 3 * 2 * h * (2 * r + p) * attended * c.num_hidden_layers       # scores + output, fwd + bwd
-    if seq > topk:
-        full = sum(t == "full" for t in c.indexer_types)
-        flops += 2 * c.index_n_heads * c.index_head_dim * causal * full    # indexer scores, forward only
-    return flops
 
 
 def hf_model(config: ModelConfig, device: str, dtype: torch.dtype):
@@ -402,7 +375,7 @@ def _with_mfu(row: dict, config: ModelConfig, seq: int) -> dict:
         act = active_params(config)
         row["active_params"] = act
         row["mfu"] = 6 * act * row["tokens_per_s"] / PEAK_BF16
-        row["mfu_with_attention"] = (6 * act + attention_flops_per_token(config, seq)) * row["tokens_per_s"] / PEAK_BF16
+        row["mfu_with_attention"] = (6 * act + train_attention_flops_per_token(config, seq)) * row["tokens_per_s"] / PEAK_BF16
     return row
 
 
