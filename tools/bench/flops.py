@@ -1,4 +1,5 @@
-"""The work a model does, counted once for every bench: parameters by role, MFU's FLOPs, the HBM bound's bytes.
+"""The work a model does, counted once: parameters by role, MFU's FLOPs, the bf16 HBM bound's bytes (bench_train,
+bench_rollout, bench_serve; bench_fp8_serve counts its FP8 bytes tensor by tensor).
 
 FLOPs count multiply-adds as 2 and only what runs as a matrix product: the embedding table is a lookup (no
 FLOPs), the lm_head a projection of the rows that need logits (every row in training, one row a prompt in
