@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -461,6 +462,15 @@ def job_main(args: argparse.Namespace) -> None:
     out = pathlib.Path(args.job)
     out.parent.mkdir(parents=True, exist_ok=True)
     halves: dict[str, list[dict]] = {"service": [], "local": []}
+    if args.half == "in-process":
+        # The service half ran in an earlier call (a device call is 10 minutes): its steps from this JSON.
+        if not out.exists() or not args.job_workdir:
+            raise SystemExit(f"--half in-process compares with a service half run before: it needs that run's {out} "
+                             "and its --job-workdir")
+        prior = json.loads(out.read_text())
+        halves["service"] = prior["service_steps"]
+        if halves["service"] and prior.get("job_start_s") is not None:
+            halves["service"][0]["job_start_s"] = prior["job_start_s"]
 
     def write() -> dict:
         # After every step of either half: a time limit that stops the bench still leaves its figures.
@@ -476,14 +486,18 @@ def job_main(args: argparse.Namespace) -> None:
             write()
         return update
 
-    with tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-job-") as tmp:
+    kept = contextlib.nullcontext(args.job_workdir) if args.job_workdir else \
+        tempfile.TemporaryDirectory(prefix="zerokl-bench-rl-job-")
+    with kept as tmp:
         workdir = pathlib.Path(tmp) / "up"
-        halves["service"] = asyncio.run(_service_job(args, workdir, progress("service")))
-        t0 = time.monotonic()
-        halves["local"] = _in_process_job(args, workdir / "weights" / "versions" / "1",
-                                          len(halves["service"]) or args.steps, progress("local"))
-        print(f"in process: {len(halves['local'])} steps in {time.monotonic() - t0:.1f} s (the model's load "
-              "included)", flush=True)
+        if args.half != "in-process":
+            halves["service"] = asyncio.run(_service_job(args, workdir, progress("service")))
+        if args.half != "service":
+            t0 = time.monotonic()
+            halves["local"] = _in_process_job(args, workdir / "weights" / "versions" / "1",
+                                              len(halves["service"]) or args.steps, progress("local"))
+            print(f"in process: {len(halves['local'])} steps in {time.monotonic() - t0:.1f} s (the model's load "
+                  "included)", flush=True)
     result = write()
     print_job_table(result)
     print(f"wrote {out}" + (f" and {out.with_suffix('.png')}" if plot_job(result, out.with_suffix(".png")) else ""))
@@ -561,6 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-tokens", type=int, default=0,
                    help="--job: both halves' trainers run a step's batch as micro-batches of this many packed tokens "
                         "(TrainConfig.micro_batch_tokens; 0: the whole batch in one forward + backward, default)")
+    p.add_argument("--half", choices=("both", "service", "in-process"), default="both",
+                   help="--job: run one half only (both: the services, then in process, in one run); `in-process` "
+                        "compares with the service half a run before wrote to the same --job JSON, from its "
+                        "--job-workdir's first version: a 20-step job of 1,024-token answers takes two device calls")
+    p.add_argument("--job-workdir", default=None, metavar="DIR",
+                   help="--job: keep the fleet's workdir here (default: a temporary directory, removed)")
     p.add_argument("--up-timeout", type=float, default=600.0, help="--job: seconds for the fleet to come up")
     p.add_argument("--checkpoint-every", type=int, default=10,
                    help="--job: the RL job records the trainer state every N steps and at the last (default "

@@ -78,7 +78,8 @@ elif [ "$MODE" = wave5 ]; then
   # issue 49, wave 5: the CUDA tests of co-location (sleep / wake, the offloaded optimizer) and the RL job through
   # `zerokl up` vs in process with superseded records and the record process (RL_MAX_TOKENS, RL_HALF_TIME,
   # RL_PROMPTS as wave4-rl; RL_TESTS=0 skips the tests; RL_MICRO: packed tokens per micro-batch, 0 = whole batch;
-  # RL_CKPT=0: long answers without activation checkpointing)
+  # RL_CKPT=0: long answers without activation checkpointing; RL_HALF=service, then RL_HALF=in-process in the next
+  # call on the same warm machine: one half a call, the job's workdir and JSON kept in /tmp/rl-job-keep)
   device_wheels
   if [ "${RL_TESTS:-1}" = 1 ]; then
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
@@ -86,11 +87,18 @@ elif [ "$MODE" = wave5 ]; then
   fi
   long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
   [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && [ "${RL_CKPT:-1}" = 1 ] && long="$long --activation-checkpointing"
-  timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda \
+  job="$FINAL_OUT/rl-job.json"; half=""
+  if [ -n "${RL_HALF:-}" ]; then
+    [ "$RL_HALF" = service ] && rm -rf /tmp/rl-job-keep     # a fresh job: its fleet's workdir from nothing
+    mkdir -p /tmp/rl-job-keep; job=/tmp/rl-job-keep/rl-job.json
+    half="--half $RL_HALF --job-workdir /tmp/rl-job-keep/w"
+  fi
+  timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$job" $half --device cuda \
     --dtype bfloat16 --preset small --prompts "${RL_PROMPTS:-64}" --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" \
     --micro-batch-tokens "${RL_MICRO:-0}" --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
     > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
+  [ -n "${RL_HALF:-}" ] && cp /tmp/rl-job-keep/rl-job.json /tmp/rl-job-keep/rl-job.png "$FINAL_OUT"/ 2> /dev/null
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on
