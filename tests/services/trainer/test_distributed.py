@@ -310,6 +310,21 @@ def test_lora_and_kl_reference_are_refused_under_parallel_flags(flags, capsys):
     assert "--dp/--tp/--ep train full weights without a reference" in capsys.readouterr().err
 
 
+def test_micro_batches_are_refused_under_parallel_flags(capsys):
+    """Each rank would split its own share by its own lengths: different numbers of forwards, whose FSDP
+    collectives would wait on each other forever. Refused at start, and by the distributed trainer itself."""
+    from zerokl.services.trainer.server import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["--dp", "2", "--micro-batch-tokens", "4096"])
+    assert exit_.value.code == 2 and "--micro-batch-tokens 0" in capsys.readouterr().err
+    from zerokl.kernels.model import Model, ModelConfig
+    from zerokl.services.trainer.distributed import DistributedTrainer
+    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    trainer = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(micro_batch_tokens=4096))
+    with pytest.raises(ValueError, match="micro_batch_tokens=0"):
+        DistributedTrainer(trainer, None)       # refused before its group is touched
+
+
 @pytest.mark.slow
 def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path, zerokl_up):
     """`zerokl up --trainer-flag=--dp=2`: the Jobs API is unchanged, and an RL job's every step

@@ -486,7 +486,8 @@ def _trainer_from(doc: dict, device: torch.device) -> Trainer:
 
 
 def _without_masters(t: Trainer):
-    """t's TrainConfig for the distributed trainer, which keeps no fp32 master weights.
+    """t's TrainConfig for the distributed trainer, which keeps no fp32 master weights (and refuses what it
+    cannot do: an offloaded optimizer, micro-batches).
 
     FSDP2-sharded masters (and their gather/shard for checkpoints) are not built: the distributed
     trainer steps its parameters in their own dtype, as before master weights existed. Asked for
@@ -494,6 +495,11 @@ def _without_masters(t: Trainer):
     if t.config.offload_optimizer:
         raise ValueError("the distributed trainer keeps its optimizer state on the devices: use "
                          "TrainConfig(offload_optimizer=False) or train in one process")
+    if t.config.micro_batch_tokens:
+        # Each rank would split its own share by its own lengths: ranks running different numbers of forwards
+        # would wait on each other's FSDP collectives forever.
+        raise ValueError("the distributed trainer takes each rank's share in one forward + backward: use "
+                         "TrainConfig(micro_batch_tokens=0) or train in one process")
     if t.config.master_weights:
         raise ValueError("the distributed trainer does not keep fp32 master weights: use "
                          "TrainConfig(master_weights=False) (steps in the model's dtype) or train in one process")

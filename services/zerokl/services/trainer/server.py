@@ -227,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--dp/--tp/--ep train full weights without a reference (--lora-rank 0, --kl-coef 0)")
         if names_fp8(args.dtype):
             parser.error("--dtype fp8 trains in one process for now (--dp/--tp/--ep 1)")
+        if args.micro_batch_tokens:
+            parser.error("--dp/--tp/--ep take each rank's share in one forward + backward (--micro-batch-tokens 0: "
+                         "ranks splitting their shares differently would wait on each other's collectives)")
         if args.threads:
             torch.set_num_threads(args.threads)
         group = start_group(layout, argv, args.device)

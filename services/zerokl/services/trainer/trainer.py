@@ -110,6 +110,7 @@ class TrainConfig:
     # 1,024 tokens are 536k tokens: one forward of them ran out of an H100's 80 GB). The split depends on the
     # batch alone, so two trainers with the same value (a job's fleet and its in-process twin) step to the
     # same bits; a different value changes the gradient's summation order, so its bits (never a logprob's).
+    # Not with the distributed trainer (its ranks would split their shares into different numbers of forwards).
     micro_batch_tokens: int = 0
 
     def check(self) -> None:
