@@ -395,17 +395,20 @@ class ShardFileWriter:
         """Take the shard's bytes from ``source``, a file of the store's own on this filesystem, by a hard link
         instead of a copy (no second copy on disk: the store never writes a published file in place, and this
         side only reads it); :meth:`finish` checks its sha256 as for streamed bytes. False (nothing changed)
-        when it cannot be linked: the caller streams the shard."""
+        when it is not the shard's size or missing; False with any partial bytes dropped (streamed from 0) when
+        the link itself fails: the caller streams the shard."""
         if self.done:
             return True
-        self.partial.unlink(missing_ok=True)
         try:
             if os.stat(source).st_size != self.shard.size:
                 return False
+        except OSError:     # no such file: streamed instead, resuming any partial bytes
+            return False
+        self.partial.unlink(missing_ok=True)
+        self.offset = 0
+        try:
             os.link(source, self.partial)
-        except OSError:     # another filesystem, no such file, links refused: streamed instead
-            self.partial.unlink(missing_ok=True)
-            self.offset = 0
+        except OSError:     # another filesystem, links refused: streamed instead, from 0
             return False
         self.offset = self.shard.size
         return True
