@@ -477,7 +477,7 @@ class Trainer:
         else:
             # Each micro-batch's loss (a mean over its own tokens, sequences or pairs) weighted by its share of
             # the batch's: the weighted sum is the batch's mean, so is its gradient.
-            counted = [self._counted(method, batch_items[a:b]) for a, b in parts]
+            counted = [sum(len(s.targets) for s in self._sequences(method, batch_items[a:b])) for a, b in parts]
             normalizers = ([sum(1 for r in batch_items[a:b] if r.sequence.completion_ids) for a, b in parts]
                            if objective is not None and objective.estimator == "gspo"
                            else [b - a for a, b in parts] if method == "dpo" else counted)
@@ -503,11 +503,11 @@ class Trainer:
         return metrics
 
     @staticmethod
-    def _counted(method: str, items: Sequence) -> int:
-        """The scored tokens of ``items`` (a token-mean loss's normalizer)."""
-        seqs = ([r.sequence for r in items] if method == "ppo" else [s for p in items for s in p] if method == "dpo"
-                else items)
-        return sum(len(s.targets) if isinstance(s, ScoredSequence) else len(s.completion_ids) for s in seqs)
+    def _sequences(method: str, items: Sequence) -> list[ScoredSequence]:
+        """The sequences ``method``'s items train on, in their batch's order (DPO: the chosen, then the rejected)."""
+        seqs = ([r.sequence for r in items] if method == "ppo"
+                else [p[0] for p in items] + [p[1] for p in items] if method == "dpo" else items)
+        return [s if isinstance(s, ScoredSequence) else ScoredSequence.of(s) for s in seqs]
 
     def micro_batches(self, method: str, batch_items: Sequence) -> list[tuple[int, int]]:
         """[start, end) ranges of ``batch_items``, consecutive, each of at most TrainConfig.micro_batch_tokens
@@ -517,14 +517,9 @@ class Trainer:
         if limit <= 0:
             return [(0, len(batch_items))]
 
-        def packed(item) -> int:
-            seqs = [item.sequence] if method == "ppo" else list(item) if method == "dpo" else [item]
-            return sum(len(s.input_ids) if isinstance(s, ScoredSequence)
-                       else len(s.prompt_ids) + len(s.completion_ids) - 1 for s in seqs)
-
         parts, start, total = [], 0, 0
         for i, item in enumerate(batch_items):
-            n = packed(item)
+            n = sum(len(s.input_ids) for s in self._sequences(method, [item]))
             if i > start and total + n > limit:
                 parts.append((start, i))
                 start, total = i, 0
@@ -538,14 +533,8 @@ class Trainer:
         """Forward + backward of one (micro-)batch, its loss times ``loss_scale``: its terms (0-dim device
         tensors, nothing read back) and its completion tokens. ``graphs``: from a CUDA graph when the
         trainer has them (a micro-batch after the first adds to the gradients: eager)."""
-        extra: list[torch.Tensor] = []
-        if method == "sft":
-            batch = self.batch_of(batch_items)
-        elif method == "ppo":
-            batch = self.batch_of([r.sequence for r in batch_items])
-            extra = [self._behaviour(batch_items, batch), advantages.to(self.device)]
-        else:
-            batch = self.batch_of([p[0] for p in batch_items] + [p[1] for p in batch_items])
+        batch = self.batch_of(self._sequences(method, batch_items))
+        extra = [self._behaviour(batch_items, batch), advantages.to(self.device)] if method == "ppo" else []
         coef = self.config.indexer_loss_coef
 
         def step(inputs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
