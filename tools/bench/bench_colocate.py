@@ -61,26 +61,45 @@ def model_dir(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path |
     return out
 
 
-class MemoryWatch:
-    """Peak memory of each process of the fleet, by service (a background thread)."""
+class _Sampler:
+    """Calls :meth:`sample` every 0.2 s on a background thread while entered."""
 
-    def __init__(self, services: dict[str, dict], device: str) -> None:
-        self.device = device
-        self.roots = {name: s["pid"] for name, s in services.items() if s.get("pid")}
-        self.peak: dict[str, float] = {}        # service -> peak bytes (sum over its process tree)
-        self.total_peak = 0.0                   # GPU: the device's used memory
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "MemoryWatch":
+    def __enter__(self):  # noqa: ANN204
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(0.2):
+                return
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+class MemoryWatch(_Sampler):
+    """Peak memory of each process of the fleet, by service."""
+
+    def __init__(self, services: dict[str, dict], device: str) -> None:
+        super().__init__()
+        self.device = device
+        self.roots = {name: s["pid"] for name, s in services.items() if s.get("pid")}
+        self.peak: dict[str, float] = {}        # service -> peak bytes (sum over its process tree)
+        self.total_peak = 0.0                   # GPU: the device's used memory
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         if self.device == "cpu":
-            self._sample()
+            self.sample()                       # VmHWM: the peak so far, final at the end
 
     def _tree(self, root: int) -> set[int]:
         children: dict[int, list[int]] = {}
@@ -97,7 +116,7 @@ class MemoryWatch:
             todo += children.get(pid, [])
         return out
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         trees = {name: self._tree(pid) for name, pid in self.roots.items()}
         if self.device == "cpu":
             for name, pids in trees.items():
@@ -128,10 +147,6 @@ class MemoryWatch:
         if used.strip():
             self.total_peak = max(self.total_peak, float(used.strip().splitlines()[0]) * 2**20)
 
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self._sample()
-
 
 def _place(rel: pathlib.PurePath) -> str:
     """Which part of the job a file under the workdir belongs to (the report's breakdown)."""
@@ -155,12 +170,13 @@ def _place(rel: pathlib.PurePath) -> str:
     return "other"
 
 
-class DiskWatch:
+class DiskWatch(_Sampler):
     """Disk the job holds under the workdir (the fleet's TMPDIR is inside it), sampled every 0.2 s: the peak,
     by part at that moment (each file once however many hard links it has), and the peak growth of the
     filesystem's used bytes (statvfs: what the workdir misses, other processes' writes included)."""
 
     def __init__(self, workdir: pathlib.Path) -> None:
+        super().__init__()
         self.workdir = workdir
         self.peak = 0
         self.peak_parts: dict[str, int] = {}
@@ -168,20 +184,10 @@ class DiskWatch:
         self.phase = "start"
         self.fs_start = self._fs_used()
         self.fs_peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _fs_used(self) -> int:
         st = os.statvfs(self.workdir)
         return (st.f_blocks - st.f_bfree) * st.f_frsize
-
-    def __enter__(self) -> "DiskWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def sample(self) -> None:
         parts: dict[str, int] = {}
@@ -202,12 +208,6 @@ class DiskWatch:
         if total > self.peak:
             self.peak, self.peak_parts, self.peak_at = total, parts, self.phase
         self.fs_peak = max(self.fs_peak, self._fs_used() - self.fs_start)
-
-    def _run(self) -> None:
-        while True:
-            self.sample()
-            if self._stop.wait(0.2):
-                return
 
     def report(self, model_bytes: int) -> dict:
         return {"what": "bytes on disk under the workdir (files counted once), sampled every 0.2 s",
