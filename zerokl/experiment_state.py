@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from zerokl.kernels import ops
-from zerokl.kernels.model.fp8 import serving_fp8_model
+from zerokl.kernels.model.fp8 import serving_fp8_model, serving_fp8_state
 from zerokl.kernels.model.model import MoE, Router
 from zerokl.services.rl.loop import RLConfig, Task, as_dict
 from zerokl.services.rl.loop import rl_step as loop_rl_step
@@ -162,7 +162,7 @@ class ArmTrainerPort(LocalTrainerPort):
         """The version's weights in the engine's form."""
         if self.serve_fp8 and not self.trainer.fp8:
             # The industry's FP8 rollouts: the trainer's weights quantized at load (deterministic).
-            return serving_fp8_model(self.trainer.model).state_dict()
+            return serving_fp8_state(self.trainer.model)
         return self.trainer.serving_state_dict()
 
     def grpo_step(self, rollouts, group_size):  # noqa: ANN001, ANN201

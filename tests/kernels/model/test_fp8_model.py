@@ -149,3 +149,21 @@ def test_the_two_fp8_entry_points_agree_from_one_fp32_model():
         assert torch.equal(ours[k], theirs[k]), k
     with torch.no_grad():
         assert torch.equal(trainer(PROMPT), served(PROMPT))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_served_fp8_state_is_the_served_fp8_models_without_building_one(dtype: torch.dtype):
+    """serving_fp8_state (an RL loop's FP8 rollouts of a bf16 trainer, every step) holds the bytes of
+    serving_fp8_model(...).state_dict(), key for key, and shares no storage with the trainer's weights."""
+    from zerokl.kernels.model.fp8 import serving_fp8_model, serving_fp8_state
+    model = Model(ModelConfig.preset("tiny"), seed=0).to(dtype)
+    ours, theirs = serving_fp8_state(model), serving_fp8_model(model).state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        a, b = ours[k], theirs[k]
+        if b.dtype == torch.float8_e4m3fn:
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), k
+        else:                       # the model's dtype: a replica's load rounds it to the served one
+            assert torch.equal(a.to(b.dtype), b), k
+    weights = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert not weights & {t.untyped_storage().data_ptr() for t in ours.values()}
