@@ -135,14 +135,11 @@ def test_sleep_refuses_a_busy_engine_and_a_bad_level() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="a known bug, measured on an H100 at 3d85e50: after sleep the allocator's "
-                   "reserved memory fell 4 MB of the 21 MB released (something still holds the KV cache: the "
-                   "decode graphs' memory pool is the suspect); strict, so the fix shows")
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_on_cuda_releases_device_memory_and_recaptures_graphs_to_the_same_bits(level: int) -> None:
-    """On CUDA (decode graphs captured, overlapped decode): asleep, the engine's device memory is back with the
-    driver; woken (level 2: its weights loaded again), its decode graphs are captured anew on the new cache and
-    every request's tokens and logprobs equal those before it slept."""
+    """On CUDA (decode graphs captured, overlapped decode): asleep, nothing holds what the engine released and it is
+    back with the driver; woken (level 2: its weights loaded again), its decode graphs are captured anew
+    on the new cache and every request's tokens and logprobs equal those before it slept."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model = Model(CONFIG, seed=0, dtype=torch.bfloat16).cuda().eval()
@@ -152,9 +149,13 @@ def test_sleep_on_cuda_releases_device_memory_and_recaptures_graphs_to_the_same_
     before = _run(engine, requests)
     assert engine.runner._graphs                                # decode steps ran from graphs
     torch.cuda.synchronize()
-    held = torch.cuda.memory_reserved()
+    held, live = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     released = engine.sleep(level)
-    assert engine.runner._graphs == {} and torch.cuda.memory_reserved() <= held - released
+    assert engine.runner._graphs == {}
+    assert torch.cuda.memory_allocated() <= live - released     # nothing still holds what it released
+    # ...and it went back to the driver: the dropped graphs' memory pool too, which stays reserved until the graphs
+    # are collected (they sit in reference cycles: sleep runs the cyclic collector before empty_cache).
+    assert torch.cuda.memory_reserved() <= held - released
     if level == 2:
         engine.load_weights(weights, "")
     engine.wake()
