@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--test-problems", type=int_in(1, _UINT32_MAX), default=None,
                    help="held-out countdown problems of the greedy evaluation (default: the Jobs API's, 200)")
     s.add_argument("--batch-size", type=int_in(1, _UINT32_MAX), default=32, help="sft: completions per step")
-    s.add_argument("--checkpoint-every", type=int_in(1, _UINT32_MAX), default=10,
-                   help="rl: record the trainer state (a resume point) every N steps and at the last; the other "
-                        "steps' versions are recorded weights only (default %(default)s)")
+    s.add_argument("--checkpoint-every", type=int_in(0, _UINT32_MAX), default=10,
+                   help="rl: record the trainer state (a resume point) every N steps and at the first and last; the "
+                        "other steps' versions are recorded weights only; 0: never (no resume point: a trainer "
+                        "restart fails the job) (default %(default)s)")
     s.add_argument("--lr", type=_learning_rate, default=0.0,
                    help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")

@@ -222,7 +222,8 @@ async def run_job(args: argparse.Namespace, services: dict[str, dict], result: d
     from zerokl.services.jobs.service import JobsClient
     spec = RLJobSpec(steps=args.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=args.prompts,
                      group_size=args.group, max_tokens=args.max_tokens, seed=args.seed, eval_every=0,
-                     reward="vowel_share", ignore_eos=True, learning_rate=args.lr)
+                     reward="vowel_share", ignore_eos=True, learning_rate=args.lr,
+                     checkpoint_every=args.checkpoint_every)
     async with JobsClient(services["scheduler"]["address"]) as jobs:
         job = await jobs.submit(spec, "bench-colocate")
         async for ev in jobs.watch(job.job_id):
@@ -259,6 +260,10 @@ def main() -> int:
     ap.add_argument("--sleep-level", type=int, choices=(1, 2), default=2)
     ap.add_argument("--master-weights", choices=("auto", "on", "off"), default=None,
                     help="the trainer's fp32 masters (default: off for glm5, auto otherwise)")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="the job records the trainer state every N steps and at its first and last; 0: never, "
+                         "every version weights only (default: 0 for glm5, whose trainer state the disk cannot "
+                         "hold, 10 otherwise)")
     ap.add_argument("--num-blocks", type=int, default=None, help="replica KV blocks (default: enough for the batch)")
     ap.add_argument("--workdir", default=None, help="the fleet's workdir (default /tmp/bench-colocate-PRESET)")
     ap.add_argument("--out", default=None, help="JSON (default docs/bench/colocate-PRESET-DEVICE.json)")
@@ -267,6 +272,8 @@ def main() -> int:
     if args.layers is None and args.preset == "glm5":
         args.layers = 2
     master = args.master_weights or ("off" if args.preset == "glm5" else "auto")
+    if args.checkpoint_every is None:
+        args.checkpoint_every = 0 if args.preset == "glm5" else 10
     name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}"
     workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
@@ -292,7 +299,8 @@ def main() -> int:
         env["CUDA_VISIBLE_DEVICES"] = args.gpu
     result: dict = {"meta": {"preset": args.preset, "layers": args.layers, "device": args.device, "steps": args.steps,
                              "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
-                             "sleep_level": args.sleep_level, "master_weights": master, "argv": argv[2:]},
+                             "sleep_level": args.sleep_level, "master_weights": master,
+                             "checkpoint_every": args.checkpoint_every, "argv": argv[2:]},
                     "steps": []}
     print("starting:", " ".join(argv[2:]), flush=True)
     disk.phase = "fleet start"

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from zerokl.v1 import trainer_pb2 as zerokl_dot_v1_dot_trainer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14zerokl/v1/jobs.proto\x12\tzerokl.v1\x1a\x17zerokl/v1/trainer.proto\"L\n\rCountdownTask\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\x16\n\x0etrain_problems\x18\x02 \x01(\r\x12\x15\n\rtest_problems\x18\x03 \x01(\r\"\xb0\x01\n\x06SFTJob\x12-\n\tcountdown\x18\x01 \x01(\x0b\x32\x18.zerokl.v1.CountdownTaskH\x00\x12\'\n\x08\x65xamples\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.SFTBatchH\x00\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x15\n\rpublish_every\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x42\x06\n\x04\x64\x61ta\"t\n\x06\x44POJob\x12\"\n\x05pairs\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.DPOBatch\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rpublish_every\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\xda\x02\n\x05RLJob\x12+\n\tcountdown\x18\x01 \x01(\x0b\x32\x18.zerokl.v1.CountdownTask\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x18\n\x10prompts_per_step\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x15\n\rmax_staleness\x18\t \x01(\r\x12\x12\n\neval_every\x18\n \x01(\r\x12\x14\n\x0c\x65val_prompts\x18\x0b \x01(\r\x12\x18\n\x10\x63heckpoint_every\x18\x0c \x01(\r\x12\x0e\n\x06reward\x18\r \x01(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"\xc7\x01\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x03sft\x18\x02 \x01(\x0b\x32\x11.zerokl.v1.SFTJobH\x00\x12 \n\x03\x64po\x18\x03 \x01(\x0b\x32\x11.zerokl.v1.DPOJobH\x00\x12\x1e\n\x02rl\x18\x04 \x01(\x0b\x32\x10.zerokl.v1.RLJobH\x00\x12\x15\n\rlearning_rate\x18\x05 \x01(\x01\x12,\n\x0ctrain_config\x18\x06 \x01(\x0b\x32\x16.zerokl.v1.TrainConfigB\x05\n\x03job\"\xe7\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.zerokl.v1.JobState\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\r\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12,\n\x0ctrain_config\x18\n \x01(\x0b\x32\x16.zerokl.v1.TrainConfig\"\x9a\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.zerokl.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"V\n\x08JobEvent\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.zerokl.v1.JobStatus\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x16.zerokl.v1.StepMetrics\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"6\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.zerokl.v1.JobStatus*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\x81\x02\n\x04Jobs\x12\x35\n\tSubmitJob\x12\x12.zerokl.v1.JobSpec\x1a\x14.zerokl.v1.JobStatus\x12=\n\x08WatchJob\x12\x1a.zerokl.v1.WatchJobRequest\x1a\x13.zerokl.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1b.zerokl.v1.CancelJobRequest\x1a\x14.zerokl.v1.JobStatus\x12\x43\n\x08ListJobs\x12\x1a.zerokl.v1.ListJobsRequest\x1a\x1b.zerokl.v1.ListJobsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14zerokl/v1/jobs.proto\x12\tzerokl.v1\x1a\x17zerokl/v1/trainer.proto\"L\n\rCountdownTask\x12\x0c\n\x04seed\x18\x01 \x01(\x04\x12\x16\n\x0etrain_problems\x18\x02 \x01(\r\x12\x15\n\rtest_problems\x18\x03 \x01(\r\"\xb0\x01\n\x06SFTJob\x12-\n\tcountdown\x18\x01 \x01(\x0b\x32\x18.zerokl.v1.CountdownTaskH\x00\x12\'\n\x08\x65xamples\x18\x02 \x01(\x0b\x32\x13.zerokl.v1.SFTBatchH\x00\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\x12\x15\n\rpublish_every\x18\x05 \x01(\r\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x42\x06\n\x04\x64\x61ta\"t\n\x06\x44POJob\x12\"\n\x05pairs\x18\x01 \x01(\x0b\x32\x13.zerokl.v1.DPOBatch\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x12\n\nbatch_size\x18\x03 \x01(\r\x12\x15\n\rpublish_every\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"\xf4\x02\n\x05RLJob\x12+\n\tcountdown\x18\x01 \x01(\x0b\x32\x18.zerokl.v1.CountdownTask\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x18\n\x10prompts_per_step\x18\x03 \x01(\r\x12\x12\n\ngroup_size\x18\x04 \x01(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x15\n\rmax_staleness\x18\t \x01(\r\x12\x12\n\neval_every\x18\n \x01(\r\x12\x14\n\x0c\x65val_prompts\x18\x0b \x01(\r\x12\x1d\n\x10\x63heckpoint_every\x18\x0c \x01(\rH\x02\x88\x01\x01\x12\x0e\n\x06reward\x18\r \x01(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x13\n\x11_checkpoint_every\"\xc7\x01\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x03sft\x18\x02 \x01(\x0b\x32\x11.zerokl.v1.SFTJobH\x00\x12 \n\x03\x64po\x18\x03 \x01(\x0b\x32\x11.zerokl.v1.DPOJobH\x00\x12\x1e\n\x02rl\x18\x04 \x01(\x0b\x32\x10.zerokl.v1.RLJobH\x00\x12\x15\n\rlearning_rate\x18\x05 \x01(\x01\x12,\n\x0ctrain_config\x18\x06 \x01(\x0b\x32\x16.zerokl.v1.TrainConfigB\x05\n\x03job\"\xe7\x01\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\"\n\x05state\x18\x04 \x01(\x0e\x32\x13.zerokl.v1.JobState\x12\x0c\n\x04step\x18\x05 \x01(\r\x12\x13\n\x0btotal_steps\x18\x06 \x01(\r\x12\x17\n\x0fweights_version\x18\x07 \x01(\t\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x11\n\telapsed_s\x18\t \x01(\x01\x12,\n\x0ctrain_config\x18\n \x01(\x0b\x32\x16.zerokl.v1.TrainConfig\"\x9a\x01\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\x17\n\x0fweights_version\x18\x02 \x01(\t\x12\x34\n\x07metrics\x18\x03 \x03(\x0b\x32#.zerokl.v1.StepMetrics.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"V\n\x08JobEvent\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.zerokl.v1.JobStatus\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x16.zerokl.v1.StepMetrics\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x11\n\x0fListJobsRequest\"6\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.zerokl.v1.JobStatus*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\x81\x02\n\x04Jobs\x12\x35\n\tSubmitJob\x12\x12.zerokl.v1.JobSpec\x1a\x14.zerokl.v1.JobStatus\x12=\n\x08WatchJob\x12\x1a.zerokl.v1.WatchJobRequest\x1a\x13.zerokl.v1.JobEvent0\x01\x12>\n\tCancelJob\x12\x1b.zerokl.v1.CancelJobRequest\x1a\x14.zerokl.v1.JobStatus\x12\x43\n\x08ListJobs\x12\x1a.zerokl.v1.ListJobsRequest\x1a\x1b.zerokl.v1.ListJobsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._loaded_options = None
   _globals['_STEPMETRICS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1612
-  _globals['_JOBSTATE']._serialized_end=1766
+  _globals['_JOBSTATE']._serialized_start=1638
+  _globals['_JOBSTATE']._serialized_end=1792
   _globals['_COUNTDOWNTASK']._serialized_start=60
   _globals['_COUNTDOWNTASK']._serialized_end=136
   _globals['_SFTJOB']._serialized_start=139
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DPOJOB']._serialized_start=317
   _globals['_DPOJOB']._serialized_end=433
   _globals['_RLJOB']._serialized_start=436
-  _globals['_RLJOB']._serialized_end=782
-  _globals['_JOBSPEC']._serialized_start=785
-  _globals['_JOBSPEC']._serialized_end=984
-  _globals['_JOBSTATUS']._serialized_start=987
-  _globals['_JOBSTATUS']._serialized_end=1218
-  _globals['_STEPMETRICS']._serialized_start=1221
-  _globals['_STEPMETRICS']._serialized_end=1375
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=1329
-  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=1375
-  _globals['_JOBEVENT']._serialized_start=1377
-  _globals['_JOBEVENT']._serialized_end=1463
-  _globals['_WATCHJOBREQUEST']._serialized_start=1465
-  _globals['_WATCHJOBREQUEST']._serialized_end=1498
-  _globals['_CANCELJOBREQUEST']._serialized_start=1500
-  _globals['_CANCELJOBREQUEST']._serialized_end=1534
-  _globals['_LISTJOBSREQUEST']._serialized_start=1536
-  _globals['_LISTJOBSREQUEST']._serialized_end=1553
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1555
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1609
-  _globals['_JOBS']._serialized_start=1769
-  _globals['_JOBS']._serialized_end=2026
+  _globals['_RLJOB']._serialized_end=808
+  _globals['_JOBSPEC']._serialized_start=811
+  _globals['_JOBSPEC']._serialized_end=1010
+  _globals['_JOBSTATUS']._serialized_start=1013
+  _globals['_JOBSTATUS']._serialized_end=1244
+  _globals['_STEPMETRICS']._serialized_start=1247
+  _globals['_STEPMETRICS']._serialized_end=1401
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_start=1355
+  _globals['_STEPMETRICS_METRICSENTRY']._serialized_end=1401
+  _globals['_JOBEVENT']._serialized_start=1403
+  _globals['_JOBEVENT']._serialized_end=1489
+  _globals['_WATCHJOBREQUEST']._serialized_start=1491
+  _globals['_WATCHJOBREQUEST']._serialized_end=1524
+  _globals['_CANCELJOBREQUEST']._serialized_start=1526
+  _globals['_CANCELJOBREQUEST']._serialized_end=1560
+  _globals['_LISTJOBSREQUEST']._serialized_start=1562
+  _globals['_LISTJOBSREQUEST']._serialized_end=1579
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1581
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1635
+  _globals['_JOBS']._serialized_start=1795
+  _globals['_JOBS']._serialized_end=2052
 # @@protoc_insertion_point(module_scope)

@@ -10,6 +10,7 @@ a step that fails after the fleet slept (its version fails the canary) leaves th
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import urllib.request
 
@@ -75,6 +76,27 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         assert len(served.samples[0].token_ids) == 4
         assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
 
+        # checkpoint_every 0, the setting of a model whose trainer state the disk cannot hold: the job records no
+        # trainer state at all (its start, its steps, its last), every version it records is weights only, and
+        # it runs as the others do: KL 0.0, and its last version durable and served.
+        async def without_trainer_state():
+            async with JobsClient(address) as jobs:
+                job = await jobs.submit(RLJobSpec(steps=2, countdown=TASK, prompts_per_step=2, group_size=4,
+                                                  max_tokens=10, seed=5, eval_every=0, reward="vowel_share",
+                                                  ignore_eos=True, checkpoint_every=0), "no-trainer-state")
+                return [ev async for ev in jobs.watch(job.job_id)]
+        plain = asyncio.run(without_trainer_state())
+        assert plain[-1].status.state is JobState.SUCCEEDED, plain[-1].status.error
+        plain_steps = [ev for ev in plain if ev.step is not None]
+        assert [ev.metrics["kl"] for ev in plain_steps] == [0.0, 0.0]
+        assert all(ev.metrics["grad_norm"] > 0 for ev in plain_steps)
+        assert [ev.metrics["checkpoint"] for ev in plain_steps] == [0.0, 0.0]
+        manifests = tmp_path / "up" / "weights" / "manifests"
+        recorded = [json.loads((manifests / f"{ev.weights_version}.json").read_text())
+                    for ev in plain_steps if (manifests / f"{ev.weights_version}.json").exists()]
+        assert recorded and recorded[-1]["version"] == plain_steps[-1].weights_version
+        assert {m["metadata"]["zerokl.trainer_state"] for m in recorded} == {"none"}
+
         # A step that fails after the fleet slept (its version fails the canary: AdamW moments of 1e20 loaded by
         # hand, as in test_jobs_bf16) leaves the fleet awake on the version the job started from.
         async def poisoned():
@@ -94,4 +116,4 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         assert final.state is JobState.FAILED and "failed its canary" in final.error, final
         assert after.weights_version == final.weights_version and len(after.samples[0].token_ids) == 4
         assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
-        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps + 1
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps + 2 + 1

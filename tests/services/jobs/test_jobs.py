@@ -28,8 +28,10 @@ from zerokl.services.jobs.manager import (
     JobState,
     RLJobSpec,
     SFTJobSpec,
+    validate,
 )
 from zerokl.services.jobs.service import JobsClient
+from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime import field_violations
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
@@ -333,6 +335,18 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
         want = reference.result()
     assert served.keys() == want.keys()
     assert all(torch.equal(served[k], want[k]) for k in want)
+
+
+def test_an_rl_specs_checkpoint_every_of_0_crosses_the_api_and_unset_is_the_default() -> None:
+    """0 (never record the trainer state) is a value of its own on the wire, not proto3's unset: an old client that
+    never sets the field still gets the default, 10."""
+    from zerokl.services.jobs.service import spec_from_proto, spec_to_proto
+    never = RLJobSpec(steps=2, checkpoint_every=0)
+    assert spec_from_proto(spec_to_proto(never)).checkpoint_every == 0
+    unset = spec_from_proto(jobs_pb2.JobSpec(rl=jobs_pb2.RLJob(steps=2)))
+    assert unset.checkpoint_every == RLJobSpec(1).checkpoint_every == 10
+    with pytest.raises(InvalidArgument, match="rl.checkpoint_every"):
+        validate(RLJobSpec(steps=2, checkpoint_every=-1))
 
 
 def test_an_sft_spec_naming_no_data_defaults_to_countdown_as_rl_does() -> None:

@@ -145,8 +145,11 @@ class RLJobSpec(RLConfig):
     learning_rate: float = 0.0
     train_config: TrainConfig | None = None
     # The trainer state (fp32 masters, AdamW moments, counters: a resume point) is recorded every N steps
-    # and at the job's last; the other steps' versions are recorded weights only (audit, replicas that
-    # read the store). A trainer restart redoes the steps since the newest recorded checkpoint.
+    # and at the job's first (when it started on no resume point) and last; the other steps' versions are
+    # recorded weights only (audit, replicas that read the store). A trainer restart redoes the steps since
+    # the newest recorded checkpoint. 0: never: every version weights only (the start's too), no resume point,
+    # so a trainer restart fails the job (the trainer comes back on its run's newest resume point, from before
+    # the job): what a model whose trainer state would not fit the store's disk runs with.
     checkpoint_every: int = 10
     # The reward (zerokl.tasks.synthetic.REWARDS): "countdown" (TinyZero's), or "vowel_share", a synthetic
     # reward any policy earns some of (for measuring the loop: zerokl/tasks/synthetic.py), with ignore_eos
@@ -206,8 +209,8 @@ def validate(spec: JobSpec) -> None:
             raise InvalidArgument.field(f"rl.{err.field}", str(err)) from None
         if spec.temperature == 0.0:
             raise InvalidArgument.field("rl.temperature", "RL samples need temperature > 0 (0 is greedy)")
-        if spec.checkpoint_every < 1:
-            raise InvalidArgument.field("rl.checkpoint_every", f"must be >= 1, got {spec.checkpoint_every}")
+        if spec.checkpoint_every < 0:
+            raise InvalidArgument.field("rl.checkpoint_every", f"must be >= 0 (0: never), got {spec.checkpoint_every}")
         from zerokl.tasks.synthetic import REWARDS
         if spec.reward not in REWARDS:
             raise InvalidArgument.field("rl.reward", f"{spec.reward!r} is none of {', '.join(REWARDS)}")
@@ -779,6 +782,12 @@ class _TrainerSession:
     def _call(self, coro: Awaitable[T]) -> T:
         return self.manager._call(coro)
 
+    @property
+    def _resume_points(self) -> bool:
+        """Whether the job records the trainer state at all (an RL job with checkpoint_every 0 does not)."""
+        spec = self.job.spec
+        return not isinstance(spec, RLJobSpec) or spec.checkpoint_every > 0
+
     def _sleep(self, seconds: float) -> None:
         if self.job.cancel.wait(seconds):
             raise JobCancelled()
@@ -800,7 +809,7 @@ class _TrainerSession:
         if isinstance(self.job.spec, RLJobSpec) and self.job.spec.train_config is None:
             self._show_train_config(state.config)
             return self._start_shared()
-        manifest, created = self._save()
+        manifest, created = self._save(weights_only=not self._resume_points)
         if created and manifest.version != self.served:
             self.unswitched = manifest.version      # this job's own: a failure before the fleet serves it deletes it
         if self.job.spec.train_config is not None:
@@ -832,7 +841,7 @@ class _TrainerSession:
         every step's (the job's first steps train meanwhile). Until it lands the job has no resume point of its
         own: a trainer that restarts before then comes back on an older durable version, and the job fails
         saying so (the store lost nothing; the next job starts from that version)."""
-        manifest, created, shared = self._call(self.client.share_weights())
+        manifest, created, shared = self._call(self.client.share_weights(weights_only=not self._resume_points))
         # this job's own when created: a failure before the fleet serves it deletes it
         self._serve_shared(manifest, shared, own=created and manifest.version != self.served, step=0,
                            checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
@@ -881,6 +890,12 @@ class _TrainerSession:
         """The trainer holds ``resumed`` (it restarted, or was rolled back): bring it to the version the fleet
         serves by redoing the kept steps after ``resumed``."""
         # The job's start version counts once the trainer resumed from it: a trainer resumes only from the store.
+        if not self._resume_points:
+            if resumed == self.weights_version:
+                return              # at the version the fleet serves already (its start): nothing to redo
+            raise FailedPrecondition(f"the trainer resumed from {resumed}; this job records no trainer state "
+                                     "(checkpoint_every 0), so it cannot redo its steps: the next job starts from "
+                                     "the newest durable version")
         chain = [self.checkpoint or self.durability.first_checkpoint(pending=True), *(s.version for s in self._kept)]
         if resumed not in chain:
             since = (f"{self.checkpoint} (its newest recorded checkpoint)" if self.checkpoint else
@@ -945,13 +960,13 @@ class _TrainerSession:
         self._sleep(1.0)
         return deadline
 
-    def _save(self) -> tuple[WeightsManifest, bool]:
-        """SaveWeights, retried while the weight store is out; UNAVAILABLE when the trainer restarted meanwhile;
-        (manifest, created)."""
+    def _save(self, weights_only: bool = False) -> tuple[WeightsManifest, bool]:
+        """SaveWeights (``weights_only``: without the trainer state), retried while the weight store is out;
+        UNAVAILABLE when the trainer restarted meanwhile; (manifest, created)."""
         deadline = None
         while True:
             try:
-                return self._call(self.client.save_weights())
+                return self._call(self.client.save_weights(weights_only=weights_only))
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _OUTAGE:
                     raise
@@ -1153,6 +1168,8 @@ class _TrainerSession:
         job, its last, the one a cancel stops it after, and its first when it started with no resume point."""
         spec = self.job.spec
         assert isinstance(spec, RLJobSpec)
+        if not spec.checkpoint_every:
+            return False            # never: the job records no trainer state
         done = self.trainer_step - self.base_step
         unresumable = not self.checkpoint and not self.durability.first_checkpoint(pending=True) \
             and all(step.weights_only for step in self._kept)
@@ -1167,8 +1184,9 @@ class _TrainerSession:
         nbytes, exported, checksum = self.publish_shared(weights_only)
         done = time.perf_counter()
         sync_s = done - optimized
-        self._kept.append(_SharedStep(parent, self.weights_version, tuple(rollouts), group_size, weights_only,
-                                      checksum))
+        if self._resume_points:     # steps a trainer restart redoes from the newest resume point
+            self._kept.append(_SharedStep(parent, self.weights_version, tuple(rollouts), group_size, weights_only,
+                                          checksum))
         # Bytes of the serving weights each replica received, and the rate of the whole sync; the sync split
         # into the trainer's SaveWeights(share) and the fleet's switch (canary included).
         self._last = {**last, "sync_s": sync_s, "sync_bytes": float(nbytes),

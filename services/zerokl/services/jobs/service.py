@@ -117,7 +117,7 @@ def _spec_from_proto(msg: jobs_pb2.JobSpec) -> JobSpec:
             temperature=m.temperature if m.HasField("temperature") else d.temperature,
             top_p=m.top_p if m.HasField("top_p") else d.top_p, seed=m.seed, max_staleness=m.max_staleness,
             eval_every=m.eval_every, eval_prompts=m.eval_prompts or d.eval_prompts, learning_rate=msg.learning_rate,
-            checkpoint_every=m.checkpoint_every or d.checkpoint_every, reward=m.reward or d.reward,
+            checkpoint_every=m.checkpoint_every if m.HasField("checkpoint_every") else d.checkpoint_every, reward=m.reward or d.reward,
             ignore_eos=m.ignore_eos)
     raise InvalidArgument.field("job", "set one of sft, dpo, rl")
 
