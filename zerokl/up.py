@@ -632,7 +632,8 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
         t = Child("trainer", "trainer", _free_port(), [], logs / "trainer.log", required=False)
         # The trainer's forward in the fleet's dtype, as the replicas serve it (an FP8 fleet's on the FP8
         # forward, from a non-FP8 --model too): one fingerprint for the whole fleet (_check_exact).
-        t.flags = ["--weight-store", store.address, "--init", version, *dtype, *threads, "--port", str(t.port),
+        t.flags = ["--weight-store", store.address, "--weight-store-root", str(workdir / "weights"), "--init", version,
+                   *dtype, *threads, "--port", str(t.port),
                    "--replica-id", "trainer", *(["--offload-optimizer"] if args.colocate else []), *common,
                    *args.trainer_flag]
         children.append(t)

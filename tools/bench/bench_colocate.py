@@ -17,7 +17,8 @@ The slice (--preset glm5 --layers 2: 12.2 B parameters, 22.7 GiB in bf16) is wri
 the peak disk under it is reported by part (measured on the CPU: 9.4x the model's bf16 bytes at the last step's
 checkpoint with --master-weights off: the store's first version, the job start's resume point and the last one's
 bf16 AdamW moments, the record process's delta base and the checkpoint's files, the store's decoded cache; the
-replica's copy is hard links into the store): ~213 GiB for the slice, more than a 64 GiB machine
+replica's copy is hard links into the store; 4.0x with --checkpoint-every 0, the slice's default, and the record
+process's first base linked from the store): ~91 GiB for the slice, more than a 64 GiB machine
 has (run it on a host with more disk, --gpu picking one of its GPUs). Its trainer defaults to
 --master-weights off: fp32 masters (45 GiB) and their AdamW moments (91 GiB) fit neither an 80 GB GPU nor a
 128 GB host; bf16 moments (45 GiB) live on the host. A run longer than a device call's 10 minutes goes in the

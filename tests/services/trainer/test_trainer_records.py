@@ -14,9 +14,10 @@ import pathlib
 import pytest
 import torch
 
-from zerokl.kernels.model import Model
+from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.trainer import TrainConfig
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
+from zerokl.services.weightstore.store import VersionSpec
 from zerokl.services.weightstore.sync import open_shared
 
 from test_trainer_service import _flags, _prompts, _rollouts, trainer_server
@@ -59,4 +60,29 @@ def test_records_after_the_first_are_deltas_that_read_back_bit_for_bit(tmp_path:
         async with trainer_server(tmp_path / "w", *FLAGS) as (client, service):
             state = await client.get_state()
             assert (state.step, state.weights_version) == (3, later[-1].version)
+    asyncio.run(main())
+
+
+def test_the_first_record_of_a_trainer_started_from_a_stored_version_is_a_delta_against_it(
+        tmp_path: pathlib.Path) -> None:
+    """The record process's first base is the version the trainer started from, read from the store (hard links
+    from a local one): the first record goes as a delta against it too, not whole, and reads back bit for bit."""
+    store = VersionStore(LocalDirBackend(tmp_path / "w"))
+    (tmp_path / "v0").mkdir()
+    Model(ModelConfig.preset("tiny"), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
+    store.publish_dir(tmp_path / "v0", "start-v0", VersionSpec())
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *FLAGS, "--init", "start-v0") as (client, service):
+            version = (await client.get_state()).weights_version
+            assert version == "start-v0"
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 1), version), 4)
+            manifest, _, desc = await client.share_weights(weights_only=True)
+            shared = {k: v.clone() for k, v in open_shared(desc).items()}
+            recorded = (await client.record_weights(manifest.version)).manifest
+        shard = recorded.shard(MODEL)
+        assert (shard.base, shard.depth) == ("start-v0", 1) and shard.stored_bytes < 0.5 * shard.size
+        store.fetch(recorded.version, tmp_path / "read")
+        loaded = Model.from_pretrained(tmp_path / "read").state_dict()
+        assert all(torch.equal(loaded[k], shared[k]) for k in shared)
     asyncio.run(main())

@@ -70,7 +70,7 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
-from zerokl.services.weightstore.client import UploadBase, WeightStoreClient
+from zerokl.services.weightstore.client import UploadBase, WeightStoreClient, is_serving_file
 from zerokl.services.runtime.server import create_channel, peer_credentials
 from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
@@ -410,7 +410,7 @@ class WeightsRepo(Protocol):
     async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
                           base: UploadBase | None = None) -> WeightsManifest: ...
 
-    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest: ...
+    async def fetch(self, version: str, dest: pathlib.Path, serving_only: bool = False) -> WeightsManifest: ...
 
     async def manifest(self, version: str) -> WeightsManifest: ...
 
@@ -439,8 +439,15 @@ class LocalWeights:
         return await asyncio.to_thread(self.store.publish_dir, src, version, spec,
                                        (base.manifest.version, base.directory) if base is not None else None)
 
-    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
-        return await asyncio.to_thread(self.store.fetch, version, dest)
+    async def fetch(self, version: str, dest: pathlib.Path, serving_only: bool = False) -> WeightsManifest:
+        def fetch() -> WeightsManifest:
+            manifest = self.store.fetch(version, dest)      # local files: hard links where they are whole
+            if serving_only:
+                for shard in manifest.shards:
+                    if not is_serving_file(shard.name):
+                        (pathlib.Path(dest) / shard.name).unlink(missing_ok=True)
+            return manifest
+        return await asyncio.to_thread(fetch)
 
     async def manifest(self, version: str) -> WeightsManifest:
         return await asyncio.to_thread(self.store.get_manifest, version)
@@ -478,12 +485,15 @@ _OUTAGE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEE
 
 
 class RemoteWeights:
-    """A weight-store service over gRPC, through ``channel`` (closed by :meth:`close`)."""
+    """A weight-store service over gRPC, through ``channel`` (closed by :meth:`close`). ``local_root``: the
+    store's directory when this host sees it (``--weight-store-root``): fetched files it holds whole are hard links
+    to its copies (checked against the manifest as streamed ones are), not second copies on the disk."""
 
-    def __init__(self, channel: grpc.aio.Channel, target: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, target: str, local_root: pathlib.Path | None = None) -> None:
         self.channel = channel
         self.client = WeightStoreClient(channel=channel)
         self.target = target
+        self.local_root = local_root
 
     def describe(self) -> str:
         return f"weight-store {self.target}"
@@ -510,8 +520,9 @@ class RemoteWeights:
             numerics_version=spec.numerics_version, numerics_fingerprint=spec.numerics_fingerprint,
             model_config=spec.model_config, metadata=spec.metadata, base=base))
 
-    async def fetch(self, version: str, dest: pathlib.Path) -> WeightsManifest:
-        return await self._call(lambda: self.client.fetch(version, dest))
+    async def fetch(self, version: str, dest: pathlib.Path, serving_only: bool = False) -> WeightsManifest:
+        return await self._call(lambda: self.client.fetch(version, dest, serving_only=serving_only,
+                                                          local_root=self.local_root))
 
     async def manifest(self, version: str) -> WeightsManifest:
         return await self._call(lambda: self.client.manifest(version))
@@ -661,7 +672,8 @@ async def open_repo(args: argparse.Namespace) -> WeightsRepo:
             await channel.close()
             raise SystemExit(f"--weight-store {args.weight_store}: no answer within "
                              f"{args.weight_store_wait}s") from None
-        return RemoteWeights(channel, args.weight_store)
+        root = getattr(args, "weight_store_root", None)
+        return RemoteWeights(channel, args.weight_store, pathlib.Path(root) if root else None)
     from zerokl.services.weightstore.server import DEFAULT_ROOT     # (the store's server, not imported by it)
     return LocalWeights(VersionStore(LocalDirBackend(args.weights_dir or DEFAULT_ROOT)))
 

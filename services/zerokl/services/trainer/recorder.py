@@ -40,7 +40,8 @@ from zerokl.kernels.model import ModelConfig
 from zerokl.services.lifetime import die_with_parent
 from zerokl.services.runtime import errors
 from zerokl.services.runtime.errors import Internal, ServiceError
-from zerokl.services.trainer.checkpointing import CheckpointSnapshot, open_repo, publish_checkpoint, write_snapshot
+from zerokl.services.trainer.checkpointing import (CheckpointSnapshot, WeightsRepo, open_repo, publish_checkpoint,
+                                                   write_snapshot)
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
@@ -96,6 +97,23 @@ class DeltaBases:
                 self._retired.add(self.current.directory)
             self.current, self._step = UploadBase(manifest, directory), step
         await self._collect()
+
+    async def start_from(self, repo: WeightsRepo, version: str) -> None:
+        """No base yet (the process's first record): the serving files of ``version`` (the record's parent: the
+        version the trainer started from) fetched from the store as the base, so the first record goes as a delta
+        too instead of whole. From a store on this host's disk (``--weight-store-root``) they are hard links: no
+        bytes. A parent the store does not hold (never recorded, superseded, deleted) leaves no base."""
+        if self.current is not None or not version:
+            return
+        directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-base-"))
+        try:
+            manifest = await repo.fetch(version, directory, serving_only=True)
+        except (ServiceError, OSError) as err:
+            shutil.rmtree(directory, True)
+            log.info("record process: no delta base from %s (%s); the first record goes whole", version,
+                     getattr(err, "message", None) or err)
+            return
+        await self.offer(-1, manifest, directory)
 
     async def close(self) -> None:
         if self.current is not None:
@@ -219,6 +237,8 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
                 elif kind == "upload":
                     _, directory, name, spec, step = request
                     path = pathlib.Path(directory)
+                    if deltas:
+                        await bases.start_from(repo, spec.parent_version)
                     async with bases.use() as base:
                         manifest, _ = await publish_checkpoint(repo, path, name, spec, base if deltas else None)
                     await bases.offer(step, manifest, path)

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--weights-dir", metavar="DIR", default=None,
                        help="local version directory used in-process (default $ZEROKL_WEIGHTS_DIR or "
                             "~/.zerokl/weights)")
+    s.add_argument("--weight-store-root", metavar="DIR", default=None,
+                   help="with --weight-store: the store's own directory (its --root) when this host sees it; the "
+                        "trainer's fetches then hard-link the files it holds whole instead of copying them (each "
+                        "checked against the manifest; `zerokl up` sets it)")
     s.add_argument("--weight-store-wait", type=float, default=30.0,
                    help="seconds to wait for the weight-store service to answer at start (default %(default)s)")
     t = p.add_argument_group("training (a resumed run keeps its own)")
