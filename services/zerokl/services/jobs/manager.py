@@ -894,8 +894,7 @@ class _TrainerSession:
             if resumed == self.weights_version:
                 return              # at the version the fleet serves already (its start): nothing to redo
             raise FailedPrecondition(f"the trainer resumed from {resumed}; this job records no trainer state "
-                                     "(checkpoint_every 0), so it cannot redo its steps: the next job starts from "
-                                     "the newest durable version")
+                                     f"(checkpoint_every 0), so it cannot redo its steps up to {self.weights_version}")
         chain = [self.checkpoint or self.durability.first_checkpoint(pending=True), *(s.version for s in self._kept)]
         if resumed not in chain:
             since = (f"{self.checkpoint} (its newest recorded checkpoint)" if self.checkpoint else
