@@ -86,3 +86,22 @@ def test_the_first_record_of_a_trainer_started_from_a_stored_version_is_a_delta_
         loaded = Model.from_pretrained(tmp_path / "read").state_dict()
         assert all(torch.equal(loaded[k], shared[k]) for k in shared)
     asyncio.run(main())
+
+
+def test_records_sent_whole_leave_no_files_behind(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--record-deltas off: nothing is a delta base, so once the store holds a record the record process keeps none
+    of its files (with deltas it keeps the newest record's serving files, the next one's base)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *FLAGS, "--record-deltas", "off") as (client, service):
+            version = (await client.get_state()).weights_version
+            for step in range(1, 3):
+                await client.grpo_step(_rollouts(service.trainer, _prompts(2, step), version), 4)
+                manifest, _, _ = await client.share_weights(weights_only=True)
+                version = manifest.version
+                recorded = (await client.record_weights(version)).manifest
+                assert recorded.shard(MODEL).base == ""
+                assert not list((tmp_path / "tmp").glob("zerokl-trainer-record-*")), step
+    asyncio.run(main())

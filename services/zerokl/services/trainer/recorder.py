@@ -241,7 +241,10 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
                         await bases.start_from(repo, spec.parent_version)
                     async with bases.use() as base:
                         manifest, _ = await publish_checkpoint(repo, path, name, spec, base if deltas else None)
-                    await bases.offer(step, manifest, path)
+                    if deltas:
+                        await bases.offer(step, manifest, path)     # the next record's base
+                    else:
+                        await asyncio.to_thread(shutil.rmtree, path, True)  # no base kept: the files are the store's
                     reply = ("ok", manifest)
                 else:
                     reply = ("error", f"unknown request {kind!r}")
