@@ -167,3 +167,12 @@ def test_the_served_fp8_state_is_the_served_fp8_models_without_building_one(dtyp
             assert torch.equal(a.to(b.dtype), b), k
     weights = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
     assert not weights & {t.untyped_storage().data_ptr() for t in ours.values()}
+    # A trainer's FP8 model: its own serving bytes, copied too.
+    from zerokl.kernels.model.fp8 import serving_state_dict, trainable_fp8
+    trainer = trainable_fp8(model)
+    served = serving_fp8_state(trainer)
+    assert all(torch.equal(served[k].view(torch.uint8) if served[k].dtype == torch.float8_e4m3fn else served[k],
+                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v)
+               for k, v in serving_state_dict(trainer).items())
+    weights = {t.untyped_storage().data_ptr() for t in trainer.state_dict().values()}
+    assert not weights & {t.untyped_storage().data_ptr() for t in served.values()}

@@ -142,12 +142,12 @@ def serving_fp8_model(model: nn.Module) -> nn.Module:
 def serving_fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """What a replica serving `model` in FP8 loads, without building a model: the trainer's FP8
     model's `serving_state_dict`, or a plain model's weights with each quantized one replaced by
-    quantize_fp8's e4m3 values of its FP8_ACTIVATIONS rounding (and its scales beside it), the
-    rest copied. The same bytes as quantizing a bf16 copy of the model, for a fraction of the
+    quantize_fp8's e4m3 values of its FP8_ACTIVATIONS rounding (and its scales beside it); copies
+    either way (a kept version must not move with the trainer's next step). The same bytes as quantizing a bf16 copy of the model, for a fraction of the
     time (no model is allocated, nothing is loaded twice): an RL loop quantizing every step's
     weights for FP8 rollouts spent seconds a step building two models (`small`, on an H100)."""
     if is_fp8(model):
-        return serving_state_dict(model)
+        return {k: v.detach().clone() for k, v in serving_state_dict(model).items()}
     names = {id(module): name for name, module in model.named_modules()}
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for module, attr in _quantized(model):
