@@ -265,6 +265,9 @@ def main() -> int:
                     help="the job records the trainer state every N steps and at its first and last; 0: never, "
                          "every version weights only (default: 0 for glm5, whose trainer state the disk cannot "
                          "hold, 10 otherwise)")
+    ap.add_argument("--record-deltas", choices=("previous", "start", "off"), default=None,
+                    help="what the trainer's records are deltas against (default: start for glm5, whose bytes the "
+                         "disk cannot hold twice more; previous otherwise)")
     ap.add_argument("--num-blocks", type=int, default=None, help="replica KV blocks (default: enough for the batch)")
     ap.add_argument("--workdir", default=None, help="the fleet's workdir (default /tmp/bench-colocate-PRESET)")
     ap.add_argument("--out", default=None, help="JSON (default docs/bench/colocate-PRESET-DEVICE.json)")
@@ -275,6 +278,8 @@ def main() -> int:
     master = args.master_weights or ("off" if args.preset == "glm5" else "auto")
     if args.checkpoint_every is None:
         args.checkpoint_every = 0 if args.preset == "glm5" else 10
+    if args.record_deltas is None:
+        args.record_deltas = "start" if args.preset == "glm5" else "previous"
     name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}"
     workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
@@ -288,6 +293,7 @@ def main() -> int:
     argv = [sys.executable, "-m", "zerokl", "up", "--workdir", str(fleet), "--port", "0", "--colocate",
             *(["--model", str(model)] if model else ["--preset", args.preset, "--seed", str(args.seed)]),
             "--dtype", "bfloat16", f"--trainer-flag=--master-weights={master}", "--trainer-flag=--run=colocate",
+            f"--trainer-flag=--record-deltas={args.record_deltas}",
             f"--scheduler-flag=--colocate-sleep-level={args.sleep_level}",
             f"--replica-flag=--num-blocks={blocks}", f"--replica-flag=--max-num-seqs={args.prompts * args.group}",
             "--replica-flag=--max-num-batched-tokens=4096"]
@@ -301,7 +307,8 @@ def main() -> int:
     result: dict = {"meta": {"preset": args.preset, "layers": args.layers, "device": args.device, "steps": args.steps,
                              "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                              "sleep_level": args.sleep_level, "master_weights": master,
-                             "checkpoint_every": args.checkpoint_every, "argv": argv[2:]},
+                             "checkpoint_every": args.checkpoint_every, "record_deltas": args.record_deltas,
+                             "argv": argv[2:]},
                     "steps": []}
     print("starting:", " ".join(argv[2:]), flush=True)
     disk.phase = "fleet start"

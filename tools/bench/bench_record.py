@@ -298,7 +298,7 @@ async def beside(args: argparse.Namespace, work: pathlib.Path) -> dict:
             done.append(manifest.total_size)
         await bases.close()
 
-    worker = RecordWorker(trainer_parser().parse_args(["--weight-store", address]), deltas=not args.no_delta)
+    worker = RecordWorker(trainer_parser().parse_args(["--weight-store", address]), deltas="off" if args.no_delta else "previous")
 
     async def in_worker(stop: asyncio.Event, done: list[int]) -> None:
         while not stop.is_set():

@@ -568,8 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", default="countdown", choices=("countdown", "vowel_share"),
                    help="--job: the RL reward (vowel_share: synthetic, earned by any policy, so every step moves "
                         "the weights; zerokl/tasks/synthetic.py)")
-    p.add_argument("--record-deltas", default="on", choices=("on", "off"),
-                   help="--job: the trainer records versions as deltas of the one before (on) or whole (off)")
+    p.add_argument("--record-deltas", default="previous", choices=("previous", "start", "off"),
+                   help="--job: the trainer records versions as deltas of the one before (previous), of the job's "
+                        "start (start) or whole (off)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="--job: both halves' trainers recompute each block's activations in the backward")
     p.add_argument("--micro-batch-tokens", type=int, default=0,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), colocate / colocate-poll (issue 49's slice job), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -67,12 +67,12 @@ elif [ "$MODE" = wave4-final ]; then
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = wave4-rl ]; then
   # issue 49's RL job through `zerokl up` vs in process: RL_MAX_TOKENS answers (24: the old shape; 1024 with
-  # --ignore-eos: RL-shaped), RL_HALF_TIME seconds a half, RL_DELTAS on/off
+  # --ignore-eos: RL-shaped), RL_HALF_TIME seconds a half, RL_DELTAS previous/start/off
   device_wheels
   long=""; [ "${RL_MAX_TOKENS:-24}" -gt 24 ] && long="--ignore-eos --num-blocks 36864 --max-num-batched-tokens 8192"
   timeout 560 python3 tools/bench/bench_rl_step.py --job "$FINAL_OUT/rl-job.json" --device cuda --dtype bfloat16 \
     --preset small --prompts 64 --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" --reward vowel_share $long \
-    --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" > "$OUT/rl-job.log" 2>&1
+    --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-previous}" > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
 elif [ "$MODE" = wave5 ]; then
   # issue 49, wave 5: the CUDA tests of co-location (sleep / wake, the offloaded optimizer) and the RL job through
@@ -95,10 +95,32 @@ elif [ "$MODE" = wave5 ]; then
   fi
   timeout "${RL_TIMEOUT:-420}" python3 tools/bench/bench_rl_step.py --job "$job" $half --device cuda \
     --dtype bfloat16 --preset small --prompts "${RL_PROMPTS:-64}" --group 8 --steps 20 --max-tokens "${RL_MAX_TOKENS:-24}" \
-    --micro-batch-tokens "${RL_MICRO:-0}" --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-on}" \
+    --micro-batch-tokens "${RL_MICRO:-0}" --reward vowel_share $long --half-time "${RL_HALF_TIME:-120}" --lr 1e-5 --record-deltas "${RL_DELTAS:-previous}" \
     > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
   [ -n "${RL_HALF:-}" ] && cp /tmp/rl-job-keep/rl-job.json /tmp/rl-job-keep/rl-job.png "$FINAL_OUT"/ 2> /dev/null
+elif [ "$MODE" = colocate ] || [ "$MODE" = colocate-poll ]; then
+  # issue 49: the CUDA sleep test and probe, then the GLM-5 2-layer slice's RL job through `zerokl up --colocate` on
+  # this one GPU (bench_colocate.py, COLOCATE_ARGS added), in a session of its own: it may outlast the call. Then
+  # `colocate-poll`, the next call on the warm machine, waits on it (COLOCATE_WAIT seconds in all) and brings back
+  # its JSON and logs.
+  device_wheels
+  keep=/tmp/colocate-keep
+  if [ "$MODE" = colocate ]; then
+    df -h /tmp | tail -1; free -g | head -2
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py -k cuda \
+      > "$OUT/sleep_tests.log" 2>&1
+    timeout 60 python3 tools/bench/sleep_probe.py > "$OUT/sleep_probe.log" 2>&1
+    rm -rf "$keep" /tmp/bench-colocate-glm5-2l; mkdir -p "$keep"
+    setsid python3 tools/bench/bench_colocate.py ${COLOCATE_ARGS:-} --out "$keep/colocate.json" \
+      > "$keep/colocate.log" 2>&1 < /dev/null &
+  fi
+  end=$(( SECONDS + ${COLOCATE_WAIT:-420} ))
+  while [ $SECONDS -lt $end ] && pgrep -f bench_colocate.py > /dev/null; do sleep 5; done
+  pgrep -f bench_colocate.py > /dev/null && echo "bench_colocate still running" || echo "bench_colocate ended"
+  cp "$keep/colocate.log" "$OUT/colocate.log"; cp "$keep/colocate.json" "$FINAL_OUT/" 2> /dev/null
+  tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null
+  df -h /tmp | tail -1
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on

@@ -105,3 +105,42 @@ def test_records_sent_whole_leave_no_files_behind(tmp_path: pathlib.Path, monkey
                 assert recorded.shard(MODEL).base == ""
                 assert not list((tmp_path / "tmp").glob("zerokl-trainer-record-*")), step
     asyncio.run(main())
+
+
+def test_records_against_the_start_keep_no_copy_and_read_back_bit_for_bit(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--record-deltas start: every record is a delta against the version the trainer started from (one layer deep,
+    however many steps), and once the store holds a record the record process keeps none of its files: its only
+    base is the start's files, hard links into the store (no bytes of their own)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    store = VersionStore(LocalDirBackend(tmp_path / "w"))
+    (tmp_path / "v0").mkdir()
+    Model(ModelConfig.preset("tiny"), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
+    store.publish_dir(tmp_path / "v0", "start-v0", VersionSpec())
+
+    def record_files() -> list[pathlib.Path]:
+        return [f for f in (tmp_path / "tmp").rglob("*") if f.is_file() and "zerokl-trainer-record" in str(f)]
+
+    async def main() -> None:
+        shared: dict[str, dict[str, torch.Tensor]] = {}
+        async with trainer_server(tmp_path / "w", *FLAGS, "--init", "start-v0", "--record-deltas", "start") \
+                as (client, service):
+            version = (await client.get_state()).weights_version
+            for step in range(1, 4):
+                await client.grpo_step(_rollouts(service.trainer, _prompts(2, step), version), 4)
+                manifest, _, desc = await client.share_weights(weights_only=True)
+                version = manifest.version
+                shared[version] = {k: v.clone() for k, v in open_shared(desc).items()}
+                recorded = (await client.record_weights(version)).manifest
+                shard = recorded.shard(MODEL)
+                assert (shard.base, shard.depth) == ("start-v0", 1), step
+                assert shard.stored_bytes < 0.5 * shard.size
+                # What the record process keeps: the start's serving files, each a hard link into the store.
+                kept = record_files()
+                assert kept and all(f.stat().st_nlink > 1 for f in kept), (step, kept)
+        for name, tensors in shared.items():
+            store.fetch(name, tmp_path / "read" / name)
+            loaded = Model.from_pretrained(tmp_path / "read" / name).state_dict()
+            assert all(torch.equal(loaded[k], tensors[k]) for k in tensors), name
+    asyncio.run(main())

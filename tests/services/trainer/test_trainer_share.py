@@ -17,7 +17,7 @@ import torch
 
 from zerokl.kernels.model import Model
 from zerokl.services.trainer.trainer import TrainConfig
-from zerokl.services.weightstore.sync import open_shared
+from zerokl.services.weightstore.sync import SharedUnavailable, open_shared
 from zerokl.v1 import trainer_pb2
 
 from test_trainer_service import _flags, _prompts, _reference, _rollouts, _status, trainer_server
@@ -66,4 +66,31 @@ def test_a_shared_version_is_the_trainers_serving_weights_and_the_store_records_
         async with trainer_server(tmp_path / "w", *_flags(config), "--run", "share") as (client, service):
             state = await client.get_state()
             assert (state.step, state.weights_version) == (2, "share-step000002")
+    asyncio.run(main())
+
+
+def test_a_co_located_trainer_releases_its_shared_versions_before_a_backward(tmp_path: pathlib.Path) -> None:
+    """--offload-optimizer (a replica shares the device): the shared memory of the versions a replica took leaves
+    before the next backward (for the GLM-5 slice 23 GiB of an 80 GB device), a record in flight still records the
+    shared bits, and a replica opening a released version is told so (SharedUnavailable: it reads the store)."""
+    config = TrainConfig(lr=3e-3)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config), "--run", "co", "--offload-optimizer") \
+                as (client, service):
+            state = await client.get_state()
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 1), state.weights_version), 4)
+            manifest, _, shared = await client.share_weights(weights_only=True)
+            got = {k: v.clone() for k, v in open_shared(shared).items()}      # the replica's switch
+            # The next step's backward: the shared version is released (its record may still be writing from it).
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 2), manifest.version), 4)
+            recorded = (await client.record_weights(manifest.version)).manifest
+            with pytest.raises(SharedUnavailable):
+                open_shared(shared)
+            stored = Model.from_pretrained(tmp_path / "w" / "versions" / recorded.version).state_dict()
+            assert list(stored) == list(got) and all(torch.equal(stored[k], got[k]) for k in got)
+            # Sharing again works: a fresh export of the new weights, which the backward after it releases too.
+            _, _, second = await client.share_weights(weights_only=True)
+            want = service.trainer.serving_state_dict()
+            assert all(torch.equal(v, want[k]) for k, v in open_shared(second).items())
     asyncio.run(main())

@@ -75,10 +75,28 @@ def test_accepting_and_reading_the_nth_delta_decodes_one_layer_not_the_chain(
     assert uncached.delta_stats["read_layers"] == n - 1
     assert sorted(stored_shards_read(keys)) == sorted([f"deltas/v{i}/{NAME}" for i in range(2, n + 1)] * 2
                                                       + [f"versions/v1/{NAME}"])   # (headers, then bodies)
-    # Every accepted delta of the chain cost one layer: n - 1 deltas, n - 1 layers (not 1 + 2 + ... + n - 1).
-    assert cached.delta_stats["accept_layers"] == n - 1 and cached.delta_stats["cache_rejected"] == 0
+    # Every accepted delta of the chain cost one layer but v3's, which decoded v2 too (v2, one delta over a whole
+    # file, is not cached): n - 1 deltas, n layers (not 1 + 2 + ... + n - 1).
+    assert cached.delta_stats["accept_layers"] == n and cached.delta_stats["cache_rejected"] == 0
     # One entry per shard name: the newest version's (config.json went whole: nothing to decode, nothing cached).
     assert [(name, version) for name, version, _ in cached.cache.entries()] == [(NAME, f"v{n}")]
+
+
+def test_deltas_over_one_whole_base_leave_the_cache_empty(backend: StorageBackend, tmp_path: pathlib.Path) -> None:
+    """A trainer recording every version against its start (``--record-deltas start``): each delta is one layer
+    over a whole file, so accepting and reading it decodes one layer without a cache, and the cache keeps no
+    copy of the model (which a co-located job's disk cannot hold)."""
+    store = VersionStore(backend, cache_dir=tmp_path / "cache")
+    states = [weights()]
+    store.publish_dir(write(tmp_path / "v1", states[0]), "v1", SPEC)
+    for i in range(2, 6):
+        states.append(step(states[-1], i))
+        store.publish_dir(write(tmp_path / f"v{i}", states[-1]), f"v{i}", SPEC, base=("v1", tmp_path / "v1"))
+        assert store.get_manifest(f"v{i}").shard(NAME).depth == 1
+    assert store.delta_stats["accept_layers"] == 4 and list(store.cache.entries()) == []
+    for i in range(1, 6):
+        assert_reads_back(store, f"v{i}", tmp_path)
+    assert store.delta_stats["read_layers"] == 4 and list(store.cache.entries()) == []
 
 
 def test_a_cache_miss_decodes_through_the_chain_and_refills_the_cache(

@@ -47,10 +47,11 @@ from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
 from zerokl.services.weightstore.sync import open_shared
 
-__all__ = ["DeltaBases", "RecordWorker", "RecordFailed"]
+__all__ = ["DeltaBases", "RecordWorker", "RecordFailed", "DELTA_BASES"]
 
 log = logging.getLogger(__name__)
 
+DELTA_BASES = ("previous", "start", "off")     # --record-deltas: what a record's files are deltas against
 _CHILD_THREADS = 4      # the child's torch threads (its host copies); the store client has its own pool
 
 
@@ -60,11 +61,19 @@ class RecordFailed(Internal):
 
 
 class DeltaBases:
-    """The serving files of the newest version recorded, kept on disk: the next record's files go as deltas against
-    them, so the store writes what changed (weightstore/delta.py). A record's upload holds the base it started
-    with (a retried record may upload beside the next one): a directory is removed only once no upload reads it."""
+    """The serving files the next record's files go as deltas against, kept on disk, so the store writes what
+    changed (weightstore/delta.py). A record's upload holds the base it started with (a retried record may upload
+    beside the next one): a directory is removed only once no upload reads it.
 
-    def __init__(self) -> None:
+    ``pinned`` False (``--record-deltas previous``): the base is the newest version recorded, so each delta is one
+    step's change, but the record process keeps that version's files whole (the model's bytes again on disk).
+    ``pinned`` True (``--record-deltas start``): the base stays the first one (the version the trainer started
+    from, hard links into a store on this disk: no bytes) and each recorded directory goes once the store holds
+    it; each delta then holds every change since the start, so it grows with the job. For a model whose bytes the
+    disk cannot hold twice more (a co-located slice on one machine)."""
+
+    def __init__(self, pinned: bool = False) -> None:
+        self.pinned = pinned
         self.current: UploadBase | None = None
         self._step = -1
         self._users: dict[pathlib.Path, int] = {}
@@ -90,7 +99,7 @@ class DeltaBases:
                 if not is_serving_file(path.name):
                     path.unlink()
         await asyncio.to_thread(keep_serving)
-        if step < self._step:
+        if step < self._step or (self.pinned and self.current is not None):
             self._retired.add(directory)
         else:
             if self.current is not None:
@@ -131,10 +140,13 @@ class DeltaBases:
 class RecordWorker:
     """The trainer's side of the record process: one request at a time, in the order called.
 
-    ``args``: the trainer's flags (the child opens the same store with them); ``deltas``: send files as deltas
-    against the version recorded before (``--record-deltas``)."""
+    ``args``: the trainer's flags (the child opens the same store with them); ``deltas`` (``--record-deltas``):
+    send files as deltas against the version recorded before (``previous``), against the version the trainer
+    started from (``start``, :class:`DeltaBases` ``pinned``), or whole (``off``)."""
 
-    def __init__(self, args: argparse.Namespace, deltas: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, deltas: str = "previous") -> None:
+        if deltas not in DELTA_BASES:
+            raise ValueError(f"deltas must be one of {DELTA_BASES}, got {deltas!r}")
         self._args = argparse.Namespace(**{k: v for k, v in vars(args).items() if _plain(v)})
         self.deltas = deltas
         self._process: Any = None
@@ -201,16 +213,16 @@ def _plain(value: Any) -> bool:
 
 # ----------------------------------------------------------------------------- the child
 
-def _main(conn: Any, parent_pid: int, args: argparse.Namespace, deltas: bool) -> None:
+def _main(conn: Any, parent_pid: int, args: argparse.Namespace, deltas: str) -> None:
     if not die_with_parent(parent_pid):
         return      # the trainer died before its death signal was armed
     torch.set_num_threads(_CHILD_THREADS)
     asyncio.run(_serve(conn, args, deltas))
 
 
-async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
+async def _serve(conn: Any, args: argparse.Namespace, deltas: str) -> None:
     repo = await open_repo(args)
-    bases = DeltaBases()
+    bases = DeltaBases(pinned=deltas == "start") if deltas != "off" else None
     try:
         while True:
             try:
@@ -237,14 +249,14 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
                 elif kind == "upload":
                     _, directory, name, spec, step = request
                     path = pathlib.Path(directory)
-                    if deltas:
-                        await bases.start_from(repo, spec.parent_version)
-                    async with bases.use() as base:
-                        manifest, _ = await publish_checkpoint(repo, path, name, spec, base if deltas else None)
-                    if deltas:
-                        await bases.offer(step, manifest, path)     # the next record's base
-                    else:
+                    if bases is None:
+                        manifest, _ = await publish_checkpoint(repo, path, name, spec, None)
                         await asyncio.to_thread(shutil.rmtree, path, True)  # no base kept: the files are the store's
+                    else:
+                        await bases.start_from(repo, spec.parent_version)
+                        async with bases.use() as base:
+                            manifest, _ = await publish_checkpoint(repo, path, name, spec, base)
+                        await bases.offer(step, manifest, path)     # the next record's base, or gone (pinned)
                     reply = ("ok", manifest)
                 else:
                     reply = ("error", f"unknown request {kind!r}")
@@ -261,5 +273,6 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: bool) -> None:
     finally:
         with contextlib.suppress(Exception):
             conn.send(("ok", None))
-        await bases.close()
+        if bases is not None:
+            await bases.close()
         await repo.close()

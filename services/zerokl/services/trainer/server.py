@@ -53,7 +53,7 @@ from zerokl.services.trainer.checkpointing import (
     open_repo,
     read_checkpoint,
 )
-from zerokl.services.trainer.recorder import RecordWorker
+from zerokl.services.trainer.recorder import DELTA_BASES, RecordWorker
 from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.versions import segment_index, validate_name
@@ -77,9 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--run", default=os.environ.get("ZEROKL_RUN", "default"),
                    help="name of the job; versions are published as <run>-step<N> and a restart resumes the "
                         "run's newest one (default $ZEROKL_RUN or %(default)s)")
-    j.add_argument("--record-deltas", default="on", choices=("on", "off"),
-                   help="record each shared version's files as deltas against the version recorded before "
-                        "(the store writes what changed; on, the default) or whole (off)")
+    j.add_argument("--record-deltas", default="previous", choices=DELTA_BASES,
+                   help="record each shared version's files as deltas, so the store writes what changed: against "
+                        "the version recorded before (previous, the default: the record process keeps its files "
+                        "whole on disk), against the version the trainer started from (start: no copy kept, hard "
+                        "links into a local store, but each delta grows with the job), or whole (off)")
     j.add_argument("--init", default=DEFAULT_INIT,
                    help="starting weights when the run has nothing to resume: preset:NAME[:seedN], a checkpoint "
                         "directory, or a weight-store version (default %(default)s)")
@@ -194,7 +196,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
         identity = make_identity(trainer.model, manifest.version, args.replica_id)
         service = TrainerService(trainer, repo, run=args.run, lineage=lineage, identity=identity, limits=limits,
                                  segment=ckpt.run if segment_index(args.run, ckpt.run) is not None else "",
-                                 recorder=RecordWorker(args, deltas=args.record_deltas == "on"))
+                                 recorder=RecordWorker(args, deltas=args.record_deltas))
         # Pinned again (idempotent): the resume point the run depends on is never garbage-collected.
         await service.pin_resume_point(manifest.version)
         return Started(service, manifest.version)
@@ -202,7 +204,7 @@ async def start_trainer(args: argparse.Namespace, repo: WeightsRepo) -> Started:
     trainer = await asyncio.to_thread(Trainer, model, config)
     identity = make_identity(model, version, args.replica_id)
     service = TrainerService(trainer, repo, run=args.run, lineage=[LineageEntry(version, 0)], identity=identity,
-                             limits=limits, recorder=RecordWorker(args, deltas=args.record_deltas == "on"))
+                             limits=limits, recorder=RecordWorker(args, deltas=args.record_deltas))
     return Started(service, None)
 
 

@@ -388,6 +388,8 @@ class TrainerService:
                 raise FailedPrecondition("token batches (Tinker's per-token losses) are not supported by a "
                                          "--dp/--tp/--ep trainer yet: serve the trainer in one process")
             forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
+            if not forward_only:
+                self._release_exports_for_training()
             try:
                 if isinstance(batch, TokenLossBatch):
                     result = await self._compute(self._forward_backward_tokens, batch)
@@ -823,6 +825,17 @@ class TrainerService:
                 record.superseded_by, record.snapshot = newest, None
                 self._drop_export(record)
                 log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
+
+    def _release_exports_for_training(self) -> None:
+        """Co-location (``offload_optimizer``: a replica shares the device): the shared versions leave the device
+        before a backward needs its memory (for the GLM-5 slice one export is 23 GiB of an 80 GB device). Each
+        replica copied the newest one when it switched to it, before the rollouts this batch trains on; a record
+        still writing from one closes it once it has copied it (:meth:`_drop_export`). A later switch to a
+        released version reads the store, as one to an older version always did."""
+        if not self._trainer.config.offload_optimizer:
+            return
+        while self._exports:
+            self._release(self._exports.pop(next(iter(self._exports))))
 
     def _release(self, shared: SharedBuffer) -> None:
         """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""

@@ -5,7 +5,9 @@ A delta shard (:mod:`.delta`) is decoded over its base, which may itself be a de
 n layers, so each record of an RL job costs more than the one before (docs/perf.md, issue 49). The store
 decodes a delta's whole file anyway to check its sha256 before accepting it; this cache keeps that result,
 so the next delta against it decodes one layer whatever the chain's depth, and a replica loading the newest
-version reads it without decoding at all.
+version reads it without decoding at all. Only shards two or more deltas deep are cached: a delta over a whole
+file decodes in one layer anyway (a trainer recording every version against its start, ``--record-deltas
+start``, keeps no second copy of the model here either).
 
 Layout: ``<directory>/<shard name>/<sha256>-<version>``, one file per entry, the whole decoded bytes of
 shard ``name`` of ``version``. Files, not memory: a model is many GB, and the store streams it frame by

@@ -640,7 +640,7 @@ class VersionStore:
         # A delta decoded through its chain (the cache did not hold it: a restart, a wiped disk) fills the cache
         # for the next reader, unless the name has an entry already (the newest accepted version's).
         entry: EntryWriter | None = self.cache.writer(manifest.version, name, shard.sha256, shard.size, replace=False) \
-            if self.cache is not None and shard.base else None
+            if self.cache is not None and shard.depth >= 2 else None
 
         def tail() -> Iterator[bytes]:
             nonlocal seen
@@ -855,7 +855,10 @@ class VersionStore:
         def decoded(trace: _Trace, delta_bytes: Iterable[bytes]) -> tuple[int, str, str, EntryWriter | None]:
             """(bytes, sha256, error) of the file the delta decodes to, and a cache entry of it, uncommitted."""
             h, seen, error = hashlib.sha256(), 0, ""
-            entry = self.cache.writer(version, decl.name, decl.sha256, decl.size) if self.cache is not None else None
+            # Cached only over a base that is a delta itself: a delta over a whole file decodes in one layer
+            # anyway, and an entry would be the model's bytes again on the store's disk.
+            entry = self.cache.writer(version, decl.name, decl.sha256, decl.size) \
+                if self.cache is not None and base.base else None
             try:
                 for piece in delta.decode(self._content(decl.base, decl.name, bool(base.base), 0, base.sha256, trace),
                                           delta_bytes):
