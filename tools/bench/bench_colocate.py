@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -55,11 +56,32 @@ def model_dir(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path |
         return out
     t0 = time.monotonic()
     print(f"writing the {args.preset} {args.layers}-layer model (bf16) to {out} ...", flush=True)
-    model = Model(config, seed=args.seed, dtype=torch.bfloat16)
-    model.save_pretrained(out)
-    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters in {time.monotonic() - t0:.0f} s",
-          flush=True)
+    if args.device == "cuda":
+        # Drawn on the GPU in bf16, in a process of its own (its CUDA context gone before the fleet starts): on
+        # the host, Model()'s fp32 draw of the slice and its bf16 copy took the 128 GB machine's memory (killed).
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=_write_on_gpu, args=(config, args.seed, str(out), args.gpu))
+        proc.start()
+        proc.join()
+        if proc.exitcode != 0:
+            raise SystemExit(f"writing the model failed (exit code {proc.exitcode})")
+    else:
+        model = Model(config, seed=args.seed, dtype=torch.bfloat16)
+        model.save_pretrained(out)
+        print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters", flush=True)
+    print(f"  written in {time.monotonic() - t0:.0f} s", flush=True)
     return out
+
+
+def _write_on_gpu(config, seed: int, out: str, gpu: str | None) -> None:  # noqa: ANN001
+    """bench_train's seeded model drawn on the device (no weight on the host but the file's), saved to ``out``."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    import torch
+    from bench_train import build_model
+    model = build_model(config, "cuda", torch.bfloat16, seed)
+    print(f"  {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters", flush=True)
+    model.save_pretrained(out)
 
 
 class _Sampler:

@@ -277,6 +277,7 @@ class Engine:
         if self._sleep_level == 0:
             cache = self.runner.cache
             released += sum(t.numel() * t.element_size() for t in (cache.latent, cache.rope, cache.index_k))
+            del cache       # this frame must not hold the cache through empty_cache below (it stayed reserved)
             self.blocks.reset_prefix_cache()
             self.runner.release_kv()
             self._sleep_level = 1
