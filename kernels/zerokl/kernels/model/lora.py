@@ -78,23 +78,28 @@ def unmerge_lora(model: Model) -> None:
 
 
 @torch.no_grad()
-def merged_state_dict(model: Model) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: Model, copy: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every adapter baked in, without touching the model.
 
     Each adapted weight is read through its parametrization, i.e. the exact tensor the
     adapted forward uses. (Deep-copying a parametrized model and merging the copy is not
     safe: the copies share the generated module class, and removing the parametrization
-    from one removes it from both.)
+    from one removes it from both.) ``copy`` False: every other tensor is the model's own
+    (detached, not cloned), for a caller that copies them before the model changes: a second
+    copy of a large model may not fit beside it.
     """
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone() if copy else t.detach()
+
     out = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
         parametrized = parametrize.is_parametrized(module, "weight")
         if parametrized:
-            out[prefix + "weight"] = module.weight.detach().clone()
+            out[prefix + "weight"] = own(module.weight)
         for pname, p in module.named_parameters(recurse=False):
-            out[prefix + pname] = p.detach().clone()
+            out[prefix + pname] = own(p)
         for bname, b in module.named_buffers(recurse=False):
             if bname not in module._non_persistent_buffers_set:
-                out[prefix + bname] = b.detach().clone()
+                out[prefix + bname] = own(b)
     return {k: v for k, v in out.items() if ".parametrizations." not in k and "lora_" not in k}

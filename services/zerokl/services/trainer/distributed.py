@@ -572,8 +572,8 @@ class ServedTrainer:
     def serving_model(self) -> Model:
         return self.full().serving_model()
 
-    def serving_state_dict(self) -> dict:
-        return self.full().serving_state_dict()
+    def serving_state_dict(self, copy: bool = True) -> dict:
+        return self.full().serving_state_dict(copy=copy)
 
     @property
     def optimizer(self):

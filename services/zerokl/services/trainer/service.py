@@ -770,7 +770,9 @@ class TrainerService:
             # (ALREADY_EXISTS), so the fleet never serves bytes that the store holds otherwise under the same
             # name, which a restart would serve. Rare, so the store's I/O on the step's path is.
             stored, _ = await self._publish_now(trainer, name, lineage, spec, weights_only)
-        state = await self._compute(trainer.serving_state_dict)
+        # The model's own tensors, packed into the export's buffer before the next step: no second copy of the
+        # model on the device beside the export (the GLM-5 slice: 23 GiB each, a replica's beside them).
+        state = await self._compute(trainer.serving_state_dict, copy=False)
         shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store

@@ -881,12 +881,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights and state
 
-    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+    def serving_state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
         """Weights as inference serves them (LoRA merged: bitwise the adapted forward's weights; FP8:
-        the e4m3 values and scales under the checkpoint's names, zerokl.kernels.model.fp8)."""
+        the e4m3 values and scales under the checkpoint's names, zerokl.kernels.model.fp8, the model's
+        own tensors). ``copy`` False: the model's own tensors wherever no merge computes one, to be read
+        before the next step (an export packing them into its buffer)."""
         if self.fp8:
             return fp8_serving_state_dict(self.model)
-        return merged_state_dict(self.model)
+        return merged_state_dict(self.model, copy=copy)
 
     def serving_model(self) -> Model:
         """A separate Model with the serving weights (for an in-process engine; FP8: a served FP8 model)."""
