@@ -118,7 +118,9 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = colocate-poll ]; then
       > "$keep/colocate.log" 2>&1 < /dev/null &
   fi
   end=$(( SECONDS + ${COLOCATE_WAIT:-420} ))
-  while [ $SECONDS -lt $end ] && pgrep -f bench_colocate.py > /dev/null; do sleep 5; done
+  while [ $SECONDS -lt $end ] && pgrep -f bench_colocate.py > /dev/null; do
+    sleep 5; cp "$keep/colocate.json" "$FINAL_OUT/" 2> /dev/null; cp "$keep/colocate.log" "$FINAL_OUT/" 2> /dev/null
+  done
   pgrep -f bench_colocate.py > /dev/null && echo "bench_colocate still running" || echo "bench_colocate ended"
   cp "$keep/colocate.log" "$OUT/colocate.log"; cp "$keep/colocate.json" "$FINAL_OUT/" 2> /dev/null
   tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null

@@ -67,9 +67,11 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
             assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
             assert m["grad_norm"] > 0.0, (ev.step, m)           # the step moved the weights
             assert m["sleep_bytes"] > 0 and m["sleep_s"] >= 0.0, m
-        # One sleep before each step trained, one wake by each step's switch (from the trainer's memory).
-        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps
-        assert _counter(decode, "zerokl_engine_wakes") - before["zerokl_engine_wakes"] == steps
+        # One sleep before each step trained and one before the job's start switch (so the replica's copy of the
+        # start replaces its weights instead of sitting beside them), one wake by each of those switches (from the
+        # trainer's memory).
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps + 1
+        assert _counter(decode, "zerokl_engine_wakes") - before["zerokl_engine_wakes"] == steps + 1
         assert _counter(decode, "zerokl_replica_weight_switches", '{path="shared"}') - shared_before == steps + 1
         # Awake afterwards, on the job's last version.
         assert served.weights_version == stepped[-1].weights_version
@@ -116,4 +118,5 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         assert final.state is JobState.FAILED and "failed its canary" in final.error, final
         assert after.weights_version == final.weights_version and len(after.samples[0].token_ids) == 4
         assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
-        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == steps + 2 + 1
+        # Each job's steps, and one sleep for each job's start.
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == (steps + 1) + (2 + 1) + (1 + 1)

@@ -842,9 +842,13 @@ class _TrainerSession:
         own: a trainer that restarts before then comes back on an older durable version, and the job fails
         saying so (the store lost nothing; the next job starts from that version)."""
         manifest, created, shared = self._call(self.client.share_weights(weights_only=not self._resume_points))
-        # this job's own when created: a failure before the fleet serves it deletes it
-        self._serve_shared(manifest, shared, own=created and manifest.version != self.served, step=0,
-                           checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
+        # Co-location: the fleet sleeps first, so each replica's switch takes its copy of the export in place of
+        # its weights, not beside them (the GLM-5 slice: a second replica copy beside the trainer's model and
+        # export did not fit an 80 GB H100).
+        with self._colocated():
+            # this job's own when created: a failure before the fleet serves it deletes it
+            self._serve_shared(manifest, shared, own=created and manifest.version != self.served, step=0,
+                               checkpoint=manifest.spec.metadata.get(META_STATE) == "full")
         return manifest.version
 
     def recover(self):  # noqa: ANN201 - TrainerState
