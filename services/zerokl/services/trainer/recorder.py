@@ -13,8 +13,12 @@ flags), and is fed plain descriptors over a pipe, one request at a time:
   (:class:`~zerokl.services.weightstore.shared.SharedExport`: the child copies the bytes out and checks
   their checksum, :func:`~zerokl.services.weightstore.sync.open_shared`, so what is recorded is what the
   fleet was sent); a checkpoint's files (its trainer state) the trainer writes itself;
-- ``upload``: a written directory published as a version (each file that the version recorded before
-  holds too goes as a delta against it, :class:`DeltaBases`); the child owns the directory from then on.
+- ``upload``: a written directory published as a version (each file that the version recorded before, or
+  with ``--record-deltas start`` the version the trainer started from, holds too goes as a delta against it,
+  :class:`DeltaBases`); the child owns the directory from then on.
+
+A ``write`` answers ``copied`` first, once the child holds the export's bytes, so the trainer can free the
+export (device memory a co-located trainer's backward needs) while the files are still being written.
 
 The child dies with the trainer (``PR_SET_PDEATHSIG``): a trainer killed with a record in flight leaves an
 open upload in the store, never a manifest, as before. A child that dies alone fails the request in flight
@@ -31,7 +35,7 @@ import os
 import pathlib
 import shutil
 import tempfile
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import grpc
 import torch
@@ -153,10 +157,12 @@ class RecordWorker:
         self._conn: Any = None
         self._lock = asyncio.Lock()
 
-    async def write(self, export: SharedExport, model_config: ModelConfig, dtype: torch.dtype) -> pathlib.Path:
-        """A weights-only version's serving files, written by the child from the trainer's shared ``export`` (kept
-        open by the caller until this returns); the directory."""
-        return pathlib.Path(await self._call(("write", export, model_config, dtype)))
+    async def write(self, export: SharedExport, model_config: ModelConfig, dtype: torch.dtype,
+                    copied: Callable[[], None] | None = None) -> pathlib.Path:
+        """A weights-only version's serving files, written by the child from the trainer's shared ``export``; the
+        directory. The caller keeps the export open until ``copied`` is called (the child holds the bytes in its
+        own memory from then on, before it writes them) or this returns."""
+        return pathlib.Path(await self._call(("write", export, model_config, dtype), copied))
 
     async def upload(self, directory: pathlib.Path, name: str, spec: VersionSpec, step: int) -> WeightsManifest:
         """Publish ``directory`` as ``name`` (recorded at trainer ``step``; the child owns the directory from here:
@@ -177,13 +183,17 @@ class RecordWorker:
             self._conn.close()
             self._process = self._conn = None
 
-    async def _call(self, request: tuple) -> Any:
+    async def _call(self, request: tuple, copied: Callable[[], None] | None = None) -> Any:
         async with self._lock:
             if self._process is None or not self._process.is_alive():
                 self._start()
             try:
                 await asyncio.to_thread(self._conn.send, request)
                 kind, value = await asyncio.to_thread(self._conn.recv)
+                if kind == "copied":        # a write's bytes are the child's now; its reply follows
+                    if copied is not None:
+                        copied()
+                    kind, value = await asyncio.to_thread(self._conn.recv)
             except (EOFError, OSError) as err:
                 self._conn.close()
                 self._process = self._conn = None
@@ -240,6 +250,7 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: str) -> None:
                         directory = tempfile.mkdtemp(prefix="zerokl-trainer-record-")
                         try:
                             tensors = open_shared(export)   # copied out and checked: what the fleet was sent
+                            conn.send(("copied", None))     # the trainer may free its export now
                             write_snapshot(CheckpointSnapshot(tensors, model_config, dtype), directory)
                         except BaseException:
                             shutil.rmtree(directory, True)

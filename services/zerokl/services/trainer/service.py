@@ -876,8 +876,11 @@ class TrainerService:
         if record.export is not None:
             # Weights only: the record process writes the files from the shared memory (and checks its bytes).
             assert record.model_config is not None and record.dtype is not None
+            # The export goes as soon as the record process holds its bytes, before they are written: a co-located
+            # trainer's backward needs that device memory (the GLM-5 slice: 23 GiB of an 80 GB device).
             try:
-                directory = await self._record_process().write(record.export.export, record.model_config, record.dtype)
+                directory = await self._record_process().write(record.export.export, record.model_config, record.dtype,
+                                                               copied=lambda: self._drop_export(record))
             finally:
                 self._drop_export(record)
         else:
