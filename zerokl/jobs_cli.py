@@ -18,6 +18,7 @@ from typing import Callable
 from zerokl.services.rl.loop import RLConfig
 from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args, int_in
 from zerokl.table import aligned
+from zerokl.tasks.synthetic import REWARDS
 
 __all__ = ["HEADLINE", "add_arguments", "hyperparameters_line", "run", "step_line"]
 
@@ -58,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rl: record the trainer state (a resume point) every N steps and at the first and last; the "
                         "other steps' versions are recorded weights only; 0: never (no resume point: a trainer "
                         "restart fails the job) (default %(default)s)")
+    s.add_argument("--reward", choices=REWARDS, default="countdown",
+                   help="rl: countdown (TinyZero's: 1 for a correct equation), or vowel_share (synthetic: the "
+                        "share of vowels in the answer, which any policy earns some of, for measuring the loop; "
+                        "with --ignore-eos every answer is --max-tokens long) (default %(default)s)")
     s.add_argument("--lr", type=_learning_rate, default=0.0,
                    help="learning rate of every step (default: the trainer's schedule)")
     s.add_argument("--detach", action="store_true", help="print the job id and return")
@@ -186,7 +191,7 @@ async def _main(args: argparse.Namespace) -> int:
         task = CountdownTask(seed=args.seed, **sizes)
         if args.kind == "rl":
             spec = RLJobSpec(**dataclasses.asdict(dataclass_from_args(RLConfig, args)), countdown=task,
-                             learning_rate=args.lr, checkpoint_every=args.checkpoint_every)
+                             learning_rate=args.lr, checkpoint_every=args.checkpoint_every, reward=args.reward)
         else:
             spec = SFTJobSpec(args.steps, countdown=task, batch_size=args.batch_size, seed=args.seed,
                               learning_rate=args.lr)
@@ -205,7 +210,7 @@ def _spec_summary(spec) -> str:  # noqa: ANN001 - an SFTJobSpec or RLJobSpec
     lr = f"lr {spec.learning_rate:g}" if spec.learning_rate else "lr: the trainer's"
     if spec.kind == "rl":
         return (f"{spec.prompts_per_step} prompts x {spec.group_size} samples a step, max_tokens {spec.max_tokens}, "
-                f"temperature {spec.temperature:g}, {lr}")
+                f"temperature {spec.temperature:g}, reward {spec.reward}, {lr}")
     return f"batch {spec.batch_size}, {lr}"
 
 

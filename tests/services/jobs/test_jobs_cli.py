@@ -25,12 +25,17 @@ RL_JOB = ("submit", "rl", "--steps", "2", "--prompts", "2", "--group", "2", "--e
 HEADLINE = ("reward", "kl", "clip_fraction", "mismatched_tokens", "test_accuracy", "loss", "preference_accuracy",
             "grad_norm", "lr", "tokens_per_s")
 SFT_JOB = ("submit", "sft", "--steps", "1", "--batch-size", "2", "--train-problems", "300", "--test-problems", "4")
+# The synthetic reward any policy earns some of, with answers of exactly --max-tokens.
+VOWEL_JOB = ("submit", "rl", "--steps", "1", "--prompts", "2", "--group", "2", "--eval-every", "0", "--reward",
+             "vowel_share", "--ignore-eos", "--max-tokens", "8", "--train-problems", "300", "--test-problems", "4",
+             "--json")
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
-    """A default `zerokl up` (the trainer's own hyperparameters: lr 1e-3) with one finished RL job and
-    one finished SFT job; yields (the environment that finds it, the RL job's submit output)."""
+    """A default `zerokl up` (the trainer's own hyperparameters: lr 1e-3) with one finished RL job, one
+    finished SFT job and one finished RL job on the vowel_share reward; yields (the environment that finds it,
+    the RL job's submit output, the vowel_share job's JSON lines)."""
     workdir = tmp_path_factory.mktemp("jobs-cli-up")
     with zerokl_up(workdir):
         env = {**os.environ, "ZEROKL_UP_DIR": str(workdir)}
@@ -38,7 +43,9 @@ def fleet(tmp_path_factory, zerokl_up):  # noqa: ANN001, ANN201
         assert rl.returncode == 0, rl.stdout + rl.stderr
         sft = _zerokl(env, "jobs", *SFT_JOB)
         assert sft.returncode == 0, sft.stdout + sft.stderr
-        yield env, rl.stdout
+        vowel = _zerokl(env, "jobs", *VOWEL_JOB)
+        assert vowel.returncode == 0, vowel.stdout + vowel.stderr
+        yield env, rl.stdout, [json.loads(line) for line in vowel.stdout.splitlines()]
 
 
 def _zerokl(env: dict, *argv: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess:
@@ -61,7 +68,7 @@ def _metric_names(step_line: str) -> list[str]:
 def test_a_submitted_rl_job_shows_its_hyperparameters_and_steps_in_a_fixed_order(fleet) -> None:
     """Before: the lr the job trained with (the trainer's 1e-3) was nowhere, and each step printed ~25
     metrics in the protobuf map's order, kl somewhere in the middle."""
-    _, out = fleet
+    _, out, _ = fleet
     lines = out.splitlines()
     assert "2 prompts x 2 samples a step" in lines[0] and "lr: the trainer's" in lines[0], lines[0]
     hyper = [line for line in lines if line.startswith("hyperparameters: ")]
@@ -76,7 +83,7 @@ def test_a_submitted_rl_job_shows_its_hyperparameters_and_steps_in_a_fixed_order
 
 
 def test_watch_verbose_adds_every_other_metric_in_alphabetical_order_and_json_has_them_all(fleet) -> None:
-    env, out = fleet
+    env, out, _ = fleet
     job = _job_id(out)
     verbose = _zerokl(env, "jobs", "watch", job, "--verbose")
     assert verbose.returncode == 0, verbose.stderr
@@ -95,7 +102,7 @@ def test_watch_verbose_adds_every_other_metric_in_alphabetical_order_and_json_ha
 
 def test_watching_a_finished_job_says_how_it_ended_once_at_the_end(fleet) -> None:
     """Before: `job ID succeeded` came first, then the steps, then `job ID succeeded` again."""
-    env, out = fleet
+    env, out, _ = fleet
     job = _job_id(out)
     r = _zerokl(env, "jobs", "watch", job)
     assert r.returncode == 0, r.stderr
@@ -108,17 +115,28 @@ def test_watching_a_finished_job_says_how_it_ended_once_at_the_end(fleet) -> Non
 
 def test_the_job_list_has_a_header_and_aligned_columns(fleet) -> None:
     """Before: no header, and each row's columns started where its own earlier cells happened to end."""
-    env, out = fleet
+    env, out, _ = fleet
     r = _zerokl(env, "jobs", "list")
     assert r.returncode == 0, r.stderr
     header, *rows = r.stdout.splitlines()
     assert header.split() == ["JOB", "KIND", "STATE", "STEP", "VERSION", "NAME"]
-    assert len(rows) == 2 and rows[0].startswith(_job_id(out))
+    assert len(rows) == 3 and rows[0].startswith(_job_id(out))
     starts = [m.start() for m in re.finditer(r"\S+", header)]
     for row in rows:
         assert [m.start() for m in re.finditer(r"\S+", row)] == starts, (header, row)
     assert rows[0].split()[1:5] == ["rl", "succeeded", "2/2", "default-step000002"]
     assert rows[0].split()[5] == "newcomer" and rows[1].split()[1:4] == ["sft", "succeeded", "1/1"]
+
+
+def test_an_rl_job_on_the_vowel_share_reward_samples_answers_of_max_tokens(fleet) -> None:
+    """`--reward vowel_share` (was only on the Jobs API): every answer earns some reward, so the step moves the
+    weights, and with --ignore-eos each of the 4 answers is exactly 8 tokens."""
+    _, _, events = fleet
+    assert events[-1]["state"] == "succeeded", events[-1]
+    [step] = [e for e in events if e.get("step") == 1]
+    m = step["metrics"]
+    assert m["reward"] > 0.0 and m["grad_norm"] > 0.0 and m["kl"] == 0.0, m
+    assert m["tokens"] == 4 * 8, m
 
 
 @pytest.mark.parametrize("argv", [("jobs", "watch", "{job}"), ("jobs", "watch", "{job}", "--json"), ("jobs", "list"),
@@ -127,7 +145,7 @@ def test_a_reader_that_closes_stdout_ends_the_command_quietly(fleet, argv) -> No
     """`zerokl jobs watch ID | head`: the reader is gone before the command writes. Before: a
     BrokenPipeError traceback (and "Exception ignored ... BrokenPipeError" at exit); now the command ends
     as `seq 1000 | head` ends seq: no traceback, the status of a process killed by SIGPIPE (141)."""
-    env, out = fleet
+    env, out, _ = fleet
     argv = [a.format(job=_job_id(out)) for a in argv]
     read, write = os.pipe()
     os.close(read)                                        # nobody will read: the first write fails
