@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), colocate / colocate-poll (issue 49's slice job), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), colocate / rl20 / poll (issue 49's runs longer than a call), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -99,30 +99,42 @@ elif [ "$MODE" = wave5 ]; then
     > "$OUT/rl-job.log" 2>&1
   pkill -f -- "-m zerokl (up|serve)"; sleep 1
   [ -n "${RL_HALF:-}" ] && cp /tmp/rl-job-keep/rl-job.json /tmp/rl-job-keep/rl-job.png "$FINAL_OUT"/ 2> /dev/null
-elif [ "$MODE" = colocate ] || [ "$MODE" = colocate-poll ]; then
-  # issue 49: the CUDA sleep test and probe, then the GLM-5 2-layer slice's RL job through `zerokl up --colocate` on
-  # this one GPU (bench_colocate.py, COLOCATE_ARGS added; COLOCATE_TESTS=0 skips the first two), in a session of its own: it may outlast the call. Then
-  # `colocate-poll`, the next call on the warm machine, waits on it (COLOCATE_WAIT seconds in all) and brings back
-  # its JSON and logs.
+elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
+  # issue 49's runs longer than a call, each in a session of its own that outlives the call (the machine stays
+  # warm 30 s between calls): `poll`, the next call, waits on it again (BG_WAIT seconds a call) and brings back
+  # its JSON, PNG and log. colocate: the CUDA sleep test and probe (COLOCATE_TESTS=0 skips them), then the GLM-5
+  # 2-layer slice's RL job through `zerokl up --colocate` on this GPU (bench_colocate.py, COLOCATE_ARGS added).
+  # rl20: the 20-step RL job of 512 answers of 1,024 tokens, through `zerokl up` and then in process (about 11
+  # minutes a half on an H100: three calls).
   device_wheels
-  keep=/tmp/colocate-keep
-  if [ "$MODE" = colocate ]; then
+  keep=/tmp/bg-keep
+  if [ "$MODE" != poll ]; then
+    rm -rf "$keep"; mkdir -p "$keep"
     df -h /tmp | tail -1; free -g | head -2
+  fi
+  if [ "$MODE" = colocate ]; then
     if [ "${COLOCATE_TESTS:-1}" = 1 ]; then
       timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py -k cuda \
         > "$OUT/sleep_tests.log" 2>&1
       timeout 60 python3 tools/bench/sleep_probe.py > "$OUT/sleep_probe.log" 2>&1
     fi
-    rm -rf "$keep" /tmp/bench-colocate-glm5-2l; mkdir -p "$keep"
+    rm -rf /tmp/bench-colocate-glm5-2l
     setsid python3 tools/bench/bench_colocate.py ${COLOCATE_ARGS:-} --out "$keep/colocate.json" \
-      > "$keep/colocate.log" 2>&1 < /dev/null &
+      > "$keep/bench.log" 2>&1 < /dev/null &
+  elif [ "$MODE" = rl20 ]; then
+    setsid python3 tools/bench/bench_rl_step.py --job "$keep/rl-job.json" --device cuda --dtype bfloat16 \
+      --preset small --prompts 64 --group 8 --steps 20 --max-tokens 1024 --ignore-eos --num-blocks 36864 \
+      --max-num-batched-tokens 8192 --micro-batch-tokens 32768 --reward vowel_share --half-time 100000 --lr 1e-5 \
+      > "$keep/bench.log" 2>&1 < /dev/null &
   fi
-  end=$(( SECONDS + ${COLOCATE_WAIT:-420} ))
-  while [ $SECONDS -lt $end ] && pgrep -f bench_colocate.py > /dev/null; do
-    sleep 5; cp "$keep/colocate.json" "$FINAL_OUT/" 2> /dev/null; cp "$keep/colocate.log" "$FINAL_OUT/" 2> /dev/null
+  sleep 2
+  end=$(( SECONDS + ${BG_WAIT:-420} ))
+  while [ $SECONDS -lt $end ] && pgrep -f "tools/bench/bench_(colocate|rl_step).py" > /dev/null; do
+    sleep 5; cp "$keep"/*.json "$keep"/*.png "$keep"/bench.log "$FINAL_OUT"/ 2> /dev/null
   done
-  pgrep -f bench_colocate.py > /dev/null && echo "bench_colocate still running" || echo "bench_colocate ended"
-  cp "$keep/colocate.log" "$OUT/colocate.log"; cp "$keep/colocate.json" "$FINAL_OUT/" 2> /dev/null
+  pgrep -f "tools/bench/bench_(colocate|rl_step).py" > /dev/null && echo "still running: call again with MODE=poll" \
+    || echo "the bench ended"
+  cp "$keep"/*.json "$keep"/*.png "$FINAL_OUT"/ 2> /dev/null; cp "$keep/bench.log" "$OUT/bench.log"
   tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null
   df -h /tmp | tail -1
 elif [ "$MODE" = numerics3 ]; then
