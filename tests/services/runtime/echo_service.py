@@ -20,7 +20,7 @@ def _ident(b: bytes) -> bytes:
 
 
 def echo_handler(relay: Callable[[], grpc.aio.Channel] | None = None) -> grpc.GenericRpcHandler:
-    """Methods: Echo, Slow (sleeps float(request) s), Fail, Count (streams n items), Relay."""
+    """Methods: Echo, Slow (sleeps float(request) s), Fail, OutOfMemory (torch's), Count (streams n items), Relay."""
 
     async def echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
@@ -31,6 +31,11 @@ def echo_handler(relay: Callable[[], grpc.aio.Channel] | None = None) -> grpc.Ge
 
     async def fail(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         raise InvalidArgument("bad echo", field_violations=[FieldViolation("payload", "must not be 'x'")])
+
+    async def out_of_memory(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        import torch
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 22.69 GiB. GPU 0 has a total capacity "
+                                     "of 79.18 GiB of which 9.82 GiB is free.")
 
     async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         for i in range(int(request.decode())):
@@ -46,6 +51,7 @@ def echo_handler(relay: Callable[[], grpc.aio.Channel] | None = None) -> grpc.Ge
         "Echo": grpc.unary_unary_rpc_method_handler(echo, **kw),
         "Slow": grpc.unary_unary_rpc_method_handler(slow, **kw),
         "Fail": grpc.unary_unary_rpc_method_handler(fail, **kw),
+        "OutOfMemory": grpc.unary_unary_rpc_method_handler(out_of_memory, **kw),
         "Count": grpc.unary_stream_rpc_method_handler(count, **kw),
         "Relay": grpc.unary_unary_rpc_method_handler(relay_call, **kw),
     })

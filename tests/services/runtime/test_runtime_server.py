@@ -116,6 +116,22 @@ def test_service_errors_become_rich_statuses() -> None:
     asyncio.run(main())
 
 
+def test_a_device_out_of_memory_is_resource_exhausted_saying_so_and_the_server_keeps_serving() -> None:
+    """Before: UNKNOWN "Unexpected <class 'torch.OutOfMemoryError'>: ..." (what a co-located GLM-5 slice job's
+    start got from the trainer and the replica on an H100)."""
+    async def main() -> None:
+        server = await start_echo_server(ServiceServer("trainer"))
+        async with create_channel(server.address) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await EchoClient(ch).unary("OutOfMemory")(b"", timeout=5)
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details().startswith("out of device memory: CUDA out of memory. Tried to allocate "
+                                                  "22.69 GiB."), err.value.details()
+            assert await EchoClient(ch).unary("Echo")(b"still serving", timeout=5) == b"still serving"
+        await server.drain(0)
+    asyncio.run(main())
+
+
 def test_message_size_limit() -> None:
     async def main() -> None:
         server = await start_echo_server(ServiceServer("prefill", ServerOptions(max_message_bytes=1 << 20)))

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import grpc
 import grpc.aio
 
-from zerokl.services.runtime.errors import ServiceError, abort
+from zerokl.services.runtime.errors import ResourceExhausted, ServiceError, abort
 
 __all__ = [
     "Around",
@@ -67,8 +67,15 @@ def wrap_handler(handler: grpc.RpcMethodHandler, around: Around) -> grpc.RpcMeth
     return replace_behavior(handler, wrapped)
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """``exc`` is torch's OutOfMemoryError (by its class: the weight store's server never imports torch)."""
+    return any(c.__name__ == "OutOfMemoryError" and c.__module__.startswith("torch") for c in type(exc).__mro__)
+
+
 class _ErrorsToStatus:
-    """Async context manager: a :class:`ServiceError` escaping the call aborts it richly."""
+    """Async context manager: a :class:`ServiceError` escaping the call aborts it richly; so does a device running
+    out of memory, as RESOURCE_EXHAUSTED with torch's message (the device, the bytes asked for, what is free)
+    instead of UNKNOWN "Unexpected <class ...>"."""
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self._context = context
@@ -79,6 +86,10 @@ class _ErrorsToStatus:
     async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         if isinstance(exc, ServiceError):
             await abort(self._context, exc)
+        if exc is not None and _out_of_memory(exc):
+            said = (exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)).strip().splitlines()
+            what = said[0] if said else type(exc).__name__
+            await abort(self._context, ResourceExhausted(f"out of device memory: {what}"))
         return False
 
 
