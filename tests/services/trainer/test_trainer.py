@@ -130,3 +130,20 @@ def test_indexer_loss_coef_trains_the_indexer_only_when_set(coef):
     trainer.forward_backward("sft", seqs)
     grads = [p.grad for n, p in trainer.model.named_parameters() if ".indexer." in n]
     assert any(g is not None and g.abs().sum() > 0 for g in grads) == (coef > 0)
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_serving_state_without_a_copy_is_the_models_own_tensors_and_the_same_bits(lora):
+    """An export packs ``serving_state_dict(copy=False)``: the model's own tensors wherever no merge computes one
+    (a whole clone of the GLM-5 slice beside its export did not fit the H100), the same bits as the copy."""
+    trainer = Trainer(Model(TINY, seed=2, dtype=torch.bfloat16), TrainConfig(lr=3e-3, lora_rank=lora))
+    copied, own = trainer.serving_state_dict(), trainer.serving_state_dict(copy=False)
+    assert list(copied) == list(own) and all(torch.equal(copied[k], own[k]) for k in own)
+    weights = {t.untyped_storage().data_ptr() for t in trainer.model.state_dict().values()}
+    assert not any(t.untyped_storage().data_ptr() in weights for t in copied.values())
+    shared = {k for k, t in own.items() if t.untyped_storage().data_ptr() in weights}
+    # LoRA: an adapted weight is the merge, computed (the model holds it under other names); the rest are the
+    # model's own.
+    merged = {k for k in own if k not in trainer.model.state_dict()}
+    assert shared == set(own) - merged and "embed_tokens.weight" in shared
+    assert bool(merged) == bool(lora)
