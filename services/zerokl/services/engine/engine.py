@@ -297,9 +297,10 @@ class Engine:
             released += sum(n for _, n in self._released)
             self._sleep_level = 2
         if self.device.type == "cuda":
-            # The dropped decode graphs hold their private memory pool until they are freed, and a CUDAGraph sits in
-            # reference cycles that only the cyclic collector breaks: without the collect, empty_cache gave back
-            # 4 MB of a 20 MB cache (an H100, tools/bench/sleep_probe.py); with it, reserved memory fell from 52 to 8 MB.
+            # Nothing released may be referenced here (a local holding the KV cache kept it reserved: an H100 gave back
+            # 4 of 20 MB until bb83f28, tools/bench/sleep_probe.py; since, reserved falls from 52 to 8 MB). The
+            # dropped decode graphs hold their private memory pool until they are freed, and a CUDAGraph may sit in
+            # reference cycles that only the cyclic collector breaks.
             gc.collect()
             torch.cuda.empty_cache()        # back to the driver: another process (the trainer) allocates it
         return released
