@@ -144,3 +144,38 @@ def test_records_against_the_start_keep_no_copy_and_read_back_bit_for_bit(
             loaded = Model.from_pretrained(tmp_path / "read" / name).state_dict()
             assert all(torch.equal(loaded[k], tensors[k]) for k in tensors), name
     asyncio.run(main())
+
+
+def test_records_against_the_start_move_their_base_to_a_record_that_went_whole(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--record-deltas start, and a step that changed nearly every byte (lr 0.05: its delta against the start is over
+    half the file, so it went whole): the next records go as deltas against that record, not whole against the
+    start forever after; the record process still keeps no bytes of its own (its base: hard links)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    store = VersionStore(LocalDirBackend(tmp_path / "w"))
+    (tmp_path / "v0").mkdir()
+    Model(ModelConfig.preset("tiny"), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
+    store.publish_dir(tmp_path / "v0", "start-v0", VersionSpec())
+
+    async def main() -> list:
+        recorded = []
+        async with trainer_server(tmp_path / "w", *FLAGS, "--init", "start-v0", "--record-deltas", "start") \
+                as (client, service):
+            version = (await client.get_state()).weights_version
+            for step, lr in enumerate((0.05, 1e-5, 1e-5), start=1):
+                await client.grpo_step(_rollouts(service.trainer, _prompts(2, step), version), 4, lr=lr)
+                manifest, _, _ = await client.share_weights(weights_only=True)
+                version = manifest.version
+                recorded.append((await client.record_weights(version)).manifest)
+                kept = [f for f in (tmp_path / "tmp").rglob("*") if f.is_file()]
+                assert kept and all(f.stat().st_nlink > 1 for f in kept), (step, kept)
+        return recorded
+
+    whole, second, third = asyncio.run(main())
+    assert whole.shard(MODEL).base == ""        # lr 0.05 changed nearly every byte: sent whole
+    for later in (second, third):
+        shard = later.shard(MODEL)
+        assert (shard.base, shard.depth) == (whole.version, 1) and shard.stored_bytes < 0.5 * shard.size
+    store.fetch(third.version, tmp_path / "read")
+    assert Model.from_pretrained(tmp_path / "read").state_dict()

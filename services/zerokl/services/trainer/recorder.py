@@ -73,8 +73,9 @@ class DeltaBases:
     step's change, but the record process keeps that version's files whole (the model's bytes again on disk).
     ``pinned`` True (``--record-deltas start``): the base stays the first one (the version the trainer started
     from, hard links into a store on this disk: no bytes) and each recorded directory goes once the store holds
-    it; each delta then holds every change since the start, so it grows with the job. For a model whose bytes the
-    disk cannot hold twice more (a co-located slice on one machine)."""
+    it; each delta then holds every change since the start, so it grows with the job, until a record goes mostly
+    whole (its deltas over half their files), which then becomes the base the same way (:meth:`offer`). For a
+    model whose bytes the disk cannot hold twice more (a co-located slice on one machine)."""
 
     def __init__(self, pinned: bool = False) -> None:
         self.pinned = pinned
@@ -95,16 +96,22 @@ class DeltaBases:
                 self._users[base.directory] -= 1
                 await self._collect()
 
-    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path) -> None:
+    async def offer(self, step: int, manifest: WeightsManifest, directory: pathlib.Path,
+                    repo: WeightsRepo | None = None) -> None:
         """``directory`` holds the files of ``manifest`` (recorded at trainer ``step``): keep its serving files as
-        the base of the next records (unless a later version's already are); the rest of it goes."""
-        def keep_serving() -> None:
-            for path in directory.iterdir():
-                if not is_serving_file(path.name):
-                    path.unlink()
-        await asyncio.to_thread(keep_serving)
-        if step < self._step or (self.pinned and self.current is not None):
+        the base of the next records (unless a later version's already are); the rest of it goes.
+
+        Pinned, the directory goes whole, and the base stays, unless the record went mostly whole. That happens
+        once its deltas against the base were over half their files (the store client's rule). The next records
+        then go against this version instead, fetched from ``repo`` (hard links from a store on this disk), so a
+        long job's records do not all go whole."""
+        await asyncio.to_thread(_keep_serving, directory)
+        if step < self._step:
             self._retired.add(directory)
+        elif self.pinned and self.current is not None:
+            self._retired.add(directory)
+            if repo is not None and _mostly_whole(manifest):
+                await self._fetch(repo, manifest.version, step)
         else:
             if self.current is not None:
                 self._retired.add(self.current.directory)
@@ -118,15 +125,23 @@ class DeltaBases:
         bytes. A parent the store does not hold (never recorded, superseded, deleted) leaves no base."""
         if self.current is not None or not version:
             return
+        await self._fetch(repo, version, -1)
+
+    async def _fetch(self, repo: WeightsRepo, version: str, step: int) -> None:
+        """``version``'s serving files from the store as the base from here (kept when the store cannot give them)."""
         directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-base-"))
         try:
             manifest = await repo.fetch(version, directory, serving_only=True)
+            await asyncio.to_thread(_keep_serving, directory)     # the fetch's own manifest file too
         except (ServiceError, OSError) as err:
             shutil.rmtree(directory, True)
-            log.info("record process: no delta base from %s (%s); the first record goes whole", version,
-                     getattr(err, "message", None) or err)
+            log.info("record process: no delta base from %s (%s); the base stays %s", version,
+                     getattr(err, "message", None) or err, self.current.manifest.version if self.current else "none")
             return
-        await self.offer(-1, manifest, directory)
+        if self.current is not None:
+            self._retired.add(self.current.directory)
+        self.current, self._step = UploadBase(manifest, directory), step
+        await self._collect()
 
     async def close(self) -> None:
         if self.current is not None:
@@ -217,6 +232,19 @@ class RecordWorker:
         self._conn = parent
 
 
+def _keep_serving(directory: pathlib.Path) -> None:
+    """Remove every file of ``directory`` but the serving ones (a delta base's)."""
+    for path in directory.iterdir():
+        if not is_serving_file(path.name):
+            path.unlink()
+
+
+def _mostly_whole(manifest: WeightsManifest) -> bool:
+    """Most of ``manifest``'s serving bytes were stored whole, not as deltas."""
+    serving = [s for s in manifest.shards if is_serving_file(s.name)]
+    return 2 * sum(s.size for s in serving if not s.base) > sum(s.size for s in serving)
+
+
 def _plain(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool, list, tuple, pathlib.PurePath))
 
@@ -267,7 +295,7 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: str) -> None:
                         await bases.start_from(repo, spec.parent_version)
                         async with bases.use() as base:
                             manifest, _ = await publish_checkpoint(repo, path, name, spec, base)
-                        await bases.offer(step, manifest, path)     # the next record's base, or gone (pinned)
+                        await bases.offer(step, manifest, path, repo)   # the next record's base, or gone (pinned)
                     reply = ("ok", manifest)
                 else:
                     reply = ("error", f"unknown request {kind!r}")

@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="record each shared version's files as deltas, so the store writes what changed: against "
                         "the version recorded before (previous, the default: the record process keeps its files "
                         "whole on disk), against the version the trainer started from (start: no copy kept, hard "
-                        "links into a local store, but each delta grows with the job), or whole (off)")
+                        "links into a local store; each delta grows with the job until a record goes mostly whole, "
+                        "which the next ones then go against), or whole (off)")
     j.add_argument("--init", default=DEFAULT_INIT,
                    help="starting weights when the run has nothing to resume: preset:NAME[:seedN], a checkpoint "
                         "directory, or a weight-store version (default %(default)s)")
