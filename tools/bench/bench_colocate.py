@@ -84,6 +84,31 @@ def _write_on_gpu(config, seed: int, out: str, gpu: str | None) -> None:  # noqa
     model.save_pretrained(out)
 
 
+# Peak disk of the job, in bf16 copies of the model (the CPU cut's figures, docs/perf.md, issue 49): the start holds
+# the bench's checkpoint and the store's first version; a job recording against its start, the store's first
+# version and the record being written, and the deltas (2.2-2.6x measured).
+_DISK_X = {"start": 2.7, "previous": 4.1, "off": 4.1}
+
+
+def check_disk(args: argparse.Namespace, workdir: pathlib.Path) -> None:
+    """Refuse to start a job its disk cannot hold (a device call found out after the fleet's minutes of start-up)."""
+    from flops import total_params
+
+    from zerokl.kernels.model import ModelConfig
+    config = ModelConfig.preset(args.preset)
+    if args.layers is not None:
+        config = config.replace(num_hidden_layers=args.layers, first_k_dense_replace=1)
+    model_bytes = 2 * total_params(config)
+    need = _DISK_X[args.record_deltas] * model_bytes
+    free = shutil.disk_usage(workdir).free
+    print(f"disk: {free / 2**30:.1f} GiB free under {workdir}; the job needs about {need / 2**30:.1f} GiB "
+          f"({_DISK_X[args.record_deltas]}x the model's {model_bytes / 2**30:.1f} GiB, --record-deltas "
+          f"{args.record_deltas})", flush=True)
+    if free < need:
+        raise SystemExit(f"not enough disk under {workdir}: {free / 2**30:.1f} GiB free, about {need / 2**30:.1f} "
+                         "GiB needed (--workdir elsewhere, or --record-deltas start)")
+
+
 class _Sampler:
     """Calls :meth:`sample` every 0.2 s on a background thread while entered."""
 
@@ -306,6 +331,7 @@ def main() -> int:
     workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
     workdir.mkdir(parents=True, exist_ok=True)
+    check_disk(args, workdir)
     fleet = workdir / "fleet"
     disk = DiskWatch(workdir).__enter__()
     disk.phase = "model written"
