@@ -107,17 +107,24 @@ def test_records_sent_whole_leave_no_files_behind(tmp_path: pathlib.Path, monkey
     asyncio.run(main())
 
 
-def test_records_against_the_start_keep_no_copy_and_read_back_bit_for_bit(
-        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--record-deltas start: every record is a delta against the version the trainer started from (one layer deep,
-    however many steps), and once the store holds a record the record process keeps none of its files: its only
-    base is the start's files, hard links into the store (no bytes of their own)."""
+def _store_with_start(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> VersionStore:
+    """A local store holding ``start-v0`` (a tiny bf16 model) for a trainer to start from; the trainer's temp files
+    (the record process's directories) under ``tmp_path / "tmp"``."""
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     store = VersionStore(LocalDirBackend(tmp_path / "w"))
     (tmp_path / "v0").mkdir()
     Model(ModelConfig.preset("tiny"), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
     store.publish_dir(tmp_path / "v0", "start-v0", VersionSpec())
+    return store
+
+
+def test_records_against_the_start_keep_no_copy_and_read_back_bit_for_bit(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--record-deltas start: every record is a delta against the version the trainer started from (one layer deep,
+    however many steps), and once the store holds a record the record process keeps none of its files: its only
+    base is the start's files, hard links into the store (no bytes of their own)."""
+    store = _store_with_start(tmp_path, monkeypatch)
 
     def record_files() -> list[pathlib.Path]:
         return [f for f in (tmp_path / "tmp").rglob("*") if f.is_file() and "zerokl-trainer-record" in str(f)]
@@ -151,12 +158,7 @@ def test_records_against_the_start_move_their_base_to_a_record_that_went_whole(
     """--record-deltas start, and a step that changed nearly every byte (lr 0.05: its delta against the start is over
     half the file, so it went whole): the next records go as deltas against that record, not whole against the
     start forever after; the record process still keeps no bytes of its own (its base: hard links)."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
-    store = VersionStore(LocalDirBackend(tmp_path / "w"))
-    (tmp_path / "v0").mkdir()
-    Model(ModelConfig.preset("tiny"), seed=1, dtype=torch.bfloat16).save_pretrained(tmp_path / "v0")
-    store.publish_dir(tmp_path / "v0", "start-v0", VersionSpec())
+    store = _store_with_start(tmp_path, monkeypatch)
 
     async def main() -> list:
         recorded = []
