@@ -315,6 +315,9 @@ def main() -> int:
     ap.add_argument("--record-deltas", choices=("previous", "start", "off"), default=None,
                     help="what the trainer's records are deltas against (default: start for glm5, whose bytes the "
                          "disk cannot hold twice more; previous otherwise)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=None,
+                    help="the trainer's packed tokens per forward + backward (default: 2048 for glm5, whose "
+                         "logits over 154,880 tokens of a whole step ran out of an H100's memory; 0 otherwise)")
     ap.add_argument("--num-blocks", type=int, default=None, help="replica KV blocks (default: enough for the batch)")
     ap.add_argument("--workdir", default=None, help="the fleet's workdir (default /tmp/bench-colocate-PRESET)")
     ap.add_argument("--out", default=None, help="JSON (default docs/bench/colocate-PRESET-DEVICE.json)")
@@ -327,6 +330,8 @@ def main() -> int:
         args.checkpoint_every = 0 if args.preset == "glm5" else 10
     if args.record_deltas is None:
         args.record_deltas = "start" if args.preset == "glm5" else "previous"
+    if args.micro_batch_tokens is None:
+        args.micro_batch_tokens = 2048 if args.preset == "glm5" else 0
     name = f"{args.preset}{f'-{args.layers}l' if args.layers else ''}"
     workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
@@ -342,6 +347,7 @@ def main() -> int:
             *(["--model", str(model)] if model else ["--preset", args.preset, "--seed", str(args.seed)]),
             "--dtype", "bfloat16", f"--trainer-flag=--master-weights={master}", "--trainer-flag=--run=colocate",
             f"--trainer-flag=--record-deltas={args.record_deltas}",
+            f"--trainer-flag=--micro-batch-tokens={args.micro_batch_tokens}",
             f"--scheduler-flag=--colocate-sleep-level={args.sleep_level}",
             f"--replica-flag=--num-blocks={blocks}", f"--replica-flag=--max-num-seqs={args.prompts * args.group}",
             "--replica-flag=--max-num-batched-tokens=4096"]
@@ -356,6 +362,7 @@ def main() -> int:
                              "prompts": args.prompts, "group": args.group, "max_tokens": args.max_tokens,
                              "sleep_level": args.sleep_level, "master_weights": master,
                              "checkpoint_every": args.checkpoint_every, "record_deltas": args.record_deltas,
+                             "micro_batch_tokens": args.micro_batch_tokens,
                              "argv": argv[2:]},
                     "steps": []}
     print("starting:", " ".join(argv[2:]), flush=True)
