@@ -43,14 +43,23 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from fleet import stop, wait_up  # noqa: E402
 
 
+def model_config(args: argparse.Namespace):  # noqa: ANN201
+    """The preset, cut to --layers (the first dense) when given."""
+    from zerokl.kernels.model import ModelConfig
+    config = ModelConfig.preset(args.preset)
+    if args.layers is not None:
+        config = config.replace(num_hidden_layers=args.layers, first_k_dense_replace=1)
+    return config
+
+
 def model_dir(args: argparse.Namespace, workdir: pathlib.Path) -> pathlib.Path | None:
     """The model as a checkpoint when --layers cuts a preset (None: `zerokl up --preset` makes it)."""
     if args.layers is None:
         return None
     import torch
 
-    from zerokl.kernels.model import Model, ModelConfig
-    config = ModelConfig.preset(args.preset).replace(num_hidden_layers=args.layers, first_k_dense_replace=1)
+    from zerokl.kernels.model import Model
+    config = model_config(args)
     out = workdir / f"model-{args.preset}-{args.layers}l-seed{args.seed}"
     if (out / "config.json").exists():
         return out
@@ -94,11 +103,7 @@ def check_disk(args: argparse.Namespace, workdir: pathlib.Path) -> None:
     """Refuse to start a job its disk cannot hold (a device call found out after the fleet's minutes of start-up)."""
     from flops import total_params
 
-    from zerokl.kernels.model import ModelConfig
-    config = ModelConfig.preset(args.preset)
-    if args.layers is not None:
-        config = config.replace(num_hidden_layers=args.layers, first_k_dense_replace=1)
-    model_bytes = 2 * total_params(config)
+    model_bytes = 2 * total_params(model_config(args))
     need = _DISK_X[args.record_deltas] * model_bytes
     free = shutil.disk_usage(workdir).free
     print(f"disk: {free / 2**30:.1f} GiB free under {workdir}; the job needs about {need / 2**30:.1f} GiB "
