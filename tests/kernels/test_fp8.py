@@ -6,6 +6,7 @@ import torch
 
 import zerokl.kernels as K
 from zerokl.kernels import ops, torch_ops
+from zerokl.kernels.backend import backend_module
 from zerokl.kernels.portable import standard_normal
 
 BACKENDS = ["torch", "triton"]
@@ -62,6 +63,36 @@ def test_weight_quantization_layout_and_accuracy():
     rel = ((deq - w).abs() / w.abs().clamp(min=1e-3)).median()
     assert rel < 0.04                                       # 3 mantissa bits: half an ulp is 1/16
     assert torch.equal(ops.fp8_quantize_weight(w)[0].view(torch.uint8), q.view(torch.uint8))
+
+
+def test_a_stack_of_experts_quantizes_in_slices_as_each_expert_alone(monkeypatch):
+    """The reference over a stack [E, N, K]: in slices of whole experts (memory only) when N is a multiple of
+    128, one expert at a time otherwise; either way each expert gets the bits it gets alone."""
+    for shape in ((5, 256, 384), (3, 130, 200)):
+        w = _normal(3, *shape)
+        w[1, 10:20] = 0.0                                                           # zero rows inside a block
+        alone = [torch_ops.fp8_quantize_weight(x) for x in w]
+        monkeypatch.setattr(torch_ops, "QUANTIZE_SLICE_ELEMENTS", 2 * shape[1] * shape[2])   # 2 experts a slice
+        q, scale = torch_ops.fp8_quantize_weight(w)
+        assert torch.equal(q.view(torch.uint8), torch.stack([a[0] for a in alone]).view(torch.uint8))
+        assert torch.equal(scale, torch.stack([a[1] for a in alone]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(200, 300), (3, 256, 200), (2, 130, 140)])
+def test_the_weight_quantization_kernel_gives_the_references_bits(shape, dtype):
+    """Triton's fp8_quantize_weight (one launch for a whole stack of experts) == torch_ops' definition, byte
+    for byte and scale for scale: partial blocks at the edges, an all-zero block (scale 1), a loud value
+    that pushes its block's other values into e4m3's subnormals and to zero, bf16 and fp32 weights."""
+    w = _normal(7, *shape, scale=0.05).to(dtype)
+    w[..., :128, :128] = 0.0
+    w[..., 129, 131] = 40.0
+    q, s = (t.cpu() for t in backend_module("triton").fp8_quantize_weight(_on("triton", w)))
+    want_q, want_s = torch_ops.fp8_quantize_weight(w)
+    assert q.shape == w.shape and s.shape == want_s.shape and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    b = q.view(torch.uint8)
+    assert ((b & 0x7F) == 0).any() and (((b & 0x78) == 0) & ((b & 0x07) != 0)).any()     # zeros and subnormals
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

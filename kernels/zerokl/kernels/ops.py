@@ -22,10 +22,10 @@ from typing import Callable, Iterator, NamedTuple
 
 import torch
 
+from zerokl.kernels import torch_ops
 from zerokl.kernels.backend import backend_module, get_backend
 from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX, fp8_dequantize_weight
 from zerokl.kernels.portable import exp64, log64
-from zerokl.kernels.torch_ops import round_to_e4m3   # plain IEEE arithmetic, any device
 
 __all__ = [
     "REDUCTION_SPLITS",
@@ -930,22 +930,18 @@ def fp8_quantize(input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [N, K] -> (q [N, K] float8_e4m3fn, scale [ceil(N/128), ceil(K/128)] fp32), one scale
     per 128 x 128 block: s = amax / 448 (1 for an all-zero block), q = the nearest e4m3 value to
-    clamp(w / s, +-448), ties to even (torch_ops.round_to_e4m3).
+    clamp(w / s, +-448), ties to even (torch_ops.round_to_e4m3). A stack of experts [E, N, K] gives
+    each expert's (q [E, N, K], scale [E, ceil(N/128), ceil(K/128)]), every expert exactly as alone.
 
     The layout of DeepSeek-V3 / GLM-5-FP8 checkpoints (`weight_scale_inv` is `scale`: w ~= q * s).
-    Every step is exact or correctly rounded (max, IEEE division, the e4m3 cast), so the trainer
-    quantizing its fp32 masters and a converter quantizing a checkpoint get the same bits.
+    Every step is exact or correctly rounded (max, IEEE division, the e4m3 cast), so every backend
+    and device gives the same bits: the trainer quantizing its fp32 masters on the GPU and a
+    converter quantizing a checkpoint on the CPU agree (tests/kernels/test_fp8.py).
     """
-    if weight.dim() != 2:
-        raise ValueError(f"fp8_quantize_weight: weight must be [N, K], got {tuple(weight.shape)}")
-    n, k = weight.shape
-    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
-    w = torch.nn.functional.pad(weight.detach().float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
-    blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
-    return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"fp8_quantize_weight: weight must be [N, K] or [E, N, K], got {tuple(weight.shape)}")
+    # The same bits on every backend: off CUDA the reference (a checkpoint on the host, under the interpreter).
+    return (backend_module() if weight.device.type == "cuda" else torch_ops).fp8_quantize_weight(weight)
 
 
 def fp8_linear(input: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -19,7 +19,7 @@ from zerokl.kernels.fp8_format import fp8_dequantize_weight
 __all__ = [
     "linear", "grouped_linear", "rms_norm", "layer_norm", "softmax", "log_softmax", "sigmoid", "silu",
     "rope", "mla_attention", "mla_attention_sequences", "indexer_scores", "topk_positions", "fp8_quantize",
-    "fp8_linear", "fp8_gemm", "fp8_grouped_linear",
+    "fp8_quantize_weight", "fp8_linear", "fp8_gemm", "fp8_grouped_linear",
 ]
 
 
@@ -30,6 +30,10 @@ def linear(x, weight, bias=None, out_dtype=None):
 
 def fp8_quantize(x):
     return torch_ops.fp8_quantize(x)
+
+
+def fp8_quantize_weight(weight):
+    return torch_ops.fp8_quantize_weight(weight)
 
 
 def fp8_linear(x, weight, weight_scale, bias=None, out_dtype=None):

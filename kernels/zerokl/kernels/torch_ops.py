@@ -45,6 +45,7 @@ __all__ = [
     "topk_positions",
     "round_to_e4m3",
     "fp8_quantize",
+    "fp8_quantize_weight",
     "fp8_gemm",
     "fp8_grouped_linear",
     "fp8_linear",
@@ -318,6 +319,37 @@ def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = round_to_e4m3((xp / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     return q.view(m, kb * FP8_BLOCK)[:, :k], s
+
+
+# Experts of a stack quantized per step of fp8_quantize_weight, by elements (memory, not bits): the fp32
+# temporaries of a GLM-5 expert stack at once (256 x 2,048 x 6,144) would be 12 GiB each.
+QUANTIZE_SLICE_ELEMENTS = 1 << 28
+
+
+def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] or a stack of experts [E, N, K] -> (q float8_e4m3fn of its shape, scale
+    [..., ceil(N/128), ceil(K/128)] fp32): per 128 x 128 block of each expert, s = amax / 448 (1 for an
+    all-zero block), q = round_to_e4m3(clamp(w / s, +-448)). Every step is exact or correctly rounded."""
+    if weight.dim() == 3:
+        e, n, k = weight.shape
+        # A block reads only its own 128 x 128 values, so whole experts at a time give each expert's
+        # blocks exactly as alone; rows of one block never straddle two experts when N % 128 == 0.
+        if n % FP8_BLOCK:
+            parts = [fp8_quantize_weight(x) for x in weight]
+            return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+        step = max(1, QUANTIZE_SLICE_ELEMENTS // max(1, n * k))
+        parts = [fp8_quantize_weight(weight[i:i + step].reshape(-1, k)) for i in range(0, e, step)]
+        q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        scale = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        return q.view(e, n, k), scale.view(e, n // FP8_BLOCK, scale.shape[-1])
+    n, k = weight.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    w = torch.nn.functional.pad(weight.detach().float(), (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n))
+    blocks = w.view(nb, FP8_BLOCK, kb, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))                                      # [NB, KB]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = round_to_e4m3((blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
+    return q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,

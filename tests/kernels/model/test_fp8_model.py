@@ -124,17 +124,6 @@ def test_the_trainers_fp8_forward_is_the_replicas_and_trains_its_masters():
         assert not torch.equal(after, logits) and torch.equal(after, replica(PROMPT))
 
 
-def test_a_stack_of_experts_quantizes_in_slices_as_each_expert_alone(monkeypatch):
-    """Slicing the stack (memory only) gives each expert the bits it gets alone."""
-    from zerokl.kernels.model import fp8 as fp8_model
-    w = torch.randn(5, 256, 384, generator=torch.Generator().manual_seed(3))
-    alone = [ops.fp8_quantize_weight(x) for x in w]
-    monkeypatch.setattr(fp8_model, "QUANTIZE_SLICE_ELEMENTS", 2 * 256 * 384)       # 2 experts a call
-    q, scale = fp8_model._quantize(w)
-    assert torch.equal(q.view(torch.uint8), torch.stack([a[0] for a in alone]).view(torch.uint8))
-    assert torch.equal(scale, torch.stack([a[1] for a in alone]))
-
-
 def test_the_two_fp8_entry_points_agree_from_one_fp32_model():
     """serving_fp8_model (a replica's FP8 model) and trainable_fp8 (the trainer's) built from the
     same fp32 model hold the same serving bytes and compute the same logits: the router stays

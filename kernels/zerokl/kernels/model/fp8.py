@@ -77,7 +77,7 @@ def quantize_fp8(model: nn.Module, masters: bool = False) -> nn.Module:
     if is_fp8(model):
         raise ValueError("quantize_fp8: the model is FP8 already")
     for module, name in _quantized(model):
-        q, scale = _quantize(getattr(module, name))
+        q, scale = ops.fp8_quantize_weight(getattr(module, name))
         if masters:
             module.register_buffer(name + "_fp8", q)
         else:
@@ -95,7 +95,7 @@ def refresh_fp8(model: nn.Module, masters: Mapping[torch.Tensor, torch.Tensor] |
     fp32 weight (not of its bf16 rounding). A weight absent from it is quantized as it is."""
     for module, name in _quantized(model):
         w = getattr(module, name)
-        q, scale = _quantize(masters.get(w, w) if masters is not None else w)
+        q, scale = ops.fp8_quantize_weight(masters.get(w, w) if masters is not None else w)
         getattr(module, name + "_fp8").copy_(q)
         getattr(module, name + "_scale_inv").copy_(scale)
 
@@ -152,7 +152,7 @@ def serving_fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for module, attr in _quantized(model):
         key = f"{names[id(module)]}.{attr}".removeprefix(".")
-        state[key], state[key + "_scale_inv"] = _quantize(state[key].to(FP8_ACTIVATIONS))
+        state[key], state[key + "_scale_inv"] = ops.fp8_quantize_weight(state[key].to(FP8_ACTIVATIONS))
     return state
 
 
@@ -163,26 +163,3 @@ def serving_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name in [n for n in state if n.endswith("_fp8")]:
         state[name.removesuffix("_fp8")] = state.pop(name)
     return state
-
-
-QUANTIZE_SLICE_ELEMENTS = 1 << 28  # experts of a stack quantized per call, by elements (memory, not bits)
-
-
-def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ops.fp8_quantize_weight of a weight [N, K] or of each expert of a stacked [E, N, K]."""
-    if w.dim() == 2:
-        return ops.fp8_quantize_weight(w)
-    e, n, k = w.shape
-    if n % ops.FP8_BLOCK == 0:
-        # Whole 128-row blocks never straddle two experts: one call over [E * N, K] computes each
-        # expert's blocks exactly as alone (a block's amax and its elementwise rounding read only
-        # the block), without a Python loop over the experts at every optimizer step.
-        # In slices of whole experts of at most ~256M elements: the quantization's fp32 temporaries
-        # of a GLM-5 expert stack at once (256 x 2,048 x 6,144) would be 12 GiB each.
-        step = max(1, QUANTIZE_SLICE_ELEMENTS // (n * k))
-        parts = [ops.fp8_quantize_weight(w[i:i + step].reshape(-1, k)) for i in range(0, e, step)]
-        q = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        scale = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        return q.view(e, n, k), scale.view(e, n // ops.FP8_BLOCK, scale.shape[-1])
-    parts = [ops.fp8_quantize_weight(x) for x in w]
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])

@@ -16,7 +16,7 @@ from __future__ import annotations
 from .attention import KV_BLOCK, mla_attention, mla_attention_sequences
 from .combine import moe_combine_backward, pair_rows_backward
 from .elementwise import sigmoid, silu, swiglu_backward
-from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize
+from .fp8 import fp8_gemm, fp8_grouped_linear, fp8_linear, fp8_quantize, fp8_quantize_weight
 from .gemm import gemm_config, grouped_linear, grouped_linear_wgrad, linear, split_partial, tree_combine, tree_combine_planes
 from .indexer import indexer_scores
 from .norms import layer_norm, rms_norm, rms_norm_backward
@@ -31,6 +31,7 @@ __all__ = [
     "fp8_grouped_linear",
     "fp8_linear",
     "fp8_quantize",
+    "fp8_quantize_weight",
     "gemm_config",
     "grouped_linear",
     "grouped_linear_wgrad",

@@ -1,4 +1,4 @@
-"""Block-scaled FP8 (e4m3) kernels: activation quantization and the FP8 GEMM `fp8_linear`.
+"""Block-scaled FP8 (e4m3) kernels: activation and weight quantization and the FP8 GEMM `fp8_linear`.
 
 The definition (NUMERICS.md, "FP8"): a weight [N, K] is stored as e4m3 values with one fp32
 scale per 128 x 128 block; an activation row is quantized per 128-channel group,
@@ -34,11 +34,29 @@ from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
 from .gemm import _device_offsets, _group_tile
 
-__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_gemm", "fp8_grouped_linear", "fp8_linear"]
+__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_quantize_weight", "fp8_gemm", "fp8_grouped_linear", "fp8_linear"]
 
 # FP8_BLOCK (channels per activation scale; weight blocks FP8_BLOCK x FP8_BLOCK) and FP8_MAX (the
 # largest e4m3 value) are the library's (fp8_format); the kernels read FP8_MAX as a compile-time constant.
 _E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def _e4m3_byte(y):
+    # fp32 y, |y| <= 448 -> the byte of the e4m3 value nearest y, ties to even (int32). Rounds onto
+    # the e4m3 grid with IEEE adds (torch_ops.round_to_e4m3), then writes the byte itself: Triton's
+    # own fp8 cast under the interpreter rounds ties away and flushes subnormals, so no conversion
+    # routine may decide a bit.
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    c = quantum * 12582912.0
+    r = (y + c) - c
+    bits = r.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    ex = ((bits >> 23) & 0xFF) - 127
+    normal = (sign << 7) | ((ex + 7) << 3) | ((bits >> 20) & 7)
+    subnormal = (sign << 7) | (tl.abs(r) * 512.0).to(tl.int32)         # r = k * 2^-9, k in 0..7
+    return tl.where(ex >= -6, normal, subnormal)
 
 
 @triton.jit
@@ -52,20 +70,7 @@ def _fp8_quantize_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_xm, stride_qm, BLOCK
     amax = tl.max(tl.abs(x), axis=0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -_E4M3_MAX), _E4M3_MAX)
-    # Round onto the e4m3 grid with IEEE adds (torch_ops.round_to_e4m3), then write the byte
-    # ourselves: Triton's own fp8 cast under the interpreter rounds ties away and flushes
-    # subnormals, so no conversion routine may decide a bit.
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    c = quantum * 12582912.0
-    r = (y + c) - c
-    bits = r.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    ex = ((bits >> 23) & 0xFF) - 127
-    normal = (sign << 7) | ((ex + 7) << 3) | ((bits >> 20) & 7)
-    subnormal = (sign << 7) | (tl.abs(r) * 512.0).to(tl.int32)         # r = k * 2^-9, k in 0..7
-    byte = tl.where(ex >= -6, normal, subnormal)
-    tl.store(q_ptr + row * stride_qm + cols, byte.to(tl.uint8), mask=mask)
+    tl.store(q_ptr + row * stride_qm + cols, _e4m3_byte(y).to(tl.uint8), mask=mask)
     tl.store(s_ptr + row * KB + b, s)
 
 
@@ -82,6 +87,45 @@ def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if m and k:
         _fp8_quantize_kernel[(m, kb)](x, q.view(torch.uint8), s, k, kb, x.stride(0), q.stride(0), BLOCK=FP8_BLOCK)
     return q, s
+
+
+@triton.jit
+def _fp8_quantize_weight_kernel(w_ptr, q_ptr, s_ptr, N, K, NB, KB, stride_we, stride_wn, BLOCK: tl.constexpr):
+    # One program per (128-row block, 128-column block, expert) of a stack [E, N, K]: the block's amax,
+    # its scale, its e4m3 values. Rows and columns past N and K count as zeros (torch_ops pads with zeros).
+    nb = tl.program_id(0)
+    kb = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rows = (nb * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    cols = kb * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    w = tl.load(w_ptr + e * stride_we + rows[:, None] * stride_wn + cols[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(w, s), -_E4M3_MAX), _E4M3_MAX)
+    tl.store(q_ptr + (e * N + rows[:, None]) * K + cols[None, :], _e4m3_byte(y).to(tl.uint8), mask=mask)
+    tl.store(s_ptr + (e * NB + nb) * KB + kb, s)
+
+
+def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] or a stack of experts [E, N, K] (fp32/bf16) -> (q float8_e4m3fn of its shape,
+    scale [..., ceil(N/128), ceil(K/128)] fp32), one scale per 128 x 128 block of each expert: one
+    launch, no fp32 temporaries (the trainer re-quantizes every FP8 weight after each optimizer step)."""
+    op = "fp8_quantize_weight"
+    check_float(op, "weight", weight)
+    if weight.dim() not in (2, 3):
+        raise ValueError(f"{op}: weight must be [N, K] or [E, N, K], got shape {tuple(weight.shape)}")
+    check_launchable(op, _fp8_quantize_weight_kernel, weight)
+    w = unit_last(weight if weight.dim() == 3 else weight.unsqueeze(0))
+    e, n, k = w.shape
+    nb, kb = triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK)
+    q = torch.empty((e, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
+    if e and n and k:
+        _fp8_quantize_weight_kernel[(nb, kb, e)](w, q.view(torch.uint8), s, n, k, nb, kb, w.stride(0), w.stride(1),
+                                                 BLOCK=FP8_BLOCK, num_warps=8)
+    return (q, s) if weight.dim() == 3 else (q[0], s[0])
 
 
 @triton.jit(do_not_specialize=["M"])
