@@ -26,7 +26,8 @@ Parts:
              (fp32 masters) vs the FP8 trainer (TrainConfig.dtype "fp8": FP8 forward, straight-through
              bf16 backward, fp32 masters re-quantized after each step), the same batch. Median
              seconds of forward+backward and of a whole step (forward+backward+optimizer step, the
-             FP8 re-quantization included) and their FP8 / bf16 ratios (target <= 1.15).
+             FP8 re-quantization included) and their FP8 / bf16 ratios (target <= 1.15); and the
+             re-quantization alone, on the Triton kernel and on the torch ops it replaced.
 Weights are random, drawn on the device by a seeded generator (bench_train.build_model).
 """
 from __future__ import annotations
@@ -173,6 +174,8 @@ def train_part(config: ModelConfig, device: str, batch: int, seq: int, steps: in
                 whole.append(t2 - t0)
         out[arm] = {"fwd_bwd_s": _median(fb), "step_s": _median(whole), "fp8": trainer.fp8,
                     "tokens_per_s": out["tokens_per_step"] / _median(whole)}
+        if trainer.fp8:
+            out[arm]["requantize_s"] = requantize_times(trainer, device, steps)
         if device.startswith("cuda"):
             out[arm]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -183,6 +186,24 @@ def train_part(config: ModelConfig, device: str, batch: int, seq: int, steps: in
     out["fwd_bwd_ratio_fp8_vs_bf16"] = out["fp8"]["fwd_bwd_s"] / out["bf16"]["fwd_bwd_s"]
     out["step_ratio_fp8_vs_bf16"] = out["fp8"]["step_s"] / out["bf16"]["step_s"]
     return out
+
+
+def requantize_times(trainer: Trainer, device: str, steps: int) -> dict:
+    """Median seconds of the optimizer step's re-quantization of every FP8 weight from its fp32 master
+    (Trainer._refresh_fp8), on the active backend's fp8_quantize_weight (Triton on CUDA) and on the
+    torch ops' definition (what every backend ran before 272af10), side by side; the same bytes."""
+    times = {}
+    for name, backend in (("kernel", K.get_backend()), ("torch ops", "torch")):
+        runs = []
+        with K.use_backend(backend):
+            for _ in range(steps + 1):
+                _sync(device)
+                t0 = time.perf_counter()
+                trainer._refresh_fp8()
+                _sync(device)
+                runs.append(time.perf_counter() - t0)
+        times[name] = _median(runs[1:])
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer step ({args.train_preset}, {args.train_batch} x {args.train_seq}): bf16 "
               f"{t['bf16']['step_s'] * 1e3:.1f} ms, FP8 {t['fp8']['step_s'] * 1e3:.1f} ms: {t['step_ratio_fp8_vs_bf16']:.2f}x "
               f"(fwd+bwd {t['fwd_bwd_ratio_fp8_vs_bf16']:.2f}x); FP8 trainer == engine: {t['fp8_trainer_equals_engine']}")
+        rq = t["fp8"]["requantize_s"]
+        print(f"re-quantization of every FP8 weight: kernel {rq['kernel'] * 1e3:.1f} ms, torch ops "
+              f"{rq['torch ops'] * 1e3:.1f} ms")
     print(f"wrote {args.json} in {res['wall_s']} s")
     return 0
 
