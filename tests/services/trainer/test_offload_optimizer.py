@@ -1,7 +1,8 @@
 """TrainConfig.offload_optimizer (co-location): the optimizer state lives in host memory between steps and
-each parameter is stepped alone; the weights, masters and AdamW moments after N steps equal the
-on-device step's bit for bit (fp32 model; bf16 model with fp32 masters; a refused step undone alike),
-and a checkpoint written by one loads into the other."""
+each parameter is stepped alone, in slices of whole rows; the weights, masters and AdamW moments after N
+steps equal the on-device step's bit for bit (fp32 model; bf16 model with fp32 masters; bf16 model without
+masters, the GLM-5 slice's co-location; whole parameters and slices of a few rows; a refused step undone
+alike), and a checkpoint written by one loads into the other."""
 import copy
 import random
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
+from zerokl.services.trainer import trainer as trainer_module
 from zerokl.services.trainer.optim import NonFiniteStep
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.vocab import Completion, InvalidOption
@@ -22,8 +24,23 @@ def _data(seed: int) -> list[Completion]:
                        tuple(rng.randrange(3, 64) for _ in range(5))) for _ in range(4)]
 
 
-def _trainer(dtype: torch.dtype, **kw) -> Trainer:
-    return Trainer(Model(TINY, seed=3, dtype=dtype), TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, **kw))
+# (model dtype, master weights): fp32; bf16 with fp32 masters; bf16 stepped in bf16 (the GLM-5 slice's co-location)
+KINDS = [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, False)]
+KIND_IDS = ["fp32", "bf16-masters", "bf16-no-masters"]
+
+
+@pytest.fixture(params=["whole", "rows"])
+def slices(request, monkeypatch):
+    """Offloaded parameters stepped whole, or in slices of a few rows (100 elements: one row of a 64-wide
+    weight, uneven slices of the 1-D norms): the same bits either way."""
+    if request.param == "rows":
+        monkeypatch.setattr(trainer_module, "OFFLOAD_SLICE_ELEMENTS", 100)
+    return request.param
+
+
+def _trainer(dtype: torch.dtype, masters: bool | None = None, **kw) -> Trainer:
+    return Trainer(Model(TINY, seed=3, dtype=dtype),
+                   TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, master_weights=masters, **kw))
 
 
 def _state(t: Trainer) -> list[torch.Tensor]:
@@ -42,10 +59,11 @@ def _assert_same(a: Trainer, b: Trainer) -> None:
         assert x.dtype == y.dtype and torch.equal(x.cpu(), y.cpu())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
-def test_offloaded_steps_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype) -> None:
-    on, off = _trainer(dtype), _trainer(dtype, offload_optimizer=True)
-    assert (on.masters is None) == (dtype == torch.float32) and off.offload
+@pytest.mark.parametrize("dtype,masters", KINDS, ids=KIND_IDS)
+def test_offloaded_steps_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype, masters: bool | None,
+                                                             slices: str) -> None:
+    on, off = _trainer(dtype, masters), _trainer(dtype, masters, offload_optimizer=True)
+    assert (on.masters is None) == (dtype == torch.float32 or masters is False) and off.offload
     for step in range(3):
         data = _data(step)
         m_on, m_off = on.sft_step(data), off.sft_step(data)
@@ -57,7 +75,7 @@ def test_offloaded_steps_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype)
         assert t.device.type == "cpu"
         assert t.is_pinned() == torch.cuda.is_available()
     # A checkpoint of the offloaded trainer resumes an on-device one, and back.
-    resumed, back = _trainer(dtype), _trainer(dtype, offload_optimizer=True)
+    resumed, back = _trainer(dtype, masters), _trainer(dtype, masters, offload_optimizer=True)
     resumed.load_state_dict(copy.deepcopy(off.state_dict()))     # copies: a state dict holds the live tensors
     back.load_state_dict(copy.deepcopy(on.state_dict()))
     data = _data(9)
@@ -93,14 +111,16 @@ def test_offload_refused_with_fp8() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-masters"])
-def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,masters", KINDS, ids=KIND_IDS)
+def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype, masters: bool | None,
+                                                                     slices: str) -> None:
     """On CUDA the state lives in pinned host memory between steps and is stepped on the device: the same bits as
     AdamW with its state on the device (torch's single-tensor AdamW), a refused step undone alike."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     make = lambda **kw: Trainer(Model(TINY, seed=3, dtype=dtype).cuda(),  # noqa: E731
-                                TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, cuda_graphs=False, **kw))
+                                TrainConfig(lr=1e-3, weight_decay=0.01, grad_clip=0.05, cuda_graphs=False,
+                                            master_weights=masters, **kw))
     on, off = make(), make(offload_optimizer=True)
     for step in range(3):
         on.sft_step(_data(step))

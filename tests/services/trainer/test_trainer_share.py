@@ -93,4 +93,25 @@ def test_a_co_located_trainer_releases_its_shared_versions_before_a_backward(tmp
             _, _, second = await client.share_weights(weights_only=True)
             want = service.trainer.serving_state_dict()
             assert all(torch.equal(v, want[k]) for k, v in open_shared(second).items())
+            # Each backward waits until no record holds an export on the device (the GLM-5 slice's backward beside
+            # one ran out of an H100's memory): a record copies its export only after the records before it were
+            # written and uploaded (the record process takes one version at a time).
+            held_at_backward = []
+            forward_backward = service._forward_backward
+
+            def watched(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+                held_at_backward.append([n for n, r in service._records.items() if r.export is not None])
+                return forward_backward(*args, **kw)
+            service._forward_backward = watched
+            upload = service._recorder.upload
+
+            async def slow_upload(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+                await asyncio.sleep(1.0)          # a store slower than the step: the next record's copy waits
+                return await upload(*args, **kw)
+            service._recorder.upload = slow_upload
+            for seed in (3, 4, 5):
+                version = (await client.get_state()).weights_version
+                await client.grpo_step(_rollouts(service.trainer, _prompts(2, seed), version), 4)
+                await client.share_weights(weights_only=True)
+            assert held_at_backward == [[], [], []]
     asyncio.run(main())

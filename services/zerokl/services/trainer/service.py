@@ -159,6 +159,7 @@ class _Record:
     begun: bool = False                         # its files are being written or uploaded: never superseded then
     waiters: int = 0                            # RecordWeights calls waiting for it: someone reads it
     superseded_by: str = ""                     # never recorded: the newer version whose share dropped it
+    released: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)   # set once it holds no export
 
     @property
     def weights_only(self) -> bool:
@@ -170,6 +171,14 @@ class _Record:
         started, and no RecordWeights waiting for it."""
         return (self.weights_only and self.manifest is None and not self.begun and not self.waiters
                 and not self.superseded_by)
+
+
+async def _released(record: _Record) -> None:
+    """Until ``record`` holds no export, or its task ended (a record cancelled with the service)."""
+    waiter = asyncio.ensure_future(record.released.wait())
+    pending = {waiter} | ({record.task} if record.task is not None else set())
+    await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
 
 
 @dataclass(frozen=True)
@@ -389,7 +398,7 @@ class TrainerService:
                                          "--dp/--tp/--ep trainer yet: serve the trainer in one process")
             forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
             if not forward_only:
-                self._release_exports_for_training()
+                await self._release_exports_for_training()
             try:
                 if isinstance(batch, TokenLossBatch):
                     result = await self._compute(self._forward_backward_tokens, batch)
@@ -828,16 +837,23 @@ class TrainerService:
                 self._drop_export(record)
                 log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
 
-    def _release_exports_for_training(self) -> None:
+    async def _release_exports_for_training(self) -> None:
         """Co-location (``offload_optimizer``: a replica shares the device): the shared versions leave the device
         before a backward needs its memory (for the GLM-5 slice one export is 23 GiB of an 80 GB device). Each
         replica copied the newest one when it switched to it, before the rollouts this batch trains on; a record
-        still writing from one closes it once it has copied it (:meth:`_drop_export`). A later switch to a
-        released version reads the store, as one to an older version always did."""
+        still to copy one (the record process takes the versions one at a time) is waited for, and closes it once
+        it has the bytes (:meth:`_drop_export`): the backward of the slice beside an export ran out of an H100's
+        memory. A later switch to a released version reads the store, as one to an older version always did."""
         if not self._trainer.config.offload_optimizer:
             return
         while self._exports:
             self._release(self._exports.pop(next(iter(self._exports))))
+        holding = [r for r in self._records.values() if r.export is not None]
+        if holding:
+            start = time.monotonic()
+            await asyncio.gather(*(_released(r) for r in holding))
+            log.info("trainer: waited %.2f s for %d record(s) to copy their versions off the device before a "
+                     "backward", time.monotonic() - start, len(holding))
 
     def _release(self, shared: SharedBuffer) -> None:
         """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""
@@ -847,6 +863,7 @@ class TrainerService:
     def _drop_export(self, record: _Record) -> None:
         """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""
         shared, record.export = record.export, None
+        record.released.set()
         if shared is not None and shared not in self._exports.values():
             self._release(shared)
 

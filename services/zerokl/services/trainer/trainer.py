@@ -177,6 +177,24 @@ class TrainConfig:
 TOKEN_BUCKET, ROW_BUCKET, WIDTH_BUCKET = 64, 256, 16
 
 
+# Elements of a parameter stepped at once by the offloaded optimizer (whole rows; memory, not bits): with
+# fp32 masters a slice's device state is ~5 bytes x 4 per element (master, fp32 gradient, two moments, a
+# temporary), ~1.3 GiB here.
+OFFLOAD_SLICE_ELEMENTS = 1 << 26
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a first dimension to slice (a 0-dim tensor as one row of one element), sharing its storage."""
+    return t if t.dim() else t.view(1)
+
+
+def _row_slices(t: torch.Tensor) -> list[tuple[int, int]]:
+    """[a, b) ranges of ``t``'s first dimension, each of at most OFFLOAD_SLICE_ELEMENTS elements (one row at least)."""
+    per_row = max(1, t[0].numel()) if t.shape[0] else 1
+    step = max(1, OFFLOAD_SLICE_ELEMENTS // per_row)
+    return [(a, min(a + step, t.shape[0])) for a in range(0, t.shape[0], step)] or [(0, 0)]
+
+
 def _hosted(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` in host memory, pinned where a GPU can reach it (for asynchronous copies both ways)."""
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
@@ -734,12 +752,16 @@ class Trainer:
 
     @torch.no_grad()
     def _offloaded_step(self, scale: float | None) -> None:
-        """AdamW with its state in host memory: for each parameter in turn its state (moments, master)
-        comes to the device, its gradient is made (fp32 for a master) and clipped by ``scale`` (None: no
-        clip), it steps there alone (torch's single-tensor AdamW treats every parameter alone: the bits of
-        the whole step on the device) and goes back to its pinned host buffers; the model's parameter gets
-        its master's rounding meanwhile. Peak device memory: one parameter's state and fp32 gradient. Each
-        parameter's state is checked finite on the device (``_non_finite`` reads the flags)."""
+        """AdamW with its state in host memory: each parameter in turn, in slices of whole rows of at most
+        OFFLOAD_SLICE_ELEMENTS, has its state (moments, master) come to the device, its gradient made (fp32 for
+        a master) and clipped by ``scale`` (None: no clip), steps there and goes back to its pinned host
+        buffers; the model's parameter gets its master's rounding meanwhile and drops its gradient once
+        stepped. AdamW is elementwise and torch's single-tensor step treats every tensor alone, so a slice
+        stepped alone (a Parameter viewing the rows, its moments' rows, the step count before the step) has
+        the bits of the whole step on the device. Peak device memory: the gradients not yet stepped plus one
+        slice's state: a GLM-5 expert stack (256 x 2,048 x 6,144, 6 GiB in bf16) stepped whole with its
+        moments ran out of an H100's memory. Each parameter's state is checked finite on the device
+        (``_non_finite`` reads the flags)."""
         device = self.device
         optimizer = self.optimizer
         index = {id(t): k for k, t in enumerate(self._optimized)}
@@ -751,40 +773,46 @@ class Trainer:
                     p = self.params[i]
                     if p.grad is None:
                         continue
-                    if self.masters is not None:
-                        grad = p.grad.detach().float()
-                        p.grad = None
-                    else:
-                        grad = p.grad
-                    if scale is not None:
-                        grad.mul_(scale)
-                    home = o.data
-                    if self.masters is not None:
-                        o.data = home.to(device, non_blocking=True)
-                        o.grad = grad
-                    state = optimizer.state.get(o, {})
-                    hosted = {k: v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
-                    for k, v in hosted.items():
-                        state[k] = v.to(device, non_blocking=True)
-                    group["params"] = [o]
-                    optimizer.step()
                     state = optimizer.state[o]
-                    flags = [torch.isfinite(o).all()]
-                    for k, v in list(state.items()):
-                        if k == "step" or not isinstance(v, torch.Tensor):
-                            continue
-                        if v.is_floating_point():
-                            flags.append(torch.isfinite(v).all())
-                        if k in hosted:
-                            hosted[k].copy_(v, non_blocking=True)
-                            state[k] = hosted[k]
-                        else:
-                            state[k] = _hosted(v)
+                    if not state:        # the first step: the moments are born in host memory, never whole here
+                        state["step"] = torch.zeros((), dtype=torch.float32)
+                        for k in ("exp_avg", "exp_avg_sq"):
+                            state[k] = torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
+                    hosted = {k: _rows(v) for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+                    weights, grads, step = _rows(o.data), _rows(p.grad), state["step"]
+                    flags = []
+                    for a, b in _row_slices(weights):
+                        grad = grads[a:b].float() if self.masters is not None else grads[a:b]
+                        if scale is not None:
+                            grad.mul_(scale)
+                        # Offloaded masters live on the host: their rows come over; else the parameter's own rows.
+                        w = weights[a:b].to(device, non_blocking=True) if self.masters is not None else weights[a:b]
+                        view = torch.nn.Parameter(w)
+                        view.grad = grad
+                        optimizer.state[view] = {"step": step.clone(),
+                                                 **{k: v[a:b].to(device, non_blocking=True) for k, v in hosted.items()}}
+                        group["params"] = [view]
+                        optimizer.step()
+                        sliced = optimizer.state.pop(view)
+                        flags.append(torch.isfinite(w).all())
+                        for k, v in sliced.items():
+                            if k == "step" or not isinstance(v, torch.Tensor):
+                                continue
+                            if v.is_floating_point():
+                                flags.append(torch.isfinite(v).all())
+                            hosted[k][a:b].copy_(v, non_blocking=True)
+                        if self.masters is not None:
+                            _rows(p.data)[a:b].copy_(w.to(p.dtype))
+                            weights[a:b].copy_(w, non_blocking=True)
+                        new_step = sliced["step"]
+                    state["step"] = new_step
+                    # Written through other tensors (a Parameter over its rows, its .data), which keep their own
+                    # version counters: bumped, caches of what a weight holds (zerokl.kernels.portable's) recompute.
+                    torch.autograd.graph.increment_version(p)
+                    if o is not p:
+                        torch.autograd.graph.increment_version(o)
+                    p.grad = None                 # stepped: its device memory goes to the next parameter's slices
                     self._finite[i] = torch.stack(flags).all()
-                    if self.masters is not None:
-                        p.copy_(o.data.to(p.dtype))
-                        home.copy_(o.data, non_blocking=True)
-                        o.data, o.grad = home, None
             finally:
                 group["params"] = params
         if device.type == "cuda":
