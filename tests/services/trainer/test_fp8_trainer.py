@@ -174,6 +174,24 @@ def test_on_cuda_the_fp8_trainer_is_the_fp8_engine_bit_for_bit(monkeypatch):
             assert (m["kl"], m["mismatched_tokens"], m["clip_fraction"]) == (0.0, 0, 0.0)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_fp8_step_from_a_cuda_graph_is_the_eager_step_bit_for_bit(monkeypatch):
+    """GPU tier: the FP8 trainer's SFT step replayed from a CUDA graph (the same batch shape every step, so
+    steps 2 and 3 replay what step 1 captured, over e4m3 values re-quantized in place after each optimizer
+    step) gives the eager FP8 trainer's losses, weights and e4m3 bytes, bit for bit."""
+    from zerokl.kernels import use_backend
+    monkeypatch.setenv("ZEROKL_BACKEND", "triton")
+    data = [Completion(tuple(range(3, 3 + 5 + i)), tuple(range(20, 26))) for i in range(4)]
+    with use_backend("triton"):
+        graphed, eager = (Trainer(Model(TINY, seed=1).to("cuda"), TrainConfig(dtype="fp8", lr=1e-3, cuda_graphs=g))
+                          for g in (None, False))
+        assert graphed._graphs is not None and eager._graphs is None
+        for _ in range(3):
+            assert graphed.sft_step(data)["loss"] == eager.sft_step(data)["loss"]
+        assert _equal_states(graphed.serving_state_dict(), eager.serving_state_dict())
+        assert all(torch.equal(a, b) for a, b in zip(graphed.masters, eager.masters, strict=True))
+
+
 def test_an_fp8_trainer_with_a_kl_reference_resumes_and_the_local_ports_serve_its_versions(tmp_path):
     """The KL penalty's reference is an FP8 forward too and resumes from a checkpoint; the RL loop's
     in-process ports (services.rl.ports) serve an FP8 trainer's versions with KL exactly 0."""

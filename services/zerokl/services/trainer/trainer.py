@@ -333,9 +333,10 @@ class Trainer:
         self._finite: dict[int, torch.Tensor] = {}     # offloaded: each stepped parameter's state finite (device)
         # One fixed loop over parameters; on a CPU the same bits on every machine (optim.adamw).
         self.optimizer = adamw(self._optimized, config.lr, config.betas, config.weight_decay, self.device)
-        # CUDA graphs for the SFT / PPO steps (step_graphs.py): not for an FP8 model (its e4m3
-        # weights are re-made after each optimizer step); the distributed trainer turns them off.
-        graphs = config.cuda_graphs is not False and self.device.type == "cuda" and not self.fp8
+        # CUDA graphs for the SFT / PPO steps (step_graphs.py); an FP8 model's e4m3 values and scales are
+        # re-made in place after each optimizer step (refresh_fp8 copies into the same buffers), so a replay
+        # reads the new ones. The distributed trainer turns them off.
+        graphs = config.cuda_graphs is not False and self.device.type == "cuda"
         self._graphs = StepGraphs(params) if graphs else None
         self.step = 0
         self.tokens_seen = 0
