@@ -95,7 +95,7 @@ class TrainConfig:
     # Batches are then padded to shape buckets (packed tokens, scored tokens and completion width,
     # each to at most 1/8 more: `bucket`) so that shapes recur: the forward's bits do not change
     # (every row is computed alone), the gradients are those of the padded batch. No effect on
-    # CPU, FP8 or the distributed trainer (its steps hold collectives).
+    # CPU or the distributed trainer (its steps hold collectives).
     cuda_graphs: bool | None = None
     # Keep the optimizer state (AdamW's moments, and the fp32 masters with master weights) in pinned host
     # memory between steps, for an inference replica sharing the device (co-location, `zerokl up --colocate`):
