@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), colocate / rl20 / poll (issue 49's runs longer than a call), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), colocate / rl20 / poll (issue 49's runs longer than a call), fp8-train (issue 51), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -137,6 +137,17 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   cp "$keep"/*.json "$keep"/*.png "$FINAL_OUT"/ 2> /dev/null; cp "$keep/bench.log" "$OUT/bench.log"
   tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null
   df -h /tmp | tail -1
+elif [ "$MODE" = fp8-train ]; then
+  # issue 51: the FP8 step from CUDA graphs == eager, bit for bit (and FP8 trainer == engine), the offloaded
+  # optimizer's row slices == the on-device step on CUDA, then bench_fp8_serve's trainer part (bf16 vs FP8 step,
+  # the re-quantization on the kernel vs the torch ops)
+  device_wheels
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/services/trainer/test_fp8_trainer.py \
+    tests/services/trainer/test_offload_optimizer.py -k cuda > "$OUT/fp8_tests.log" 2>&1
+  tail -n 3 "$OUT/fp8_tests.log"
+  timeout 150 python3 tools/bench/bench_fp8_serve.py --parts train --json "$FINAL_OUT/fp8-train.json" \
+    > "$OUT/fp8-train.log" 2>&1
+  tail -n 3 "$OUT/fp8-train.log"
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on
