@@ -27,6 +27,9 @@ def test_smoke_runs_every_part_and_writes_the_report(tmp_path):
     for key in [("small", "zerokl/torch"), ("slice", "zerokl/torch"), ("long", "zerokl/torch")]:
         assert rows[key]["tokens_per_s"] > 0 and 0 < rows[key]["mfu"] < rows[key]["mfu_with_attention"]
     assert "profile_top" in rows[("small", "zerokl/torch")]
+    for part in ("small", "slice"):          # the FP8 arms, beside the bf16 ones
+        fp8 = rows[(part, "zerokl/torch/fp8")]
+        assert fp8["tokens_per_s"] > 0 and fp8["vs_bf16"] > 0 and "FP8" in fp8["note"]
     hf = rows.get(("small", "transformers"))
     if hf is not None and "skipped" not in hf:
         assert hf["tokens_per_s"] > 0 and rows[("small", "zerokl/torch")]["vs_transformers"] > 0

@@ -10,10 +10,13 @@ Parts (bf16 on CUDA; next-token loss = mean cross-entropy over every position bu
          forward_backward (fused head + logprob) on each --backends backend, on CUDA also with
          TrainConfig.cuda_graphs (the step replayed from a CUDA graph), and of transformers'
          GlmMoeDsaForCausalLM (its default attention and experts implementations, eager) on the
-         same config.json and loss; MFU; peak memory.
+         same config.json and loss; MFU; peak memory. Also the invariant backend in FP8
+         (TrainConfig.dtype "fp8": e4m3 forward, straight-through bf16 backward, fp32 masters; with
+         CUDA graphs on CUDA), with its throughput over the bf16 arm's (--no-fp8 skips it).
   slice  GLM-5 at real dimensions, --slice-layers layers (one dense, the rest MoE):
          --slice-batch x --slice-seq (halved until it fits), on the invariant backend: tokens/s,
-         MFU with and without attention FLOPs, peak memory (activation checkpointing off).
+         MFU with and without attention FLOPs, peak memory (activation checkpointing off); then
+         the same batch in FP8 (its fp32 masters add 4 bytes a parameter: out of memory is a result).
   long   one --long-seq sequence on that slice, activation checkpointing on and off: peak memory.
   rl     the RL step in process (issue 34, target 4): --rl-prompts x --rl-group rollouts a step
          (prompts of 16-64 tokens, completions of --rl-completion MIN MAX tokens, behaviour
@@ -220,8 +223,8 @@ def markdown(results: dict) -> str:
     lines = [f"Trainer forward + backward ({m['date']}, {m['device']}, commit {m['commit']}, {m['dtype']}, "
              f"torch {m['torch']}); MFU vs {PEAK_BF16 / 1e12:.0f} TFLOP/s.", "",
              "| part | implementation | batch x seq | tokens/s | MFU | MFU with attention | peak memory GiB | "
-             "vs stock | vs transformers |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs stock | vs transformers | FP8 vs bf16 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         if "skipped" in r:
             tps, extra = None, f"skipped: {r['skipped']}"
@@ -233,7 +236,8 @@ def markdown(results: dict) -> str:
         mfu_a = _fmt(r.get("mfu_with_attention"), ".2%") if "mfu_with_attention" in r else "-"
         lines.append(f"| {r['part']} | {r['name']}{' (' + extra + ')' if extra else ''} | {r['shape']} | {_fmt(tps)} | "
                      f"{mfu} | {mfu_a} | {_fmt(r.get('peak_memory_gib'), '.1f')} | "
-                     f"{_fmt(r.get('vs_stock'), '.2f')} | {_fmt(r.get('vs_transformers'), '.3f')} |")
+                     f"{_fmt(r.get('vs_stock'), '.2f')} | {_fmt(r.get('vs_transformers'), '.3f')} | "
+                     f"{_fmt(r.get('vs_bf16'), '.2f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -281,6 +285,9 @@ def _derive(results: dict) -> None:
         stock = next((v for k, v in tps.items() if k.endswith("/stock") and v), None)
         hf = tps.get("transformers")
         for r in rows:
+            bf16 = tps.get(r["name"].replace("/fp8", "")) if "/fp8" in r["name"] else None
+            if r.get("tokens_per_s") and bf16:
+                r["vs_bf16"] = r["tokens_per_s"] / bf16      # FP8 over the same arm in bf16 (throughput)
             if r.get("tokens_per_s") and r["name"].startswith("zerokl"):
                 if stock:
                     r["vs_stock"] = r["tokens_per_s"] / stock
@@ -290,21 +297,25 @@ def _derive(results: dict) -> None:
 
 # ----------------------------------------------------------------------------- parts
 
-def _zerokl_arm(config, device, dtype, backend, ids, checkpointing, graphs=False):
+def _zerokl_arm(config, device, dtype, backend, ids, checkpointing, graphs=False, fp8=False):
     def build():
         with use_backend(backend):
             model = build_model(config, device, dtype)
             # forward + backward only (the issue's workload, weights and gradients): no fp32 master
-            # weights, which only the optimizer step reads (4 more bytes per parameter, 49 GB on the slice)
-            trainer = Trainer(model, TrainConfig(activation_checkpointing=checkpointing, master_weights=False,
-                                                 cuda_graphs=graphs))
+            # weights, which only the optimizer step reads (4 more bytes per parameter, 49 GB on the slice).
+            # FP8 (TrainConfig.dtype "fp8": the e4m3 forward, the straight-through bf16 backward) always keeps
+            # them: its e4m3 values are quantized from them.
+            trainer = Trainer(model, TrainConfig(activation_checkpointing=checkpointing,
+                                                 master_weights=None if fp8 else False, cuda_graphs=graphs,
+                                                 dtype="fp8" if fp8 else None))
             step = zerokl_step(trainer, ids)
 
         def run():
             with use_backend(backend):
                 step()
         return run, (f"backend {backend}, activation checkpointing {'on' if checkpointing else 'off'}"
-                     + (", CUDA graphs (TrainConfig.cuda_graphs)" if graphs else ""))
+                     + (", CUDA graphs (TrainConfig.cuda_graphs)" if graphs else "")
+                     + (", FP8 (e4m3 forward, fp32 masters)" if fp8 else ""))
     return build
 
 
@@ -390,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers arm")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph arm (TrainConfig.cuda_graphs)")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the FP8 arms (TrainConfig.dtype fp8) of small and slice")
     ap.add_argument("--slice-preset", default="glm5")
     ap.add_argument("--slice-layers", type=int, default=2)
     ap.add_argument("--slice-batch", type=int, default=4)
@@ -458,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                              graphs=True), device, args.steps,
                                                 max(args.warmup, 2), tokens, _arm(args.profile, "small")),
                        config, args.seq)
+            if backend == invariant and not args.no_fp8:
+                graphs = device == "cuda" and not args.no_graphs
+                record("small", shape, run_case(arm + "/fp8" + ("+graphs" if graphs else ""),
+                                                _zerokl_arm(config, device, dtype, backend, ids, False, graphs=graphs,
+                                                            fp8=True), device, args.steps,
+                                                max(args.warmup, 2 if graphs else 0), tokens,
+                                                _arm(args.profile, "small")), config, args.seq)
         if not args.no_transformers:
             def build_hf():
                 model, note = hf_model(config, device, dtype)
@@ -480,6 +499,12 @@ def main(argv: list[str] | None = None) -> int:
             if "oom" not in row:
                 break
             batch //= 2
+        if batch >= 1 and not args.no_fp8:
+            # The same batch in FP8 (its fp32 masters add 4 bytes a parameter: an out-of-memory is its result)
+            row = run_case(f"zerokl/{invariant}/fp8", _zerokl_arm(slice_config, device, dtype, invariant, ids, False,
+                                                                  fp8=True),
+                           device, args.steps, args.warmup, batch * (args.slice_seq - 1), _arm(args.profile, "slice"))
+            record("slice", f"{batch} x {args.slice_seq}", row, slice_config, args.slice_seq)
     if "long" in parts:
         # Both memory trade-offs: activation checkpointing on (the forward runs twice, least memory),
         # then off (TrainConfig's default) when it fits; each arm's peak memory is printed.
