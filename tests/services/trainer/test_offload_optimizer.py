@@ -4,6 +4,7 @@ steps equal the on-device step's bit for bit (fp32 model; bf16 model with fp32 m
 masters, the GLM-5 slice's co-location; whole parameters and slices of a few rows; a refused step undone
 alike), and a checkpoint written by one loads into the other."""
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -97,6 +98,18 @@ def test_a_refused_offloaded_step_is_undone_like_an_on_device_one() -> None:
             t.optim_step(lr=1e38)           # overflows: every tensor back as it was
     assert all(torch.equal(x, y) for x, y in zip(before, _state(off), strict=True))
     _assert_same(on, off)
+    # A step whose results are not finite (an infinite gradient, unclipped) is refused having written nothing:
+    # the offloaded step checks every slice before writing one, so its undo snapshot copies no tensor.
+    params, masters, state, _ = off.snapshot()
+    assert params == [] and masters == [] and state is None
+    for t in (on, off):
+        t.config = dataclasses.replace(t.config, grad_clip=0.0)
+        t.forward_backward("sft", _data(1))
+        with torch.no_grad():
+            t.params[3].grad.view(-1)[5] = float("inf")
+        with pytest.raises(NonFiniteStep):
+            t.optim_step()
+    assert all(torch.equal(x, y) for x, y in zip(before, _state(off), strict=True))
     for t in (on, off):
         t.sft_step(_data(2))
     _assert_same(on, off)

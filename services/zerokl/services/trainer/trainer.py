@@ -759,65 +759,84 @@ class Trainer:
         buffers; the model's parameter gets its master's rounding meanwhile and drops its gradient once
         stepped. AdamW is elementwise and torch's single-tensor step treats every tensor alone, so a slice
         stepped alone (a Parameter viewing the rows, its moments' rows, the step count before the step) has
-        the bits of the whole step on the device. Peak device memory: the gradients not yet stepped plus one
-        slice's state: a GLM-5 expert stack (256 x 2,048 x 6,144, 6 GiB in bf16) stepped whole with its
-        moments ran out of an H100's memory. Each parameter's state is checked finite on the device
-        (``_non_finite`` reads the flags)."""
-        device = self.device
-        optimizer = self.optimizer
+        the bits of the whole step on the device. Peak device memory: the gradients plus one slice's state (a
+        GLM-5 expert stack, 256 x 2,048 x 6,144, 6 GiB in bf16, stepped whole with its moments ran out of an
+        H100's memory).
+
+        Two passes: the first steps copies of every slice and only checks that every result is finite (a step
+        that overflows raises there, having changed nothing); the second, only when all are, steps them for good
+        (the same bits: the same operations on the same values). So a refused step needs no undo snapshot,
+        which offloaded would be a second host copy of the whole state (68 GiB for the GLM-5 slice, on a 128 GiB
+        host that holds the state and the record process's copy of a version too). ``_non_finite`` reads the
+        flags of the pass that ran last."""
         index = {id(t): k for k, t in enumerate(self._optimized)}
-        for group in optimizer.param_groups:
-            params = group["params"]
-            try:
-                for o in params:
-                    i = index[id(o)]
-                    p = self.params[i]
-                    if p.grad is None:
-                        continue
-                    state = optimizer.state[o]
-                    if not state:        # the first step: the moments are born in host memory, never whole here
-                        state["step"] = torch.zeros((), dtype=torch.float32)
-                        for k in ("exp_avg", "exp_avg_sq"):
-                            state[k] = torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
-                    hosted = {k: _rows(v) for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
-                    weights, grads, step = _rows(o.data), _rows(p.grad), state["step"]
-                    flags = []
-                    for a, b in _row_slices(weights):
-                        grad = grads[a:b].float() if self.masters is not None else grads[a:b]
-                        if scale is not None:
-                            grad.mul_(scale)
-                        # Offloaded masters live on the host: their rows come over; else the parameter's own rows.
-                        w = weights[a:b].to(device, non_blocking=True) if self.masters is not None else weights[a:b]
-                        view = torch.nn.Parameter(w)
-                        view.grad = grad
-                        optimizer.state[view] = {"step": step.clone(),
-                                                 **{k: v[a:b].to(device, non_blocking=True) for k, v in hosted.items()}}
-                        group["params"] = [view]
-                        optimizer.step()
-                        sliced = optimizer.state.pop(view)
-                        flags.append(torch.isfinite(w).all())
-                        for k, v in sliced.items():
-                            if k == "step" or not isinstance(v, torch.Tensor):
-                                continue
-                            if v.is_floating_point():
-                                flags.append(torch.isfinite(v).all())
-                            hosted[k][a:b].copy_(v, non_blocking=True)
-                        if self.masters is not None:
-                            _rows(p.data)[a:b].copy_(w.to(p.dtype))
-                            weights[a:b].copy_(w, non_blocking=True)
-                        new_step = sliced["step"]
-                    state["step"] = new_step
-                    # Written through other tensors (a Parameter over its rows, its .data), which keep their own
-                    # version counters: bumped, caches of what a weight holds (zerokl.kernels.portable's) recompute.
-                    torch.autograd.graph.increment_version(p)
-                    if o is not p:
-                        torch.autograd.graph.increment_version(o)
-                    p.grad = None                 # stepped: its device memory goes to the next parameter's slices
-                    self._finite[i] = torch.stack(flags).all()
-            finally:
-                group["params"] = params
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()      # the host buffers hold the step's bytes
+        work = [(group, o, index[id(o)]) for group in self.optimizer.param_groups for o in group["params"]
+                if self.params[index[id(o)]].grad is not None]
+        for keep in (False, True):
+            for group, o, i in work:
+                params = group["params"]
+                try:
+                    self._finite[i] = self._step_offloaded(group, o, self.params[i], scale, keep)
+                finally:
+                    group["params"] = params
+            if not keep and self._non_finite():
+                return                      # refused (optimizer_step raises NonFiniteStep): nothing was written
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()      # the host buffers hold the step's bytes
+
+    def _step_offloaded(self, group: dict, o: torch.Tensor, p: torch.Tensor, scale: float | None,
+                        keep: bool) -> torch.Tensor:
+        """One offloaded parameter ``o`` (``p`` the model's) stepped slice by slice on the device; the device flag
+        that every result is finite. ``keep`` False: its slices are stepped as copies and nothing is written;
+        True: the results are written back."""
+        device, optimizer = self.device, self.optimizer
+        state = optimizer.state.get(o) or {      # the first step: moments born in host memory, never whole here
+            "step": torch.zeros((), dtype=torch.float32),
+            **{k: torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
+               for k in ("exp_avg", "exp_avg_sq")}}
+        hosted = {k: _rows(v) for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
+        weights, grads, step = _rows(o.data), _rows(p.grad), state["step"]
+        flags, stepped = [], step
+        for a, b in _row_slices(weights):
+            # With masters, an fp32 copy (clipped in each pass: an fp32 parameter's gradient is one already);
+            # without, the parameter's own gradient, clipped in place in the checking pass.
+            grad = grads[a:b].to(torch.float32, copy=True) if self.masters is not None else grads[a:b]
+            if scale is not None and (self.masters is not None or not keep):
+                grad.mul_(scale)
+            # Offloaded masters live on the host: their rows come over; else the parameter's own rows. While
+            # checking, always copies (on a CPU ``to`` would hand back the host rows themselves).
+            if self.masters is not None:
+                w = weights[a:b].to(device, non_blocking=True, copy=not keep)
+            else:
+                w = weights[a:b] if keep else weights[a:b].clone()
+            view = torch.nn.Parameter(w)
+            view.grad = grad
+            optimizer.state[view] = {"step": step.clone(), **{k: v[a:b].to(device, non_blocking=True, copy=not keep)
+                                                              for k, v in hosted.items()}}
+            group["params"] = [view]
+            optimizer.step()
+            sliced = optimizer.state.pop(view)
+            flags.append(torch.isfinite(w).all())
+            for k, v in sliced.items():
+                if k != "step" and isinstance(v, torch.Tensor):
+                    if v.is_floating_point():
+                        flags.append(torch.isfinite(v).all())
+                    if keep:
+                        hosted[k][a:b].copy_(v, non_blocking=True)
+            if keep and self.masters is not None:
+                _rows(p.data)[a:b].copy_(w.to(p.dtype))
+                weights[a:b].copy_(w, non_blocking=True)
+            stepped = sliced["step"]
+        if keep:
+            state["step"] = stepped
+            self.optimizer.state[o] = state
+            # Written through other tensors (a Parameter over its rows, its .data), which keep their own version
+            # counters: bumped, caches of what a weight holds (zerokl.kernels.portable's) recompute.
+            torch.autograd.graph.increment_version(p)
+            if o is not p:
+                torch.autograd.graph.increment_version(o)
+            p.grad = None                 # stepped: its device memory goes to the next parameter's slices
+        return torch.stack(flags).all()
 
     def _offload_state(self) -> None:
         """Every optimizer state tensor (and master) into pinned host memory (after a load or a restore)."""
@@ -840,22 +859,27 @@ class Trainer:
     def snapshot(self) -> tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]:
         """Copies of the trained tensors, fp32 masters, optimizer state and learning rates
         (what :meth:`restore` puts back when an optimizer step is undone)."""
-        # Offloaded (a co-located replica shares the device), the copy of the parameters waits on the host too.
-        params = [p.detach().to("cpu", copy=True) if self.offload else p.detach().clone() for p in self.params]
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        if self.offload:
+            # Offloaded (a co-located replica shares the device), the step checks every result before it writes
+            # any (_offloaded_step): only the learning rates come back.
+            return [], [], None, lrs
+        params = [p.detach().clone() for p in self.params]
         masters = [m.detach().clone() for m in self.masters] if self.masters is not None else []
         state = {p: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in s.items()}
                  for p, s in self.optimizer.state.items()}
-        return params, masters, state, [g["lr"] for g in self.optimizer.param_groups]
+        return params, masters, state, lrs
 
     @torch.no_grad()
-    def restore(self, snapshot: tuple[list[torch.Tensor], list[torch.Tensor], dict, list[float]]) -> None:
+    def restore(self, snapshot: tuple[list[torch.Tensor], list[torch.Tensor], dict | None, list[float]]) -> None:
         params, masters, state, lrs = snapshot
-        for p, saved in zip(self.params, params, strict=True):
-            p.copy_(saved)
-        for m, saved in zip(self.masters or [], masters, strict=True):
-            m.copy_(saved)
-        self.optimizer.state.clear()
-        self.optimizer.state.update(state)
+        if state is not None:         # None: an offloaded trainer's, whose refused step wrote nothing
+            for p, saved in zip(self.params, params, strict=True):
+                p.copy_(saved)
+            for m, saved in zip(self.masters or [], masters, strict=True):
+                m.copy_(saved)
+            self.optimizer.state.clear()
+            self.optimizer.state.update(state)
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         self._offload_state()
