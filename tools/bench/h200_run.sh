@@ -136,6 +136,9 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
     || echo "the bench ended"
   cp "$keep"/*.json "$keep"/*.png "$FINAL_OUT"/ 2> /dev/null; cp "$keep/bench.log" "$OUT/bench.log"
   tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null
+  for svc in trainer decode-0 scheduler weight-store; do     # where a failed step says why (tracebacks)
+    tail -n 80 "/tmp/bench-colocate-glm5-2l/fleet/logs/$svc.log" > "$OUT/colocate_$svc.log" 2> /dev/null
+  done
   df -h /tmp | tail -1
 elif [ "$MODE" = fp8-train ]; then
   # issue 51: the FP8 step from CUDA graphs == eager, bit for bit (and FP8 trainer == engine), the offloaded
