@@ -287,7 +287,8 @@ async def run_job(args: argparse.Namespace, services: dict[str, dict], result: d
                 result["steps"].append(row)
                 print(f"step {ev.step}: kl {m['kl']} mismatched {m['mismatched_tokens']:.0f} | {m['tokens']:.0f} tokens"
                       f" | rollout {m['rollout_s']:.2f} s ({row['rollout_tok_s']:.0f} tok/s) train {m['train_s']:.2f} s "
-                      f"({row['train_tok_s']:.0f} tok/s) | sleep {m.get('sleep_s', 0):.2f} s "
+                      f"({row['train_tok_s']:.0f} tok/s; waiting for records {m.get('export_wait_s', 0):.2f} s) | "
+                      f"sleep {m.get('sleep_s', 0):.2f} s "
                       f"({m.get('sleep_bytes', 0) / 2**20:.1f} MiB released) sync {m['sync_s']:.2f} s (wake + "
                       f"{m.get('sync_bytes', 0) / 2**20:.1f} MiB in place)", flush=True)
                 out.write_text(json.dumps(result, indent=1))

@@ -67,6 +67,7 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
             assert m["kl"] == 0.0 and m["mismatched_tokens"] == 0.0, (ev.step, m)
             assert m["grad_norm"] > 0.0, (ev.step, m)           # the step moved the weights
             assert m["sleep_bytes"] > 0 and m["sleep_s"] >= 0.0, m
+            assert 0.0 <= m["export_wait_s"] <= m["train_s"], m     # the backward's wait for records, reported
         # One sleep before each step trained and one before the job's start switch (so the replica's copy of the
         # start replaces its weights instead of sitting beside them), one wake by each of those switches (from the
         # trainer's memory).

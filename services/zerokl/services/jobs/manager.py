@@ -1162,9 +1162,11 @@ class _TrainerSession:
                                                    lr=spec.learning_rate or None))
         assert fb.ppo is not None
         self.trainer_step = opt.step
+        waited = fb.metrics.get("export_wait_s")      # co-located trainers only
         return {"reward": fb.ppo.reward_mean, "kl": fb.ppo.kl, "mismatched_tokens": fb.ppo.mismatched_tokens,
                 "clip_fraction": fb.ppo.clip_fraction, "ratio_min": fb.ppo.ratio_min, "ratio_max": fb.ppo.ratio_max,
-                "loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens}
+                "loss": fb.loss, "grad_norm": opt.grad_norm, "lr": opt.lr, "tokens": fb.tokens,
+                **({"export_wait_s": waited} if waited is not None else {})}
 
     def _checkpoint_due(self) -> bool:
         """Whether the step just trained records the trainer state: every ``checkpoint_every`` steps of the

@@ -114,6 +114,9 @@ class StepRecord:
     # seconds, in neither train_s nor sync_s; the wake is the switch, in sync_s) and the device bytes released.
     sleep_s: float | None = None
     sleep_bytes: float | None = None
+    # Of train_s: the co-located trainer's wait, before its backward, until no store record still held a version's
+    # bytes on the device (a record copies them after the records before it were written and uploaded).
+    export_wait_s: float | None = None
     # Weights-only versions superseded since the step before: served in place by every replica, read by no one
     # from the store, so never recorded (ARCHITECTURE.md, "Durable versions").
     superseded: int | None = None
@@ -188,6 +191,7 @@ def rl_step(step: int, rng: random.Random, task: Task, rollouts_port: RolloutPor
         checkpoint_step=None if m.get("checkpoint_step") is None else int(m["checkpoint_step"]),
         record_bytes=m.get("record_bytes"), record_written_bytes=m.get("record_written_bytes"),
         record_s=m.get("record_s"), sleep_s=m.get("sleep_s"), sleep_bytes=m.get("sleep_bytes"),
+        export_wait_s=m.get("export_wait_s"),
         superseded=None if m.get("superseded") is None else int(m["superseded"]),
     )
     if config.eval_every and (step + 1) % config.eval_every == 0:

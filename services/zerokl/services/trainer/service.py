@@ -397,8 +397,7 @@ class TrainerService:
                 raise FailedPrecondition("token batches (Tinker's per-token losses) are not supported by a "
                                          "--dp/--tp/--ep trainer yet: serve the trainer in one process")
             forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
-            if not forward_only:
-                await self._release_exports_for_training()
+            waited = None if forward_only else await self._release_exports_for_training()
             try:
                 if isinstance(batch, TokenLossBatch):
                     result = await self._compute(self._forward_backward_tokens, batch)
@@ -420,6 +419,8 @@ class TrainerService:
                                f"now ({dropped} batch(es) accumulated before it were dropped too)") from None
             self._accumulated += 0 if forward_only else 1
             result = dataclasses.replace(result, accumulated_batches=self._accumulated)
+            if waited is not None:
+                result = dataclasses.replace(result, metrics={**result.metrics, "export_wait_s": waited})
             TOKENS.inc(result.tokens)
             TOKENS_PER_S.set(result.tokens_per_s)
             if result.ppo is not None:
@@ -837,23 +838,25 @@ class TrainerService:
                 self._drop_export(record)
                 log.info("trainer: %s superseded by %s (weights only, read by no one: not recorded)", name, newest)
 
-    async def _release_exports_for_training(self) -> None:
+    async def _release_exports_for_training(self) -> float | None:
         """Co-location (``offload_optimizer``: a replica shares the device): the shared versions leave the device
         before a backward needs its memory (for the GLM-5 slice one export is 23 GiB of an 80 GB device). Each
         replica copied the newest one when it switched to it, before the rollouts this batch trains on; a record
         still to copy one (the record process takes the versions one at a time) is waited for, and closes it once
         it has the bytes (:meth:`_drop_export`): the backward of the slice beside an export ran out of an H100's
-        memory. A later switch to a released version reads the store, as one to an older version always did."""
+        memory. A later switch to a released version reads the store, as one to an older version always did.
+        Returns the seconds waited (the ForwardBackward's ``export_wait_s`` metric); None when not co-located."""
         if not self._trainer.config.offload_optimizer:
-            return
+            return None
         while self._exports:
             self._release(self._exports.pop(next(iter(self._exports))))
+        start = time.monotonic()
         holding = [r for r in self._records.values() if r.export is not None]
         if holding:
-            start = time.monotonic()
             await asyncio.gather(*(_released(r) for r in holding))
             log.info("trainer: waited %.2f s for %d record(s) to copy their versions off the device before a "
                      "backward", time.monotonic() - start, len(holding))
+        return time.monotonic() - start
 
     def _release(self, shared: SharedBuffer) -> None:
         """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""
