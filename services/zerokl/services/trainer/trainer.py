@@ -181,6 +181,7 @@ TOKEN_BUCKET, ROW_BUCKET, WIDTH_BUCKET = 64, 256, 16
 # fp32 masters a slice's device state is ~5 bytes x 4 per element (master, fp32 gradient, two moments, a
 # temporary), ~1.3 GiB here.
 OFFLOAD_SLICE_ELEMENTS = 1 << 26
+MOMENTS = ("exp_avg", "exp_avg_sq")     # AdamW's state tensors (torch's names; optim.PortableAdamW keeps them)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -770,17 +771,19 @@ class Trainer:
         host that holds the state and the record process's copy of a version too). ``_non_finite`` reads the
         flags of the pass that ran last."""
         index = {id(t): k for k, t in enumerate(self._optimized)}
-        work = [(group, o, index[id(o)]) for group in self.optimizer.param_groups for o in group["params"]
+        groups = self.optimizer.param_groups
+        work = [(group, o, index[id(o)]) for group in groups for o in group["params"]
                 if self.params[index[id(o)]].grad is not None]
-        for keep in (False, True):
-            for group, o, i in work:
-                params = group["params"]
-                try:
+        params = [group["params"] for group in groups]      # each group steps one slice's view at a time
+        try:
+            for keep in (False, True):
+                for group, o, i in work:
                     self._finite[i] = self._step_offloaded(group, o, self.params[i], scale, keep)
-                finally:
-                    group["params"] = params
-            if not keep and self._non_finite():
-                return                      # refused (optimizer_step raises NonFiniteStep): nothing was written
+                if not keep and self._non_finite():
+                    return                  # refused (optimizer_step raises NonFiniteStep): nothing was written
+        finally:
+            for group, ps in zip(groups, params, strict=True):
+                group["params"] = ps
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()      # the host buffers hold the step's bytes
 
@@ -790,10 +793,14 @@ class Trainer:
         that every result is finite. ``keep`` False: its slices are stepped as copies and nothing is written;
         True: the results are written back."""
         device, optimizer = self.device, self.optimizer
-        state = optimizer.state.get(o) or {      # the first step: moments born in host memory, never whole here
-            "step": torch.zeros((), dtype=torch.float32),
-            **{k: torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
-               for k in ("exp_avg", "exp_avg_sq")}}
+        state = optimizer.state.get(o)
+        if not state:
+            # The first step: while checking, each slice's moments are zeros made on the device; for good, the
+            # moments are born in host memory (never whole on the device).
+            state = {"step": torch.zeros((), dtype=torch.float32)}
+            if keep:
+                state |= {k: torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
+                          for k in MOMENTS}
         hosted = {k: _rows(v) for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
         weights, grads, step = _rows(o.data), _rows(p.grad), state["step"]
         flags, stepped = [], step
@@ -811,8 +818,9 @@ class Trainer:
                 w = weights[a:b] if keep else weights[a:b].clone()
             view = torch.nn.Parameter(w)
             view.grad = grad
-            optimizer.state[view] = {"step": step.clone(), **{k: v[a:b].to(device, non_blocking=True, copy=not keep)
-                                                              for k, v in hosted.items()}}
+            moments = ({k: v[a:b].to(device, non_blocking=True, copy=not keep) for k, v in hosted.items()}
+                       if hosted else {k: torch.zeros_like(w) for k in MOMENTS})
+            optimizer.state[view] = {"step": step.clone(), **moments}
             group["params"] = [view]
             optimizer.step()
             sliced = optimizer.state.pop(view)
