@@ -404,3 +404,38 @@ def test_fetch_links_from_the_stores_directory_on_this_host(tmp_path: pathlib.Pa
             await client.fetch("v1", tmp_path / "linked", local_root=backend.root)
         assert err.value.code() == grpc.StatusCode.DATA_LOSS
     run(backend, body)
+
+
+class _StoreGoingAway(weights_pb2_grpc.WeightStoreServicer):
+    """A store that takes a PutShard's header, acknowledges it, then ends the stream UNAVAILABLE (as one going away
+    mid-upload): the client's next writes meet a finished call."""
+
+    async def PutShard(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC's name
+        header = (await context.read()).header
+        await context.write(weights_pb2.ShardStatus(name=header.name, size=header.size, received=0))
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the store is going away")
+
+
+def test_a_store_ending_an_upload_mid_stream_is_raised_as_its_status(tmp_path: pathlib.Path) -> None:
+    # grpc raises asyncio.InvalidStateError ("RPC already finished") for a write to a call the server has ended, and
+    # INTERNAL "Internal error from Core" for one racing the end; the client raises the store's status instead (or,
+    # where grpc lost it, UNAVAILABLE), so the trainer's callers see an outage and retry.
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(bytes(range(256)) * (3 * MAX_CHUNK_BYTES // 256))    # 3 chunks: writes after the ack
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        weights_pb2_grpc.add_WeightStoreServicer_to_server(_StoreGoingAway(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with WeightStoreClient(f"127.0.0.1:{port}") as client:
+                for _ in range(40):     # the read meets the status, or a write meets the finished or ending call
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await client.put_shard("u1", path)
+                    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+                    assert err.value.details() in ("the store is going away", "the stream to the store ended while "
+                                                   "sending (Internal error from Core)")
+        finally:
+            await server.stop(0)
+    asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 import pathlib
 from typing import Callable
 
@@ -236,6 +237,25 @@ def test_storage_keys_cannot_escape(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidKey, match="outside"):
         backend.put_bytes("link/x", b"escape")
     assert not (tmp_path / "outside" / "x").exists()
+
+
+def test_a_local_listing_skips_an_object_gone_while_it_is_listed(tmp_path: pathlib.Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # A shard's stream commits (renames its staging file) in a thread of its own while another stream's declaration
+    # lists the upload's staged parts: the file the walk saw is gone by its stat. The listing leaves it out; it
+    # failed the other stream with FileNotFoundError (UNKNOWN) before.
+    backend = LocalDirBackend(tmp_path)
+    backend.put_bytes("uploads/u/parts/a/0", b"1")
+    backend.put_bytes("uploads/u/parts/a/1", b"22")
+    walk = os.walk
+
+    def walk_then_rename(top: str, *args: object, **kw: object):  # noqa: ANN202
+        for dirpath, dirs, files in walk(top, *args, **kw):
+            if "0" in files:    # renamed after the walk listed it, before its stat
+                os.replace(os.path.join(dirpath, "0"), tmp_path / "elsewhere")
+            yield dirpath, dirs, files
+    monkeypatch.setattr(os, "walk", walk_then_rename)
+    assert [(o.key, o.size) for o in backend.list("uploads/u/parts/")] == [("uploads/u/parts/a/1", 2)]
 
 
 def test_fetch_from_a_local_directory_links_whole_shards_and_checks_them(tmp_path: pathlib.Path) -> None:

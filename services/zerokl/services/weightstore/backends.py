@@ -19,7 +19,7 @@ import pathlib
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 from minio import Minio
 from minio.error import S3Error
@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+_T = TypeVar("_T")
 
 
 class ObjectMissing(KeyError):
@@ -154,6 +155,20 @@ class StorageBackend(abc.ABC):
         self.delete_prefix(prefix)
 
 
+def _in_its_directory(path: pathlib.Path, use: Callable[[], _T]) -> _T:
+    """``use()`` (which creates ``path``) after making ``path``'s directories; made again when they are found gone:
+    another thread's :meth:`LocalDirBackend._prune` removes directories left empty (``uploads/<id>/parts/`` when its
+    last shard commits) and may remove one of them between their making and ``use``."""
+    for attempt in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return use()
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 class LocalDirBackend(StorageBackend):
     """Objects as files under ``root`` (the embedded, one-machine default).
 
@@ -174,13 +189,12 @@ class LocalDirBackend(StorageBackend):
 
     def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         # Same directory as the target so os.replace is a same-filesystem rename;
         # the leading dot makes it an invalid key, so list() never shows it.
         tmp = path.parent / f".tmp-{secrets.token_hex(8)}-{path.name}"
         try:
             written = 0
-            with open(tmp, "wb") as f:
+            with _in_its_directory(tmp, lambda: open(tmp, "wb")) as f:
                 for piece in pieces:
                     f.write(piece)
                     written += len(piece)
@@ -225,7 +239,11 @@ class LocalDirBackend(StorageBackend):
                     validate_key(key)
                 except InvalidKey:
                     continue  # temp files of writes in progress
-                out.append(ObjectInfo(key, pathlib.Path(dirpath, name).stat().st_size))
+                try:
+                    size = pathlib.Path(dirpath, name).stat().st_size
+                except FileNotFoundError:
+                    continue  # deleted or renamed since the walk saw it (a shard committed in another thread)
+                out.append(ObjectInfo(key, size))
         return sorted(out, key=lambda o: o.key)
 
     def delete(self, key: str) -> None:
@@ -259,8 +277,7 @@ class LocalDirBackend(StorageBackend):
 
     def stage(self, prefix: str, offset: int, data: bytes) -> None:
         path = self._staging(prefix)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as f:
+        with _in_its_directory(path, lambda: open(path, "ab")) as f:
             if f.tell() != offset:
                 raise ValueError(f"{prefix}: {f.tell()} bytes staged, a piece at offset {offset}")
             f.write(data)
@@ -275,8 +292,7 @@ class LocalDirBackend(StorageBackend):
         with open(path, "rb+") as f:
             os.fsync(f.fileno())    # durable before visible, as put_stream
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, target)
+        _in_its_directory(target, lambda: os.replace(path, target))
         dir_fd = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)

@@ -60,6 +60,8 @@ CHUNKS_IN_FLIGHT = 8
 # Files of one upload sent at once, each on a PutShard stream of its own (the store writes each in a thread of its
 # own): a version written as several shards (the trainer's records) takes that many of the host's cores.
 PARALLEL_SHARDS = 8
+# How grpc's client reports a write core refused to send (the stream was ending): its INTERNAL status's details.
+_CORE_REFUSED = "Internal error from Core"
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,30 @@ async def _first(wait: Awaitable[Any], failed: "asyncio.Future[Any]") -> None:
         task.cancel()
         failed.result()     # raises the stream's status
         raise RuntimeError("PutShard acknowledged every chunk before all were sent")
+
+
+async def _write(call: Any, request: Any) -> None:
+    """``call.write(request)``, raising the status that ended the stream when the server has ended it (an error
+    status, or a store gone away mid-upload): a store's outage must reach the trainer as UNAVAILABLE, retried.
+
+    grpc says neither case by status. A write to a call already finished raises ``asyncio.InvalidStateError("RPC
+    already finished")``: its status is read back from the call. A write that races the end (core refuses to send
+    on a stream it is closing) raises INTERNAL "Internal error from Core", and the status the server sent is lost:
+    the stream is gone, which is UNAVAILABLE (a PutShard resumes where the store's copy ends, so a retry is safe; a
+    store refusing for good says so again on the retry's first read)."""
+    try:
+        await call.write(request)
+        return
+    except asyncio.InvalidStateError:   # finished: with the status grpc set (also by a write it refused before)
+        code, details = await call.code(), await call.details()
+        metadata = (await call.initial_metadata(), await call.trailing_metadata())
+    except grpc.aio.AioRpcError as err:
+        code, details, metadata = err.code(), err.details(), (err.initial_metadata(), err.trailing_metadata())
+    if code is grpc.StatusCode.OK:
+        raise RuntimeError("the store ended the stream before it was sent whole")
+    if code is grpc.StatusCode.INTERNAL and (details or "").startswith(_CORE_REFUSED):
+        code, details = grpc.StatusCode.UNAVAILABLE, f"the stream to the store ended while sending ({details})"
+    raise grpc.aio.AioRpcError(code, *metadata, details)
 
 
 class WeightStoreClient(ServiceClient):
@@ -257,7 +283,7 @@ class WeightStoreClient(ServiceClient):
         """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends."""
         call = self._stub.PutShard()
         try:
-            await call.write(weights_pb2.PutShardRequest(header=header))
+            await _write(call, weights_pb2.PutShardRequest(header=header))
             status = await self._ack(call)
             if not status.complete:
                 status = await self._send_chunks(call, view, status.received, len(view), digests)
@@ -287,7 +313,7 @@ class WeightStoreClient(ServiceClient):
                 aligned = offset % MAX_CHUNK_BYTES == 0 and len(data) > 0
                 digest = digests[offset // MAX_CHUNK_BYTES] if aligned else hashlib.sha256(data).digest()
                 await _first(window.acquire(), acks)
-                await call.write(weights_pb2.PutShardRequest(chunk=blob_pb2.BytesChunk(
+                await _write(call, weights_pb2.PutShardRequest(chunk=blob_pb2.BytesChunk(
                     offset=offset, data=data, sha256=digest, total_size=size)))
             return await acks
         finally:
@@ -295,9 +321,8 @@ class WeightStoreClient(ServiceClient):
 
     @staticmethod
     async def _ack(call: Any) -> weights_pb2.ShardStatus:
-        msg = await call.read()
+        msg = await call.read()    # a stream ended with an error status raises it here
         if msg is grpc.aio.EOF:
-            await call  # raises the status that ended the stream
             raise RuntimeError("PutShard ended without acknowledging")  # OK status without an ack
         return msg
 
