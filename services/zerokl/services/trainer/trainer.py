@@ -837,7 +837,7 @@ class Trainer:
             stepped = sliced["step"]
         if keep:
             state["step"] = stepped
-            self.optimizer.state[o] = state
+            optimizer.state[o] = state
             # Written through other tensors (a Parameter over its rows, its .data), which keep their own version
             # counters: bumped, caches of what a weight holds (zerokl.kernels.portable's) recompute.
             torch.autograd.graph.increment_version(p)

@@ -13,6 +13,7 @@ escape the store's root or bucket prefix.
 from __future__ import annotations
 
 import abc
+import contextlib
 import io
 import os
 import pathlib
@@ -159,14 +160,12 @@ def _in_its_directory(path: pathlib.Path, use: Callable[[], _T]) -> _T:
     """``use()`` (which creates ``path``) after making ``path``'s directories; made again when they are found gone:
     another thread's :meth:`LocalDirBackend._prune` removes directories left empty (``uploads/<id>/parts/`` when its
     last shard commits) and may remove one of them between their making and ``use``."""
-    for attempt in range(3):
+    for _ in range(2):
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             return use()
-        except FileNotFoundError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return use()
 
 
 class LocalDirBackend(StorageBackend):
