@@ -188,6 +188,8 @@ def test_on_cuda_the_fp8_step_from_a_cuda_graph_is_the_eager_step_bit_for_bit(mo
         assert graphed._graphs is not None and eager._graphs is None
         for _ in range(3):
             assert graphed.sft_step(data)["loss"] == eager.sft_step(data)["loss"]
+        # Steps 2 (captured) and 3 replayed the graph: a step that fell back to eager would compare eager to eager.
+        assert graphed._graphs.replays == 2 and not graphed._graphs._eager
         assert _equal_states(graphed.serving_state_dict(), eager.serving_state_dict())
         assert all(torch.equal(a, b) for a, b in zip(graphed.masters, eager.masters, strict=True))
 
