@@ -40,14 +40,7 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     """
     dev = torch.device(device)
     if dtype == torch.float8_e4m3fn:
-        out = golden_outputs(device, torch.bfloat16)
-        act = _inputs(35, 7, 300, scale=2.0).to(device=dev, dtype=torch.bfloat16)
-        q, s = ops.fp8_quantize(act)
-        w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
-        out["fp8_quantize"] = torch.cat([q.float(), s], 1)
-        out["fp8_linear"] = ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev))
-        out["model_tiny_logits"] = _tiny_model_logits(dev, dtype)   # the FP8 model's logits replace the bf16 ones
-        return out
+        return {**golden_outputs(device, torch.bfloat16), **_fp8_outputs(dev)}
 
     def x(seed, *shape, scale=1.0, dt=dtype):
         return _inputs(seed, *shape, scale=scale).to(device=dev, dtype=dt)
@@ -79,6 +72,17 @@ def golden_outputs(device: torch.device | str = "cpu", dtype: torch.dtype = torc
     return out
 
 
+def _fp8_outputs(dev: torch.device) -> dict[str, torch.Tensor]:
+    """What the FP8 key adds to (and replaces in) the bf16 outputs: the FP8 ops on bf16 inputs and the FP8
+    model's logits."""
+    act = _inputs(35, 7, 300, scale=2.0).to(device=dev, dtype=torch.bfloat16)
+    q, s = ops.fp8_quantize(act)
+    w, ws = ops.fp8_quantize_weight(_inputs(36, 130, 300, scale=0.05).to(dev))
+    return {"fp8_quantize": torch.cat([q.float(), s], 1),
+            "fp8_linear": ops.fp8_linear(act, w, ws, _inputs(37, 130).to(dev)),
+            "model_tiny_logits": _tiny_model_logits(dev, torch.float8_e4m3fn)}   # replaces the bf16 model's
+
+
 def _tiny_model_logits(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The model graph is part of the definition: logits of the seeded tiny model on a prompt
     longer than its index_topk (so the sparse path counts too)."""
@@ -96,9 +100,22 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def golden_digests(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> dict[str, str]:
-    """Per-op digests of `golden_outputs` (so a failing golden test names the op that changed)."""
-    with torch.no_grad():
-        return {name: _digest(t) for name, t in sorted(golden_outputs(device, dtype).items())}
+    """Per-op digests of `golden_outputs` on the active backend (so a failing golden test names the op that
+    changed). Computed once per process for each (backend, device, dtype): they are this process's bits."""
+    return dict(_golden_digests(get_backend(), str(torch.device(device)), dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _golden_digests(backend: str, device: str, dtype: torch.dtype) -> tuple[tuple[str, str], ...]:
+    # The FP8 key's shared part is the bf16 key's digests (golden_outputs' FP8 branch), taken from the cache:
+    # under TRITON_INTERPRET each key's tiny-model forward is tens of seconds.
+    with use_backend(backend), torch.no_grad():
+        if dtype == torch.float8_e4m3fn:
+            digests = dict(_golden_digests(backend, device, torch.bfloat16))
+            digests.update((name, _digest(t)) for name, t in _fp8_outputs(torch.device(device)).items())
+        else:
+            digests = {name: _digest(t) for name, t in golden_outputs(device, dtype).items()}
+    return tuple(sorted(digests.items()))
 
 
 def fingerprint_key(backend: str | None = None, device: str | None = None, dtype: torch.dtype = torch.float32) -> str:
@@ -114,13 +131,7 @@ def fingerprint_of(digests: dict[str, str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=None)
-def _fingerprint(backend: str, device: str, dtype: torch.dtype) -> str:
-    with use_backend(backend):
-        return fingerprint_of(golden_digests(device, dtype))
-
-
 def fingerprint(backend: str | None = None, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> str:
     """16 hex digits identifying the bits this process computes (numerics version included)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return _fingerprint(backend or get_backend(), str(device), dtype)
+    return fingerprint_of(dict(_golden_digests(backend or get_backend(), str(device), dtype)))
