@@ -591,7 +591,8 @@ def test_topk_tournament_matches_one_sort(max_chunk, monkeypatch):
 def test_topk_columns_equals_the_sort(block, monkeypatch):
     """positions=None (the radix-select kernel) == positions=arange (the sort), bit for bit: ties
     at the threshold, signed zeros, -inf/NaN, fewer valid than k, k beyond L, rows over several tiles."""
-    monkeypatch.setattr(zt_topk, "TOPK_COLUMNS_BLOCK", block)
+    monkeypatch.setattr(zt_topk, "TOPK_COLUMNS_MIN_BLOCK", block)
+    monkeypatch.setattr(zt_topk, "TOPK_COLUMNS_MAX_BLOCK", block)
     g = gen_of(41 + block)
     s = torch.tensor([[float("inf"), -3e38, 3e38, -1e-45, 1e-45, 0.0, -0.0, 5.0, float("nan"), float("-inf")]])
     rows = [s.to(DEVICE)]

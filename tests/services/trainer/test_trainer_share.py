@@ -115,3 +115,50 @@ def test_a_co_located_trainer_releases_its_shared_versions_before_a_backward(tmp
                 await client.share_weights(weights_only=True)
             assert held_at_backward == [[], [], []]
     asyncio.run(main())
+
+
+def test_a_co_located_checkpoint_share_leaves_the_export_before_the_next_backward(tmp_path: pathlib.Path) -> None:
+    """A full share (a resume point, as a job's start is) keeps its serving weights as views of the export until its
+    record copies them; that copy comes at once, not after the records queued before it (written and uploaded one
+    at a time), and a co-located backward never runs beside it: the GLM-5 slice's first backward ran out of an
+    H100's memory beside its job start's 23 GiB. The record still lands, with the shared bits."""
+    config = TrainConfig(lr=3e-3)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config), "--run", "co", "--offload-optimizer") \
+                as (client, service):
+            upload = service._recorder.upload
+
+            async def slow_upload(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+                await asyncio.sleep(1.5)          # a store slower than the step: the next record waits its turn
+                return await upload(*args, **kw)
+            service._recorder.upload = slow_upload
+            exported: list[tuple[int, int]] = []      # each shared version's memory, [start, end) addresses
+
+            def remember(version: str) -> None:
+                buffer = service._exports[version].buffer
+                exported.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()))
+            views_at_backward = []
+            forward_backward = service._forward_backward
+
+            def watched(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+                views_at_backward.append(sorted(
+                    name for name, r in service._records.items() if r.export is not None or (
+                        r.snapshot is not None and any(lo <= t.data_ptr() < hi for t in r.snapshot.serving.values()
+                                                       for lo, hi in exported))))
+                return forward_backward(*args, **kw)
+            service._forward_backward = watched
+            state = await client.get_state()
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 1), state.weights_version), 4)
+            first, _, _ = await client.share_weights(weights_only=True)      # its record uploads slowly
+            remember(first.version)
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 2), first.version), 4)
+            full, _, shared = await client.share_weights()                  # a resume point, queued behind it
+            remember(full.version)
+            got = {k: v.clone() for k, v in open_shared(shared).items()}   # the replica's switch
+            await client.grpo_step(_rollouts(service.trainer, _prompts(2, 3), full.version), 4)
+            assert views_at_backward == [[], [], []]
+            recorded = (await client.record_weights(full.version)).manifest
+            stored = Model.from_pretrained(tmp_path / "w" / "versions" / recorded.version).state_dict()
+            assert list(stored) == list(got) and all(torch.equal(stored[k], got[k]) for k in got)
+    asyncio.run(main())

@@ -24,12 +24,13 @@ row would not fit on-chip; the tournament keeps every sort at TOPK_MAX_CHUNK ent
 
 Columns (`positions=None`: a row's position is its column, the model's case): no sort at all.
 `_topk_columns_kernel`, one program per row, finds the k-th highest score key exactly by a
-radix select (8 passes over the row, one 4-bit digit of the 32-bit monotone key each: the
-counts of entries at or above 16 candidate thresholds at once), counts the entries strictly
-above it, and emits in one last pass, in column order, every entry above the threshold plus
-the lowest-column entries equal to it until k are chosen. That is the same set as the packed
-order's k smallest (ties to the lower column), already ascending: the same bits as the sort,
-at ~10 passes over the row instead of a bitonic network of log2(L)^2 / 2 stages.
+radix select (4 passes over the row, one 8-bit digit of the 32-bit monotone key each: a 256-bin
+histogram of the entries still on the threshold's chosen prefix, the count of those above it
+carried along), and emits in one last pass, in column order, every entry above the threshold
+plus the lowest-column entries equal to it until k are chosen. That is the same set as the packed
+order's k smallest (ties to the lower column), already ascending: the same bits as the sort, at
+5 passes over the row instead of a bitonic network of log2(L)^2 / 2 stages. (4-bit digits, 8
+counting passes and a count pass, gave the same bits 1.2x to 1.9x slower on an H100: docs/perf.md.)
 """
 from __future__ import annotations
 
@@ -39,13 +40,16 @@ import triton.language as tl
 
 from ._common import check_launchable, is_interpreted, next_pow2
 
-__all__ = ["TOPK_COLUMNS_BLOCK", "TOPK_MAX_CHUNK", "topk_positions"]
+__all__ = ["TOPK_COLUMNS_MAX_BLOCK", "TOPK_COLUMNS_MIN_BLOCK", "TOPK_MAX_CHUNK", "topk_positions"]
 
 TOPK_MAX_CHUNK = 4096  # entries sorted by one program (raised to 2*next_pow2(k) for large k)
 # Compiled kernels may sort with tl.sort instead of _sort_ascending (the interpreter runs tl.sort's
 # xor-reduction in Python, ~10x slower). Sorting integers has one answer, so either gives the same bits.
 TOPK_USE_TL_SORT = True
-TOPK_COLUMNS_BLOCK = 1024  # entries of a row one pass of _topk_columns_kernel reads per tile
+# Entries of a row one pass of _topk_columns_kernel reads per tile: the row length rounded up to a power of two,
+# within these bounds.
+TOPK_COLUMNS_MIN_BLOCK = 1024
+TOPK_COLUMNS_MAX_BLOCK = 4096
 
 
 @triton.jit
@@ -94,30 +98,30 @@ def _topk_columns_kernel(score_ptr, out_ptr, W, K, s_score, s_out, BLOCK: tl.con
     row = tl.program_id(0).to(tl.int64)
     base = score_ptr + row * s_score
     offs = tl.arange(0, BLOCK)
-    digits = tl.arange(0, 16).to(tl.int64)
-    # Radix select: tau = the largest key with at least K valid entries >= it, one nibble per pass.
-    tau = tl.zeros((), dtype=tl.int64)
+    bins = tl.arange(0, 512)                      # 256 digits and bin 256 (entries off the chosen prefix)
+    # Radix select: tau = the largest key with at least K valid entries >= it, one byte per pass, high byte first.
+    tau = tl.zeros((), dtype=tl.int64)            # the threshold's digits chosen so far
+    above = tl.zeros((), dtype=tl.int32)          # valid entries known to be above the threshold
     n_valid = tl.zeros((), dtype=tl.int32)
-    for p in tl.static_range(8):
-        shift = 28 - 4 * p
-        cand = tau + (digits << shift)                                   # [16] thresholds
-        counts = tl.zeros((16,), dtype=tl.int32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        counts = tl.zeros((512,), dtype=tl.int32)
         for start in range(0, W, BLOCK):
             j = start + offs
             key, valid = _monotone_key(tl.load(base + j, mask=j < W, other=float("-inf")).to(tl.float32))
-            hit = (key[:, None] >= cand[None, :]) & valid[:, None]          # [BLOCK, 16]
-            counts += tl.sum(hit.to(tl.int32), axis=0)
+            match = valid & ((key >> (shift + 8)) == (tau >> (shift + 8)))       # on the prefix chosen so far
+            digit = tl.where(match, (key >> shift) & 255, 256).to(tl.int32)
+            counts += tl.histogram(digit, 512)
+        counts = tl.where(bins < 256, counts, 0)
+        total = tl.sum(counts)
         if p == 0:
-            n_valid = tl.sum(tl.where(digits == 0, counts, 0))           # threshold 0: every valid entry
-        # counts fall as the digit rises: the chosen digit is how many of 1..15 still reach K
-        step = tl.sum(((counts >= K) & (digits >= 1)).to(tl.int64))
-        tau = tau + (step << shift)
+            n_valid = total                                                  # pass 0's prefix is empty: every valid entry
+        suffix = total - tl.cumsum(counts, axis=0) + counts                  # entries on the prefix with digit >= d
+        # suffix falls as the digit rises: the chosen digit is how many of 1..255 still reach K with those above
+        step = tl.sum(((above + suffix >= K) & (bins >= 1) & (bins < 256)).to(tl.int32))
+        above += tl.sum(tl.where(bins > step, counts, 0))
+        tau = tau + (step.to(tl.int64) << shift)
     take_all = n_valid <= K
-    above = tl.zeros((), dtype=tl.int32)
-    for start in range(0, W, BLOCK):
-        j = start + offs
-        key, valid = _monotone_key(tl.load(base + j, mask=j < W, other=float("-inf")).to(tl.float32))
-        above += tl.sum((valid & (key > tau)).to(tl.int32))
     need = K - above                                                     # ties at tau to take, lowest columns first
     written = tl.zeros((), dtype=tl.int32)
     ties = tl.zeros((), dtype=tl.int32)
@@ -234,8 +238,10 @@ def _topk_columns(op: str, scores: torch.Tensor, k: int) -> torch.Tensor:
         return torch.full((t, k), -1, dtype=torch.int64, device=scores.device)
     scores = scores.float().contiguous()
     out = torch.empty((t, k), dtype=torch.int64, device=scores.device)
-    # One tile size for every length: the block is not part of the answer (a set), and a fixed
-    # constexpr means one compiled kernel for all L (no compile when a longer row first arrives).
-    _topk_columns_kernel[(t,)](scores, out, l, k, scores.stride(0), out.stride(0), BLOCK=TOPK_COLUMNS_BLOCK,
-                               num_warps=8)
+    # The tile follows the row's length (the block is not part of the answer, a set): 1,024 scores with 4 warps
+    # up to 1,024 columns, 2,048 with 8 up to 2,048, 4,096 with 16 beyond, the fastest tile at each length
+    # (tools/bench/bench_topk.py). At most three compiled kernels, whatever the context.
+    block = min(max(next_pow2(l), TOPK_COLUMNS_MIN_BLOCK), TOPK_COLUMNS_MAX_BLOCK)
+    _topk_columns_kernel[(t,)](scores, out, l, k, scores.stride(0), out.stride(0), BLOCK=block,
+                               num_warps=max(1, min(16, block // 256)))
     return out

@@ -89,6 +89,7 @@ __all__ = [
     "TrainerCheckpoint",
     "CheckpointSnapshot",
     "snapshot_checkpoint",
+    "snapshot_to_host",
     "write_snapshot",
     "write_checkpoint",
     "read_checkpoint",
@@ -247,6 +248,19 @@ def _on_host(tensors: Mapping[str, torch.Tensor], ready: Any) -> dict[str, torch
         out = {k: v.to("cpu") for k, v in tensors.items()}
     stream.synchronize()    # the device copies may be freed (they were read on this stream)
     return out
+
+
+def snapshot_to_host(snapshot: CheckpointSnapshot) -> None:
+    """Bring ``snapshot``'s tensors into this process's own host memory, in place: CUDA tensors copied to the host,
+    and host serving weights copied out of the memory they view (a shared export's), so that memory can go
+    before the snapshot is written."""
+    if any(t.is_cuda for t in snapshot.serving.values()):
+        snapshot.serving = _on_host(snapshot.serving, snapshot.ready)
+    else:
+        snapshot.serving = {k: v.clone() for k, v in snapshot.serving.items()}
+    if snapshot.state is not None:
+        snapshot.state = _on_host(snapshot.state, snapshot.ready)
+    snapshot.ready = None
 
 
 def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[str],

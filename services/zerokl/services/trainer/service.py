@@ -66,6 +66,7 @@ from zerokl.services.trainer.checkpointing import (
     publish_checkpoint,
     read_checkpoint,
     snapshot_checkpoint,
+    snapshot_to_host,
     write_checkpoint,
     write_snapshot,
 )
@@ -148,7 +149,9 @@ class _Record:
     step: int
     spec: VersionSpec
     snapshot: CheckpointSnapshot | None          # a checkpoint's, until written (or superseded)
-    export: SharedBuffer | None = None          # a weights-only version's bytes, until the record process wrote them
+    # The shared version's memory while the record reads it: a weights-only version's bytes until the record process
+    # holds them, a checkpoint's serving weights (its snapshot's views of the export) until copied to the host.
+    export: SharedBuffer | None = None
     model_config: ModelConfig | None = None     # with ``export``: its config.json, and its serving dtype
     dtype: torch.dtype | None = None
     task: "asyncio.Future[WeightsManifest | None] | None" = None
@@ -811,9 +814,9 @@ class TrainerService:
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
-        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot)
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot, export=shared)
         if snapshot is None:
-            record.export, record.model_config = shared, trainer.model.config
+            record.model_config = trainer.model.config
             record.dtype = numerics_dtype(trainer.model)       # float8_e4m3fn for an FP8 trainer's bytes
         earlier = [r.task for r in self._records.values() if r.task is not None and not r.task.done()]
         self._records.pop(name, None)
@@ -842,8 +845,9 @@ class TrainerService:
         """Co-location (``offload_optimizer``: a replica shares the device): the shared versions leave the device
         before a backward needs its memory (for the GLM-5 slice one export is 23 GiB of an 80 GB device). Each
         replica copied the newest one when it switched to it, before the rollouts this batch trains on; a record
-        still to copy one (the record process takes the versions one at a time) is waited for, and closes it once
-        it has the bytes (:meth:`_drop_export`): the backward of the slice beside an export ran out of an H100's
+        still to copy one is waited for, and closes it once it has the bytes (:meth:`_drop_export`): a weights-only
+        version's once the record process holds them (it takes the versions one at a time), a checkpoint's serving
+        weights once copied to the host (at once). The backward of the slice beside an export ran out of an H100's
         memory. A later switch to a released version reads the store, as one to an older version always did.
         Returns the seconds waited (the ForwardBackward's ``export_wait_s`` metric); None when not co-located."""
         if not self._trainer.config.offload_optimizer:
@@ -887,14 +891,23 @@ class TrainerService:
         """After the records queued before it (versions reach the store in the order they were shared, one at a
         time), write ``name``'s snapshot to files (in a worker thread, beside the training) and upload them;
         None when it was superseded before its turn came (never recorded)."""
+        if record.snapshot is not None:
+            # A checkpoint's serving weights are views of its export: copied to the host at once, before the records
+            # queued before it are done, so the export's memory goes. A co-located trainer's backward waits for it
+            # (the GLM-5 slice's job start, a resume point, held 23 GiB of an 80 GB device beside the first backward).
+            try:
+                await asyncio.to_thread(snapshot_to_host, record.snapshot)
+            finally:
+                self._drop_export(record)
         for task in earlier:
             with contextlib.suppress(Exception):
                 await asyncio.shield(task)
         if record.superseded_by:
             return None
         record.begun = True
-        if record.export is not None:
+        if record.snapshot is None:
             # Weights only: the record process writes the files from the shared memory (and checks its bytes).
+            assert record.export is not None
             assert record.model_config is not None and record.dtype is not None
             # The export goes as soon as the record process holds its bytes, before they are written: a co-located
             # trainer's backward needs that device memory (the GLM-5 slice: 23 GiB of an 80 GB device).
@@ -905,7 +918,6 @@ class TrainerService:
                 self._drop_export(record)
         else:
             # A checkpoint: the trainer state's snapshot is this process's memory, written here (in a thread).
-            assert record.snapshot is not None
             directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
             try:
                 await asyncio.to_thread(write_snapshot, record.snapshot, directory)
