@@ -114,7 +114,8 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   fi
   if [ "$MODE" = colocate ]; then
     if [ "${COLOCATE_TESTS:-1}" = 1 ]; then
-      timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py -k cuda \
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
+        tests/services/weightstore/test_sync.py -k cuda \
         > "$OUT/sleep_tests.log" 2>&1
       timeout 60 python3 tools/bench/sleep_probe.py > "$OUT/sleep_probe.log" 2>&1
     fi

@@ -54,7 +54,7 @@ from zerokl.services.trainer.checkpointing import (
     read_checkpoint,
 )
 from zerokl.services.trainer.recorder import DELTA_BASES, RecordWorker
-from zerokl.services.trainer.service import TrainerLimits, TrainerService, add_trainer_service
+from zerokl.services.trainer.service import MEMORY_HISTORY_ENV, TrainerLimits, TrainerService, add_trainer_service
 from zerokl.services.trainer.trainer import TrainConfig, Trainer
 from zerokl.services.weightstore.versions import segment_index, validate_name
 from zerokl.vocab import InvalidOption
@@ -151,6 +151,10 @@ def _device(args: argparse.Namespace) -> torch.device:
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as err:
         raise SystemExit(f"--device {args.device}: {err}") from None
+    if device.type == "cuda" and os.environ.get(MEMORY_HISTORY_ENV) == "1":
+        # Every device allocation's stack kept, so a ForwardBackward that runs out of memory says where each live
+        # block was made (TrainerService._device_memory_report).
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     return device
 
 

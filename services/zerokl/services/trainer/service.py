@@ -21,13 +21,16 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import gc
 import json
 import logging
 import math
+import os
 import pathlib
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
 
@@ -95,6 +98,7 @@ from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
 
 __all__ = [
+    "MEMORY_HISTORY_ENV",
     "TRAINER_SERVICE",
     "TrainerLimits",
     "TrainerService",
@@ -182,6 +186,11 @@ async def _released(record: _Record) -> None:
     pending = {waiter} | ({record.task} if record.task is not None else set())
     await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
+
+
+#: Set to 1, a CUDA trainer keeps every device allocation's stack (torch.cuda.memory._record_memory_history), and a
+#: ForwardBackward that runs out of device memory logs where each of the largest live blocks was allocated.
+MEMORY_HISTORY_ENV = "ZEROKL_CUDA_MEMORY_HISTORY"
 
 
 @dataclass(frozen=True)
@@ -401,6 +410,7 @@ class TrainerService:
                                          "--dp/--tp/--ep trainer yet: serve the trainer in one process")
             forward_only = isinstance(batch, TokenLossBatch) and batch.forward_only
             waited = None if forward_only else await self._release_exports_for_training()
+            before = torch.cuda.memory_allocated(self._trainer.device) if self._trainer.device.type == "cuda" else 0
             try:
                 if isinstance(batch, TokenLossBatch):
                     result = await self._compute(self._forward_backward_tokens, batch)
@@ -416,6 +426,9 @@ class TrainerService:
                 # leaks into a later step.
                 dropped = self._accumulated
                 log.exception("trainer: ForwardBackward failed (%d batch(es) were pending)", dropped)
+                if isinstance(err, torch.cuda.OutOfMemoryError):
+                    log.error("trainer: device memory at the failure (%.2f GiB allocated before this ForwardBackward)"
+                              "\n%s", before / 2**30, self._device_memory_report())
                 if not await self._compute(self._drop_gradients):
                     raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err})") from None
                 raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err}); no gradient is pending "
@@ -433,6 +446,55 @@ class TrainerService:
                 STALE_ROLLOUTS.inc(result.ppo.stale_rollouts)
             return result
         return await self._exclusive(work)
+
+    def _device_memory_report(self) -> str:
+        """What holds this trainer's device memory, for a ForwardBackward that ran out of it: the model's parameters
+        and gradients, the exports and records kept, and every other device storage a Python object reaches (the
+        largest first). Memory no Python object reaches (autograd's saved tensors, a shared block in torch's IPC
+        limbo) shows only in the allocator's total; with MEMORY_HISTORY_ENV set, live blocks by allocating frame."""
+        device = self._trainer.device
+        gib = 2**30
+
+        def storages(tensors) -> dict[int, int]:  # noqa: ANN001 - tensors -> {storage address: bytes}
+            return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        params = storages(self._trainer.model.parameters())
+        grads = storages(p.grad for p in self._trainer.model.parameters() if p.grad is not None)
+        others: dict[int, tuple[int, str]] = {}
+        with warnings.catch_warnings():     # isinstance on every object touches deprecated module attributes too
+            warnings.simplefilter("ignore")
+            found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        for obj in found:
+            if obj.device.type == device.type:
+                key, n = obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes()
+                if key not in params and key not in grads and n > others.get(key, (0, ""))[0]:
+                    others[key] = (n, f"{type(obj).__name__} {tuple(obj.shape)} {obj.dtype}")
+        largest = sorted(others.values(), reverse=True)
+        lines = [f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, reserved "
+                 f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB; parameters {sum(params.values()) / gib:.2f} GiB, "
+                 f"gradients {sum(grads.values()) / gib:.2f} GiB, other storages a Python object reaches "
+                 f"{sum(n for n, _ in largest) / gib:.2f} GiB in {len(largest)}",
+                 f"exports kept: {', '.join(self._exports) or 'none'}; records: " + (", ".join(
+                     f"{name} (export {'held' if r.export is not None else 'released'}, snapshot "
+                     f"{'held' if r.snapshot is not None else 'none'})" for name, r in self._records.items()) or "none")]
+        lines += [f"  {n / gib:8.3f} GiB  {what}" for n, what in largest[:12]]
+        if os.environ.get(MEMORY_HISTORY_ENV) == "1":
+            sites: dict[str, list[int]] = {}
+            snapshot = torch.cuda.memory._snapshot()
+            states: dict[str, int] = {}
+            for segment in snapshot.get("segments", []):
+                for block in segment.get("blocks", []):
+                    states[block.get("state", "?")] = states.get(block.get("state", "?"), 0) + block.get("size", 0)
+                    if block.get("state") != "active_allocated":
+                        continue
+                    frames = block.get("frames") or []
+                    ours = [f for f in frames if "/zerokl/" in f["filename"]] or frames[:1]
+                    site = " <- ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in ours[:3])
+                    sites.setdefault(site or "(no frames recorded)", []).append(block["size"])
+            lines.append("blocks by state: " + (", ".join(f"{k} {v / gib:.2f} GiB" for k, v in states.items()) or
+                                                "none in the snapshot") + "; live ones by where they were allocated:")
+            lines += [f"  {sum(v) / gib:8.3f} GiB in {len(v):4d}  {site}"
+                      for site, v in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:12]]
+        return "\n".join(lines)
 
     def _check_batch(self, batch: TrainBatch) -> None:
         if isinstance(batch, SFTBatch):
@@ -863,9 +925,11 @@ class TrainerService:
         return time.monotonic() - start
 
     def _release(self, shared: SharedBuffer) -> None:
-        """Close a version's shared memory, unless a pending record still writes from it (closed once it did)."""
+        """Close a version's shared memory, unless a pending record still writes from it (closed once it did).
+        Co-located, every reader copied it by then (a replica in its switch, before the rollouts that follow; a
+        record before it let go): the share's CUDA IPC reference goes too (SharedBuffer.close's readers_done)."""
         if not any(r.export is shared for r in self._records.values()):
-            shared.close()
+            shared.close(readers_done=self._trainer.config.offload_optimizer)
 
     def _drop_export(self, record: _Record) -> None:
         """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""

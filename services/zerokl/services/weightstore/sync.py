@@ -120,6 +120,7 @@ class SharedBuffer:
 
     export: SharedExport
     buffer: torch.Tensor
+    ipc_released: bool = False      # CUDA: the share's IPC reference released here (close(readers_done=True))
 
     @property
     def nbytes(self) -> int:
@@ -129,11 +130,24 @@ class SharedBuffer:
         """The shared tensors, as views of the buffer (they keep its memory alive after :meth:`close`)."""
         return _views(self.buffer, self.export.tensors)
 
-    def close(self) -> None:
+    def close(self, *, readers_done: bool = False) -> None:
+        """Drop this process's hold on the shared memory (it goes once nothing here holds a view of it).
+
+        ``readers_done``: every reader that will ever open this export has copied it (co-location's backward: each
+        replica copied it in its switch, each record once it said so). On CUDA the share's IPC reference is then
+        released here too. torch counts one per share and lets a reader's release free it; a share no reader
+        opened otherwise keeps its block in torch's IPC limbo, allocated, until this process exits."""
         if self.export.transport == "cpu_shm":
             with _suppress_oserror():
                 os.unlink(self.export.path)
+        cuda = self.export.transport == "cuda_ipc" and self.export.cuda is not None
+        if cuda and readers_done and not self.ipc_released:
+            c = self.export.cuda
+            torch.UntypedStorage._release_ipc_counter_cuda(c.ref_counter_handle, c.ref_counter_offset)
+            self.ipc_released = True
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        if cuda and readers_done:
+            torch.cuda.ipc_collect()        # a block already in the limbo goes now (its count reached zero)
 
 
 class _suppress_oserror:
