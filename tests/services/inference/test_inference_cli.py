@@ -185,3 +185,15 @@ def test_model_flags_load_a_checkpoint_directory_or_a_seeded_preset(model, tmp_p
     assert build_parser("decode").parse_args(["--preset", "tiny", "--handoff-timeout", "9"]).handoff_timeout == 9
     with pytest.raises(SystemExit):
         build_parser("prefill").parse_args(["--preset", "tiny", "--decode", "h:1"])  # the scheduler pairs them
+
+
+def test_zerokl_generate_starts_without_torch() -> None:
+    """A client runs no kernel: `zerokl generate` imports neither torch nor the numerics library, so it starts in
+    under a second instead of the ~3 s torch's import took (a trace it is sent is read with them, on demand)."""
+    program = ("import sys; from zerokl.cli import main; "
+               "rc = main(['generate', '--server', '127.0.0.1:1', '--prompt-ids', '1,2', '--max-tokens', '1']); "
+               "print(rc, 'torch' in sys.modules, 'zerokl.kernels' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    rc, torch_loaded, kernels_loaded = run.stdout.split()
+    assert rc != "0" and "UNAVAILABLE" in run.stderr      # nothing listens there: it got as far as connecting
+    assert (torch_loaded, kernels_loaded) == ("False", "False"), run.stderr

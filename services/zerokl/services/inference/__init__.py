@@ -11,19 +11,20 @@
   converters; :mod:`.types`: the dataclasses they convert.
 - :mod:`.client`: :class:`InferenceClient`, the async gRPC client.
 """
-from zerokl.services.inference.async_engine import AsyncEngine, RequestStream
-from zerokl.services.inference.client import InferenceClient
-from zerokl.services.inference.replica import Replica, ServingLimits
-from zerokl.services.inference.types import (
-    GenerateDelta,
-    GenerateResult,
-    InferenceRequest,
-    KVHeader,
-    SampleResult,
-    ScoreResult,
-    TensorLayout,
-    Usage,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Where each public name lives. Imported on first use: a client (`zerokl generate`, the scheduler's stubs) should
+# not pay for the engine (torch) that only a served replica runs.
+_EXPORTS = {
+    "AsyncEngine": "async_engine", "RequestStream": "async_engine",
+    "InferenceClient": "client",
+    "Replica": "replica", "ServingLimits": "replica",
+    "GenerateDelta": "types", "GenerateResult": "types", "InferenceRequest": "types", "KVHeader": "types",
+    "SampleResult": "types", "ScoreResult": "types", "TensorLayout": "types", "Usage": "types",
+}
 
 __all__ = [
     "AsyncEngine",
@@ -40,3 +41,10 @@ __all__ = [
     "TensorLayout",
     "Usage",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

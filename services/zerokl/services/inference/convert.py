@@ -7,7 +7,8 @@ home. Logprobs are fp32 numbers and travel as proto ``float``: exact.
 """
 from __future__ import annotations
 
-from zerokl.kernels.trace import Trace
+from typing import TYPE_CHECKING
+
 from zerokl.services.inference.types import (
     GenerateDelta,
     InferenceRequest,
@@ -21,6 +22,9 @@ from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
 from zerokl.v1 import inference_pb2
 from zerokl.vocab import InvalidOption, SamplingOptions
+
+if TYPE_CHECKING:    # the trace types hold tensors: torch only where a trace is made or read
+    from zerokl.kernels.trace import Trace
 
 __all__ = [
     "sampling_to_proto",

@@ -5,13 +5,17 @@ Both Score (replicas) and ForwardLogprobs (trainer) return a trace when asked
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import grpc
 
-from zerokl.kernels.trace import OpTrace, Trace
 from zerokl.services.runtime.auth import Role, caller_role
 from zerokl.services.runtime.errors import ServiceError
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.v1 import common_pb2
+
+if TYPE_CHECKING:    # the trace types hold tensors: torch only where a trace is made or read
+    from zerokl.kernels.trace import Trace
 
 __all__ = ["PermissionDenied", "require_operator", "identity_meta", "trace_options_to_proto", "trace_options_from_proto",
            "trace_to_proto", "trace_from_proto"]
@@ -63,6 +67,7 @@ def trace_to_proto(t: Trace) -> common_pb2.Trace:
 
 def trace_from_proto(msg: common_pb2.Trace) -> Trace:
     """``zerokl.v1.Trace`` -> Trace."""
+    from zerokl.kernels.trace import OpTrace, Trace
     ops = [OpTrace(o.layer, o.op, o.dtype, tuple(o.shape), list(o.digests),
                    o.values if o.HasField("values") else None) for o in msg.ops]
     return Trace(list(msg.token_ids), ops, dict(msg.meta))
