@@ -955,10 +955,11 @@ class TrainerService:
         """After the records queued before it (versions reach the store in the order they were shared, one at a
         time), write ``name``'s snapshot to files (in a worker thread, beside the training) and upload them;
         None when it was superseded before its turn came (never recorded)."""
-        if record.snapshot is not None:
-            # A checkpoint's serving weights are views of its export: copied to the host at once, before the records
-            # queued before it are done, so the export's memory goes. A co-located trainer's backward waits for it
-            # (the GLM-5 slice's job start, a resume point, held 23 GiB of an 80 GB device beside the first backward).
+        if record.snapshot is not None and self._trainer.config.offload_optimizer:
+            # Co-located: a checkpoint's serving weights are views of its export, copied to the host at once, before
+            # the records queued before it are done, so the export's memory goes; the next backward waits for it (a
+            # resume point's views would otherwise hold 23 GiB of the GLM-5 slice's 80 GB device until written).
+            # Elsewhere the trainer keeps its newest exports anyway: the record writes from the views.
             try:
                 await asyncio.to_thread(snapshot_to_host, record.snapshot)
             finally:
@@ -988,6 +989,8 @@ class TrainerService:
             except BaseException:
                 shutil.rmtree(directory, True)
                 raise
+            finally:
+                self._drop_export(record)           # written: its views of the export are done with
         record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
         return await self._upload(record, name)
 
