@@ -103,7 +103,7 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   # issue 49's runs longer than a call, each in a session of its own that outlives the call (the machine stays
   # warm 30 s between calls): `poll`, the next call, waits on it again (BG_WAIT seconds a call) and brings back
   # its JSON, PNG and log. colocate: the CUDA sleep and shared-memory release tests and the sleep probe
-# (COLOCATE_TESTS=0 skips them; ZEROKL_CUDA_MEMORY_HISTORY=1 in the caller's environment reaches the trainer), then the GLM-5
+  # (COLOCATE_TESTS=0 skips them; ZEROKL_CUDA_MEMORY_HISTORY=1 in the caller's environment reaches the trainer), then the GLM-5
   # 2-layer slice's RL job through `zerokl up --colocate` on this GPU (bench_colocate.py, COLOCATE_ARGS added).
   # rl20: the 20-step RL job of 512 answers of 1,024 tokens, through `zerokl up` and then in process (about 11
   # minutes a half on an H100: three calls).
