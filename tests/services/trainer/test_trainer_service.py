@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import pathlib
 import random
@@ -691,4 +692,30 @@ def test_a_step_that_overflows_is_refused_undone_and_the_trainer_serves_the_next
             want = reference.forward_backward("sft", sft) | reference.optim_step()
             assert (fb.loss, opt.grad_norm, opt.step) == (want["loss"], want["grad_norm"], want["step"])
             _assert_same_weights(service.trainer.model.state_dict(), reference.model.state_dict())
+    asyncio.run(main())
+
+
+def test_a_forward_backward_out_of_device_memory_is_reported_and_the_trainer_keeps_serving(
+        tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A step that runs out of device memory: INTERNAL naming it, no gradient left pending, the trainer's log says
+    what held the device (parameters, gradients, the versions and records it keeps), and the next step trains."""
+    config = TrainConfig(lr=3e-3)
+
+    async def main() -> None:
+        async with trainer_server(tmp_path / "w", *_flags(config)) as (client, service):
+            state = await client.get_state()
+            rollouts = _rollouts(service.trainer, _prompts(2, 1), state.weights_version)
+            forward_backward = service._forward_backward
+
+            def out_of_memory(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+                service._forward_backward = forward_backward        # once
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.77 GiB.")
+            service._forward_backward = out_of_memory
+            with caplog.at_level(logging.ERROR, logger="zerokl.services.trainer.service"):
+                err = await _status(client.forward_backward("ppo", rollouts, group_size=4))
+            assert err.code() is grpc.StatusCode.INTERNAL and "OutOfMemoryError" in err.details()
+            report = next(r.getMessage() for r in caplog.records if "device memory at the failure" in r.getMessage())
+            assert "parameters" in report and "gradients 0.00 GiB" in report and "exports kept: none" in report
+            fb, opt = await client.grpo_step(rollouts, 4)
+            assert fb.accumulated_batches == 1 and opt.step == 1
     asyncio.run(main())

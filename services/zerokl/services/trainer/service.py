@@ -427,8 +427,12 @@ class TrainerService:
                 dropped = self._accumulated
                 log.exception("trainer: ForwardBackward failed (%d batch(es) were pending)", dropped)
                 if isinstance(err, torch.cuda.OutOfMemoryError):
+                    try:
+                        report = self._device_memory_report()
+                    except Exception as failed:  # noqa: BLE001 - the report must not replace the step's own error
+                        report = f"(the report failed: {type(failed).__name__}: {failed})"
                     log.error("trainer: device memory at the failure (%.2f GiB allocated before this ForwardBackward)"
-                              "\n%s", before / 2**30, self._device_memory_report())
+                              "\n%s", before / 2**30, report)
                 if not await self._compute(self._drop_gradients):
                     raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err})") from None
                 raise Internal(f"ForwardBackward failed ({type(err).__name__}: {err}); no gradient is pending "
@@ -469,15 +473,16 @@ class TrainerService:
                 if key not in params and key not in grads and n > others.get(key, (0, ""))[0]:
                     others[key] = (n, f"{type(obj).__name__} {tuple(obj.shape)} {obj.dtype}")
         largest = sorted(others.values(), reverse=True)
-        lines = [f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, reserved "
-                 f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB; parameters {sum(params.values()) / gib:.2f} GiB, "
-                 f"gradients {sum(grads.values()) / gib:.2f} GiB, other storages a Python object reaches "
-                 f"{sum(n for n, _ in largest) / gib:.2f} GiB in {len(largest)}",
+        allocator = (f"allocated {torch.cuda.memory_allocated(device) / gib:.2f} GiB, reserved "
+                     f"{torch.cuda.memory_reserved(device) / gib:.2f} GiB; " if device.type == "cuda" else "")
+        lines = [f"{allocator}parameters {sum(params.values()) / gib:.2f} GiB, gradients {sum(grads.values()) / gib:.2f} "
+                 f"GiB, other {device.type} storages a Python object reaches {sum(n for n, _ in largest) / gib:.2f} GiB "
+                 f"in {len(largest)}",
                  f"exports kept: {', '.join(self._exports) or 'none'}; records: " + (", ".join(
                      f"{name} (export {'held' if r.export is not None else 'released'}, snapshot "
                      f"{'held' if r.snapshot is not None else 'none'})" for name, r in self._records.items()) or "none")]
         lines += [f"  {n / gib:8.3f} GiB  {what}" for n, what in largest[:12]]
-        if os.environ.get(MEMORY_HISTORY_ENV) == "1":
+        if os.environ.get(MEMORY_HISTORY_ENV) == "1" and device.type == "cuda":
             sites: dict[str, list[int]] = {}
             snapshot = torch.cuda.memory._snapshot()
             states: dict[str, int] = {}
