@@ -104,6 +104,7 @@ def test_the_descriptor_survives_its_grpc_form() -> None:
     try:
         desc = export.export
         assert shared_export_from_proto(shared_export_to_proto(desc)) == desc and desc.cuda is None
+        assert export.ipc_references() is None      # a file in shared memory: no IPC reference count
         cuda = dataclasses.replace(desc, transport="cuda_ipc", path="", cuda=SharedCudaBuffer(
             1, b"h" * 64, 1 << 20, 512, b"r" * 16, 8, b"", True))
         assert shared_export_from_proto(shared_export_to_proto(cuda)) == cuda
@@ -142,6 +143,7 @@ def test_a_cuda_export_closed_after_its_readers_gives_its_memory_back(tmp_path: 
     (tmp_path / "desc.bin").write_bytes(shared_export_to_proto(export.export).SerializeToString())
     for _ in range(readers):
         subprocess.run([sys.executable, "-c", _OPEN_AND_LEAVE, str(tmp_path / "desc.bin")], check=True, timeout=300)
+    assert export.ipc_references() == 1 - readers     # one a share, one less for each reader that let go
     export.close(readers_done=readers_done)
     del export
     gc.collect()

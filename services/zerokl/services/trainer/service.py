@@ -934,6 +934,11 @@ class TrainerService:
         Co-located, every reader copied it by then (a replica in its switch, before the rollouts that follow; a
         record before it let go): the share's CUDA IPC reference goes too (SharedBuffer.close's readers_done)."""
         if not any(r.export is shared for r in self._records.values()):
+            held = shared.ipc_references()
+            if held:    # CUDA: a reader that never opened it, or still holds what it opened (it stays allocated)
+                log.info("trainer: closing the export of %s with %d CUDA IPC reference(s) not released by a reader%s",
+                         shared.export.version, held, " (released here: co-located)"
+                         if self._trainer.config.offload_optimizer else "")
             shared.close(readers_done=self._trainer.config.offload_optimizer)
 
     def _drop_export(self, record: _Record) -> None:

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 _ALIGN = 64                     # bytes: every tensor view starts aligned for any dtype's loads
 _ROW_WORDS = 1 << 16            # sum64: int64 words per row
 SHM_PREFIX = "zerokl-weights-"  # the only files cpu_shm opens (a descriptor cannot name others)
+_IPC_COUNTER_HEADER = 64        # bytes before the counters in torch's ref-counter file (RefcountedMapAllocator)
 
 
 class SharedUnavailable(RuntimeError):
@@ -129,6 +130,23 @@ class SharedBuffer:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shared tensors, as views of the buffer (they keep its memory alive after :meth:`close`)."""
         return _views(self.buffer, self.export.tensors)
+
+    def ipc_references(self) -> int | None:
+        """CUDA: the share's IPC reference count now (1 when shared, one less for each reader that let go of what
+        it opened; above 0 when this buffer is freed, torch keeps the block allocated in its IPC limbo). Read from
+        torch's counter file (``/dev/shm`` + the handle: a 64-byte header, then int64 counters). None elsewhere,
+        or when the file is gone."""
+        c = self.export.cuda
+        if self.export.transport != "cuda_ipc" or c is None:
+            return None
+        path = _shm_dir() / c.ref_counter_handle.decode(errors="replace").lstrip("/")
+        try:
+            with open(path, "rb") as f:
+                f.seek(_IPC_COUNTER_HEADER + 8 * c.ref_counter_offset)
+                raw = f.read(8)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
 
     def close(self, *, readers_done: bool = False) -> None:
         """Drop this process's hold on the shared memory (it goes once nothing here holds a view of it).
