@@ -14,7 +14,6 @@ from typing import Callable, Iterator
 
 import pytest
 from minio import Minio
-from moto.server import ThreadedMotoServer
 
 from zerokl.services.weightstore.backends import LocalDirBackend, S3Backend, StorageBackend
 
@@ -24,6 +23,7 @@ S3_SECRET = "zerokl-test-secret"
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer     # here: a module that needs no S3 (the GPU machine's sync tests) loads without moto
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

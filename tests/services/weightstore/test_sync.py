@@ -149,3 +149,18 @@ def test_a_cuda_export_closed_after_its_readers_gives_its_memory_back(tmp_path: 
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
+
+
+def test_storage_uses_counts_what_keeps_an_export_in_memory() -> None:
+    """The trainer logs this when it closes a version: every view of the buffer keeps its memory (a CUDA export
+    closed while something still views it stays allocated on the device)."""
+    export = export_shared(_state(2), "v4")
+    try:
+        assert export.storage_uses() == 1
+        views = export.tensors()
+        assert export.storage_uses() >= 1 + len(views)      # each view (and the base a dtype view keeps)
+        del views
+        assert export.storage_uses() == 1
+    finally:
+        export.close()
+    assert export.storage_uses() == 0

@@ -933,13 +933,21 @@ class TrainerService:
         """Close a version's shared memory, unless a pending record still writes from it (closed once it did).
         Co-located, every reader copied it by then (a replica in its switch, before the rollouts that follow; a
         record before it let go): the share's CUDA IPC reference goes too (SharedBuffer.close's readers_done)."""
-        if not any(r.export is shared for r in self._records.values()):
-            held = shared.ipc_references()
-            if held:    # CUDA: a reader that never opened it, or still holds what it opened (it stays allocated)
-                log.info("trainer: closing the export of %s with %d CUDA IPC reference(s) not released by a reader%s",
-                         shared.export.version, held, " (released here: co-located)"
-                         if self._trainer.config.offload_optimizer else "")
+        if any(r.export is shared for r in self._records.values()):
+            return
+        device = self._trainer.device
+        if device.type != "cuda":
             shared.close(readers_done=self._trainer.config.offload_optimizer)
+            return
+        # Said in the log, as the memory it gives back: a CUDA export stays allocated while a reader holds what it
+        # opened (torch's IPC count) or anything in this process still views it.
+        references, uses, before = shared.ipc_references(), shared.storage_uses(), torch.cuda.memory_allocated(device)
+        shared.close(readers_done=self._trainer.config.offload_optimizer)
+        freed = before - torch.cuda.memory_allocated(device)
+        log.log(logging.INFO if freed >= shared.nbytes else logging.WARNING,
+                "trainer: closed the export of %s (%.2f GiB): %.2f GiB freed; IPC references readers left %s, "
+                "holders of its memory here %d (1: the export alone)", shared.export.version, shared.nbytes / 2**30,
+                freed / 2**30, references, uses)
 
     def _drop_export(self, record: _Record) -> None:
         """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""

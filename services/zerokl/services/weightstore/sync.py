@@ -148,6 +148,13 @@ class SharedBuffer:
             return None
         return int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None
 
+    def storage_uses(self) -> int:
+        """How many holders the buffer's memory has in this process: 1 is the buffer alone; each tensor viewing it
+        (and each C++ holder) adds one. Above 1 at :meth:`close`, the memory stays until they let go."""
+        if self.buffer.numel() == 0:
+            return 0
+        return torch._C._storage_Use_Count(self.buffer.untyped_storage()._cdata) - 1   # less the storage asked
+
     def close(self, *, readers_done: bool = False) -> None:
         """Drop this process's hold on the shared memory (it goes once nothing here holds a view of it).
 
