@@ -9,11 +9,13 @@ lands, and bad calls get clear statuses.
 from __future__ import annotations
 
 import asyncio
+import gc
 import pathlib
 
 import grpc
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerokl.kernels.model import Model
 from zerokl.services.trainer.trainer import TrainConfig
@@ -134,11 +136,13 @@ def test_a_co_located_checkpoint_share_leaves_the_export_before_the_next_backwar
                 return await upload(*args, **kw)
             service._recorder.upload = slow_upload
             exported: list[tuple[int, int]] = []      # each shared version's memory, [start, end) addresses
+            memory: dict[str, StorageWeakRef] = {}   # each shared version's memory, dead once nothing holds it
 
             def remember(version: str) -> None:
                 buffer = service._exports[version].buffer
                 exported.append((buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()))
-            views_at_backward = []
+                memory[version] = StorageWeakRef(buffer.untyped_storage())
+            views_at_backward, held_at_backward = [], []
             forward_backward = service._forward_backward
 
             def watched(*args, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -146,6 +150,8 @@ def test_a_co_located_checkpoint_share_leaves_the_export_before_the_next_backwar
                     name for name, r in service._records.items() if r.export is not None or (
                         r.snapshot is not None and any(lo <= t.data_ptr() < hi for t in r.snapshot.serving.values()
                                                        for lo, hi in exported))))
+                gc.collect()
+                held_at_backward.append(sorted(version for version, ref in memory.items() if not ref.expired()))
                 return forward_backward(*args, **kw)
             service._forward_backward = watched
             state = await client.get_state()
@@ -158,6 +164,7 @@ def test_a_co_located_checkpoint_share_leaves_the_export_before_the_next_backwar
             got = {k: v.clone() for k, v in open_shared(shared).items()}   # the replica's switch
             await client.grpo_step(_rollouts(service.trainer, _prompts(2, 3), full.version), 4)
             assert views_at_backward == [[], [], []]
+            assert held_at_backward == [[], [], []]     # and nothing else in the process holds an export's memory
             recorded = (await client.record_weights(full.version)).manifest
             stored = Model.from_pretrained(tmp_path / "w" / "versions" / recorded.version).state_dict()
             assert list(stored) == list(got) and all(torch.equal(stored[k], got[k]) for k in got)
