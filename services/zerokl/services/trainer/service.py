@@ -180,6 +180,23 @@ class _Record:
                 and not self.superseded_by)
 
 
+def _viewers(buffer: torch.Tensor, most: int = 5) -> str:
+    """The Python tensors that view ``buffer``'s memory beside it, and what refers to each (for the log of an
+    export closed while something else holds it)."""
+    lo, hi = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    found: list[str] = []
+    with warnings.catch_warnings(), contextlib.suppress(Exception):     # a log line: never the close's failure
+        warnings.simplefilter("ignore")
+        objects = gc.get_objects()
+        for obj in objects:
+            if isinstance(obj, torch.Tensor) and obj is not buffer and obj.is_cuda and lo <= obj.data_ptr() < hi:
+                owners = [type(r).__name__ for r in gc.get_referrers(obj) if r is not objects][:4]
+                found.append(f"{tuple(obj.shape)} {obj.dtype} <- {', '.join(owners) or 'nothing Python reaches'}")
+                if len(found) == most:
+                    break
+    return "; viewed by " + ("; ".join(found) if found else "no Python tensor (a C++ holder)")
+
+
 async def _released(record: _Record) -> None:
     """Until ``record`` holds no export, or its task ended (a record cancelled with the service)."""
     waiter = asyncio.ensure_future(record.released.wait())
@@ -942,12 +959,13 @@ class TrainerService:
         # Said in the log, as the memory it gives back: a CUDA export stays allocated while a reader holds what it
         # opened (torch's IPC count) or anything in this process still views it.
         references, uses, before = shared.ipc_references(), shared.storage_uses(), torch.cuda.memory_allocated(device)
+        viewers = _viewers(shared.buffer) if uses > 1 else ""
         shared.close(readers_done=self._trainer.config.offload_optimizer)
         freed = before - torch.cuda.memory_allocated(device)
         log.log(logging.INFO if freed >= shared.nbytes else logging.WARNING,
                 "trainer: closed the export of %s (%.2f GiB): %.2f GiB freed; IPC references readers left %s, "
-                "holders of its memory here %d (1: the export alone)", shared.export.version, shared.nbytes / 2**30,
-                freed / 2**30, references, uses)
+                "holders of its memory here %d (1: the export alone)%s", shared.export.version, shared.nbytes / 2**30,
+                freed / 2**30, references, uses, viewers)
 
     def _drop_export(self, record: _Record) -> None:
         """``record`` no longer reads its export: closed when the trainer no longer keeps it either."""
