@@ -949,21 +949,22 @@ class TrainerService:
     def _release(self, shared: SharedBuffer) -> None:
         """Close a version's shared memory, unless a pending record still writes from it (closed once it did).
         Co-located, every reader copied it by then (a replica in its switch, before the rollouts that follow; a
-        record before it let go): the share's CUDA IPC reference goes too (SharedBuffer.close's readers_done)."""
+        record before it let go); elsewhere the trainer keeps the newest two. The memory goes at once
+        (SharedBuffer.close)."""
         if any(r.export is shared for r in self._records.values()):
             return
         device = self._trainer.device
         if device.type != "cuda":
-            shared.close(readers_done=self._trainer.config.offload_optimizer)
+            shared.close()
             return
-        # Said in the log, as the memory it gives back: a CUDA export stays allocated while a reader holds what it
-        # opened (torch's IPC count) or anything in this process still views it.
+        # Said in the log, as the memory it gives back: a CUDA export stays allocated while anything in this process
+        # still views it, or while the share's IPC count (1, the trainer's own: sync's module docstring) is not 0.
         references, uses, before = shared.ipc_references(), shared.storage_uses(), torch.cuda.memory_allocated(device)
         viewers = _viewers(shared.buffer) if uses > 1 else ""
-        shared.close(readers_done=self._trainer.config.offload_optimizer)
+        shared.close()
         freed = before - torch.cuda.memory_allocated(device)
         log.log(logging.INFO if freed >= shared.nbytes else logging.WARNING,
-                "trainer: closed the export of %s (%.2f GiB): %.2f GiB freed; IPC references readers left %s, "
+                "trainer: closed the export of %s (%.2f GiB): %.2f GiB freed; its IPC count before %s (1: ours), "
                 "holders of its memory here %d (1: the export alone)%s", shared.export.version, shared.nbytes / 2**30,
                 freed / 2**30, references, uses, viewers)
 

@@ -27,10 +27,17 @@ any order gives the same bits), the row sums weighted by odd multipliers 2r+1 an
 modulo 2^64. It catches corrupted or truncated transfers and misplaced rows, not an adversary
 (the descriptor only comes over an authenticated peer RPC).
 
-CUDA IPC lifetime: the trainer keeps the last two versions' buffers (TrainerService), far longer
-than a replica needs to copy one; a replica drops its mapping as soon as its copy is made, so
-torch's IPC reference counting (one ``_share_cuda_`` per export, which every replica on the host
-opens) never has to keep a freed block alive.
+CUDA IPC lifetime: the trainer owns it. torch counts one reference per ``_share_cuda_`` and lets each
+reader's release take one away; a block freed with its count above zero stays allocated in torch's IPC
+"limbo". The count is unsigned: an export that two readers open (a replica and the record process, or two
+replicas) goes below zero, reads as 2^64 - 1, and its block stays allocated until the trainer exits (23 GiB
+of the GLM-5 slice's co-located H100 at every step: the first backward ran out of memory). So a reader
+opens the handle with no counter of its own (:data:`_NO_COUNTER`: its release touches nothing), and
+:meth:`SharedBuffer.close` releases the share's one reference itself: the memory goes when the trainer
+closes the version. The trainer closes a version only once its readers are done with it: a co-located one
+before the backward that needs the memory (each replica copied it in its switch, each record said so), any
+other after two newer versions (a replica copies one at its switch; a record holds its export until copied).
+A reader later than that copies reused memory, and the checksum refuses it.
 """
 from __future__ import annotations
 
@@ -58,6 +65,9 @@ _ALIGN = 64                     # bytes: every tensor view starts aligned for an
 _ROW_WORDS = 1 << 16            # sum64: int64 words per row
 SHM_PREFIX = "zerokl-weights-"  # the only files cpu_shm opens (a descriptor cannot name others)
 _IPC_COUNTER_HEADER = 64        # bytes before the counters in torch's ref-counter file (RefcountedMapAllocator)
+# A reader's ref-counter handle: no such shared-memory file, so the release of what it opened decrements nothing
+# (torch's deleter skips a counter file it cannot open: a producer that exited first). See the module docstring.
+_NO_COUNTER = b"/zerokl-reader-holds-no-reference"
 
 
 class SharedUnavailable(RuntimeError):
@@ -117,11 +127,10 @@ def _check(expected: str, buffer: torch.Tensor) -> None:
 @dataclass
 class SharedBuffer:
     """One version the trainer shares: its export (what is sent) and the memory behind it (kept alive
-    until :meth:`close`; on CUDA torch's IPC ref counter also keeps it until every importer let go)."""
+    until :meth:`close`)."""
 
     export: SharedExport
     buffer: torch.Tensor
-    ipc_released: bool = False      # CUDA: the share's IPC reference released here (close(readers_done=True))
 
     @property
     def nbytes(self) -> int:
@@ -132,10 +141,9 @@ class SharedBuffer:
         return _views(self.buffer, self.export.tensors)
 
     def ipc_references(self) -> int | None:
-        """CUDA: the share's IPC reference count now (1 when shared, one less for each reader that let go of what
-        it opened; above 0 when this buffer is freed, torch keeps the block allocated in its IPC limbo). Read from
-        torch's counter file (``/dev/shm`` + the handle: a 64-byte header, then int64 counters). None elsewhere,
-        or when the file is gone."""
+        """CUDA: the share's IPC reference count now, read from torch's counter file (``/dev/shm`` + the handle: a
+        64-byte header, then int64 counters): 1 until :meth:`close` (readers never change it). None elsewhere, or
+        when the file is gone."""
         c = self.export.cuda
         if self.export.transport != "cuda_ipc" or c is None:
             return None
@@ -155,23 +163,18 @@ class SharedBuffer:
             return 0
         return torch._C._storage_Use_Count(self.buffer.untyped_storage()._cdata) - 1   # less the storage asked
 
-    def close(self, *, readers_done: bool = False) -> None:
-        """Drop this process's hold on the shared memory (it goes once nothing here holds a view of it).
-
-        ``readers_done``: every reader that will ever open this export has copied it (co-location's backward: each
-        replica copied it in its switch, each record once it said so). On CUDA the share's IPC reference is then
-        released here too. torch counts one per share and lets a reader's release free it; a share no reader
-        opened otherwise keeps its block in torch's IPC limbo, allocated, until this process exits."""
+    def close(self) -> None:
+        """Drop this process's hold on the shared memory. On CUDA the share's one IPC reference goes too (module
+        docstring), so the memory is free once nothing here views it: call it when no reader will open it again."""
         if self.export.transport == "cpu_shm":
             with _suppress_oserror():
                 os.unlink(self.export.path)
-        cuda = self.export.transport == "cuda_ipc" and self.export.cuda is not None
-        if cuda and readers_done and not self.ipc_released:
+        release = self.export.transport == "cuda_ipc" and self.export.cuda is not None and self.buffer.numel() > 0
+        if release:
             c = self.export.cuda
             torch.UntypedStorage._release_ipc_counter_cuda(c.ref_counter_handle, c.ref_counter_offset)
-            self.ipc_released = True
         self.buffer = torch.empty(0, dtype=torch.uint8)
-        if cuda and readers_done:
+        if release:
             torch.cuda.ipc_collect()        # a block already in the limbo goes now (its count reached zero)
 
 
@@ -277,9 +280,10 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu") -> dict[
         c = desc.cuda
         try:
             torch.cuda._lazy_init()
+            # _NO_COUNTER: this reader's release leaves the share's count alone (the trainer owns it).
             storage = torch.UntypedStorage._new_shared_cuda(
-                c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
-                c.ref_counter_offset, c.event_handle or None, c.event_sync_required)
+                c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, _NO_COUNTER, 0,
+                c.event_handle or None, c.event_sync_required)
         except (RuntimeError, TypeError) as err:
             raise SharedUnavailable(f"cannot open the CUDA IPC handle: {err}") from None
         # As rebuild_cuda_tensor does: a tensor over the opened storage (offset 0, the whole buffer).
@@ -289,7 +293,7 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu") -> dict[
         received = torch.empty(total, dtype=torch.uint8, device=target)
         received.copy_(shared)
         torch.cuda.synchronize(target)
-        del shared, storage     # releases the IPC reference: the trainer may free its buffer
+        del shared, storage     # closes the mapping (the share's count is the trainer's: see _NO_COUNTER)
     else:
         raise ValueError(f"unknown shared-weights transport {desc.transport!r}")
     _check(desc.checksum, received)
