@@ -80,6 +80,7 @@ SERVICES = {
 
 def _serve(args: argparse.Namespace) -> int:
     # Each service owns its flags; everything after the service name is passed through.
+    _service_logging()
     if args.service in ("prefill", "decode") and "--no-engine-process" not in args.args \
             and not {"-h", "--help"} & set(args.args) and _tp_degree(args.args) == 1:
         # The engine process imports torch while this one does (start-up); the server takes it, or
@@ -88,6 +89,19 @@ def _serve(args: argparse.Namespace) -> int:
         prestart()
     module, func = SERVICES[args.service].split(":")
     return getattr(importlib.import_module(module), func)(args.args)
+
+
+def _service_logging() -> None:
+    """zerokl's own log records from INFO up on stderr (a service's log file under `zerokl up`), each with its time
+    and level: what a service did (a version recorded, an export closed, a replica switched) is in its log, not
+    only its warnings. Other libraries keep Python's default (warnings and up)."""
+    import logging
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    ours = logging.getLogger("zerokl")
+    ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False      # once: an engine core on a thread also configures the root logger
 
 
 def _tp_degree(argv: list[str]) -> int:
