@@ -155,7 +155,7 @@ def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torc
 
 
 @pytest.mark.gpu
-def test_an_offloaded_step_gives_all_its_device_memory_back() -> None:
+def test_an_offloaded_step_on_cuda_gives_all_its_device_memory_back() -> None:
     """Co-located, the replica wakes into the memory the trainer's step gave back: after an offloaded step the
     trainer's cache holds nothing a later empty_cache could still return. The step's list of gradients outlived
     its empty_cache, so 22.7 GiB of the GLM-5 slice's gradients stayed in the trainer's cache and the replica's
