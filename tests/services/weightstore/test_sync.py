@@ -69,15 +69,19 @@ from zerokl.services.weightstore.convert import shared_export_from_proto
 from zerokl.services.weightstore.sync import open_shared
 from zerokl.v1 import weights_pb2
 desc = shared_export_from_proto(weights_pb2.SharedWeights.FromString(open(sys.argv[1], "rb").read()))
-got = open_shared(desc, "cuda")
-assert all(t.is_cuda for t in got.values())
+got = open_shared(desc, sys.argv[3])
+assert all(t.device.type == sys.argv[3] for t in got.values())
+if sys.argv[3] == "cpu":    # the record process: straight to the host, no device copy of the version
+    assert torch.cuda.max_memory_allocated() < desc.total_bytes, torch.cuda.max_memory_allocated()
 save_file({k: v.cpu().contiguous() for k, v in got.items()}, sys.argv[2])
 """
 
 
 @pytest.mark.gpu
-def test_cuda_ipc_gives_another_process_the_trainers_exact_tensors(tmp_path: pathlib.Path) -> None:
-    """The GPU transport: CUDA IPC handles opened in another process (as a replica does), sum64 checked."""
+@pytest.mark.parametrize("reader", ["cuda", "cpu"])
+def test_cuda_ipc_gives_another_process_the_trainers_exact_tensors(tmp_path: pathlib.Path, reader: str) -> None:
+    """The GPU transport: CUDA IPC handles opened in another process, sum64 checked there: onto its device (as a
+    replica does) or onto its host (as the record process does, with the checksum computed on the host)."""
     import subprocess
     import sys
 
@@ -89,8 +93,8 @@ def test_cuda_ipc_gives_another_process_the_trainers_exact_tensors(tmp_path: pat
     try:
         assert export.export.transport == "cuda_ipc" and export.export.checksum.startswith("sum64:")
         (tmp_path / "desc.bin").write_bytes(shared_export_to_proto(export.export).SerializeToString())
-        subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "desc.bin"), str(tmp_path / "got.safetensors")],
-                       check=True, timeout=300)
+        subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "desc.bin"), str(tmp_path / "got.safetensors"),
+                        reader], check=True, timeout=300)
         got = load_file(str(tmp_path / "got.safetensors"))
         assert got.keys() == state.keys()
         for name, t in state.items():

@@ -277,8 +277,8 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: str) -> None:
                     def write() -> str:
                         directory = tempfile.mkdtemp(prefix="zerokl-trainer-record-")
                         try:
-                            tensors = open_shared(export)   # copied out and checked: what the fleet was sent
-                            conn.send(("copied", None))     # the trainer may free its export now
+                            # Copied out (the trainer may free its export then), and checked: what the fleet was sent.
+                            tensors = open_shared(export, copied=lambda: conn.send(("copied", None)))
                             write_snapshot(CheckpointSnapshot(tensors, model_config, dtype), directory)
                         except BaseException:
                             shutil.rmtree(directory, True)

@@ -49,7 +49,7 @@ import socket
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -249,8 +249,12 @@ def export_shared(state: Mapping[str, torch.Tensor], version: str, numerics_fing
     return SharedBuffer(export, buffer)
 
 
-def open_shared(desc: SharedExport, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
+                copied: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
     """The shared version's tensors, copied into memory of our own on ``device`` and checked.
+
+    ``copied``: called once the bytes are ours, before they are checked (the trainer may free its buffer then:
+    a host reader's checksum of the GLM-5 slice takes seconds on the host).
 
     Raises :class:`SharedUnavailable` (another host, no CUDA here, the memory gone: fall back to the
     store), :class:`ChecksumMismatch` (never serve them) and ValueError (a malformed descriptor).
@@ -289,14 +293,15 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu") -> dict[
         # As rebuild_cuda_tensor does: a tensor over the opened storage (offset 0, the whole buffer).
         shared = torch.empty(0, dtype=torch.uint8, device=f"cuda:{c.device}")
         shared.set_(storage, 0, (total,), (1,))
-        target = device if device.type == "cuda" else torch.device(f"cuda:{c.device}")
-        received = torch.empty(total, dtype=torch.uint8, device=target)
+        # Straight to ``device``: a host reader (the record process) makes no device copy of the version (23 GiB
+        # of the GLM-5 slice beside a co-located trainer and replica); sum64 is the same integer on the host.
+        received = torch.empty(total, dtype=torch.uint8, device=device)
         received.copy_(shared)
-        torch.cuda.synchronize(target)
+        torch.cuda.synchronize(device if device.type == "cuda" else c.device)
         del shared, storage     # closes the mapping (the share's count is the trainer's: see _NO_COUNTER)
     else:
         raise ValueError(f"unknown shared-weights transport {desc.transport!r}")
+    if copied is not None:
+        copied()
     _check(desc.checksum, received)
-    if received.device != device:
-        received = received.to(device)
     return _views(received, desc.tensors)
