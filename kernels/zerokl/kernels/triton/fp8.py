@@ -9,8 +9,17 @@ element (m, n) is, for K blocks b = 0, 1, ... in ascending order,
 in fp32, where dot_b is the block's dot product in fp32. Invariance by construction, as for
 the bf16 GEMM (kernels/zerokl/kernels/triton/gemm.py): one program owns an output tile and every K block of
 it, in ascending order, no split-K; a row's quantization reads only that row; BLOCK_K is the
-quantization group (128) and BLOCK_N the weight block (128), so a tile's columns share one
-weight scale per K block whatever the batch.
+quantization group (128), so each K block has one activation scale per row and one weight scale
+per 128 columns, and an element's scale is the same fp32 product s_x * s_w in every tile shape.
+
+Launch configs (`Fp8GemmConfig`: BLOCK_M, BLOCK_N, warps, stages, grouped program order) as the
+bf16 GEMM's: interpreted launches always use INTERPRETED_CONFIG (the CPU bits and their golden
+vectors); compiled CUDA launches pick one by M (`fp8_launch_config`, `_CUDA_BUCKETS`). That is
+invariant because on sm90 an element's bits do not depend on the tile: each K block's tl.dot
+chains the same MMA steps in ascending K order into a fresh fp32 accumulator whatever the
+tile, warps or stages, and the rest is elementwise (NUMERICS.md, "Tile configs on CUDA";
+tests/kernels/test_fp8_configs.py asserts it on the GPU for every config in use and every
+config `tools/bench/bench_fp8.py --sweep` times).
 
 `fp8_grouped_linear` (the MoE experts) is the same kernel over a grouped GEMM's row tiles:
 each group's rows cut into tiles from its first row, found from device offsets (no host sync,
@@ -25,6 +34,8 @@ the same for a row alone or in any batch.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -34,11 +45,13 @@ from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
 from .gemm import _device_offsets, _group_tile
 
-__all__ = ["FP8_BLOCK", "FP8_MAX", "fp8_quantize", "fp8_quantize_weight", "fp8_gemm", "fp8_grouped_linear", "fp8_linear"]
+__all__ = ["CANONICAL_CONFIG", "FP8_BLOCK", "FP8_MAX", "INTERPRETED_CONFIG", "Fp8GemmConfig", "fp8_gemm",
+           "fp8_grouped_linear", "fp8_launch_config", "fp8_linear", "fp8_quantize", "fp8_quantize_weight"]
 
 # FP8_BLOCK (channels per activation scale; weight blocks FP8_BLOCK x FP8_BLOCK) and FP8_MAX (the
 # largest e4m3 value) are the library's (fp8_format); the kernels read FP8_MAX as a compile-time constant.
 _E4M3_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_FP8_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
 
 
 @triton.jit
@@ -128,16 +141,80 @@ def fp8_quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return (q, s) if weight.dim() == 3 else (q[0], s[0])
 
 
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """One launch shape of _fp8_linear_kernel. BLOCK_K is always FP8_BLOCK, the quantization group
+    (one activation scale per row and one weight scale per 128 columns for each K block), so a
+    config never changes what an element computes, only who computes it and when."""
+    BLOCK_M: int
+    BLOCK_N: int        # a power of two: up to 128 a tile lies in one weight block, 256 spans two
+    num_warps: int
+    num_stages: int
+    GROUP_M: int = 8    # row tiles per band of the grouped program order (the plain GEMM only)
+
+
+# Interpreted launches (CPU) always take this one: the interpreter's CPU bits and golden vectors.
+INTERPRETED_CONFIG = Fp8GemmConfig(16, 128, 4, 1)
+# The compiled reference: what every launch of M > 64 rows used before the table. The GPU tests
+# (tests/kernels/test_fp8_configs.py) and the sweep compare every other config's bits with it.
+CANONICAL_CONFIG = Fp8GemmConfig(128, 128, 8, 3)
+# The MoE experts' compiled config (fp8_grouped_linear; rows per expert are few and vary).
+_GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 128, 4, 3)
+
+# Configs of compiled CUDA launches by M bucket: (max M, {(N, K) or None: Fp8GemmConfig}), as
+# gemm._CUDA_BUCKETS. INITIAL GUESSES for Hopper, not yet measured: to be filled from
+# `python tools/bench/bench_fp8.py --sweep` on the GPU (its per-(shape, M) best configs).
+# - M <= 64 (decode): one row tile, so the time is the weight streamed from HBM by N / BLOCK_N
+#   programs; 64-column tiles give twice the programs of 128 (N = 2048: 32 instead of 16), and
+#   4 stages keep more of the weight's loads in flight.
+# - M <= 1024: 64 x 128 tiles keep the grid above the 132 SMs (M = 512, N = 2048: 128 tiles,
+#   against 64 of 128 x 128); 4 warps hold 64 + 64 accumulator registers a thread.
+# - larger: 128 x 128, 8 warps (two warpgroups), 4 stages (32 KiB each). Not the FP8 tutorial's
+#   128 x 256: the block-scaled loop keeps a K block's partial product beside the accumulator,
+#   64 + 64 fp32 registers a thread at 128 x 128 with 8 warps, 128 + 128 at 128 x 256 (spills).
+_CUDA_BUCKETS: list[tuple[int, dict]] = [
+    (64, {None: Fp8GemmConfig(64, 64, 4, 4)}),
+    (1024, {None: Fp8GemmConfig(64, 128, 4, 4)}),
+    (1 << 62, {None: Fp8GemmConfig(128, 128, 8, 4)}),
+]
+
+
+def fp8_launch_config(m: int, n: int, k: int, interpreted: bool) -> Fp8GemmConfig:
+    """The config of an fp8_gemm launch of M rows on a weight [N, K]: under the interpreter always
+    INTERPRETED_CONFIG (the one its golden vectors record); compiled, by M (and by the weight's
+    shape where the table names it) from _CUDA_BUCKETS."""
+    if interpreted:
+        return INTERPRETED_CONFIG
+    return next(table.get((n, k)) or table[None] for max_m, table in _CUDA_BUCKETS if m <= max_m)
+
+
+@triton.jit
+def _block_scales(sx, sw_ptr, n0, rn, n_mask, b, stride_swn, BLOCK_N: tl.constexpr):
+    # K block b's scale of each tile element, s_x[m, b] * s_w[n // 128, b], one fp32 product as
+    # the definition's. sx [BLOCK_M]: the rows' activation scales; sw_ptr: the weight's scales
+    # [NB, KB] (row stride stride_swn); n0: the tile's first column; rn [BLOCK_N]: its columns.
+    if BLOCK_N <= _FP8_BLOCK:
+        # BLOCK_N divides 128, so the tile lies in one weight block: one scale, [BLOCK_M, 1]
+        # (a multiply per row, not per element).
+        scales = (sx * tl.load(sw_ptr + (n0 // _FP8_BLOCK) * stride_swn + b))[:, None]
+    else:
+        # a wider tile spans BLOCK_N / 128 weight blocks: a scale per column, [BLOCK_M, BLOCK_N].
+        sw = tl.load(sw_ptr + (rn // _FP8_BLOCK) * stride_swn + b, mask=n_mask, other=0.0)
+        scales = sx[:, None] * sw[None, :]
+    return scales
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(
     q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, offs_ptr,
     M, N, K, KB, G,
     stride_qm, stride_wg, stride_wn, stride_sg, stride_swn, stride_ym,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUPED: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # GROUPED (MoE experts): program_id(0) is a row tile of one group, found from the device
-    # offsets as the bf16 grouped GEMM finds it (gemm._group_tile); tiles never span two groups.
+    # offsets as the bf16 grouped GEMM finds it (gemm._group_tile); tiles never span two groups;
+    # program_id(1) is the column band.
     if GROUPED:
         g, row0, row_end = _group_tile(offs_ptr, tl.program_id(0), G, BLOCK_M, BLOCK_G)
         if g >= G:
@@ -146,10 +223,21 @@ def _fp8_linear_kernel(
         m_mask = rm < row_end
         w_ptr += g.to(tl.int64) * stride_wg
         sw_ptr += g.to(tl.int64) * stride_sg
+        pid_n = tl.program_id(1).to(tl.int64)
     else:
-        rm = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # One program axis in grouped order (GROUP_M row tiles share a column band of the weight
+        # in L2), as gemm._linear_kernel's. The order in which programs run never enters a
+        # tile's arithmetic.
+        pid = tl.program_id(0)
+        num_m = tl.cdiv(M, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = (first_m + (pid % per_group) % rows_in_group).to(tl.int64)
+        pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
-    pid_n = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -165,19 +253,11 @@ def _fp8_linear_kernel(
             w = w.to(tl.float32)
         part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
         sx = tl.load(sx_ptr + rm * KB + b, mask=m_mask, other=0.0)
-        sw = tl.load(sw_ptr + pid_n * stride_swn + b)   # BLOCK_N == 128: one weight block per tile
-        acc = acc + part * (sx * sw)[:, None]
+        acc = acc + part * _block_scales(sx, sw_ptr, pid_n * BLOCK_N, rn, n_mask, b, stride_swn, BLOCK_N)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
-
-
-def _block_m(m: int, interpreted: bool) -> int:
-    """Rows per tile: fixed under the interpreter; by M when compiled (rows never mix in a dot)."""
-    if interpreted:
-        return 16
-    return 64 if m <= 64 else 128
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -205,33 +285,35 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+             bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """The block-scaled product of quantized activations (q [M, K], sx [M, KB]) and a quantized
-    weight: fp8_linear after its quantization (arguments as fp8_linear checks them)."""
+    weight: fp8_linear after its quantization (arguments as fp8_linear checks them). config:
+    the launch's tiles (default fp8_launch_config's; any config gives the same bits on the GPU)."""
     (m, k), n = q.shape, weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return y
     sx, weight, weight_scale = sx.contiguous(), unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
-    block_m = _block_m(m, interpreted)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, FP8_BLOCK))
-    _fp8_linear_kernel[grid](
+    cfg = config or fp8_launch_config(m, n, k, interpreted)
+    _fp8_linear_kernel[(triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)](
         q, sx, weight, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
         m, n, k, sx.shape[1], 1,
         q.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, UPCAST=interpreted, GROUPED=False, BLOCK_G=1,
-        BLOCK_M=block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK,
-        num_warps=4 if interpreted or block_m == 64 else 8, num_stages=1 if interpreted else 3,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       offsets: list[int] | torch.Tensor) -> torch.Tensor:
+                       offsets: list[int] | torch.Tensor, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """Rows offsets[g]:offsets[g+1] of x [M, K] times FP8 weight[g] ([G, N, K] e4m3, scales
     [G, ceil(N/128), ceil(K/128)]) -> [M, N] in x.dtype. Each row is quantized once and its
-    product is fp8_linear's; the offsets may be a device tensor (no host sync)."""
+    product is fp8_linear's; the offsets may be a device tensor (no host sync). config: the
+    launch's tiles (default INTERPRETED_CONFIG interpreted, one fixed config compiled; its
+    GROUP_M is unused: the row tiles follow the groups)."""
     op = "fp8_grouped_linear"
     check_float(op, "x", x, ndim=2)
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 3:
@@ -252,16 +334,17 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     q, sx = fp8_quantize(x)
     weight, weight_scale = unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
-    block_m = 16 if interpreted else 64
-    tiles = m // block_m + min(g, m) if offs is None else sum(-(-(b - a) // block_m) for a, b in zip(offs, offs[1:]))
+    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)
+    tiles = (m // cfg.BLOCK_M + min(g, m) if offs is None
+             else sum(-(-(b - a) // cfg.BLOCK_M) for a, b in zip(offs, offs[1:])))
     if tiles == 0:
         return y
-    _fp8_linear_kernel[(tiles, nb)](
+    _fp8_linear_kernel[(tiles, triton.cdiv(n, cfg.BLOCK_N))](
         q, sx, weight, weight_scale, weight_scale, y, offs_t,
         m, n, k, kb, g,
         q.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
         HAS_BIAS=False, UPCAST=interpreted, GROUPED=True, BLOCK_G=max(16, next_pow2(g)),
-        BLOCK_M=block_m, BLOCK_N=FP8_BLOCK, BLOCK_K=FP8_BLOCK,
-        num_warps=4, num_stages=1 if interpreted else 3,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
