@@ -2,32 +2,65 @@
 bf16 cuBLAS, side by side in one run, with the invariance check in the same run.
 
     python tools/bench/bench_fp8.py --json docs/bench/fp8-linear-cuda.json
+    python tools/bench/bench_fp8.py --sweep --json fp8-sweep.json    # every candidate tile config: bits + time
+    python tools/bench/bench_fp8.py --smoke --sweep                  # tiny, on the CPU (the CI test)
 
 Grid: (N, K) in {(4096, 4096), (2048, 7168), (7168, 2048)} x M in {1, 64, 512, 2048, 8192}.
 Arms, each timed with triton.testing.do_bench (median ms) on the same quantized operands:
 - zerokl: ops.fp8_linear (activation quantization + block-scaled GEMM, the numerics definition);
-- zerokl GEMM only: the same with the activations quantized beforehand (the kernel alone);
+- zerokl GEMM only: the same with the activations quantized beforehand (the kernel alone, with
+  the tile config the launch picks: fp8.fp8_launch_config);
 - cuBLASLt: torch._scaled_mm on the same e4m3 operands, blockwise 1x128 / 128x128 scales where
   this torch supports them, else per-row / per-column scales (then named "rowwise");
 - bf16: torch.mm (cuBLAS) on the dequantized bf16 operands.
 TFLOP/s count 2·M·N·K. Invariance: every M's rows equal the M = 8192 run's rows bit for bit.
+
+--sweep (instead of the grid): at every (N, K) x M in SWEEP_MS, on pre-quantized operands, times
+fp8_gemm with each config of candidates() beside cuBLASLt, and checks its output equals the
+canonical config's (fp8.CANONICAL_CONFIG) with torch.equal: a config whose bits differ is
+printed as such, and may never go into the table. A config that does not compile or launch
+(shared memory, registers) is reported and skipped. Per (shape, M) it prints the fastest
+bit-identical config, its ratio to cuBLASLt and the table's choice beside it: what
+fp8._CUDA_BUCKETS is filled from. Exit status 1 when any config's bits differ.
+
+--smoke runs either mode on the CPU under the Triton interpreter, on tiny shapes, each arm timed
+by one wall-clock call: it checks the script runs, its figures mean nothing.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import sys
+import time
 
 import torch
-import triton.testing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from provenance import commit  # noqa: E402
 
 SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048)]
 MS = [1, 64, 512, 2048, 8192]
+SWEEP_MS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+SMOKE_SHAPES, SMOKE_MS = [(200, 96)], [1, 70]
+
+
+def candidates() -> list:
+    """The sweep's tile configs (tests/kernels/test_fp8_configs.py checks each one's bits on the GPU).
+    BLOCK_K is always 128; a stage holds (BLOCK_M + BLOCK_N) x 128 bytes of e4m3 in shared memory
+    (227 KiB on an H100/H200: 128 x 256 at 5 stages, 240 KiB, cannot fit and is left out). The
+    loop keeps a K block's fp32 partial product beside the accumulator, so BLOCK_M x BLOCK_N x 2
+    registers over the warps' threads: 64 x 256 and wider need 8 warps. 64 x 32 is narrower than
+    the table's choices: at decode on N = 2048 it gives 64 programs to stream the weight."""
+    from zerokl.kernels.triton.fp8 import Fp8GemmConfig as C
+    decode = [C(64, 32, 4, 4)] + [C(64, 64, 4, stages) for stages in (3, 4, 5)]
+    mid = [C(64, 128, 4, stages) for stages in (3, 4, 5)] + [C(64, 256, 8, stages) for stages in (3, 4)]
+    large = [C(128, 64, 4, 4)] + [C(128, 128, 8, stages) for stages in (3, 4, 5)]
+    large += [C(128, 256, 8, stages) for stages in (3, 4)]
+    return decode + mid + large
 
 
 def _scaled_mm(qx, sx, qw, sw):
@@ -43,47 +76,149 @@ def _scaled_mm(qx, sx, qw, sw):
         return fn, "rowwise", fn()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None, help="write the rows here")
-    args = ap.parse_args()
+def _timer(smoke: bool):
+    """ms per call: triton.testing.do_bench (median, L2 flushed between calls); in the smoke run
+    one wall-clock call."""
+    if not smoke:
+        import triton.testing
+        return triton.testing.do_bench
+
+    def once(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    return once
+
+
+def _name(cfg) -> str:
+    return f"{cfg.BLOCK_M}x{cfg.BLOCK_N} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}"
+
+
+def _config(fields: dict):
+    from zerokl.kernels.triton.fp8 import Fp8GemmConfig
+    return Fp8GemmConfig(**fields)
+
+
+def grid(shapes, ms, dev, time_ms) -> list[dict]:
+    """The default mode: every arm at every (N, K) x M."""
     from zerokl.kernels import ops
     from zerokl.kernels.triton import fp8 as tfp8
-    dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for n, k in SHAPES:
+    for n, k in shapes:
         w = torch.randn(n, k, device=dev, generator=g) * 0.02
         qw, sw = ops.fp8_quantize_weight(w)
         wb = ops.fp8_dequantize_weight(qw, sw, torch.bfloat16)
-        x_big = torch.randn(max(MS), k, device=dev, generator=g).to(torch.bfloat16)
+        x_big = torch.randn(max(ms), k, device=dev, generator=g).to(torch.bfloat16)
         ref_rows = ops.fp8_linear(x_big, qw, sw)
-        for m in MS:
+        for m in ms:
             x = x_big[:m]
             qx, sx = ops.fp8_quantize(x)
             xb = (qx.float() * sx.repeat_interleave(128, 1)[:, :k]).to(torch.bfloat16)
             y = ops.fp8_linear(x, qw, sw)
             invariant = bool(torch.equal(y, ref_rows[:m]))
-            t_z = triton.testing.do_bench(lambda: ops.fp8_linear(x, qw, sw))
-            t_g = triton.testing.do_bench(lambda: tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16))
+            t_z = time_ms(lambda: ops.fp8_linear(x, qw, sw))
+            t_g = time_ms(lambda: tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16))
             mm, scaling, _ = _scaled_mm(qx, sx, qw, sw)
-            t_c = triton.testing.do_bench(mm)
-            t_b = triton.testing.do_bench(lambda: torch.mm(xb, wb.t()))
+            t_c = time_ms(mm)
+            t_b = time_ms(lambda: torch.mm(xb, wb.t()))
+            cfg = tfp8.fp8_launch_config(m, n, k, interpreted=dev == "cpu")
             tf = lambda t: 2 * m * n * k / (t * 1e-3) / 1e12  # noqa: E731
             row = {"n": n, "k": k, "m": m, "zerokl_ms": t_z, "zerokl_gemm_ms": t_g, "cublaslt_fp8_ms": t_c,
                    "cublaslt_scaling": scaling, "bf16_cublas_ms": t_b, "zerokl_tflops": tf(t_z),
                    "zerokl_gemm_tflops": tf(t_g), "cublaslt_fp8_tflops": tf(t_c), "bf16_tflops": tf(t_b),
-                   "gemm_vs_cublaslt": t_c / t_g, "invariant": invariant}
+                   "gemm_vs_cublaslt": t_c / t_g, "invariant": invariant, "config": dataclasses.asdict(cfg)}
             rows.append(row)
-            print(f"N{n} K{k} M{m:5d}: zerokl {tf(t_z):7.1f} TF/s (GEMM alone {tf(t_g):7.1f}), cuBLASLt fp8 "
-                  f"[{scaling}] {tf(t_c):7.1f}, bf16 {tf(t_b):7.1f}; GEMM / cuBLASLt {t_c / t_g:5.2f}x; "
-                  f"rows == M=8192 rows: {invariant}", flush=True)
-    meta = {"date": str(datetime.date.today()), "device": torch.cuda.get_device_name(), "commit": commit(),
-            "torch": torch.__version__, "rows": rows}
+            print(f"N{n} K{k} M{m:5d}: zerokl {tf(t_z):7.1f} TF/s (GEMM alone {tf(t_g):7.1f}, {_name(cfg)}), "
+                  f"cuBLASLt fp8 [{scaling}] {tf(t_c):7.1f}, bf16 {tf(t_b):7.1f}; GEMM / cuBLASLt {t_c / t_g:5.2f}x; "
+                  f"rows == M={max(ms)} rows: {invariant}", flush=True)
+    return rows
+
+
+def sweep(shapes, ms, dev, time_ms, configs) -> tuple[list[dict], list[dict]]:
+    """Every config at every (N, K) x M: (a row per config and case, the best config per case)."""
+    from zerokl.kernels import ops
+    from zerokl.kernels.triton import fp8 as tfp8
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, best = [], []
+    for n, k in shapes:
+        qw, sw = ops.fp8_quantize_weight(torch.randn(n, k, device=dev, generator=g) * 0.02)
+        x_big = torch.randn(max(ms), k, device=dev, generator=g).to(torch.bfloat16)
+        for m in ms:
+            qx, sx = ops.fp8_quantize(x_big[:m])
+            canonical = tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=tfp8.CANONICAL_CONFIG)
+            mm, scaling, _ = _scaled_mm(qx, sx, qw, sw)
+            t_c = time_ms(mm)
+            chosen = tfp8.fp8_launch_config(m, n, k, interpreted=False)
+            print(f"N{n} K{k} M{m}: cuBLASLt fp8 [{scaling}] {t_c * 1e3:9.1f} us", flush=True)
+            case = []
+            for cfg in configs:
+                row = {"n": n, "k": k, "m": m, "config": dataclasses.asdict(cfg), "in_table": cfg == chosen}
+                try:
+                    y = tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=cfg)
+                    same = bool(torch.equal(y, canonical))
+                    t = time_ms(lambda: tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=cfg))  # noqa: B023
+                except Exception as e:  # noqa: BLE001 - a config that does not fit: shared memory, registers
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
+                    rows.append(row)
+                    continue
+                row.update(ms=t, bit_identical=same, vs_cublaslt=t_c / t)
+                case.append(row)
+                rows.append(row)
+                print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {t_c / t:5.2f}x cuBLASLt"
+                      + ("  (the table's)" if cfg == chosen else "")
+                      + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE CANONICAL CONFIG: never use it"), flush=True)
+            ok = [r for r in case if r["bit_identical"]]
+            top = min(ok, key=lambda r: r["ms"]) if ok else None
+            table = next((r for r in case if r["in_table"]), None)
+            best.append({"n": n, "k": k, "m": m, "cublaslt_ms": t_c, "cublaslt_scaling": scaling,
+                         "best": top and top["config"], "best_ms": top and top["ms"],
+                         "best_vs_cublaslt": top and top["vs_cublaslt"], "table": dataclasses.asdict(chosen),
+                         "table_vs_cublaslt": table and table["vs_cublaslt"]})
+    return rows, best
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--sweep", action="store_true", help="time every candidate tile config (see the docstring)")
+    ap.add_argument("--ms", type=int, nargs="+", default=None, help="the M values (default: MS, or SWEEP_MS with --sweep)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")      # before zerokl.kernels.triton is imported
+    elif not torch.cuda.is_available():
+        print("bench_fp8 needs a CUDA GPU (or --smoke)")
+        return 2
+    from zerokl.kernels import use_backend
+    dev = "cpu" if args.smoke else "cuda"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    ms = args.ms or (SMOKE_MS if args.smoke else SWEEP_MS if args.sweep else MS)
+    meta = {"date": str(datetime.date.today()), "device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
+            "commit": commit(), "torch": torch.__version__}
+    status = 0
+    with use_backend("triton"):
+        if not args.sweep:
+            meta["rows"] = grid(shapes, ms, dev, _timer(args.smoke))
+        else:
+            meta["sweep"], meta["best"] = sweep(shapes, ms, dev, _timer(args.smoke), candidates())
+            print("\nper (N, K, M): the fastest config whose bits are the canonical config's; the table's choice")
+            for b in meta["best"]:
+                top = "none bit-identical" if b["best"] is None else \
+                    f"{_name(_config(b['best'])):22s} {b['best_vs_cublaslt']:5.2f}x cuBLASLt [{b['cublaslt_scaling']}]"
+                table = "did not run" if b["table_vs_cublaslt"] is None else f"{b['table_vs_cublaslt']:5.2f}x"
+                print(f"  N{b['n']:5d} K{b['k']:5d} M{b['m']:5d}: {top};  table {_name(_config(b['table']))} {table}")
+            differ = [r for r in meta["sweep"] if r.get("bit_identical") is False]
+            failed = [r for r in meta["sweep"] if "error" in r]
+            print(f"{len(differ)} config runs with bits unlike the canonical config's"
+                  + (" <<<<<<<< SEE ABOVE" if differ else "") + f"; {len(failed)} that did not compile or launch")
+            status = 1 if differ else 0
     if args.json:
         with open(args.json, "w") as f:
             json.dump(meta, f, indent=1)
+    return status
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
