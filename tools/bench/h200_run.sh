@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), colocate / rl20 / poll (issue 49's runs longer than a call), fp8-train (issue 51), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), fp8-sweep (issue 50's FP8 tile configs), colocate / rl20 / poll (issue 49's runs longer than a call), fp8-train (issue 51), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -157,6 +157,16 @@ elif [ "$MODE" = fp8-train ]; then
   timeout 150 python3 tools/bench/bench_fp8_serve.py --parts train --json "$FINAL_OUT/fp8-train.json" \
     > "$OUT/fp8-train.log" 2>&1
   tail -n 3 "$OUT/fp8-train.log"
+elif [ "$MODE" = fp8-sweep ]; then
+  # issue 50: the FP8 GEMM's tile configs. The GPU tests that every config gives the canonical config's bits
+  # (and the FP8 goldens), then bench_fp8 --sweep (every candidate beside cuBLASLt at each shape x M, its bits
+  # checked on every case) and the default grid with the table's choice
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_configs.py tests/kernels/test_fp8.py \
+    tests/kernels/test_golden.py -k "fp8 or golden or config" > "$OUT/fp8_config_tests.log" 2>&1
+  tail -n 3 "$OUT/fp8_config_tests.log"
+  timeout 300 python3 tools/bench/bench_fp8.py --sweep --ms ${FP8_MS:-1 64 2048 8192} \
+    --json "$FINAL_OUT/fp8-sweep.json" > "$FINAL_OUT/fp8-sweep.log" 2>&1
+  tail -n 30 "$FINAL_OUT/fp8-sweep.log"
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on
