@@ -84,7 +84,8 @@ from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dat
 
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
 from zerokl.vocab import Completion, Rollout

@@ -20,7 +20,7 @@ from zerokl.services.runtime import ServerOptions, ServiceServer, field_violatio
 from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.vocab import Completion, SamplingOptions
 
 INVALID, FAILED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION

@@ -65,7 +65,8 @@ def _data():
 
 
 def _trainer(activation_checkpointing: bool = False):
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     return Trainer(_model(), TrainConfig(lr=1e-3, activation_checkpointing=activation_checkpointing))
 
 
@@ -200,7 +201,8 @@ def test_grpo_and_sft_updates_match_one_process(runs, ref, world, layout):
 def test_updated_weights_serve_the_one_process_bits(runs, world, layout):
     """After the updates, the layout's logprobs are those of a one-device model holding the
     layout's own (gathered) weights: the sharded forward stays exact after training."""
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     r = runs[world][0][layout]
     m = _model()
     m.load_state_dict(r["w2"])
@@ -319,7 +321,8 @@ def test_micro_batches_are_refused_under_parallel_flags(capsys):
     assert exit_.value.code == 2 and "--micro-batch-tokens 0" in capsys.readouterr().err
     from zerokl.kernels.model import Model, ModelConfig
     from zerokl.services.trainer.distributed import DistributedTrainer
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     trainer = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(micro_batch_tokens=4096))
     with pytest.raises(ValueError, match="micro_batch_tokens=0"):
         DistributedTrainer(trainer, None)       # refused before its group is touched

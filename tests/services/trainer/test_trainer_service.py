@@ -39,7 +39,8 @@ from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.checkpointing import open_repo
 from zerokl.services.trainer.server import build_parser, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store

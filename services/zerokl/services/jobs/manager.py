@@ -71,11 +71,10 @@ from zerokl.services.runtime.errors import (CanaryFailed, FailedPrecondition, In
                                            Unavailable, UnservedPin)
 from zerokl.services.rl.loop import RLConfig, StepRecord, Task, as_dict, run_rl
 from zerokl.services.rl.ports import Sampled, sampling_seed
-from zerokl.services.trainer.checkpointing import META_STATE
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.service import check_train_config, dpo_pair_violations, pin_owner
-from zerokl.services.trainer.trainer import MAX_LR, TrainConfig
-from zerokl.services.trainer.types import Recorded
+from zerokl.services.trainer.config import MAX_LR, TrainConfig, check_train_config
+from zerokl.services.trainer.store_marks import META_STATE, pin_owner
+from zerokl.services.trainer.types import Recorded, dpo_pair_violations
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
