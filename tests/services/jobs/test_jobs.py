@@ -22,14 +22,8 @@ import pytest
 import torch
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import (
-    CountdownTask,
-    DPOJobSpec,
-    JobState,
-    RLJobSpec,
-    SFTJobSpec,
-    validate,
-)
+from zerokl.services.jobs.manager import validate
+from zerokl.services.jobs.types import CountdownTask, DPOJobSpec, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime import field_violations

@@ -26,7 +26,7 @@ import torch
 
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.store_marks import META_STATE
 from zerokl.services.weightstore.client import WeightStoreClient

@@ -333,7 +333,7 @@ def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path, zerokl
     """`zerokl up --trainer-flag=--dp=2`: the Jobs API is unchanged, and an RL job's every step
     reports the exact train/inference KL 0.0 (TP = 1 replicas sample, the dp = 2 trainer scores)."""
     import asyncio
-    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     flags = ("--trainer-flag=--dp=2", "--trainer-flag=--ep=2", "--trainer-flag=--run=dist")
     with zerokl_up(tmp_path / "up", *flags, timeout=240) as services:
