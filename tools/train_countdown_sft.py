@@ -26,7 +26,8 @@ from tqdm import tqdm
 from zerokl.tasks.setup import countdown_config, countdown_data, demonstration_batch, greedy_accuracy
 from zerokl.kernels import __version__, fingerprint
 from zerokl.kernels.model import Model
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parents[1] / "zerokl" / "assets" / "countdown-sft"
 

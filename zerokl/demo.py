@@ -147,7 +147,7 @@ class _Cluster:
 
 async def _run_jobs(scheduler: str, args: argparse.Namespace) -> list[dict]:
     from zerokl.jobs_cli import hyperparameters_line, step_line
-    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec, SFTJobSpec
     from zerokl.services.jobs.service import JobsClient
 
     task = CountdownTask(seed=args.seed, train_problems=args.train_problems)

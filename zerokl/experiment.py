@@ -396,7 +396,8 @@ def sft_warm_start(s: Setting, device: torch.device, data, folder: pathlib.Path,
     from zerokl.experiment_state import capture_rng, load_state, restore_rng, save_state
     from zerokl.kernels import __version__, fingerprint
     from zerokl.kernels.model import Model
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     from zerokl.tasks.setup import countdown_config, demonstration_batch, greedy_accuracy
     steps, batch, lr, warmup = s.sft
     recipe = {"preset": s.preset, "dtype": s.dtype, "device": s.device, "difficulty": s.difficulty, "seed": s.seed,
@@ -515,7 +516,8 @@ def run_arm(arm: str, s: Setting, device: torch.device, data, state_dir: pathlib
     from zerokl.experiment_state import (ArmEnginePort, ArmState, ArmTrainerPort, capture_rng, load_records,
                                          load_state, restore_rng, run_steps, save_records, save_state)
     from zerokl.kernels.model import Model
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     from zerokl.tasks.setup import countdown_config
     numerics_name, correction = parse_arm(arm)
     numerics = NUMERICS[numerics_name]

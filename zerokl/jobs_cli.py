@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description="Queue an SFT (solver demonstrations) or RL (GRPO) job on the built-in countdown "
                                    "task and follow it. DPO jobs take preference pairs, which have no command-line "
                                    "form: submit them through the Jobs API (zerokl.v1.Jobs; in Python, "
-                                   "zerokl.services.jobs.service.JobsClient with a DPOJobSpec).")
+                                   "zerokl.services.jobs.JobsClient with a DPOJobSpec).")
     s.add_argument("kind", choices=["rl", "sft"], help="rl: GRPO with exact KL per step; sft: supervised")
     # One flag per RLConfig field, generated (--steps, --prompts, --group, --seed, ...).
     add_dataclass_arguments(s.add_argument_group("the RL job's settings (an sft job reads --steps and --seed)"),
@@ -166,7 +166,7 @@ async def _watch(client, job_id: str, as_json: bool, verbose: bool = False) -> i
 
 
 async def _main(args: argparse.Namespace) -> int:
-    from zerokl.services.jobs.manager import CountdownTask, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.types import CountdownTask, RLJobSpec, SFTJobSpec
     from zerokl.connect import connect
     from zerokl.services.jobs.service import JobsClient
 

@@ -28,7 +28,8 @@ from zerokl.services.engine.engine import Engine, run_to_completion
 from zerokl.services.engine.types import EngineConfig, GenerateRequest
 from zerokl.services.rl.loop import RLConfig, Task, run_rl
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
 from zerokl.vocab import Completion, SamplingOptions
 

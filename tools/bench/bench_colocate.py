@@ -271,7 +271,7 @@ class DiskWatch(_Sampler):
 
 
 async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path) -> None:
-    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     spec = RLJobSpec(steps=args.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=args.prompts,
                      group_size=args.group, max_tokens=args.max_tokens, seed=args.seed, eval_every=0,

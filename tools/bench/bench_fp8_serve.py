@@ -52,7 +52,8 @@ from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8  # noqa: E402
 from zerokl.services.engine.engine import Engine, run_to_completion  # noqa: E402
 from zerokl.services.engine.types import EngineConfig, GenerateRequest  # noqa: E402
 from zerokl.vocab import SamplingOptions  # noqa: E402
-from zerokl.services.trainer.trainer import TrainConfig, Trainer  # noqa: E402
+from zerokl.services.trainer.config import TrainConfig  # noqa: E402
+from zerokl.services.trainer.trainer import Trainer  # noqa: E402
 from zerokl.vocab import Completion  # noqa: E402
 
 HBM = 4.8e12              # H200 HBM3e bytes/s

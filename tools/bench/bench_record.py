@@ -53,18 +53,18 @@ import torch
 
 from zerokl.kernels.model import ModelConfig
 from zerokl.services.trainer.checkpointing import (
-    META_RUN,
-    META_STATE,
     LineageEntry,
     RemoteWeights,
     publish_checkpoint,
     snapshot_checkpoint,
     write_snapshot,
 )
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.trainer.losses import group_advantages
 from zerokl.services.trainer.recorder import DeltaBases, RecordWorker
 from zerokl.services.trainer.server import build_parser as trainer_parser
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.store_marks import META_RUN, META_STATE
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.client import UploadBase, is_serving_file
 from zerokl.services.weightstore.store import VersionSpec
 from zerokl.services.weightstore.sync import export_shared

@@ -84,7 +84,8 @@ from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dat
 
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.losses import group_advantages
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
 from zerokl.vocab import Completion, Rollout
@@ -250,7 +251,7 @@ async def _service_job(args: argparse.Namespace, workdir: pathlib.Path,
                        on_step: Callable[[list[dict]], None]) -> list[dict]:
     """The RL job through `zerokl up`: its per-step events (``on_step`` after each). Past --half-time seconds
     the job is cancelled at its next step boundary (the steps so far are the result)."""
-    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     engine = [f"--replica-flag=--num-blocks={args.num_blocks}", f"--replica-flag=--max-num-seqs={args.max_num_seqs}",
               f"--replica-flag=--max-num-batched-tokens={args.max_num_batched_tokens}"]
@@ -319,7 +320,8 @@ def _in_process_job(args: argparse.Namespace, first_version: pathlib.Path, steps
     """The same job in this process (``steps`` of it): run_rl with the experiment's in-process ports on the
     fleet's first version; ``on_step`` after each step; stops past --half-time."""
     from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
-    from zerokl.services.jobs.manager import CountdownTask, _countdown_data
+    from zerokl.services.jobs.manager import _countdown_data
+    from zerokl.services.jobs.types import CountdownTask
     from zerokl.services.rl.loop import Task, as_dict, run_rl
     from zerokl.tasks.countdown import reward
     from zerokl.tasks.setup import encode_prompt

@@ -52,7 +52,8 @@ from zerokl.kernels import ops, use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.dtypes import dtype_name
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion, Rollout
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))

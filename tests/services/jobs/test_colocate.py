@@ -18,7 +18,7 @@ import pytest
 
 from test_jobs_bf16 import _with_exploding_moments
 from zerokl.services.inference import InferenceClient, InferenceRequest
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.weightstore.client import WeightStoreClient

@@ -15,7 +15,7 @@ from zerokl.kernels import fingerprint
 from zerokl.kernels.model import Model
 from zerokl.kernels.model.fp8 import is_fp8
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]   # ~3 minutes on a 2-core CPU

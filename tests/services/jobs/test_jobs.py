@@ -22,20 +22,14 @@ import pytest
 import torch
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import (
-    CountdownTask,
-    DPOJobSpec,
-    JobState,
-    RLJobSpec,
-    SFTJobSpec,
-    validate,
-)
+from zerokl.services.jobs.manager import validate
+from zerokl.services.jobs.types import CountdownTask, DPOJobSpec, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime import field_violations
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
 from zerokl.vocab import Completion
 
@@ -281,7 +275,8 @@ def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupte
     import torch
 
     from zerokl.kernels.model import Model, ModelConfig
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     from zerokl.services.weightstore.client import WeightStoreClient
 
     prompts = [(1, 5 + i, 7, 9, 11 + i) for i in range(16)]

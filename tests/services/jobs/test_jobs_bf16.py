@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import RECORD_LAG, CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.manager import RECORD_LAG
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.checkpointing import STATE_FORMAT, STATE_TENSORS
 from zerokl.services.trainer.client import TrainerClient

@@ -8,7 +8,8 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.tokenizer import CountdownTokenizer
 from zerokl.services.rl.loop import RLConfig, StaleRolloutError, Task, run_rl
 from zerokl.services.rl.ports import LocalEnginePort, LocalTrainerPort, Sampled
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import WeightsVersion
 from zerokl.tasks.countdown import format_prompt, generate_problems, reward
 

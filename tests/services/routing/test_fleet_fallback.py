@@ -21,7 +21,7 @@ from test_fleet_heal import EXAMPLES, _events, _kill, _service
 from test_scheduler_cli import _status
 
 from zerokl.services.inference import InferenceClient
-from zerokl.services.jobs.manager import JobState, SFTJobSpec
+from zerokl.services.jobs.types import JobState, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.weightstore.client import WeightStoreClient
 

@@ -26,9 +26,9 @@ import torch
 
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
-from zerokl.services.trainer.checkpointing import META_STATE
+from zerokl.services.trainer.store_marks import META_STATE
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.vocab import Completion, SamplingOptions
 
@@ -118,7 +118,7 @@ def test_a_trainer_killed_mid_rl_job_redoes_the_steps_since_its_checkpoint_bit_f
     from zerokl.services.jobs.manager import _countdown_data
     from zerokl.services.rl.loop import RLConfig, Task, run_rl
     from zerokl.services.trainer.checkpointing import read_checkpoint
-    from zerokl.services.trainer.trainer import TrainConfig
+    from zerokl.services.trainer.config import TrainConfig
     from zerokl.experiment_state import ArmEnginePort, ArmTrainerPort
     from zerokl.tasks.countdown import reward
     from zerokl.tasks.setup import encode_prompt

@@ -44,7 +44,7 @@ from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.routing.fleet import read_fleet
 from zerokl.services.runtime import ServiceServer
 from zerokl.services.runtime.info import ServiceIdentity
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.weightstore import LocalDirBackend, VersionStore

@@ -17,10 +17,11 @@ import pytest
 from conftest import offline, replica_server, scheduler_server
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.runtime import ServerOptions, ServiceServer, field_violations
-from zerokl.services.jobs.manager import CountdownTask, DPOJobSpec, JobManager, RLJobSpec, SFTJobSpec
+from zerokl.services.jobs.manager import JobManager
+from zerokl.services.jobs.types import CountdownTask, DPOJobSpec, RLJobSpec, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient, add_jobs_service
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.vocab import Completion, SamplingOptions
 
 INVALID, FAILED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION

@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import numbers, offline
 from zerokl.kernels import fingerprint
@@ -244,3 +246,28 @@ def test_scheduler_flags_and_replica_file(tmp_path) -> None:
     run = subprocess.run([sys.executable, "-m", "zerokl", "serve", "scheduler", "--decode", "nowhere"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "not host:port" in run.stderr
+
+
+def test_zerokl_serve_scheduler_runs_without_torch() -> None:
+    """The scheduler routes, serves the Jobs API and drives the trainer over gRPC, and runs no kernel: from its
+    start through serving to its stop it imports neither torch nor the numerics library (~3 s of CPU saved on
+    each start; a job's logprobs would be the first tensors it made)."""
+    program = ("import sys; from zerokl.cli import main; "
+               "rc = main(['serve', 'scheduler', '--decode', '127.0.0.1:1', '--trainer', '127.0.0.1:1', "
+               "'--weight-store', '127.0.0.1:1', '--port', '0', '--grace', '0']); "
+               "print(rc, 'torch' in sys.modules, 'zerokl.kernels' in sys.modules)")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        listening = proc.stdout.readline()
+        assert "scheduler listening on" in listening
+        # An answer comes from its event loop, so after the signal handlers (installed right after the line).
+        with grpc.insecure_channel(listening.split()[3]) as channel:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    rc, torch_loaded, kernels_loaded = out.split()
+    assert rc == "0", err
+    assert (torch_loaded, kernels_loaded) == ("False", "False"), err

@@ -36,7 +36,7 @@ from zerokl.kernels.model import Model
 from zerokl.services.inference import InferenceClient
 from zerokl.services.inference.types import InferenceRequest
 from zerokl.services.runtime import TlsConfig
-from zerokl.services.jobs.manager import CountdownTask, SFTJobSpec
+from zerokl.services.jobs.types import CountdownTask, SFTJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.vocab import SamplingOptions

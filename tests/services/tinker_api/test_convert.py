@@ -17,7 +17,7 @@ from tinker.proto.response_conv import deserialize_forward_backward_output, dese
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.tinker_api import convert
 from zerokl.services.tinker_api.types import ForwardBackwardOutcome, SampledSequence, SampleOutcome
-from zerokl.services.trainer.optim import AdamParams
+from zerokl.services.trainer.types import AdamParams
 
 
 def _fb_body(data, loss="cross_entropy", config=None, forward_only=False) -> bytes:

@@ -30,7 +30,8 @@ from zerokl.services.trainer.optim import PortableAdamW, grad_norm
 _STEPS = """
 import hashlib, json, random, torch
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion, Rollout
 
 def run():

@@ -65,7 +65,8 @@ def _data():
 
 
 def _trainer(activation_checkpointing: bool = False):
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     return Trainer(_model(), TrainConfig(lr=1e-3, activation_checkpointing=activation_checkpointing))
 
 
@@ -200,7 +201,8 @@ def test_grpo_and_sft_updates_match_one_process(runs, ref, world, layout):
 def test_updated_weights_serve_the_one_process_bits(runs, world, layout):
     """After the updates, the layout's logprobs are those of a one-device model holding the
     layout's own (gathered) weights: the sharded forward stays exact after training."""
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     r = runs[world][0][layout]
     m = _model()
     m.load_state_dict(r["w2"])
@@ -319,7 +321,8 @@ def test_micro_batches_are_refused_under_parallel_flags(capsys):
     assert exit_.value.code == 2 and "--micro-batch-tokens 0" in capsys.readouterr().err
     from zerokl.kernels.model import Model, ModelConfig
     from zerokl.services.trainer.distributed import DistributedTrainer
-    from zerokl.services.trainer.trainer import TrainConfig, Trainer
+    from zerokl.services.trainer.config import TrainConfig
+    from zerokl.services.trainer.trainer import Trainer
     trainer = Trainer(Model(ModelConfig.preset("tiny"), seed=0), TrainConfig(micro_batch_tokens=4096))
     with pytest.raises(ValueError, match="micro_batch_tokens=0"):
         DistributedTrainer(trainer, None)       # refused before its group is touched
@@ -330,7 +333,7 @@ def test_zerokl_up_with_a_dp2_trainer_runs_an_rl_job_at_kl_zero(tmp_path, zerokl
     """`zerokl up --trainer-flag=--dp=2`: the Jobs API is unchanged, and an RL job's every step
     reports the exact train/inference KL 0.0 (TP = 1 replicas sample, the dp = 2 trainer scores)."""
     import asyncio
-    from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     flags = ("--trainer-flag=--dp=2", "--trainer-flag=--ep=2", "--trainer-flag=--run=dist")
     with zerokl_up(tmp_path / "up", *flags, timeout=240) as services:

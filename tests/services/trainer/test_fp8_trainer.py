@@ -11,7 +11,8 @@ from zerokl.kernels import ops
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import has_fp8_masters, is_fp8, numerics_dtype, quantize_fp8
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion, Rollout, SamplingOptions
 
 from conftest import below_16, engine_rollouts

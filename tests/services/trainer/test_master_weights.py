@@ -9,7 +9,8 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.distributed import DistributedTrainer
 from zerokl.services.trainer.optim import NonFiniteStep, adamw, grad_norm
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion
 
 from conftest import engine_rollouts

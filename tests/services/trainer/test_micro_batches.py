@@ -11,7 +11,8 @@ import torch
 from conftest import engine_rollouts
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.losses import PolicyObjective, group_advantages
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import InvalidOption
 
 PROMPTS = [(3, 4, 5, 6), (7, 8, 9), (10, 11, 12, 13, 14), (15, 16)]

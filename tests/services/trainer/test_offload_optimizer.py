@@ -13,7 +13,8 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer import trainer as trainer_module
 from zerokl.services.trainer.optim import NonFiniteStep
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion, InvalidOption
 
 TINY = ModelConfig.preset("tiny")

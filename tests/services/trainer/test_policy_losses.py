@@ -6,7 +6,8 @@ import torch
 
 from conftest import engine_rollouts
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 
 from zerokl.services.trainer.losses import (CORRECTIONS, ESTIMATORS, LOW_PROB, PolicyObjective, policy_loss_terms,
                                             ppo_clip_terms)

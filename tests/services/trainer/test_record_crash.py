@@ -21,9 +21,9 @@ import signal
 
 import pytest
 
-from zerokl.services.jobs.manager import CountdownTask, JobState, RLJobSpec
+from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
-from zerokl.services.trainer.checkpointing import META_STATE
+from zerokl.services.trainer.store_marks import META_STATE
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 
 pytestmark = pytest.mark.timeout(420)

@@ -17,7 +17,8 @@ import torch
 from zerokl.kernels import use_backend
 from zerokl.kernels.backend import default_backend
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import ROW_BUCKET, TOKEN_BUCKET, TrainConfig, Trainer, bucket
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import ROW_BUCKET, TOKEN_BUCKET, Trainer, bucket
 from zerokl.vocab import Completion, Rollout
 
 TINY = ModelConfig.preset("tiny")

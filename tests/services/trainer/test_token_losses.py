@@ -19,8 +19,10 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.runtime import field_violations
 from zerokl.services.trainer.losses import TOKEN_LOSSES, token_loss_terms
-from zerokl.services.trainer.optim import AdamParams, grad_norm
-from zerokl.services.trainer.trainer import ScoredSequence, TrainConfig, Trainer
+from zerokl.services.trainer.optim import grad_norm
+from zerokl.services.trainer.types import AdamParams
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import ScoredSequence, Trainer
 from zerokl.services.trainer.types import TokenLossBatch, TokenSequence
 from zerokl.vocab import Completion
 

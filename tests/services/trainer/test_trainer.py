@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion
 
 from conftest import below_16, engine_rollouts

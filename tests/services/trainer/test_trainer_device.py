@@ -19,7 +19,8 @@ from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.checkpointing import read_checkpoint, write_checkpoint
 from zerokl.services.trainer.checkpointing import open_repo
 from zerokl.services.trainer.server import build_parser, start_trainer
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion
 
 from conftest import engine_rollouts

@@ -23,7 +23,8 @@ from zerokl.kernels.backend import default_backend
 from zerokl.kernels.sampling import sampling_logprobs
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.losses import sft_loss
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.vocab import Completion, Rollout
 
 TINY = ModelConfig.preset("tiny")

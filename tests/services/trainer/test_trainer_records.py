@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zerokl.kernels.model import Model, ModelConfig
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.store import VersionSpec
 from zerokl.services.weightstore.sync import open_shared

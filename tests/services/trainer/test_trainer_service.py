@@ -39,7 +39,8 @@ from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.checkpointing import open_repo
 from zerokl.services.trainer.server import build_parser, start_trainer, train_config_from_args
 from zerokl.services.trainer.service import TRAINER_SERVICE, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.trainer.types import PPOBatch
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.service import add_weight_store
@@ -196,7 +197,7 @@ def test_every_train_config_field_has_a_flag() -> None:
 def test_every_train_config_field_crosses_the_trainer_and_jobs_apis() -> None:
     """zerokl.v1.TrainConfig carries every TrainConfig field (GetState reports it, LoadWeights and a
     job's JobSpec.train_config set it): round trips are exact, and no proto field is unread."""
-    from zerokl.services.jobs.manager import DPOJobSpec, RLJobSpec, SFTJobSpec
+    from zerokl.services.jobs.types import DPOJobSpec, RLJobSpec, SFTJobSpec
     from zerokl.services.jobs.service import spec_from_proto, spec_to_proto
     from zerokl.services.trainer import convert
     from zerokl.vocab import Completion

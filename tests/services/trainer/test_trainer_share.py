@@ -18,7 +18,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerokl.kernels.model import Model
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.weightstore.sync import SharedUnavailable, open_shared
 from zerokl.v1 import trainer_pb2
 

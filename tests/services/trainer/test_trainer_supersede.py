@@ -24,8 +24,8 @@ import sys
 import pytest
 
 from zerokl.services.trainer import service as trainer_service
-from zerokl.services.trainer.checkpointing import META_STATE
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.store_marks import META_STATE
+from zerokl.services.trainer.config import TrainConfig
 
 from test_trainer_service import _flags, _prompts, _rollouts, trainer_server
 

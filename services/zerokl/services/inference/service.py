@@ -11,11 +11,10 @@ only its own call.
 from __future__ import annotations
 
 import inspect
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable, Protocol
 
 import grpc.aio
 
-from zerokl.kernels.trace import Trace
 from zerokl.services.inference import convert
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, ScoreResult, SleepState
 from zerokl.services.runtime.errors import FailedPrecondition, InvalidArgument
@@ -26,6 +25,9 @@ from zerokl.services.runtime.tracing import tag_request
 from zerokl.services.weightstore.convert import shared_export_from_proto
 from zerokl.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from zerokl.vocab import SamplingOptions
+
+if TYPE_CHECKING:    # the trace types hold tensors: the scheduler serves this API without torch
+    from zerokl.kernels.trace import Trace
 
 __all__ = ["INFERENCE_SERVICE", "InferenceBackend", "InferenceServicer"]
 

@@ -1,4 +1,4 @@
-"""``zerokl.v1.Jobs`` on the scheduler: the proto edge of :class:`~.jobs.JobManager`, and its client.
+"""``zerokl.v1.Jobs`` on the scheduler: the proto edge of :class:`~.manager.JobManager`, and its client.
 
 One converter per direction per message; nothing below the servicer sees a
 proto type. Absent fields take the spec dataclasses' defaults (one home for
@@ -7,18 +7,17 @@ each default).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import grpc.aio
 
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.runtime.errors import InvalidArgument
 from zerokl.services.runtime.server import ServiceServer
-from zerokl.services.jobs.manager import (
+from zerokl.services.jobs.types import (
     CountdownTask,
     DPOJobSpec,
     JobEvent,
-    JobManager,
     JobSpec,
     JobState,
     JobStatus,
@@ -32,6 +31,9 @@ from zerokl.services.trainer.convert import (
     train_config_to_proto,
 )
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
+
+if TYPE_CHECKING:    # the servicer's; a client (`zerokl jobs`) loads no job runner
+    from zerokl.services.jobs.manager import JobManager
 
 __all__ = ["JOBS_SERVICE", "JobsServicer", "JobsClient", "add_jobs_service", "spec_to_proto", "spec_from_proto"]
 

@@ -34,7 +34,7 @@ class StaleRolloutError(RuntimeError):
 @dataclass(frozen=True)
 class RLConfig:
     """The loop's settings. A Jobs API RL job is one of these plus the job's own fields
-    (:class:`~zerokl.services.jobs.manager.RLJobSpec`); the experiment and the benchmarks build one."""
+    (:class:`~zerokl.services.jobs.types.RLJobSpec`); the experiment and the benchmarks build one."""
 
     # A field's metadata is its command-line flag's (runtime/dataclass_flags.py): a name other than the
     # field's, an integer's bounds (the Jobs API's wire types: uint32 counts, uint64 seeds).

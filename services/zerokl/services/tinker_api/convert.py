@@ -29,7 +29,7 @@ from zerokl.services.tinker_api.types import (
     SaveCall,
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES
-from zerokl.services.trainer.optim import AdamParams
+from zerokl.services.trainer.types import AdamParams
 from zerokl.services.trainer.types import TokenSequence
 from zerokl.v1 import tinker_pb2
 from zerokl.vocab import InvalidOption, SamplingOptions

@@ -64,7 +64,7 @@ from zerokl.services.tinker_api.types import (
     version_prefix,
 )
 from zerokl.services.trainer.client import TrainerClient
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.trainer.types import TokenLossBatch, TrainerState
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.shared import SharedExport

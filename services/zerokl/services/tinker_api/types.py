@@ -3,7 +3,7 @@
 A training request names a model and its place in the model's order (``seq_id``); a sampling
 request names a sampling session. The datums of a forward_backward become the trainer's own
 :class:`~zerokl.services.trainer.types.TokenSequence` (a sequence scored at every position), its
-optimizer parameters the trainer's :class:`~zerokl.services.trainer.optim.AdamParams`: the Tinker
+optimizer parameters the trainer's :class:`~zerokl.services.trainer.types.AdamParams`: the Tinker
 types are translated once, at the edge, and nothing deeper knows the wire.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Literal, Mapping
 
 import torch
 
-from zerokl.services.trainer.optim import AdamParams
+from zerokl.services.trainer.types import AdamParams
 from zerokl.services.trainer.types import TokenSequence
 from zerokl.vocab import FinishReason, SamplingOptions
 

@@ -23,7 +23,8 @@ version. The cost is that a replica fetching the whole version also fetches
 the optimizer state; it needs only ``config.json`` and ``model*``.
 
 The manifest's metadata carries ``zerokl.run`` (the job) and
-``zerokl.trainer_state`` (``full`` or ``none``); a restarted trainer resumes
+``zerokl.trainer_state`` (``full`` or ``none``; the keys are
+:mod:`~zerokl.services.trainer.store_marks`'); a restarted trainer resumes
 from the newest ``full`` version of its run (:func:`find_resume_point`). All
 files are written deterministically (sorted keys, no timestamps), so
 publishing the same state twice gives the same sha256 per shard, which is how
@@ -69,7 +70,9 @@ from zerokl.services.runtime.errors import (
     ServiceError,
     Unavailable,
 )
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.store_marks import META_RUN, META_STATE
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.client import UploadBase, WeightStoreClient, is_serving_file
 from zerokl.services.runtime.server import create_channel, peer_credentials
 from zerokl.services.weightstore.backends import LocalDirBackend
@@ -82,8 +85,6 @@ __all__ = [
     "STATE_JSON",
     "RECORD_SHARD_BYTES",
     "STATE_FORMAT",
-    "META_RUN",
-    "META_STATE",
     "MAX_LINEAGE",
     "LineageEntry",
     "TrainerCheckpoint",
@@ -114,8 +115,6 @@ _STATE_PART = re.compile(r"trainer-state-(\d{5})-of-(\d{5})\.safetensors")
 # weights are ~10 files, uploaded on that many streams at once (the weight store writes each in its own thread).
 RECORD_SHARD_BYTES = 64 * 1024**2
 STATE_FORMAT = "zerokl.trainer-state/1"
-META_RUN = "zerokl.run"
-META_STATE = "zerokl.trainer_state"     # "full": a resume point; "none": serving weights only
 # Versions remembered for staleness checks: a rollout older than this many
 # publishes is refused whatever max_staleness says.
 MAX_LINEAGE = 64

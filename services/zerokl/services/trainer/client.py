@@ -9,16 +9,14 @@ with the server's status code (rich details via
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.trainer import convert
-from zerokl.services.trainer.optim import AdamParams
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.trainer.types import (
+    AdamParams,
     DPOBatch,
     ForwardBackwardResult,
     OptimResult,
@@ -33,6 +31,9 @@ from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, Rollout
+
+if TYPE_CHECKING:    # logprobs arrive as tensors, made by the converter: a client that reads none runs without torch
+    import torch
 
 __all__ = ["TrainerClient"]
 

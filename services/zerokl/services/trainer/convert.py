@@ -10,16 +10,12 @@ round trip gives back equal dataclasses and bit-identical tensors.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING, Sequence
 
-from typing import Sequence
-
-import torch
-
-from zerokl.kernels.trace import Trace
 from zerokl.services.runtime.optrace import trace_from_proto, trace_options_from_proto, trace_to_proto
-from zerokl.services.trainer.optim import AdamParams
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.trainer.types import (
+    AdamParams,
     DPOBatch,
     ForwardBackwardResult,
     OptimResult,
@@ -36,6 +32,11 @@ from zerokl.services.weightstore.convert import manifest_from_proto, manifest_to
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.v1 import trainer_pb2
 from zerokl.vocab import Completion, Rollout
+
+if TYPE_CHECKING:    # tensors and traces: torch only where logprobs are converted (a trace: where one is read)
+    import torch
+
+    from zerokl.kernels.trace import Trace
 
 __all__ = [
     "completion_to_proto",
@@ -67,6 +68,18 @@ __all__ = [
 ]
 
 _DEFAULT = Completion((), ())
+
+
+def _fp32_values(t: torch.Tensor) -> list[float]:
+    """A logprob tensor's values as fp32 numbers (what proto ``float`` carries exactly)."""
+    import torch        # loaded already: whoever made the tensor imported it
+    return t.to(torch.float32).tolist()
+
+
+def _fp32_tensor(values: Sequence[float]) -> torch.Tensor:
+    """Proto ``float`` logprobs as an fp32 tensor, bitwise the sender's."""
+    import torch        # not at the top: a client that reads no logprobs (the scheduler, `zerokl jobs`) runs without it
+    return torch.tensor(list(values), dtype=torch.float32)
 
 
 def completion_to_proto(c: Completion) -> trainer_pb2.Completion:
@@ -101,7 +114,7 @@ def rollout_from_proto(msg: trainer_pb2.Rollout) -> Rollout:
 def logprobs_to_proto(logprobs: Sequence[torch.Tensor], trace: Trace | None = None) -> trainer_pb2.ForwardLogprobsResponse:
     """Per-completion fp32 logprob tensors (and the trace, when asked) -> ``zerokl.v1.ForwardLogprobsResponse``."""
     msg = trainer_pb2.ForwardLogprobsResponse(logprobs=[
-        trainer_pb2.TokenLogprobs(values=lp.to(torch.float32).tolist()) for lp in logprobs])
+        trainer_pb2.TokenLogprobs(values=_fp32_values(lp)) for lp in logprobs])
     if trace is not None:
         msg.trace.CopyFrom(trace_to_proto(trace))
     return msg
@@ -109,7 +122,7 @@ def logprobs_to_proto(logprobs: Sequence[torch.Tensor], trace: Trace | None = No
 
 def logprobs_from_proto(msg: trainer_pb2.ForwardLogprobsResponse) -> list[torch.Tensor]:
     """``zerokl.v1.ForwardLogprobsResponse`` -> one fp32 tensor per completion (bitwise the server's)."""
-    return [torch.tensor(list(t.values), dtype=torch.float32) for t in msg.logprobs]
+    return [_fp32_tensor(t.values) for t in msg.logprobs]
 
 
 def forward_trace_from_proto(msg: trainer_pb2.ForwardLogprobsRequest) -> tuple[str, ...] | None:
@@ -203,7 +216,7 @@ def forward_backward_result_to_proto(r: ForwardBackwardResult) -> trainer_pb2.Fo
             ratio_max=p.ratio_max, kl_reference=p.kl_reference, reward_mean=p.reward_mean,
             stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness))
     for lp in r.token_logprobs or ():
-        msg.token_logprobs.add(values=lp.to(torch.float32).tolist())
+        msg.token_logprobs.add(values=_fp32_values(lp))
     return msg
 
 
@@ -217,7 +230,7 @@ def forward_backward_result_from_proto(msg: trainer_pb2.ForwardBackwardResponse)
                          reward_mean=p.reward_mean, stale_rollouts=p.stale_rollouts, max_staleness=p.max_staleness)
     token_logprobs = None
     if msg.method == "token":
-        token_logprobs = tuple(torch.tensor(list(t.values), dtype=torch.float32) for t in msg.token_logprobs)
+        token_logprobs = tuple(_fp32_tensor(t.values) for t in msg.token_logprobs)
     return ForwardBackwardResult(method=msg.method, loss=msg.loss, tokens=msg.tokens, tokens_per_s=msg.tokens_per_s,
                                  step=msg.step, accumulated_batches=msg.accumulated_batches, ppo=ppo,
                                  metrics=dict(msg.metrics), token_logprobs=token_logprobs)

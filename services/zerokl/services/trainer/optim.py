@@ -9,9 +9,10 @@ after AdamW (master weights rounded into the model) and in how a non-finite weig
 (every rank must agree: an all-reduce), never in the step itself. So the step is here once, as
 TorchTitan keeps its optimizer in ``components/optimizer.py`` out of the train loop:
 
-1. ``lr`` defaults to the trainer's schedule (``lr_at(step)``); :class:`AdamParams` (one call's
-   learning rate, betas, eps, weight decay and clip, as Tinker's ``optim_step`` sends them) set
-   them all for this step instead of the trainer's configuration;
+1. ``lr`` defaults to the trainer's schedule (``lr_at(step)``);
+   :class:`~zerokl.services.trainer.types.AdamParams` (one call's learning rate, betas, eps, weight
+   decay and clip, as Tinker's ``optim_step`` sends them) set them all for this step instead of the
+   trainer's configuration;
 2. a snapshot of the trained tensors, the optimizer state and the learning rates;
 3. clip: the gradients scaled by ``grad_clip / (norm + 1e-6)`` when ``norm > grad_clip > 0``;
 4. AdamW at ``lr`` (an ``lr`` that overflows the parameters' dtype is a :class:`NonFiniteStep`);
@@ -30,30 +31,17 @@ kernels, whose rounding follows ATen's code path). On CUDA both are torch's own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
 from zerokl.kernels import portable
+from zerokl.services.trainer.types import AdamParams
 
-__all__ = ["AdamParams", "NonFiniteStep", "PortableAdamW", "adamw", "grad_norm", "optimizer_step"]
+__all__ = ["NonFiniteStep", "PortableAdamW", "adamw", "grad_norm", "optimizer_step"]
 
 #: AdamW's eps when a step gives none (torch's default, what the trainer's optimizer is built with).
 DEFAULT_EPS = 1e-8
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One optimizer step's hyperparameters, instead of the trainer's (TrainConfig's lr schedule,
-    betas, weight decay, grad_clip and AdamW's default eps). Tinker's ``AdamParams``."""
-
-    learning_rate: float                # this step's learning rate (0: the weights stay as they are)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0           # decoupled (AdamW)
-    grad_clip_norm: float = 0.0         # clip the global gradient norm to this (0 = off)
 
 
 class NonFiniteStep(ArithmeticError):

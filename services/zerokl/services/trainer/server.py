@@ -55,7 +55,8 @@ from zerokl.services.trainer.checkpointing import (
 )
 from zerokl.services.trainer.recorder import DELTA_BASES, RecordWorker
 from zerokl.services.trainer.service import MEMORY_HISTORY_ENV, TrainerLimits, TrainerService, add_trainer_service
-from zerokl.services.trainer.trainer import TrainConfig, Trainer
+from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.versions import segment_index, validate_name
 from zerokl.vocab import InvalidOption
 

@@ -61,8 +61,6 @@ from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.checkpointing import (
     MAX_LINEAGE,
-    META_RUN,
-    META_STATE,
     LineageEntry,
     WeightsRepo,
     CheckpointSnapshot,
@@ -75,9 +73,12 @@ from zerokl.services.trainer.checkpointing import (
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
 from zerokl.services.trainer.recorder import RecordWorker
-from zerokl.services.trainer.optim import AdamParams, NonFiniteStep
-from zerokl.services.trainer.trainer import MAX_LR, ScoredSequence, TrainConfig, Trainer
+from zerokl.services.trainer.config import MAX_LR, TrainConfig, check_train_config
+from zerokl.services.trainer.optim import NonFiniteStep
+from zerokl.services.trainer.store_marks import META_RUN, META_STATE, pin_owner
+from zerokl.services.trainer.trainer import ScoredSequence, Trainer
 from zerokl.services.trainer.types import (
+    AdamParams,
     DPOBatch,
     ForwardBackwardResult,
     OptimResult,
@@ -88,6 +89,7 @@ from zerokl.services.trainer.types import (
     TokenLossBatch,
     TrainBatch,
     TrainerState,
+    dpo_pair_violations,
 )
 from zerokl.services.weightstore import convert as weights_convert
 from zerokl.services.weightstore.shared import SharedExport
@@ -104,9 +106,6 @@ __all__ = [
     "TrainerService",
     "TrainerServicer",
     "add_trainer_service",
-    "check_train_config",
-    "dpo_pair_violations",
-    "pin_owner",
 ]
 
 log = logging.getLogger(__name__)
@@ -130,11 +129,6 @@ STALE_ROLLOUTS = Counter("zerokl_trainer_stale_rollouts",
                          "Rollouts from older weights admitted by an explicit max_staleness.", registry=REGISTRY)
 
 _T = TypeVar("_T")
-
-
-def pin_owner(run: str) -> str:
-    """Who pins the run's latest resume point in the weight store (so retention never deletes it)."""
-    return f"trainer.{run}"
 
 
 _STORE_CHECK_S = 5.0        # a share asks the store whether it holds the version's name already, this long at most
@@ -238,23 +232,6 @@ def _completion_violations(c: Completion, where: str, vocab: int, max_len: int) 
     except InvalidOption as err:
         out.append(FieldViolation(f"{where}.{err.field}", str(err)))
     return out
-
-
-def dpo_pair_violations(pairs: Sequence[tuple[Completion, Completion]], where: str) -> list[FieldViolation]:
-    """A preference pair whose chosen and rejected completions are the same tokens states no preference:
-    its DPO loss is log 2 whatever the weights, its gradient zero (up to rounding). Refused by name."""
-    return [FieldViolation(f"{where}[{i}]", "chosen and rejected are the same completion (same prompt and "
-                                            "completion ids): the pair prefers nothing")
-            for i, (chosen, rejected) in enumerate(pairs)
-            if (chosen.prompt_ids, chosen.completion_ids) == (rejected.prompt_ids, rejected.completion_ids)]
-
-
-def check_train_config(config: TrainConfig, where: str) -> None:
-    """INVALID_ARGUMENT naming ``where.<field>`` for the first field of ``config`` out of its range."""
-    try:
-        config.check()
-    except InvalidOption as err:
-        raise InvalidArgument.field(f"{where}.{err.field}", str(err)) from None
 
 
 def _raise_if(violations: Sequence[FieldViolation]) -> None:
@@ -733,7 +710,7 @@ class TrainerService:
         step's own ``adam`` hyperparameters; FAILED_PRECONDITION when there are none, or when the step
         would make a weight or optimizer state non-finite (the step is then undone and its gradients
         dropped); INVALID_ARGUMENT for a bad `lr` (negative, non-finite, or above the ceiling
-        :data:`~zerokl.services.trainer.trainer.MAX_LR`) or ``adam``."""
+        :data:`~zerokl.services.trainer.config.MAX_LR`) or ``adam``."""
         if lr is not None and not (math.isfinite(lr) and 0.0 <= lr <= MAX_LR):
             raise InvalidArgument.field("lr", f"must be finite, >= 0 and at most {MAX_LR:g} (the learning rate "
                                               f"ceiling; 0: the trainer's schedule), got {lr}")

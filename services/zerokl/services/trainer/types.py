@@ -2,30 +2,36 @@
 
 Completions and rollouts are the trainer's own :class:`Completion` and
 :class:`Rollout`; these types add what the service needs around them: which
-objective a ForwardBackward runs (the batch type is the method), and what each
-RPC reports.
+objective a ForwardBackward runs (the batch type is the method), an optimizer
+step's own hyperparameters, and what each RPC reports. No torch here: clients
+and the scheduler exchange these without running a kernel (a token batch's
+result holds tensors, made by the converter that reads them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import TYPE_CHECKING, Mapping, Sequence, Union
 
-import torch
-
-from zerokl.services.trainer.trainer import TrainConfig
+from zerokl.services.runtime.errors import FieldViolation
+from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import Completion, Rollout
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "METHODS",
     "SFTBatch",
     "DPOBatch",
+    "dpo_pair_violations",
     "PPOBatch",
     "TokenSequence",
     "TokenLossBatch",
     "TrainBatch",
     "PPOMetrics",
     "ForwardBackwardResult",
+    "AdamParams",
     "OptimResult",
     "TrainerState",
     "Recorded",
@@ -49,6 +55,16 @@ class DPOBatch:
     pairs: tuple[tuple[Completion, Completion], ...]
     reset_reference: bool = False       # freeze the current weights as the reference first
     method = "dpo"
+
+
+def dpo_pair_violations(pairs: Sequence[tuple[Completion, Completion]], where: str) -> list[FieldViolation]:
+    """A preference pair whose chosen and rejected completions are the same tokens states no preference:
+    its DPO loss is log 2 whatever the weights, its gradient zero (up to rounding). Refused by name (the
+    trainer service and the Jobs API)."""
+    return [FieldViolation(f"{where}[{i}]", "chosen and rejected are the same completion (same prompt and "
+                                            "completion ids): the pair prefers nothing")
+            for i, (chosen, rejected) in enumerate(pairs)
+            if (chosen.prompt_ids, chosen.completion_ids) == (rejected.prompt_ids, rejected.completion_ids)]
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,19 @@ class ForwardBackwardResult:
     metrics: Mapping[str, float] = field(default_factory=dict)
     # token batches: the trainer's fp32 logprob of every target, one tensor per sequence
     token_logprobs: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optimizer step's hyperparameters, instead of the trainer's (TrainConfig's lr schedule,
+    betas, weight decay, grad_clip and AdamW's default eps). Tinker's ``AdamParams``."""
+
+    learning_rate: float                # this step's learning rate (0: the weights stay as they are)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0           # decoupled (AdamW)
+    grad_clip_norm: float = 0.0         # clip the global gradient norm to this (0 = off)
 
 
 @dataclass(frozen=True)
