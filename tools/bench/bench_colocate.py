@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -139,6 +140,108 @@ class _Sampler:
         raise NotImplementedError
 
 
+def _children() -> dict[int, list[int]]:
+    """Every process's children (from /proc/*/stat's parent pid)."""
+    children: dict[int, list[int]] = {}
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return children
+
+
+def _process_tree(root: int, children: dict[int, list[int]] | None = None) -> set[int]:
+    """``root`` and every process below it."""
+    children = _children() if children is None else children
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _status_kib(pid: int, field: str) -> int:
+    """A /proc/PID/status field in KiB (0 when the process is gone)."""
+    try:
+        for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _service_name(pid: int) -> str:
+    """A child of `zerokl up` by what it serves (``serve trainer`` -> trainer), else its first arguments."""
+    try:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return str(pid)
+    if "serve" in argv and argv.index("serve") + 1 < len(argv):
+        return argv[argv.index("serve") + 1]
+    return " ".join(a for a in argv[:3] if a)[:60] or f"pid {pid} (exited)"
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every process below it (services may run in sessions of their own)."""
+    for pid in _process_tree(root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class HostWatch(_Sampler):
+    """The host's memory while the fleet runs: each service's resident set (the sum over its process tree: a
+    replica's engine, the trainer's record process), the peak of each and the least memory available (MemAvailable).
+
+    And a guard. A co-located job of a large model keeps the trainer's optimizer state in pinned host memory, and
+    the records copy each version to the host. If that ever outgrows the host, the kernel's OOM killer or a swapless
+    stall takes the whole machine down, with every log on it (a device call then brings nothing back). So below
+    ``reserve`` bytes available the guard writes what each service held to ``report`` and calls ``on_low`` (stop
+    the fleet) once: the bench fails with the figures instead of the machine."""
+
+    def __init__(self, root: int, reserve: float, report: pathlib.Path, on_low) -> None:  # noqa: ANN001
+        super().__init__()
+        self.root, self.reserve, self.report, self.on_low = root, reserve, report, on_low
+        self.peak: dict[str, float] = {}        # service -> peak resident bytes
+        self.available_min = float("inf")
+        self.tripped: dict | None = None        # the moment the guard stopped the fleet: what each service held
+
+    def _meminfo(self, field: str) -> float:
+        for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return float(line.split()[1]) * 1024
+        return 0.0
+
+    def sample(self) -> None:
+        children = _children()
+        now = {}
+        for child in children.get(self.root, []):
+            rss = sum(_status_kib(pid, "VmRSS") for pid in _process_tree(child, children)) * 1024.0
+            if not rss:
+                continue                        # exited (a zombie until `zerokl up` reaps it)
+            name = _service_name(child)
+            now[name] = now.get(name, 0.0) + rss
+            self.peak[name] = max(self.peak.get(name, 0.0), now[name])
+        available = self._meminfo("MemAvailable")
+        self.available_min = min(self.available_min, available)
+        if available < self.reserve and self.tripped is None:
+            self.tripped = {"available": available, "resident": now, "total": self._meminfo("MemTotal")}
+            self.report.write_text(json.dumps(self.tripped, indent=1))
+            print(f"host memory: {available / 2**30:.1f} GiB available, under the {self.reserve / 2**30:.0f} GiB "
+                  "reserve: stopping the fleet; resident by service: " + ", ".join(
+                      f"{k} {v / 2**30:.1f} GiB" for k, v in sorted(now.items(), key=lambda kv: -kv[1])), flush=True)
+            self.on_low()
+
+    def summary(self) -> dict:
+        return {"what": "host resident bytes by service (VmRSS over each process tree), sampled every 0.2 s",
+                "peak_by_service": self.peak, "available_min": self.available_min, "stopped_for_memory": self.tripped}
+
+
 class MemoryWatch(_Sampler):
     """Peak memory of each process of the fleet, by service."""
 
@@ -154,23 +257,8 @@ class MemoryWatch(_Sampler):
         if self.device == "cpu":
             self.sample()                       # VmHWM: the peak so far, final at the end
 
-    def _tree(self, root: int) -> set[int]:
-        children: dict[int, list[int]] = {}
-        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        out, todo = set(), [root]
-        while todo:
-            pid = todo.pop()
-            out.add(pid)
-            todo += children.get(pid, [])
-        return out
-
     def sample(self) -> None:
-        trees = {name: self._tree(pid) for name, pid in self.roots.items()}
+        trees = {name: _process_tree(pid) for name, pid in self.roots.items()}
         if self.device == "cpu":
             for name, pids in trees.items():
                 total = 0
@@ -270,7 +358,8 @@ class DiskWatch(_Sampler):
                 "fs_used_growth_peak": self.fs_peak}
 
 
-async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path) -> None:
+async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path,
+                  host: HostWatch) -> None:
     from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
     from zerokl.services.jobs.service import JobsClient
     spec = RLJobSpec(steps=args.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=args.prompts,
@@ -290,7 +379,10 @@ async def run_job(args: argparse.Namespace, services: dict[str, dict], result: d
                       f"({row['train_tok_s']:.0f} tok/s; waiting for records {m.get('export_wait_s', 0):.2f} s) | "
                       f"sleep {m.get('sleep_s', 0):.2f} s "
                       f"({m.get('sleep_bytes', 0) / 2**20:.1f} MiB released) sync {m['sync_s']:.2f} s (wake + "
-                      f"{m.get('sync_bytes', 0) / 2**20:.1f} MiB in place)", flush=True)
+                      f"{m.get('sync_bytes', 0) / 2**20:.1f} MiB in place) | host: least available "
+                      f"{host.available_min / 2**30:.1f} GiB, peak " + ", ".join(
+                          f"{k} {v / 2**30:.1f}" for k, v in host.peak.items()), flush=True)
+                result["host_memory"] = host.summary()
                 out.write_text(json.dumps(result, indent=1))
             elif ev.status.state.done:
                 if ev.status.state is not JobState.SUCCEEDED:
@@ -328,6 +420,9 @@ def main() -> int:
     ap.add_argument("--workdir", default=None, help="the fleet's workdir (default /tmp/bench-colocate-PRESET)")
     ap.add_argument("--out", default=None, help="JSON (default docs/bench/colocate-PRESET-DEVICE.json)")
     ap.add_argument("--up-timeout", type=float, default=1800.0)
+    ap.add_argument("--host-reserve-gib", type=float, default=8.0,
+                    help="stop the fleet when the host has less memory available than this, and report what each "
+                         "service held (a host out of memory takes the machine and its logs down; default %(default)s)")
     args = ap.parse_args()
     if args.layers is None and args.preset == "glm5":
         args.layers = 2
@@ -342,6 +437,7 @@ def main() -> int:
     workdir = pathlib.Path(args.workdir or f"/tmp/bench-colocate-{name}").resolve()
     out = pathlib.Path(args.out or ROOT / "docs" / "bench" / f"colocate-{name}-{args.device}.json")
     workdir.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(args, workdir)
     fleet = workdir / "fleet"
     disk = DiskWatch(workdir).__enter__()
@@ -375,6 +471,8 @@ def main() -> int:
     disk.phase = "fleet start"
     with (workdir / "up.log").open("w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    host = HostWatch(proc.pid, args.host_reserve_gib * 2**30, out.with_name(out.stem + "-host-memory.json"),
+                     lambda: _kill_tree(proc.pid)).__enter__()
     try:
         t0 = time.monotonic()
         if model is not None:
@@ -388,14 +486,18 @@ def main() -> int:
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
         disk.phase = "job"
         with MemoryWatch(services, args.device) as memory:
-            asyncio.run(run_job(args, services, result, out))
+            asyncio.run(run_job(args, services, result, out, host))
         replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
         result["peak_memory"] = {"by_service": memory.peak, "replica": replica,
                                  "trainer": memory.peak.get("trainer", 0.0), "device_total": memory.total_peak,
                                  "what": "GPU bytes (nvidia-smi, per process tree)" if args.device == "cuda"
                                  else "peak RSS bytes (VmHWM, per process tree)"}
     finally:
-        stop(proc)
+        if proc.poll() is None:
+            stop(proc)
+        host.__exit__(None, None, None)
+        result["host_memory"] = host.summary()
+        out.write_text(json.dumps(result, indent=1))
         disk.__exit__(None, None, None)
         v1 = fleet / "weights" / "versions" / "1"
         model_bytes = sum(f.stat().st_size for f in v1.iterdir() if f.name.startswith("model")) if v1.is_dir() else 0
@@ -411,6 +513,9 @@ def main() -> int:
           f"{result['train_tok_s']:.0f} tok/s | peak memory ({p['what']}): replica {p['replica'] / 2**30:.2f} GiB, "
           f"trainer {p['trainer'] / 2**30:.2f} GiB, device {p['device_total'] / 2**30:.2f} GiB | {out}", flush=True)
     d = result["peak_disk"]
+    h = result["host_memory"]
+    print("peak host memory by service: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in h["peak_by_service"].items())
+          + f"; least available {h['available_min'] / 2**30:.1f} GiB", flush=True)
     print(f"peak disk {d['peak'] / 2**30:.2f} GiB = {d['peak_x_model']:.2f}x the model's {d['model_bytes'] / 2**30:.2f} "
           f"GiB (during {d['peak_phase']}): " + ", ".join(f"{k} {v / 2**30:.2f}" for k, v in d["peak_parts"].items()),
           flush=True)
