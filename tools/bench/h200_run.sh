@@ -116,7 +116,7 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   if [ "$MODE" = colocate ]; then
     if [ "${COLOCATE_TESTS:-1}" = 1 ]; then
       timeout 180 python3 -m pytest -q -p no:cacheprovider -rs tests/services/engine/test_sleep.py \
-        tests/services/weightstore/test_sync.py tests/services/trainer/test_offload_optimizer.py \
+        tests/services/weightstore/test_sync.py tests/services/trainer/test_offload_optimizer.py tests/services/trainer/test_host_memory.py \
         -k "cuda and not bit_for_bit" > "$OUT/sleep_tests.log" 2>&1
       tail -n 4 "$OUT/sleep_tests.log"
       timeout 60 python3 tools/bench/sleep_probe.py > "$OUT/sleep_probe.log" 2>&1

@@ -34,6 +34,7 @@ from zerokl.kernels.model.model import AttentionBatch
 from zerokl.kernels.model.recompute import checkpoint_blocks
 from zerokl.kernels.ops import one_cpu_thread
 from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.host_memory import pinned_copy, pinned_zeros
 from zerokl.services.trainer.losses import (PolicyObjective, PPOStats, dpo_loss, group_advantages, policy_loss_terms,
                                             ppo_clip_terms, sft_loss, token_loss_terms)
 from zerokl.services.trainer.optim import NonFiniteStep, adamw, grad_norm, optimizer_step
@@ -70,13 +71,6 @@ def _row_slices(t: torch.Tensor) -> list[tuple[int, int]]:
     per_row = max(1, t[0].numel()) if t.shape[0] else 1
     step = max(1, OFFLOAD_SLICE_ELEMENTS // per_row)
     return [(a, min(a + step, t.shape[0])) for a in range(0, t.shape[0], step)] or [(0, 0)]
-
-
-def _hosted(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` in host memory, pinned where a GPU can reach it (for asynchronous copies both ways)."""
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-    out.copy_(t)
-    return out
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -205,7 +199,7 @@ class Trainer:
         # With master weights the optimizer owns fp32 copies of the trained parameters (same order
         # as self.params); the model's Parameters stay the objects everything else references.
         # Offloaded, they live in pinned host memory (_offloaded_step brings each to the device for its step).
-        self.masters = ([_hosted(p.detach().float()) if self.offload else p.detach().float().clone() for p in params]
+        self.masters = ([pinned_copy(p.detach().float()) if self.offload else p.detach().float().clone() for p in params]
                         if self.master_weights else None)
         self._finite: dict[int, torch.Tensor] = {}     # offloaded: each stepped parameter's state finite (device)
         # One fixed loop over parameters; on a CPU the same bits on every machine (optim.adamw).
@@ -678,8 +672,7 @@ class Trainer:
             # moments are born in host memory (never whole on the device).
             state = {"step": torch.zeros((), dtype=torch.float32)}
             if keep:
-                state |= {k: torch.zeros(o.shape, dtype=o.dtype, pin_memory=torch.cuda.is_available())
-                          for k in MOMENTS}
+                state |= {k: pinned_zeros(o.shape, o.dtype) for k in MOMENTS}
         hosted = {k: _rows(v) for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)}
         weights, grads, step = _rows(o.data), _rows(p.grad), state["step"]
         flags, stepped = [], step
@@ -732,12 +725,12 @@ class Trainer:
         with torch.no_grad():
             for m in self.masters or []:
                 if m.device.type != "cpu" or (torch.cuda.is_available() and not m.is_pinned()):
-                    m.data = _hosted(m.data)
+                    m.data = pinned_copy(m.data)
             for state in self.optimizer.state.values():
                 for k, v in list(state.items()):
                     if k != "step" and isinstance(v, torch.Tensor) and (
                             v.device.type != "cpu" or (torch.cuda.is_available() and not v.is_pinned())):
-                        state[k] = _hosted(v)
+                        state[k] = pinned_copy(v)
 
     def _refresh_fp8(self) -> None:
         """Re-quantize the FP8 model's e4m3 values and scales from the fp32 masters (one rounding)."""
