@@ -43,7 +43,7 @@ import triton.language as tl
 from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 
 from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
-from .gemm import _device_offsets, _group_tile
+from .gemm import _device_offsets, _group_tile, _swizzled_tile
 
 __all__ = ["CANONICAL_CONFIG", "FP8_BLOCK", "FP8_MAX", "INTERPRETED_CONFIG", "Fp8GemmConfig", "fp8_gemm",
            "fp8_grouped_linear", "fp8_launch_config", "fp8_linear", "fp8_quantize", "fp8_quantize_weight"]
@@ -225,17 +225,8 @@ def _fp8_linear_kernel(
         sw_ptr += g.to(tl.int64) * stride_sg
         pid_n = tl.program_id(1).to(tl.int64)
     else:
-        # One program axis in grouped order (GROUP_M row tiles share a column band of the weight
-        # in L2), as gemm._linear_kernel's. The order in which programs run never enters a
-        # tile's arithmetic.
-        pid = tl.program_id(0)
-        num_m = tl.cdiv(M, BLOCK_M)
-        num_n = tl.cdiv(N, BLOCK_N)
-        per_group = GROUP_M * num_n
-        first_m = (pid // per_group) * GROUP_M
-        rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = (first_m + (pid % per_group) % rows_in_group).to(tl.int64)
-        pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
+        # One program axis in grouped order, as gemm._linear_kernel's (the order never enters a tile's arithmetic).
+        pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = rm < M
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -133,6 +133,21 @@ def _k_loop(acc, a_rows, b_cols, a_mask, b_mask, K, stride_ak, stride_bk,
     return acc
 
 
+@triton.jit
+def _swizzled_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    # Program pid's output tile (row tile, column tile), int64, in grouped order: GROUP_M row tiles
+    # walk a column band together, so the band's weight stays in L2 while they read it. The order in
+    # which programs run never enters a tile's arithmetic.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = (first_m + (pid % per_group) % rows_in_group).to(tl.int64)
+    pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
+    return pid_m, pid_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr,
@@ -148,16 +163,7 @@ def _linear_kernel(
     x_ptr += seg * K * stride_xk
     w_ptr += seg * K * stride_wk
     y_ptr += seg * stride_ys
-    # Grouped program order (GROUP_M row tiles share a column band in L2). The order in
-    # which programs run never enters a tile's arithmetic.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = (first_m + (pid % per_group) % rows_in_group).to(tl.int64)
-    pid_n = ((pid % per_group) // rows_in_group).to(tl.int64)
+    pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = rm < M
