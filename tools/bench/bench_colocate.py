@@ -258,18 +258,12 @@ class MemoryWatch(_Sampler):
             self.sample()                       # VmHWM: the peak so far, final at the end
 
     def sample(self) -> None:
-        trees = {name: _process_tree(pid) for name, pid in self.roots.items()}
+        children = _children()                  # one scan of /proc for every service's tree
+        trees = {name: _process_tree(pid, children) for name, pid in self.roots.items()}
         if self.device == "cpu":
             for name, pids in trees.items():
-                total = 0
-                for pid in pids:
-                    try:
-                        status = pathlib.Path(f"/proc/{pid}/status").read_text()
-                    except OSError:
-                        continue
-                    hwm = [line for line in status.splitlines() if line.startswith("VmHWM:")]
-                    total += int(hwm[0].split()[1]) * 1024 if hwm else 0
-                self.peak[name] = max(self.peak.get(name, 0.0), float(total))
+                total = sum(_status_kib(pid, "VmHWM") for pid in pids) * 1024.0
+                self.peak[name] = max(self.peak.get(name, 0.0), total)
             return
         try:
             apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",

@@ -17,6 +17,7 @@ plain host memory (there is nothing to pin for).
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import weakref
 
@@ -59,11 +60,7 @@ def pinned_zeros(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> tor
     CUDA)."""
     if not torch.cuda.is_available():
         return torch.zeros(shape, dtype=dtype)
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return _registered_bytes(numel * itemsize).view(dtype).view(shape)
+    return _registered_bytes(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
 
 
 def pinned_copy(t: torch.Tensor) -> torch.Tensor:
