@@ -12,6 +12,7 @@ CPU tests run every config's indexing (one weight scale per tile up to 128 colum
 column for 256, the grouped program order) against the interpreted launch, while production
 interpreted launches keep INTERPRETED_CONFIG.
 """
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -70,11 +71,31 @@ def test_interpreted_every_config_gives_the_default_launch_bits(n, k):
     q, sx, qw, sw, bias, _ = _operands(70, n, k, "cpu", seed=n + k)
     want = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32)
     assert tfp8.fp8_launch_config(70, n, k, interpreted=True) == tfp8.INTERPRETED_CONFIG
-    for cfg in _configs(n, k) + [C(16, 32, 4, 1, GROUP_M=2), C(16, 256, 4, 1, GROUP_M=3)]:
+    extra = [C(16, 32, 4, 1, GROUP_M=2), C(16, 256, 4, 1, GROUP_M=3), C(16, 128, 4, 1, GROUP_M=3, TMA=True),
+             C(16, 64, 4, 1, GROUP_M=2, PROGRAMS_PER_SM=1), C(16, 128, 4, 1, GROUP_M=3, TMA=True, PROGRAMS_PER_SM=1)]
+    for cfg in _configs(n, k) + extra:
         got = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=cfg)
         assert torch.equal(_bits(got), _bits(want)), cfg
     got = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=C(64, 256, 8, 3))
     assert torch.equal(_bits(got), _bits(tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16))), "bf16"
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU the gpu tests below check the compiled configs")
+def test_interpreted_tma_loads_give_the_pointer_loads_bits():
+    """TMA configs read their tiles through tensor descriptors, zero-padded past M (70 rows in 16- and
+    64-row tiles), N (300 columns in 32- and 256-column tiles: a partial last weight block) and K (320:
+    a half last K block); a K whose rows are not 16-byte aligned (260) falls back to pointer loads.
+    A persistent grid (4 programs under the interpreter) walks the 50 tiles of 16 x 32. Every case has
+    the pointer launch's bits."""
+    for k in (320, 260):
+        q, sx, qw, sw, bias, _ = _operands(70, 300, k, "cpu", seed=k)
+        assert tfp8._tma_rows(q) == tfp8._tma_rows(qw) == (k == 320)
+        for cfg in (C(16, 32, 4, 1), C(64, 256, 8, 3, GROUP_M=3)):
+            want = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=cfg)
+            for tma, per_sm in ((True, 0), (True, 1), (False, 1)):
+                alt = dataclasses.replace(cfg, TMA=tma, PROGRAMS_PER_SM=per_sm)
+                got = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=alt)
+                assert torch.equal(_bits(got), _bits(want)), (k, alt)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU test_fp8_grouped_configs_bit_identical_on_gpu")

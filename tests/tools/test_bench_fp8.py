@@ -44,4 +44,5 @@ def test_a_config_that_does_not_launch_is_reported_and_skipped():
     with use_backend("triton"):
         rows, best = bench.sweep([(200, 96)], [3], "cpu", bench._timer(smoke=True), [C(64, 96, 4, 3), C(64, 64, 4, 3)])
     assert "error" in rows[0] and rows[1]["bit_identical"]          # a 96-wide tile is no power of two
-    assert best[0]["best"] == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 8}
+    assert best[0]["best"] == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 8, "TMA": False,
+                                 "PROGRAMS_PER_SM": 0}

@@ -54,13 +54,21 @@ def candidates() -> list:
     (227 KiB on an H100/H200: 128 x 256 at 5 stages, 240 KiB, cannot fit and is left out). The
     loop keeps a K block's fp32 partial product beside the accumulator, so BLOCK_M x BLOCK_N x 2
     registers over the warps' threads: 64 x 256 and wider need 8 warps. 64 x 32 is narrower than
-    the table's choices: at decode on N = 2048 it gives 64 programs to stream the weight."""
+    the table's choices: at decode on N = 2048 it gives 64 programs to stream the weight. The
+    TMA variants load the same tiles through the tensor memory accelerator (fewer instructions
+    and registers a stage than the pointer loads' address arithmetic); the persistent ones
+    (PROGRAMS_PER_SM) walk the tiles with one or two programs a multiprocessor, as the bf16
+    GEMM's large-M kernel does."""
     from zerokl.kernels.triton.fp8 import Fp8GemmConfig as C
-    decode = [C(64, 32, 4, 4)] + [C(64, 64, 4, stages) for stages in (3, 4, 5)]
+    decode = [C(64, 32, 4, 4)] + [C(64, 64, 4, stages) for stages in (3, 4, 5)] + [C(64, 64, 4, 4, TMA=True)]
     mid = [C(64, 128, 4, stages) for stages in (3, 4, 5)] + [C(64, 256, 8, stages) for stages in (3, 4)]
+    mid += [C(64, 128, 4, stages, TMA=True) for stages in (4, 5)] + [C(64, 256, 8, 3, TMA=True)]
     large = [C(128, 64, 4, 4)] + [C(128, 128, 8, stages) for stages in (3, 4, 5)]
     large += [C(128, 256, 8, stages) for stages in (3, 4)]
-    return decode + mid + large
+    large += [C(128, 128, 8, stages, TMA=True) for stages in (3, 4, 5)] + [C(128, 256, 8, 3, TMA=True)]
+    persistent = [C(128, 128, 8, 4, TMA=True, PROGRAMS_PER_SM=1), C(128, 128, 8, 3, TMA=True, PROGRAMS_PER_SM=2),
+                  C(128, 256, 8, 3, TMA=True, PROGRAMS_PER_SM=1), C(64, 128, 4, 4, TMA=True, PROGRAMS_PER_SM=2)]
+    return decode + mid + large + persistent
 
 
 def _scaled_mm(qx, sx, qw, sw):
@@ -91,7 +99,8 @@ def _timer(smoke: bool):
 
 
 def _name(cfg) -> str:
-    return f"{cfg.BLOCK_M}x{cfg.BLOCK_N} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}"
+    return f"{cfg.BLOCK_M}x{cfg.BLOCK_N} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}" + (" tma" if cfg.TMA else "") \
+        + (f" p{cfg.PROGRAMS_PER_SM}" if cfg.PROGRAMS_PER_SM else "")
 
 
 def _config(fields: dict):

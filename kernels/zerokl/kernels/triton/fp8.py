@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 
@@ -151,6 +152,14 @@ class Fp8GemmConfig:
     num_warps: int
     num_stages: int
     GROUP_M: int = 8    # row tiles per band of the grouped program order (the plain GEMM only)
+    # Operand tiles through the tensor memory accelerator (host tensor descriptors) instead of
+    # pointer loads: the same bytes, zero-padded past M, N and K as the masked loads, so the same
+    # bits. The plain GEMM only, and only where the operands' rows are 16-byte aligned (TMA's rule);
+    # elsewhere the launch loads by pointer.
+    TMA: bool = False
+    # A persistent grid (the plain GEMM only): PROGRAMS_PER_SM programs a multiprocessor, each
+    # walking tiles in the grouped order; 0: one program a tile. Who computes a tile, not what.
+    PROGRAMS_PER_SM: int = 0
 
 
 # Interpreted launches (CPU) always take this one: the interpreter's CPU bits and golden vectors.
@@ -204,41 +213,27 @@ def _block_scales(sx, sw_ptr, n0, rn, n_mask, b, stride_swn, BLOCK_N: tl.constex
     return scales
 
 
-@triton.jit(do_not_specialize=["M"])
-def _fp8_linear_kernel(
-    q_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, y_ptr, offs_ptr,
-    M, N, K, KB, G,
-    stride_qm, stride_wg, stride_wn, stride_sg, stride_swn, stride_ym,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUPED: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    # GROUPED (MoE experts): program_id(0) is a row tile of one group, found from the device
-    # offsets as the bf16 grouped GEMM finds it (gemm._group_tile); tiles never span two groups;
-    # program_id(1) is the column band.
-    if GROUPED:
-        g, row0, row_end = _group_tile(offs_ptr, tl.program_id(0), G, BLOCK_M, BLOCK_G)
-        if g >= G:
-            return
-        rm = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
-        m_mask = rm < row_end
-        w_ptr += g.to(tl.int64) * stride_wg
-        sw_ptr += g.to(tl.int64) * stride_sg
-        pid_n = tl.program_id(1).to(tl.int64)
-    else:
-        # One program axis in grouped order, as gemm._linear_kernel's (the order never enters a tile's arithmetic).
-        pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = rm < M
+@triton.jit
+def _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, m_mask, pid_n, N, K, KB,
+              stride_qm, stride_wn, stride_swn, stride_ym,
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One output tile: rows row0 + [0, BLOCK_M) (m_mask: those that exist), columns of band pid_n.
+    rm = row0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, KB):                              # K blocks in ascending order, one per scale
-        k_mask = b * BLOCK_K + rk < K
-        a = tl.load(q_ptr + rm[:, None] * stride_qm + (b * BLOCK_K + rk)[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + (b * BLOCK_K + rk)[None, :],
-                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if TMA:                                         # the box past M, N or K reads as zeros
+            a = q_src.load([row0.to(tl.int32), b * BLOCK_K])
+            w = w_src.load([(pid_n * BLOCK_N).to(tl.int32), b * BLOCK_K])
+        else:
+            k_mask = b * BLOCK_K + rk < K
+            a = tl.load(q_src + rm[:, None] * stride_qm + (b * BLOCK_K + rk)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_src + rn[:, None] * stride_wn + (b * BLOCK_K + rk)[None, :],
+                        mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:                                      # interpreter: the exact fp32 dot of e4m3 values
             a = a.to(tl.float32)
             w = w.to(tl.float32)
@@ -249,6 +244,50 @@ def _fp8_linear_kernel(
         acc = acc + tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(
+    q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, offs_ptr,
+    M, N, K, KB, G,
+    stride_qm, stride_wg, stride_wn, stride_sg, stride_swn, stride_ym,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUPED: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    # q_src, w_src: the e4m3 activations [M, K] and weight [N, K] (a stack [G, N, K] when GROUPED),
+    # pointers, or with TMA (never GROUPED) tensor descriptors of [BLOCK_M, BLOCK_K] and
+    # [BLOCK_N, BLOCK_K] boxes.
+    # GROUPED (MoE experts): program_id(0) is a row tile of one group, found from the device
+    # offsets as the bf16 grouped GEMM finds it (gemm._group_tile); tiles never span two groups;
+    # program_id(1) is the column band.
+    if GROUPED:
+        g, row0, row_end = _group_tile(offs_ptr, tl.program_id(0), G, BLOCK_M, BLOCK_G)
+        if g >= G:
+            return
+        row0 = row0.to(tl.int64)
+        _fp8_tile(q_src, sx_ptr, w_src + g.to(tl.int64) * stride_wg, sw_ptr + g.to(tl.int64) * stride_sg, b_ptr,
+                  y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < row_end, tl.program_id(1).to(tl.int64), N, K, KB,
+                  stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif PERSISTENT:
+        # Fewer programs than tiles (one or two a multiprocessor), each walking the tiles in
+        # grouped order with a stride of the grid: the next tile's loads start while the last
+        # tile's stores drain, and no tail of short-lived programs.
+        tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0)):
+            pid_m, pid_n = _swizzled_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+            row0 = pid_m * BLOCK_M
+            _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < M, pid_n,
+                      N, K, KB, stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        # One program a tile, one program axis in grouped order, as gemm._linear_kernel's (the order
+        # never enters a tile's arithmetic).
+        pid_m, pid_n = _swizzled_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        row0 = pid_m * BLOCK_M
+        _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < M, pid_n,
+                  N, K, KB, stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA,
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -284,18 +323,37 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return y
-    sx, weight, weight_scale = sx.contiguous(), unit_last(weight), weight_scale.contiguous()
+    q, sx, weight, weight_scale = unit_last(q), sx.contiguous(), unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
     cfg = config or fp8_launch_config(m, n, k, interpreted)
-    _fp8_linear_kernel[(triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N),)](
-        q, sx, weight, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
+    tma = cfg.TMA and _tma_rows(q) and _tma_rows(weight)
+    q_src = TensorDescriptor.from_tensor(q, [cfg.BLOCK_M, FP8_BLOCK]) if tma else q
+    w_src = TensorDescriptor.from_tensor(weight, [cfg.BLOCK_N, FP8_BLOCK]) if tma else weight
+    tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
+    programs = min(tiles, cfg.PROGRAMS_PER_SM * _multiprocessors(q.device)) if cfg.PROGRAMS_PER_SM else tiles
+    _fp8_linear_kernel[(programs,)](
+        q_src, sx, w_src, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
         m, n, k, sx.shape[1], 1,
         q.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, UPCAST=interpreted, GROUPED=False, BLOCK_G=1,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=tma,
+        PERSISTENT=programs < tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM / H200); under the interpreter 4, so
+    the CPU tests walk several tiles a program."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether a 2-D e4m3 operand (unit last stride) meets TMA's alignment: its base and row stride in
+    bytes multiples of 16."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -325,7 +383,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     q, sx = fp8_quantize(x)
     weight, weight_scale = unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
-    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)
+    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)     # its TMA unused: pointer loads
     tiles = (m // cfg.BLOCK_M + min(g, m) if offs is None
              else sum(-(-(b - a) // cfg.BLOCK_M) for a, b in zip(offs, offs[1:])))
     if tiles == 0:
@@ -335,7 +393,7 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
         m, n, k, kb, g,
         q.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
         HAS_BIAS=False, UPCAST=interpreted, GROUPED=True, BLOCK_G=max(16, next_pow2(g)),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=False, PERSISTENT=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
