@@ -71,9 +71,11 @@ def test_interpreted_every_config_gives_the_default_launch_bits(n, k):
     q, sx, qw, sw, bias, _ = _operands(70, n, k, "cpu", seed=n + k)
     want = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32)
     assert tfp8.fp8_launch_config(70, n, k, interpreted=True) == tfp8.INTERPRETED_CONFIG
-    extra = [C(16, 32, 4, 1, GROUP_M=2), C(16, 256, 4, 1, GROUP_M=3), C(16, 128, 4, 1, GROUP_M=3, TMA=True),
-             C(16, 64, 4, 1, GROUP_M=2, PROGRAMS_PER_SM=1), C(16, 128, 4, 1, GROUP_M=3, TMA=True, PROGRAMS_PER_SM=1)]
-    for cfg in _configs(n, k) + extra:
+    extra = [C(16, 32, 4, 1, GROUP_M=2), C(16, 256, 4, 1, GROUP_M=3)]
+    # TMA loads and persistent grids: test_interpreted_tma_loads_give_the_pointer_loads_bits (a few, not
+    # every sweep candidate: the interpreter takes seconds a launch)
+    plain = [cfg for cfg in _configs(n, k) if not cfg.TMA and not cfg.PROGRAMS_PER_SM]
+    for cfg in plain + extra:
         got = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=cfg)
         assert torch.equal(_bits(got), _bits(want)), cfg
     got = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=C(64, 256, 8, 3))
@@ -82,20 +84,38 @@ def test_interpreted_every_config_gives_the_default_launch_bits(n, k):
 
 @pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU the gpu tests below check the compiled configs")
 def test_interpreted_tma_loads_give_the_pointer_loads_bits():
-    """TMA configs read their tiles through tensor descriptors, zero-padded past M (70 rows in 16- and
-    64-row tiles), N (300 columns in 32- and 256-column tiles: a partial last weight block) and K (320:
-    a half last K block); a K whose rows are not 16-byte aligned (260) falls back to pointer loads.
-    A persistent grid (4 programs under the interpreter) walks the 50 tiles of 16 x 32. Every case has
+    """TMA configs read their tiles through tensor descriptors, zero-padded past M (20 rows in 16-row
+    tiles), N (160 columns in 32- and 256-column tiles: a partial last weight block) and K (320: a half
+    last K block); a K whose rows are not 16-byte aligned (260) falls back to pointer loads. A
+    persistent grid (4 programs under the interpreter) walks the 10 tiles of 16 x 32. Every case has
     the pointer launch's bits."""
     for k in (320, 260):
-        q, sx, qw, sw, bias, _ = _operands(70, 300, k, "cpu", seed=k)
+        q, sx, qw, sw, bias, _ = _operands(20, 160, k, "cpu", seed=k)
         assert tfp8._tma_rows(q) == tfp8._tma_rows(qw) == (k == 320)
-        for cfg in (C(16, 32, 4, 1), C(64, 256, 8, 3, GROUP_M=3)):
+        for cfg in (C(16, 32, 4, 1), C(16, 256, 8, 3, GROUP_M=3)):
             want = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=cfg)
             for tma, per_sm in ((True, 0), (True, 1), (False, 1)):
                 alt = dataclasses.replace(cfg, TMA=tma, PROGRAMS_PER_SM=per_sm)
                 got = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=alt)
                 assert torch.equal(_bits(got), _bits(want)), (k, alt)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU the gpu tests below check the compiled configs")
+def test_interpreted_fused_quantization_gives_the_two_launch_bits():
+    """FUSED_QUANT: fp8_linear's GEMM quantizes its rows' K blocks itself. Its e4m3 values and scales are
+    fp8_quantize's, so its output is the two-launch output bit for bit: ragged K (260: a 4-channel last
+    group), an all-zero row (scale 1), a row of extreme range (subnormal e4m3 values), 20 rows in 16-row
+    tiles, a persistent grid with TMA weight loads (K = 256), a bias, bf16 and fp32 inputs."""
+    cases = [(260, C(16, 32, 4, 1), torch.bfloat16), (260, C(16, 256, 8, 3, GROUP_M=3), torch.float32),
+             (256, C(16, 64, 4, 1, PROGRAMS_PER_SM=1, TMA=True), torch.bfloat16)]
+    for k, cfg, dtype in cases:
+        _, _, qw, sw, bias, x = _operands(20, 160, k, "cpu", seed=k)
+        x = x.to(dtype)
+        x[3] = 0.0
+        x[5, :130] *= 1e-4
+        want = tfp8.fp8_linear(x, qw, sw, bias)
+        got = tfp8.fp8_linear(x, qw, sw, bias, config=dataclasses.replace(cfg, FUSED_QUANT=True))
+        assert torch.equal(_bits(got), _bits(want)), (k, dtype, cfg)
 
 
 @pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU test_fp8_grouped_configs_bit_identical_on_gpu")
@@ -112,13 +132,15 @@ def test_interpreted_grouped_configs_give_the_default_launch_bits():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 7168), (7168, 2048), (200, 96), (384, 1000)])
 def test_fp8_configs_bit_identical_on_gpu(n, k):
-    q, sx, qw, sw, bias, _ = _operands(700, n, k, "cuda", seed=n + k)
+    q, sx, qw, sw, bias, x = _operands(700, n, k, "cuda", seed=n + k)
     canonical = tfp8.CANONICAL_CONFIG
     want = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=canonical)
     want32 = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.float32, config=canonical)
     wantb = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.bfloat16, config=canonical)
     for cfg in _configs(n, k):
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=cfg)), _bits(want)), cfg
+        fused = dataclasses.replace(cfg, FUSED_QUANT=True)                      # the GEMM quantizing its rows itself
+        assert torch.equal(_bits(tfp8.fp8_linear(x, qw, sw, bias, config=fused)), _bits(wantb)), fused
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, None, torch.float32, config=cfg)), _bits(want32)), cfg
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.bfloat16, config=cfg)), _bits(wantb)), cfg
 
