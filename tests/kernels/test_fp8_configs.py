@@ -124,7 +124,7 @@ def test_interpreted_grouped_configs_give_the_default_launch_bits():
     weight = torch.stack([qw, qw.flip(0)])
     scale = torch.stack([sw, sw.flip(0)])
     want = tfp8.fp8_grouped_linear(x, weight, scale, [0, 30, 37])
-    for cfg in (C(64, 256, 8, 3), C(64, 64, 4, 4), C(16, 32, 4, 1)):
+    for cfg in (C(64, 256, 8, 3), C(64, 64, 4, 4), C(16, 32, 4, 1), C(16, 64, 4, 1, FUSED_QUANT=True)):
         assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, [0, 30, 37], config=cfg)), _bits(want)), cfg
 
 
@@ -175,7 +175,8 @@ def test_fp8_grouped_configs_bit_identical_on_gpu():
     q, sx = tfp8.fp8_quantize(x)
     want = torch.cat([tfp8.fp8_gemm(q[a:b], sx[a:b], weight[e], scale[e], None, torch.bfloat16,
                                     config=tfp8.CANONICAL_CONFIG) for e, (a, b) in enumerate(zip(offs, offs[1:]))])
-    for cfg in [None] + _configs(384, 512):
+    configs = _configs(384, 512)
+    for cfg in [None] + configs + [dataclasses.replace(cfg, FUSED_QUANT=True) for cfg in configs]:
         assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, offs, config=cfg)), _bits(want)), cfg
     offs_t = torch.tensor(offs, device="cuda")                       # device offsets: the on-device tile search
     assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, offs_t)), _bits(want))

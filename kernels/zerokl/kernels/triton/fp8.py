@@ -177,7 +177,7 @@ class Fp8GemmConfig:
     # A persistent grid (the plain GEMM only): PROGRAMS_PER_SM programs a multiprocessor, each
     # walking tiles in the grouped order; 0: one program a tile. Who computes a tile, not what.
     PROGRAMS_PER_SM: int = 0
-    # fp8_linear only: the GEMM quantizes its rows' K blocks itself (fp8_quantize's arithmetic, so
+    # fp8_linear and fp8_grouped_linear: the GEMM quantizes its rows' K blocks itself (fp8_quantize's arithmetic, so
     # the same e4m3 values and scales) instead of a launch of fp8_quantize before it. Pays where
     # the launch and the [M, K] round trip cost more than each column band re-quantizing its rows
     # (decode M); its rows are loaded by pointer whatever TMA says.
@@ -434,20 +434,21 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    q, sx = fp8_quantize(x)
     weight, weight_scale = unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
-    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)     # its TMA unused: pointer loads
+    # its TMA and PROGRAMS_PER_SM unused (pointer loads, a program a tile); FUSED_QUANT as fp8_linear's
+    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)
     tiles = (m // cfg.BLOCK_M + min(g, m) if offs is None
              else sum(-(-(b - a) // cfg.BLOCK_M) for a, b in zip(offs, offs[1:])))
     if tiles == 0:
         return y
+    a, sx = (unit_last(x), weight_scale) if cfg.FUSED_QUANT else fp8_quantize(x)
     _fp8_linear_kernel[(tiles, triton.cdiv(n, cfg.BLOCK_N))](
-        q, sx, weight, weight_scale, weight_scale, y, offs_t,
+        a, sx, weight, weight_scale, weight_scale, y, offs_t,
         m, n, k, kb, g,
-        q.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
+        a.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
         HAS_BIAS=False, UPCAST=interpreted, GROUPED=True, BLOCK_G=max(16, next_pow2(g)),
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=False, PERSISTENT=False, QUANT=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=False, PERSISTENT=False,
+        QUANT=cfg.FUSED_QUANT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
