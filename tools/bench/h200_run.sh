@@ -158,15 +158,16 @@ elif [ "$MODE" = fp8-train ]; then
     > "$OUT/fp8-train.log" 2>&1
   tail -n 3 "$OUT/fp8-train.log"
 elif [ "$MODE" = fp8-sweep ]; then
-  # issue 50: the FP8 GEMM's tile configs. The GPU tests that every config gives the canonical config's bits
-  # (and the FP8 goldens), then bench_fp8 --sweep (every candidate beside cuBLASLt at each shape x M, its bits
-  # checked on every case) and the default grid with the table's choice
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_configs.py tests/kernels/test_fp8.py \
+  # issue 50: the FP8 GEMM's tile configs. bench_fp8 --sweep first (every candidate beside cuBLASLt at each
+  # shape x M, its bits checked on every case; then fp8_linear's two launches beside the fused-quantization
+  # configs), its log straight to $FINAL_OUT so a cut-off call keeps what ran; then the GPU tests that every
+  # config gives the canonical config's bits (and the FP8 goldens)
+  timeout ${SWEEP_LIMIT:-330} python3 tools/bench/bench_fp8.py --sweep --ms ${FP8_MS:-1 64 2048 8192} \
+    --json "$FINAL_OUT/fp8-sweep.json" > "$FINAL_OUT/fp8-sweep.log" 2>&1
+  grep -A40 "^per (N, K, M)" "$FINAL_OUT/fp8-sweep.log" || tail -n 40 "$FINAL_OUT/fp8-sweep.log"
+  timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_configs.py tests/kernels/test_fp8.py \
     tests/kernels/test_golden.py -k "fp8 or golden or config" > "$OUT/fp8_config_tests.log" 2>&1
   tail -n 3 "$OUT/fp8_config_tests.log"
-  timeout 300 python3 tools/bench/bench_fp8.py --sweep --ms ${FP8_MS:-1 64 2048 8192} \
-    --json "$FINAL_OUT/fp8-sweep.json" > "$FINAL_OUT/fp8-sweep.log" 2>&1
-  tail -n 30 "$FINAL_OUT/fp8-sweep.log"
 elif [ "$MODE" = numerics3 ]; then
   # numerics 0.3.2: the Triton entries recorded under it (update_golden refuses changed fp32/bf16 bits
   # under an unchanged version, so it also checks them) with the FP8 key, the FP8 and golden tests on
