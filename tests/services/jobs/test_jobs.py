@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import pathlib
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,8 +33,11 @@ from zerokl.services.runtime import field_violations
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
 from zerokl.vocab import Completion
+
+from test_jobs_bf16 import _shared_switches, _with_exploding_moments
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -263,6 +269,72 @@ def test_bad_configs_and_pairs_are_refused_by_name_at_submission_and_leave_nothi
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode != 0 and "INVALID_ARGUMENT" in cli.stdout + cli.stderr, cli.stdout + cli.stderr
     assert "learning_rate" in cli.stdout + cli.stderr
+
+
+def _record_process(trainer_pid: int) -> int:
+    """The trainer's record process (trainer/recorder.py: its one spawned child beside multiprocessing's tracker)."""
+    children = pathlib.Path(f"/proc/{trainer_pid}/task/{trainer_pid}/children").read_text().split()
+    [pid] = [int(c) for c in children if b"spawn_main" in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+    return pid
+
+
+def test_a_failed_step_whose_start_never_reached_the_store_leaves_trainer_and_fleet_on_a_durable_version(
+        fleet, tmp_path) -> None:  # noqa: ANN001
+    """An RL job's start is recorded in the background while its first step trains (issue 49). Here its record is
+    held (the trainer's record process stopped) when the first step's version fails its canary (AdamW moments of
+    1e20 loaded by hand, as in test_jobs_bf16), then lost (the record process killed, as the host's OOM killer
+    would), with checkpoint_every 0 (the GLM-5 slice's setting: its start, 22.7 GiB recorded whole, is still in
+    flight when a first step fails). The fleet goes back to the start from the trainer's memory, not the store,
+    which does not hold it yet; the trainer cannot load a version the store never got, so it and the fleet go back
+    to the version served before the job, which is durable, and the job's error says so (never the store's
+    NOT_FOUND). The next job runs as usual."""
+    scheduler, trainer_pid = fleet["scheduler"]["address"], fleet["trainer"]["pid"]
+    decode = next(s for name, s in fleet.items() if name.startswith("decode"))
+    tiny = dict(countdown=TASK, prompts_per_step=1, group_size=2, max_tokens=4, eval_every=0)
+
+    async def main() -> None:
+        async with JobsClient(scheduler) as jobs, TrainerClient(fleet["trainer"]["address"]) as trainer, \
+                WeightStoreClient(fleet["weight-store"]["address"]) as weights, InferenceClient(scheduler) as served, \
+                InferenceClient(decode["address"]) as replica:
+            # A resume point to go back to, recorded (a job waits for its records), and the record process up.
+            warm = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=6, **tiny), "before")).job_id)
+            assert warm[-1].status.state is JobState.SUCCEEDED, warm[-1].status.error
+            before = warm[-1].status.weights_version
+            await trainer.load_weights(await _with_exploding_moments(weights, before, tmp_path), restore_state=True)
+            step = (await trainer.get_state()).step
+            recorder = _record_process(trainer_pid)
+            os.kill(recorder, signal.SIGSTOP)
+            try:
+                switches = _shared_switches(decode["metrics"])
+                job = await jobs.submit(RLJobSpec(steps=1, seed=7, checkpoint_every=0, **tiny), "lost-start")
+                # In place: the start, step 1's version (its canary fails) and back to the start, whose record is
+                # held: the switch back took the trainer's copy.
+                deadline = time.monotonic() + 60
+                while _shared_switches(decode["metrics"]) < switches + 3:
+                    assert time.monotonic() < deadline, "the replica did not switch back to the job's start"
+                    await asyncio.sleep(0.1)
+                start = next(s for s in await jobs.list() if s.job_id == job.job_id).weights_version
+                assert (await replica.info()).weights_version == start != before
+                assert (await trainer.get_state()).weights_step == step + 1     # the rejected step, shared
+                assert start not in {e.manifest.version for e in await weights.list()}
+            finally:
+                os.kill(recorder, signal.SIGKILL)   # the start's record fails; the next record starts another
+            final = (await _events(jobs, job.job_id))[-1].status
+            assert final.state is JobState.FAILED and "failed its canary" in final.error, final
+            assert f"{start} never reached the weight store" in final.error and before in final.error, final.error
+            assert "NOT_FOUND" not in final.error, final.error
+            # Trainer and fleet on the version served before the job, from the store; nothing of the job kept.
+            state = await trainer.get_state()
+            assert (state.weights_version, state.step, state.accumulated_batches) == (before, state.weights_step, 0)
+            assert (await served.info()).weights_version == (await replica.info()).weights_version == before
+            stored = {e.manifest.version for e in await weights.list()}
+            assert before in stored and start not in stored
+            # One bad job harms no other: the next one trains from there and serves its version.
+            after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=8, **tiny), "after")).job_id)
+            assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+            assert [ev.metrics["kl"] for ev in _steps(after)] == [0.0]
+            assert (await served.info()).weights_version == after[-1].status.weights_version != before
+    asyncio.run(main())
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:

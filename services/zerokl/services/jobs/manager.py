@@ -67,7 +67,7 @@ import grpc.aio
 
 from zerokl.services.inference.types import GenerateResult, InferenceRequest
 from zerokl.services.runtime.errors import (CanaryFailed, FailedPrecondition, InvalidArgument, NotFound, RelayedError,
-                                           Unavailable, UnservedPin)
+                                           ServiceError, Unavailable, UnservedPin)
 from zerokl.services.jobs.types import (CountdownTask, DPOJobSpec, JobEvent, JobSpec, JobState, JobStatus, RLJobSpec,
                                        SFTJobSpec)
 from zerokl.services.rl.loop import StepRecord, Task, as_dict, run_rl
@@ -572,6 +572,11 @@ class _Restarted(Exception):
     """The trainer forgot a version it shared (it restarted): :meth:`_TrainerSession._unit` recovers."""
 
 
+class _NotRecorded(Exception):
+    """A version the job shared in place never reaches the weight store: its record failed, or the trainer
+    restarted before it landed (:meth:`_TrainerSession._rollback`)."""
+
+
 @dataclass(frozen=True)
 class _SharedStep:
     """An RL step whose version the fleet serves, kept until a full checkpoint at or after it is recorded:
@@ -911,10 +916,11 @@ class _TrainerSession:
         try:
             state = self._call(self.client.get_state(timeout=10))
             if (state.weights_version, state.step, state.accumulated_batches) != (good, state.weights_step, 0):
-                self._rollback()
+                back, lost = self._rollback()
                 what = "the job's unpublished steps" if self.weights_version else "what it held beyond it"
-                notes.append(f"the trainer dropped {what} and is back on {good} (step {self.trainer_step})")
-        except (grpc.aio.AioRpcError, FailedPrecondition) as err:
+                notes.append(f"the trainer dropped {what} and is back on {back} (step {self.trainer_step})"
+                             + (f", as is the fleet: {lost}" if lost else ""))
+        except (grpc.aio.AioRpcError, ServiceError) as err:
             why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
             log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, good, why)
             notes.append(f"rolling the trainer back to {good or 'the served version'} failed ({why})")
@@ -922,37 +928,80 @@ class _TrainerSession:
             notes.append(self._delete(self.unswitched, "no replica serves it"))
         return "; ".join(notes)
 
-    def _rollback(self) -> None:
-        """The trainer back on the version the fleet serves: the job's newest recorded checkpoint, then the kept
-        steps since it redone (the served version may be recorded weights only: no resume point). A job with no
-        checkpoint of its own yet (it failed at its start) loads the served version itself: with its trainer
-        state when it has one, else its weights under the trainer's configuration from before the job (a fresh
-        optimizer, at step 0)."""
+    def _rollback(self) -> tuple[str, str]:
+        """The trainer back on the version the fleet serves; (the version it is on now, "" or why that is another).
+
+        The job's newest recorded checkpoint, then the kept steps since it redone (the served version may be
+        recorded weights only: no resume point). A job with no checkpoint of its own yet (it failed at its start)
+        loads the served version itself: with its trainer state when it has one, else its weights under the
+        trainer's configuration from before the job (a fresh optimizer, at step 0). What it loads comes from the
+        weight store, where a version the job shared in place may not be yet: its record is waited for
+        (:meth:`_await_landed`). One whose record failed, or that a restarted trainer forgot, never will be: then
+        the trainer and the fleet go back to the version the fleet served before the job (in the store), so the
+        fleet serves no version that neither the store nor the trainer holds and the next job starts from there."""
+        good = self.weights_version or self.served
+        try:
+            self._go_back(good)
+            return good, ""
+        except _NotRecorded as err:
+            lost = str(err)
+        before = self.served
+        if not before or before == good or not self._in_store(before):
+            raise FailedPrecondition(f"{lost}, and the weight store holds no version the fleet served before this "
+                                     f"job to go back to")
+        log.error("job %s: %s; taking the trainer and the fleet back to %s", self.job.job_id, lost, before)
+        self._load(before)
+        self._switch_fleet(before)
+        self.weights_version = before
+        return before, f"{lost}; {before} is what the fleet served before this job"
+
+    def _go_back(self, good: str) -> None:
+        """The trainer onto ``good`` (:meth:`_rollback`); :class:`_NotRecorded` when what it needs never reaches
+        the store."""
         self._collect_records()     # the job's start may have landed meanwhile: a resume point
         start = self.durability.first_checkpoint(pending=True)
-        if not self.checkpoint and start and self.unrecorded[:1] == [start]:
-            # The job's start, shared with its trainer state, is its resume point once recorded: wait for it.
-            with contextlib.suppress(grpc.aio.AioRpcError, _Restarted, WeightStoreUnavailable):
-                self._landed(start, self._await_record(start))
+        if not self.checkpoint and start:
+            self._await_landed(start)   # the job's start, shared with its trainer state: a resume point once recorded
         if self.checkpoint:
             state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
             self.trainer_step = state.step
             self._rebuild(self.checkpoint)
             return
-        good = self.weights_version or self.served
         if not good:
             raise FailedPrecondition("the fleet serves no version to go back to")
         if self.weights_version and self._kept:
             raise FailedPrecondition("the job has no recorded checkpoint to go back to yet (it started on a version "
                                      "recorded weights only)")
+        self._await_landed(good)    # one of the job's own versions (weights only), shared in place
+        self._load(good)
+
+    def _load(self, version: str) -> None:
+        """LoadWeights ``version`` with its trainer state, or without when it has none (a version published from
+        outside, or recorded weights only: its weights under the trainer's configuration from before the job)."""
         try:
-            state = self._call(self.client.load_weights(good, restore_state=True))
+            state = self._call(self.client.load_weights(version, restore_state=True))
         except grpc.aio.AioRpcError as err:
             if err.code() is not grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            # No trainer state in it (a version published from outside, or recorded weights only).
-            state = self._call(self.client.load_weights(good, restore_state=False, config=self.config))
+            state = self._call(self.client.load_weights(version, restore_state=False, config=self.config))
         self.trainer_step = state.step
+
+    def _await_landed(self, version: str) -> None:
+        """Until the store holds ``version`` when the job shared it in place and its record is pending (with the
+        records shared before it: they land in that order). Bounded: a record ends, committed or failed, and a store
+        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`). :class:`_NotRecorded`
+        when it never will be: its record failed, or the trainer restarted before it landed."""
+        while version in self.unrecorded:
+            head = self.unrecorded[0]
+            try:
+                recorded = self._await_record(head)
+            except (grpc.aio.AioRpcError, _Restarted) as err:
+                if head != version:
+                    self.unrecorded.pop(0)      # never durable; what the trainer goes back to was shared after it
+                    continue
+                why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                raise _NotRecorded(f"{version} never reached the weight store ({why})") from None
+            self._landed(head, recorded)
 
     def _delete(self, version: str, why: str) -> str:
         """Delete ``version`` (never served by the fleet, or rejected by its canary) from the weight store; a
@@ -994,12 +1043,14 @@ class _TrainerSession:
         with contextlib.suppress(grpc.aio.AioRpcError):
             self._call(self.client.record_weights(version))
         try:
-            self._rollback()
-            rolled = f"The trainer was rolled back to {good} (step {self.trainer_step}), which the fleet keeps serving"
+            back, lost = self._rollback()
+            rolled = (f"The trainer was rolled back to {back} (step {self.trainer_step}), which the fleet keeps serving"
+                      if not lost else f"The trainer and the fleet were rolled back to {back} "
+                                       f"(step {self.trainer_step}): {lost}")
         except grpc.aio.AioRpcError as load_err:
             rolled = (f"The fleet keeps serving {good}, but rolling the trainer back to it failed "
                       f"({load_err.code().name}: {load_err.details()})")
-        except FailedPrecondition as load_err:
+        except ServiceError as load_err:
             rolled = f"The fleet keeps serving {good}, but rolling the trainer back to it failed ({load_err})"
         fate = self._delete(version, "it failed its canary")
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None

@@ -214,6 +214,9 @@ class Scheduler:
         self.state_dir = state_dir
         # The version of the last whole-fleet switch and the good ones before it (.fleet; empty before the first).
         self.fleet = read_fleet(state_dir) if state_dir is not None else FleetRecord()
+        # The trainer's in-memory copy of the target when the fleet switched to it in place: its store record may
+        # still be on its way (or have failed), so a switch back to it after a failed switch copies it from there.
+        self._in_place: SharedExport | None = None
         self._flights: dict[str, _Flight] = {}
         self._server: ServiceServer | None = None
         self._health_dirty = asyncio.Event()
@@ -505,7 +508,9 @@ class Scheduler:
 
         ``shared``: the trainer's in-memory copy of ``version`` (SaveWeights with share), passed to
         every replica: one on the trainer's host copies it in place, another fetches from the store.
-        A switch back after a failure always reads the store (the versions before are recorded).
+        A switch back after a failure returns to the version served before from the trainer's memory
+        when the fleet switched to it in place (its store record may not have landed yet), else from
+        the store.
 
         One healthy decode replica switches first and serves a canary
         (:meth:`_canary`: a short greedy Generate of a fixed probe with prompt
@@ -569,6 +574,7 @@ class Scheduler:
             self.config = dataclasses.replace(self.config, pin=dataclasses.replace(self.config.pin,
                                                                                    weights_version=new))
         self._record(self.fleet.served(new))
+        self._in_place = shared if shared is not None and shared.version == new else None
         await self.registry.refresh(read_info=True)
         log.info("switched the fleet to %s%s: canary replica %.3f s, canary %.3f s, %d other replica(s) %.3f s, "
                  "registry refresh %.3f s", new, " (shared in place)" if shared is not None else "", t1 - t0,
@@ -640,14 +646,25 @@ class Scheduler:
         return ""
 
     async def _switch_back(self, views: list[ReplicaView], before: dict[tuple, str]) -> str:
-        """Switch ``views`` back to what they served before; a clause for the caller's error message."""
+        """Switch ``views`` back to what they served before; a clause for the caller's error message. A version the
+        fleet switched to in place comes from the trainer's memory (a replica that cannot open it there reads the
+        store, waiting for the record): the store may not hold it yet (the job's start, recorded in the background
+        while its first step trains) or ever (a record that failed). A co-located trainer keeps no copy past its
+        backward, and the memory of one it let go may hold other bytes on CUDA (DATA_LOSS, nothing served): then
+        the store's."""
         async def back(view: ReplicaView) -> str:
             old = before.get(view.endpoint.key, "")
             if not old:
                 return f"{view.describe()} (its previous version is unknown)"
+            shared = self._in_place if self._in_place is not None and self._in_place.version == old else None
             with self.registry.lease(view.endpoint) as client:
                 try:
-                    await client.switch_weights(old)
+                    try:
+                        await client.switch_weights(old, shared=shared)
+                    except grpc.aio.AioRpcError as err:
+                        if shared is None or err.code() is grpc.StatusCode.UNAVAILABLE:
+                            raise
+                        await client.switch_weights(old)
                 except grpc.aio.AioRpcError as err:
                     log.error("could not switch %s back to %s: %s", view.describe(), old, err.details())
                     return f"{view.describe()} ({err.code().name}: {err.details()})"
