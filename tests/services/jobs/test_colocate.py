@@ -5,24 +5,29 @@ and its weights: sleep level 2) and the trainer keeps its AdamW state and fp32 m
 steps (--offload-optimizer); the step's in-place weight switch wakes the replica with the new version from the
 trainer's memory. KL == 0.0 and 0 mismatched tokens at every step; every sleep and wake is counted (the step
 events' sleep_s / sleep_bytes, the replica's zerokl_engine_sleeps / wakes), and the fleet serves afterwards;
-a step that fails after the fleet slept (its version fails the canary) leaves the fleet awake.
+a step that fails after the fleet slept (its version fails the canary, or the trainer refuses its batch while
+the job's start is still being recorded) leaves the fleet awake.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
+import time
 import urllib.request
 
 import pytest
 
+from test_jobs import _record_process
 from test_jobs_bf16 import _with_exploding_moments
 from zerokl.services.inference import InferenceClient, InferenceRequest
 from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
 from zerokl.services.jobs.service import JobsClient
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.weightstore.client import WeightStoreClient
-from zerokl.vocab import SamplingOptions
+from zerokl.vocab import Completion, SamplingOptions
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -37,8 +42,9 @@ def _counter(metrics_address: str, name: str, labels: str = "", suffix: str = "_
 
 def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, zerokl_up) -> None:  # noqa: ANN001
     steps = 3
+    # --max-batch-tokens: 4 x 4 answers of 10 tokens past their prompts (over 500 tokens) are refused, 2 x 4 are not.
     with zerokl_up(tmp_path / "up", "--colocate", "--dtype", "bfloat16", "--trainer-flag=--lr=3e-3",
-                   "--trainer-flag=--run=colocated") as services:
+                   "--trainer-flag=--run=colocated", "--trainer-flag=--max-batch-tokens=400") as services:
         decode = services["decode-0"]["metrics"]
         before = {name: _counter(decode, name) for name in ("zerokl_engine_sleeps", "zerokl_engine_wakes")}
         shared_before = _counter(decode, "zerokl_replica_weight_switches", '{path="shared"}')
@@ -100,6 +106,45 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         assert recorded and recorded[-1]["version"] == plain_steps[-1].weights_version
         assert {m["metadata"]["zerokl.trainer_state"] for m in recorded} == {"none"}
 
+        # A step that fails after the fleet slept while the job's start is still being recorded (the record process
+        # stopped): the trainer refuses the step's batch (more tokens than its --max-batch-tokens). The replica's
+        # weights were released, so it wakes by a switch to the start, from the store: the switch waits for the
+        # start's record instead of failing NOT_FOUND and leaving the fleet asleep, and serves it once it landed.
+        async def refused_while_recording():
+            async with JobsClient(address) as jobs, TrainerClient(services["trainer"]["address"]) as trainer, \
+                    WeightStoreClient(services["weight-store"]["address"]) as weights, \
+                    InferenceClient(address) as inference:
+                # A step by hand first, so the job starts on a version of its own, recorded in the background.
+                await trainer.forward_backward("sft", [Completion((3, 4, 5, 6), (7, 8, 2))])
+                await trainer.optim_step()
+                recorder = _record_process(services["trainer"]["pid"])
+                os.kill(recorder, signal.SIGSTOP)
+                try:
+                    job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=4, group_size=4,
+                                                      max_tokens=10, seed=6, eval_every=0, ignore_eos=True,
+                                                      checkpoint_every=0), "refused")
+                    deadline = time.monotonic() + 60
+                    while not ((status := next(s for s in await jobs.list() if s.job_id == job.job_id)).weights_version
+                               and _counter(decode, "zerokl_engine_sleep_level", suffix="") == 2.0):
+                        assert time.monotonic() < deadline, status     # started (its switch woke the fleet), then
+                        await asyncio.sleep(0.05)                     # asleep for step 1
+                    await asyncio.sleep(1.0)    # the step's batch is refused meanwhile; the job waits for the record
+                    assert status.weights_version not in {e.manifest.version for e in await weights.list()}
+                    assert next(s for s in await jobs.list() if s.job_id == job.job_id).state is JobState.RUNNING
+                finally:
+                    os.kill(recorder, signal.SIGCONT)
+                final = [ev async for ev in jobs.watch(job.job_id)][-1].status
+                served = await inference.generate_all(InferenceRequest(
+                    prompt_ids=(3, 4, 5, 6), options=SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True)),
+                    timeout=60)
+                return final, status.weights_version, served, {e.manifest.version for e in await weights.list()}
+
+        refused, start, served, stored = asyncio.run(refused_while_recording())
+        assert refused.state is JobState.FAILED and refused.error.startswith("INVALID_ARGUMENT"), refused
+        assert "exceed this trainer's limit of 400" in refused.error, refused.error
+        assert start in stored and served.weights_version == start and len(served.samples[0].token_ids) == 4
+        assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
+
         # A step that fails after the fleet slept (its version fails the canary: AdamW moments of 1e20 loaded by
         # hand, as in test_jobs_bf16) leaves the fleet awake on the version the job started from.
         async def poisoned():
@@ -120,4 +165,5 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         assert after.weights_version == final.weights_version and len(after.samples[0].token_ids) == 4
         assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 0.0
         # Each job's steps, and one sleep for each job's start.
-        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == (steps + 1) + (2 + 1) + (1 + 1)
+        assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == \
+            (steps + 1) + (2 + 1) + (1 + 1) + (1 + 1)

@@ -1082,9 +1082,13 @@ class _TrainerSession:
                 if self.manager._wake_fleet is not None:
                     self._call(self.manager._wake_fleet())
             except Exception as err:  # noqa: BLE001 - the weights were released: a switch brings them back
-                log.info("waking the fleet after a failed step: %s; switching it to %s", err, self.weights_version)
+                served = self.weights_version or self.served
+                log.info("waking the fleet after a failed step: %s; switching it to %s", err, served)
                 try:
-                    self._call(self.manager._switch(self.weights_version))
+                    # From the store (a co-located trainer keeps no export past its backward), where the version's
+                    # record may still be on its way (the job's start, shared in place, while its first step trains).
+                    self._await_landed(served)
+                    self._call(self.manager._switch(served))
                 except Exception:  # noqa: BLE001 - the step's error is the job's; this one is logged
                     log.exception("the fleet could not be woken after a failed step")
             raise
