@@ -100,31 +100,13 @@ def test_interpreted_tma_loads_give_the_pointer_loads_bits():
                 assert torch.equal(_bits(got), _bits(want)), (k, alt)
 
 
-@pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU the gpu tests below check the compiled configs")
-def test_interpreted_fused_quantization_gives_the_two_launch_bits():
-    """FUSED_QUANT: fp8_linear's GEMM quantizes its rows' K blocks itself. Its e4m3 values and scales are
-    fp8_quantize's, so its output is the two-launch output bit for bit: ragged K (260: a 4-channel last
-    group), an all-zero row (scale 1), a row of extreme range (subnormal e4m3 values), 20 rows in 16-row
-    tiles, a persistent grid with TMA weight loads (K = 256), a bias, bf16 and fp32 inputs."""
-    cases = [(260, C(16, 32, 4, 1), torch.bfloat16), (260, C(16, 256, 8, 3, GROUP_M=3), torch.float32),
-             (256, C(16, 64, 4, 1, PROGRAMS_PER_SM=1, TMA=True), torch.bfloat16)]
-    for k, cfg, dtype in cases:
-        _, _, qw, sw, bias, x = _operands(20, 160, k, "cpu", seed=k)
-        x = x.to(dtype)
-        x[3] = 0.0
-        x[5, :130] *= 1e-4
-        want = tfp8.fp8_linear(x, qw, sw, bias)
-        got = tfp8.fp8_linear(x, qw, sw, bias, config=dataclasses.replace(cfg, FUSED_QUANT=True))
-        assert torch.equal(_bits(got), _bits(want)), (k, dtype, cfg)
-
-
 @pytest.mark.skipif(GPU, reason="the interpreter's check; on a GPU test_fp8_grouped_configs_bit_identical_on_gpu")
 def test_interpreted_grouped_configs_give_the_default_launch_bits():
     _, _, qw, sw, _, x = _operands(37, 300, 200, "cpu", seed=5)
     weight = torch.stack([qw, qw.flip(0)])
     scale = torch.stack([sw, sw.flip(0)])
     want = tfp8.fp8_grouped_linear(x, weight, scale, [0, 30, 37])
-    for cfg in (C(64, 256, 8, 3), C(64, 64, 4, 4), C(16, 32, 4, 1), C(16, 64, 4, 1, FUSED_QUANT=True)):
+    for cfg in (C(64, 256, 8, 3), C(64, 64, 4, 4), C(16, 32, 4, 1)):
         assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, [0, 30, 37], config=cfg)), _bits(want)), cfg
 
 
@@ -132,15 +114,13 @@ def test_interpreted_grouped_configs_give_the_default_launch_bits():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("n,k", [(4096, 4096), (2048, 7168), (7168, 2048), (200, 96), (384, 1000)])
 def test_fp8_configs_bit_identical_on_gpu(n, k):
-    q, sx, qw, sw, bias, x = _operands(700, n, k, "cuda", seed=n + k)
+    q, sx, qw, sw, bias, _ = _operands(700, n, k, "cuda", seed=n + k)
     canonical = tfp8.CANONICAL_CONFIG
     want = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=canonical)
     want32 = tfp8.fp8_gemm(q, sx, qw, sw, None, torch.float32, config=canonical)
     wantb = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.bfloat16, config=canonical)
     for cfg in _configs(n, k):
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, None, torch.bfloat16, config=cfg)), _bits(want)), cfg
-        fused = dataclasses.replace(cfg, FUSED_QUANT=True)                      # the GEMM quantizing its rows itself
-        assert torch.equal(_bits(tfp8.fp8_linear(x, qw, sw, bias, config=fused)), _bits(wantb)), fused
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, None, torch.float32, config=cfg)), _bits(want32)), cfg
         assert torch.equal(_bits(tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.bfloat16, config=cfg)), _bits(wantb)), cfg
 
@@ -175,8 +155,7 @@ def test_fp8_grouped_configs_bit_identical_on_gpu():
     q, sx = tfp8.fp8_quantize(x)
     want = torch.cat([tfp8.fp8_gemm(q[a:b], sx[a:b], weight[e], scale[e], None, torch.bfloat16,
                                     config=tfp8.CANONICAL_CONFIG) for e, (a, b) in enumerate(zip(offs, offs[1:]))])
-    configs = _configs(384, 512)
-    for cfg in [None] + configs + [dataclasses.replace(cfg, FUSED_QUANT=True) for cfg in configs]:
+    for cfg in [None] + _configs(384, 512):
         assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, offs, config=cfg)), _bits(want)), cfg
     offs_t = torch.tensor(offs, device="cuda")                       # device offsets: the on-device tile search
     assert torch.equal(_bits(tfp8.fp8_grouped_linear(x, weight, scale, offs_t)), _bits(want))

@@ -71,21 +71,12 @@ def candidates() -> list:
     return decode + mid + large + persistent
 
 
-def fused_candidates() -> list:
-    """Configs with FUSED_QUANT, timed through fp8_linear beside its two launches (fp8_quantize, then
-    the table's GEMM): the GEMM quantizes its rows itself, each column band repeating it, so it is
-    meant for decode M, where the quantize launch and its [M, K] round trip are a visible share."""
-    from zerokl.kernels.triton.fp8 import Fp8GemmConfig as C
-    return [C(64, 32, 4, 4, FUSED_QUANT=True), C(64, 64, 4, 4, FUSED_QUANT=True), C(64, 128, 4, 3, FUSED_QUANT=True),
-            C(64, 128, 4, 4, TMA=True, FUSED_QUANT=True), C(128, 128, 8, 3, FUSED_QUANT=True)]
-
-
-def smoke_candidates() -> tuple[list, list]:
+def smoke_candidates() -> list:
     """The smoke run's (the CPU's interpreter, seconds a launch): the table's configs and a spread of a
-    quarter of candidates(), a half of fused_candidates()."""
+    quarter of candidates()."""
     from zerokl.kernels.triton import fp8
     table = [cfg for _, configs in fp8._CUDA_BUCKETS for cfg in configs.values()]
-    return list(dict.fromkeys(table + candidates()[::4])), fused_candidates()[::2]
+    return list(dict.fromkeys(table + candidates()[::4]))
 
 
 def _scaled_mm(qx, sx, qw, sw):
@@ -117,8 +108,7 @@ def _timer(smoke: bool):
 
 def _name(cfg) -> str:
     return f"{cfg.BLOCK_M}x{cfg.BLOCK_N} w{cfg.num_warps} s{cfg.num_stages} g{cfg.GROUP_M}" + (" tma" if cfg.TMA else "") \
-        + (f" p{cfg.PROGRAMS_PER_SM}" if cfg.PROGRAMS_PER_SM else "") \
-        + (" fused-quant" if cfg.FUSED_QUANT else "")
+        + (f" p{cfg.PROGRAMS_PER_SM}" if cfg.PROGRAMS_PER_SM else "")
 
 
 def _config(fields: dict):
@@ -162,9 +152,8 @@ def grid(shapes, ms, dev, time_ms) -> list[dict]:
     return rows
 
 
-def sweep(shapes, ms, dev, time_ms, configs, fused_configs=()) -> tuple[list[dict], list[dict]]:
-    """Every config at every (N, K) x M, fp8_gemm alone; then fp8_linear whole, its two launches beside
-    each of fused_configs: (a row per config and case, the best config and the best fused per case)."""
+def sweep(shapes, ms, dev, time_ms, configs) -> tuple[list[dict], list[dict]]:
+    """Every config at every (N, K) x M: (a row per config and case, the best config per case)."""
     from zerokl.kernels import ops
     from zerokl.kernels.triton import fp8 as tfp8
     g = torch.Generator(device=dev).manual_seed(0)
@@ -197,37 +186,13 @@ def sweep(shapes, ms, dev, time_ms, configs, fused_configs=()) -> tuple[list[dic
                 print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {t_c / t:5.2f}x cuBLASLt"
                       + ("  (the table's)" if cfg == chosen else "")
                       + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE CANONICAL CONFIG: never use it"), flush=True)
-            # fp8_linear whole: the two launches (quantize + the table's GEMM) beside the fused configs
-            x = x_big[:m]
-            t_two = time_ms(lambda: tfp8.fp8_linear(x, qw, sw))  # noqa: B023
-            print(f"    {'quantize + table GEMM':22s} {t_two * 1e3:9.1f} us  (fp8_linear's two launches)", flush=True)
-            fused = []
-            for cfg in fused_configs:
-                row = {"n": n, "k": k, "m": m, "config": dataclasses.asdict(cfg), "in_table": False, "fused": True}
-                try:
-                    same = bool(torch.equal(tfp8.fp8_linear(x, qw, sw, config=cfg), canonical))
-                    t = time_ms(lambda: tfp8.fp8_linear(x, qw, sw, config=cfg))  # noqa: B023
-                except Exception as e:  # noqa: BLE001 - as above
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
-                    rows.append(row)
-                    continue
-                row.update(ms=t, bit_identical=same, vs_two_launch=t_two / t)
-                fused.append(row)
-                rows.append(row)
-                print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {t_two / t:5.2f}x the two launches"
-                      + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE CANONICAL CONFIG: never use it"), flush=True)
             ok = [r for r in case if r["bit_identical"]]
             top = min(ok, key=lambda r: r["ms"]) if ok else None
-            ok_fused = [r for r in fused if r["bit_identical"]]
-            top_fused = min(ok_fused, key=lambda r: r["ms"]) if ok_fused else None
             table = next((r for r in case if r["in_table"]), None)
             best.append({"n": n, "k": k, "m": m, "cublaslt_ms": t_c, "cublaslt_scaling": scaling,
                          "best": top and top["config"], "best_ms": top and top["ms"],
                          "best_vs_cublaslt": top and top["vs_cublaslt"], "table": dataclasses.asdict(chosen),
-                         "table_vs_cublaslt": table and table["vs_cublaslt"], "two_launch_ms": t_two,
-                         "best_fused": top_fused and top_fused["config"],
-                         "best_fused_vs_two_launch": top_fused and top_fused["vs_two_launch"]})
+                         "table_vs_cublaslt": table and table["vs_cublaslt"]})
     return rows, best
 
 
@@ -254,17 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.sweep:
             meta["rows"] = grid(shapes, ms, dev, _timer(args.smoke))
         else:
-            configs, fused = smoke_candidates() if args.smoke else (candidates(), fused_candidates())
-            meta["sweep"], meta["best"] = sweep(shapes, ms, dev, _timer(args.smoke), configs, fused)
+            configs = smoke_candidates() if args.smoke else candidates()
+            meta["sweep"], meta["best"] = sweep(shapes, ms, dev, _timer(args.smoke), configs)
             print("\nper (N, K, M): the fastest config whose bits are the canonical config's; the table's choice")
             for b in meta["best"]:
                 top = "none bit-identical" if b["best"] is None else \
                     f"{_name(_config(b['best'])):22s} {b['best_vs_cublaslt']:5.2f}x cuBLASLt [{b['cublaslt_scaling']}]"
                 table = "did not run" if b["table_vs_cublaslt"] is None else f"{b['table_vs_cublaslt']:5.2f}x"
-                fused = "none bit-identical" if b["best_fused"] is None else \
-                    f"{_name(_config(b['best_fused']))} {b['best_fused_vs_two_launch']:5.2f}x the two launches"
-                print(f"  N{b['n']:5d} K{b['k']:5d} M{b['m']:5d}: {top};  table {_name(_config(b['table']))} {table}; "
-                      f"fused: {fused}")
+                print(f"  N{b['n']:5d} K{b['k']:5d} M{b['m']:5d}: {top};  table {_name(_config(b['table']))} {table}")
             differ = [r for r in meta["sweep"] if r.get("bit_identical") is False]
             failed = [r for r in meta["sweep"] if "error" in r]
             print(f"{len(differ)} config runs with bits unlike the canonical config's"

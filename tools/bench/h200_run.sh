@@ -159,9 +159,8 @@ elif [ "$MODE" = fp8-train ]; then
   tail -n 3 "$OUT/fp8-train.log"
 elif [ "$MODE" = fp8-sweep ]; then
   # issue 50: the FP8 GEMM's tile configs. bench_fp8 --sweep first (every candidate beside cuBLASLt at each
-  # shape x M, its bits checked on every case; then fp8_linear's two launches beside the fused-quantization
-  # configs), its log straight to $FINAL_OUT so a cut-off call keeps what ran; then the GPU tests that every
-  # config gives the canonical config's bits (and the FP8 goldens)
+  # shape x M, its bits checked on every case), its log straight to $FINAL_OUT so a cut-off call keeps what
+  # ran; then the GPU tests that every config gives the canonical config's bits (and the FP8 goldens)
   timeout ${SWEEP_LIMIT:-330} python3 tools/bench/bench_fp8.py --sweep --ms ${FP8_MS:-1 64 2048 8192} \
     --json "$FINAL_OUT/fp8-sweep.json" > "$FINAL_OUT/fp8-sweep.log" 2>&1
   grep -A40 "^per (N, K, M)" "$FINAL_OUT/fp8-sweep.log" || tail -n 40 "$FINAL_OUT/fp8-sweep.log"

@@ -56,39 +56,21 @@ _FP8_BLOCK: tl.constexpr = tl.constexpr(FP8_BLOCK)
 
 
 @triton.jit
-def _e4m3_round(y):
-    # fp32 y, |y| <= 448 -> the e4m3 value nearest y, ties to even, as an fp32 (exact): the quantum of
-    # y's binade (2^(e-3), subnormals 2^-9) added and taken away once, the IEEE add doing the rounding.
-    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    c = quantum * 12582912.0
-    return (y + c) - c
-
-
-@triton.jit
 def _e4m3_byte(y):
     # fp32 y, |y| <= 448 -> the byte of the e4m3 value nearest y, ties to even (int32). Rounds onto
     # the e4m3 grid with IEEE adds (torch_ops.round_to_e4m3), then writes the byte itself: Triton's
     # own fp8 cast under the interpreter rounds ties away and flushes subnormals, so no conversion
     # routine may decide a bit.
-    r = _e4m3_round(y)
+    e = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    quantum = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    c = quantum * 12582912.0
+    r = (y + c) - c
     bits = r.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     ex = ((bits >> 23) & 0xFF) - 127
     normal = (sign << 7) | ((ex + 7) << 3) | ((bits >> 20) & 7)
     subnormal = (sign << 7) | (tl.abs(r) * 512.0).to(tl.int32)         # r = k * 2^-9, k in 0..7
     return tl.where(ex >= -6, normal, subnormal)
-
-
-@triton.jit
-def _group_scale(x):
-    # x [R, 128] fp32: R rows of one 128-channel group -> (s [R], x / s clamped to +-448 [R, 128]),
-    # s = amax / 448 (1 for an all-zero group). fp8_quantize's and the GEMM's fused prologue's one
-    # definition (a max is exact in any order, div_rn is IEEE division).
-    amax = tl.max(tl.abs(x), axis=1)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
-    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -_E4M3_MAX), _E4M3_MAX)
-    return s, y
 
 
 @triton.jit
@@ -99,9 +81,10 @@ def _fp8_quantize_kernel(x_ptr, q_ptr, s_ptr, K, KB, stride_xm, stride_qm, BLOCK
     cols = b * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    s, y = _group_scale(x[None, :])
-    tl.store(q_ptr + row * stride_qm + cols, _e4m3_byte(tl.reshape(y, (BLOCK,))).to(tl.uint8), mask=mask)
-    s = tl.max(s, axis=0)                                   # the one row's scale, as a scalar
+    amax = tl.max(tl.abs(x), axis=0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, _E4M3_MAX), 1.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -_E4M3_MAX), _E4M3_MAX)
+    tl.store(q_ptr + row * stride_qm + cols, _e4m3_byte(y).to(tl.uint8), mask=mask)
     tl.store(s_ptr + row * KB + b, s)
 
 
@@ -177,11 +160,6 @@ class Fp8GemmConfig:
     # A persistent grid (the plain GEMM only): PROGRAMS_PER_SM programs a multiprocessor, each
     # walking tiles in the grouped order; 0: one program a tile. Who computes a tile, not what.
     PROGRAMS_PER_SM: int = 0
-    # fp8_linear and fp8_grouped_linear: the GEMM quantizes its rows' K blocks itself (fp8_quantize's arithmetic, so
-    # the same e4m3 values and scales) instead of a launch of fp8_quantize before it. Pays where
-    # the launch and the [M, K] round trip cost more than each column band re-quantizing its rows
-    # (decode M); its rows are loaded by pointer whatever TMA says.
-    FUSED_QUANT: bool = False
 
 
 # Interpreted launches (CPU) always take this one: the interpreter's CPU bits and golden vectors.
@@ -204,9 +182,14 @@ _GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 128, 4, 3)
 # - larger: 128 x 128 with 8 warps (two warpgroups) and 3-4 stages. The FP8 tutorial's 128 x 256
 #   keeps a K block's partial product beside the accumulator: 128 + 128 fp32 registers a thread
 #   with 8 warps, which may spill.
+# Above 2,048 rows, TMA loads with 4 stages: on an H100 (2026-12-07, bench_fp8's sweep function, M = 4,096)
+# 0.69x / 0.70x cuBLASLt rowwise FP8 at N x K = 4,096 x 4,096 / 2,048 x 7,168, against 0.62x / 0.64x for the
+# canonical pointer loads (166 / 141 us against 184 / 156); the bits equal the canonical config's (torch.equal
+# on every case). Its persistent twin (one program a multiprocessor) was 0.66x / 0.68x; 128 x 256 with TMA 0.36x.
 _CUDA_BUCKETS: list[tuple[int, dict]] = [
     (64, {None: Fp8GemmConfig(64, 128, 4, 3)}),
-    (1 << 62, {None: CANONICAL_CONFIG}),
+    (2048, {None: CANONICAL_CONFIG}),
+    (1 << 62, {None: Fp8GemmConfig(128, 128, 8, 4, TMA=True)}),
 ]
 
 
@@ -238,44 +221,29 @@ def _block_scales(sx, sw_ptr, n0, rn, n_mask, b, stride_swn, BLOCK_N: tl.constex
 @triton.jit
 def _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, m_mask, pid_n, N, K, KB,
               stride_qm, stride_wn, stride_swn, stride_ym,
-              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, QUANT: tl.constexpr,
+              HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # One output tile: rows row0 + [0, BLOCK_M) (m_mask: those that exist), columns of band pid_n.
-    # QUANT: q_src is the fp32/bf16 activations (pointer loads) and sx_ptr unused.
     rm = row0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for b in range(0, KB):                              # K blocks in ascending order, one per scale
-        k_mask = b * BLOCK_K + rk < K
-        if QUANT:
-            # q_src holds the unquantized rows: quantize this K block of them here, as fp8_quantize
-            # would (the same scale and e4m3 values, so the same bits), with no launch of its own
-            # and no [M, K] e4m3 copy through HBM. Each column band repeats it for its rows.
-            x = tl.load(q_src + rm[:, None] * stride_qm + (b * BLOCK_K + rk)[None, :],
-                        mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-            sx, y = _group_scale(x)
-            if UPCAST:
-                a = _e4m3_round(y)
-            else:
-                a = _e4m3_byte(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        else:
-            if TMA:                                     # the box past M or K reads as zeros
-                a = q_src.load([row0.to(tl.int32), b * BLOCK_K])
-            else:
-                a = tl.load(q_src + rm[:, None] * stride_qm + (b * BLOCK_K + rk)[None, :],
-                            mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            sx = tl.load(sx_ptr + rm * KB + b, mask=m_mask, other=0.0)
-        if TMA:
+        if TMA:                                         # the box past M, N or K reads as zeros
+            a = q_src.load([row0.to(tl.int32), b * BLOCK_K])
             w = w_src.load([(pid_n * BLOCK_N).to(tl.int32), b * BLOCK_K])
         else:
+            k_mask = b * BLOCK_K + rk < K
+            a = tl.load(q_src + rm[:, None] * stride_qm + (b * BLOCK_K + rk)[None, :],
+                        mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_src + rn[:, None] * stride_wn + (b * BLOCK_K + rk)[None, :],
                         mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:                                      # interpreter: the exact fp32 dot of e4m3 values
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         part = tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+        sx = tl.load(sx_ptr + rm * KB + b, mask=m_mask, other=0.0)
         acc = acc + part * _block_scales(sx, sw_ptr, pid_n * BLOCK_N, rn, n_mask, b, stride_swn, BLOCK_N)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -290,7 +258,7 @@ def _fp8_linear_kernel(
     stride_qm, stride_wg, stride_wn, stride_sg, stride_swn, stride_ym,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, GROUPED: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, QUANT: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # q_src, w_src: the e4m3 activations [M, K] and weight [N, K] (a stack [G, N, K] when GROUPED),
     # pointers, or with TMA (never GROUPED) tensor descriptors of [BLOCK_M, BLOCK_K] and
@@ -305,7 +273,7 @@ def _fp8_linear_kernel(
         row0 = row0.to(tl.int64)
         _fp8_tile(q_src, sx_ptr, w_src + g.to(tl.int64) * stride_wg, sw_ptr + g.to(tl.int64) * stride_sg, b_ptr,
                   y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < row_end, tl.program_id(1).to(tl.int64), N, K, KB,
-                  stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA, QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
+                  stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
     elif PERSISTENT:
         # Fewer programs than tiles (one or two a multiprocessor), each walking the tiles in
         # grouped order with a stride of the grid: the next tile's loads start while the last
@@ -316,7 +284,7 @@ def _fp8_linear_kernel(
             row0 = pid_m * BLOCK_M
             _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < M, pid_n,
                       N, K, KB, stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA,
-                      QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
+                      BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         # One program a tile, one program axis in grouped order, as gemm._linear_kernel's (the order
         # never enters a tile's arithmetic).
@@ -324,16 +292,15 @@ def _fp8_linear_kernel(
         row0 = pid_m * BLOCK_M
         _fp8_tile(q_src, sx_ptr, w_src, sw_ptr, b_ptr, y_ptr, row0, row0 + tl.arange(0, BLOCK_M) < M, pid_n,
                   N, K, KB, stride_qm, stride_wn, stride_swn, stride_ym, HAS_BIAS, UPCAST, TMA,
-                  QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
+                  BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None, config: Fp8GemmConfig | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = fp8_quantize(x) @ (weight x weight_scale).T (+ bias) by the block-scaled definition.
 
     x [..., K] fp32/bf16; weight [N, K] float8_e4m3fn; weight_scale [ceil(N/128), ceil(K/128)]
-    fp32; output in out_dtype (default x.dtype). config: the launch's (default fp8_launch_config's);
-    with FUSED_QUANT the GEMM quantizes the rows itself, one launch instead of two, the same bits.
+    fp32; output in out_dtype (default x.dtype).
     """
     op = "fp8_linear"
     check_float(op, "x", x)
@@ -348,52 +315,36 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         check_float(op, "bias", bias, ndim=1)
     check_launchable(op, _fp8_linear_kernel, x, weight, weight_scale, bias)
-    x2 = unit_last(x.reshape(-1, k))
-    m = x2.shape[0]
-    cfg = config or fp8_launch_config(m, n, k, is_interpreted(_fp8_linear_kernel))
-    if cfg.FUSED_QUANT:
-        y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-        if m and n:
-            _launch(x2, weight_scale, unit_last(weight), weight_scale.contiguous(), bias, y, cfg, quant=True)
-    else:
-        q, sx = fp8_quantize(x2)
-        y = fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype or x.dtype, config=cfg)
-    return y.reshape(*x.shape[:-1], n)
+    q, sx = fp8_quantize(x.reshape(-1, k))
+    return fp8_gemm(q, sx, weight, weight_scale, bias, out_dtype or x.dtype).reshape(*x.shape[:-1], n)
 
 
 def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> torch.Tensor:
     """The block-scaled product of quantized activations (q [M, K], sx [M, KB]) and a quantized
     weight: fp8_linear after its quantization (arguments as fp8_linear checks them). config:
-    the launch's tiles (default fp8_launch_config's; any config gives the same bits on the GPU;
-    its FUSED_QUANT is moot here: the rows come quantized)."""
+    the launch's tiles (default fp8_launch_config's; any config gives the same bits on the GPU)."""
     (m, k), n = q.shape, weight.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=q.device)
     if m == 0 or n == 0:
         return y
-    cfg = config or fp8_launch_config(m, n, k, is_interpreted(_fp8_linear_kernel))
-    _launch(unit_last(q), sx.contiguous(), unit_last(weight), weight_scale.contiguous(), bias, y, cfg, quant=False)
-    return y
-
-
-def _launch(a: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-            bias: torch.Tensor | None, y: torch.Tensor, cfg: Fp8GemmConfig, quant: bool) -> None:
-    """The plain (not grouped) launch of y [M, N] = a x weight.T: a [M, K] is the e4m3 rows with their
-    scales sx [M, KB], or with quant the unquantized rows (sx unused), quantized in the K loop."""
-    (m, k), n = a.shape, weight.shape[0]
-    tma = cfg.TMA and (quant or _tma_rows(a)) and _tma_rows(weight)
-    a_src = TensorDescriptor.from_tensor(a, [cfg.BLOCK_M, FP8_BLOCK]) if tma and not quant else a
+    q, sx, weight, weight_scale = unit_last(q), sx.contiguous(), unit_last(weight), weight_scale.contiguous()
+    interpreted = is_interpreted(_fp8_linear_kernel)
+    cfg = config or fp8_launch_config(m, n, k, interpreted)
+    tma = cfg.TMA and _tma_rows(q) and _tma_rows(weight)
+    q_src = TensorDescriptor.from_tensor(q, [cfg.BLOCK_M, FP8_BLOCK]) if tma else q
     w_src = TensorDescriptor.from_tensor(weight, [cfg.BLOCK_N, FP8_BLOCK]) if tma else weight
     tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    programs = min(tiles, cfg.PROGRAMS_PER_SM * _multiprocessors(a.device)) if cfg.PROGRAMS_PER_SM else tiles
+    programs = min(tiles, cfg.PROGRAMS_PER_SM * _multiprocessors(q.device)) if cfg.PROGRAMS_PER_SM else tiles
     _fp8_linear_kernel[(programs,)](
-        a_src, sx, w_src, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
-        m, n, k, triton.cdiv(k, FP8_BLOCK), 1,
-        a.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, UPCAST=is_interpreted(_fp8_linear_kernel), GROUPED=False, BLOCK_G=1,
+        q_src, sx, w_src, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
+        m, n, k, sx.shape[1], 1,
+        q.stride(0), 0, weight.stride(0), 0, weight_scale.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, UPCAST=interpreted, GROUPED=False, BLOCK_G=1,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=tma,
-        PERSISTENT=programs < tiles, QUANT=quant, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PERSISTENT=programs < tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    return y
 
 
 def _multiprocessors(device: torch.device) -> int:
@@ -434,21 +385,20 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
+    q, sx = fp8_quantize(x)
     weight, weight_scale = unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
-    # its TMA and PROGRAMS_PER_SM unused (pointer loads, a program a tile); FUSED_QUANT as fp8_linear's
-    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)
+    cfg = config or (INTERPRETED_CONFIG if interpreted else _GROUPED_CUDA_CONFIG)     # its TMA unused: pointer loads
     tiles = (m // cfg.BLOCK_M + min(g, m) if offs is None
              else sum(-(-(b - a) // cfg.BLOCK_M) for a, b in zip(offs, offs[1:])))
     if tiles == 0:
         return y
-    a, sx = (unit_last(x), weight_scale) if cfg.FUSED_QUANT else fp8_quantize(x)
     _fp8_linear_kernel[(tiles, triton.cdiv(n, cfg.BLOCK_N))](
-        a, sx, weight, weight_scale, weight_scale, y, offs_t,
+        q, sx, weight, weight_scale, weight_scale, y, offs_t,
         m, n, k, kb, g,
-        a.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
+        q.stride(0), weight.stride(0), weight.stride(1), weight_scale.stride(0), weight_scale.stride(1), y.stride(0),
         HAS_BIAS=False, UPCAST=interpreted, GROUPED=True, BLOCK_G=max(16, next_pow2(g)),
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=FP8_BLOCK, GROUP_M=cfg.GROUP_M, TMA=False, PERSISTENT=False,
-        QUANT=cfg.FUSED_QUANT, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
