@@ -83,8 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
     _service_logging()
     if args.service in ("prefill", "decode") and "--no-engine-process" not in args.args \
             and not {"-h", "--help"} & set(args.args) and _tp_degree(args.args) == 1:
-        # The engine process imports torch while this one does (start-up); the server takes it, or
-        # stops it when it runs the engine on a thread after all (--tp > 1).
+        # The engine process imports torch while this one starts (its own imports, the flags); the server takes
+        # it, or stops it when it runs the engine on a thread after all (--tp > 1).
         from zerokl.services.engine.child import prestart
         prestart()
     module, func = SERVICES[args.service].split(":")

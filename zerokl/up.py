@@ -96,6 +96,7 @@ from zerokl.services.runtime.info import CLUSTER_ID_ENV, ServiceIdentity, identi
 from zerokl.services.runtime.server import create_channel
 from zerokl.services.runtime.streams import unless_set
 from zerokl.v1 import common_pb2
+from zerokl.vocab import COMPUTE_DTYPES     # --dtype (fp8: e4m3 projections + bf16 activations)
 
 __all__ = ["DEFAULT_WORKDIR", "TRAINER_MODULE", "Child", "ClientSecurity", "UpSecurity", "build_parser",
            "add_arguments", "main", "run", "read_state", "status"]
@@ -112,9 +113,6 @@ _STOP_ORDER = ("tinker", "scheduler", "prefill", "decode", "trainer", "weight-st
 # failing, never more than the cap; a child that served this long before dying starts over at the first delay.
 _BACKOFF_CAP_S = 30.0
 _STABLE_S = 60.0
-# --dtype: zerokl.kernels.dtypes.COMPUTE_DTYPES, spelled here so that `zerokl up` starts without importing
-# torch (tests/kernels/test_dtypes.py checks that they agree). fp8: e4m3 projections + bf16 activations.
-_DTYPE_CHOICES = ("bfloat16", "float32", "fp8")
 _STREAM_INTERVAL = 8   # the decode replicas' --stream-interval
 
 
@@ -236,7 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="weights seed of --preset (default %(default)s)")
     m.add_argument("--weights-version", default=None,
                    help="version to publish into an empty store (default 1) and to serve (default: the newest)")
-    m.add_argument("--dtype", choices=sorted(_DTYPE_CHOICES), default=None,
+    m.add_argument("--dtype", choices=sorted(COMPUTE_DTYPES), default=None,
                    help="the fleet's model dtype: a preset is made and published in it, so the replicas serve "
                         "and the trainer trains in it (with fp32 master weights). Default for a preset: bfloat16 "
                         "where CUDA is available, else float32. A --model checkpoint is published as it is: "
@@ -529,8 +527,8 @@ def _check_exact(args: argparse.Namespace, stored: str | None, what: str) -> Non
                           f"in {asked}, the rest of the fleet in {args.dtype}; drop {option}=--dtype")
         culprit = f"{option}=--dtype={asked}" if asked is not None else f"--dtype {args.dtype}"
         asked = asked or args.dtype
-        if asked is not None and asked not in _DTYPE_CHOICES:
-            raise UpError(f"{option}=--dtype={asked}: expected one of {', '.join(sorted(_DTYPE_CHOICES))}")
+        if asked is not None and asked not in COMPUTE_DTYPES:
+            raise UpError(f"{option}=--dtype={asked}: expected one of {', '.join(sorted(COMPUTE_DTYPES))}")
         if side == "trainer" and names_fp8(stored) and not (asked is None or names_fp8(asked)):
             raise UpError(f"{culprit}: {what} is an FP8 checkpoint, which the replicas serve in FP8 whatever "
                           f"they are asked and the trainer cannot train in {asked} (it does not dequantize): "

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FinishReason", "InvalidOption", "SamplingOptions", "Completion", "Rollout",
+__all__ = ["FinishReason", "InvalidOption", "SamplingOptions", "Completion", "Rollout", "COMPUTE_DTYPES",
            "MIN_TEMPERATURE", "MAX_TEMPERATURE", "MIN_TOP_P", "MAX_STOP_STRINGS", "MAX_STOP_LENGTH"]
+
+# The dtypes a fleet, a replica or a trainer is asked to compute in (`--dtype`, TrainConfig.dtype), as spelled
+# there: zerokl.kernels.dtypes.COMPUTE_DTYPES, spelled here so that the command line, a replica's server and the
+# trainer's config read them without torch (tests/kernels/test_dtypes.py checks that they agree).
+COMPUTE_DTYPES = ("float32", "bfloat16", "fp8")
 
 # "stop" (eos, stop id or stop string) | "length" | "abort" | "error" (the engine failed on this
 # request alone: SampleOutput.error says how; services turn it into the request's error status)

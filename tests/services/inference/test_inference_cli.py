@@ -13,8 +13,10 @@ from typing import Iterator
 import pytest
 
 from conftest import TOKENIZER, offline, prompt
+from zerokl.kernels import __version__ as numerics_version
 from zerokl.kernels import fingerprint
 from zerokl.services.inference import InferenceClient, InferenceRequest
+from zerokl.services.runtime.info import model_config_hash
 from zerokl.vocab import SamplingOptions
 
 MODEL_FLAGS = ["--preset", "tiny", "--seed", "0", "--port", "0", "--threads", "1"]
@@ -197,3 +199,36 @@ def test_zerokl_generate_starts_without_torch() -> None:
     rc, torch_loaded, kernels_loaded = run.stdout.split()
     assert rc != "0" and "UNAVAILABLE" in run.stderr      # nothing listens there: it got as far as connecting
     assert (torch_loaded, kernels_loaded) == ("False", "False"), run.stderr
+
+
+def test_zerokl_serve_decode_runs_without_torch(model) -> None:
+    """A decode replica's server runs no kernel: its engine process loads the model and computes, and tells the
+    server what it computes with. From its start through a generation to its stop the server imports neither torch
+    nor the numerics library (~2.5 s of CPU saved on each start); a KV handoff, a weights version read from the
+    store or a trace would load them on demand."""
+    program = ("import sys; from zerokl.cli import main; "
+               f"rc = main(['serve', 'decode', *{MODEL_FLAGS!r}, '--grace', '0']); "
+               "print(rc, 'torch' in sys.modules, 'zerokl.kernels' in sys.modules)")
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        listening = proc.stdout.readline()  # type: ignore[union-attr]
+        assert listening.startswith("decode listening on"), listening
+
+        async def serve() -> tuple:
+            async with InferenceClient(listening.split()[3]) as client:
+                return await client.info(), await client.generate_all(InferenceRequest(prompt_ids=IDS,
+                                                                                       options=OPTIONS))
+        info, result = asyncio.run(serve())
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    # What the engine process reported is what this process computes, and so is the generation.
+    assert (info.numerics_version, info.numerics_fingerprint, info.dtype, info.model_config_hash) == \
+        (numerics_version, fingerprint(), "float32", model_config_hash(model.config.to_dict()))
+    want = offline(model, IDS, OPTIONS)[0]
+    assert (result.samples[0].token_ids, result.samples[0].logprobs) == (want.token_ids, want.logprobs)
+    rc, torch_loaded, kernels_loaded = out.split()
+    assert rc == "0", err
+    assert (torch_loaded, kernels_loaded) == ("False", "False"), err

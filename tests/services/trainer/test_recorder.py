@@ -13,7 +13,8 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.trainer.recorder import RecordWorker
 from zerokl.services.trainer.server import build_parser
-from zerokl.services.weightstore.sync import SharedUnavailable, export_shared, open_shared
+from zerokl.services.weightstore.shared import SharedUnavailable
+from zerokl.services.weightstore.sync import export_shared, open_shared
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,7 +19,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from zerokl.kernels.model import Model
 from zerokl.services.trainer.config import TrainConfig
-from zerokl.services.weightstore.sync import SharedUnavailable, open_shared
+from zerokl.services.weightstore.shared import SharedUnavailable
+from zerokl.services.weightstore.sync import open_shared
 from zerokl.v1 import trainer_pb2
 
 from test_trainer_service import _flags, _prompts, _reference, _rollouts, _status, trainer_server

@@ -13,8 +13,8 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.services.weightstore import sync
 from zerokl.services.weightstore.convert import shared_export_from_proto, shared_export_to_proto
-from zerokl.services.weightstore.shared import SharedCudaBuffer
-from zerokl.services.weightstore.sync import ChecksumMismatch, SharedUnavailable, export_shared, open_shared
+from zerokl.services.weightstore.shared import ChecksumMismatch, SharedCudaBuffer, SharedUnavailable
+from zerokl.services.weightstore.sync import export_shared, open_shared
 
 pytestmark = pytest.mark.timeout(120)
 

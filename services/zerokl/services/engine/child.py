@@ -1,9 +1,10 @@
-"""Spawn the engine process; for a replica, before the server imports torch, so the two imports overlap.
+"""Spawn the engine process; for a replica, first thing, so its imports overlap the server's start.
 
 This module imports nothing heavy (no torch, nothing of the engine at import time): `zerokl serve
 prefill|decode` calls :func:`prestart` first thing, so the spawned child imports torch and the library
-while the server process does the same; the server then hands the child its engine factory
-(:meth:`zerokl.services.inference.AsyncEngine.spawn` with :func:`take`'s process). On an H200 host each
+while the server process imports its own (gRPC, the service runtime; a decode server no torch: see
+:mod:`zerokl.services.inference.server`); the server then hands the child its engine factory
+(:meth:`zerokl.services.inference.AsyncEngine.spawn` with :func:`take`'s process). On an H200 host torch's
 import is ~2 s of a replica's start-up; a child nobody takes is stopped at exit (a daemon process) or by
 :func:`discard`. The child runs :func:`zerokl.services.engine.core.serve`.
 """

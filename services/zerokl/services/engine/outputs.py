@@ -9,18 +9,20 @@ queue unpickled when the core runs on a thread of the front's process.
 
 The core speaks of failures in its own terms (:class:`CoreError`, naming a status); the front maps
 them to the service's errors, so this package needs neither gRPC nor the service runtime.
+
+This module imports no torch: a replica's server whose engine runs in a child reads the engine's info
+and a pass's outputs (names, numbers, Python lists) without it. A message that holds tensors (a prefill
+replica's exported KV, a trace) loads torch where it is unpickled; one that is sent holds tensors only
+where torch is loaded (:func:`dumps`).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Sequence
 
-import torch
-import torch.multiprocessing  # noqa: F401 - registers the tensor reductions with ForkingPickler
-from multiprocessing.reduction import ForkingPickler
-
-from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.types import SampleOutput
 
 __all__ = ["CoreError", "EngineInfo", "StepOutputs", "dumps", "loads", "merge_outputs"]
@@ -49,13 +51,15 @@ class CoreError(Exception):
 class EngineInfo:
     """What the front (and the replica on it) knows of the engine without touching it.
 
-    ``fingerprint``, ``backend``, ``device_name`` are computed where the engine runs (the child
-    process owns the device); None for an engine in a thread (the caller computes them itself).
+    Plain data (the config's dict, dtype names): the front of an engine process reads it without torch
+    or the numerics library. ``fingerprint``, ``backend``, ``device_name`` and ``numerics_version`` are
+    computed where the engine runs (the child process owns the device); None for an engine in a thread
+    (the caller computes them itself).
     """
 
-    model_config: ModelConfig
-    dtype: torch.dtype                 # activations (and KV)
-    numerics_dtype: torch.dtype        # what names the numerics: float8_e4m3fn for an FP8 model, else dtype
+    model_config: dict[str, Any]       # ModelConfig.to_dict(): what its hash (model_config_hash) is of
+    dtype: str                         # activations (and KV), a canonical name (zerokl.kernels.dtypes)
+    numerics_dtype: str                # what names the numerics: "float8_e4m3fn" for an FP8 model, else dtype
     max_model_len: int
     block_size: int
     num_blocks: int
@@ -64,23 +68,25 @@ class EngineInfo:
     fingerprint: str | None = None
     backend: str | None = None
     device_name: str | None = None
+    numerics_version: str | None = None
 
     @staticmethod
     def of(engine: Any, identify: bool = False, lockstep: bool = False) -> "EngineInfo":
         """The info of ``engine`` (an Engine, or a tensor-parallel rank 0's view of one: ``lockstep``);
-        ``identify``: also the numerics fingerprint, backend and device name on its device (golden
+        ``identify``: also the numerics version, fingerprint, backend and device name on its device (golden
         vectors run there)."""
+        from zerokl.kernels.dtypes import dtype_name
         from zerokl.kernels.model.fp8 import numerics_dtype
         model = engine.model
         device = model.embed_tokens.weight.device
         dtype = numerics_dtype(model)
         extra: dict[str, Any] = {}
         if identify:
-            from zerokl.kernels import device_name, fingerprint, get_backend
+            from zerokl.kernels import __version__, device_name, fingerprint, get_backend
             extra = dict(fingerprint=fingerprint(device=device, dtype=dtype), backend=get_backend(),
-                         device_name=device_name())
-        return EngineInfo(model.config, model.dtype, dtype, engine.max_model_len, engine.config.block_size,
-                          engine.config.num_blocks, str(device), lockstep, **extra)
+                         device_name=device_name(), numerics_version=__version__)
+        return EngineInfo(model.config.to_dict(), dtype_name(model.dtype), dtype_name(dtype), engine.max_model_len,
+                          engine.config.block_size, engine.config.num_blocks, str(device), lockstep, **extra)
 
 
 # ---------------------------------------------------------------------------- a pass's outputs
@@ -202,6 +208,10 @@ def merge_outputs(pieces: list[tuple[StepOutputs, int]], request_id: str) -> lis
 def dumps(obj: Any) -> bytes:
     """Pickle for the pipe: tensors by shared memory (CPU) or CUDA IPC (torch's reductions, registered
     with multiprocessing's ForkingPickler when torch.multiprocessing is imported)."""
+    if "torch" in sys.modules:
+        # A message holds tensors only where torch is loaded (a front whose engine runs in a child loads it only
+        # on the paths that make them): register their reductions then, or they would be pickled by value.
+        import torch.multiprocessing  # noqa: F401
     return bytes(ForkingPickler.dumps(obj))
 
 

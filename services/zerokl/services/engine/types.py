@@ -1,11 +1,17 @@
-"""Typed requests and outputs of the inference engine (no protobuf here: services convert)."""
+"""Typed requests and outputs of the inference engine (no protobuf here: services convert).
+
+No torch at import: a replica's server, whose engine runs in a child process, builds these and reads them
+back without it (the tensors of a KV handoff are the only ones here, made where they are used).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from zerokl.vocab import FinishReason, SamplingOptions
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GenerateRequest", "SampleOutput", "KVHandoff", "EngineConfig", "OwnedWeights"]
 

@@ -52,11 +52,9 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from zerokl.services.engine import child
-from zerokl.services.engine.core import EngineCore
-from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.outputs import CoreError, EngineInfo, StepOutputs, dumps, loads, merge_outputs
 from zerokl.services.engine.types import GenerateRequest, SampleOutput
 from zerokl.services.runtime import metrics
@@ -70,6 +68,9 @@ from zerokl.services.runtime.errors import (
     Unavailable,
 )
 from zerokl.services.runtime.metrics import LatencyTracker
+
+if TYPE_CHECKING:   # the engine (torch, the numerics library): only where it runs on a thread of this process
+    from zerokl.services.engine.engine import Engine
 
 __all__ = ["AsyncEngine", "RequestStream", "collect"]
 
@@ -261,6 +262,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         if _process is None:
             assert engine is not None
+            # Imported here: an engine on a thread was built in this process, torch and all; a front whose engine
+            # runs in a child process never loads the core (nor torch).
+            from zerokl.services.engine.core import EngineCore
             from zerokl.services.inference.tensor_parallel import LockstepEngine
             self.info = EngineInfo.of(engine, lockstep=isinstance(engine, LockstepEngine))
             self._core: EngineCore | None = EngineCore(engine, self._from_core_thread, weights_version,

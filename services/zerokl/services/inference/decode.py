@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import AsyncIterator
+from types import ModuleType
+from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
 import grpc.aio
@@ -34,9 +35,7 @@ from opentelemetry import trace
 
 from zerokl.services.inference import convert
 from zerokl.services.inference.client import InferenceClient
-from zerokl.kernels.trace import Trace
 from zerokl.services.engine.types import KVHandoff
-from zerokl.services.inference.kv import KVReceiver, check_header
 from zerokl.services.inference.replica import Replica
 from zerokl.services.inference.service import INFERENCE_SERVICE, InferenceServicer
 from zerokl.services.inference.types import GenerateDelta, InferenceRequest, KVHeader, ScoreResult, SleepState, Usage
@@ -56,6 +55,10 @@ from zerokl.services.runtime.streams import unless_set
 from zerokl.services.runtime.tracing import tag_request
 from zerokl.v1 import inference_pb2, inference_pb2_grpc
 from zerokl.vocab import SamplingOptions
+
+if TYPE_CHECKING:    # both hold tensors (torch): loaded where a trace or a handoff is read (see _kv_wire)
+    from zerokl.kernels.trace import Trace
+    from zerokl.services.inference.kv import KVReceiver
 
 __all__ = ["DECODE_SERVICE", "DEFAULT_HANDOFF_TIMEOUT_S", "Decoder", "DecodeServicer", "add_decode_service"]
 
@@ -173,6 +176,7 @@ class Decoder:
         """The checked header and the complete, verified blob of ``r``'s prompt KV from ``prefill``."""
         replica = self.replica
         started = time.perf_counter()
+        kv = await asyncio.to_thread(_kv_wire)
         client = self._client(prefill)
         receiver: KVReceiver | None = None
         stream = client.prefill_kv_stream(r, timeout=timeout_s)
@@ -189,13 +193,13 @@ class Decoder:
                     # Refused before a byte is buffered: a checked header also bounds the blob's size. Other
                     # weights or numerics are a state (FAILED_PRECONDITION); a malformed header is a fault.
                     try:
-                        check_header(header, replica.identity, replica.model_config, replica.dtype,
+                        kv.check_header(header, replica.identity, replica.model_config, replica.dtype,
                                      replica.max_model_len, r.options.n)
                     except InvalidArgument as err:
                         raise _HandoffFailed(grpc.StatusCode.DATA_LOSS, f"a malformed KV header: {err.message}",
                                              prefill) from None
                     replica.check_generate(header.prompt_ids, r.options)
-                    receiver = KVReceiver(header, shared=replica.engine.in_process)
+                    receiver = kv.KVReceiver(header, shared=replica.engine.in_process)
                 else:
                     try:
                         receiver.add(item)   # offset, size and checksum: the prefill side's fault if bad
@@ -226,6 +230,17 @@ class Decoder:
                                                                credentials=self._credentials,
                                                                tracer_provider=self._tracer_provider)
         return client
+
+
+def _kv_wire() -> ModuleType:
+    """:mod:`zerokl.services.inference.kv`, which makes the KV's tensors (torch, the numerics library).
+
+    A decode replica whose engine runs in a child process loads torch only here, at its first handoff
+    (called off the event loop: the import takes seconds, and the streams it serves go on meanwhile);
+    local generation needs none.
+    """
+    from zerokl.services.inference import kv
+    return kv
 
 
 class DecodeServicer(inference_pb2_grpc.DecodeServicer):

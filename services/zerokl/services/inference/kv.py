@@ -19,11 +19,11 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+from typing import Any, Mapping
 
 import torch
 
 from zerokl.kernels.dtypes import DTYPES, dtype_name
-from zerokl.kernels.model import ModelConfig
 from zerokl.services.engine.types import KVHandoff
 from zerokl.services.inference.types import KVHeader, TensorLayout
 from zerokl.services.runtime.chunks import Chunk, verify_chunk
@@ -73,22 +73,25 @@ def handoff_to_blob(handoff: KVHandoff, *, request_id: str, identity: ServiceIde
     return header, blob
 
 
-def expected_layouts(config: ModelConfig, dtype: torch.dtype, num_tokens: int) -> tuple[TensorLayout, ...]:
-    """The only layouts a replica of ``config`` in ``dtype`` accepts for ``num_tokens`` positions."""
-    dims = {"latent": config.kv_lora_rank, "rope": config.qk_rope_head_dim, "index_k": config.index_head_dim}
-    size = torch.empty((), dtype=dtype).element_size()
+def expected_layouts(config: Mapping[str, Any], dtype: str, num_tokens: int) -> tuple[TensorLayout, ...]:
+    """The only layouts a replica of ``config`` (ModelConfig.to_dict()) in ``dtype`` (its name) accepts for
+    ``num_tokens`` positions."""
+    dims = {"latent": config["kv_lora_rank"], "rope": config["qk_rope_head_dim"],
+            "index_k": config["index_head_dim"]}
+    size = DTYPES[dtype].itemsize
     out, offset = [], 0
     for name in KV_TENSORS:
-        shape = (config.num_hidden_layers, num_tokens, dims[name])
+        shape = (config["num_hidden_layers"], num_tokens, dims[name])
         nbytes = shape[0] * shape[1] * shape[2] * size
-        out.append(TensorLayout(name, dtype_name(dtype), shape, offset, nbytes))
+        out.append(TensorLayout(name, dtype, shape, offset, nbytes))
         offset += nbytes
     return tuple(out)
 
 
-def check_header(header: KVHeader, identity: ServiceIdentity, config: ModelConfig, dtype: torch.dtype,
+def check_header(header: KVHeader, identity: ServiceIdentity, config: Mapping[str, Any], dtype: str,
                  max_model_len: int, num_samples: int) -> None:
-    """Refuse a header this replica cannot use, before any byte of the blob is buffered.
+    """Refuse a header this replica cannot use (of ``config``, ModelConfig.to_dict(), in the dtype named
+    ``dtype``), before any byte of the blob is buffered.
 
     FAILED_PRECONDITION when the KV was computed with other weights, numerics
     or model config (its bits would not be this replica's); INVALID_ARGUMENT
@@ -120,10 +123,11 @@ def check_header(header: KVHeader, identity: ServiceIdentity, config: ModelConfi
         raise InvalidArgument.field("kv.first_token_ids", f"got {len(header.first_token_ids)} first tokens and "
                                                           f"{len(header.first_logprobs)} logprobs; the request has "
                                                           f"{num_samples} samples, one of each per sample")
-    bad = next((t for t in header.first_token_ids if not 0 <= t < config.vocab_size), None)
+    vocab_size = config["vocab_size"]
+    bad = next((t for t in header.first_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidArgument.field("kv.first_token_ids", f"token id {bad} is outside the vocabulary "
-                                                          f"[0, {config.vocab_size})")
+                                                          f"[0, {vocab_size})")
     if not all(math.isfinite(lp) for lp in header.first_logprobs):
         raise InvalidArgument.field("kv.first_logprobs", f"got {list(header.first_logprobs)}; a drawn token's "
                                                          f"logprob is finite")

@@ -11,9 +11,8 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
-from zerokl.kernels.trace import Trace, trace_sequence
 from zerokl.tokenizer import Tokenizer
 from zerokl.services.engine.types import GenerateRequest, KVHandoff, SampleOutput
 from zerokl.services.inference.async_engine import AsyncEngine, RequestStream, collect
@@ -30,6 +29,9 @@ from zerokl.services.runtime.errors import (
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.optrace import identity_meta
 from zerokl.vocab import SamplingOptions
+
+if TYPE_CHECKING:    # a trace holds tensors: torch only where one is made (the engine's core) or read
+    from zerokl.kernels.trace import Trace
 
 __all__ = ["ServingLimits", "Replica"]
 
@@ -55,8 +57,8 @@ class Replica:
         self.limits = limits
         # What the engine reported of itself (it may run in another process): read-only.
         info = engine.info
-        self.model_config = info.model_config
-        self.dtype = info.dtype
+        self.model_config = info.model_config      # the config's dict (ModelConfig.to_dict())
+        self.dtype = info.dtype                    # the activations' (and KV's) dtype name
         self.max_model_len = info.max_model_len
         self._block_size = info.block_size
         self._num_blocks = info.num_blocks
@@ -282,4 +284,5 @@ class Replica:
 
 def _trace(engine, ids, temperature, top_k, top_p, capture, meta) -> Trace:  # noqa: ANN001
     """Run by the engine core: the per-op trace of ``ids`` on the engine's model."""
+    from zerokl.kernels.trace import trace_sequence    # here: where the model is, torch with it
     return trace_sequence(engine.model, ids, temperature, top_k, top_p, capture, meta)

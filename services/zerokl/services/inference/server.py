@@ -9,6 +9,12 @@ default: it loads the model, owns the device and computes the numerics fingerpri
 process runs the gRPC server), or on a thread of the server (``--no-engine-process``; always for
 ``--tp`` > 1). On start one line goes to stdout,
 ``<service> listening on HOST:PORT ...``, which ``zerokl up`` and the tests read.
+
+A decode server whose engine runs in its own process runs no kernel and does not import torch (nor the
+numerics library) to start, serve and stop: what it knows of the model comes from the engine process
+(:class:`~zerokl.services.engine.outputs.EngineInfo`). It loads torch only on the paths that make
+tensors here: a KV handoff from a prefill replica, a weights version read from the store, a trace. A prefill
+server, whose every answer is a KV handoff, and a server running the engine on a thread load it at start.
 """
 from __future__ import annotations
 
@@ -18,32 +24,15 @@ import functools
 import pathlib
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-import torch.distributed as dist
-
-from zerokl.kernels import __version__ as numerics_version
-from zerokl.kernels import device_name, fingerprint, get_backend
-from zerokl.kernels.dtypes import COMPUTE_DTYPES, FP8, dtype_name, names_fp8, to_dtype
-from zerokl.kernels.model import Model, ModelConfig
-from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, numerics_dtype, quantize_fp8
-from zerokl.kernels.model.parallel import apply_tensor_parallel, supported_tp_degrees
 from zerokl.tokenizer import Tokenizer, load_tokenizer
 from zerokl.services.engine import child as engine_child
-from zerokl.services.engine.engine import Engine
 from zerokl.services.engine.outputs import EngineInfo
 from zerokl.services.engine.types import EngineConfig
 from zerokl.services.inference.async_engine import AsyncEngine
 from zerokl.services.inference.decode import DEFAULT_HANDOFF_TIMEOUT_S, Decoder, add_decode_service
-from zerokl.services.inference.prefill import Prefiller, add_prefill_service
 from zerokl.services.inference.replica import Replica, ServingLimits
-from zerokl.services.inference.tensor_parallel import (
-    LockstepEngine,
-    TensorParallelGroup,
-    follow,
-    start_tensor_parallel,
-)
 from zerokl.services.inference.weights import WeightSwitcher
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.dataclass_flags import add_dataclass_arguments, dataclass_from_args
@@ -52,6 +41,14 @@ from zerokl.services.runtime.metrics import MetricsServer, set_serving_info
 from zerokl.services.runtime.server import (ServiceServer, add_server_arguments, options_from_args, peer_credentials,
                                             serve)
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.vocab import COMPUTE_DTYPES
+
+if TYPE_CHECKING:
+    # Torch and the numerics library: imported by the functions that make the model (an engine on a thread of
+    # this process, an engine process's factory), not at import (see the module docstring).
+    from zerokl.kernels.model import Model
+    from zerokl.services.engine.engine import Engine
+    from zerokl.services.inference.tensor_parallel import TensorParallelGroup
 
 __all__ = ["DEFAULT_PORTS", "DEFAULT_GIL_SWITCH_MS", "LoadedModel", "build_parser", "model_source", "load_model", "engine_from_args",
            "make_identity", "identity_from_info", "build_engine", "build_replica", "spawn_replica", "main",
@@ -140,7 +137,8 @@ def build_parser(service: str) -> argparse.ArgumentParser:
 
 
 def model_source(args: argparse.Namespace) -> tuple[str, str | None]:
-    """The weights version and tokenizer spec the flags select, without loading the model."""
+    """The weights version and tokenizer spec the flags select, without loading the model (nor torch: a
+    preset's name is checked where the model is made, :func:`load_model`)."""
     if args.model:
         directory = pathlib.Path(args.model).expanduser()
         if not (directory / "config.json").exists():
@@ -148,10 +146,6 @@ def model_source(args: argparse.Namespace) -> tuple[str, str | None]:
         version = args.weights_version or directory.resolve().name
         tok_spec = args.tokenizer or (str(directory) if (directory / "tokenizer.json").exists() else None)
     else:
-        try:
-            ModelConfig.preset(args.preset)
-        except ValueError as err:
-            raise SystemExit(str(err)) from None
         version = args.weights_version or f"preset-{args.preset}-seed{args.seed}"
         tok_spec = args.tokenizer or "countdown"
     return version, tok_spec
@@ -159,12 +153,20 @@ def model_source(args: argparse.Namespace) -> tuple[str, str | None]:
 
 def load_model(args: argparse.Namespace) -> LoadedModel:
     """The model, weights version and tokenizer the flags select."""
+    import torch
+
+    from zerokl.kernels.dtypes import FP8, to_dtype
+    from zerokl.kernels.model import Model, ModelConfig
+    from zerokl.kernels.model.fp8 import FP8_ACTIVATIONS, quantize_fp8
     version, tok_spec = model_source(args)
     dtype = to_dtype(args.dtype) if args.dtype else None
     if args.model:
         model = Model.from_pretrained(pathlib.Path(args.model).expanduser(), dtype=dtype)
     else:
-        config = ModelConfig.preset(args.preset)
+        try:
+            config = ModelConfig.preset(args.preset)
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
         if dtype == FP8:     # the bf16 preset, quantized: what `zerokl up --dtype fp8` publishes
             model = quantize_fp8(Model(config, seed=args.seed, dtype=FP8_ACTIVATIONS))
         else:
@@ -177,6 +179,7 @@ def load_model(args: argparse.Namespace) -> LoadedModel:
 
 def engine_from_args(args: argparse.Namespace) -> Engine:
     """The engine the flags describe, model loaded here: what an engine process runs at start."""
+    import torch
     if args.threads:
         torch.set_num_threads(args.threads)
     return build_engine(load_model(args), args)
@@ -184,6 +187,11 @@ def engine_from_args(args: argparse.Namespace) -> Engine:
 
 def make_identity(service: str, model: Model, weights_version: str, replica_id: str | None = None) -> ServiceIdentity:
     """What this replica computes with: numerics version and fingerprint on its backend/device/dtype."""
+    # The model is in this process (an engine on a thread), and so are torch and the library.
+    from zerokl.kernels import __version__ as numerics_version
+    from zerokl.kernels import device_name, fingerprint, get_backend
+    from zerokl.kernels.dtypes import dtype_name
+    from zerokl.kernels.model.fp8 import numerics_dtype
     device = model.embed_tokens.weight.device
     dtype = numerics_dtype(model)           # float8_e4m3fn for an FP8 model: its own fingerprint key
     return ServiceIdentity(
@@ -197,11 +205,12 @@ def identity_from_info(service: str, info: EngineInfo, weights_version: str,
                        replica_id: str | None = None) -> ServiceIdentity:
     """:func:`make_identity` from what an engine process reported (it computed the fingerprint on its device)."""
     assert info.fingerprint is not None and info.backend is not None and info.device_name is not None
+    assert info.numerics_version is not None
     return ServiceIdentity(
-        service=service, replica_id=replica_id or default_replica_id(service), numerics_version=numerics_version,
+        service=service, replica_id=replica_id or default_replica_id(service), numerics_version=info.numerics_version,
         numerics_fingerprint=info.fingerprint, backend=info.backend, device=info.device_name,
-        dtype=dtype_name(info.numerics_dtype), weights_version=weights_version,
-        model_config_hash=model_config_hash(info.model_config.to_dict()))
+        dtype=info.numerics_dtype, weights_version=weights_version,
+        model_config_hash=model_config_hash(info.model_config))
 
 
 def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
@@ -210,8 +219,11 @@ def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
     Call it from the main thread (the engine process is armed to die with the thread that spawns it).
     """
     version, tok_spec = model_source(args)
-    engine = AsyncEngine.spawn(functools.partial(engine_from_args, args), name=f"zerokl-{service}-engine",
-                               weights_version=version, threads=args.threads, started=engine_child.take())
+    try:
+        engine = AsyncEngine.spawn(functools.partial(engine_from_args, args), name=f"zerokl-{service}-engine",
+                                   weights_version=version, threads=args.threads, started=engine_child.take())
+    except RuntimeError as err:     # what the engine process said (an unknown preset, ...): its log has the rest
+        raise SystemExit(str(err)) from None
     identity = identity_from_info(service, engine.info, version, args.replica_id)
     tokenizer = load_tokenizer(tok_spec) if tok_spec else None
     return Replica(engine, identity, tokenizer, ServingLimits(max_n=args.max_n, stream_interval=args.stream_interval))
@@ -219,6 +231,7 @@ def spawn_replica(service: str, args: argparse.Namespace) -> Replica:
 
 def build_engine(loaded: LoadedModel, args: argparse.Namespace) -> Engine:
     """The engine the flags describe."""
+    from zerokl.services.engine.engine import Engine
     config = dataclass_from_args(EngineConfig, args)
     return Engine(loaded.model, config, loaded.tokenizer)
 
@@ -237,8 +250,6 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     parser = build_parser(service)
     args = parser.parse_args(argv)
     options = options_from_args(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if not args.gil_switch_ms > 0:
         parser.error("--gil-switch-ms must be > 0")
     if args.stream_interval < 1:
@@ -247,6 +258,9 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     tp: TensorParallelGroup | None = None
     lockstep: LockstepEngine | None = None
     if args.tp != 1:
+        from zerokl.kernels.dtypes import names_fp8
+        from zerokl.kernels.model.parallel import supported_tp_degrees
+        from zerokl.services.inference.tensor_parallel import start_tensor_parallel
         if names_fp8(args.dtype):
             # apply_tensor_parallel shards bf16/fp32 weights; the FP8 blocks and their scales are not sharded yet.
             parser.error("--dtype fp8 serves at --tp 1 for now")
@@ -257,9 +271,16 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
     if tp is None and args.engine_process:
         replica = spawn_replica(service, args)
     else:
+        import torch
         engine_child.discard()   # one `zerokl serve` may have prestarted (the engine runs on a thread here)
+        if args.threads:
+            torch.set_num_threads(args.threads)
         loaded = load_model(args)
         if tp is not None:
+            import torch.distributed as dist
+
+            from zerokl.kernels.model.parallel import apply_tensor_parallel
+            from zerokl.services.inference.tensor_parallel import LockstepEngine, follow
             apply_tensor_parallel(loaded.model, tp.compute)
             if tp.rank > 0:                           # a follower: no server, the engine in lockstep
                 follow(build_engine(loaded, args), tp)
@@ -269,6 +290,8 @@ def main(service: str, argv: Sequence[str] | None = None) -> int:
         replica = build_replica(service, loaded, args, lockstep)
     chunk = MAX_CHUNK_BYTES
     if service == "prefill":
+        # Its every answer is a KV handoff, made of tensors (the prefill module loads torch): loaded at start.
+        from zerokl.services.inference.prefill import Prefiller, add_prefill_service
         chunk = args.kv_chunk_bytes or MAX_CHUNK_BYTES
         if not 0 < chunk <= MAX_CHUNK_BYTES:
             raise SystemExit(f"--kv-chunk-bytes must be in 1..{MAX_CHUNK_BYTES}")

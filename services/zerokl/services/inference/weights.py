@@ -27,16 +27,12 @@ import shutil
 import tempfile
 import time
 from contextlib import AbstractAsyncContextManager
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
 import grpc.aio
 from prometheus_client import Counter
 
-import torch
-
-from zerokl.kernels.dtypes import FP8, names_fp8
-from zerokl.kernels.model import Model
 from zerokl.services.engine.types import OwnedWeights
 from zerokl.services.inference.replica import Replica
 from zerokl.services.runtime.errors import (
@@ -49,8 +45,10 @@ from zerokl.services.runtime.errors import (
 from zerokl.services.runtime.info import ServiceIdentity
 from zerokl.services.runtime.metrics import REGISTRY, set_serving_info
 from zerokl.services.weightstore.client import WeightStoreClient
-from zerokl.services.weightstore.shared import SharedExport
-from zerokl.services.weightstore.sync import ChecksumMismatch, SharedUnavailable, open_shared
+from zerokl.services.weightstore.shared import ChecksumMismatch, SharedExport, SharedUnavailable
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SharedLoader", "WeightSwitcher", "SWITCHES"]
 
@@ -71,6 +69,7 @@ class SharedLoader:
         self.export = export
 
     def __call__(self, engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - an Engine
+        from zerokl.services.weightstore.sync import open_shared   # torch: run where the engine is
         own = engine.model.state_dict()
         device = next(iter(own.values())).device
         state = open_shared(self.export, device)
@@ -155,17 +154,16 @@ class WeightSwitcher:
         self._check_spec(manifest.version, manifest.spec.numerics_fingerprint)
         dest = self.cache / manifest.version
         await self.store.fetch(manifest.version, dest, serving_only=True)
-        # An FP8 replica (identity dtype float8_e4m3fn) loads FP8: a non-FP8 version is quantized on load.
-        fp8 = names_fp8(self.replica.identity.dtype)
-        dtype = FP8 if fp8 else self.replica.dtype
-        model = await asyncio.to_thread(Model.from_pretrained, dest, dtype=dtype)
-        if model.config != self.replica.model_config:
+        # Read here, while the replica still serves (the engine swaps once it has them); torch is loaded now, on a
+        # server whose engine runs in a child process, and only for a version that comes from the store.
+        state_dict, config = await asyncio.to_thread(_load_version, dest, self.replica.identity.dtype)
+        if config != self.replica.model_config:
             raise FailedPrecondition(
                 f"version {manifest.version!r} has another model config than this replica serves",
                 precondition_violations=[PreconditionViolation("MODEL_CONFIG", manifest.version,
                                                                "differs from the replica's model config")])
         async with self._not_serving() if self._not_serving else contextlib.nullcontext():
-            await self.replica.load_weights(model.state_dict(), manifest.version)
+            await self.replica.load_weights(state_dict, manifest.version)
         await asyncio.to_thread(shutil.rmtree, dest, True)  # the weights live in the engine now
         self.last_path = "store"
         SWITCHES.labels("store").inc()
@@ -196,3 +194,11 @@ class WeightSwitcher:
         if self._own_cache:
             await asyncio.to_thread(shutil.rmtree, self.cache, True)
 
+
+def _load_version(directory: pathlib.Path, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The state dict of the checkpoint in ``directory`` in the replica's numerics dtype (its identity's: an
+    FP8 replica loads FP8, quantizing a version that is not), and its model config's dict."""
+    from zerokl.kernels.dtypes import to_dtype
+    from zerokl.kernels.model import Model
+    model = Model.from_pretrained(directory, dtype=to_dtype(dtype))
+    return model.state_dict(), model.config.to_dict()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from zerokl.services.runtime.errors import InvalidArgument
-from zerokl.vocab import InvalidOption
+from zerokl.vocab import COMPUTE_DTYPES, InvalidOption
 
 __all__ = ["MAX_LR", "TrainConfig", "check_train_config"]
 
@@ -24,10 +24,6 @@ __all__ = ["MAX_LR", "TrainConfig", "check_train_config"]
 #: serve. Useful rates are 1e-6..1e-2.
 MAX_LR = 1.0
 _UINT32, _UINT64 = 2**32, 2**64         # the wire types of TrainConfig's counts and seed
-
-# TrainConfig.dtype's names: zerokl.kernels.dtypes.COMPUTE_DTYPES, spelled here so that the config loads without
-# torch (tests/kernels/test_dtypes.py checks that they agree).
-_COMPUTE_DTYPES = ("float32", "bfloat16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -133,8 +129,8 @@ class TrainConfig:
             optional = name in ("master_weights", "cuda_graphs")
             if not isinstance(value, bool) and not (value is None and optional):
                 raise bad(name, "must be true or false" + (" (or unset)" if optional else ""), value)
-        if self.dtype is not None and self.dtype not in _COMPUTE_DTYPES:
-            raise bad("dtype", f"must be one of {', '.join(_COMPUTE_DTYPES)} (or unset: the model's own)", self.dtype)
+        if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
+            raise bad("dtype", f"must be one of {', '.join(COMPUTE_DTYPES)} (or unset: the model's own)", self.dtype)
         if self.dtype == "fp8" and self.lora_rank > 0:
             raise bad("lora_rank", "must be 0 with dtype fp8 (it trains full weights: LoRA adapters would need "
                                    "their merged weights quantized per version)", self.lora_rank)

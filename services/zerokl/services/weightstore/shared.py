@@ -1,14 +1,24 @@
-"""What names a weights version shared in place: the descriptor a replica opens (:mod:`.sync`).
+"""What names a weights version shared in place: the descriptor a replica opens (:mod:`.sync`), and the
+errors of opening it.
 
 Plain data, no torch: the weight store's converters (:mod:`.convert`) turn it into a
 ``zerokl.v1.SharedWeights`` and back at the service edges (the trainer's SaveWeights answer, a
-replica's SwitchWeights), and the weight-store server imports them without torch.
+replica's SwitchWeights), and the weight-store server imports them without torch; so does a replica's
+server whose engine (in a child process) opens the memory and reports these errors back to it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SharedExport", "SharedTensor", "SharedCudaBuffer"]
+__all__ = ["SharedExport", "SharedTensor", "SharedCudaBuffer", "SharedUnavailable", "ChecksumMismatch"]
+
+
+class SharedUnavailable(RuntimeError):
+    """The shared weights cannot be opened here (another host, no IPC, the memory gone): use the store."""
+
+
+class ChecksumMismatch(RuntimeError):
+    """What arrived is not what was sent: never served."""
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ and shares that buffer:
 What travels is only the descriptor (:class:`~zerokl.services.weightstore.shared.SharedExport`: transport, handles or path, per-tensor
 name/dtype/shape/offset, the buffer's checksum; over gRPC a ``zerokl.v1.SharedWeights``, converted
 at the service edges by :mod:`zerokl.services.weightstore.convert`). The receiver copies the bytes into a buffer of its own, recomputes the checksum over what it
-received and refuses a mismatch (:class:`ChecksumMismatch`, DATA_LOSS) before any byte is
-served. A replica on another host, or one that cannot open the memory, raises
-:class:`SharedUnavailable` and the caller falls back to the weight store, which records the
-same version (asynchronously, for resume and audit). The tensors are the bytes the trainer
+received and refuses a mismatch (:class:`~zerokl.services.weightstore.shared.ChecksumMismatch`, DATA_LOSS)
+before any byte is served. A replica on another host, or one that cannot open the memory, raises
+:class:`~zerokl.services.weightstore.shared.SharedUnavailable` and the caller falls back to the weight store,
+which records the same version (asynchronously, for resume and audit). The tensors are the bytes the trainer
 holds, so they are bit for bit what a store round trip gives (safetensors keeps raw bytes).
 
 Checksums: ``sha256`` over the bytes where they are on the host (CPU); on CUDA, hashing on the
@@ -54,9 +54,10 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from zerokl.kernels.dtypes import dtype_name
-from zerokl.services.weightstore.shared import SharedCudaBuffer, SharedExport, SharedTensor
+from zerokl.services.weightstore.shared import (ChecksumMismatch, SharedCudaBuffer, SharedExport, SharedTensor,
+                                                SharedUnavailable)
 
-__all__ = ["SharedBuffer", "SharedUnavailable", "ChecksumMismatch", "export_shared", "open_shared", "host_id",
+__all__ = ["SharedBuffer", "export_shared", "open_shared", "host_id",
            "checksum", "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -68,14 +69,6 @@ _IPC_COUNTER_HEADER = 64        # bytes before the counters in torch's ref-count
 # A reader's ref-counter handle: no such shared-memory file, so the release of what it opened decrements nothing
 # (torch's deleter skips a counter file it cannot open: a producer that exited first). See the module docstring.
 _NO_COUNTER = b"/zerokl-reader-holds-no-reference"
-
-
-class SharedUnavailable(RuntimeError):
-    """The shared weights cannot be opened here (another host, no IPC, the memory gone): use the store."""
-
-
-class ChecksumMismatch(RuntimeError):
-    """What arrived is not what was sent: never served."""
 
 
 def host_id() -> str:
