@@ -22,9 +22,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, TypeVar
 
-from minio import Minio
-from minio.error import S3Error
-
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 
 __all__ = [
@@ -348,6 +345,10 @@ class S3Backend(StorageBackend):
         self.endpoint = endpoint
         self.bucket = bucket
         self.prefix = _validate_prefix(prefix)
+        # Imported here: the minio client's import (~0.2 s of CPU) is paid by a store on S3 only, not by every
+        # process that reads this package (a replica's server, the scheduler, the trainer, a local store).
+        from minio import Minio
+        from minio.error import S3Error
         self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region)
         if not self._client.bucket_exists(bucket):
             try:
@@ -379,6 +380,7 @@ class S3Backend(StorageBackend):
             resp.release_conn()
 
     def stat(self, key: str) -> ObjectInfo | None:
+        from minio.error import S3Error     # loaded with the client (__init__)
         try:
             st = self._client.stat_object(self.bucket, self._name(key))
         except S3Error as err:
