@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 
 from zerokl.kernels import ops  # noqa: E402
 from zerokl.kernels.triton import fp8 as tfp8  # noqa: E402
+from zerokl.kernels.triton._common import tma_aligned  # noqa: E402
 
 GPU = torch.cuda.is_available()
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_interpreted_tma_loads_give_the_pointer_loads_bits():
     the pointer launch's bits."""
     for k in (320, 260):
         q, sx, qw, sw, bias, _ = _operands(20, 160, k, "cpu", seed=k)
-        assert tfp8._tma_rows(q) == tfp8._tma_rows(qw) == (k == 320)
+        assert tma_aligned(q) == tma_aligned(qw) == (k == 320)
         for cfg in (C(16, 32, 4, 1), C(16, 256, 8, 3, GROUP_M=3)):
             want = tfp8.fp8_gemm(q, sx, qw, sw, bias, torch.float32, config=cfg)
             for tma, per_sm in ((True, 0), (True, 1), (False, 1)):

@@ -57,6 +57,26 @@ def check_index(op: str, name: str, t: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{op}: {name} must have {ndim} dims, got shape {tuple(t.shape)}")
 
 
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether a 2-D operand can be a TMA tensor descriptor's: unit last stride, base and row stride in
+    bytes multiples of 16 (the tensor memory accelerator's rule)."""
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+_MULTIPROCESSORS: dict[int, int] = {}
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM / H200), cached: a persistent grid's
+    size. Off CUDA (the interpreter) 4, so the CPU tests walk several tiles a program."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _MULTIPROCESSORS:
+        _MULTIPROCESSORS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _MULTIPROCESSORS[index]
+
+
 def unit_last(t: torch.Tensor) -> torch.Tensor:
     """`t` with stride 1 in its last dim (a copy only when needed; a copy never changes bits)."""
     if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:

@@ -43,7 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from zerokl.kernels.fp8_format import FP8_BLOCK, FP8_MAX
 
-from ._common import check_float, check_launchable, is_interpreted, next_pow2, unit_last
+from ._common import check_float, check_launchable, is_interpreted, multiprocessors, next_pow2, tma_aligned, unit_last
 from .gemm import _device_offsets, _group_tile, _swizzled_tile
 
 __all__ = ["CANONICAL_CONFIG", "FP8_BLOCK", "FP8_MAX", "INTERPRETED_CONFIG", "Fp8GemmConfig", "fp8_gemm",
@@ -331,11 +331,11 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
     q, sx, weight, weight_scale = unit_last(q), sx.contiguous(), unit_last(weight), weight_scale.contiguous()
     interpreted = is_interpreted(_fp8_linear_kernel)
     cfg = config or fp8_launch_config(m, n, k, interpreted)
-    tma = cfg.TMA and _tma_rows(q) and _tma_rows(weight)
+    tma = cfg.TMA and tma_aligned(q) and tma_aligned(weight)
     q_src = TensorDescriptor.from_tensor(q, [cfg.BLOCK_M, FP8_BLOCK]) if tma else q
     w_src = TensorDescriptor.from_tensor(weight, [cfg.BLOCK_N, FP8_BLOCK]) if tma else weight
     tiles = triton.cdiv(m, cfg.BLOCK_M) * triton.cdiv(n, cfg.BLOCK_N)
-    programs = min(tiles, cfg.PROGRAMS_PER_SM * _multiprocessors(q.device)) if cfg.PROGRAMS_PER_SM else tiles
+    programs = min(tiles, cfg.PROGRAMS_PER_SM * multiprocessors(q.device)) if cfg.PROGRAMS_PER_SM else tiles
     _fp8_linear_kernel[(programs,)](
         q_src, sx, w_src, weight_scale, bias if bias is not None else weight_scale, y, weight_scale,
         m, n, k, sx.shape[1], 1,
@@ -345,20 +345,6 @@ def fp8_gemm(q: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, weight_sca
         PERSISTENT=programs < tiles, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on an H100 SXM / H200); under the interpreter 4, so
-    the CPU tests walk several tiles a program."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _tma_rows(t: torch.Tensor) -> bool:
-    """Whether a 2-D e4m3 operand (unit last stride) meets TMA's alignment: its base and row stride in
-    bytes multiples of 16."""
-    return t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
 def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

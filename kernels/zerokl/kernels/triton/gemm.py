@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_float, check_launchable, dot_in_fp32, is_interpreted, next_pow2, pow2_between, unit_last
+from ._common import (check_float, check_launchable, dot_in_fp32, is_interpreted, multiprocessors, next_pow2,
+                      pow2_between, tma_aligned, unit_last)
 
 __all__ = ["GemmConfig", "gemm_config", "grouped_linear", "grouped_linear_wgrad", "launch_config", "linear", "split_partial",
            "tree_combine", "tree_combine_planes"]
@@ -265,9 +266,6 @@ def _linear_tma_kernel(
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
 def _tma_ok(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: GemmConfig) -> bool:
     if not cfg.TMA or x2.device.type != "cuda" or is_interpreted(_linear_kernel):
         return False
@@ -275,10 +273,7 @@ def _tma_ok(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: GemmCo
         return False
     if y.dtype != x2.dtype:
         return False
-    for t in (x2, weight, y):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            return False
-    return True
+    return all(tma_aligned(t) for t in (x2, weight, y))
 
 
 def wave_split(m: int, n: int, cfg: GemmConfig, sms: int, tail: GemmConfig) -> int:
@@ -308,10 +303,7 @@ def wave_split(m: int, n: int, cfg: GemmConfig, sms: int, tail: GemmConfig) -> i
 def _linear_tma(x2, weight, bias, y, cfg: GemmConfig) -> None:
     m, k = x2.shape
     n = weight.shape[0]
-    dev = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    if dev not in _NUM_SMS:
-        _NUM_SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    sms = _NUM_SMS[dev]
+    sms = multiprocessors(x2.device)
     tail = _TMA_128
     n0 = wave_split(m, n, cfg, sms, tail)
     _linear_tma_launch(x2, weight[:n0], None if bias is None else bias[:n0], y[:, :n0], cfg, sms)
