@@ -204,8 +204,8 @@ def test_zerokl_generate_starts_without_torch() -> None:
 def test_zerokl_serve_decode_runs_without_torch(model) -> None:
     """A decode replica's server runs no kernel: its engine process loads the model and computes, and tells the
     server what it computes with. From its start through a generation to its stop the server imports neither torch
-    nor the numerics library (~2.5 s of CPU saved on each start); a KV handoff, a weights version read from the
-    store or a trace would load them on demand."""
+    nor the numerics library (~2.5 s of CPU saved on each start); a KV handoff or a trace would load them on
+    demand."""
     program = ("import sys; from zerokl.cli import main; "
                f"rc = main(['serve', 'decode', *{MODEL_FLAGS!r}, '--grace', '0']); "
                "print(rc, 'torch' in sys.modules, 'zerokl.kernels' in sys.modules)")
@@ -229,6 +229,59 @@ def test_zerokl_serve_decode_runs_without_torch(model) -> None:
         (numerics_version, fingerprint(), "float32", model_config_hash(model.config.to_dict()))
     want = offline(model, IDS, OPTIONS)[0]
     assert (result.samples[0].token_ids, result.samples[0].logprobs) == (want.token_ids, want.logprobs)
+    rc, torch_loaded, kernels_loaded = out.split()
+    assert rc == "0", err
+    assert (torch_loaded, kernels_loaded) == ("False", "False"), err
+
+
+def test_a_store_switch_reads_the_weights_in_the_engine_process(tmp_path) -> None:
+    """SwitchWeights from the weight store on `zerokl serve decode`: the version's files go straight to the engine's
+    process (the front neither imports torch nor holds a host copy of the model), the replica then serves exactly
+    the new weights, and a version of another model is refused FAILED_PRECONDITION while the replica keeps
+    serving the weights it had."""
+    import grpc
+
+    from test_switch_weights import weight_store
+    from zerokl.kernels.model import Model, ModelConfig
+    from zerokl.services.weightstore.client import WeightStoreClient
+
+    v2 = Model(ModelConfig.preset("tiny"), seed=1)
+    v2.save_pretrained(tmp_path / "v2")
+    Model(ModelConfig.preset("tiny").replace(num_hidden_layers=2), seed=0).save_pretrained(tmp_path / "other")
+
+    async def main() -> tuple:
+        async with weight_store(tmp_path / "store") as store_address:
+            async with WeightStoreClient(store_address) as store:
+                await store.publish(tmp_path / "v2", "v2", numerics_version=numerics_version)
+                await store.publish(tmp_path / "other", "other-config", numerics_version=numerics_version)
+            program = ("import sys; from zerokl.cli import main; "
+                       f"rc = main(['serve', 'decode', *{MODEL_FLAGS!r}, '--weight-store', {store_address!r}, "
+                       "'--grace', '0']); print(rc, 'torch' in sys.modules, 'zerokl.kernels' in sys.modules)")
+            proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            try:
+                listening = await asyncio.to_thread(proc.stdout.readline)  # type: ignore[union-attr]
+                assert listening.startswith("decode listening on"), listening
+                async with InferenceClient(listening.split()[3]) as client:
+                    identity = await client.switch_weights("v2")
+                    switched = await client.generate_all(InferenceRequest(prompt_ids=IDS, options=OPTIONS))
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await client.switch_weights("other-config")
+                    kept = await client.generate_all(InferenceRequest(prompt_ids=IDS, options=OPTIONS))
+                proc.send_signal(signal.SIGTERM)
+                out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+            finally:
+                proc.kill()
+        return identity, switched, refused.value, kept, out, err
+
+    identity, switched, refused, kept, out, err = asyncio.run(main())
+    want = offline(v2, IDS, OPTIONS)[0]
+    assert identity.weights_version == "v2"
+    for result in (switched, kept):
+        assert result.weights_version == "v2"
+        assert (result.samples[0].token_ids, result.samples[0].logprobs) == (want.token_ids, want.logprobs)
+    assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION, refused.details()
+    assert "another model config" in refused.details()
     rc, torch_loaded, kernels_loaded = out.split()
     assert rc == "0", err
     assert (torch_loaded, kernels_loaded) == ("False", "False"), err

@@ -13,7 +13,8 @@ process runs the gRPC server), or on a thread of the server (``--no-engine-proce
 A decode server whose engine runs in its own process runs no kernel and does not import torch (nor the
 numerics library) to start, serve and stop: what it knows of the model comes from the engine process
 (:class:`~zerokl.services.engine.outputs.EngineInfo`). It loads torch only on the paths that make
-tensors here: a KV handoff from a prefill replica, a weights version read from the store, a trace. A prefill
+tensors here: a KV handoff from a prefill replica, a trace (a weights version from the store is read in the
+engine's process). A prefill
 server, whose every answer is a KV handoff, and a server running the engine on a thread load it at start.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import grpc.aio
@@ -50,7 +50,7 @@ from zerokl.services.weightstore.shared import ChecksumMismatch, SharedExport, S
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SharedLoader", "WeightSwitcher", "SWITCHES"]
+__all__ = ["SharedLoader", "StoreLoader", "WeightSwitcher", "SWITCHES"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,29 @@ class SharedLoader:
         if wrong:
             raise SharedUnavailable(f"the shared tensors do not match this replica's model ({wrong[:3]})")
         return OwnedWeights(state)      # our own copy: a sleeping engine takes it as its weights (no second copy)
+
+
+class ModelConfigMismatch(Exception):
+    """A store version's model config differs from the one the replica serves (StoreLoader)."""
+
+
+class StoreLoader:
+    """``loader(engine) -> state_dict``: a version fetched from the store into ``directory`` (config.json +
+    safetensors), read where the engine runs, in the replica's numerics dtype ``dtype`` (an FP8 replica
+    loads FP8, quantizing a version that is not). The files go straight to the engine's process: the
+    gRPC front neither imports torch nor holds a host copy of the model to pickle across. Raises
+    ModelConfigMismatch for another model's version. Picklable."""
+
+    def __init__(self, directory: pathlib.Path, dtype: str) -> None:
+        self.directory, self.dtype = directory, dtype
+
+    def __call__(self, engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - an Engine
+        from zerokl.kernels.dtypes import to_dtype
+        from zerokl.kernels.model import Model
+        model = Model.from_pretrained(self.directory, dtype=to_dtype(self.dtype))
+        if model.config.to_dict() != engine.model.config.to_dict():
+            raise ModelConfigMismatch("differs from the replica's model config")
+        return model.state_dict()
 
 
 class WeightSwitcher:
@@ -154,16 +177,13 @@ class WeightSwitcher:
         self._check_spec(manifest.version, manifest.spec.numerics_fingerprint)
         dest = self.cache / manifest.version
         await self.store.fetch(manifest.version, dest, serving_only=True)
-        # Read here, while the replica still serves (the engine swaps once it has them); torch is loaded now, on a
-        # server whose engine runs in a child process, and only for a version that comes from the store.
-        state_dict, config = await asyncio.to_thread(_load_version, dest, self.replica.identity.dtype)
-        if config != self.replica.model_config:
+        try:
+            async with self._not_serving() if self._not_serving else contextlib.nullcontext():
+                await self.replica.load_weights(StoreLoader(dest, self.replica.identity.dtype), manifest.version)
+        except ModelConfigMismatch as err:
             raise FailedPrecondition(
                 f"version {manifest.version!r} has another model config than this replica serves",
-                precondition_violations=[PreconditionViolation("MODEL_CONFIG", manifest.version,
-                                                               "differs from the replica's model config")])
-        async with self._not_serving() if self._not_serving else contextlib.nullcontext():
-            await self.replica.load_weights(state_dict, manifest.version)
+                precondition_violations=[PreconditionViolation("MODEL_CONFIG", manifest.version, str(err))]) from None
         await asyncio.to_thread(shutil.rmtree, dest, True)  # the weights live in the engine now
         self.last_path = "store"
         SWITCHES.labels("store").inc()
@@ -194,11 +214,3 @@ class WeightSwitcher:
         if self._own_cache:
             await asyncio.to_thread(shutil.rmtree, self.cache, True)
 
-
-def _load_version(directory: pathlib.Path, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The state dict of the checkpoint in ``directory`` in the replica's numerics dtype (its identity's: an
-    FP8 replica loads FP8, quantizing a version that is not), and its model config's dict."""
-    from zerokl.kernels.dtypes import to_dtype
-    from zerokl.kernels.model import Model
-    model = Model.from_pretrained(directory, dtype=to_dtype(dtype))
-    return model.state_dict(), model.config.to_dict()
