@@ -182,13 +182,18 @@ _GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 128, 4, 3)
 # - larger: 128 x 128 with 8 warps (two warpgroups) and 3-4 stages. The FP8 tutorial's 128 x 256
 #   keeps a K block's partial product beside the accumulator: 128 + 128 fp32 registers a thread
 #   with 8 warps, which may spill.
-# Above 2,048 rows, TMA loads with 4 stages: on an H100 (2026-12-07, bench_fp8's sweep function, M = 4,096)
-# 0.69x / 0.70x cuBLASLt rowwise FP8 at N x K = 4,096 x 4,096 / 2,048 x 7,168, against 0.62x / 0.64x for the
-# canonical pointer loads (166 / 141 us against 184 / 156); the bits equal the canonical config's (torch.equal
-# on every case). Its persistent twin (one program a multiprocessor) was 0.66x / 0.68x; 128 x 256 with TMA 0.36x.
+# The table from the full sweep on an H100 (2026-12-07, commit 414ff8e, `bench_fp8.py --sweep --ms 1 64 2048 8192`:
+# 27 candidates x 3 weights x 4 M, every one bit-identical to the canonical config), one config a bucket, the best
+# mean over the three weights (N x K = 4,096 x 4,096, 2,048 x 7,168, 7,168 x 2,048), as the fraction of cuBLASLt
+# rowwise FP8's speed:
+# - M <= 64: 64 x 64 tiles, 4 warps, 5 stages: 0.86-1.03x at M = 64 and 0.71-0.90x at M = 1, against 0.64-0.88x
+#   and 0.65-0.78x for the 64 x 128 3-stage tiles it replaces (more programs stream the weight, deeper prefetch).
+# - M <= 1,024: the canonical tiles (not swept between 64 and 2,048 rows).
+# - above: 128 x 128, 8 warps, 4 stages, TMA loads: 0.64-0.68x at M = 2,048 (the canonical pointer tiles:
+#   0.59-0.60x) and 0.66-0.73x at 8,192. Persistent grids and 128 x 256 tiles were no faster.
 _CUDA_BUCKETS: list[tuple[int, dict]] = [
-    (64, {None: Fp8GemmConfig(64, 128, 4, 3)}),
-    (2048, {None: CANONICAL_CONFIG}),
+    (64, {None: Fp8GemmConfig(64, 64, 4, 5)}),
+    (1024, {None: CANONICAL_CONFIG}),
     (1 << 62, {None: Fp8GemmConfig(128, 128, 8, 4, TMA=True)}),
 ]
 
