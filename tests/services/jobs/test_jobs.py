@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import grpc
 import grpc.aio
@@ -34,6 +35,7 @@ from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.weightstore.client import WeightStoreClient
+from zerokl.services.weightstore.sync import SHM_PREFIX
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
 from zerokl.vocab import Completion
 
@@ -278,63 +280,117 @@ def _record_process(trainer_pid: int) -> int:
     return pid
 
 
-def test_a_failed_step_whose_start_never_reached_the_store_leaves_trainer_and_fleet_on_a_durable_version(
-        fleet, tmp_path) -> None:  # noqa: ANN001
+TINY_RL = dict(countdown=TASK, prompts_per_step=1, group_size=2, max_tokens=4, eval_every=0)
+
+
+def _shared_memory_of(pid: int) -> list[pathlib.Path]:
+    """The shared-memory files of the versions process ``pid`` shares in place now (weightstore/sync.py, cpu_shm)."""
+    lines = pathlib.Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted({pathlib.Path(line.split(None, 5)[5]) for line in lines
+                   if SHM_PREFIX in line and not line.endswith("(deleted)")})
+
+
+async def _first_step_fails_while_its_start_is_recorded(fleet, tmp_path: pathlib.Path,
+                                                         lose: Callable[[int], None]) -> tuple[str, str, str]:
     """An RL job's start is recorded in the background while its first step trains (issue 49). Here its record is
     held (the trainer's record process stopped) when the first step's version fails its canary (AdamW moments of
-    1e20 loaded by hand, as in test_jobs_bf16), then lost (the record process killed, as the host's OOM killer
-    would), with checkpoint_every 0 (the GLM-5 slice's setting: its start, 22.7 GiB recorded whole, is still in
-    flight when a first step fails). The fleet goes back to the start from the trainer's memory, not the store,
-    which does not hold it yet; the trainer cannot load a version the store never got, so it and the fleet go back
-    to the version served before the job, which is durable, and the job's error says so (never the store's
-    NOT_FOUND). The next job runs as usual."""
+    1e20 loaded by hand, as in test_jobs_bf16), with checkpoint_every 0 (the GLM-5 slice's setting: its start, 22.7
+    GiB recorded whole, is still in flight when a first step fails): the fleet goes back to the start from the
+    trainer's memory, not the store, which does not hold it yet. Then ``lose(record process)``. Returns the version
+    served before the job, the job's start and the job's error."""
     scheduler, trainer_pid = fleet["scheduler"]["address"], fleet["trainer"]["pid"]
     decode = next(s for name, s in fleet.items() if name.startswith("decode"))
-    tiny = dict(countdown=TASK, prompts_per_step=1, group_size=2, max_tokens=4, eval_every=0)
+    async with JobsClient(scheduler) as jobs, TrainerClient(fleet["trainer"]["address"]) as trainer, \
+            WeightStoreClient(fleet["weight-store"]["address"]) as weights, \
+            InferenceClient(decode["address"]) as replica:
+        # A resume point to go back to, recorded (a job waits for its records), and the record process up.
+        warm = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=6, **TINY_RL), "before")).job_id)
+        assert warm[-1].status.state is JobState.SUCCEEDED, warm[-1].status.error
+        before = warm[-1].status.weights_version
+        await trainer.load_weights(await _with_exploding_moments(weights, before, tmp_path, f"{before}.exploding"),
+                                   restore_state=True)
+        step = (await trainer.get_state()).step
+        recorder = _record_process(trainer_pid)
+        os.kill(recorder, signal.SIGSTOP)
+        try:
+            switches = _shared_switches(decode["metrics"])
+            job = await jobs.submit(RLJobSpec(steps=1, seed=7, checkpoint_every=0, **TINY_RL), "lost-start")
+            # In place: the start, step 1's version (its canary fails) and back to the start, whose record is
+            # held: the switch back took the trainer's copy.
+            deadline = time.monotonic() + 60
+            while _shared_switches(decode["metrics"]) < switches + 3:
+                assert time.monotonic() < deadline, "the replica did not switch back to the job's start"
+                await asyncio.sleep(0.1)
+            start = next(s for s in await jobs.list() if s.job_id == job.job_id).weights_version
+            assert (await replica.info()).weights_version == start != before
+            assert (await trainer.get_state()).weights_step == step + 1     # the rejected step, shared
+            assert start not in {e.manifest.version for e in await weights.list()}
+        finally:
+            lose(recorder)
+        final = (await _events(jobs, job.job_id))[-1].status
+        assert final.state is JobState.FAILED and "failed its canary" in final.error, final
+        assert "NOT_FOUND" not in final.error, final.error
+        return before, start, final.error
 
-    async def main() -> None:
-        async with JobsClient(scheduler) as jobs, TrainerClient(fleet["trainer"]["address"]) as trainer, \
-                WeightStoreClient(fleet["weight-store"]["address"]) as weights, InferenceClient(scheduler) as served, \
-                InferenceClient(decode["address"]) as replica:
-            # A resume point to go back to, recorded (a job waits for its records), and the record process up.
-            warm = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=6, **tiny), "before")).job_id)
-            assert warm[-1].status.state is JobState.SUCCEEDED, warm[-1].status.error
-            before = warm[-1].status.weights_version
-            await trainer.load_weights(await _with_exploding_moments(weights, before, tmp_path), restore_state=True)
-            step = (await trainer.get_state()).step
-            recorder = _record_process(trainer_pid)
-            os.kill(recorder, signal.SIGSTOP)
-            try:
-                switches = _shared_switches(decode["metrics"])
-                job = await jobs.submit(RLJobSpec(steps=1, seed=7, checkpoint_every=0, **tiny), "lost-start")
-                # In place: the start, step 1's version (its canary fails) and back to the start, whose record is
-                # held: the switch back took the trainer's copy.
-                deadline = time.monotonic() + 60
-                while _shared_switches(decode["metrics"]) < switches + 3:
-                    assert time.monotonic() < deadline, "the replica did not switch back to the job's start"
-                    await asyncio.sleep(0.1)
-                start = next(s for s in await jobs.list() if s.job_id == job.job_id).weights_version
-                assert (await replica.info()).weights_version == start != before
-                assert (await trainer.get_state()).weights_step == step + 1     # the rejected step, shared
-                assert start not in {e.manifest.version for e in await weights.list()}
-            finally:
-                os.kill(recorder, signal.SIGKILL)   # the start's record fails; the next record starts another
-            final = (await _events(jobs, job.job_id))[-1].status
-            assert final.state is JobState.FAILED and "failed its canary" in final.error, final
-            assert f"{start} never reached the weight store" in final.error and before in final.error, final.error
-            assert "NOT_FOUND" not in final.error, final.error
+
+async def _next_job_trains_from(fleet, version: str) -> None:
+    """One bad job harms no other: the next one trains from ``version``, with KL 0, and the fleet serves its own."""
+    scheduler = fleet["scheduler"]["address"]
+    async with JobsClient(scheduler) as jobs, InferenceClient(scheduler) as served:
+        assert (await served.info()).weights_version == version
+        after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=8, **TINY_RL), "after")).job_id)
+        assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+        assert [ev.metrics["kl"] for ev in _steps(after)] == [0.0]
+        assert (await served.info()).weights_version == after[-1].status.weights_version != version
+
+
+def test_a_failed_step_whose_start_record_lost_its_process_rolls_back_to_the_start_recorded_again(
+        fleet, tmp_path) -> None:  # noqa: ANN001
+    """The held record's process killed (as the host's OOM killer would): the trainer starts another and records the
+    start again from the export it still holds. The job's rollback waits for that record and lands on the start,
+    which the fleet serves and the store now holds; the rejected step is deleted."""
+    before, start, error = asyncio.run(_first_step_fails_while_its_start_is_recorded(
+        fleet, tmp_path, lambda recorder: os.kill(recorder, signal.SIGKILL)))
+    assert f"rolled back to {start}" in error and "never reached" not in error, error
+    rejected = error.split("weights version ", 1)[1].split()[0]
+
+    async def check() -> None:
+        async with TrainerClient(fleet["trainer"]["address"]) as trainer, \
+                WeightStoreClient(fleet["weight-store"]["address"]) as weights:
+            state = await trainer.get_state()
+            assert (state.weights_version, state.step, state.accumulated_batches) == (start, state.weights_step, 0)
+            stored = {e.manifest.version for e in await weights.list()}
+            assert start in stored and rejected not in stored
+    asyncio.run(check())
+    asyncio.run(_next_job_trains_from(fleet, start))
+
+
+def test_a_failed_step_whose_start_never_reached_the_store_leaves_trainer_and_fleet_on_a_durable_version(
+        fleet, tmp_path) -> None:  # noqa: ANN001
+    """The held record's bytes gone before its process read them (the shared memory removed, as a /dev/shm cleanup
+    would): the start never reaches the store. The trainer cannot load a version the store never got, so it and the
+    fleet go back to the version served before the job, which is durable, and the job's error says so (never the
+    store's NOT_FOUND). The next job runs as usual."""
+    trainer_pid = fleet["trainer"]["pid"]
+
+    def unmap_and_go_on(recorder: int) -> None:
+        for path in _shared_memory_of(trainer_pid):
+            path.unlink()
+        os.kill(recorder, signal.SIGCONT)
+    before, start, error = asyncio.run(_first_step_fails_while_its_start_is_recorded(fleet, tmp_path,
+                                                                                     unmap_and_go_on))
+    assert f"{start} never reached the weight store" in error and before in error, error
+
+    async def check() -> None:
+        async with TrainerClient(fleet["trainer"]["address"]) as trainer, \
+                WeightStoreClient(fleet["weight-store"]["address"]) as weights:
             # Trainer and fleet on the version served before the job, from the store; nothing of the job kept.
             state = await trainer.get_state()
             assert (state.weights_version, state.step, state.accumulated_batches) == (before, state.weights_step, 0)
-            assert (await served.info()).weights_version == (await replica.info()).weights_version == before
             stored = {e.manifest.version for e in await weights.list()}
             assert before in stored and start not in stored
-            # One bad job harms no other: the next one trains from there and serves its version.
-            after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=8, **tiny), "after")).job_id)
-            assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
-            assert [ev.metrics["kl"] for ev in _steps(after)] == [0.0]
-            assert (await served.info()).weights_version == after[-1].status.weights_version != before
-    asyncio.run(main())
+    asyncio.run(check())
+    asyncio.run(_next_job_trains_from(fleet, before))
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:

@@ -117,9 +117,10 @@ def test_an_rl_job_on_a_bf16_fleet_has_zero_kl_and_syncs_in_place(tmp_path, zero
         assert rejected not in {p.name for p in (workdir / "weights" / "versions").iterdir()}
 
 
-async def _with_exploding_moments(weights: WeightStoreClient, version: str, folder: pathlib.Path) -> str:
+async def _with_exploding_moments(weights: WeightStoreClient, version: str, folder: pathlib.Path,
+                                  name: str = "exploding-moments") -> str:
     """Publish a copy of ``version`` (with its trainer state) whose AdamW first moments are all 1e20, as a person
-    might upload a damaged resume point; its name."""
+    might upload a damaged resume point, as ``name``; its name."""
     src, dst = folder / "checkpoint", folder / "exploding"
     await weights.fetch(version, src)
     dst.mkdir()
@@ -129,8 +130,8 @@ async def _with_exploding_moments(weights: WeightStoreClient, version: str, fold
     state = load_file(str(src / STATE_TENSORS))
     state = {k: torch.full_like(v, 1e20) if k.endswith("/exp_avg") else v for k, v in state.items()}
     save_file(state, str(dst / STATE_TENSORS), metadata={"format": STATE_FORMAT})
-    await weights.publish(dst, "exploding-moments")
-    return "exploding-moments"
+    await weights.publish(dst, name)
+    return name
 
 
 @pytest.mark.gpu

@@ -21,8 +21,9 @@ A ``write`` answers ``copied`` first, once the child holds the export's bytes, s
 export (device memory a co-located trainer's backward needs) while the files are still being written.
 
 The child dies with the trainer (``PR_SET_PDEATHSIG``): a trainer killed with a record in flight leaves an
-open upload in the store, never a manifest, as before. A child that dies alone fails the request in flight
-and the next request starts another.
+open upload in the store, never a manifest, as before. A child that dies alone (the host's OOM killer) fails the
+request in flight with :class:`RecordProcessDied` and the next request starts another: the trainer asks again with
+what it still holds (:meth:`~zerokl.services.trainer.service.TrainerService._record`).
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
 from zerokl.services.weightstore.sync import open_shared
 
-__all__ = ["DeltaBases", "RecordWorker", "RecordFailed", "DELTA_BASES"]
+__all__ = ["DeltaBases", "RecordWorker", "RecordFailed", "RecordProcessDied", "DELTA_BASES"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ _CHILD_THREADS = 4      # the child's torch threads (its host copies); the store
 class RecordFailed(Internal):
     """The record process could not write or upload a version (its error, by name): INTERNAL to a RecordWeights
     caller, with that message."""
+
+
+class RecordProcessDied(RecordFailed):
+    """The record process died with the request in flight (killed, or out of memory): the request did not happen
+    (an upload cut off leaves an open upload, never a manifest), and the next request starts another process."""
 
 
 class DeltaBases:
@@ -210,10 +216,15 @@ class RecordWorker:
                         copied()
                     kind, value = await asyncio.to_thread(self._conn.recv)
             except (EOFError, OSError) as err:
+                process, self._process = self._process, None
                 self._conn.close()
-                self._process = self._conn = None
-                raise RecordFailed(f"the record process died ({type(err).__name__}); the next record starts "
-                                   "another") from None
+                self._conn = None
+                await asyncio.to_thread(process.join, 5)
+                if process.is_alive():      # its end of the pipe is gone: it can serve no request again
+                    process.kill()
+                how = (f"killed by signal {-process.exitcode}" if process.exitcode is not None and process.exitcode < 0
+                       else f"exit code {process.exitcode}" if process.exitcode is not None else type(err).__name__)
+                raise RecordProcessDied(f"the record process died ({how})") from None
         if kind == "ok":
             return value
         if kind == "raise":     # a service error of the store's (AlreadyExists, Unavailable...), as it was raised

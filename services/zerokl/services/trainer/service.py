@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import itertools
 import json
 import logging
 import math
@@ -72,7 +73,7 @@ from zerokl.services.trainer.checkpointing import (
     write_snapshot,
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
-from zerokl.services.trainer.recorder import RecordWorker
+from zerokl.services.trainer.recorder import RecordFailed, RecordProcessDied, RecordWorker
 from zerokl.services.trainer.config import MAX_LR, TrainConfig, check_train_config
 from zerokl.services.trainer.optim import NonFiniteStep
 from zerokl.services.trainer.store_marks import META_RUN, META_STATE, pin_owner
@@ -133,6 +134,8 @@ _T = TypeVar("_T")
 
 _STORE_CHECK_S = 5.0        # a share asks the store whether it holds the version's name already, this long at most
 _SHARED_KEPT = 2            # versions kept in shared memory: the one being switched to and the one before
+# Record processes that may die on one record (killed, out of memory) before it fails: each death starts another.
+_RECORD_ATTEMPTS = 3
 
 
 def _provisional(name: str, spec: VersionSpec) -> WeightsManifest:
@@ -152,6 +155,7 @@ class _Record:
     export: SharedBuffer | None = None
     model_config: ModelConfig | None = None     # with ``export``: its config.json, and its serving dtype
     dtype: torch.dtype | None = None
+    checksum: str = ""                          # of the serving bytes the fleet was sent (the export's)
     task: "asyncio.Future[WeightsManifest | None] | None" = None
     directory: pathlib.Path | None = None       # the checkpoint written, until uploaded
     manifest: WeightsManifest | None = None     # set once the store committed it
@@ -875,7 +879,8 @@ class TrainerService:
             if stored.spec.metadata.get(META_STATE) == "full":     # not a weights-only record found there
                 await self.pin_resume_point(name)
             return stored, False, shared.export
-        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot, export=shared)
+        record = _Record(step=trainer.step, spec=spec, snapshot=snapshot, export=shared,
+                         checksum=shared.export.checksum)
         if snapshot is None:
             record.model_config = trainer.model.config
             record.dtype = numerics_dtype(trainer.model)       # float8_e4m3fn for an FP8 trainer's bytes
@@ -968,7 +973,8 @@ class TrainerService:
                       earlier: Sequence["asyncio.Future[Any]"]) -> WeightsManifest | None:
         """After the records queued before it (versions reach the store in the order they were shared, one at a
         time), write ``name``'s snapshot to files (in a worker thread, beside the training) and upload them;
-        None when it was superseded before its turn came (never recorded)."""
+        None when it was superseded before its turn came (never recorded). A record process that dies meanwhile is
+        replaced and asked again with what the trainer still holds (:meth:`_write_weights`, :meth:`_upload`)."""
         if record.snapshot is not None and self._trainer.config.offload_optimizer:
             # Co-located: a checkpoint's serving weights are views of its export, copied to the host at once, before
             # the records queued before it are done, so the export's memory goes; the next backward waits for it (a
@@ -985,16 +991,7 @@ class TrainerService:
             return None
         record.begun = True
         if record.snapshot is None:
-            # Weights only: the record process writes the files from the shared memory (and checks its bytes).
-            assert record.export is not None
-            assert record.model_config is not None and record.dtype is not None
-            # The export goes as soon as the record process holds its bytes, before they are written: a co-located
-            # trainer's backward needs that device memory (the GLM-5 slice: 23 GiB of an 80 GB device).
-            try:
-                directory = await self._record_process().write(record.export.export, record.model_config, record.dtype,
-                                                               copied=lambda: self._drop_export(record))
-            finally:
-                self._drop_export(record)
+            directory = await self._write_weights(record, name)
         else:
             # A checkpoint: the trainer state's snapshot is this process's memory, written here (in a thread).
             directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
@@ -1008,6 +1005,37 @@ class TrainerService:
         record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
         return await self._upload(record, name)
 
+    async def _write_weights(self, record: _Record, name: str) -> pathlib.Path:
+        """A weights-only version's files, written by the record process from the shared memory (it checks the bytes
+        against the checksum the fleet was sent). A record process that dies meanwhile is replaced and asked again
+        with the export: the record's own until the dead process copied it, then the copy the trainer keeps
+        (:data:`_SHARED_KEPT`; a co-located trainer keeps none past a backward). :class:`RecordFailed` when the
+        trainer holds the bytes no more, or after :data:`_RECORD_ATTEMPTS` deaths: the version is not durable."""
+        assert record.model_config is not None and record.dtype is not None
+        try:
+            for attempt in itertools.count(1):
+                assert record.export is not None
+                try:
+                    # The export goes as soon as the record process holds its bytes, before they are written: a
+                    # co-located trainer's backward needs that device memory (the GLM-5 slice: 23 GiB of 80 GB).
+                    return await self._record_process().write(record.export.export, record.model_config, record.dtype,
+                                                              copied=lambda: self._drop_export(record))
+                except RecordProcessDied as died:
+                    if attempt == _RECORD_ATTEMPTS:
+                        raise RecordFailed(f"{died.message} on each of {attempt} tries to write {name}: {name} is "
+                                           "not recorded, and is not durable") from None
+                    if record.export is None:       # the process that died had copied the bytes
+                        kept = self._exports.get(name)
+                        if kept is None or kept.export.checksum != record.checksum:
+                            raise RecordFailed(f"{died.message} writing {name}, after the trainer let go of its bytes: "
+                                               f"{name} is not recorded, and is not durable") from None
+                        record.export = kept
+                        record.released.clear()     # held again: a co-located backward waits for it
+                    log.warning("trainer: %s writing %s; a new one writes it again", died.message, name)
+            raise AssertionError("unreachable")
+        finally:
+            self._drop_export(record)
+
     def _record_process(self) -> RecordWorker:
         if self._recorder is None:
             raise FailedPrecondition("this trainer has no record process (a service built without one cannot "
@@ -1015,14 +1043,23 @@ class TrainerService:
         return self._recorder
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
+        """Upload the files of ``record`` (on this host's disk) as ``name``; a record process that dies meanwhile is
+        replaced and asked again (the store resumes the open upload), :data:`_RECORD_ATTEMPTS` times at most."""
         assert record.directory is not None
-        try:
-            # The record process uploads (the files of the version recorded before: deltas against them) and
-            # owns the directory from here.
-            manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
-        except Unavailable as err:
-            raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
-                              f"{name} is not recorded yet (RecordWeights retries)") from None
+        for attempt in itertools.count(1):
+            try:
+                # The record process uploads (the files of the version recorded before: deltas against them) and
+                # owns the directory from here.
+                manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
+                break
+            except Unavailable as err:
+                raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
+                                  f"{name} is not recorded yet (RecordWeights retries)") from None
+            except RecordProcessDied as died:
+                if attempt == _RECORD_ATTEMPTS:
+                    raise RecordFailed(f"{died.message} on each of {attempt} tries to upload {name}: {name} is not "
+                                       "recorded, and is not durable") from None
+                log.warning("trainer: %s uploading %s; a new one uploads it again", died.message, name)
         record.manifest, record.record_s = manifest, time.monotonic() - record.started
         log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
                  manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
