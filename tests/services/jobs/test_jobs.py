@@ -34,6 +34,7 @@ from zerokl.services.runtime import field_violations
 from zerokl.services.trainer import convert
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.config import TrainConfig
+from zerokl.services.trainer.store_marks import META_STATE
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.sync import SHM_PREFIX
 from zerokl.v1 import jobs_pb2, jobs_pb2_grpc, trainer_pb2
@@ -391,6 +392,70 @@ def test_a_failed_step_whose_start_never_reached_the_store_leaves_trainer_and_fl
             assert before in stored and start not in stored
     asyncio.run(check())
     asyncio.run(_next_job_trains_from(fleet, before))
+
+
+async def _served_version_whose_record_failed(fleet, jobs: JobsClient, seed: int) -> str:
+    """A job (checkpoint_every 0: its versions weights only) whose one step's version the fleet serves while its
+    record is held (the record process stopped), then fails: the version's shared memory is removed before the record
+    process reads it (as a /dev/shm cleanup would), so it cannot read the bytes the fleet was sent. The job fails at
+    its end naming the version; the fleet keeps serving it, and the store does not hold it. Its name."""
+    trainer_pid = fleet["trainer"]["pid"]
+    recorder = _record_process(trainer_pid)
+    os.kill(recorder, signal.SIGSTOP)
+    try:
+        job = await jobs.submit(RLJobSpec(steps=1, seed=seed, checkpoint_every=0, **TINY_RL), "record-fails")
+        deadline = time.monotonic() + 60
+        while (status := next(s for s in await jobs.list() if s.job_id == job.job_id)).step < 1:
+            assert time.monotonic() < deadline and not status.state.done, status
+            await asyncio.sleep(0.05)
+    finally:
+        for path in _shared_memory_of(trainer_pid):
+            path.unlink()
+        os.kill(recorder, signal.SIGCONT)
+    final = (await _events(jobs, job.job_id))[-1].status
+    lost = status.weights_version
+    assert final.state is JobState.FAILED and f"{lost} never reached the weight store" in final.error, final.error
+    return lost
+
+
+def test_a_served_version_whose_record_failed_is_recorded_again_by_the_next_jobs_start(fleet) -> None:  # noqa: ANN001
+    """Issue 49. The fleet serves a version whose background record failed, outside a rollback. The next job started
+    on it records it again at its start, from the trainer's weights (checked against the checksum of the bytes the
+    fleet was sent), and trains as usual; before, it found out only at its end, when it waited for its records.
+    Where the trainer no longer holds the version (moved to another by hand), the next job fails at its start
+    (FAILED_PRECONDITION, naming the version and what to do), and the one after trains once the fleet serves a
+    version the store holds."""
+    scheduler = fleet["scheduler"]["address"]
+
+    async def main() -> None:
+        async with JobsClient(scheduler) as jobs, TrainerClient(fleet["trainer"]["address"]) as trainer, \
+                WeightStoreClient(fleet["weight-store"]["address"]) as weights, InferenceClient(scheduler) as fleet_:
+            warm = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=9, **TINY_RL), "warm")).job_id)
+            assert warm[-1].status.state is JobState.SUCCEEDED, warm[-1].status.error     # the record process is up
+            lost = await _served_version_whose_record_failed(fleet, jobs, seed=10)
+            assert (await fleet_.info()).weights_version == lost
+            assert lost not in {e.manifest.version for e in await weights.list()}
+            again = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=11, **TINY_RL), "again")).job_id)
+            assert again[-1].status.state is JobState.SUCCEEDED, again[-1].status.error
+            assert [ev.metrics["kl"] for ev in _steps(again)] == [0.0]
+            # Recorded by the job's start, with the trainer state: a resume point.
+            assert (await weights.manifest(lost)).spec.metadata[META_STATE] == "full"
+            durable = again[-1].status.weights_version
+
+            lost = await _served_version_whose_record_failed(fleet, jobs, seed=12)
+            await trainer.load_weights(durable, restore_state=True)
+            refused = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=13, **TINY_RL), "no")).job_id)
+            final = refused[-1].status
+            assert final.state is JobState.FAILED and not _steps(refused), final
+            assert final.error.startswith("FailedPrecondition:") and f"fleet serves {lost}" in final.error, final.error
+            assert "SwitchWeights" in final.error and durable in final.error, final.error
+            assert (await fleet_.info()).weights_version == lost and lost not in {
+                e.manifest.version for e in await weights.list()}
+            # What it says to do: the fleet on a version the store holds; then jobs run again.
+            await fleet_.switch_weights(durable)
+            after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=14, **TINY_RL), "after")).job_id)
+            assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+    asyncio.run(main())
 
 
 def test_a_trainer_killed_mid_job_resumes_and_the_job_ends_with_the_uninterrupted_weights(tmp_path, zerokl_up) -> None:

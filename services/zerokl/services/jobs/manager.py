@@ -75,20 +75,26 @@ from zerokl.services.rl.ports import Sampled, sampling_seed
 from zerokl.services.trainer.client import TrainerClient
 from zerokl.services.trainer.config import MAX_LR, TrainConfig, check_train_config
 from zerokl.services.trainer.store_marks import META_STATE, pin_owner
-from zerokl.services.trainer.types import Recorded, dpo_pair_violations
+from zerokl.services.trainer.types import Recorded, TrainerState, dpo_pair_violations
 from zerokl.services.weightstore.client import WeightStoreClient
 from zerokl.services.weightstore.shared import SharedExport
 from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import InvalidOption, Rollout, SamplingOptions
 
 __all__ = ["JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",
-           "JOBS_FILE", "RECORD_LAG", "validate"]
+           "VersionNotDurable", "JOBS_FILE", "RECORD_LAG", "validate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 JOBS_FILE = "jobs.json"         # job records in the scheduler's state directory
 _OUTAGE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# What RecordWeights answers for a record that ended for good without the store committing it: the record process
+# failed (INTERNAL), the store refused (ALREADY_EXISTS, DATA_LOSS, FAILED_PRECONDITION).
+_RECORD_FAILED = (grpc.StatusCode.INTERNAL, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.DATA_LOSS,
+                  grpc.StatusCode.FAILED_PRECONDITION)
+# How long a job's start waits for the trainer to say where the record of the version the fleet serves stands.
+_RECORD_PROBE_S = 2.0
 # An RL job's checkpoints (versions recorded with the trainer state) not yet recorded in the weight store, at
 # most: a step waits for the oldest beyond it. Each holds its snapshot (the serving bytes, the fp32 masters and
 # AdamW moments) in the trainer's memory. A step never waits for a weights-only record: the trainer supersedes
@@ -173,6 +179,11 @@ class TrainerUnavailable(Unavailable):
 
 class FleetUnavailable(Unavailable):
     """The prefill/decode fleet could not serve the job longer than it waits for a replica restart."""
+
+
+class VersionNotDurable(FailedPrecondition):
+    """A version the job shared in place never reaches the weight store: its record failed, or the trainer
+    restarted before it landed (:meth:`_TrainerSession._rollback` goes back past it)."""
 
 
 def _fleet_outage(err: BaseException) -> bool:
@@ -572,11 +583,6 @@ class _Restarted(Exception):
     """The trainer forgot a version it shared (it restarted): :meth:`_TrainerSession._unit` recovers."""
 
 
-class _NotRecorded(Exception):
-    """A version the job shared in place never reaches the weight store: its record failed, or the trainer
-    restarted before it landed (:meth:`_TrainerSession._rollback`)."""
-
-
 @dataclass(frozen=True)
 class _SharedStep:
     """An RL step whose version the fleet serves, kept until a full checkpoint at or after it is recorded:
@@ -709,6 +715,7 @@ class _TrainerSession:
         if state.accumulated_batches:
             raise FailedPrecondition(f"the trainer holds {state.accumulated_batches} unapplied ForwardBackward "
                                      "batches; OptimStep or LoadWeights first")
+        self._check_served(state)
         self.config = state.config
         self.base_step = self.trainer_step = state.step
         self.started = True
@@ -734,6 +741,53 @@ class _TrainerSession:
         # left it there): no resume point then, until this job's first step records one (_checkpoint_due).
         self.checkpoint = manifest.version if manifest.spec.metadata.get(META_STATE) == "full" else ""
         return manifest.version
+
+    def _check_served(self, state: TrainerState) -> None:
+        """The job starts on the version the fleet serves, and goes back to it if it fails before serving one of its
+        own. One the fleet was sent in place may be in no store: its record still on its way (fine: it lands), or
+        failed, or forgotten by a trainer that restarted. While the trainer's weights are still that version the
+        job's start records it again (SaveWeights(share) of a version whose record failed records the trainer's
+        weights once their checksum is that of the bytes the fleet was sent; a plain save publishes them); else the
+        job fails here, before touching anything (FAILED_PRECONDITION naming the version and what to do), rather
+        than at its end or in a rollback to a version nothing holds."""
+        served = self.served
+        if not served or self.manager.weight_store is None:
+            return
+        try:
+            if self._in_store(served):
+                return
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _OUTAGE:
+                return      # cannot tell now: the job waits out the store's outage where it reads it
+            raise
+        try:
+            recorded = self._call(self.client.record_weights(served, timeout=_RECORD_PROBE_S))
+            if recorded.manifest is not None:
+                return      # landed meanwhile
+            why = f"superseded by {recorded.superseded_by}, never recorded"
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return      # its record is on its way
+            if err.code() is grpc.StatusCode.NOT_FOUND:
+                why = "the trainer does not know it: it restarted since"
+            elif err.code() in _RECORD_FAILED:
+                why = f"its record failed: {err.details()}"
+            else:
+                raise
+        if (state.weights_version, state.step) == (served, state.weights_step):
+            log.warning("job %s: the fleet serves %s, which the weight store does not hold (%s); the job's start "
+                        "records it again from the trainer's weights", self.job.job_id, served, why)
+            return
+        holds = state.weights_version + (f" and {state.step - state.weights_step} step(s) past it"
+                                         if state.step != state.weights_step else "")
+        try:
+            example = f", e.g. to {state.weights_version}" if self._in_store(state.weights_version) else ""
+        except grpc.aio.AioRpcError:
+            example = ""
+        raise FailedPrecondition(f"the fleet serves {served}, which the weight store does not hold ({why}), and the "
+                                 f"trainer no longer holds it (its weights are {holds}): switch the fleet to a "
+                                 f"version the store holds (SwitchWeights on the scheduler{example}), then submit "
+                                 "the job again")
 
     def _show_train_config(self, config: TrainConfig) -> None:
         """What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled."""
@@ -943,7 +997,7 @@ class _TrainerSession:
         try:
             self._go_back(good)
             return good, ""
-        except _NotRecorded as err:
+        except VersionNotDurable as err:
             lost = str(err)
         before = self.served
         if not before or before == good or not self._in_store(before):
@@ -956,7 +1010,7 @@ class _TrainerSession:
         return before, f"{lost}; {before} is what the fleet served before this job"
 
     def _go_back(self, good: str) -> None:
-        """The trainer onto ``good`` (:meth:`_rollback`); :class:`_NotRecorded` when what it needs never reaches
+        """The trainer onto ``good`` (:meth:`_rollback`); :class:`VersionNotDurable` when what it needs never reaches
         the store."""
         self._collect_records()     # the job's start may have landed meanwhile: a resume point
         start = self.durability.first_checkpoint(pending=True)
@@ -989,18 +1043,21 @@ class _TrainerSession:
     def _await_landed(self, version: str) -> None:
         """Until the store holds ``version`` when the job shared it in place and its record is pending (with the
         records shared before it: they land in that order). Bounded: a record ends, committed or failed, and a store
-        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`). :class:`_NotRecorded`
-        when it never will be: its record failed, or the trainer restarted before it landed."""
+        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`).
+        :class:`VersionNotDurable` when it never will be: its record failed, or the trainer restarted before it
+        landed."""
         while version in self.unrecorded:
             head = self.unrecorded[0]
             try:
                 recorded = self._await_record(head)
-            except (grpc.aio.AioRpcError, _Restarted) as err:
+            except (grpc.aio.AioRpcError, _Restarted, VersionNotDurable) as err:
                 if head != version:
                     self.unrecorded.pop(0)      # never durable; what the trainer goes back to was shared after it
                     continue
+                if isinstance(err, VersionNotDurable):
+                    raise
                 why = f"{err.code().name}: {err.details()}" if isinstance(err, grpc.aio.AioRpcError) else str(err)
-                raise _NotRecorded(f"{version} never reached the weight store ({why})") from None
+                raise VersionNotDurable(f"{version} never reached the weight store ({why})") from None
             self._landed(head, recorded)
 
     def _delete(self, version: str, why: str) -> str:
@@ -1099,7 +1156,7 @@ class _TrainerSession:
             # this step waits for the oldest (backpressure: each holds the trainer state's snapshot in the
             # trainer's memory). Weights-only records are never waited for. Not train_s: recording's tail.
             t0 = time.perf_counter()
-            self._collect_records(restarted=True)
+            self._collect_records(strict=True)
             self.await_checkpoints(keep=RECORD_LAG - 1)
             record_wait_s = time.perf_counter() - t0
             self._train_and_publish(rollouts, group_size)
@@ -1200,16 +1257,17 @@ class _TrainerSession:
             version = self.unrecorded[0]
             self._landed(version, self._await_record(version))
 
-    def _collect_records(self, restarted: bool = False) -> None:
+    def _collect_records(self, strict: bool = False) -> None:
         """The records done already (landed or superseded), oldest first, without waiting for one that is not (a
         RecordWeights with a short deadline): the job's reports say which versions are durable as soon as they
-        are. With ``restarted``, a version the trainer no longer knows is asked after (:meth:`_await_record`: in
-        the store, or the trainer restarted: :meth:`_unit` redoes the steps)."""
+        are. ``strict`` (before a step): a version the trainer no longer knows is asked after (:meth:`_await_record`:
+        in the store, or the trainer restarted: :meth:`_unit` redoes the steps), and one whose record failed fails
+        the job then, not at its end (:class:`VersionNotDurable`: no step builds on what the store will not hold)."""
         while self.unrecorded:
             try:
                 recorded = self._call(self.client.record_weights(self.unrecorded[0], timeout=0.01))
             except grpc.aio.AioRpcError as err:
-                if restarted and err.code() is grpc.StatusCode.NOT_FOUND:
+                if strict and err.code() in (grpc.StatusCode.NOT_FOUND, *_RECORD_FAILED):
                     recorded = self._await_record(self.unrecorded[0])
                 else:
                     return      # not yet (or the trainer is out: the step's calls tell which)
@@ -1231,6 +1289,8 @@ class _TrainerSession:
             self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
 
     def _await_record(self, version: str) -> Recorded | None:
+        """RecordWeights of ``version`` (None: the store held it already), waiting out a weight-store outage;
+        :class:`_Restarted` when the trainer forgot it, :class:`VersionNotDurable` when its record failed."""
         deadline = None
         while True:
             try:
@@ -1240,6 +1300,9 @@ class _TrainerSession:
                     if self._in_store(version):
                         return None  # recorded before the trainer restarted
                     raise _Restarted(f"the trainer no longer knows {version}: it restarted") from None
+                if err.code() in _RECORD_FAILED:
+                    raise VersionNotDurable(f"{version} never reached the weight store ({err.code().name}: "
+                                            f"{err.details()})") from None
                 if err.code() not in _OUTAGE:
                     raise
                 if self._wait_for_trainer().step != self.trainer_step:

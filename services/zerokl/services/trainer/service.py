@@ -171,6 +171,15 @@ class _Record:
         return self.spec.metadata.get(META_STATE) != "full"
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why its record ended without the store committing it, for good; None while it runs, once committed or
+        superseded, and after an outage whose files wait on disk for RecordWeights to upload them again."""
+        if self.task is None or not self.task.done() or self.task.cancelled() or self.manifest is not None:
+            return None
+        error = self.task.exception()
+        return None if isinstance(error, Unavailable) and self.directory is not None else error
+
+    @property
     def supersedable(self) -> bool:
         """Whether a newer share may drop it: weights only (a resume point is always recorded), its record not
         started, and no RecordWeights waiting for it."""
@@ -770,13 +779,13 @@ class TrainerService:
             except AlreadyExists:
                 if version:
                     raise   # a name the caller chose: theirs to change
-            # The run's default name for this step holds other contents: the trainer was taken back to an
-            # earlier version (LoadWeights) after the run published later steps. Its steps go on under the
-            # run's next segment, so they never take (or serve under) a name the run used for other bytes.
+            # The run's default name for this step holds other contents (in the weight store, or the fleet was sent
+            # them in place): the trainer was taken back to an earlier version (LoadWeights) after the run published
+            # later steps. Its steps go on under the run's next segment, so they never take (or serve under) a name
+            # the run used for other bytes.
             taken = str(WeightsVersion(self.segment, trainer.step))
             self.segment = await self._fresh_segment(next_one=True)
-            log.warning("trainer: %s is taken by other contents in the weight store; publishing under segment %s",
-                        taken, self.segment)
+            log.warning("trainer: %s is taken by other contents; publishing under segment %s", taken, self.segment)
             return await self._save(trainer, version, metadata, weights_only, share, supersede)
         return await self._exclusive(work)
 
@@ -832,7 +841,8 @@ class TrainerService:
         """SaveWeights(share)'s work, under the lock: export, snapshot, then queue the store's record of
         ``name`` (written and uploaded outside the lock: the next step trains meanwhile)."""
         pending = self._records.get(name)
-        if pending is not None and name in self._exports:
+        failure = pending.failure if pending is not None else None
+        if pending is not None and name in self._exports and failure is None:
             # A retry of the same save (same step, same bits): the same descriptor.
             if pending.step != trainer.step:
                 raise FailedPrecondition(f"version {name} was shared at step {pending.step}; the trainer is at "
@@ -853,13 +863,27 @@ class TrainerService:
         state = await self._compute(trainer.serving_state_dict, copy=False)
         shared = await self._compute(export_shared, state, name, self._identity.numerics_fingerprint)
         del state
+        if failure is not None and stored is None:
+            # Shared before, its record failed (the memory it read gone, the store's refusal, its process dead at each
+            # try): the fleet was sent it and the store does not hold it. Recorded again from the trainer's weights
+            # when they are the bytes the fleet was sent; other bytes never take its name.
+            assert pending is not None
+            if shared.export.checksum != pending.checksum:
+                shared.close()
+                raise AlreadyExists(f"{name} was shared with other contents (checksum {pending.checksum}, these "
+                                    f"{shared.export.checksum}), and its record failed ({failure})")
+            log.warning("trainer: the record of %s failed (%s); recording it again from the trainer's weights, the "
+                        "bytes the fleet was sent (checksum %s)", name, failure, pending.checksum)
         # The record's snapshot: the exported bytes themselves (what the fleet serves is what the store
         # records: a weights-only version's record process writes its files from them), and at a checkpoint the
         # trainer state, copied where it is before the next step.
         snapshot = None if stored is not None or weights_only else await self._compute(
             snapshot_checkpoint, trainer, run=self.segment, lineage=lineage, weights_only=False,
             serving=shared.tensors())
+        replaced = self._exports.pop(name, None)     # the export of a version recorded again: this one is newer
         self._exports[name] = shared
+        if replaced is not None:
+            self._release(replaced)
         # Co-location (offload_optimizer: a replica shares the device): only the newest export stays on it.
         kept = 1 if trainer.config.offload_optimizer else _SHARED_KEPT
         while len(self._exports) > kept:            # the oldest first: a switch back reads the store
