@@ -744,12 +744,13 @@ class _TrainerSession:
 
     def _check_served(self, state: TrainerState) -> None:
         """The job starts on the version the fleet serves, and goes back to it if it fails before serving one of its
-        own. One the fleet was sent in place may be in no store: its record still on its way (fine: it lands), or
-        failed, or forgotten by a trainer that restarted. While the trainer's weights are still that version the
-        job's start records it again (SaveWeights(share) of a version whose record failed records the trainer's
-        weights once their checksum is that of the bytes the fleet was sent; a plain save publishes them); else the
-        job fails here, before touching anything (FAILED_PRECONDITION naming the version and what to do), rather
-        than at its end or in a rollback to a version nothing holds."""
+        own. One the fleet was sent in place may be in no store: its record still on its way (fine: it lands),
+        failed, forgotten by a trainer that restarted, or deleted from the store since. One whose record failed the
+        job's start records again while the trainer's weights are still that version (SaveWeights(share) of a
+        version whose record failed records the trainer's weights once their checksum is that of the bytes the
+        fleet was sent; a plain save publishes them); else the job fails here, before touching anything
+        (FAILED_PRECONDITION naming the version and what to do), rather than at its end or in a rollback to a
+        version nothing holds."""
         served = self.served
         if not served or self.manager.weight_store is None:
             return
@@ -760,21 +761,25 @@ class _TrainerSession:
             if err.code() in _OUTAGE:
                 return      # cannot tell now: the job waits out the store's outage where it reads it
             raise
+        failed = False      # its record failed: a share of it records it again
         try:
             recorded = self._call(self.client.record_weights(served, timeout=_RECORD_PROBE_S))
-            if recorded.manifest is not None:
-                return      # landed meanwhile
-            why = f"superseded by {recorded.superseded_by}, never recorded"
         except grpc.aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 return      # its record is on its way
             if err.code() is grpc.StatusCode.NOT_FOUND:
                 why = "the trainer does not know it: it restarted since"
             elif err.code() in _RECORD_FAILED:
-                why = f"its record failed: {err.details()}"
+                why, failed = f"its record failed: {err.details()}", True
             else:
                 raise
-        if (state.weights_version, state.step) == (served, state.weights_step):
+        else:
+            if recorded.manifest is not None and self._in_store(served):
+                return      # landed meanwhile
+            why = (f"superseded by {recorded.superseded_by}, never recorded" if recorded.manifest is None else
+                   "it was deleted from the store after its record landed")
+        on_it = (state.weights_version, state.step) == (served, state.weights_step)
+        if failed and on_it:
             log.warning("job %s: the fleet serves %s, which the weight store does not hold (%s); the job's start "
                         "records it again from the trainer's weights", self.job.job_id, served, why)
             return
@@ -784,10 +789,11 @@ class _TrainerSession:
             example = f", e.g. to {state.weights_version}" if self._in_store(state.weights_version) else ""
         except grpc.aio.AioRpcError:
             example = ""
-        raise FailedPrecondition(f"the fleet serves {served}, which the weight store does not hold ({why}), and the "
-                                 f"trainer no longer holds it (its weights are {holds}): switch the fleet to a "
-                                 f"version the store holds (SwitchWeights on the scheduler{example}), then submit "
-                                 "the job again")
+        raise FailedPrecondition(
+            f"the fleet serves {served}, which the weight store does not hold ({why})"
+            + ("" if on_it else f", and the trainer no longer holds it (its weights are {holds})")
+            + f": switch the fleet to a version the store holds (SwitchWeights on the scheduler{example}), then "
+            "submit the job again")
 
     def _show_train_config(self, config: TrainConfig) -> None:
         """What the job trains with (its status shows it): a set learning_rate is every step's, unscheduled."""
