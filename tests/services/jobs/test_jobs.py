@@ -13,10 +13,12 @@ import json
 import math
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -454,6 +456,65 @@ def test_a_served_version_whose_record_failed_is_recorded_again_by_the_next_jobs
             # What it says to do: the fleet on a version the store holds; then jobs run again.
             await fleet_.switch_weights(durable)
             after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=14, **TINY_RL), "after")).job_id)
+            assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
+    asyncio.run(main())
+
+
+def _switches(metrics_address: str) -> float:
+    """Weight switches a replica made, from the trainer's memory and from the store."""
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    return sum(float(m) for m in re.findall(r'^zerokl_replica_weight_switches_total\{path="\w+"\} (\S+)$', text, re.M))
+
+
+def test_a_failed_rollback_is_said_once_in_the_jobs_error(fleet, tmp_path) -> None:  # noqa: ANN001
+    """Issue 49. A job whose start fails its canary (weights a person made unservable by hand: a step on AdamW
+    moments of 1e20) takes the trainer back to the version the fleet serves, from the store. Here that version is
+    gone from the store meanwhile (unpinned and deleted while the job waits for its start's record, the record
+    process stopped), so the rollback fails: the job's error says so once, not once more by a second rollback.
+    The next job refuses to start on a version the store does not hold, saying what to do; done, jobs run again."""
+    scheduler, trainer_pid = fleet["scheduler"]["address"], fleet["trainer"]["pid"]
+    decode = next(s for name, s in fleet.items() if name.startswith("decode"))
+
+    async def main() -> None:
+        async with JobsClient(scheduler) as jobs, TrainerClient(fleet["trainer"]["address"]) as trainer, \
+                WeightStoreClient(fleet["weight-store"]["address"]) as weights, InferenceClient(scheduler) as fleet_:
+            durable = (await fleet_.info()).weights_version
+            warm = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=15, **TINY_RL), "warm")).job_id)
+            assert warm[-1].status.state is JobState.SUCCEEDED, warm[-1].status.error
+            served = warm[-1].status.weights_version
+            await trainer.load_weights(await _with_exploding_moments(weights, served, tmp_path, f"{served}.exploding"),
+                                       restore_state=True)
+            await trainer.forward_backward("sft", [Completion((3, 4, 5, 6), (7, 8, 2))])
+            await trainer.optim_step()
+            recorder = _record_process(trainer_pid)
+            os.kill(recorder, signal.SIGSTOP)
+            try:
+                switches = _switches(decode["metrics"])
+                job = await jobs.submit(RLJobSpec(steps=1, seed=16, **TINY_RL), "unservable")
+                # The canary replica took the start in place and went back to the served version: the job now waits
+                # for its start's record before deleting it.
+                deadline = time.monotonic() + 60
+                while _switches(decode["metrics"]) < switches + 2:
+                    assert time.monotonic() < deadline, "the canary replica did not switch back"
+                    await asyncio.sleep(0.1)
+                for owner in next(e for e in await weights.list() if e.manifest.version == served).pinned_by:
+                    await weights.unpin(served, owner)
+                await weights.delete(served)
+            finally:
+                os.kill(recorder, signal.SIGCONT)
+            error = (await _events(jobs, job.job_id))[-1].status.error
+            assert "failed its canary" in error, error
+            assert f"The fleet keeps serving {served}, but rolling the trainer back to it failed" in error, error
+            assert error.count("NOT_FOUND") == 1 and error.count("rolling the trainer back") == 1, error
+            assert (await fleet_.info()).weights_version == served
+
+            refused = (await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=17, **TINY_RL),
+                                                              "refused")).job_id))[-1].status
+            assert refused.state is JobState.FAILED and f"fleet serves {served}" in refused.error, refused.error
+            assert "SwitchWeights" in refused.error, refused.error
+            await trainer.load_weights(durable)
+            await fleet_.switch_weights(durable)
+            after = await _events(jobs, (await jobs.submit(RLJobSpec(steps=1, seed=18, **TINY_RL), "after")).job_id)
             assert after[-1].status.state is JobState.SUCCEEDED, after[-1].status.error
     asyncio.run(main())
 

@@ -675,6 +675,7 @@ class _TrainerSession:
         self.client = manager.trainer
         self.weights_version = ""          # the version the fleet serves that the trainer's steps build on
         self.started = False               # past the checks of start(): from here a failure rolls the trainer back
+        self.rejected = False              # a version failed its canary: _reject rolled back, and its error says how
         # What the fleet served when the job started: where a failure takes the trainer back before the job
         # serves a version of its own (loaded under the trainer's configuration from before the job when it
         # has no trainer state).
@@ -971,6 +972,8 @@ class _TrainerSession:
         to; what was done."""
         if not self.started:
             return ""       # refused before touching the trainer (e.g. it holds batches a person accumulated)
+        if self.rejected:
+            return ""       # done by _reject (the rollback tried once, the version deleted), said in its error
         good = self.weights_version or self.served
         notes = []
         try:
@@ -1115,6 +1118,7 @@ class _TrainerSession:
                       f"({load_err.code().name}: {load_err.details()})")
         except ServiceError as load_err:
             rolled = f"The fleet keeps serving {good}, but rolling the trainer back to it failed ({load_err})"
+        self.rejected = True
         fate = self._delete(version, "it failed its canary")
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
