@@ -745,13 +745,14 @@ class _TrainerSession:
 
     def _check_served(self, state: TrainerState) -> None:
         """The job starts on the version the fleet serves, and goes back to it if it fails before serving one of its
-        own. One the fleet was sent in place may be in no store: its record still on its way (fine: it lands),
-        failed, forgotten by a trainer that restarted, or deleted from the store since. One whose record failed the
-        job's start records again while the trainer's weights are still that version (SaveWeights(share) of a
-        version whose record failed records the trainer's weights once their checksum is that of the bytes the
-        fleet was sent; a plain save publishes them); else the job fails here, before touching anything
-        (FAILED_PRECONDITION naming the version and what to do), rather than at its end or in a rollback to a
-        version nothing holds."""
+        own. One the trainer shared in place may be in no store: its record still on its way (fine: it lands),
+        failed, or deleted from the store since. One whose record failed the job's start records again while the
+        trainer's weights are still that version (SaveWeights(share) of a version whose record failed records the
+        trainer's weights once their checksum is that of the bytes the fleet was sent; a plain save publishes
+        them); else the job fails here, before touching anything (FAILED_PRECONDITION naming the version and what
+        to do), rather than at its end or in a rollback to a version nothing holds. A version this trainer process
+        never shared (one the replicas loaded from elsewhere, a preset or a model directory, or one a trainer
+        that restarted since forgot) is left as before: the start shares the trainer's weights and serves them."""
         served = self.served
         if not served or self.manager.weight_store is None:
             return
@@ -766,14 +767,11 @@ class _TrainerSession:
         try:
             recorded = self._call(self.client.record_weights(served, timeout=_RECORD_PROBE_S))
         except grpc.aio.AioRpcError as err:
-            if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                return      # its record is on its way
-            if err.code() is grpc.StatusCode.NOT_FOUND:
-                why = "the trainer does not know it: it restarted since"
-            elif err.code() in _RECORD_FAILED:
-                why, failed = f"its record failed: {err.details()}", True
-            else:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND):
+                return      # its record is on its way, or this trainer never shared it
+            if err.code() not in _RECORD_FAILED:
                 raise
+            why, failed = f"its record failed: {err.details()}", True
         else:
             if recorded.manifest is not None and self._in_store(served):
                 return      # landed meanwhile
