@@ -754,15 +754,8 @@ class _TrainerSession:
         never shared (one the replicas loaded from elsewhere, a preset or a model directory, or one a trainer
         that restarted since forgot) is left as before: the start shares the trainer's weights and serves them."""
         served = self.served
-        if not served or self.manager.weight_store is None:
-            return
-        try:
-            if self._in_store(served):
-                return
-        except grpc.aio.AioRpcError as err:
-            if err.code() in _OUTAGE:
-                return      # cannot tell now: the job waits out the store's outage where it reads it
-            raise
+        if not served or self.manager.weight_store is None or self._held_by_store(served) is not False:
+            return      # held, or the store cannot say now (the job waits out its outage where it reads it)
         failed = False      # its record failed: a share of it records it again
         try:
             recorded = self._call(self.client.record_weights(served, timeout=_RECORD_PROBE_S))
@@ -773,7 +766,7 @@ class _TrainerSession:
                 raise
             why, failed = f"its record failed: {err.details()}", True
         else:
-            if recorded.manifest is not None and self._in_store(served):
+            if recorded.manifest is not None and self._held_by_store(served) is not False:
                 return      # landed meanwhile
             why = (f"superseded by {recorded.superseded_by}, never recorded" if recorded.manifest is None else
                    "it was deleted from the store after its record landed")
@@ -784,10 +777,7 @@ class _TrainerSession:
             return
         holds = state.weights_version + (f" and {state.step - state.weights_step} step(s) past it"
                                          if state.step != state.weights_step else "")
-        try:
-            example = f", e.g. to {state.weights_version}" if self._in_store(state.weights_version) else ""
-        except grpc.aio.AioRpcError:
-            example = ""
+        example = f", e.g. to {state.weights_version}" if self._held_by_store(state.weights_version) else ""
         raise FailedPrecondition(
             f"the fleet serves {served}, which the weight store does not hold ({why})"
             + ("" if on_it else f", and the trainer no longer holds it (its weights are {holds})")
@@ -1329,6 +1319,15 @@ class _TrainerSession:
                 return False
             raise
         return True
+
+    def _held_by_store(self, version: str) -> bool | None:
+        """:meth:`_in_store`, or None while the weight store is out (it cannot say)."""
+        try:
+            return self._in_store(version)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _OUTAGE:
+                return None
+            raise
 
     def publish_now(self) -> None:
         """SaveWeights, then switch the fleet to the new version once its canary passes (else the job fails)."""
