@@ -140,7 +140,14 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   cp "$keep"/*.json "$keep"/*.png "$FINAL_OUT"/ 2> /dev/null; cp "$keep/bench.log" "$OUT/bench.log"
   tail -n 60 /tmp/bench-colocate-glm5-2l/up.log > "$OUT/colocate_up.log" 2> /dev/null
   for svc in trainer decode-0 scheduler weight-store; do     # where a failed step says why (tracebacks)
-    tail -n 80 "/tmp/bench-colocate-glm5-2l/fleet/logs/$svc.log" > "$OUT/colocate_$svc.log" 2> /dev/null
+    log="/tmp/bench-colocate-glm5-2l/fleet/logs/$svc.log"
+    # asyncio's "Task exception was never retrieved" floods (grpc's aclose() race, 50k of them at 414ff8e) hide the
+    # rest: they are counted, not kept; then the log's first ERROR/Traceback lines and its tail
+    { echo "asyncio task-exception lines dropped: $(grep -c 'Task exception was never retrieved' "$log" 2> /dev/null)"
+      grep -v "Task exception was never retrieved\|^future: <Task\|^RuntimeError: aclose" "$log" 2> /dev/null \
+        | grep -n -m 40 -A 12 "ERROR\|Traceback\|failed" ; echo "--- tail"
+      grep -v "Task exception was never retrieved\|^future: <Task\|^RuntimeError: aclose" "$log" 2> /dev/null | tail -n 80
+    } > "$OUT/colocate_$svc.log"
   done
   # what the trainer did with its device memory: each closed export (freed, IPC count, holders), each wait
   grep -h "closed the export\|waited\|recorded\|device memory at" /tmp/bench-colocate-glm5-2l/fleet/logs/trainer.log \
