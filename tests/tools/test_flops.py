@@ -36,3 +36,13 @@ def test_decode_reads_the_experts_a_batch_touches() -> None:
     one = flops.decode_weight_bytes(SLICE, 1)
     assert one == 2 * (pc.rest + pc.lm_head + pc.routed * 8 / 256)
     assert one < flops.decode_weight_bytes(SLICE, 64) < 2 * (pc.rest + pc.lm_head + pc.routed)
+
+
+def test_the_hbm_bound_takes_the_named_gpus_bandwidth() -> None:
+    """The decode benches' HBM bound divides by the GPU's own bandwidth: an H100's figure against the H200's
+    bandwidth read 0.26 where it was 0.37 (the fifteenth stop's FP8 slice decode)."""
+    from flops import hbm_bytes_per_s
+
+    assert hbm_bytes_per_s("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert hbm_bytes_per_s("NVIDIA H200") == 4.8e12
+    assert hbm_bytes_per_s("") == 4.8e12        # no CUDA device: the CPU smoke runs' placeholder

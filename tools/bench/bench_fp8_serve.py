@@ -17,8 +17,9 @@ Parts:
              shapes). Reported: tok/s of each, the ratio, and each against its HBM bound: the bytes
              one decode step reads (every weight tensor but the embedding, which is gathered by row;
              of the stacked routed experts only the expected touched fraction, 1 - (1 - k/E)^batch)
-             at 4.8 TB/s, counted from the model's own tensors (e4m3 1 byte, scales 4 per 128 x 128
-             block, bf16 2, the fp32 router 4). KV-cache reads are not counted (as bench_serve's bound).
+             at the GPU's HBM bandwidth (flops.hbm_bytes_per_s: H100 3.35, H200 4.8 TB/s), counted
+             from the model's own tensors (e4m3 1 byte, scales 4 per 128 x 128 block, bf16 2, the fp32
+             router 4). KV-cache reads are not counted (as bench_serve's bound).
   invariance every FP8 request of --batch alone == inside the batch: --invariance-tokens generated,
              tokens and fp32 logprobs compared exactly (torch.equal); also trainer == engine: the FP8
              trainer's recomputed logprobs of those samples equal the engine's bit for bit.
@@ -45,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model, commit  # noqa: E402  (seeded on-device init, no portable draw)
+from flops import hbm_bytes_per_s  # noqa: E402
 
 import zerokl.kernels as K  # noqa: E402
 from zerokl.kernels.model import ModelConfig  # noqa: E402
@@ -56,7 +58,6 @@ from zerokl.services.trainer.config import TrainConfig  # noqa: E402
 from zerokl.services.trainer.trainer import Trainer  # noqa: E402
 from zerokl.vocab import Completion  # noqa: E402
 
-HBM = 4.8e12              # H200 HBM3e bytes/s
 _EXPERT_NAMES = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")      # MoE's stacked [E, out, in] experts
 
 
@@ -81,7 +82,7 @@ def step_bytes(model, batch: int) -> dict:
             expert += nbytes
         total += nbytes
     return {"bytes": total, "expert_bytes": expert, "touched_experts": touched,
-            "hbm_bound_tok_s": batch / (total / HBM)}
+            "hbm_bytes_per_s": hbm_bytes_per_s(), "hbm_bound_tok_s": batch / (total / hbm_bytes_per_s())}
 
 
 def make_requests(n: int, prompt_len: int, new_tokens: int, vocab: int, seed: int = 0) -> list[GenerateRequest]:

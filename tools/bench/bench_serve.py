@@ -41,11 +41,10 @@ from zerokl.vocab import SamplingOptions
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_train import build_model  # noqa: E402  (seeded on-device init, Model.init_weights' recipe)
-from flops import PEAK_BF16, decode_weight_bytes, prefill_flops  # noqa: E402
+from flops import PEAK_BF16, decode_weight_bytes, hbm_bytes_per_s, prefill_flops  # noqa: E402
 from engine_steps import timed_step  # noqa: E402
 from provenance import commit  # noqa: E402
 
-HBM = 4.8e12              # H200 HBM3e bytes/s
 SLICE = ModelConfig.preset("glm5").replace(num_hidden_layers=4, first_k_dense_replace=1)
 
 
@@ -144,7 +143,7 @@ def hf_generate(config: ModelConfig, batch: int, prompt_len: int, new_tokens: in
 
 def hbm_bound(c: ModelConfig, batch: int) -> float:
     """Decode tok/s if a step only read its weights at HBM speed (flops.decode_weight_bytes, bf16)."""
-    return batch / (decode_weight_bytes(c, batch) / HBM)
+    return batch / (decode_weight_bytes(c, batch) / hbm_bytes_per_s())
 
 
 def prefill(model: Model, prompts: int, length: int, budget: int) -> dict:

@@ -18,10 +18,20 @@ import torch
 from zerokl.kernels.model import Model, ModelConfig
 
 __all__ = ["PEAK_BF16", "PEAK_FP8", "ParamCounts", "param_counts", "total_params", "active_params",
-           "prefill_flops", "train_attention_flops_per_token", "decode_weight_bytes"]
+           "prefill_flops", "train_attention_flops_per_token", "decode_weight_bytes", "hbm_bytes_per_s"]
 
 PEAK_BF16 = 989e12      # H100 / H200 SXM dense bf16 FLOP/s
 PEAK_FP8 = 1979e12      # the same, dense FP8
+# HBM bytes/s by GPU, the decode bounds' denominator: H100 SXM (80 GB HBM3) 3.35 TB/s, H200 (141 GB HBM3e) 4.8 TB/s.
+_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+def hbm_bytes_per_s(device_name: str | None = None) -> float:
+    """HBM bandwidth of the GPU named ``device_name`` (default: this process's CUDA device), for the decode
+    benches' HBM bounds; the H200's where there is no CUDA device (CPU smoke runs) or the name is neither."""
+    if device_name is None:
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in _HBM_BYTES_PER_S.items() if k in device_name), _HBM_BYTES_PER_S["H200"])
 
 
 @dataclass(frozen=True)
