@@ -46,3 +46,15 @@ def test_a_config_that_does_not_launch_is_reported_and_skipped():
     assert "error" in rows[0] and rows[1]["bit_identical"]          # a 96-wide tile is no power of two
     assert best[0]["best"] == {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 8, "TMA": False,
                                  "PROGRAMS_PER_SM": 0}
+
+
+def test_smoke_grouped_sweep_checks_every_config_against_the_tables_bits(tmp_path):
+    """--sweep-grouped (the MoE experts' grouped GEMM): every config's rows, each checked against the table's
+    config's bits; no TMA or persistent config among them (the grouped launch loads by pointer)."""
+    bench = _bench()
+    assert bench.main(["--smoke", "--sweep-grouped", "--tokens", "3", "--json", str(tmp_path / "grouped.json")]) == 0
+    result = json.loads((tmp_path / "grouped.json").read_text())
+    assert len(result["sweep_grouped"]) == len(bench.grouped_candidates()[::4]) * len(bench.SMOKE_GROUPED_SHAPES)
+    assert all(r["bit_identical"] and r["rows"] == 3 * 4 for r in result["sweep_grouped"])   # 3 tokens x 4 experts
+    assert not any(r["config"]["TMA"] or r["config"]["PROGRAMS_PER_SM"] for r in result["sweep_grouped"])
+    assert [r["in_table"] for r in result["sweep_grouped"]].count(True) == 1

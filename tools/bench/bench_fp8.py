@@ -3,6 +3,7 @@ bf16 cuBLAS, side by side in one run, with the invariance check in the same run.
 
     python tools/bench/bench_fp8.py --json docs/bench/fp8-linear-cuda.json
     python tools/bench/bench_fp8.py --sweep --json fp8-sweep.json    # every candidate tile config: bits + time
+    python tools/bench/bench_fp8.py --sweep-grouped --json fp8-grouped.json   # the MoE experts' tile configs
     python tools/bench/bench_fp8.py --smoke --sweep                  # tiny, on the CPU (the CI test)
 
 Grid: (N, K) in {(4096, 4096), (2048, 7168), (7168, 2048)} x M in {1, 64, 512, 2048, 8192}.
@@ -23,7 +24,16 @@ printed as such, and may never go into the table. A config that does not compile
 bit-identical config, its ratio to cuBLASLt and the table's choice beside it: what
 fp8._CUDA_BUCKETS is filled from. Exit status 1 when any config's bits differ.
 
---smoke runs either mode on the CPU under the Triton interpreter, on tiny shapes, each arm timed
+--sweep-grouped: the MoE experts' grouped GEMM (fp8_grouped_linear, one launch over every expert's rows; the
+GLM-5 experts' gate/up [G, 2048, 6144] and down [G, 6144, 2048], G = 256) at T tokens of GROUPED_TOKENS routed to
+8 experts each (seeded uniform routing; the rows of each expert contiguous, as the MoE layer orders them), with
+every pointer-load candidate (the grouped launch takes no TMA or persistent grid). Each config's output must equal
+the table's config's (fp8._GROUPED_CUDA_CONFIG) bit for bit. The outside figure is the HBM bound: the bytes of
+the experts the tokens touch (e4m3 weights and their fp32 scales) over the GPU's bandwidth
+(flops.hbm_bytes_per_s): at decode the experts are weight streams, so that fraction is the one to raise. The
+time includes the rows' quantization (one launch, the same for every config).
+
+--smoke runs any mode on the CPU under the Triton interpreter, on tiny shapes, each arm timed
 by one wall-clock call: it checks the script runs, its figures mean nothing.
 """
 from __future__ import annotations
@@ -40,12 +50,17 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from flops import hbm_bytes_per_s  # noqa: E402
 from provenance import commit  # noqa: E402
 
 SHAPES = [(4096, 4096), (2048, 7168), (7168, 2048)]
 MS = [1, 64, 512, 2048, 8192]
 SWEEP_MS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 SMOKE_SHAPES, SMOKE_MS = [(200, 96)], [1, 70]
+# --sweep-grouped: the GLM-5 experts (G, N, K) for gate/up and down, tokens a step (x 8 routed experts each)
+GROUPED_SHAPES = [(256, 2048, 6144), (256, 6144, 2048)]
+GROUPED_TOKENS = [64, 256, 2048, 8192]
+SMOKE_GROUPED_SHAPES, SMOKE_GROUPED_TOKENS, GROUPED_TOP_K = [(4, 96, 200)], [3, 9], 8
 
 
 def candidates() -> list:
@@ -196,10 +211,82 @@ def sweep(shapes, ms, dev, time_ms, configs) -> tuple[list[dict], list[dict]]:
     return rows, best
 
 
+def grouped_candidates() -> list:
+    """The grouped sweep's configs: candidates() without TMA loads or a persistent grid (the grouped launch's
+    row tiles follow the experts' offsets; it loads by pointer), and the table's own."""
+    from zerokl.kernels.triton import fp8
+    plain = [c for c in candidates() if not c.TMA and not c.PROGRAMS_PER_SM]
+    return list(dict.fromkeys([fp8._GROUPED_CUDA_CONFIG] + plain))
+
+
+def _routed_offsets(tokens: int, experts: int, top_k: int, dev) -> tuple[torch.Tensor, int]:
+    """Expert row offsets [G + 1] (device int64) of `tokens` tokens each sent to top_k distinct experts drawn
+    uniformly (seeded), and how many experts got a row."""
+    g = torch.Generator().manual_seed(tokens)
+    picks = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).reshape(-1)
+    counts = torch.bincount(picks, minlength=experts)
+    offsets = torch.zeros(experts + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    return offsets.to(dev), int((counts > 0).sum())
+
+
+def sweep_grouped(shapes, token_counts, dev, time_ms, configs, top_k: int = GROUPED_TOP_K) -> tuple[list[dict], list[dict]]:
+    """Every config of the grouped FP8 GEMM at every (G, N, K) x tokens: (a row per config and case, the best
+    config per case), each against the HBM bound of the experts the tokens touch."""
+    from zerokl.kernels import ops
+    from zerokl.kernels.triton import fp8 as tfp8
+    gen = torch.Generator(device=dev).manual_seed(0)
+    bandwidth = hbm_bytes_per_s() if dev != "cpu" else float("nan")
+    rows, best = [], []
+    for experts, n, k in shapes:
+        qw, sw = ops.fp8_quantize_weight(torch.randn(experts, n, k, device=dev, generator=gen) * 0.02)
+        for tokens in token_counts:
+            offsets, touched = _routed_offsets(tokens, experts, min(top_k, experts), dev)
+            m = int(offsets[-1])
+            x = torch.randn(m, k, device=dev, generator=gen).to(torch.bfloat16)
+            table = tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=tfp8._GROUPED_CUDA_CONFIG)
+            nbytes = touched * (qw[0].numel() * qw.element_size() + sw[0].numel() * sw.element_size())
+            bound_ms = nbytes / bandwidth * 1e3
+            print(f"G{experts} N{n} K{k} T{tokens} ({m} rows, {touched} experts touched): HBM bound "
+                  f"{bound_ms * 1e3:9.1f} us", flush=True)
+            case = []
+            for cfg in configs:
+                row = {"experts": experts, "n": n, "k": k, "tokens": tokens, "rows": m, "config": dataclasses.asdict(cfg),
+                       "in_table": cfg == tfp8._GROUPED_CUDA_CONFIG}
+                try:
+                    y = tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=cfg)
+                    same = bool(torch.equal(y, table))
+                    t = time_ms(lambda: tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=cfg))  # noqa: B023
+                except Exception as e:  # noqa: BLE001 - a config that does not fit: shared memory, registers
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                    print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
+                    rows.append(row)
+                    continue
+                row.update(ms=t, bit_identical=same, of_hbm_bound=bound_ms / t)
+                case.append(row)
+                rows.append(row)
+                print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {bound_ms / t:5.2f} of the HBM bound"
+                      + ("  (the table's)" if row["in_table"] else "")
+                      + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE TABLE'S CONFIG: never use it"), flush=True)
+            ok = [r for r in case if r["bit_identical"]]
+            top = min(ok, key=lambda r: r["ms"]) if ok else None
+            mine = next((r for r in case if r["in_table"]), None)
+            best.append({"experts": experts, "n": n, "k": k, "tokens": tokens, "hbm_bound_ms": bound_ms,
+                         "best": top and top["config"], "best_ms": top and top["ms"],
+                         "best_of_hbm_bound": top and top["of_hbm_bound"],
+                         "table": dataclasses.asdict(tfp8._GROUPED_CUDA_CONFIG),
+                         "table_of_hbm_bound": mine and mine["of_hbm_bound"]})
+    return rows, best
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time every candidate tile config (see the docstring)")
+    ap.add_argument("--sweep-grouped", action="store_true",
+                    help="time every candidate tile config of the MoE experts' grouped GEMM (see the docstring)")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None,
+                    help="--sweep-grouped's tokens a step (default: GROUPED_TOKENS)")
     ap.add_argument("--ms", type=int, nargs="+", default=None, help="the M values (default: MS, or SWEEP_MS with --sweep)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under the Triton interpreter")
     args = ap.parse_args(argv)
@@ -216,7 +303,22 @@ def main(argv: list[str] | None = None) -> int:
             "commit": commit(), "torch": torch.__version__}
     status = 0
     with use_backend("triton"):
-        if not args.sweep:
+        if args.sweep_grouped:
+            configs = grouped_candidates()[::4] if args.smoke else grouped_candidates()
+            meta["sweep_grouped"], meta["best"] = sweep_grouped(
+                SMOKE_GROUPED_SHAPES if args.smoke else GROUPED_SHAPES,
+                args.tokens or (SMOKE_GROUPED_TOKENS if args.smoke else GROUPED_TOKENS), dev, _timer(args.smoke), configs)
+            print("\nper (G, N, K, tokens): the fastest config whose bits are the table's; the table's config")
+            for b in meta["best"]:
+                top = "none bit-identical" if b["best"] is None else \
+                    f"{_name(_config(b['best'])):22s} {b['best_of_hbm_bound']:5.2f} of the HBM bound"
+                table = "did not run" if b["table_of_hbm_bound"] is None else f"{b['table_of_hbm_bound']:5.2f}"
+                print(f"  G{b['experts']} N{b['n']:5d} K{b['k']:5d} T{b['tokens']:5d}: {top};  table "
+                      f"{_name(_config(b['table']))} {table}")
+            differ = [r for r in meta["sweep_grouped"] if r.get("bit_identical") is False]
+            print(f"{len(differ)} config runs with bits unlike the table's" + (" <<<<<<<< SEE ABOVE" if differ else ""))
+            status = 1 if differ else 0
+        elif not args.sweep:
             meta["rows"] = grid(shapes, ms, dev, _timer(args.smoke))
         else:
             configs = smoke_candidates() if args.smoke else candidates()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, logs and JSON under $OUT.
 #   ZEROKL_COMMIT=$(git rev-parse --short HEAD) bash tools/bench/h200_run.sh MODE
-# MODE: final (issue 8's benches), fp8-sweep (issue 50's FP8 tile configs), colocate / rl20 / poll (issue 49's runs longer than a call), fp8-train (issue 51), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
+# MODE: final (issue 8's benches), fp8-sweep / fp8-grouped (issue 50's FP8 tile configs: plain, the experts'), colocate / rl20 / poll (issue 49's runs longer than a call), fp8-train (issue 51), map (issue 53's mismatch map: see its comment), zerokl, numerics3, wave4-check, wave4-final, wave4-rl, wave5, wave2, wave3-a .. wave3-k, wave3-fp8: each says what it runs.
 # zerokl: the GPU golden vectors, `zerokl verify`, and the GPU test tier (the zero-KL promise);
 # the services' tests need the wheels in .whl/ (grpcio, protobuf, OpenTelemetry, minio).
 # Single-GPU benches run concurrently on GPU 0 and GPU 1 when there are two; TP last.
@@ -171,6 +171,16 @@ elif [ "$MODE" = fp8-sweep ]; then
   timeout ${SWEEP_LIMIT:-330} python3 tools/bench/bench_fp8.py --sweep --ms ${FP8_MS:-1 64 2048 8192} \
     --json "$FINAL_OUT/fp8-sweep.json" > "$FINAL_OUT/fp8-sweep.log" 2>&1
   grep -A40 "^per (N, K, M)" "$FINAL_OUT/fp8-sweep.log" || tail -n 40 "$FINAL_OUT/fp8-sweep.log"
+  timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_configs.py tests/kernels/test_fp8.py \
+    tests/kernels/test_golden.py -k "fp8 or golden or config" > "$OUT/fp8_config_tests.log" 2>&1
+  tail -n 3 "$OUT/fp8_config_tests.log"
+elif [ "$MODE" = fp8-grouped ]; then
+  # issue 50: the MoE experts' grouped FP8 GEMM tile configs (bench_fp8 --sweep-grouped: every pointer-load candidate
+  # at the GLM-5 experts' shapes x tokens, bits against the table's config, time against the HBM bound), then the
+  # GPU tests of the FP8 configs and goldens
+  timeout ${SWEEP_LIMIT:-330} python3 tools/bench/bench_fp8.py --sweep-grouped --json "$FINAL_OUT/fp8-grouped.json" \
+    > "$FINAL_OUT/fp8-grouped.log" 2>&1
+  grep -A12 "^per (G, N, K, tokens)" "$FINAL_OUT/fp8-grouped.log" || tail -n 40 "$FINAL_OUT/fp8-grouped.log"
   timeout ${TESTS_LIMIT:-200} python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_fp8_configs.py tests/kernels/test_fp8.py \
     tests/kernels/test_golden.py -k "fp8 or golden or config" > "$OUT/fp8_config_tests.log" 2>&1
   tail -n 3 "$OUT/fp8_config_tests.log"
