@@ -352,14 +352,38 @@ class DiskWatch(_Sampler):
                 "fs_used_growth_peak": self.fs_peak}
 
 
+async def heartbeat(workdir: pathlib.Path, host: HostWatch, disk: DiskWatch, every_s: float = 30.0) -> None:
+    """A line every ``every_s`` while the job runs: the disk free under the workdir and the host's least available
+    memory, so a run that never reaches a step (or whose machine stops answering) still leaves their trend in the
+    log brought back (two device runs of the slice lost their machine before a step, cause unknown)."""
+    t0 = time.monotonic()
+    while True:
+        await asyncio.sleep(every_s)
+        free = shutil.disk_usage(workdir).free
+        print(f"[{time.monotonic() - t0:.0f} s into the job] disk: {free / 2**30:.1f} GiB free (peak under the workdir "
+              f"{disk.peak / 2**30:.1f} GiB, at '{disk.peak_at}') | host: least available "
+              f"{host.available_min / 2**30:.1f} GiB, peak " + ", ".join(
+                  f"{k} {v / 2**30:.1f}" for k, v in host.peak.items()), flush=True)
+
+
 async def run_job(args: argparse.Namespace, services: dict[str, dict], result: dict, out: pathlib.Path,
-                  host: HostWatch) -> None:
-    from zerokl.services.jobs.types import CountdownTask, JobState, RLJobSpec
-    from zerokl.services.jobs.service import JobsClient
+                  host: HostWatch, disk: DiskWatch, workdir: pathlib.Path) -> None:
+    from zerokl.services.jobs.types import CountdownTask, RLJobSpec
     spec = RLJobSpec(steps=args.steps, countdown=CountdownTask(seed=args.seed), prompts_per_step=args.prompts,
                      group_size=args.group, max_tokens=args.max_tokens, seed=args.seed, eval_every=0,
                      reward="vowel_share", ignore_eos=True, learning_rate=args.lr,
                      checkpoint_every=args.checkpoint_every)
+    beat = asyncio.ensure_future(heartbeat(workdir, host, disk))
+    try:
+        await _watch_job(spec, services, result, out, host)
+    finally:
+        beat.cancel()
+
+
+async def _watch_job(spec, services: dict[str, dict], result: dict, out: pathlib.Path,  # noqa: ANN001 - RLJobSpec
+                     host: HostWatch) -> None:
+    from zerokl.services.jobs.types import JobState
+    from zerokl.services.jobs.service import JobsClient
     async with JobsClient(services["scheduler"]["address"]) as jobs:
         job = await jobs.submit(spec, "bench-colocate")
         async for ev in jobs.watch(job.job_id):
@@ -480,7 +504,7 @@ def main() -> int:
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
         disk.phase = "job"
         with MemoryWatch(services, args.device) as memory:
-            asyncio.run(run_job(args, services, result, out, host))
+            asyncio.run(run_job(args, services, result, out, host, disk, workdir))
         replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
         result["peak_memory"] = {"by_service": memory.peak, "replica": replica,
                                  "trainer": memory.peak.get("trainer", 0.0), "device_total": memory.total_peak,
