@@ -167,6 +167,30 @@ def grid(shapes, ms, dev, time_ms) -> list[dict]:
     return rows
 
 
+def _time_configs(configs, call, reference: torch.Tensor, reference_name: str, time_ms, base: dict, chosen,
+                  key: str, ratio, unit: str) -> list[dict]:
+    """A row per config: ``call(config)``'s output checked against ``reference`` (torch.equal), its time and
+    ``ratio(ms)`` under ``key``; a config that does not compile or launch (shared memory, registers) gets an
+    ``error`` instead. ``chosen``: the table's config (marked)."""
+    rows = []
+    for cfg in configs:
+        row = {**base, "config": dataclasses.asdict(cfg), "in_table": cfg == chosen}
+        try:
+            same = bool(torch.equal(call(cfg), reference))
+            t = time_ms(lambda: call(cfg))  # noqa: B023
+        except Exception as e:  # noqa: BLE001 - a config that does not fit
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
+            rows.append(row)
+            continue
+        row.update(ms=t, bit_identical=same, **{key: ratio(t)})
+        rows.append(row)
+        print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {ratio(t):5.2f}{unit}"
+              + ("  (the table's)" if row["in_table"] else "")
+              + ("" if same else f"  <<<<<<<< BITS DIFFER FROM {reference_name.upper()}: never use it"), flush=True)
+    return rows
+
+
 def sweep(shapes, ms, dev, time_ms, configs) -> tuple[list[dict], list[dict]]:
     """Every config at every (N, K) x M: (a row per config and case, the best config per case)."""
     from zerokl.kernels import ops
@@ -183,24 +207,12 @@ def sweep(shapes, ms, dev, time_ms, configs) -> tuple[list[dict], list[dict]]:
             t_c = time_ms(mm)
             chosen = tfp8.fp8_launch_config(m, n, k, interpreted=False)
             print(f"N{n} K{k} M{m}: cuBLASLt fp8 [{scaling}] {t_c * 1e3:9.1f} us", flush=True)
-            case = []
-            for cfg in configs:
-                row = {"n": n, "k": k, "m": m, "config": dataclasses.asdict(cfg), "in_table": cfg == chosen}
-                try:
-                    y = tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=cfg)
-                    same = bool(torch.equal(y, canonical))
-                    t = time_ms(lambda: tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=cfg))  # noqa: B023
-                except Exception as e:  # noqa: BLE001 - a config that does not fit: shared memory, registers
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
-                    rows.append(row)
-                    continue
-                row.update(ms=t, bit_identical=same, vs_cublaslt=t_c / t)
-                case.append(row)
-                rows.append(row)
-                print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {t_c / t:5.2f}x cuBLASLt"
-                      + ("  (the table's)" if cfg == chosen else "")
-                      + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE CANONICAL CONFIG: never use it"), flush=True)
+            case = _time_configs(
+                configs, lambda cfg: tfp8.fp8_gemm(qx, sx, qw, sw, None, torch.bfloat16, config=cfg),  # noqa: B023
+                canonical, "the canonical config's", time_ms, {"n": n, "k": k, "m": m}, chosen,
+                "vs_cublaslt", lambda t: t_c / t, "x cuBLASLt")  # noqa: B023
+            rows += case
+            case = [r for r in case if "error" not in r]
             ok = [r for r in case if r["bit_identical"]]
             top = min(ok, key=lambda r: r["ms"]) if ok else None
             table = next((r for r in case if r["in_table"]), None)
@@ -249,25 +261,13 @@ def sweep_grouped(shapes, token_counts, dev, time_ms, configs, top_k: int = GROU
             bound_ms = nbytes / bandwidth * 1e3
             print(f"G{experts} N{n} K{k} T{tokens} ({m} rows, {touched} experts touched): HBM bound "
                   f"{bound_ms * 1e3:9.1f} us", flush=True)
-            case = []
-            for cfg in configs:
-                row = {"experts": experts, "n": n, "k": k, "tokens": tokens, "rows": m, "config": dataclasses.asdict(cfg),
-                       "in_table": cfg == tfp8._GROUPED_CUDA_CONFIG}
-                try:
-                    y = tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=cfg)
-                    same = bool(torch.equal(y, table))
-                    t = time_ms(lambda: tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=cfg))  # noqa: B023
-                except Exception as e:  # noqa: BLE001 - a config that does not fit: shared memory, registers
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                    print(f"    {_name(cfg):22s} SKIPPED, does not compile or launch: {row['error']}", flush=True)
-                    rows.append(row)
-                    continue
-                row.update(ms=t, bit_identical=same, of_hbm_bound=bound_ms / t)
-                case.append(row)
-                rows.append(row)
-                print(f"    {_name(cfg):22s} {t * 1e3:9.1f} us  {bound_ms / t:5.2f} of the HBM bound"
-                      + ("  (the table's)" if row["in_table"] else "")
-                      + ("" if same else "  <<<<<<<< BITS DIFFER FROM THE TABLE'S CONFIG: never use it"), flush=True)
+            case = _time_configs(
+                configs, lambda cfg: tfp8.fp8_grouped_linear(x, qw, sw, offsets, config=cfg),  # noqa: B023
+                table, "the table's config's", time_ms,
+                {"experts": experts, "n": n, "k": k, "tokens": tokens, "rows": m}, tfp8._GROUPED_CUDA_CONFIG,
+                "of_hbm_bound", lambda t: bound_ms / t, " of the HBM bound")  # noqa: B023
+            rows += case
+            case = [r for r in case if "error" not in r]
             ok = [r for r in case if r["bit_identical"]]
             top = min(ok, key=lambda r: r["ms"]) if ok else None
             mine = next((r for r in case if r["in_table"]), None)
