@@ -167,14 +167,13 @@ INTERPRETED_CONFIG = Fp8GemmConfig(16, 128, 4, 1)
 # The compiled reference: what every launch of M > 64 rows used before the table. The GPU tests
 # (tests/kernels/test_fp8_configs.py) and the sweep compare every other config's bits with it.
 CANONICAL_CONFIG = Fp8GemmConfig(128, 128, 8, 3)
-# The MoE experts' compiled config (fp8_grouped_linear; rows per expert are few and vary).
+# The MoE experts' compiled config (fp8_grouped_linear; rows per expert are few and vary). Not swept yet:
+# `bench_fp8.py --sweep-grouped` times its candidates against the HBM bound of the experts touched.
 _GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 128, 4, 3)
 
 # Configs of compiled CUDA launches by M bucket: (max M, {(N, K) or None: Fp8GemmConfig}), as
-# gemm._CUDA_BUCKETS. Today's entries are the two shapes the kernel had before it had configs (so the
-# GPU's FP8 bits and golden vectors stay where they were measured); `python tools/bench/bench_fp8.py
-# --sweep` on the GPU times the candidates beside cuBLASLt and checks their bits, and its fastest
-# bit-identical config per (shape, M) is what this table takes next. Candidates it times, and why:
+# gemm._CUDA_BUCKETS. `python tools/bench/bench_fp8.py --sweep` on the GPU times the candidates beside cuBLASLt
+# and checks their bits; the table takes its fastest bit-identical configs (below). Candidates it times, and why:
 # - M <= 64 (decode): one row tile, so the time is the weight streamed from HBM by N / BLOCK_N
 #   programs; 64-column tiles give twice the programs of 128 (N = 2048: 32 instead of 16).
 # - M <= 1024: 64 x 128 tiles keep the grid above the 132 SMs (M = 512, N = 2048: 128 tiles,
