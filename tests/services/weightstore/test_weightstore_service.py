@@ -406,36 +406,44 @@ def test_fetch_links_from_the_stores_directory_on_this_host(tmp_path: pathlib.Pa
     run(backend, body)
 
 
-class _StoreGoingAway(weights_pb2_grpc.WeightStoreServicer):
-    """A store that takes a PutShard's header, acknowledges it, then ends the stream UNAVAILABLE (as one going away
-    mid-upload): the client's next writes meet a finished call."""
+class _StoreEndingUploads(weights_pb2_grpc.WeightStoreServicer):
+    """A store that takes a PutShard's header, acknowledges it, takes the first chunk, then ends the stream with an
+    error status while the client still has chunks in flight (the client's writes meet a finished call, or race its
+    end in core): UNAVAILABLE as one going away mid-upload, or RESOURCE_EXHAUSTED as one whose disk is full."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
 
     async def PutShard(self, request_iterator, context):  # noqa: ANN001, ANN201, N802 - gRPC's name
         header = (await context.read()).header
         await context.write(weights_pb2.ShardStatus(name=header.name, size=header.size, received=0))
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "the store is going away")
+        await context.read()
+        await context.abort(self.code, self.details)
 
 
-def test_a_store_ending_an_upload_mid_stream_is_raised_as_its_status(tmp_path: pathlib.Path) -> None:
-    # grpc raises asyncio.InvalidStateError ("RPC already finished") for a write to a call the server has ended, and
-    # INTERNAL "Internal error from Core" for one racing the end; the client raises the store's status instead (or,
-    # where grpc lost it, UNAVAILABLE), so the trainer's callers see an outage and retry.
+@pytest.mark.parametrize("code, details", [(grpc.StatusCode.UNAVAILABLE, "the store is going away"),
+                                           (grpc.StatusCode.RESOURCE_EXHAUSTED, "the store has no room")])
+def test_a_store_ending_an_upload_mid_stream_is_raised_as_the_status_it_sent(
+        tmp_path: pathlib.Path, code: grpc.StatusCode, details: str) -> None:
+    # A write to a call the server has ended raises asyncio.InvalidStateError ("RPC already finished"); one racing its
+    # end fails in core, and grpc then replaces the status the server sent with INTERNAL "Internal error from Core"
+    # (the call's code() and a read after say INTERNAL). The client raises the status the store sent, every time: a
+    # full store's RESOURCE_EXHAUSTED must not reach the trainer as an outage (UNAVAILABLE) it retries forever.
     path = tmp_path / "model.safetensors"
-    path.write_bytes(bytes(range(256)) * (3 * MAX_CHUNK_BYTES // 256))    # 3 chunks: writes after the ack
+    path.write_bytes(bytes(range(256)) * (12 * MAX_CHUNK_BYTES // 256))    # chunks in flight when the store ends it
 
     async def main() -> None:
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightStoreServicer_to_server(_StoreGoingAway(), server)
+        # A chunk (4 MiB and its envelope) is over grpc's default 4 MiB message limit: the store's own limit.
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 * MAX_CHUNK_BYTES)])
+        weights_pb2_grpc.add_WeightStoreServicer_to_server(_StoreEndingUploads(code, details), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
             async with WeightStoreClient(f"127.0.0.1:{port}") as client:
-                for _ in range(40):     # the read meets the status, or a write meets the finished or ending call
+                for _ in range(60):     # the read meets the status, or a write meets the finished or ending call
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         await client.put_shard("u1", path)
-                    assert err.value.code() is grpc.StatusCode.UNAVAILABLE
-                    assert err.value.details() in ("the store is going away", "the stream to the store ended while "
-                                                   "sending (Internal error from Core)")
+                    assert (err.value.code(), err.value.details()) == (code, details)
         finally:
             await server.stop(0)
     asyncio.run(main())

@@ -108,28 +108,68 @@ async def _first(wait: Awaitable[Any], failed: "asyncio.Future[Any]") -> None:
         raise RuntimeError("PutShard acknowledged every chunk before all were sent")
 
 
-async def _write(call: Any, request: Any) -> None:
-    """``call.write(request)``, raising the status that ended the stream when the server has ended it (an error
-    status, or a store gone away mid-upload): a store's outage must reach the trainer as UNAVAILABLE, retried.
+_PENDING = object()
 
-    grpc says neither case by status. A write to a call already finished raises ``asyncio.InvalidStateError("RPC
-    already finished")``: its status is read back from the call. A write that races the end (core refuses to send
-    on a stream it is closing) raises INTERNAL "Internal error from Core", and the status the server sent is lost:
-    the stream is gone, which is UNAVAILABLE (a PutShard resumes where the store's copy ends, so a retry is safe; a
-    store refusing for good says so again on the retry's first read)."""
+
+def _settled(coro: Any) -> Any:
+    """The value of a call's accessor (``code()``, ``details()``, ``trailing_metadata()``) where grpc holds it already
+    (a finished call's status: the coroutine returns without waiting), read now; :data:`_PENDING` where it would wait.
+    For :class:`_StreamEnd`'s done callback, which must read the status before anything else runs."""
     try:
-        await call.write(request)
-        return
-    except asyncio.InvalidStateError:   # finished: with the status grpc set (also by a write it refused before)
-        code, details = await call.code(), await call.details()
-        metadata = (await call.initial_metadata(), await call.trailing_metadata())
-    except grpc.aio.AioRpcError as err:
-        code, details, metadata = err.code(), err.details(), (err.initial_metadata(), err.trailing_metadata())
-    if code is grpc.StatusCode.OK:
-        raise RuntimeError("the store ended the stream before it was sent whole")
-    if code is grpc.StatusCode.INTERNAL and (details or "").startswith(_CORE_REFUSED):
-        code, details = grpc.StatusCode.UNAVAILABLE, f"the stream to the store ended while sending ({details})"
-    raise grpc.aio.AioRpcError(code, *metadata, details)
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    return _PENDING
+
+
+class _StreamEnd:
+    """The first status grpc gives a call: the server's, or the transport's when the connection dropped.
+
+    grpc can replace it. A write in flight when the server ends the stream fails in core, and grpc then sets INTERNAL
+    "Internal error from Core" over the status it had received: the call's ``code()``/``details()`` after that, a
+    write (``asyncio.InvalidStateError`` "RPC already finished", read back as that INTERNAL) and even a read say
+    INTERNAL, not why the stream ended (seen against a real server ending PutShard with an error while chunks were
+    in flight). A done callback runs as grpc sets the first status, before the write's failure can replace it."""
+
+    def __init__(self, call: Any) -> None:
+        self.status: tuple[grpc.StatusCode, str, Any] | None = None     # (code, details, trailing metadata)
+        call.add_done_callback(self._done)
+
+    def _done(self, call: Any) -> None:
+        if self.status is not None:
+            return
+        code, details, trailing = _settled(call.code()), _settled(call.details()), _settled(call.trailing_metadata())
+        if code is not _PENDING and details is not _PENDING:
+            self.status = (code, details or "", None if trailing is _PENDING else trailing)
+
+
+def _core_refused(code: grpc.StatusCode, details: str) -> bool:
+    """grpc's INTERNAL for a write core refused to send on a stream that was ending: no status of the server's."""
+    return code is grpc.StatusCode.INTERNAL and (details or "").startswith(_CORE_REFUSED)
+
+
+async def _why_ended(call: Any, end: _StreamEnd, err: BaseException) -> BaseException:
+    """The error a PutShard stream that failed with ``err`` (an AioRpcError, or asyncio.InvalidStateError for a write
+    to a finished call) is raised as: the status the server ended it with, as it sent it (RESOURCE_EXHAUSTED for a
+    store with no room, ...: for the caller to judge), wherever grpc still has it (the first status the call got,
+    then ``err``'s, then the call's own); UNAVAILABLE only when none is the server's, the stream gone without one (a
+    dropped connection: a PutShard resumes where the store's copy ends, so the caller's retry is safe)."""
+    said: list[tuple[grpc.StatusCode, str, Any]] = []
+    if end.status is not None:
+        said.append(end.status)
+    if isinstance(err, grpc.aio.AioRpcError):
+        said.append((err.code(), err.details() or "", err.trailing_metadata()))
+    if call.done():
+        said.append((await call.code(), await call.details() or "", await call.trailing_metadata()))
+    for code, details, trailing in said:
+        if code is not grpc.StatusCode.OK and not _core_refused(code, details):
+            return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing or grpc.aio.Metadata(), details)
+    if any(code is grpc.StatusCode.OK for code, _, _ in said):
+        return RuntimeError("the store ended the stream before it was sent whole")
+    why = said[0][1] if said else f"{type(err).__name__}: {err}"
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                f"the stream to the store ended while sending ({why})")
 
 
 class WeightStoreClient(ServiceClient):
@@ -280,15 +320,19 @@ class WeightStoreClient(ServiceClient):
                 view.close()
 
     async def _put(self, header: weights_pb2.ShardHeader, view: Any, digests: list[bytes]) -> ShardStatus:
-        """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends."""
+        """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends. A stream the store
+        ends is raised as the status it sent (:func:`_why_ended`)."""
         call = self._stub.PutShard()
+        end = _StreamEnd(call)
         try:
-            await _write(call, weights_pb2.PutShardRequest(header=header))
+            await call.write(weights_pb2.PutShardRequest(header=header))
             status = await self._ack(call)
             if not status.complete:
                 status = await self._send_chunks(call, view, status.received, len(view), digests)
             await call.done_writing()
             return convert.shard_status_from_proto(status)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
+            raise await _why_ended(call, end, err) from None
         finally:
             call.cancel()  # no-op when finished; ends the stream if we stop early
 
@@ -313,7 +357,7 @@ class WeightStoreClient(ServiceClient):
                 aligned = offset % MAX_CHUNK_BYTES == 0 and len(data) > 0
                 digest = digests[offset // MAX_CHUNK_BYTES] if aligned else hashlib.sha256(data).digest()
                 await _first(window.acquire(), acks)
-                await _write(call, weights_pb2.PutShardRequest(chunk=blob_pb2.BytesChunk(
+                await call.write(weights_pb2.PutShardRequest(chunk=blob_pb2.BytesChunk(
                     offset=offset, data=data, sha256=digest, total_size=size)))
             return await acks
         finally:
