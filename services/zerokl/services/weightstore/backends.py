@@ -9,20 +9,27 @@ write to a temp file then ``os.replace``; S3: a PUT is atomic per object).
 Keys are ``/``-separated segments of ``[A-Za-z0-9][A-Za-z0-9._-]*``: no
 empty, ``.``/``..`` or hidden segments and no leading ``/``, so no key can
 escape the store's root or bucket prefix.
+
+A write the storage refuses for want of room (a full disk or quota, a file size limit: ENOSPC, EDQUOT,
+EFBIG; a MinIO whose drives are full) raises :class:`StorageFull` (RESOURCE_EXHAUSTED to a caller), naming
+where the data lives and the bytes being written, and leaves nothing behind that was not there before.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import io
 import os
 import pathlib
 import re
 import secrets
+import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, TypeVar
 
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
+from zerokl.services.runtime.errors import ResourceExhausted
 
 __all__ = [
     "ObjectInfo",
@@ -30,8 +37,10 @@ __all__ = [
     "InvalidKey",
     "validate_key",
     "StorageBackend",
+    "StorageFull",
     "LocalDirBackend",
     "S3Backend",
+    "NO_ROOM",
 ]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -44,6 +53,15 @@ class ObjectMissing(KeyError):
 
 class InvalidKey(ValueError):
     """The key could name something outside the store (or is malformed)."""
+
+
+class StorageFull(ResourceExhausted):
+    """The storage refused a write for want of room: a full disk or quota, a file size limit, a full MinIO.
+    RESOURCE_EXHAUSTED to a caller, whose upload resumes where the store's copy ends once there is room."""
+
+
+#: errno values of a write refused for want of room: a full disk, a full quota, a file size limit (RLIMIT_FSIZE).
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 def validate_key(key: str) -> str:
@@ -183,30 +201,47 @@ class LocalDirBackend(StorageBackend):
             raise InvalidKey(f"storage key {key!r} resolves outside {self.root}")
         return path
 
+    @contextlib.contextmanager
+    def _room(self, what: str, nbytes: int) -> Iterator[None]:
+        """Raise a write refused for want of room (:data:`NO_ROOM`) as :class:`StorageFull`: where, how many bytes,
+        what the system said, and what room is left on the disk."""
+        try:
+            yield
+        except OSError as err:
+            if err.errno not in NO_ROOM:
+                raise
+            try:
+                free = f"{shutil.disk_usage(self.root).free} bytes free there"
+            except OSError:
+                free = "its free space unknown"
+            raise StorageFull(f"the weight store's {self.describe()} has no room: writing {nbytes} bytes of {what} "
+                              f"failed ({err.strerror or os.strerror(err.errno)}; {free})") from None
+
     def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
         path = self._path(key)
         # Same directory as the target so os.replace is a same-filesystem rename;
         # the leading dot makes it an invalid key, so list() never shows it.
         tmp = path.parent / f".tmp-{secrets.token_hex(8)}-{path.name}"
-        try:
-            written = 0
-            with _in_its_directory(tmp, lambda: open(tmp, "wb")) as f:
-                for piece in pieces:
-                    f.write(piece)
-                    written += len(piece)
-                if written != size:
-                    raise ValueError(f"{key}: got {written} bytes, expected {size}")
-                f.flush()
-                # Durable before visible: a manifest must never outlive the shards it names.
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        with self._room(key, size):
+            try:
+                written = 0
+                with _in_its_directory(tmp, lambda: open(tmp, "wb")) as f:
+                    for piece in pieces:
+                        f.write(piece)
+                        written += len(piece)
+                    if written != size:
+                        raise ValueError(f"{key}: got {written} bytes, expected {size}")
+                    f.flush()
+                    # Durable before visible: a manifest must never outlive the shards it names.
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def iter_read(self, key: str, offset: int = 0, piece_size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
         path = self._path(key)
@@ -273,10 +308,20 @@ class LocalDirBackend(StorageBackend):
 
     def stage(self, prefix: str, offset: int, data: bytes) -> None:
         path = self._staging(prefix)
-        with _in_its_directory(path, lambda: open(path, "ab")) as f:
+        with self._room(f"{prefix} at offset {offset}", len(data)), \
+                _in_its_directory(path, lambda: open(path, "ab", buffering=0)) as f:
             if f.tell() != offset:
                 raise ValueError(f"{prefix}: {f.tell()} bytes staged, a piece at offset {offset}")
-            f.write(data)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view):]
+            except OSError:
+                # A piece written in part (the disk filled up meanwhile) goes: what is staged stays what was
+                # acknowledged, and the upload resumes there.
+                with contextlib.suppress(OSError):
+                    f.truncate(offset)
+                raise
 
     def commit_staged(self, prefix: str, key: str, size: int) -> None:
         path = self._staging(prefix)
@@ -285,8 +330,8 @@ class LocalDirBackend(StorageBackend):
             return
         if path.stat().st_size != size:
             raise ValueError(f"{key}: {path.stat().st_size} bytes staged, expected {size}")
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())    # durable before visible, as put_stream
+        with self._room(key, size), open(path, "rb+") as f:
+            os.fsync(f.fileno())    # durable before visible, as put_stream (a filesystem may find no room only now)
         target = self._path(key)
         _in_its_directory(target, lambda: os.replace(path, target))
         dir_fd = os.open(target.parent, os.O_RDONLY)
@@ -331,6 +376,9 @@ class _PieceReader(io.RawIOBase):
 # multi-GB shards while bounding the memory one upload buffers.
 _S3_PART_SIZE = 64 * 1024 * 1024
 _S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
+# A write refused for want of room: MinIO's drives past their free-space threshold (HTTP 507), a bucket's quota.
+_S3_NO_ROOM = {"XMinioStorageFull", "XMinioAdminBucketQuotaExceeded"}
+_HTTP_INSUFFICIENT_STORAGE = 507
 
 
 class S3Backend(StorageBackend):
@@ -362,8 +410,18 @@ class S3Backend(StorageBackend):
         return self.prefix + validate_key(key)
 
     def put_stream(self, key: str, pieces: Iterable[bytes], size: int) -> None:
-        self._client.put_object(self.bucket, self._name(key), _PieceReader(pieces, size, key), size,
-                                part_size=_S3_PART_SIZE)
+        from minio.error import S3Error, ServerError     # loaded with the client (__init__)
+        try:
+            self._client.put_object(self.bucket, self._name(key), _PieceReader(pieces, size, key), size,
+                                    part_size=_S3_PART_SIZE)
+        except (S3Error, ServerError) as err:
+            full = err.code in _S3_NO_ROOM if isinstance(err, S3Error) \
+                else err.status_code == _HTTP_INSUFFICIENT_STORAGE
+            if not full:
+                raise
+            said = f"{err.code}: {err.message}" if isinstance(err, S3Error) else str(err)
+            raise StorageFull(f"the weight store's {self.describe()} has no room: writing {size} bytes of {key} "
+                              f"failed ({said})") from None
 
     def iter_read(self, key: str, offset: int = 0, piece_size: int = MAX_CHUNK_BYTES) -> Iterator[bytes]:
         name = self._name(key)

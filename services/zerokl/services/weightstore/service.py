@@ -3,12 +3,14 @@
 Storage calls block (files, HTTP to S3), so each runs in a worker thread and
 the event loop keeps serving other calls. Errors are raised as
 :class:`ServiceError` s and mapped to statuses by the runtime's interceptor.
+A storage out of room refuses writes (RESOURCE_EXHAUSTED, :class:`~.backends.StorageFull`) and serves
+everything else; the server says so once, at WARNING, until a write goes through again.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator, TypeVar
 
 import grpc.aio
 
@@ -17,6 +19,7 @@ from zerokl.services.runtime.errors import InvalidArgument, Unavailable
 from zerokl.services.runtime.info import ServiceIdentity, identity_to_proto
 from zerokl.services.runtime.server import ServiceServer
 from zerokl.services.weightstore import convert
+from zerokl.services.weightstore.backends import StorageFull
 from zerokl.services.weightstore.store import DeltaSpec, VersionStore, WeightsManifest
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
@@ -25,6 +28,29 @@ __all__ = ["SERVICE_NAME", "VersionWatch", "WeightStoreServicer", "add_weight_st
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = weights_pb2.DESCRIPTOR.services_by_name["WeightStore"].full_name
+
+_T = TypeVar("_T")
+
+
+class _Room:
+    """Whether the storage refuses writes for want of room, said once: a WARNING at the first write refused (with
+    where and how many bytes), nothing more while writes keep being refused, and an INFO line once one goes through."""
+
+    def __init__(self) -> None:
+        self.full = False
+
+    def refused(self, err: StorageFull) -> None:
+        if self.full:
+            log.debug("write refused, still no room: %s", err.message)
+            return
+        self.full = True
+        log.warning("%s. Writes are refused (RESOURCE_EXHAUSTED) until there is room; uploads resume where the "
+                    "store's copy ends, and every other call is served", err.message)
+
+    def wrote(self) -> None:
+        if self.full:
+            self.full = False
+            log.info("the weight store has room again: a write went through")
 
 
 class VersionWatch:
@@ -122,6 +148,20 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
         self._store = store
         self._identity = identity
         self._watch = watch
+        self._room = _Room()
+
+    async def _writing(self, fn: Callable[..., _T], *args: Any, wrote: bool = False) -> _T:
+        """``fn(*args)`` in a worker thread: a call that may write to the storage (a refusal for want of room is said).
+        ``wrote``: it surely wrote when it returns (a chunk, a manifest: there is room again), where a call that may
+        have written nothing (an upload re-opened) says nothing about room."""
+        try:
+            out = await asyncio.to_thread(fn, *args)
+        except StorageFull as err:
+            self._room.refused(err)
+            raise
+        if wrote:
+            self._room.wrote()
+        return out
 
     async def Info(self, request: common_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> common_pb2.ServiceInfo:
         # The store computes nothing itself; it reports the newest version it
@@ -136,7 +176,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
     async def BeginUpload(self, request: weights_pb2.BeginUploadRequest,
                           context: grpc.aio.ServicerContext) -> weights_pb2.UploadStatus:
-        status = await asyncio.to_thread(self._store.begin_upload, request.version)
+        status = await self._writing(self._store.begin_upload, request.version)
         return convert.upload_status_to_proto(status)
 
     async def GetUpload(self, request: weights_pb2.GetUploadRequest,
@@ -151,18 +191,19 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
             raise InvalidArgument.field("header", "the first PutShard message must be a ShardHeader")
         h = first.header
         as_delta = DeltaSpec(h.base_version, h.delta_size, h.delta_sha256) if h.base_version else None
-        writer = await asyncio.to_thread(self._store.shard_writer, h.upload_id, h.name, h.size, h.sha256, as_delta)
+        writer = await self._writing(self._store.shard_writer, h.upload_id, h.name, h.size, h.sha256, as_delta)
         yield convert.shard_status_to_proto(writer.status())
         async for req in requests:
             if req.WhichOneof("msg") != "chunk":
                 raise InvalidArgument.field("chunk", "only the first PutShard message may be a header")
-            await asyncio.to_thread(writer.write, chunk_from_proto(req.chunk))
+            # A chunk the storage has no room for ends the stream RESOURCE_EXHAUSTED; what was acknowledged stays.
+            await self._writing(writer.write, chunk_from_proto(req.chunk), wrote=True)
             yield convert.shard_status_to_proto(writer.status())
 
     async def Commit(self, request: weights_pb2.CommitRequest,
                      context: grpc.aio.ServicerContext) -> weights_pb2.WeightsManifest:
         upload_id, shards, spec = convert.commit_request_from_proto(request)
-        manifest = await asyncio.to_thread(self._store.commit, upload_id, shards, spec)
+        manifest = await self._writing(self._store.commit, upload_id, shards, spec, wrote=True)
         self._watch.poke()
         return convert.manifest_to_proto(manifest)
 
@@ -219,7 +260,7 @@ class WeightStoreServicer(weights_pb2_grpc.WeightStoreServicer):
 
     async def Pin(self, request: weights_pb2.PinRequest,
                   context: grpc.aio.ServicerContext) -> weights_pb2.VersionEntry:
-        entry = await asyncio.to_thread(self._store.pin, request.version, request.owner)
+        entry = await self._writing(self._store.pin, request.version, request.owner)
         return convert.version_entry_to_proto(entry)
 
     async def Unpin(self, request: weights_pb2.UnpinRequest,

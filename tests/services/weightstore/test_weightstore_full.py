@@ -1,0 +1,164 @@
+"""A weight store whose storage has no room: over a real `zerokl serve weight-store` process.
+
+The store's disk is made "full" for real without mounting anything: its process gets a file size limit
+(RLIMIT_FSIZE, set from here with prlimit), so its writes past the limit fail with EFBIG, as a full disk's fail
+with ENOSPC (one mapping for both: ENOSPC, EDQUOT, EFBIG). Lifting the limit is the disk freed.
+
+- The store refuses the write RESOURCE_EXHAUSTED, naming its root and the bytes it was writing, logs it once at
+  WARNING, serves every other call, and keeps exactly what it acknowledged: the upload resumes there once there
+  is room, and the version reads back whole.
+- On S3, a MinIO whose drives are full (HTTP 507, XMinioStorageFull) is refused the same way (RESOURCE_EXHAUSTED).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.server
+import pathlib
+import resource
+import subprocess
+import sys
+import threading
+
+import grpc
+import grpc.aio
+import pytest
+
+from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
+from zerokl.services.weightstore import S3Backend, WeightStoreClient
+from zerokl.services.weightstore.backends import StorageFull
+from zerokl.v1 import weights_pb2, weights_pb2_grpc
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(not hasattr(resource, "prlimit"), reason="needs prlimit (Linux) to fill the disk")]
+
+# The store's files may grow to 1.5 chunks: the first chunk of a shard is stored, the second refused half way.
+LIMIT = MAX_CHUNK_BYTES + MAX_CHUNK_BYTES // 2
+
+
+def _store(root: pathlib.Path, log: pathlib.Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "zerokl", "serve", "weight-store", "--root", str(root),
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line.startswith("weight-store listening on "):
+        proc.kill()
+        raise AssertionError(f"the weight store did not start: {line!r}; see {log}")
+    return proc, line.split()[3]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(30)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _file_size_limit(pid: int, limit: int) -> None:
+    """The store's writes past ``limit`` bytes of a file fail (EFBIG): its disk is as good as full."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit if limit != resource.RLIM_INFINITY else hard, hard))
+
+
+def _source(directory: pathlib.Path, size: int) -> pathlib.Path:
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(hashlib.sha256(b"w").digest() * (size // 32) + b"x" * (size % 32))
+    (directory / "config.json").write_text('{"hidden_size": 16}')
+    return directory
+
+
+def test_a_store_with_no_room_refuses_writes_clearly_keeps_serving_and_the_upload_resumes(
+        tmp_path: pathlib.Path) -> None:
+    root, log = tmp_path / "w", tmp_path / "store.log"
+    proc, address = _store(root, log)
+    small = _source(tmp_path / "small", 1000)
+    big = _source(tmp_path / "big", 3 * MAX_CHUNK_BYTES + 5)
+
+    async def main() -> None:
+        async with WeightStoreClient(address) as client:
+            await client.publish(small, "v0")
+            _file_size_limit(proc.pid, LIMIT)
+            for _ in range(2):      # refused again: said to the caller each time, in the store's log once
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await client.publish(big, "v1")
+                assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+                said = err.value.details()
+                assert str(root.resolve()) in said and f"writing {MAX_CHUNK_BYTES} bytes" in said, said
+                assert "File too large" in said, said
+
+            # Every other call is served meanwhile.
+            assert [e.manifest.version for e in await client.list()] == ["v0"]
+            assert (await client.info()).weights_version == "v0"
+            await client.fetch("v0", tmp_path / "read-v0")
+            assert (tmp_path / "read-v0" / "model.safetensors").read_bytes() == \
+                (small / "model.safetensors").read_bytes()
+            assert (await client.pin("v0", "someone")).pinned_by == ("someone",)
+            # What the store acknowledged stays, and nothing more (the chunk refused half way is not kept in part).
+            upload = await client.begin_upload("v1")
+            [shard] = [s for s in (await client.upload_status(upload.upload_id)).shards
+                       if s.name == "model.safetensors"]
+            assert (shard.received, shard.complete) == (MAX_CHUNK_BYTES, False)
+
+            text = log.read_text()
+            warnings = [line for line in text.splitlines() if " WARNING " in line]
+            assert len(warnings) == 1 and "has no room" in warnings[0] and str(root.resolve()) in warnings[0], text
+            assert "Traceback" not in text and "Unexpected" not in text, text
+
+            # Room again: the upload goes on from the chunk the store holds, and the version reads back whole.
+            _file_size_limit(proc.pid, resource.RLIM_INFINITY)
+            probe = weights_pb2_grpc.WeightStoreStub(client.channel).PutShard()
+            await probe.write(weights_pb2.PutShardRequest(header=weights_pb2.ShardHeader(
+                upload_id=upload.upload_id, name="model.safetensors", size=shard.size, sha256=shard.sha256)))
+            assert (await probe.read()).received == MAX_CHUNK_BYTES
+            probe.cancel()
+            manifest = await client.publish(big, "v1")
+            assert manifest.shard("model.safetensors").size == 3 * MAX_CHUNK_BYTES + 5
+            await client.fetch("v1", tmp_path / "read-v1")
+            assert (tmp_path / "read-v1" / "model.safetensors").read_bytes() == (big / "model.safetensors").read_bytes()
+    try:
+        asyncio.run(main())
+    finally:
+        _stop(proc)
+
+
+class _FullMinio(http.server.BaseHTTPRequestHandler):
+    """A MinIO whose drives are past their free-space threshold, as it answers on the wire: the bucket is there, and
+    every object PUT is refused with HTTP 507 and its XMinioStorageFull error document."""
+
+    def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_PUT(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>XMinioStorageFull</Code><Message>Storage '
+                b'backend has reached its minimum free drive threshold. Please delete a few objects to proceed.'
+                b'</Message>'
+                b'<Key>k</Key><BucketName>weights</BucketName><Resource>/weights/k</Resource>'
+                b'<RequestId>1</RequestId><HostId>h</HostId></Error>')
+        self.send_response(507)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_full_minio_refuses_writes_as_resource_exhausted_too(tmp_path: pathlib.Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FullMinio)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"127.0.0.1:{server.server_address[1]}"
+        backend = S3Backend(endpoint, "weights", "k", "s", secure=False, region="us-east-1")
+        with pytest.raises(StorageFull) as err:     # (the store's every write is one: RESOURCE_EXHAUSTED to a caller)
+            backend.put_bytes("uploads/0123/upload.json", b"{}")
+        assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        said = err.value.message
+        assert f"s3 bucket weights at {endpoint} has no room: writing 2 bytes of uploads/0123/upload.json" in said \
+            and "XMinioStorageFull" in said, said
+    finally:
+        server.shutdown()
+        server.server_close()
