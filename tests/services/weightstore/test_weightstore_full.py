@@ -1,4 +1,4 @@
-"""A weight store whose storage has no room: over a real `zerokl serve weight-store` process.
+"""A weight store whose storage has no room, and uploads that fail: over a real `zerokl serve weight-store` process.
 
 The store's disk is made "full" for real without mounting anything: its process gets a file size limit
 (RLIMIT_FSIZE, set from here with prlimit), so its writes past the limit fail with EFBIG, as a full disk's fail
@@ -7,6 +7,11 @@ with ENOSPC (one mapping for both: ENOSPC, EDQUOT, EFBIG). Lifting the limit is 
 - The store refuses the write RESOURCE_EXHAUSTED, naming its root and the bytes it was writing, logs it once at
   WARNING, serves every other call, and keeps exactly what it acknowledged: the upload resumes there once there
   is room, and the version reads back whole.
+- A client in a loop of refused uploads (a process of its own, as the trainer's record process) sees the store's
+  status each time, and leaves no task or async generator of grpc's behind: its stderr has no "Task was destroyed
+  but it is pending!" nor "Task exception was never retrieved ... aclose(): asynchronous generator is already
+  running" (what flooded the trainer's log on the H100, one pair per failed stream).
+- A store that dies mid-upload (a dropped connection, no status) is UNAVAILABLE: an outage, retried.
 - On S3, a MinIO whose drives are full (HTTP 507, XMinioStorageFull) is refused the same way (RESOURCE_EXHAUSTED).
 """
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import http.server
+import os
 import pathlib
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -118,6 +125,77 @@ def test_a_store_with_no_room_refuses_writes_clearly_keeps_serving_and_the_uploa
     try:
         asyncio.run(main())
     finally:
+        _stop(proc)
+
+
+# A failing upload loop in a process of its own: the store refuses every PutShard. It prints the statuses it got and
+# the tasks left on its loop; the garbage collector runs after each round, so what grpc leaves behind is found then
+# (a generator it finds suspended is closed by a task of the loop's: a few turns of the loop end those).
+_LOOP = r"""
+import asyncio, collections, gc, sys
+import grpc
+from zerokl.services.weightstore import S3Backend, WeightStoreClient
+from zerokl.services.weightstore.backends import StorageFull
+
+async def main(address, path, rounds):
+    codes = collections.Counter()
+    async with WeightStoreClient(address) as client:
+        upload = await client.begin_upload("loop")
+        for _ in range(rounds):
+            try:
+                await client.put_shard(upload.upload_id, path)
+            except grpc.aio.AioRpcError as err:
+                codes[err.code().name] += 1
+            gc.collect()
+        gc.collect()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    print(dict(codes), len(left), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+gc.collect()
+"""
+
+
+def test_a_loop_of_refused_uploads_says_the_stores_status_and_leaves_nothing_of_grpc_behind(
+        tmp_path: pathlib.Path) -> None:
+    proc, address = _store(tmp_path / "w", tmp_path / "store.log")
+    path = _source(tmp_path / "big", 4 * MAX_CHUNK_BYTES) / "model.safetensors"
+    rounds = 30
+    try:
+        _file_size_limit(proc.pid, LIMIT)
+        out = subprocess.run([sys.executable, "-c", _LOOP, address, str(path), str(rounds)], capture_output=True,
+                             text=True, timeout=150)
+    finally:
+        _stop(proc)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["{'RESOURCE_EXHAUSTED':", f"{rounds}}}", "0"], (out.stdout, out.stderr[-3000:])
+    for flood in ("Task was destroyed but it is pending", "Task exception was never retrieved",
+                  "asynchronous generator is already running"):
+        assert flood not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_store_gone_mid_upload_is_unavailable(tmp_path: pathlib.Path) -> None:
+    proc, address = _store(tmp_path / "w", tmp_path / "store.log")
+    path = _source(tmp_path / "big", 3 * MAX_CHUNK_BYTES) / "model.safetensors"
+
+    async def main() -> None:
+        async with WeightStoreClient(address) as client:
+            upload = await client.begin_upload("gone")
+            os.kill(proc.pid, signal.SIGSTOP)       # the upload hangs on the store...
+            put = asyncio.ensure_future(client.put_shard(upload.upload_id, path))
+            await asyncio.sleep(0.2)
+            proc.kill()                             # ...which dies: the connection drops, no status comes
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await put
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE, err.value
+            assert [t for t in asyncio.all_tasks() if t is not asyncio.current_task()] == []
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait(30)
         _stop(proc)
 
 

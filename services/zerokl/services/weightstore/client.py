@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -99,13 +100,28 @@ def shard_digests(data: Any) -> tuple[str, list[bytes]]:
 
 
 async def _first(wait: Awaitable[Any], failed: "asyncio.Future[Any]") -> None:
-    """Await ``wait``, unless ``failed`` ends first (then raise its error)."""
+    """Await ``wait``, unless ``failed`` ends first (then raise its error); ``wait`` is never left running."""
     task = asyncio.ensure_future(wait)
-    done, _ = await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await _cancelled(task)
     if task not in done:
-        task.cancel()
         failed.result()     # raises the stream's status
         raise RuntimeError("PutShard acknowledged every chunk before all were sent")
+
+
+async def _cancelled(*tasks: "asyncio.Future[Any]") -> None:
+    """Cancel ``tasks`` and wait until each has ended, its error (if any) retrieved: none is left running, nor
+    collected later as a task pending or one whose exception was never retrieved."""
+    running = [t for t in tasks if not t.done()]
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.wait(running)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
 
 
 _PENDING = object()
@@ -170,6 +186,21 @@ async def _why_ended(call: Any, end: _StreamEnd, err: BaseException) -> BaseExce
     why = said[0][1] if said else f"{type(err).__name__}: {err}"
     return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                 f"the stream to the store ended while sending ({why})")
+
+
+async def _finish(call: Any) -> None:
+    """End a PutShard ``call`` leaving nothing of it behind: cancelled unless it is done, and its writes ended.
+
+    The channel's interceptors make it grpc's intercepted call, whose writes go through a queue to a task of grpc's
+    that sends them (``_consume_request_iterator``, reading an async generator that waits on the queue). Once the
+    server has ended the call, ``call.cancel()`` no longer stops that task: it waits on the queue forever, and when
+    the call is dropped the garbage collector finds it pending ("Task was destroyed but it is pending!") and closes
+    its generator while it runs ("Task exception was never retrieved ... aclose(): asynchronous generator is already
+    running"), once per failed stream: a store refusing every upload flooded the trainer's log with them. Ending the
+    writes (``done_writing``) lets that task finish."""
+    call.cancel()
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+        await call.done_writing()
 
 
 class WeightStoreClient(ServiceClient):
@@ -271,8 +302,12 @@ class WeightStoreClient(ServiceClient):
         async def put(path: pathlib.Path) -> None:
             async with slots:
                 await self.put_shard(upload_id, path, base)
-        await asyncio.gather(*(put(path) for path in _files(pathlib.Path(src))
-                               if path.name not in held or not held[path.name].complete))
+        puts = [asyncio.ensure_future(put(path)) for path in _files(pathlib.Path(src))
+                if path.name not in held or not held[path.name].complete]
+        try:
+            await asyncio.gather(*puts)
+        finally:
+            await _cancelled(*puts)     # a failed file ends the others' streams: none uploads on behind the error
         return await self.upload_status(upload_id)
 
     async def put_shard(self, upload_id: str, path: str | os.PathLike[str],
@@ -321,7 +356,7 @@ class WeightStoreClient(ServiceClient):
 
     async def _put(self, header: weights_pb2.ShardHeader, view: Any, digests: list[bytes]) -> ShardStatus:
         """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends. A stream the store
-        ends is raised as the status it sent (:func:`_why_ended`)."""
+        ends is raised as the status it sent (:func:`_why_ended`); nothing of the call is left running after."""
         call = self._stub.PutShard()
         end = _StreamEnd(call)
         try:
@@ -330,11 +365,12 @@ class WeightStoreClient(ServiceClient):
             if not status.complete:
                 status = await self._send_chunks(call, view, status.received, len(view), digests)
             await call.done_writing()
+            await call.read()   # the store's end of the stream (EOF once it returns; its status if it fails now)
             return convert.shard_status_from_proto(status)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as err:
             raise await _why_ended(call, end, err) from None
         finally:
-            call.cancel()  # no-op when finished; ends the stream if we stop early
+            await _finish(call)
 
     async def _send_chunks(self, call: Any, view: Any, start: int, size: int,
                            digests: list[bytes]) -> weights_pb2.ShardStatus:
@@ -361,7 +397,7 @@ class WeightStoreClient(ServiceClient):
                     offset=offset, data=data, sha256=digest, total_size=size)))
             return await acks
         finally:
-            acks.cancel()
+            await _cancelled(acks)
 
     @staticmethod
     async def _ack(call: Any) -> weights_pb2.ShardStatus:
