@@ -67,6 +67,7 @@ from zerokl.services.runtime.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
 )
@@ -491,6 +492,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.DATA_LOSS: DataLoss,
+    # A store with no room: a refusal, not an outage (a retry meets the same full disk); what it acknowledged stays
+    # in the open upload, which a publish after room is made resumes (publish_checkpoint never drops it for this).
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
 }
 
 # A weight store's statuses that mean "out for now": retried by the trainer's callers.

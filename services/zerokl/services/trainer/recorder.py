@@ -311,7 +311,9 @@ async def _serve(conn: Any, args: argparse.Namespace, deltas: str) -> None:
                 else:
                     reply = ("error", f"unknown request {kind!r}")
             except ServiceError as err:
-                reply = ("raise", (type(err).__name__, err.message))
+                # By the status class the trainer knows it by (a store's own subclass, StorageFull: ResourceExhausted).
+                known = next(c for c in type(err).__mro__ if getattr(errors, c.__name__, None) is c)
+                reply = ("raise", (known.__name__, err.message))
             except grpc.aio.AioRpcError as err:
                 if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     reply = ("raise", ("Unavailable", err.details()))

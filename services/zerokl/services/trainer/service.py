@@ -52,6 +52,7 @@ from zerokl.services.runtime.errors import (
     InvalidArgument,
     NotFound,
     PreconditionViolation,
+    ResourceExhausted,
     ServiceError,
     Unavailable,
 )
@@ -1068,22 +1069,39 @@ class TrainerService:
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
         """Upload the files of ``record`` (on this host's disk) as ``name``; a record process that dies meanwhile is
-        replaced and asked again (the store resumes the open upload), :data:`_RECORD_ATTEMPTS` times at most."""
+        replaced and asked again (the store resumes the open upload), :data:`_RECORD_ATTEMPTS` times at most. A store
+        out for now (UNAVAILABLE) leaves the files for RecordWeights to upload again; any other failure is the
+        record's for good (a store with no room: :class:`RecordFailed` with its message), and its files go."""
         assert record.directory is not None
-        for attempt in itertools.count(1):
-            try:
-                # The record process uploads (the files of the version recorded before: deltas against them) and
-                # owns the directory from here.
-                manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
-                break
-            except Unavailable as err:
-                raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
-                                  f"{name} is not recorded yet (RecordWeights retries)") from None
-            except RecordProcessDied as died:
-                if attempt == _RECORD_ATTEMPTS:
-                    raise RecordFailed(f"{died.message} on each of {attempt} tries to upload {name}: {name} is not "
-                                       "recorded, and is not durable") from None
-                log.warning("trainer: %s uploading %s; a new one uploads it again", died.message, name)
+        try:
+            for attempt in itertools.count(1):
+                try:
+                    # The record process uploads (the files of the version recorded before: deltas against them) and
+                    # owns the directory from here.
+                    manifest = await self._record_process().upload(record.directory, name, record.spec, record.step)
+                    break
+                except Unavailable as err:
+                    raise Unavailable(f"the weight store ({self.repo.describe()}) is unreachable: {err.message}; "
+                                      f"{name} is not recorded yet (RecordWeights retries)") from None
+                except ResourceExhausted as err:
+                    # Not an outage: a retry meets the same full disk, and the step goes on without the store.
+                    raise RecordFailed(f"the weight store ({self.repo.describe()}) refused {name}: {err.message}; "
+                                       f"{name} is not recorded, and is not durable") from None
+                except RecordProcessDied as died:
+                    if attempt == _RECORD_ATTEMPTS:
+                        raise RecordFailed(f"{died.message} on each of {attempt} tries to upload {name}: {name} is "
+                                           "not recorded, and is not durable") from None
+                    log.warning("trainer: %s uploading %s; a new one uploads it again", died.message, name)
+        except Unavailable:
+            raise
+        except Exception as err:
+            # Never uploaded again (a share of the version records it anew): its files leave this host's disk, which
+            # may be the full one.
+            directory, record.directory = record.directory, None
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            log.warning("trainer: the record of %s failed (%s: %s)", name, type(err).__name__,
+                        getattr(err, "message", None) or err)
+            raise
         record.manifest, record.record_s = manifest, time.monotonic() - record.started
         log.info("trainer: recorded %s in %.2f s: %d bytes, %d written (%s)", name, record.record_s,
                  manifest.total_size, manifest.stored_size, "with the trainer state" if not record.weights_only
