@@ -167,3 +167,56 @@ def test_a_colocated_rl_job_sleeps_and_wakes_the_fleet_with_zero_kl(tmp_path, ze
         # Each job's steps, and one sleep for each job's start.
         assert _counter(decode, "zerokl_engine_sleeps") - before["zerokl_engine_sleeps"] == \
             (steps + 1) + (2 + 1) + (1 + 1) + (1 + 1)
+
+
+def test_a_colocated_step_that_fails_while_its_wake_cannot_be_done_ends_with_its_own_error(tmp_path,  # noqa: ANN001
+                                                                                            zerokl_up) -> None:
+    """The H100 run of the GLM-5 slice: a co-located step failed, and its wake waited for the record of the job's
+    start, which never came (the store's disk was full), so the job never ended and the step's error was seen
+    nowhere. Here the record stays held (the record process stopped): the step's error is logged (WARNING, its type
+    and message) before the wake, the wake waits for the record --store-wait seconds, not for ever, and the job ends
+    FAILED with the step's own error, saying the fleet could not be woken and why."""
+    store_wait = 3
+    with zerokl_up(tmp_path / "up", "--colocate", "--dtype", "bfloat16", "--trainer-flag=--run=unwoken",
+                   "--trainer-flag=--max-batch-tokens=400", f"--scheduler-flag=--store-wait={store_wait}") as services:
+        decode = services["decode-0"]["metrics"]
+
+        async def refused_while_held():
+            async with JobsClient(services["scheduler"]["address"]) as jobs, \
+                    TrainerClient(services["trainer"]["address"]) as trainer, \
+                    WeightStoreClient(services["weight-store"]["address"]) as weights:
+                # The record process up (it starts with the trainer's first record), then a step by hand, so the job
+                # starts on a version of its own, recorded in the background.
+                for share in (True, False):
+                    await trainer.forward_backward("sft", [Completion((3, 4, 5, 6), (7, 8, 2))])
+                    await trainer.optim_step()
+                    if share:
+                        shared, _, _ = await trainer.share_weights(weights_only=True)
+                        await trainer.record_weights(shared.version)
+                recorder = _record_process(services["trainer"]["pid"])
+                os.kill(recorder, signal.SIGSTOP)
+                try:
+                    # 4 x 4 answers of 10 tokens past their prompts: more than the trainer's --max-batch-tokens.
+                    job = await jobs.submit(RLJobSpec(steps=1, countdown=TASK, prompts_per_step=4, group_size=4,
+                                                      max_tokens=10, seed=6, eval_every=0, ignore_eos=True,
+                                                      checkpoint_every=0), "unwoken")
+                    events = [ev async for ev in jobs.watch(job.job_id)]
+                    stored = {e.manifest.version for e in await weights.list()}
+                finally:
+                    os.kill(recorder, signal.SIGCONT)
+                return events[-1].status, stored
+
+        final, stored = asyncio.run(refused_while_held())
+        start = final.weights_version
+        assert final.state is JobState.FAILED, final
+        assert final.error.startswith("INVALID_ARGUMENT") and "exceed this trainer's limit of 400" in final.error, \
+            final.error
+        assert start not in stored      # the record the wake waited for never landed meanwhile
+        assert f"the fleet could not be woken on {start} (RecordPending: the record of {start} has not ended in " \
+               f"the {store_wait:g} s waited for it" in final.error, final.error
+        # The step's own error was logged before the wake was tried, and the wake's failure after it.
+        log = (tmp_path / "up" / "logs" / "scheduler.log").read_text()
+        said = log.index("the step failed with the fleet asleep: AioRpcError INVALID_ARGUMENT")
+        assert " WARNING " in log[log.rindex("\n", 0, said):said], log[-3000:]
+        assert said < log.index(f"the fleet could not be woken on {start} after a failed step"), log[-3000:]
+        assert _counter(decode, "zerokl_engine_sleep_level", suffix="") == 2.0     # it stays asleep: said, not hidden

@@ -82,7 +82,7 @@ from zerokl.services.weightstore.store import WeightsManifest
 from zerokl.vocab import InvalidOption, Rollout, SamplingOptions
 
 __all__ = ["JobCancelled", "JobManager", "WeightStoreUnavailable", "TrainerUnavailable", "FleetUnavailable",
-           "VersionNotDurable", "JOBS_FILE", "RECORD_LAG", "validate"]
+           "VersionNotDurable", "RecordPending", "JOBS_FILE", "RECORD_LAG", "validate"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -179,6 +179,10 @@ class TrainerUnavailable(Unavailable):
 
 class FleetUnavailable(Unavailable):
     """The prefill/decode fleet could not serve the job longer than it waits for a replica restart."""
+
+
+class RecordPending(Unavailable):
+    """A version's record did not end (committed or failed) within the time waited for it: it may land later."""
 
 
 class VersionNotDurable(FailedPrecondition):
@@ -1037,16 +1041,20 @@ class _TrainerSession:
             state = self._call(self.client.load_weights(version, restore_state=False, config=self.config))
         self.trainer_step = state.step
 
-    def _await_landed(self, version: str) -> None:
+    def _await_landed(self, version: str, within: float | None = None) -> None:
         """Until the store holds ``version`` when the job shared it in place and its record is pending (with the
         records shared before it: they land in that order). Bounded: a record ends, committed or failed, and a store
-        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`).
+        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`); ``within``: seconds
+        to wait in all, however long the records take (:class:`RecordPending` past them).
         :class:`VersionNotDurable` when it never will be: its record failed, or the trainer restarted before it
         landed."""
+        until = None if within is None else time.monotonic() + within
         while version in self.unrecorded:
             head = self.unrecorded[0]
             try:
-                recorded = self._await_record(head)
+                recorded = self._await_record(head, until)
+            except RecordPending as err:
+                raise RecordPending(f"{err} in the {within:g} s waited for it (it may land later)") from None
             except (grpc.aio.AioRpcError, _Restarted, VersionNotDurable) as err:
                 if head != version:
                     self.unrecorded.pop(0)      # never durable; what the trainer goes back to was shared after it
@@ -1123,7 +1131,9 @@ class _TrainerSession:
         before the step trains, and the step's switch to the new version wakes it (SwitchWeights refills the
         weights from the trainer's shared copy). The dict it yields gets the sleep's seconds and bytes. A step
         that fails wakes the fleet on what it serves (a replica whose weights were released takes them back
-        through a switch to that version), so no replica is left asleep; the step's own error stands."""
+        through a switch to that version), so no replica is left asleep; the step's own error stands. It is logged
+        (WARNING) before the wake, and the wake waits for that version's record ``store_wait_s`` at most: a wake
+        that cannot be done is said in the step's error, which the job then ends with."""
         sleep = self.manager._sleep_fleet
         if sleep is None:
             yield {}
@@ -1132,21 +1142,42 @@ class _TrainerSession:
             t0 = time.perf_counter()
             state = self._call(sleep())     # a replica that could not sleep fails the step: the others wake below
             yield {"sleep_s": time.perf_counter() - t0, "sleep_bytes": float(state.released_bytes)}
-        except BaseException:
-            try:
-                if self.manager._wake_fleet is not None:
-                    self._call(self.manager._wake_fleet())
-            except Exception as err:  # noqa: BLE001 - the weights were released: a switch brings them back
-                served = self.weights_version or self.served
-                log.info("waking the fleet after a failed step: %s; switching it to %s", err, served)
-                try:
-                    # From the store (a co-located trainer keeps no export past its backward), where the version's
-                    # record may still be on its way (the job's start, shared in place, while its first step trains).
-                    self._await_landed(served)
-                    self._call(self.manager._switch(served))
-                except Exception:  # noqa: BLE001 - the step's error is the job's; this one is logged
-                    log.exception("the fleet could not be woken after a failed step")
+        except BaseException as err:
+            served = self.weights_version or self.served
+            if isinstance(err, Exception) and not isinstance(err, JobCancelled):
+                said = _describe(err)
+                log.warning("job %s: the step failed with the fleet asleep: %s; waking the fleet on %s",
+                            self.job.job_id, said if said.startswith(type(err).__name__)
+                            else f"{type(err).__name__} {said}", served)
+            else:
+                log.info("job %s: the step stopped with the fleet asleep (%s); waking the fleet on %s",
+                         self.job.job_id, type(err).__name__, served)
+            why = self._wake_after_failure(served)
+            if why and isinstance(err, Exception):
+                err.add_note(f"the fleet could not be woken on {served} ({why})")
             raise
+
+    def _wake_after_failure(self, served: str) -> str:
+        """Wake the fleet after a step failed while it slept: back on ``served``; "" once it is, else why not."""
+        try:
+            if self.manager._wake_fleet is not None:
+                self._call(self.manager._wake_fleet())
+            return ""
+        except Exception as err:  # noqa: BLE001 - the weights were released: a switch brings them back
+            log.info("job %s: waking the fleet after a failed step: %s; switching it to %s", self.job.job_id, err,
+                     served)
+        try:
+            # From the store (a co-located trainer keeps no export past its backward), where the version's record
+            # may still be on its way (the job's start, shared in place, while its first step trains): waited for,
+            # but not for ever (a record that never ends must not hide the step's error).
+            self._await_landed(served, within=self.manager.store_wait_s)
+            self._call(self.manager._switch(served))
+            return ""
+        except Exception as err:  # noqa: BLE001 - the step's error is the job's; this one is said with it
+            why = _describe(err)
+            log.error("job %s: the fleet could not be woken on %s after a failed step: %s", self.job.job_id, served,
+                      why)
+            return why
 
     def _grpo_unit(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         def work() -> dict[str, Any]:
@@ -1286,13 +1317,17 @@ class _TrainerSession:
             # A resume point in the store: the steps up to it need never be redone.
             self._kept, self.checkpoint = self._kept[steps.index(version) + 1:], version
 
-    def _await_record(self, version: str) -> Recorded | None:
+    def _await_record(self, version: str, until: float | None = None) -> Recorded | None:
         """RecordWeights of ``version`` (None: the store held it already), waiting out a weight-store outage;
-        :class:`_Restarted` when the trainer forgot it, :class:`VersionNotDurable` when its record failed."""
+        :class:`_Restarted` when the trainer forgot it, :class:`VersionNotDurable` when its record failed,
+        :class:`RecordPending` when it has not ended by ``until`` (a monotonic time; None: no limit)."""
         deadline = None
         while True:
+            left = None if until is None else until - time.monotonic()
+            if left is not None and left <= 0:
+                raise RecordPending(f"the record of {version} has not ended")
             try:
-                return self._call(self.client.record_weights(version))
+                return self._call(self.client.record_weights(version, timeout=left))
             except grpc.aio.AioRpcError as err:
                 if err.code() is grpc.StatusCode.NOT_FOUND:
                     if self._in_store(version):
@@ -1303,6 +1338,8 @@ class _TrainerSession:
                                             f"{err.details()})") from None
                 if err.code() not in _OUTAGE:
                     raise
+                if until is not None and time.monotonic() >= until:
+                    continue    # (DEADLINE_EXCEEDED: the time left ran out in the call)
                 if self._wait_for_trainer().step != self.trainer_step:
                     raise _Restarted(f"the trainer restarted before recording {version}") from None
                 deadline = self._outage(deadline, f"{version} waited to be recorded", err.details())

@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--fleet-wait", type=float, default=120.0, metavar="S",
                    help="seconds a job waits for a restarting prefill/decode replica before it fails "
                         "(default %(default)s)")
+    j.add_argument("--store-wait", type=float, default=120.0, metavar="S",
+                   help="seconds a job waits for an unreachable weight store before it fails, and a failed "
+                        "co-located step's wake for the record of the version it wakes the fleet on "
+                        "(default %(default)s)")
     j.add_argument("--colocate-sleep-level", type=int, choices=(0, 1, 2), default=0, metavar="N",
                    help="co-location (the fleet and the trainer share a device): before each RL step trains, every "
                         "replica releases its KV cache (1) or its KV cache and weights (2); the step's weight switch "
@@ -167,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = (WeightStoreClient(args.weight_store, token=options.auth.peer_token, credentials=peers)
                  if args.weight_store else None)
         jobs = JobManager(trainer, scheduler.generate, scheduler.switch_weights, weight_store=store,
-                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait,
+                          state_dir=args.state_dir, fleet_wait_s=args.fleet_wait, store_wait_s=args.store_wait,
                           served_version=lambda: scheduler.target_version or scheduler.identity.weights_version,
                           sleep_fleet=(functools.partial(scheduler.sleep, args.colocate_sleep_level)
                                        if args.colocate_sleep_level else None),
