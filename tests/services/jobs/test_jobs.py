@@ -356,15 +356,9 @@ def test_a_failed_step_whose_start_record_lost_its_process_rolls_back_to_the_sta
         fleet, tmp_path, lambda recorder: os.kill(recorder, signal.SIGKILL)))
     assert f"rolled back to {start}" in error and "never reached" not in error, error
     rejected = error.split("weights version ", 1)[1].split()[0]
-
-    async def check() -> None:
-        async with TrainerClient(fleet["trainer"]["address"]) as trainer, \
-                WeightStoreClient(fleet["weight-store"]["address"]) as weights:
-            state = await trainer.get_state()
-            assert (state.weights_version, state.step, state.accumulated_batches) == (start, state.weights_step, 0)
-            stored = {e.manifest.version for e in await weights.list()}
-            assert start in stored and rejected not in stored
-    asyncio.run(check())
+    state, stored = _trainer_state_and_stored(fleet)
+    assert (state.weights_version, state.step, state.accumulated_batches) == (start, state.weights_step, 0)
+    assert start in stored and rejected not in stored
     asyncio.run(_next_job_trains_from(fleet, start))
 
 
@@ -383,17 +377,20 @@ def test_a_failed_step_whose_start_never_reached_the_store_leaves_trainer_and_fl
     before, start, error = asyncio.run(_first_step_fails_while_its_start_is_recorded(fleet, tmp_path,
                                                                                      unmap_and_go_on))
     assert f"{start} never reached the weight store" in error and before in error, error
+    # Trainer and fleet on the version served before the job, from the store; nothing of the job kept.
+    state, stored = _trainer_state_and_stored(fleet)
+    assert (state.weights_version, state.step, state.accumulated_batches) == (before, state.weights_step, 0)
+    assert before in stored and start not in stored
+    asyncio.run(_next_job_trains_from(fleet, before))
 
-    async def check() -> None:
+
+def _trainer_state_and_stored(fleet) -> tuple:  # noqa: ANN001
+    """The trainer's state and the versions the weight store holds."""
+    async def read() -> tuple:
         async with TrainerClient(fleet["trainer"]["address"]) as trainer, \
                 WeightStoreClient(fleet["weight-store"]["address"]) as weights:
-            # Trainer and fleet on the version served before the job, from the store; nothing of the job kept.
-            state = await trainer.get_state()
-            assert (state.weights_version, state.step, state.accumulated_batches) == (before, state.weights_step, 0)
-            stored = {e.manifest.version for e in await weights.list()}
-            assert before in stored and start not in stored
-    asyncio.run(check())
-    asyncio.run(_next_job_trains_from(fleet, before))
+            return await trainer.get_state(), {e.manifest.version for e in await weights.list()}
+    return asyncio.run(read())
 
 
 async def _served_version_whose_record_failed(fleet, jobs: JobsClient, seed: int) -> str:
