@@ -308,11 +308,19 @@ def _place(rel: pathlib.PurePath) -> str:
 class DiskWatch(_Sampler):
     """Disk the job holds under the workdir (the fleet's TMPDIR is inside it), sampled every 0.2 s: the peak,
     by part at that moment (each file once however many hard links it has), and the peak growth of the
-    filesystem's used bytes (statvfs: what the workdir misses, other processes' writes included)."""
+    filesystem's used bytes (statvfs: what the workdir misses, other processes' writes included).
 
-    def __init__(self, workdir: pathlib.Path) -> None:
+    And a guard, as :class:`HostWatch`'s for memory: a full root filesystem can take the machine's own agent down
+    with the job (two device runs of the slice came back with nothing, their machine no longer answering). Below
+    ``reserve`` bytes free, the guard prints what the workdir held by part and calls ``on_low`` (stop the fleet)
+    once, so the bench fails with the figures instead of the machine."""
+
+    def __init__(self, workdir: pathlib.Path, reserve: float = 0.0) -> None:
         super().__init__()
         self.workdir = workdir
+        self.reserve = reserve
+        self.on_low = None                      # set once there is a fleet to stop
+        self.tripped: dict | None = None        # the moment the guard stopped the fleet: free bytes and the parts
         self.peak = 0
         self.peak_parts: dict[str, int] = {}
         self.peak_at = ""                       # the phase at the peak
@@ -343,13 +351,20 @@ class DiskWatch(_Sampler):
         if total > self.peak:
             self.peak, self.peak_parts, self.peak_at = total, parts, self.phase
         self.fs_peak = max(self.fs_peak, self._fs_used() - self.fs_start)
+        free = shutil.disk_usage(self.workdir).free
+        if free < self.reserve and self.tripped is None and self.on_low is not None:
+            self.tripped = {"free": free, "phase": self.phase, "parts": parts}
+            print(f"disk: {free / 2**30:.2f} GiB free, under the {self.reserve / 2**30:.1f} GiB reserve ({self.phase}): "
+                  "stopping the fleet; the workdir holds " + ", ".join(
+                      f"{k} {v / 2**30:.2f} GiB" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])), flush=True)
+            self.on_low()
 
     def report(self, model_bytes: int) -> dict:
         return {"what": "bytes on disk under the workdir (files counted once), sampled every 0.2 s",
                 "model_bytes": model_bytes, "peak": self.peak, "peak_x_model": self.peak / max(model_bytes, 1),
                 "peak_phase": self.peak_at,
                 "peak_parts": dict(sorted(self.peak_parts.items(), key=lambda kv: -kv[1])),
-                "fs_used_growth_peak": self.fs_peak}
+                "fs_used_growth_peak": self.fs_peak, "stopped_for_disk": self.tripped}
 
 
 async def heartbeat(workdir: pathlib.Path, host: HostWatch, disk: DiskWatch, every_s: float = 30.0) -> None:
@@ -441,6 +456,9 @@ def main() -> int:
     ap.add_argument("--host-reserve-gib", type=float, default=8.0,
                     help="stop the fleet when the host has less memory available than this, and report what each "
                          "service held (a host out of memory takes the machine and its logs down; default %(default)s)")
+    ap.add_argument("--disk-reserve-gib", type=float, default=3.0,
+                    help="stop the fleet when the workdir's disk has less free than this, and report what the workdir "
+                         "held by part (a full root disk can take the machine and its logs down; default %(default)s)")
     args = ap.parse_args()
     if args.layers is None and args.preset == "glm5":
         args.layers = 2
@@ -458,7 +476,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(args, workdir)
     fleet = workdir / "fleet"
-    disk = DiskWatch(workdir).__enter__()
+    disk = DiskWatch(workdir, args.disk_reserve_gib * 2**30).__enter__()
     disk.phase = "model written"
     model = model_dir(args, workdir)
     tokens = args.prompts * args.group * (args.max_tokens + 64)
@@ -491,6 +509,7 @@ def main() -> int:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     host = HostWatch(proc.pid, args.host_reserve_gib * 2**30, out.with_name(out.stem + "-host-memory.json"),
                      lambda: _kill_tree(proc.pid)).__enter__()
+    disk.on_low = lambda: _kill_tree(proc.pid)
     try:
         t0 = time.monotonic()
         if model is not None:
