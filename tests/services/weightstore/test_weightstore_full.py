@@ -12,7 +12,12 @@ with ENOSPC (one mapping for both: ENOSPC, EDQUOT, EFBIG). Lifting the limit is 
   but it is pending!" nor "Task exception was never retrieved ... aclose(): asynchronous generator is already
   running" (what flooded the trainer's log on the H100, one pair per failed stream).
 - A store that dies mid-upload (a dropped connection, no status) is UNAVAILABLE: an outage, retried.
-- On S3, a MinIO whose drives are full (HTTP 507, XMinioStorageFull) is refused the same way (RESOURCE_EXHAUSTED).
+- On S3, a MinIO whose drives are full (HTTP 507, XMinioStorageFull) is refused the same way (RESOURCE_EXHAUSTED),
+  and so is one that says so with HTTP 500 (MinIO's status for XMinioStorageFull before its 507; an InternalError
+  whose message says the disk has no space left): the minio client's retries of a 500 end with its error
+  document, read, not with urllib3's "too many 500 error responses". Any other 500 stays the S3 error it is.
+  (No real MinIO can be made full here: these MinIOs are loopback HTTP servers answering MinIO's error
+  documents, read by the real minio client.)
 """
 from __future__ import annotations
 
@@ -201,7 +206,11 @@ def test_a_store_gone_mid_upload_is_unavailable(tmp_path: pathlib.Path) -> None:
 
 class _FullMinio(http.server.BaseHTTPRequestHandler):
     """A MinIO whose drives are past their free-space threshold, as it answers on the wire: the bucket is there, and
-    every object PUT is refused with HTTP 507 and its XMinioStorageFull error document."""
+    every object PUT is refused with HTTP ``status`` (507) and its ``code`` (XMinioStorageFull) error document."""
+
+    status = 507
+    code = "XMinioStorageFull"
+    message = "Storage backend has reached its minimum free drive threshold. Please delete a few objects to proceed."
 
     def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
         self.send_response(200)
@@ -210,12 +219,10 @@ class _FullMinio(http.server.BaseHTTPRequestHandler):
 
     def do_PUT(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>XMinioStorageFull</Code><Message>Storage '
-                b'backend has reached its minimum free drive threshold. Please delete a few objects to proceed.'
-                b'</Message>'
-                b'<Key>k</Key><BucketName>weights</BucketName><Resource>/weights/k</Resource>'
-                b'<RequestId>1</RequestId><HostId>h</HostId></Error>')
-        self.send_response(507)
+        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{self.code}</Code><Message>{self.message}'
+                '</Message><Key>k</Key><BucketName>weights</BucketName><Resource>/weights/k</Resource>'
+                '<RequestId>1</RequestId><HostId>h</HostId></Error>').encode()
+        self.send_response(self.status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -240,3 +247,59 @@ def test_a_full_minio_refuses_writes_as_resource_exhausted_too(tmp_path: pathlib
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _OldFullMinio(_FullMinio):
+    """A MinIO of before its 507: XMinioStorageFull with HTTP 500 ("minimum free disk threshold")."""
+
+    status = 500
+    message = "Storage backend has reached its minimum free disk threshold. Please delete a few objects to proceed."
+
+
+class _NoSpaceMinio(_FullMinio):
+    """A MinIO whose drive filled below its threshold check: HTTP 500, InternalError, the disk's own words."""
+
+    status = 500
+    code = "InternalError"
+    message = "We encountered an internal error, please try again. (cause: write /data/weights/k: no space left on device)"
+
+
+class _BrokenMinio(_FullMinio):
+    """A MinIO failing for another reason: HTTP 500, InternalError, nothing about room."""
+
+    status = 500
+    code = "InternalError"
+    message = "We encountered an internal error, please try again. (cause: read quorum not met)"
+
+
+def _put_to(answers: type[_FullMinio]) -> tuple[Exception, str]:
+    """What S3Backend.put_bytes of 2 bytes raises against a MinIO answering as ``answers`` does, and its endpoint."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"127.0.0.1:{server.server_address[1]}"
+        backend = S3Backend(endpoint, "weights", "k", "s", secure=False, region="us-east-1")
+        with pytest.raises(Exception) as err:
+            backend.put_bytes("uploads/0123/upload.json", b"{}")
+        return err.value, endpoint
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("answers", [_OldFullMinio, _NoSpaceMinio], ids=["XMinioStorageFull", "no-space-left"])
+def test_a_minio_saying_it_is_full_with_http_500_refuses_writes_as_resource_exhausted(
+        answers: type[_FullMinio]) -> None:
+    err, endpoint = _put_to(answers)
+    assert isinstance(err, StorageFull), repr(err)
+    assert err.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    said = err.message
+    assert f"s3 bucket weights at {endpoint} has no room: writing 2 bytes of uploads/0123/upload.json" in said \
+        and f"{answers.code}: {answers.message}" in said, said
+
+
+def test_a_minio_500_for_another_reason_stays_its_s3_error() -> None:
+    from minio.error import S3Error
+    err, _ = _put_to(_BrokenMinio)
+    assert isinstance(err, S3Error) and not isinstance(err, StorageFull), repr(err)
+    assert (err.code, err.message) == (_BrokenMinio.code, _BrokenMinio.message)

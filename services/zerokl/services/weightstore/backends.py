@@ -11,7 +11,7 @@ empty, ``.``/``..`` or hidden segments and no leading ``/``, so no key can
 escape the store's root or bucket prefix.
 
 A write the storage refuses for want of room (a full disk or quota, a file size limit: ENOSPC, EDQUOT,
-EFBIG; a MinIO whose drives are full) raises :class:`StorageFull` (RESOURCE_EXHAUSTED to a caller), naming
+EFBIG; a MinIO whose drives are full, whether it answers HTTP 507 or 500) raises :class:`StorageFull` (RESOURCE_EXHAUSTED to a caller), naming
 where the data lives and the bytes being written, and leaves nothing behind that was not there before.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import re
 import secrets
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.runtime.errors import ResourceExhausted
@@ -376,9 +376,39 @@ class _PieceReader(io.RawIOBase):
 # multi-GB shards while bounding the memory one upload buffers.
 _S3_PART_SIZE = 64 * 1024 * 1024
 _S3_MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
-# A write refused for want of room: MinIO's drives past their free-space threshold (HTTP 507), a bucket's quota.
+# A write refused for want of room: MinIO's drives past their free-space threshold (HTTP 507; HTTP 500 before
+# MinIO's 507), a bucket's quota.
 _S3_NO_ROOM = {"XMinioStorageFull", "XMinioAdminBucketQuotaExceeded"}
+# ...or said only in the message of an HTTP 500 (InternalError): a drive that filled below MinIO's own threshold check
+# ("no space left on device", the disk's ENOSPC), or the threshold's words under another code.
+_S3_NO_ROOM_SAID = re.compile(r"no space left on device|minimum free (disk|drive) threshold", re.IGNORECASE)
 _HTTP_INSUFFICIENT_STORAGE = 507
+# minio's own HTTP client retries these statuses (5 times, backing off), as this one's does.
+_S3_RETRIED = (500, 502, 503, 504)
+
+
+def _s3_no_room(err: Exception) -> bool:
+    """Whether the minio client's ``err`` (S3Error or ServerError) is a write refused for want of room."""
+    from minio.error import S3Error     # loaded with the client (S3Backend.__init__)
+    if isinstance(err, S3Error):
+        return err.code in _S3_NO_ROOM or bool(_S3_NO_ROOM_SAID.search(err.message or ""))
+    return getattr(err, "status_code", None) == _HTTP_INSUFFICIENT_STORAGE
+
+
+def _s3_http() -> Any:
+    """The minio client's HTTP pool as the client makes its own (timeouts, pool size, certificates, 5 retries of a 500,
+    502, 503 or 504 answer), except that a request still refused after the retries comes back to minio as the last
+    answer, not as urllib3's MaxRetryError ("too many 500 error responses"): minio then reads its S3 error document.
+    Without it a MinIO with no room that answers HTTP 500 (XMinioStorageFull before MinIO's 507, a drive's "no space
+    left on device") was an unexpected error, UNKNOWN to the store's caller, instead of a store with no room."""
+    import certifi
+    import urllib3
+    timeout = 5 * 60
+    return urllib3.PoolManager(
+        timeout=urllib3.Timeout(connect=timeout, read=timeout), maxsize=10,
+        cert_reqs="CERT_REQUIRED",
+        ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=_S3_RETRIED, raise_on_status=False))
 
 
 class S3Backend(StorageBackend):
@@ -397,7 +427,8 @@ class S3Backend(StorageBackend):
         # process that reads this package (a replica's server, the scheduler, the trainer, a local store).
         from minio import Minio
         from minio.error import S3Error
-        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region)
+        self._client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=secure, region=region,
+                             http_client=_s3_http())
         if not self._client.bucket_exists(bucket):
             try:
                 self._client.make_bucket(bucket)
@@ -415,9 +446,7 @@ class S3Backend(StorageBackend):
             self._client.put_object(self.bucket, self._name(key), _PieceReader(pieces, size, key), size,
                                     part_size=_S3_PART_SIZE)
         except (S3Error, ServerError) as err:
-            full = err.code in _S3_NO_ROOM if isinstance(err, S3Error) \
-                else err.status_code == _HTTP_INSUFFICIENT_STORAGE
-            if not full:
+            if not _s3_no_room(err):
                 raise
             said = f"{err.code}: {err.message}" if isinstance(err, S3Error) else str(err)
             raise StorageFull(f"the weight store's {self.describe()} has no room: writing {size} bytes of {key} "
