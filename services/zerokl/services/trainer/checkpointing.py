@@ -65,6 +65,7 @@ from zerokl.services.runtime.errors import (
     AlreadyExists,
     DataLoss,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -495,6 +496,11 @@ _BY_CODE: dict[grpc.StatusCode, type[ServiceError]] = {
     # A store with no room: a refusal, not an outage (a retry meets the same full disk); what it acknowledged stays
     # in the open upload, which a publish after room is made resumes (publish_checkpoint never drops it for this).
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    # The store's own handler failed (a bug, or a request it cannot take): a retry, or the upload dropped and sent again
+    # (publish_checkpoint's answer to FAILED_PRECONDITION), meets it again, so it stays INTERNAL, said by the caller.
+    # Never grpc's INTERNAL "Internal error from Core" for a write that raced a stream's end: the store client raises
+    # the status the store ended a PutShard stream with, and one the store ended with none as UNAVAILABLE (an outage).
+    grpc.StatusCode.INTERNAL: Internal,
 }
 
 # A weight store's statuses that mean "out for now": retried by the trainer's callers.
@@ -525,7 +531,7 @@ class RemoteWeights:
             if code in _OUTAGE:
                 # The store (or the way to it) is out for now; the trainer's caller may retry.
                 raise Unavailable(f"weight store {self.target}: {err.details()}") from None
-            # Anything else (UNKNOWN for a PermissionError writing an upload, INTERNAL, PERMISSION_DENIED, ...)
+            # Anything else (UNKNOWN for a PermissionError writing an upload, PERMISSION_DENIED, ...)
             # will fail the same way on a retry: said at once, by name, never as an outage.
             raise FailedPrecondition(f"weight store {self.target} failed the call ({code.name}): "
                                      f"{err.details()}") from None

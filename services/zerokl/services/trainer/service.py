@@ -1071,7 +1071,8 @@ class TrainerService:
         """Upload the files of ``record`` (on this host's disk) as ``name``; a record process that dies meanwhile is
         replaced and asked again (the store resumes the open upload), :data:`_RECORD_ATTEMPTS` times at most. A store
         out for now (UNAVAILABLE) leaves the files for RecordWeights to upload again; any other failure is the
-        record's for good (a store with no room: :class:`RecordFailed` with its message), and its files go."""
+        record's for good (a store with no room, a store's own INTERNAL: :class:`RecordFailed` with its message), and
+        its files go."""
         assert record.directory is not None
         try:
             for attempt in itertools.count(1):
@@ -1092,6 +1093,13 @@ class TrainerService:
                         raise RecordFailed(f"{died.message} on each of {attempt} tries to upload {name}: {name} is "
                                            "not recorded, and is not durable") from None
                     log.warning("trainer: %s uploading %s; a new one uploads it again", died.message, name)
+                except RecordFailed:
+                    raise       # the record process's own failure, said as it is
+                except Internal as err:
+                    # The store's own handler failed the upload (a bug, or a request it cannot take; never a write that
+                    # raced a stream's end: that is an outage), as the store said it: the same upload meets it again.
+                    raise RecordFailed(f"the weight store ({self.repo.describe()}) failed {name} (INTERNAL): "
+                                       f"{err.message}; {name} is not recorded, and is not durable") from None
         except Unavailable:
             raise
         except Exception as err:
