@@ -252,13 +252,11 @@ def _on_host(tensors: Mapping[str, torch.Tensor], ready: Any) -> dict[str, torch
 
 
 def snapshot_to_host(snapshot: CheckpointSnapshot) -> None:
-    """Bring ``snapshot``'s tensors into this process's own host memory, in place: CUDA tensors copied to the host,
-    and host serving weights copied out of the memory they view (a shared export's), so that memory can go
-    before the snapshot is written."""
+    """Bring ``snapshot``'s CUDA tensors into this process's host memory, in place, so the device memory can go before
+    the snapshot is written. Serving weights that view a shared export are the caller's to copy out of it first,
+    checked against the checksum the readers were sent (:func:`~zerokl.services.weightstore.sync.copy_checked`)."""
     if any(t.is_cuda for t in snapshot.serving.values()):
         snapshot.serving = _on_host(snapshot.serving, snapshot.ready)
-    else:
-        snapshot.serving = {k: v.clone() for k, v in snapshot.serving.items()}
     if snapshot.state is not None:
         snapshot.state = _on_host(snapshot.state, snapshot.ready)
     snapshot.ready = None

@@ -12,7 +12,8 @@ flags), and is fed plain descriptors over a pipe, one request at a time:
 - ``write``: a weights-only version's serving files, from the trainer's shared export
   (:class:`~zerokl.services.weightstore.shared.SharedExport`: the child copies the bytes out and checks
   their checksum, :func:`~zerokl.services.weightstore.sync.open_shared`, so what is recorded is what the
-  fleet was sent); a checkpoint's files (its trainer state) the trainer writes itself;
+  fleet was sent); a checkpoint's files (its trainer state) the trainer writes itself, its serving weights copied
+  out of the export and checked the same way (:func:`~zerokl.services.weightstore.sync.copy_checked`);
 - ``upload``: a written directory published as a version (each file that the version recorded before, or
   with ``--record-deltas start`` the version the trainer started from, holds too goes as a delta against it,
   :class:`DeltaBases`); the child owns the directory from then on.

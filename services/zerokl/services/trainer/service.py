@@ -94,9 +94,9 @@ from zerokl.services.trainer.types import (
     dpo_pair_violations,
 )
 from zerokl.services.weightstore import convert as weights_convert
-from zerokl.services.weightstore.shared import SharedExport
+from zerokl.services.weightstore.shared import ChecksumMismatch, SharedExport
 from zerokl.services.weightstore.store import VersionSpec, WeightsManifest
-from zerokl.services.weightstore.sync import SharedBuffer, export_shared
+from zerokl.services.weightstore.sync import SharedBuffer, copy_checked, export_shared
 from zerokl.services.weightstore.versions import WeightsVersion, run_segment, segment_index
 from zerokl.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from zerokl.vocab import Completion, InvalidOption, Rollout, SamplingOptions
@@ -1004,9 +1004,10 @@ class TrainerService:
             # Co-located: a checkpoint's serving weights are views of its export, copied to the host at once, before
             # the records queued before it are done, so the export's memory goes; the next backward waits for it (a
             # resume point's views would otherwise hold 23 GiB of the GLM-5 slice's 80 GB device until written).
-            # Elsewhere the trainer keeps its newest exports anyway: the record writes from the views.
+            # Elsewhere the trainer keeps its newest exports anyway: the record copies them when its turn comes.
             try:
-                await asyncio.to_thread(snapshot_to_host, record.snapshot)
+                await self._serving_checked(record, name)
+                await asyncio.to_thread(snapshot_to_host, record.snapshot)     # the trainer state
             finally:
                 self._drop_export(record)
         for task in earlier:
@@ -1021,6 +1022,8 @@ class TrainerService:
             # A checkpoint: the trainer state's snapshot is this process's memory, written here (in a thread).
             directory = pathlib.Path(tempfile.mkdtemp(prefix="zerokl-trainer-record-"))
             try:
+                if record.export is not None:
+                    await self._serving_checked(record, name)
                 await asyncio.to_thread(write_snapshot, record.snapshot, directory)
             except BaseException:
                 shutil.rmtree(directory, True)
@@ -1029,6 +1032,25 @@ class TrainerService:
                 self._drop_export(record)           # written: its views of the export are done with
         record.directory, record.snapshot = directory, None     # the files hold it now: its memory goes
         return await self._upload(record, name)
+
+    async def _serving_checked(self, record: _Record, name: str) -> None:
+        """A checkpoint's serving weights, views of its export until now, copied into this process's host memory and
+        checked against the checksum the fleet was sent, as a weights-only version's record process checks its copy:
+        the store records what the fleet serves, never bytes the shared memory came to hold after the share. The
+        export is let go once copied (a co-located backward waits for that, not for the checksum). :class:`RecordFailed`
+        on a mismatch: nothing is written, the version is not durable (a share of it by the trainer still on it
+        records it again from the trainer's weights)."""
+        assert record.snapshot is not None and record.export is not None
+        loop = asyncio.get_running_loop()
+        record.snapshot.serving = {}    # its views of the export: the copy replaces them, and they keep no memory alive
+        try:
+            serving = await asyncio.to_thread(copy_checked, record.export,
+                                              copied=lambda: loop.call_soon_threadsafe(self._drop_export, record))
+        except ChecksumMismatch as err:
+            record.snapshot = None      # never written: the trainer state's snapshot goes now
+            raise RecordFailed(f"the serving weights of {name} changed in the trainer's shared memory after they were "
+                               f"shared ({err}): {name} is not recorded, and is not durable") from None
+        record.snapshot.serving = serving
 
     async def _write_weights(self, record: _Record, name: str) -> pathlib.Path:
         """A weights-only version's files, written by the record process from the shared memory (it checks the bytes

@@ -57,7 +57,7 @@ from zerokl.kernels.dtypes import dtype_name
 from zerokl.services.weightstore.shared import (ChecksumMismatch, SharedCudaBuffer, SharedExport, SharedTensor,
                                                 SharedUnavailable)
 
-__all__ = ["SharedBuffer", "export_shared", "open_shared", "host_id",
+__all__ = ["SharedBuffer", "export_shared", "open_shared", "copy_checked", "host_id",
            "checksum", "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -298,3 +298,21 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
         copied()
     _check(desc.checksum, received)
     return _views(received, desc.tensors)
+
+
+def copy_checked(shared: SharedBuffer, device: torch.device | str = "cpu",
+                 copied: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a version this process shares, copied out of its shared memory into memory of our own on
+    ``device`` and checked against the checksum the export was sent with, as a reader's :func:`open_shared` checks
+    what it copied: what a later change of the shared memory (a stray writer, memory reused) cannot reach, or
+    :class:`ChecksumMismatch` when the bytes are no longer those the readers were sent.
+
+    ``copied``: called once the bytes are ours, before they are checked (the export may be closed then)."""
+    received = torch.empty(shared.buffer.numel(), dtype=torch.uint8, device=device)
+    received.copy_(shared.buffer)
+    if shared.buffer.is_cuda:
+        torch.cuda.synchronize(shared.buffer.device)
+    if copied is not None:
+        copied()
+    _check(shared.export.checksum, received)
+    return _views(received, shared.export.tensors)
