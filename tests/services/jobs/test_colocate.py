@@ -212,8 +212,8 @@ def test_a_colocated_step_that_fails_while_its_wake_cannot_be_done_ends_with_its
         assert final.error.startswith("INVALID_ARGUMENT") and "exceed this trainer's limit of 400" in final.error, \
             final.error
         assert start not in stored      # the record the wake waited for never landed meanwhile
-        assert f"the fleet could not be woken on {start} (RecordPending: the record of {start} has not ended in " \
-               f"the {store_wait:g} s waited for it" in final.error, final.error
+        assert f"the fleet could not be woken on {start} (RecordPending: the record of {start} did not end " \
+               f"within the {store_wait:g} s waited for it (the scheduler's --store-wait" in final.error, final.error
         # The step's own error was logged before the wake was tried, and the wake's failure after it.
         log = (tmp_path / "up" / "logs" / "scheduler.log").read_text()
         said = log.index("the step failed with the fleet asleep: AioRpcError INVALID_ARGUMENT")

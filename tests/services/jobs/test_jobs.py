@@ -602,3 +602,47 @@ def test_an_sft_spec_naming_no_data_defaults_to_countdown_as_rl_does() -> None:
     assert isinstance(sft, SFTJobSpec) and sft.countdown == rl.countdown == CountdownTask() and not sft.examples
     given = spec_from_proto(jobs_pb2.JobSpec(sft=jobs_pb2.SFTJob(steps=2, countdown=jobs_pb2.CountdownTask(seed=3))))
     assert given.countdown.seed == 3
+
+
+def test_a_failed_steps_rollback_waits_for_a_record_that_never_ends_only_as_long_as_the_store_wait(
+        tmp_path, zerokl_up) -> None:  # noqa: ANN001
+    """A failed step's rollback, and the delete of the version that failed its canary, wait for the trainer's records
+    they need; here those records never end (the record process stopped for the whole job, as one the host has
+    stopped, or a store that takes the bytes and never answers: no outage, so nothing else bounds the wait). They wait
+    the scheduler's --store-wait in all, then the job fails saying which record it waited for and how long: the
+    trainer and the fleet go back to the version served before the job (the store holds it), and the version that
+    failed its canary is said not deleted (its record may land yet). Once the record process goes on, the two records
+    fail (the rollback's load let go of the shared memory they were to read): neither version is ever in the store.
+    The next job trains from the version served before."""
+    with zerokl_up(tmp_path / "up", "--trainer-flag=--lr=3e-3", "--trainer-flag=--run=pending",
+                   "--scheduler-flag=--store-wait=10") as fleet:
+        stopped: list[int] = []
+
+        async def failed_job() -> tuple[str, str, str]:
+            # The record process stays stopped until the job has ended (the guard: before the wait was bounded, the
+            # job never ended).
+            return await asyncio.wait_for(_first_step_fails_while_its_start_is_recorded(
+                fleet, tmp_path, stopped.append), 300)
+        try:
+            before, start, error = asyncio.run(failed_job())
+        finally:
+            for recorder in stopped:
+                os.kill(recorder, signal.SIGCONT)
+        rejected = error.split("weights version ", 1)[1].split()[0]
+        assert f"the record of {start} did not end within the 10 s waited for it (the scheduler's --store-wait" \
+            in error, error
+        assert f"rolled back to {before}" in error and f"{before} is what the fleet served before this job" in error, \
+            error
+        assert f"{rejected} was not deleted from the weight store" in error, error
+        state, stored = _trainer_state_and_stored(fleet)
+        assert (state.weights_version, state.step, state.accumulated_batches) == (before, state.weights_step, 0)
+
+        async def records_fail() -> None:
+            async with TrainerClient(fleet["trainer"]["address"]) as trainer:
+                for version in (start, rejected):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await asyncio.wait_for(trainer.record_weights(version), 120)
+                    assert err.value.code() is grpc.StatusCode.INTERNAL and "SharedUnavailable" in err.value.details()
+        asyncio.run(records_fail())
+        assert {start, rejected}.isdisjoint(_trainer_state_and_stored(fleet)[1])
+        asyncio.run(_next_job_trains_from(fleet, before))

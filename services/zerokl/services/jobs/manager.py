@@ -95,6 +95,8 @@ _RECORD_FAILED = (grpc.StatusCode.INTERNAL, grpc.StatusCode.ALREADY_EXISTS, grpc
                   grpc.StatusCode.FAILED_PRECONDITION)
 # How long a job's start waits for the trainer to say where the record of the version the fleet serves stands.
 _RECORD_PROBE_S = 2.0
+# How long a RecordWeights asked past its waiter's deadline may still take: a record that ended answers at once.
+_RECORD_POLL_S = 1.0
 # An RL job's checkpoints (versions recorded with the trainer state) not yet recorded in the weight store, at
 # most: a step waits for the oldest beyond it. Each holds its snapshot (the serving bytes, the fp32 masters and
 # AdamW moments) in the trainer's memory. A step never waits for a weights-only record: the trainer supersedes
@@ -968,10 +970,11 @@ class _TrainerSession:
             return ""       # done by _reject (the rollback tried once, the version deleted), said in its error
         good = self.weights_version or self.served
         notes = []
+        until = self._records_deadline()    # what the rollback and the delete wait for records, in all
         try:
             state = self._call(self.client.get_state(timeout=10))
             if (state.weights_version, state.step, state.accumulated_batches) != (good, state.weights_step, 0):
-                back, lost = self._rollback()
+                back, lost = self._rollback(until)
                 what = "the job's unpublished steps" if self.weights_version else "what it held beyond it"
                 notes.append(f"the trainer dropped {what} and is back on {back} (step {self.trainer_step})"
                              + (f", as is the fleet: {lost}" if lost else ""))
@@ -980,10 +983,32 @@ class _TrainerSession:
             log.error("job %s: could not roll the trainer back to %s: %s", self.job.job_id, good, why)
             notes.append(f"rolling the trainer back to {good or 'the served version'} failed ({why})")
         if self.unswitched:
-            notes.append(self._delete(self.unswitched, "no replica serves it"))
+            notes.append(self._delete(self.unswitched, "no replica serves it", until))
         return "; ".join(notes)
 
-    def _rollback(self) -> tuple[str, str]:
+    def _records_deadline(self) -> float:
+        """When the waits of a rollback, or of a wake after a failed step, for the records they need end (monotonic):
+        ``store_wait_s`` (the scheduler's ``--store-wait``) from now, for all of them together. A record that never
+        ends (its process stopped, a store that takes the bytes and never answers) must not hold the failed job, and
+        the jobs queued behind it, for ever; a store outage is waited out for as long."""
+        return time.monotonic() + self.manager.store_wait_s
+
+    def _record_ended(self, version: str, until: float) -> bool:
+        """Wait for the trainer's record of ``version`` to end (committed, failed or superseded), until ``until`` (a
+        monotonic time) at most; False when it is still running then (it may land later). A record this trainer does
+        not know, or an error of the trainer's, leaves nothing to wait for: True."""
+        try:
+            self._call(self.client.record_weights(version, timeout=max(until - time.monotonic(), _RECORD_POLL_S)))
+        except grpc.aio.AioRpcError as err:
+            return err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
+        return True
+
+    def _pending(self, version: str) -> str:
+        """Why the job goes on without ``version``'s record: it did not end in the time waited for it."""
+        return (f"the record of {version} did not end within the {self.manager.store_wait_s:g} s waited for it "
+                "(the scheduler's --store-wait; it may land later)")
+
+    def _rollback(self, until: float) -> tuple[str, str]:
         """The trainer back on the version the fleet serves; (the version it is on now, "" or why that is another).
 
         The job's newest recorded checkpoint, then the kept steps since it redone (the served version may be
@@ -991,14 +1016,15 @@ class _TrainerSession:
         loads the served version itself: with its trainer state when it has one, else its weights under the
         trainer's configuration from before the job (a fresh optimizer, at step 0). What it loads comes from the
         weight store, where a version the job shared in place may not be yet: its record is waited for
-        (:meth:`_await_landed`). One whose record failed, or that a restarted trainer forgot, never will be: then
-        the trainer and the fleet go back to the version the fleet served before the job (in the store), so the
-        fleet serves no version that neither the store nor the trainer holds and the next job starts from there."""
+        (:meth:`_await_landed`), until ``until`` (monotonic) at most. One whose record failed, or that a restarted
+        trainer forgot, never will be, and one whose record did not end by then is not there for this job: then the
+        trainer and the fleet go back to the version the fleet served before the job (in the store), so the fleet
+        serves no version that neither the store nor the trainer holds and the next job starts from there."""
         good = self.weights_version or self.served
         try:
-            self._go_back(good)
+            self._go_back(good, until)
             return good, ""
-        except VersionNotDurable as err:
+        except (VersionNotDurable, RecordPending) as err:
             lost = str(err)
         before = self.served
         if not before or before == good or not self._in_store(before):
@@ -1010,13 +1036,13 @@ class _TrainerSession:
         self.weights_version = before
         return before, f"{lost}; {before} is what the fleet served before this job"
 
-    def _go_back(self, good: str) -> None:
+    def _go_back(self, good: str, until: float) -> None:
         """The trainer onto ``good`` (:meth:`_rollback`); :class:`VersionNotDurable` when what it needs never reaches
-        the store."""
+        the store, :class:`RecordPending` when its record has not ended by ``until``."""
         self._collect_records()     # the job's start may have landed meanwhile: a resume point
         start = self.durability.first_checkpoint(pending=True)
         if not self.checkpoint and start:
-            self._await_landed(start)   # the job's start, shared with its trainer state: a resume point once recorded
+            self._await_landed(start, until)    # the job's start, shared with its trainer state: a resume point
         if self.checkpoint:
             state = self._call(self.client.load_weights(self.checkpoint, restore_state=True))
             self.trainer_step = state.step
@@ -1027,7 +1053,7 @@ class _TrainerSession:
         if self.weights_version and self._kept:
             raise FailedPrecondition("the job has no recorded checkpoint to go back to yet (it started on a version "
                                      "recorded weights only)")
-        self._await_landed(good)    # one of the job's own versions (weights only), shared in place
+        self._await_landed(good, until)     # one of the job's own versions (weights only), shared in place
         self._load(good)
 
     def _load(self, version: str) -> None:
@@ -1041,20 +1067,18 @@ class _TrainerSession:
             state = self._call(self.client.load_weights(version, restore_state=False, config=self.config))
         self.trainer_step = state.step
 
-    def _await_landed(self, version: str, within: float | None = None) -> None:
+    def _await_landed(self, version: str, until: float) -> None:
         """Until the store holds ``version`` when the job shared it in place and its record is pending (with the
-        records shared before it: they land in that order). Bounded: a record ends, committed or failed, and a store
-        outage is waited out for ``store_wait_s`` at most (:class:`WeightStoreUnavailable`); ``within``: seconds
-        to wait in all, however long the records take (:class:`RecordPending` past them).
-        :class:`VersionNotDurable` when it never will be: its record failed, or the trainer restarted before it
-        landed."""
-        until = None if within is None else time.monotonic() + within
+        records shared before it: they land in that order), ``until`` (a monotonic time, :meth:`_records_deadline`)
+        at most, however long the records take or the store is out: :class:`RecordPending` past it, naming the
+        record and the wait. :class:`VersionNotDurable` when it never will be: its record failed, or the trainer
+        restarted before it landed."""
         while version in self.unrecorded:
             head = self.unrecorded[0]
             try:
                 recorded = self._await_record(head, until)
-            except RecordPending as err:
-                raise RecordPending(f"{err} in the {within:g} s waited for it (it may land later)") from None
+            except RecordPending:
+                raise RecordPending(self._pending(head)) from None
             except (grpc.aio.AioRpcError, _Restarted, VersionNotDurable) as err:
                 if head != version:
                     self.unrecorded.pop(0)      # never durable; what the trainer goes back to was shared after it
@@ -1065,9 +1089,11 @@ class _TrainerSession:
                 raise VersionNotDurable(f"{version} never reached the weight store ({why})") from None
             self._landed(head, recorded)
 
-    def _delete(self, version: str, why: str) -> str:
+    def _delete(self, version: str, why: str, until: float) -> str:
         """Delete ``version`` (never served by the fleet, or rejected by its canary) from the weight store; a
-        clause saying what happened. The version the fleet serves is never deleted."""
+        clause saying what happened. The version the fleet serves is never deleted. Its record is waited for first,
+        until ``until`` (monotonic) at most: one still running then is not deleted (its upload would bring it back),
+        and the clause says so."""
         self.unswitched = ""
         store = self.manager.weight_store
         if store is None:
@@ -1077,8 +1103,11 @@ class _TrainerSession:
         try:
             # A version shared in place is recorded in the background: let that land first, so deleting it is
             # final (an upload finishing after the delete would bring it back).
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                self._call(self.client.record_weights(version))
+            if not self._record_ended(version, until):
+                log.error("job %s: %s was not deleted from the weight store: %s", self.job.job_id, version,
+                          self._pending(version))
+                return (f"{version} was not deleted from the weight store: {self._pending(version)}, and a delete "
+                        f"before it lands is undone by it ({why}: delete it once it is there)")
             if version in self.unrecorded:
                 self.unrecorded.remove(version)
             self._call(self._delete_from(store, version))
@@ -1101,11 +1130,12 @@ class _TrainerSession:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""
         good = self.weights_version or self.served
         # A version shared in place is still being recorded: let it land first, so the record's resume-point
-        # pin cannot move back to it after the rollback, and the delete below is final.
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            self._call(self.client.record_weights(version))
+        # pin cannot move back to it after the rollback, and the delete below is final. Not for ever: the waits
+        # for records here, the rollback's and the delete's together, end after the scheduler's --store-wait.
+        until = self._records_deadline()
+        self._record_ended(version, until)
         try:
-            back, lost = self._rollback()
+            back, lost = self._rollback(until)
             rolled = (f"The trainer was rolled back to {back} (step {self.trainer_step}), which the fleet keeps serving"
                       if not lost else f"The trainer and the fleet were rolled back to {back} "
                                        f"(step {self.trainer_step}): {lost}")
@@ -1115,7 +1145,7 @@ class _TrainerSession:
         except ServiceError as load_err:
             rolled = f"The fleet keeps serving {good}, but rolling the trainer back to it failed ({load_err})"
         self.rejected = True
-        fate = self._delete(version, "it failed its canary")
+        fate = self._delete(version, "it failed its canary", until)
         raise CanaryFailed(f"{err.message}. {rolled}; {fate}") from None
 
     # ---- TrainerPort (zerokl.services.rl.ports) ----
@@ -1170,7 +1200,7 @@ class _TrainerSession:
             # From the store (a co-located trainer keeps no export past its backward), where the version's record
             # may still be on its way (the job's start, shared in place, while its first step trains): waited for,
             # but not for ever (a record that never ends must not hide the step's error).
-            self._await_landed(served, within=self.manager.store_wait_s)
+            self._await_landed(served, self._records_deadline())
             self._call(self.manager._switch(served))
             return ""
         except Exception as err:  # noqa: BLE001 - the step's error is the job's; this one is said with it
