@@ -265,7 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--trainer-flag", action="append", default=[], metavar="FLAG",
                    help="extra `zerokl serve trainer` flag, e.g. --trainer-flag=--lr=1e-3 (repeatable)")
     s.add_argument("--scheduler-flag", action="append", default=[], metavar="FLAG",
-                   help="extra `zerokl serve scheduler` flag, e.g. --scheduler-flag=--fleet-wait=30 (repeatable)")
+                   help="extra `zerokl serve scheduler` flag, e.g. --scheduler-flag=--fleet-wait=30 (repeatable; after "
+                        "zerokl up's own, so --scheduler-flag=--weight-store=ADDR sends its jobs' store calls to ADDR)")
     t = p.add_argument_group("Tinker endpoint (docs/api.md: the official tinker SDK against this cluster)")
     t.add_argument("--tinker", action="store_true",
                    help="also serve Tinker's REST API (zerokl serve tinker) on --tinker-port, with its own sampler "
@@ -639,11 +640,12 @@ def _plan(args: argparse.Namespace, workdir: pathlib.Path, store: Child, version
     s = Child("scheduler", "scheduler", port, [], logs / "scheduler.log")
     s.flags = ["--decode", ",".join(d.address for d in decode), "--port", str(port), "--poll-interval", "0.5",
                "--replica-id", "scheduler", "--state-dir", str(workdir / "scheduler"), *s.serve_metrics(), *common,
-               *(["--colocate-sleep-level", "2"] if args.colocate else []), *args.scheduler_flag]
+               *(["--colocate-sleep-level", "2"] if args.colocate else [])]
     if trainer:
         s.flags += ["--trainer", t.address, "--weight-store", store.address]
     if args.prefill_replicas:
         s.flags += ["--prefill", ",".join(c.address for c in children if c.service == "prefill")]
+    s.flags += args.scheduler_flag      # last, as --trainer-flag: a flag given overrides zerokl up's own
     if args.tinker:
         children.append(_tinker_child(args, workdir, store, version, model_dir, common, sampler_replicas,
                                       t.address if trainer else None))
