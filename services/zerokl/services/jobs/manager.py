@@ -267,7 +267,8 @@ class JobManager:
     ``state_dir``: where job records are kept across restarts (None: memory
     only). A job waits up to ``trainer_wait_s`` for a restarting trainer,
     ``fleet_wait_s`` for a restarting prefill/decode replica and
-    ``store_wait_s`` for an unreachable weight store.
+    ``store_wait_s`` for an unreachable weight store and for the trainer's
+    records (:meth:`_TrainerSession._records_deadline`).
     """
 
     def __init__(self, trainer: TrainerClient | None, generate: Callable[[InferenceRequest], AsyncIterator[Any]],
@@ -488,9 +489,7 @@ class JobManager:
             self._step_done(job, record.step, record.weights_version, metrics, stoppable=bool(record.checkpoint))
 
         run_rl(task, port, trainer, spec, on_step)
-        # Every version the job served is in the store before it succeeds (resume, audit): the last ones'
-        # records were uploading in the background (redone by _unit if the trainer restarted before they landed).
-        trainer._unit(lambda: (trainer.await_records(), {})[1])
+        trainer._unit(lambda: (trainer.await_end(), {})[1])
 
     def _run_supervised(self, job: _Job, spec: SFTJobSpec | DPOJobSpec, trainer: "_TrainerSession") -> None:
         if isinstance(spec, SFTJobSpec):
@@ -987,10 +986,11 @@ class _TrainerSession:
         return "; ".join(notes)
 
     def _records_deadline(self) -> float:
-        """When the waits of a rollback, or of a wake after a failed step, for the records they need end (monotonic):
-        ``store_wait_s`` (the scheduler's ``--store-wait``) from now, for all of them together. A record that never
-        ends (its process stopped, a store that takes the bytes and never answers) must not hold the failed job, and
-        the jobs queued behind it, for ever; a store outage is waited out for as long."""
+        """When the waits of one thing the job does for the trainer's records end (monotonic): ``store_wait_s`` (the
+        scheduler's ``--store-wait``) from now, for all of them together. That thing is a failure's rollback and
+        delete, a wake after a failed step, or the job's end waiting for its last records. A record that never ends
+        (its process stopped, a store that takes the bytes and never answers) must not hold the job, and the jobs
+        queued behind it, for ever; a store outage is waited out for as long."""
         return time.monotonic() + self.manager.store_wait_s
 
     def _record_ended(self, version: str, until: float) -> bool:
@@ -1077,8 +1077,6 @@ class _TrainerSession:
             head = self.unrecorded[0]
             try:
                 recorded = self._await_record(head, until)
-            except RecordPending:
-                raise RecordPending(self._pending(head)) from None
             except (grpc.aio.AioRpcError, _Restarted, VersionNotDurable) as err:
                 if head != version:
                     self.unrecorded.pop(0)      # never durable; what the trainer goes back to was shared after it
@@ -1301,13 +1299,14 @@ class _TrainerSession:
         self.unrecorded.append(manifest.version)
         self.durability.shared(manifest.version, step, checkpoint=checkpoint)
 
-    def await_records(self, keep: int = 0) -> None:
-        """Wait for the store's records of the versions shared, oldest first (recorded or superseded), until at
-        most ``keep`` are pending (retried while the store is out); a trainer that forgot one (restarted) is
-        UNAVAILABLE to :meth:`_unit`, which redoes the steps since its checkpoint."""
-        while len(self.unrecorded) > keep:
+    def await_records(self, until: float) -> None:
+        """Wait for the store's records of the versions shared, oldest first (recorded or superseded), until ``until``
+        (monotonic, :meth:`_records_deadline`) at most, a store outage included: :class:`RecordPending` past it,
+        naming the record. A trainer that forgot one (restarted) is UNAVAILABLE to :meth:`_unit`, which redoes the
+        steps since its checkpoint."""
+        while self.unrecorded:
             version = self.unrecorded[0]
-            self._landed(version, self._await_record(version))
+            self._landed(version, self._await_record(version, until))
 
     def await_checkpoints(self, keep: int = 0) -> None:
         """Wait, oldest first, until at most ``keep`` checkpoints are pending (the weights-only records ahead of one
@@ -1315,6 +1314,20 @@ class _TrainerSession:
         while sum(self.durability.checkpoint(v) for v in self.unrecorded) > keep:
             version = self.unrecorded[0]
             self._landed(version, self._await_record(version))
+
+    def await_end(self) -> None:
+        """The job's end: every version it served is in the store before it succeeds (resume, audit), the last ones'
+        records uploading in the background until then (redone by :meth:`_unit` if the trainer restarted before they
+        landed). ``store_wait_s`` at most: a job whose records have not ended by then does not succeed as if its last
+        version were durable: :class:`RecordPending` says which version the fleet serves that the store may not hold
+        yet, and which record it waited for (it may land later)."""
+        last = self.weights_version
+        try:
+            self.await_records(self._records_deadline())
+        except RecordPending as err:
+            head = self.unrecorded[0]
+            raise RecordPending(f"every step trained and the fleet serves {last}, but it is not durable yet: {err}"
+                                + ("" if head == last else f", and {last}'s lands after it")) from None
 
     def _collect_records(self, strict: bool = False) -> None:
         """The records done already (landed or superseded), oldest first, without waiting for one that is not (a
@@ -1355,7 +1368,7 @@ class _TrainerSession:
         while True:
             left = None if until is None else until - time.monotonic()
             if left is not None and left <= 0:
-                raise RecordPending(f"the record of {version} has not ended")
+                raise RecordPending(self._pending(version))
             try:
                 return self._call(self.client.record_weights(version, timeout=left))
             except grpc.aio.AioRpcError as err:
