@@ -83,3 +83,20 @@ def test_a_job_whose_last_record_does_not_end_in_the_store_wait_fails_naming_the
     _lands(fleet, last)
     asyncio.run(_next_job_trains_from(fleet, last))
 
+
+def test_a_step_waiting_for_a_checkpoint_beyond_the_record_lag_fails_after_the_store_wait_naming_it(
+        fleet: dict) -> None:
+    """A checkpoint every step, their records held: step 3 waits for the oldest of the two unrecorded checkpoints (the
+    record lag) and fails after the store wait naming it; the fleet keeps serving step 2's version, which the next job
+    trains from once the records land."""
+    events = _run_with_records_held(fleet, RLJobSpec(steps=3, seed=12, checkpoint_every=1, **TINY_RL))
+    final, (one, two) = events[-1].status, _steps(events)
+    assert final.state is JobState.FAILED and final.weights_version == two.weights_version, final
+    assert final.error == (
+        f"RecordPending: step 3 waits for the record of the checkpoint {one.weights_version} (a step trains only while "
+        f"2 checkpoints at most are not in the weight store: each holds the trainer state's snapshot in the trainer's "
+        f"memory): the record of {one.weights_version} did not end within the 10 s waited for it (the scheduler's "
+        f"--store-wait; it may land later)"), final.error
+    _lands(fleet, two.weights_version)
+    asyncio.run(_next_job_trains_from(fleet, two.weights_version))
+

@@ -988,9 +988,10 @@ class _TrainerSession:
     def _records_deadline(self) -> float:
         """When the waits of one thing the job does for the trainer's records end (monotonic): ``store_wait_s`` (the
         scheduler's ``--store-wait``) from now, for all of them together. That thing is a failure's rollback and
-        delete, a wake after a failed step, or the job's end waiting for its last records. A record that never ends
-        (its process stopped, a store that takes the bytes and never answers) must not hold the job, and the jobs
-        queued behind it, for ever; a store outage is waited out for as long."""
+        delete, a wake after a failed step, a step's wait for the checkpoint beyond :data:`RECORD_LAG`, or the job's
+        end waiting for its last records. A record that never ends (its process stopped, a store that takes the bytes
+        and never answers) must not hold the job, and the jobs queued behind it, for ever; a store outage is waited
+        out for as long."""
         return time.monotonic() + self.manager.store_wait_s
 
     def _record_ended(self, version: str, until: float) -> bool:
@@ -1214,7 +1215,7 @@ class _TrainerSession:
             # trainer's memory). Weights-only records are never waited for. Not train_s: recording's tail.
             t0 = time.perf_counter()
             self._collect_records(strict=True)
-            self.await_checkpoints(keep=RECORD_LAG - 1)
+            self._await_checkpoints()
             record_wait_s = time.perf_counter() - t0
             self._train_and_publish(rollouts, group_size)
             self._collect_records()
@@ -1223,6 +1224,21 @@ class _TrainerSession:
             self._last.update(self.durability.report())
             return self._last
         return self._unit(work)
+
+    def _await_checkpoints(self) -> None:
+        """Before a step trains: wait for the records of the oldest checkpoints until at most ``RECORD_LAG - 1`` are
+        pending (the step's own makes ``RECORD_LAG``), ``store_wait_s`` at most: a step that cannot get its
+        checkpoint recorded by then fails the job (:class:`RecordPending`, naming the checkpoint and the wait), the
+        fleet serving the job's last version."""
+        oldest = next((v for v in self.unrecorded if self.durability.checkpoint(v)), "")
+        try:
+            self.await_records(self._records_deadline(), checkpoints=RECORD_LAG - 1)
+        except RecordPending as err:
+            step = self.trainer_step - self.base_step + 1
+            raise RecordPending(
+                f"step {step} waits for the record of the checkpoint {oldest} (a step trains only while {RECORD_LAG} "
+                f"checkpoints at most are not in the weight store: each holds the trainer state's snapshot in the "
+                f"trainer's memory): {err}") from None
 
     def _train(self, rollouts: Sequence[Rollout], group_size: int) -> dict[str, Any]:
         """ForwardBackward(ppo) + OptimStep; the step's metrics."""
@@ -1299,21 +1315,16 @@ class _TrainerSession:
         self.unrecorded.append(manifest.version)
         self.durability.shared(manifest.version, step, checkpoint=checkpoint)
 
-    def await_records(self, until: float) -> None:
-        """Wait for the store's records of the versions shared, oldest first (recorded or superseded), until ``until``
-        (monotonic, :meth:`_records_deadline`) at most, a store outage included: :class:`RecordPending` past it,
-        naming the record. A trainer that forgot one (restarted) is UNAVAILABLE to :meth:`_unit`, which redoes the
-        steps since its checkpoint."""
-        while self.unrecorded:
+    def await_records(self, until: float, checkpoints: int | None = None) -> None:
+        """Wait for the store's records of the versions shared, oldest first (recorded or superseded): all of them,
+        or until at most ``checkpoints`` checkpoints are pending (the weights-only records ahead of one are done
+        before it anyway: records land in the order shared). Until ``until`` (monotonic, :meth:`_records_deadline`)
+        at most, a store outage included: :class:`RecordPending` past it, naming the record. A trainer that forgot one
+        (restarted) is UNAVAILABLE to :meth:`_unit`, which redoes the steps since its checkpoint."""
+        while self.unrecorded and (checkpoints is None or
+                                   sum(self.durability.checkpoint(v) for v in self.unrecorded) > checkpoints):
             version = self.unrecorded[0]
             self._landed(version, self._await_record(version, until))
-
-    def await_checkpoints(self, keep: int = 0) -> None:
-        """Wait, oldest first, until at most ``keep`` checkpoints are pending (the weights-only records ahead of one
-        are done before it anyway: records land in the order shared)."""
-        while sum(self.durability.checkpoint(v) for v in self.unrecorded) > keep:
-            version = self.unrecorded[0]
-            self._landed(version, self._await_record(version))
 
     def await_end(self) -> None:
         """The job's end: every version it served is in the store before it succeeds (resume, audit), the last ones'
