@@ -95,7 +95,8 @@ _RECORD_FAILED = (grpc.StatusCode.INTERNAL, grpc.StatusCode.ALREADY_EXISTS, grpc
                   grpc.StatusCode.FAILED_PRECONDITION)
 # How long a job's start waits for the trainer to say where the record of the version the fleet serves stands.
 _RECORD_PROBE_S = 2.0
-# How long a RecordWeights asked past its waiter's deadline may still take: a record that ended answers at once.
+# How long a call made past its waiter's deadline may still take (:meth:`_TrainerSession._left`): a record that ended
+# answers a RecordWeights at once, and a weight store that answers does a Delete in far less.
 _RECORD_POLL_S = 1.0
 # An RL job's checkpoints (versions recorded with the trainer state) not yet recorded in the weight store, at
 # most: a step waits for the oldest beyond it. Each holds its snapshot (the serving bytes, the fp32 masters and
@@ -267,8 +268,8 @@ class JobManager:
     ``state_dir``: where job records are kept across restarts (None: memory
     only). A job waits up to ``trainer_wait_s`` for a restarting trainer,
     ``fleet_wait_s`` for a restarting prefill/decode replica and
-    ``store_wait_s`` for an unreachable weight store and for the trainer's
-    records (:meth:`_TrainerSession._records_deadline`).
+    ``store_wait_s`` for an unreachable weight store, for the trainer's
+    records and for the store's answers (:meth:`_TrainerSession._records_deadline`).
     """
 
     def __init__(self, trainer: TrainerClient | None, generate: Callable[[InferenceRequest], AsyncIterator[Any]],
@@ -986,28 +987,37 @@ class _TrainerSession:
         return "; ".join(notes)
 
     def _records_deadline(self) -> float:
-        """When the waits of one thing the job does for the trainer's records end (monotonic): ``store_wait_s`` (the
-        scheduler's ``--store-wait``) from now, for all of them together. That thing is a failure's rollback and
-        delete, a wake after a failed step, a step's wait for the checkpoint beyond :data:`RECORD_LAG`, or the job's
-        end waiting for its last records. A record that never ends (its process stopped, a store that takes the bytes
-        and never answers) must not hold the job, and the jobs queued behind it, for ever; a store outage is waited
-        out for as long."""
+        """When the waits of one thing the job does for the trainer's records and the weight store's answers end
+        (monotonic): ``store_wait_s`` (the scheduler's ``--store-wait``) from now, for all of them together. That
+        thing is a failure's rollback and delete, a wake after a failed step, a step's wait for the checkpoint beyond
+        :data:`RECORD_LAG`, or the job's end waiting for its last records. A record that never ends (its process
+        stopped, a store that takes the bytes and never answers) or a store call never answered must not hold the
+        job, and the jobs queued behind it, for ever; a store outage is waited out for as long."""
         return time.monotonic() + self.manager.store_wait_s
+
+    @staticmethod
+    def _left(until: float) -> float:
+        """The gRPC deadline of a call made while waiting until ``until`` (monotonic): the time left, and
+        :data:`_RECORD_POLL_S` once none is (a call that can answer at once still does)."""
+        return max(until - time.monotonic(), _RECORD_POLL_S)
 
     def _record_ended(self, version: str, until: float) -> bool:
         """Wait for the trainer's record of ``version`` to end (committed, failed or superseded), until ``until`` (a
         monotonic time) at most; False when it is still running then (it may land later). A record this trainer does
         not know, or an error of the trainer's, leaves nothing to wait for: True."""
         try:
-            self._call(self.client.record_weights(version, timeout=max(until - time.monotonic(), _RECORD_POLL_S)))
+            self._call(self.client.record_weights(version, timeout=self._left(until)))
         except grpc.aio.AioRpcError as err:
             return err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED
         return True
 
-    def _pending(self, version: str) -> str:
-        """Why the job goes on without ``version``'s record: it did not end in the time waited for it."""
-        return (f"the record of {version} did not end within the {self.manager.store_wait_s:g} s waited for it "
-                "(the scheduler's --store-wait; it may land later)")
+    def _pending(self, version: str, call: str = "") -> str:
+        """Why the job goes on without ``version``'s record (with ``call``: the weight store's answer to that call on
+        ``version``): it did not end in the time waited for it."""
+        what, later = ((f"the weight store's {call} of {version}", "the store may still do it") if call else
+                       (f"the record of {version}", "it may land later"))
+        return (f"{what} did not end within the {self.manager.store_wait_s:g} s waited for it (the scheduler's "
+                f"--store-wait; {later})")
 
     def _rollback(self, until: float) -> tuple[str, str]:
         """The trainer back on the version the fleet serves; (the version it is on now, "" or why that is another).
@@ -1109,7 +1119,12 @@ class _TrainerSession:
                         f"before it lands is undone by it ({why}: delete it once it is there)")
             if version in self.unrecorded:
                 self.unrecorded.remove(version)
-            self._call(self._delete_from(store, version))
+            unanswered = self._call(self._delete_from(store, version, until))
+            if unanswered:
+                said = self._pending(version, unanswered)
+                log.error("job %s: %s was not deleted from the weight store: %s", self.job.job_id, version, said)
+                return (f"{version} was not deleted from the weight store: {said} ({why}: delete it once the store "
+                        "answers)")
         except grpc.aio.AioRpcError as err:
             if err.code() is grpc.StatusCode.NOT_FOUND:
                 return f"{version} is not in the weight store ({why})"
@@ -1117,13 +1132,29 @@ class _TrainerSession:
             return f"deleting {version} from the weight store failed ({err.details()})"
         return f"{version} was deleted from the weight store ({why})"
 
-    async def _delete_from(self, store: WeightStoreClient, version: str) -> None:
+    async def _delete_from(self, store: WeightStoreClient, version: str, until: float) -> str:
         """Delete ``version``; the trainer's own pin on it (a resume point it saved) is released first, since
-        the trainer no longer stands on it. A pin of anyone else keeps it (FAILED_PRECONDITION, said)."""
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            run = (await self.client.get_state(timeout=10)).run
-            await store.unpin(version, pin_owner(run))
-        await store.delete(version)
+        the trainer no longer stands on it. A pin of anyone else keeps it (FAILED_PRECONDITION, said). Each store
+        call's gRPC deadline is what is left of ``until`` (:meth:`_left`): a store that never answers must not hold
+        the job's end. "" once deleted; else the call the store did not answer in time (Unpin: the version and the
+        trainer's pin on it stay; Delete: the version stays, unless the store still deletes it)."""
+        try:
+            run: str | None = (await self.client.get_state(timeout=10)).run
+        except grpc.aio.AioRpcError:
+            run = None      # the trainer cannot say: a pin of its own keeps the version, and the delete says so
+        if run is not None:
+            try:
+                await store.unpin(version, pin_owner(run), timeout=self._left(until))
+            except grpc.aio.AioRpcError as err:
+                if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return "Unpin"
+        try:
+            await store.delete(version, timeout=self._left(until))
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "Delete"
+            raise
+        return ""
 
     def _reject(self, version: str, err: CanaryFailed) -> NoReturn:
         """``version`` failed its canary: roll the trainer back to the served version, delete ``version``, fail."""

@@ -86,8 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a job waits for an unreachable weight store before it fails, and for the trainer's "
                         "records: a step's for the oldest checkpoint beyond the record lag and the job's last ones "
                         "at its end (past it the job fails, naming the version not durable yet), and those a failed "
-                        "job's rollback, the delete of a version, or a co-located step's wake needs "
-                        "(default %(default)s)")
+                        "job's rollback, the delete of a version (then also the store's Unpin and Delete of it), or a "
+                        "co-located step's wake needs (default %(default)s)")
     j.add_argument("--colocate-sleep-level", type=int, choices=(0, 1, 2), default=0, metavar="N",
                    help="co-location (the fleet and the trainer share a device): before each RL step trains, every "
                         "replica releases its KV cache (1) or its KV cache and weights (2); the step's weight switch "

@@ -471,19 +471,19 @@ class WeightStoreClient(ServiceClient):
 
     # ---- deleting, pins, retention ------------------------------------------
 
-    async def delete(self, version: str) -> None:
+    async def delete(self, version: str, *, timeout: float | None = None) -> None:
         """Delete an unpinned version."""
-        await self._stub.Delete(weights_pb2.DeleteRequest(version=version))
+        await self._stub.Delete(weights_pb2.DeleteRequest(version=version), timeout=timeout)
 
     async def pin(self, version: str, owner: str) -> VersionEntry:
         """Keep ``version`` from deletion on behalf of ``owner``."""
         return convert.version_entry_from_proto(
             await self._stub.Pin(weights_pb2.PinRequest(version=version, owner=owner)))
 
-    async def unpin(self, version: str, owner: str) -> VersionEntry:
+    async def unpin(self, version: str, owner: str, *, timeout: float | None = None) -> VersionEntry:
         """Release ``owner``'s pin."""
         return convert.version_entry_from_proto(
-            await self._stub.Unpin(weights_pb2.UnpinRequest(version=version, owner=owner)))
+            await self._stub.Unpin(weights_pb2.UnpinRequest(version=version, owner=owner), timeout=timeout))
 
     async def gc(self, keep_last: int | None = None) -> GcResult:
         """Garbage-collect old unpinned versions and expired uploads."""
