@@ -456,6 +456,10 @@ def main() -> int:
     ap.add_argument("--host-reserve-gib", type=float, default=8.0,
                     help="stop the fleet when the host has less memory available than this, and report what each "
                          "service held (a host out of memory takes the machine and its logs down; default %(default)s)")
+    ap.add_argument("--store-wait", type=float, default=900.0,
+                    help="the scheduler's --store-wait: how long a job waits for a record it needs (its last ones, a "
+                         "checkpoint beyond the lag, a failed step's wake) before it fails; the slice's whole start "
+                         "record is 22.7 GiB, more than the default 120 s carries (default %(default)s)")
     ap.add_argument("--disk-reserve-gib", type=float, default=3.0,
                     help="stop the fleet when the workdir's disk has less free than this, and report what the workdir "
                          "held by part (a full root disk can take the machine and its logs down; default %(default)s)")
@@ -487,6 +491,7 @@ def main() -> int:
             f"--trainer-flag=--record-deltas={args.record_deltas}",
             f"--trainer-flag=--micro-batch-tokens={args.micro_batch_tokens}",
             f"--scheduler-flag=--colocate-sleep-level={args.sleep_level}",
+            f"--scheduler-flag=--store-wait={args.store_wait}",
             f"--replica-flag=--num-blocks={blocks}", f"--replica-flag=--max-num-seqs={args.prompts * args.group}",
             "--replica-flag=--max-num-batched-tokens=4096"]
     env = dict(os.environ)
