@@ -528,7 +528,15 @@ def main() -> int:
         print(f"the fleet is up after {result['meta']['up_s']:.0f} s", flush=True)
         disk.phase = "job"
         with MemoryWatch(services, args.device) as memory:
-            asyncio.run(run_job(args, services, result, out, host, disk, workdir))
+            try:
+                asyncio.run(run_job(args, services, result, out, host, disk, workdir))
+            except Exception as err:
+                # A guard stopped the fleet (its line above says why and what was held): that, not the job
+                # stream's broken connection, is what this run ends with.
+                guard = "disk" if disk.tripped else "host memory" if host.tripped else None
+                if guard is None:
+                    raise
+                raise SystemExit(f"the {guard} guard stopped the fleet during the job ({type(err).__name__})") from None
         replica = sum(v for k, v in memory.peak.items() if k.startswith("decode"))
         result["peak_memory"] = {"by_service": memory.peak, "replica": replica,
                                  "trainer": memory.peak.get("trainer", 0.0), "device_total": memory.total_peak,

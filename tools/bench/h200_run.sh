@@ -152,6 +152,10 @@ elif [ "$MODE" = colocate ] || [ "$MODE" = rl20 ] || [ "$MODE" = poll ]; then
   # what the trainer did with its device memory: each closed export (freed, IPC count, holders), each wait
   grep -h "closed the export\|waited\|recorded\|device memory at" /tmp/bench-colocate-glm5-2l/fleet/logs/trainer.log \
     2> /dev/null | cut -c1-400 | tail -n 20
+  # what it held on the device after each share (a replica wakes into the rest), with the full report where the
+  # allocator held more than the parameters and the exports
+  grep -h -A16 "device memory after" /tmp/bench-colocate-glm5-2l/fleet/logs/trainer.log \
+    2> /dev/null | cut -c1-300 | head -n 60 > "$OUT/colocate_trainer_memory.log"
   df -h /tmp | tail -1
 elif [ "$MODE" = fp8-train ]; then
   # issue 51: the FP8 step from CUDA graphs == eager, bit for bit (and FP8 trainer == engine), the offloaded

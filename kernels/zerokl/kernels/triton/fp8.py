@@ -167,9 +167,12 @@ INTERPRETED_CONFIG = Fp8GemmConfig(16, 128, 4, 1)
 # The compiled reference: what every launch of M > 64 rows used before the table. The GPU tests
 # (tests/kernels/test_fp8_configs.py) and the sweep compare every other config's bits with it.
 CANONICAL_CONFIG = Fp8GemmConfig(128, 128, 8, 3)
-# The MoE experts' compiled config (fp8_grouped_linear; rows per expert are few and vary). Not swept yet:
-# `bench_fp8.py --sweep-grouped` times its candidates against the HBM bound of the experts touched.
-_GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 128, 4, 3)
+# The MoE experts' compiled config (fp8_grouped_linear; rows per expert are few and vary), from
+# `bench_fp8.py --sweep-grouped` on one H100 (2026-12-08, docs/perf.md): 15 candidates at the GLM-5 experts'
+# gate/up and down ([256, 2048, 6144], [256, 6144, 2048]) x 64 / 256 / 2,048 / 8,192 tokens (8 experts each),
+# every one bit-identical to 64x128 w4 s3 (the config before). 64x256, 8 warps, 4 stages had the best mean:
+# at decode (64 tokens) the same 0.86 of the experts' HBM bound as before, at 256-8,192 tokens 7% faster.
+_GROUPED_CUDA_CONFIG = Fp8GemmConfig(64, 256, 8, 4)
 
 # Configs of compiled CUDA launches by M bucket: (max M, {(N, K) or None: Fp8GemmConfig}), as
 # gemm._CUDA_BUCKETS. `python tools/bench/bench_fp8.py --sweep` on the GPU times the candidates beside cuBLASLt

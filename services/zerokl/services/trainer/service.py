@@ -459,6 +459,23 @@ class TrainerService:
             return result
         return await self._exclusive(work)
 
+    def _log_device_memory(self, when: str) -> None:
+        """Co-located (a replica wakes on the device into what this trainer leaves free): one line of what the trainer
+        holds on it ``when``, and the full :meth:`_device_memory_report` once its allocator holds more than 1 GiB
+        beyond the parameters and the exports. The GLM-5 slice's first wake on an H100 ran out of memory with 68.8
+        GiB held by the trainer, of which its weights and the step's export were 45.4 (docs/perf.md)."""
+        device, gib = self._trainer.device, 2**30
+        free, total = torch.cuda.mem_get_info(device)
+        params = sum(t.numel() * t.element_size() for t in self._trainer.model.parameters() if t.is_cuda)
+        exports = sum(s.buffer.numel() for s in self._exports.values() if s.buffer.is_cuda)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        log.info("trainer: device memory %s: allocated %.2f GiB, reserved %.2f GiB (parameters %.2f, exports %.2f); "
+                 "the device has %.2f of %.2f GiB free", when, allocated / gib, reserved / gib, params / gib,
+                 exports / gib, free / gib, total / gib)
+        if reserved - params - exports > gib:
+            log.info("trainer: device memory %s, beyond the parameters and the exports:\n%s", when,
+                     self._device_memory_report())
+
     def _device_memory_report(self) -> str:
         """What holds this trainer's device memory, for a ForwardBackward that ran out of it: the model's parameters
         and gradients, the exports and records kept, and every other device storage a Python object reaches (the
@@ -889,6 +906,11 @@ class TrainerService:
         kept = 1 if trainer.config.offload_optimizer else _SHARED_KEPT
         while len(self._exports) > kept:            # the oldest first: a switch back reads the store
             self._release(self._exports.pop(next(iter(self._exports))))
+        if trainer.config.offload_optimizer and trainer.device.type == "cuda":
+            # A replica wakes into what the trainer leaves on the device: the packing's temporaries (a weight
+            # that is not contiguous is copied before it is packed) go back to the driver first.
+            await self._compute(torch.cuda.empty_cache)
+            await self._compute(self._log_device_memory, f"after sharing {name}")
         if own:
             # The trainer's own version, recorded already (a job starting where the last one ended): nothing to write.
             self._records.pop(name, None)
