@@ -26,7 +26,7 @@ from zerokl.kernels.fp8_format import fp8_dequantize_weight
 from zerokl.kernels.model.config import ModelConfig
 from zerokl.kernels.model.fp8 import is_fp8, quantize_fp8
 
-__all__ = ["save_pretrained", "save_state_pretrained", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
+__all__ = ["save_pretrained", "save_state_pretrained", "pretrained_files", "tensor_files", "config_file", "load_pretrained", "save_tensors", "load_tensors", "config_to_hf", "config_from_hf", "transformers_config",
            "CheckpointError", "CONFIG_FILE", "DEFAULT_MAX_SHARD_BYTES", "FP8_QUANTIZATION"]
 
 CONFIG_FILE = "config.json"
@@ -189,15 +189,11 @@ def _dequantize_unwanted(state: dict[str, torch.Tensor], want: Mapping[str, torc
 
 # ----------------------------------------------------------------------------- save / load
 
-def save_tensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike,
-                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
-    """Write tensors as Hugging Face writes them: one model.safetensors, or
-    model-0000K-of-0000N.safetensors shards plus model.safetensors.index.json when they
-    exceed max_shard_bytes (a single larger tensor gets a shard of its own). Tensors that
-    share storage (tied weights) are copied, since safetensors refuses aliases.
-    Returns the files written."""
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+def tensor_files(tensors: Mapping[str, torch.Tensor],
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[tuple[str, dict[str, torch.Tensor] | bytes]]:
+    """The files :func:`save_tensors` writes, by name, in the order written: each safetensors file's tensors
+    (contiguous host tensors, to be saved with metadata ``{"format": "pt"}``), and the index's bytes when
+    sharded. The one layout of a checkpoint's weight files, for a writer to disk or to memory."""
     if not tensors:
         raise CheckpointError("no tensors to save")
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -219,17 +215,35 @@ def save_tensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLi
         shards[-1][name] = t
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata={"format": "pt"})
-        return [path / SINGLE_FILE]
-    written, weight_map = [], {}
+        return [(SINGLE_FILE, shards[0])]
+    files: list[tuple[str, dict[str, torch.Tensor] | bytes]] = []
+    weight_map = {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(path / fname), metadata={"format": "pt"})
-        written.append(path / fname)
+        files.append((fname, shard))
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
-    (path / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return written + [path / INDEX_FILE]
+    index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+    return files + [(INDEX_FILE, index.encode())]
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], directory: str | os.PathLike,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write tensors as Hugging Face writes them: one model.safetensors, or
+    model-0000K-of-0000N.safetensors shards plus model.safetensors.index.json when they
+    exceed max_shard_bytes (a single larger tensor gets a shard of its own). Tensors that
+    share storage (tied weights) are copied, since safetensors refuses aliases.
+    Returns the files written."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, content in tensor_files(tensors, max_shard_bytes):
+        if isinstance(content, bytes):
+            (path / name).write_bytes(content)
+        else:
+            save_file(content, str(path / name), metadata={"format": "pt"})
+        written.append(path / name)
+    return written
 
 
 def load_tensors(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -257,7 +271,19 @@ def save_state_pretrained(state: Mapping[str, torch.Tensor], config: ModelConfig
     """save_pretrained's files from a state dict under the model's names (the same bytes as saving a
     model holding it): for a copy of the weights held apart from any model, e.g. a trainer's snapshot."""
     save_tensors(_to_hf(state, config), directory, max_shard_bytes)
-    (Path(directory) / CONFIG_FILE).write_text(json.dumps(config_to_hf(config, dtype), indent=2) + "\n")
+    (Path(directory) / CONFIG_FILE).write_bytes(config_file(config, dtype))
+
+
+def pretrained_files(state: Mapping[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[tuple[str, dict[str, torch.Tensor] | bytes]]:
+    """:func:`save_state_pretrained`'s files, by name, unwritten (:func:`tensor_files`, then config.json's bytes):
+    for a writer that builds them in memory, the same bytes as those written to disk."""
+    return [*tensor_files(_to_hf(state, config), max_shard_bytes), (CONFIG_FILE, config_file(config, dtype))]
+
+
+def config_file(config: ModelConfig, dtype: torch.dtype) -> bytes:
+    """config.json's bytes, as written."""
+    return (json.dumps(config_to_hf(config, dtype), indent=2) + "\n").encode()
 
 
 def load_pretrained(directory: str | os.PathLike, dtype: torch.dtype | None = None, *,
