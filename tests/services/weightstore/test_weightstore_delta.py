@@ -173,7 +173,7 @@ def test_an_open_uploads_delta_keeps_its_base_through_a_delete(backend: StorageB
     states = chain(store, tmp_path, 2)
     write(tmp_path / "v3", step(states[1], 3))
     upload = store.begin_upload("v3")
-    store._put_shard_delta(upload.upload_id, NAME, tmp_path / "v3" / NAME, "v2", tmp_path / "v2" / NAME)
+    store._put_shard_delta(upload.upload_id, NAME, (tmp_path / "v3" / NAME).read_bytes(), "v2", tmp_path / "v2" / NAME)
     store.put_shard_file(upload.upload_id, "config.json", tmp_path / "v3" / "config.json")
     # v2 and v1 are deleted while v3's upload, whose delta reads v2 (and so v1), is open.
     store.delete("v2")

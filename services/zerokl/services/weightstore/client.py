@@ -17,7 +17,7 @@ import os
 import pathlib
 import tempfile
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Mapping, Sequence
 
 import grpc
 import grpc.aio
@@ -27,6 +27,7 @@ from zerokl.services.runtime.info import ServiceIdentity, identity_from_proto
 from zerokl.services.runtime.client import ServiceClient
 from zerokl.services.runtime.errors import DataLoss
 from zerokl.services.weightstore import convert, delta
+from zerokl.services.weightstore.source import ShardSource, shard_sources
 from zerokl.services.weightstore.store import (
     FETCHED_MANIFEST,
     GcResult,
@@ -40,7 +41,8 @@ from zerokl.services.weightstore.store import (
 )
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["WeightStoreClient", "UploadBase", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests", "is_serving_file"]
+__all__ = ["WeightStoreClient", "UploadBase", "ShardSource", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests",
+           "is_serving_file"]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +50,6 @@ log = logging.getLogger(__name__)
 def is_serving_file(name: str) -> bool:
     """Whether a replica needs this checkpoint file: config, tokenizer and model weights."""
     return name in ("config.json", "tokenizer.json") or name.startswith("model")
-
-
-def _files(src: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(p for p in src.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
 # Chunks sent ahead of the store's acknowledgements: enough to keep the client hashing and sending
@@ -84,7 +82,8 @@ class UploadBase:
         return delta.DeltaBase(self.manifest.version, name, size, info.sha256), local
 
 
-def _encode_file(view: Any, ref: delta.DeltaBase, local: pathlib.Path) -> bytes | None:
+def _encode(view: Any, ref: delta.DeltaBase, local: pathlib.Path) -> bytes | None:
+    """The delta of ``view`` (the new file's bytes, mapped or in memory) against the base's file ``local``."""
     with open(local, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as old:
         return delta.encode(view, old, ref)
 
@@ -220,16 +219,18 @@ class WeightStoreClient(ServiceClient):
 
     # ---- publishing ---------------------------------------------------------
 
-    async def publish(self, source: Mapping[str, Any] | str | os.PathLike[str], version: str, *,
+    async def publish(self, source: Mapping[str, Any] | str | os.PathLike[str] | Sequence[ShardSource],
+                      version: str, *,
                       parent_version: str = "", step: int | None = None, numerics_version: str = "",
                       numerics_fingerprint: str = "", model_config: Mapping[str, Any] | None = None,
                       metadata: Mapping[str, str] | None = None,
                       max_shard_bytes: int = 2 * 1024**3, base: UploadBase | None = None) -> WeightsManifest:
-        """Publish a state dict or a checkpoint directory as ``version``.
+        """Publish a state dict, a checkpoint directory or a version's files (:class:`ShardSource` s: on disk or in
+        memory) as ``version``.
 
         A state dict is written as a sharded safetensors checkpoint (with
-        ``model_config`` as config.json) first. For a directory, a missing
-        ``model_config`` is read from its config.json. Re-running after a
+        ``model_config`` as config.json) first. For files, a missing
+        ``model_config`` is read from their config.json. Re-running after a
         crash resumes the open upload of that version. ``base``: files that
         an earlier version holds too go as deltas against it (:class:`UploadBase`).
         """
@@ -244,14 +245,16 @@ class WeightStoreClient(ServiceClient):
                                           numerics_version=numerics_version,
                                           numerics_fingerprint=numerics_fingerprint,
                                           model_config=model_config, metadata=metadata)
-        src = pathlib.Path(source)
-        if model_config is None and (src / "config.json").exists():
-            model_config = json.loads((src / "config.json").read_text())
+        sources = shard_sources(source)
+        config = next((s for s in sources if s.name == "config.json"), None)
+        if model_config is None and config is not None:
+            with config.view() as view:
+                model_config = json.loads(bytes(view))
         spec = VersionSpec(parent_version, step, numerics_version, numerics_fingerprint,
                            dict(model_config or {}), dict(metadata or {}))
         upload = await self.begin_upload(version)
-        await self.upload_dir(upload.upload_id, src, base)
-        return await self.commit(upload.upload_id, [p.name for p in _files(src)], spec)
+        await self.upload_dir(upload.upload_id, sources, base)
+        return await self.commit(upload.upload_id, [s.name for s in sources], spec)
 
     async def publish_preset(self, preset: str, seed: int, dtype: str, version: str) -> WeightsManifest:
         """Publish the seeded random model of a preset, made in ``dtype`` ("float32", "bfloat16", or "fp8":
@@ -286,10 +289,11 @@ class WeightStoreClient(ServiceClient):
         return convert.upload_status_from_proto(
             await self._stub.GetUpload(weights_pb2.GetUploadRequest(upload_id=upload_id)))
 
-    async def upload_dir(self, upload_id: str, src: str | os.PathLike[str],
+    async def upload_dir(self, upload_id: str, src: str | os.PathLike[str] | Sequence[ShardSource],
                          base: UploadBase | None = None) -> UploadStatus:
-        """Send every file of ``src`` as a shard, each from where the server's copy ends (as a delta against
-        ``base``'s file of the same name where :meth:`put_shard` finds that smaller).
+        """Send every file of ``src`` (a directory, or the :class:`ShardSource` s given: files or buffers) as a shard,
+        each from where the server's copy ends (as a delta against ``base``'s file of the same name where
+        :meth:`put_shard` finds that smaller).
 
         Safe to call again after an interruption: complete shards are
         skipped, partial ones continue at their last acknowledged offset.
@@ -299,22 +303,23 @@ class WeightStoreClient(ServiceClient):
         held = {s.name: s for s in (await self.upload_status(upload_id)).shards}
         slots = asyncio.Semaphore(PARALLEL_SHARDS)
 
-        async def put(path: pathlib.Path) -> None:
+        async def put(source: ShardSource) -> None:
             async with slots:
-                await self.put_shard(upload_id, path, base)
-        puts = [asyncio.ensure_future(put(path)) for path in _files(pathlib.Path(src))
-                if path.name not in held or not held[path.name].complete]
+                await self.put_shard(upload_id, source, base)
+        puts = [asyncio.ensure_future(put(source)) for source in shard_sources(src)
+                if source.name not in held or not held[source.name].complete]
         try:
             await asyncio.gather(*puts)
         finally:
             await _cancelled(*puts)     # a failed file ends the others' streams: none uploads on behind the error
         return await self.upload_status(upload_id)
 
-    async def put_shard(self, upload_id: str, path: str | os.PathLike[str],
+    async def put_shard(self, upload_id: str, source: ShardSource | str | os.PathLike[str],
                         base: UploadBase | None = None) -> ShardStatus:
-        """Stream one file as a shard, starting where the server says its copy ends.
+        """Stream one file (a path, or a :class:`ShardSource`: a file, or its bytes in memory) as a shard,
+        starting where the server says its copy ends.
 
-        The file is read once (mapped) for both of its checksums: the whole file's sha256 for
+        The bytes are read once (a file mapped) for both of its checksums: the whole file's sha256 for
         the header and each chunk's for the wire (:func:`shard_digests`). Up to
         :data:`CHUNKS_IN_FLIGHT` chunks are sent ahead of the store's acknowledgements; each
         acknowledgement says the chunk is stored, so an interruption loses no acknowledged byte,
@@ -325,19 +330,20 @@ class WeightStoreClient(ServiceClient):
         threads beside the file's sha256); a store that refuses the base (FAILED_PRECONDITION) or
         finds the delta does not decode to the file (DATA_LOSS) gets the file whole instead.
         """
-        path = pathlib.Path(path)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        try:
-            against = base.delta_base(path.name, size) if base is not None and size else None
+        if not isinstance(source, ShardSource):
+            source = ShardSource.file(source)
+        name = source.name
+        with source.view() as view:
+            with memoryview(view) as whole:
+                size = whole.nbytes
+            against = base.delta_base(name, size) if base is not None and size else None
             if against is not None:
                 sha256, encoded = await asyncio.gather(
                     asyncio.to_thread(lambda: hashlib.sha256(view).hexdigest()),
-                    asyncio.to_thread(_encode_file, view, *against))
+                    asyncio.to_thread(_encode, view, *against))
                 if encoded is not None:
                     delta_sha256, digests = await asyncio.to_thread(shard_digests, encoded)
-                    header = weights_pb2.ShardHeader(upload_id=upload_id, name=path.name, size=size, sha256=sha256,
+                    header = weights_pb2.ShardHeader(upload_id=upload_id, name=name, size=size, sha256=sha256,
                                                      base_version=against[0].version, delta_size=len(encoded),
                                                      delta_sha256=delta_sha256)
                     try:
@@ -345,14 +351,11 @@ class WeightStoreClient(ServiceClient):
                     except grpc.aio.AioRpcError as err:
                         if err.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS):
                             raise
-                        log.warning("the store took no delta of %s against %s (%s: %s); sending it whole", path.name,
+                        log.warning("the store took no delta of %s against %s (%s: %s); sending it whole", name,
                                     against[0].version, err.code().name, err.details())
             sha256, digests = await asyncio.to_thread(shard_digests, view)
-            return await self._put(weights_pb2.ShardHeader(upload_id=upload_id, name=path.name, size=size,
+            return await self._put(weights_pb2.ShardHeader(upload_id=upload_id, name=name, size=size,
                                                            sha256=sha256), view, digests)
-        finally:
-            if isinstance(view, mmap.mmap):
-                view.close()
 
     async def _put(self, header: weights_pb2.ShardHeader, view: Any, digests: list[bytes]) -> ShardStatus:
         """One PutShard stream: ``header``, then ``view``'s chunks from where the store's copy ends. A stream the store

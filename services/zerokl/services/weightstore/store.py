@@ -73,6 +73,7 @@ from zerokl.services.runtime.metrics import WEIGHTSTORE_DECODED_CACHE, WEIGHTSTO
 from zerokl.services.weightstore import delta
 from zerokl.services.weightstore.backends import LocalDirBackend, ObjectMissing, StorageBackend
 from zerokl.services.weightstore.cache import DEFAULT_MAX_BYTES, DecodedCache, EntryWriter
+from zerokl.services.weightstore.source import ShardSource, shard_sources
 from zerokl.services.weightstore.versions import LATEST, WeightsVersion, validate_name
 
 __all__ = [
@@ -905,30 +906,35 @@ class VersionStore:
             writer._finish()
         return writer
 
-    def put_shard_file(self, upload_id: str, name: str, path: str | os.PathLike[str],
+    def put_shard_file(self, upload_id: str, name: str, path: str | os.PathLike[str] | ShardSource,
                        base: tuple[str, str | os.PathLike[str]] | None = None) -> ShardStatus:
-        """Upload a local file as a shard in one pass (no per-chunk parts), verified. ``base``: (version, a
-        local copy of its same-named shard): store the file as a delta against it when that is worth it."""
-        if base is not None:
-            status = self._put_shard_delta(upload_id, name, path, *base)
-            if status is not None:
-                return status
-        size = os.path.getsize(path)
-        version, decl = self._declare(upload_id, name, size, file_sha256(path))
-        if not decl.complete:
-            def pieces() -> Iterator[bytes]:
-                with open(path, "rb") as f:
-                    while piece := f.read(MAX_CHUNK_BYTES):
-                        yield piece
-            self._store_verified(upload_id, version, decl, pieces())
-            self._backend.delete_prefix(self._parts_prefix(upload_id, name))
+        """Upload a local file (a path, or a :class:`ShardSource`: a file or its bytes in memory) as the shard
+        ``name`` in one pass (no per-chunk parts), verified. ``base``: (version, a local copy of its same-named
+        shard): store the file as a delta against it when that is worth it."""
+        source = path if isinstance(path, ShardSource) else ShardSource.file(path)
+        with source.view() as view:
+            if base is not None:
+                status = self._put_shard_delta(upload_id, name, view, *base)
+                if status is not None:
+                    return status
+            data = memoryview(view)
+            try:
+                size = data.nbytes
+                version, decl = self._declare(upload_id, name, size, hashlib.sha256(data).hexdigest())
+                if not decl.complete:
+                    pieces = (bytes(data[i:i + MAX_CHUNK_BYTES]) for i in range(0, size, MAX_CHUNK_BYTES))
+                    self._store_verified(upload_id, version, decl, pieces)
+                    self._backend.delete_prefix(self._parts_prefix(upload_id, name))
+            finally:
+                data.release()
         return dataclasses.replace(decl, received=size, complete=True)
 
-    def _put_shard_delta(self, upload_id: str, name: str, path: str | os.PathLike[str], base_version: str,
+    def _put_shard_delta(self, upload_id: str, name: str, new: Any, base_version: str,
                          base_path: str | os.PathLike[str]) -> ShardStatus | None:
-        """put_shard_file as a delta against ``base_path`` (the base version's shard); None when the base does not
-        fit or the delta is not worth it (the caller stores the file whole)."""
-        size = os.path.getsize(path)
+        """put_shard_file of the bytes ``new`` as a delta against ``base_path`` (the base version's shard); None
+        when the base does not fit or the delta is not worth it (the caller stores the file whole)."""
+        with memoryview(new) as whole:
+            size = whole.nbytes
         if size < delta.MIN_SIZE:
             return None
         try:
@@ -936,11 +942,10 @@ class VersionStore:
                 info = self._check_base(base_version, name, size)
         except FailedPrecondition:
             return None
-        with open(path, "rb") as f, open(base_path, "rb") as g:
-            if not size or os.fstat(g.fileno()).st_size != size:
+        with open(base_path, "rb") as g:
+            if os.fstat(g.fileno()).st_size != size:
                 return None
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as new, \
-                    mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ) as old:
+            with mmap.mmap(g.fileno(), 0, access=mmap.ACCESS_READ) as old:
                 encoded = delta.encode(new, old, delta.DeltaBase(base_version, name, size, info.sha256))
                 sha256 = hashlib.sha256(new).hexdigest()
         if encoded is None:
@@ -1027,21 +1032,21 @@ class VersionStore:
         self._backend.delete_prefix(f"uploads/{upload_id}/")
         self.sweep()     # the shards it stored, unless published or still a delta's base
 
-    def publish_dir(self, src: str | os.PathLike[str], version: str, spec: VersionSpec,
+    def publish_dir(self, src: str | os.PathLike[str] | Sequence[ShardSource], version: str, spec: VersionSpec,
                     base: tuple[str, str | os.PathLike[str]] | None = None) -> WeightsManifest:
-        """Publish every regular file directly inside ``src`` as one version. ``base``: (a published version, a
-        local directory of its files): a file with a same-named, same-sized file there is stored as a delta
-        against it when that is smaller (:mod:`.delta`)."""
-        files = sorted(p for p in pathlib.Path(src).iterdir() if p.is_file() and not p.name.startswith("."))
+        """Publish every regular file directly inside ``src`` (or the :class:`ShardSource` s given: files or
+        buffers) as one version. ``base``: (a published version, a local directory of its files): a file with a
+        same-named, same-sized file there is stored as a delta against it when that is smaller (:mod:`.delta`)."""
+        files = shard_sources(src)
         if not files:
             raise InvalidArgument.field("src", f"{src} holds no files")
         upload = self.begin_upload(version)
-        for path in files:
-            other = pathlib.Path(base[1]) / path.name if base is not None else None
-            self.put_shard_file(upload.upload_id, path.name, path,
+        for source in files:
+            other = pathlib.Path(base[1]) / source.name if base is not None else None
+            self.put_shard_file(upload.upload_id, source.name, source,
                                 (base[0], other) if base is not None and other is not None and other.is_file()
                                 else None)
-        return self.commit(upload.upload_id, [p.name for p in files], spec)
+        return self.commit(upload.upload_id, [s.name for s in files], spec)
 
     # ---- deleting, pins, retention -----------------------------------------
 
