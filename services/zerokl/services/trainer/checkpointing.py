@@ -45,21 +45,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
+import hashlib
 import json
+import mmap
 import os
 import pathlib
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 import grpc.aio
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from zerokl.kernels.model import Model, ModelConfig
 from zerokl.kernels.model.fp8 import quantize_fp8
-from zerokl.kernels.model.checkpoint import CheckpointError, save_state_pretrained
+from zerokl.kernels.model.checkpoint import CheckpointError, pretrained_files, save_state_pretrained
 from zerokl.kernels.model.lora import merged_state_dict
 from zerokl.services.runtime.errors import (
     AlreadyExists,
@@ -76,6 +80,7 @@ from zerokl.services.trainer.config import TrainConfig
 from zerokl.services.trainer.store_marks import META_RUN, META_STATE
 from zerokl.services.trainer.trainer import Trainer
 from zerokl.services.weightstore.client import UploadBase, WeightStoreClient, is_serving_file
+from zerokl.services.weightstore.source import ShardSource, shard_sources
 from zerokl.services.runtime.server import create_channel, peer_credentials
 from zerokl.services.weightstore.backends import LocalDirBackend
 from zerokl.services.weightstore.store import FETCHED_MANIFEST, VersionSpec, VersionStore, WeightsManifest, file_sha256
@@ -94,6 +99,8 @@ __all__ = [
     "snapshot_checkpoint",
     "snapshot_to_host",
     "write_snapshot",
+    "HostBuffer",
+    "serving_sources",
     "write_checkpoint",
     "read_checkpoint",
     "has_trainer_state",
@@ -295,6 +302,139 @@ def write_snapshot(snapshot: CheckpointSnapshot, directory: str | os.PathLike[st
     (path / STATE_JSON).write_text(json.dumps(snapshot.doc, indent=1, sort_keys=True) + "\n")
 
 
+class HostBuffer:
+    """``nbytes`` of host memory of this process (an anonymous mapping, ``tensor`` over it, uint8) that gives its pages
+    back to the kernel range by range (:meth:`release`), so a copy made out of it piece by piece holds the bytes once,
+    not twice: the record process copies a shared export into one (``open_shared(into=...)``) and builds the serving
+    files out of it (:func:`serving_sources`), 22.7 GiB for the GLM-5 slice. A page goes once every byte of it was
+    released (released ranges are merged); bytes released read as zeros after."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, max(nbytes, 1))      # private, anonymous: a page is allocated when first written
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes \
+            else torch.empty(0, dtype=torch.uint8)
+        self._base = self.tensor.data_ptr()
+        self._ends: dict[int, int] = {}     # released ranges, merged: start -> end, and end -> start
+        self._starts: dict[int, int] = {}
+
+    def release(self, t: torch.Tensor) -> None:
+        """``t``'s bytes will not be read again: give back every page that no unreleased byte shares. A tensor
+        outside this buffer (a clone) is ignored."""
+        start = t.data_ptr() - self._base
+        end = start + t.numel() * t.element_size()
+        if start < 0 or end > self.nbytes or end <= start:
+            return
+        if end in self._ends:                   # joins the range after it
+            end = self._ends.pop(end)
+            del self._starts[end]
+        if start in self._starts:               # and the one before it
+            start = self._starts.pop(start)
+            del self._ends[start]
+        self._ends[start], self._starts[end] = end, start
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = end // mmap.PAGESIZE * mmap.PAGESIZE if end < self.nbytes else -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+        if hi > lo:     # the merged range's whole pages (again: those given back before cost nothing)
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)     # they read as zeros from here
+
+    def close(self) -> None:
+        """Give every page back. The mapping itself goes with the last tensor over it (a view left in a traceback
+        reads zeros, never freed memory)."""
+        if self.nbytes:
+            self._map.madvise(mmap.MADV_DONTNEED, 0, len(self._map))
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._ends.clear()
+        self._starts.clear()
+
+
+# Bytes copied into a file's buffer between two releases of the buffer they come from: what the copy holds twice.
+_COPY_PIECE = 16 * 1024**2
+
+
+def serving_sources(snapshot: CheckpointSnapshot, max_shard_bytes: int = RECORD_SHARD_BYTES,
+                    release: Callable[[torch.Tensor], None] | None = None) -> list[ShardSource]:
+    """The serving files :func:`write_snapshot` writes for a weights-only ``snapshot`` (the same names, the same
+    bytes), built in this process's memory instead of on disk: for an upload straight from memory
+    (:class:`~zerokl.services.weightstore.source.ShardSource`). Each safetensors file is one anonymous mapping of its
+    size, its header written as safetensors writes it and each tensor's bytes copied in, ``release`` called with
+    each piece of ``snapshot``'s tensors once copied (a :class:`HostBuffer` gives those pages back), so the snapshot's
+    bytes and the files' are held once in all, plus one piece (16 MiB). The files of a 64 MiB record shard each: the
+    GLM-5 slice's 22.7 GiB are ~360 buffers."""
+    files = pretrained_files(_on_host(snapshot.serving, snapshot.ready), snapshot.model_config, snapshot.dtype,
+                             max_shard_bytes)
+    sources = []
+    for name, content in files:
+        if isinstance(content, bytes):
+            sources.append(ShardSource.memory(name, content))
+        else:
+            sources.append(ShardSource.memory(name, _safetensors_buffer(content, {"format": "pt"}, release)))
+    return sources
+
+
+def _safetensors_buffer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                        release: Callable[[torch.Tensor], None] | None) -> mmap.mmap:
+    """The bytes safetensors' ``save_file(tensors, ..., metadata)`` writes, in a buffer of their own."""
+    header, order = _safetensors_header(tensors, metadata)
+    sizes = [tensors[name].numel() * tensors[name].element_size() for name in order]
+    total = len(header) + sum(sizes)
+    buffer = mmap.mmap(-1, total)
+    buffer[:len(header)] = header
+    out = torch.frombuffer(buffer, dtype=torch.uint8, count=total)
+    offset = len(header)
+    with torch.no_grad():
+        for name, n in zip(order, sizes, strict=True):
+            data = tensors[name].reshape(-1).view(torch.uint8)
+            for i in range(0, n, _COPY_PIECE):
+                piece = data[i:i + _COPY_PIECE]
+                out[offset + i:offset + i + piece.numel()].copy_(piece)
+                if release is not None:
+                    release(piece)
+            offset += n
+    del out
+    return buffer
+
+
+def _safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
+                        rank: Mapping[torch.dtype, tuple[int, str]] | None = None) -> tuple[bytes, list[str]]:
+    """The header (its 8-byte length, the JSON, the spaces padding it to 8 bytes) safetensors writes for ``tensors``,
+    and the order their bytes follow in: by dtype, as safetensors orders them (``rank``, default
+    :func:`_dtype_order`'s), then name."""
+    if rank is None:
+        rank = _dtype_order(frozenset(t.dtype for t in tensors.values()))
+    order = sorted(tensors, key=lambda name: (rank[tensors[name].dtype][0], name.encode()))
+    doc: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        doc[name] = {"dtype": rank[t.dtype][1], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_order(dtypes: frozenset[torch.dtype]) -> dict[torch.dtype, tuple[int, str]]:
+    """Where safetensors puts each of ``dtypes`` in a file (its rank) and its name there, read from safetensors' own
+    output for one small tensor of each; checked once against safetensors' whole file for a sample (two tensors of
+    each dtype and a scalar), so a safetensors whose files differ from :func:`_safetensors_buffer`'s fails here
+    (ValueError: the record fails, said by name), never a record whose bytes differ from its files'."""
+    probe = {str(i): torch.zeros(1, dtype=d) for i, d in enumerate(sorted(dtypes, key=str))}
+    data = save(probe)
+    doc = json.loads(data[8:8 + struct.unpack_from("<Q", data)[0]])
+    rank = {probe[key].dtype: (i, doc[key]["dtype"]) for i, key in enumerate(k for k in doc if k != "__metadata__")}
+    sample = {f"w{i}.{j}": torch.ones(j + 1, 2).to(d) for i, d in enumerate(probe[k].dtype for k in probe)
+              for j in (2, 0)}
+    sample["a.scalar"] = torch.tensor(1.5).to(next(iter(dtypes)))
+    header, order = _safetensors_header(sample, {"format": "pt"}, rank)
+    got = header + b"".join(sample[name].reshape(-1).view(torch.uint8).numpy().tobytes() for name in order)
+    if got != save(sample, metadata={"format": "pt"}):
+        raise ValueError("this safetensors writes other bytes than the record process's in-memory files "
+                         f"(a sample of {sorted(map(str, dtypes))}): record weights through the disk")
+    return rank
+
+
 def _state_files(path: pathlib.Path) -> list[pathlib.Path]:
     """The trainer-state tensor files of a checkpoint directory (one, or every part of a split); [] if none or
     parts are missing."""
@@ -408,9 +548,14 @@ def read_checkpoint(directory: str | os.PathLike[str], *, restore_state: bool,
     return TrainerCheckpoint(trainer, str(doc.get("run", run)), lineage)
 
 
-def _local_shards(directory: pathlib.Path) -> dict[str, str]:
-    return {p.name: file_sha256(p) for p in sorted(directory.iterdir())
-            if p.is_file() and not p.name.startswith(".") and p.name != FETCHED_MANIFEST}
+def _local_shards(src: pathlib.Path | Sequence[ShardSource]) -> dict[str, str]:
+    """sha256 of each file of ``src`` (a directory, or files on disk or in memory), by name."""
+    def sha256(source: ShardSource) -> str:
+        if source.path is not None:
+            return file_sha256(source.path)
+        with source.view() as view:
+            return hashlib.sha256(view).hexdigest()
+    return {s.name: sha256(s) for s in shard_sources(src) if s.name != FETCHED_MANIFEST}
 
 
 # ----------------------------------------------------------------------------- stores
@@ -420,7 +565,7 @@ class WeightsRepo(Protocol):
 
     def describe(self) -> str: ...
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+    async def publish_dir(self, src: pathlib.Path | Sequence[ShardSource], version: str, spec: VersionSpec,
                           base: UploadBase | None = None) -> WeightsManifest: ...
 
     async def fetch(self, version: str, dest: pathlib.Path, serving_only: bool = False) -> WeightsManifest: ...
@@ -447,7 +592,7 @@ class LocalWeights:
     def describe(self) -> str:
         return self.store.backend.describe()
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+    async def publish_dir(self, src: pathlib.Path | Sequence[ShardSource], version: str, spec: VersionSpec,
                           base: UploadBase | None = None) -> WeightsManifest:
         return await asyncio.to_thread(self.store.publish_dir, src, version, spec,
                                        (base.manifest.version, base.directory) if base is not None else None)
@@ -534,7 +679,7 @@ class RemoteWeights:
             raise FailedPrecondition(f"weight store {self.target} failed the call ({code.name}): "
                                      f"{err.details()}") from None
 
-    async def publish_dir(self, src: pathlib.Path, version: str, spec: VersionSpec,
+    async def publish_dir(self, src: pathlib.Path | Sequence[ShardSource], version: str, spec: VersionSpec,
                           base: UploadBase | None = None) -> WeightsManifest:
         return await self._call(lambda: self.client.publish(
             src, version, parent_version=spec.parent_version, step=spec.step,
@@ -576,10 +721,11 @@ async def find_resume_point(repo: WeightsRepo, run: str) -> WeightsManifest | No
     return max(points, key=lambda p: (p[0], p[1].spec.step or 0, p[1].created_at))[1] if points else None
 
 
-async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path, version: str,
+async def publish_checkpoint(repo: WeightsRepo, src: pathlib.Path | Sequence[ShardSource], version: str,
                              spec: VersionSpec, base: UploadBase | None = None) -> tuple[WeightsManifest, bool]:
-    """Publish ``src`` as ``version``; (manifest, created). ``base``: an earlier version whose files are still
-    on this host (files of the same name go as deltas against them where smaller).
+    """Publish ``src`` (a directory, or its files: on disk or in memory, :class:`ShardSource`) as ``version``;
+    (manifest, created). ``base``: an earlier version whose files are still on this host (files of the same name
+    go as deltas against them where smaller).
 
     A version that exists already with exactly these files (same names and
     sha256) is the same checkpoint published before (a retried SaveWeights, or

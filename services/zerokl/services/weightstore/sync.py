@@ -243,11 +243,13 @@ def export_shared(state: Mapping[str, torch.Tensor], version: str, numerics_fing
 
 
 def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
-                copied: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
+                copied: Callable[[], None] | None = None, into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The shared version's tensors, copied into memory of our own on ``device`` and checked.
 
     ``copied``: called once the bytes are ours, before they are checked (the trainer may free its buffer then:
-    a host reader's checksum of the GLM-5 slice takes seconds on the host).
+    a host reader's checksum of the GLM-5 slice takes seconds on the host). ``into``: the memory of our own, a
+    uint8 tensor of the export's ``total_bytes`` on ``device`` (the record process's buffer whose pages it gives
+    back as it builds the files from them); default a new one.
 
     Raises :class:`SharedUnavailable` (another host, no CUDA here, the memory gone: fall back to the
     store), :class:`ChecksumMismatch` (never serve them) and ValueError (a malformed descriptor).
@@ -256,6 +258,12 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
     if desc.host_id != host_id():
         raise SharedUnavailable(f"shared on host {desc.host_id!r}, this is {host_id()!r}")
     total = int(desc.total_bytes)
+    if into is not None and (into.dtype != torch.uint8 or into.numel() != total or into.device != device):
+        raise ValueError(f"open_shared into a {into.dtype} tensor of {into.numel()} on {into.device}: "
+                         f"wants uint8 of {total} on {device}")
+
+    def own() -> torch.Tensor:
+        return into if into is not None else torch.empty(total, dtype=torch.uint8, device=device)
     if desc.transport == "cpu_shm":
         path = pathlib.Path(desc.path)
         if not path.name.startswith(SHM_PREFIX) or path.parent != _shm_dir():
@@ -266,7 +274,7 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
             mapped = torch.from_file(str(path), shared=True, size=total, dtype=torch.uint8)
         except (OSError, RuntimeError) as err:
             raise SharedUnavailable(f"cannot map {path}: {err}") from None
-        received = torch.empty(total, dtype=torch.uint8, device=device)
+        received = own()
         received.copy_(mapped)      # ours now: the trainer may drop its buffer at any time
         del mapped
     elif desc.transport == "cuda_ipc":
@@ -288,7 +296,7 @@ def open_shared(desc: SharedExport, device: torch.device | str = "cpu",
         shared.set_(storage, 0, (total,), (1,))
         # Straight to ``device``: a host reader (the record process) makes no device copy of the version (23 GiB
         # of the GLM-5 slice beside a co-located trainer and replica); sum64 is the same integer on the host.
-        received = torch.empty(total, dtype=torch.uint8, device=device)
+        received = own()
         received.copy_(shared)
         torch.cuda.synchronize(device if device.type == "cuda" else c.device)
         del shared, storage     # closes the mapping (the share's count is the trainer's: see _NO_COUNTER)
