@@ -74,7 +74,7 @@ from zerokl.services.trainer.checkpointing import (
     write_snapshot,
 )
 from zerokl.services.trainer.losses import TOKEN_LOSSES, group_advantages
-from zerokl.services.trainer.recorder import RecordFailed, RecordProcessDied, RecordWorker
+from zerokl.services.trainer.recorder import RecordFailed, RecordLost, RecordProcessDied, RecordWorker
 from zerokl.services.trainer.config import MAX_LR, TrainConfig, check_train_config
 from zerokl.services.trainer.optim import NonFiniteStep
 from zerokl.services.trainer.store_marks import META_RUN, META_STATE, pin_owner
@@ -1094,16 +1094,21 @@ class TrainerService:
                         raise RecordFailed(f"{died.message} on each of {attempt} tries to write {name}: {name} is "
                                            "not recorded, and is not durable") from None
                     if record.export is None:       # the process that died had copied the bytes
-                        kept = self._exports.get(name)
-                        if kept is None or kept.export.checksum != record.checksum:
-                            raise RecordFailed(f"{died.message} writing {name}, after the trainer let go of its bytes: "
-                                               f"{name} is not recorded, and is not durable") from None
-                        record.export = kept
-                        record.released.clear()     # held again: a co-located backward waits for it
+                        self._hold_again(record, name, died, "writing")
                     log.warning("trainer: %s writing %s; a new one writes it again", died.message, name)
             raise AssertionError("unreachable")
         finally:
             self._drop_export(record)
+
+    def _hold_again(self, record: _Record, name: str, died: RecordProcessDied, doing: str) -> None:
+        """The export of a weights-only ``record`` held again, from the copy the trainer keeps, after the record process
+        that held its bytes died: :class:`RecordFailed` when the trainer holds them no more (not durable)."""
+        kept = self._exports.get(name)
+        if kept is None or kept.export.checksum != record.checksum:
+            raise RecordFailed(f"{died.message} {doing} {name}, after the trainer let go of its bytes: "
+                               f"{name} is not recorded, and is not durable") from None
+        record.export = kept
+        record.released.clear()     # held again: a co-located backward waits for it
 
     def _record_process(self) -> RecordWorker:
         if self._recorder is None:
@@ -1112,8 +1117,10 @@ class TrainerService:
         return self._recorder
 
     async def _upload(self, record: _Record, name: str) -> WeightsManifest:
-        """Upload the files of ``record`` (on this host's disk) as ``name``; a record process that dies meanwhile is
-        replaced and asked again (the store resumes the open upload), :data:`_RECORD_ATTEMPTS` times at most. A store
+        """Upload the files of ``record`` (on this host's disk, or in the record process's memory) as ``name``; a record
+        process that dies meanwhile is replaced and asked again (the store resumes the open upload), after writing the
+        files again from the export the trainer keeps when they were in its memory, :data:`_RECORD_ATTEMPTS` times at
+        most. A store
         out for now (UNAVAILABLE) leaves the files for RecordWeights to upload again; any other failure is the
         record's for good (a store with no room, a store's own INTERNAL: :class:`RecordFailed` with its message), and
         its files go."""
@@ -1136,6 +1143,11 @@ class TrainerService:
                     if attempt == _RECORD_ATTEMPTS:
                         raise RecordFailed(f"{died.message} on each of {attempt} tries to upload {name}: {name} is "
                                            "not recorded, and is not durable") from None
+                    if isinstance(died, RecordLost) or not record.directory.exists():
+                        # Its files were in the dead process's memory (--record-deltas start, off): written again
+                        # from the export the trainer keeps, then uploaded (the store resumes the open upload).
+                        self._hold_again(record, name, died, "uploading")
+                        record.directory = await self._write_weights(record, name)
                     log.warning("trainer: %s uploading %s; a new one uploads it again", died.message, name)
                 except RecordFailed:
                     raise       # the record process's own failure, said as it is
@@ -1150,7 +1162,8 @@ class TrainerService:
             # Never uploaded again (a share of the version records it anew): its files leave this host's disk, which
             # may be the full one.
             directory, record.directory = record.directory, None
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+            if directory is not None:       # on disk, or in the record process's memory (it lets go of them)
+                await self._record_process().drop(directory)
             log.warning("trainer: the record of %s failed (%s: %s)", name, type(err).__name__,
                         getattr(err, "message", None) or err)
             raise
