@@ -45,14 +45,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import json
 import mmap
 import os
 import pathlib
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
@@ -347,92 +345,27 @@ class HostBuffer:
         self._starts.clear()
 
 
-# Bytes copied into a file's buffer between two releases of the buffer they come from: what the copy holds twice.
-_COPY_PIECE = 16 * 1024**2
-
-
 def serving_sources(snapshot: CheckpointSnapshot, max_shard_bytes: int = RECORD_SHARD_BYTES,
                     release: Callable[[torch.Tensor], None] | None = None) -> list[ShardSource]:
     """The serving files :func:`write_snapshot` writes for a weights-only ``snapshot`` (the same names, the same
     bytes), built in this process's memory instead of on disk: for an upload straight from memory
-    (:class:`~zerokl.services.weightstore.source.ShardSource`). Each safetensors file is one anonymous mapping of its
-    size, its header written as safetensors writes it and each tensor's bytes copied in, ``release`` called with
-    each piece of ``snapshot``'s tensors once copied (a :class:`HostBuffer` gives those pages back), so the snapshot's
-    bytes and the files' are held once in all, plus one piece (16 MiB). The files of a 64 MiB record shard each: the
-    GLM-5 slice's 22.7 GiB are ~360 buffers."""
+    (:class:`~zerokl.services.weightstore.source.ShardSource`). Each file is safetensors' own bytes
+    (``safetensors.torch.save``, what ``save_file`` writes), and ``release`` is called with the file's tensors once
+    they are in it (a :class:`HostBuffer` gives those pages back), so the snapshot's bytes and the files' are held
+    once in all, plus the file being built: at most max(``max_shard_bytes``, the largest tensor) more (64 MiB
+    record shards; the GLM-5 slice's largest tensor, its embedding, is 1.8 GiB)."""
     files = pretrained_files(_on_host(snapshot.serving, snapshot.ready), snapshot.model_config, snapshot.dtype,
                              max_shard_bytes)
     sources = []
     for name, content in files:
-        if isinstance(content, bytes):
-            sources.append(ShardSource.memory(name, content))
-        else:
-            sources.append(ShardSource.memory(name, _safetensors_buffer(content, {"format": "pt"}, release)))
+        if not isinstance(content, bytes):
+            tensors = content
+            content = save(tensors, metadata={"format": "pt"})
+            if release is not None:
+                for t in tensors.values():
+                    release(t)
+        sources.append(ShardSource.memory(name, content))
     return sources
-
-
-def _safetensors_buffer(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
-                        release: Callable[[torch.Tensor], None] | None) -> mmap.mmap:
-    """The bytes safetensors' ``save_file(tensors, ..., metadata)`` writes, in a buffer of their own."""
-    header, order = _safetensors_header(tensors, metadata)
-    sizes = [tensors[name].numel() * tensors[name].element_size() for name in order]
-    total = len(header) + sum(sizes)
-    buffer = mmap.mmap(-1, total)
-    buffer[:len(header)] = header
-    out = torch.frombuffer(buffer, dtype=torch.uint8, count=total)
-    offset = len(header)
-    with torch.no_grad():
-        for name, n in zip(order, sizes, strict=True):
-            data = tensors[name].reshape(-1).view(torch.uint8)
-            for i in range(0, n, _COPY_PIECE):
-                piece = data[i:i + _COPY_PIECE]
-                out[offset + i:offset + i + piece.numel()].copy_(piece)
-                if release is not None:
-                    release(piece)
-            offset += n
-    del out
-    return buffer
-
-
-def _safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str],
-                        rank: Mapping[torch.dtype, tuple[int, str]] | None = None) -> tuple[bytes, list[str]]:
-    """The header (its 8-byte length, the JSON, the spaces padding it to 8 bytes) safetensors writes for ``tensors``,
-    and the order their bytes follow in: by dtype, as safetensors orders them (``rank``, default
-    :func:`_dtype_order`'s), then name."""
-    if rank is None:
-        rank = _dtype_order(frozenset(t.dtype for t in tensors.values()))
-    order = sorted(tensors, key=lambda name: (rank[tensors[name].dtype][0], name.encode()))
-    doc: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name in order:
-        t = tensors[name]
-        n = t.numel() * t.element_size()
-        doc[name] = {"dtype": rank[t.dtype][1], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text, order
-
-
-@functools.lru_cache(maxsize=None)
-def _dtype_order(dtypes: frozenset[torch.dtype]) -> dict[torch.dtype, tuple[int, str]]:
-    """Where safetensors puts each of ``dtypes`` in a file (its rank) and its name there, read from safetensors' own
-    output for one small tensor of each; checked once against safetensors' whole file for a sample (two tensors of
-    each dtype and a scalar), so a safetensors whose files differ from :func:`_safetensors_buffer`'s fails here
-    (ValueError: the record fails, said by name), never a record whose bytes differ from its files'."""
-    probe = {str(i): torch.zeros(1, dtype=d) for i, d in enumerate(sorted(dtypes, key=str))}
-    data = save(probe)
-    doc = json.loads(data[8:8 + struct.unpack_from("<Q", data)[0]])
-    rank = {probe[key].dtype: (i, doc[key]["dtype"]) for i, key in enumerate(k for k in doc if k != "__metadata__")}
-    sample = {f"w{i}.{j}": torch.ones(j + 1, 2).to(d) for i, d in enumerate(probe[k].dtype for k in probe)
-              for j in (2, 0)}
-    sample["a.scalar"] = torch.tensor(1.5).to(next(iter(dtypes)))
-    header, order = _safetensors_header(sample, {"format": "pt"}, rank)
-    got = header + b"".join(sample[name].reshape(-1).view(torch.uint8).numpy().tobytes() for name in order)
-    if got != save(sample, metadata={"format": "pt"}):
-        raise ValueError("this safetensors writes other bytes than the record process's in-memory files "
-                         f"(a sample of {sorted(map(str, dtypes))}): record weights through the disk")
-    return rank
 
 
 def _state_files(path: pathlib.Path) -> list[pathlib.Path]:

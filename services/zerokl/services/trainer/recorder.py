@@ -23,7 +23,7 @@ A weights-only version's files stay in the child's memory, never on disk, when n
 upload (``--record-deltas start`` and ``off``: the next record's base is the store's version, or none): the child
 builds the bytes :func:`~zerokl.services.trainer.checkpointing.write_snapshot` would write (the same names and
 sha256) in buffers of its own, out of its copy of the export, giving that copy's pages back as it goes
-(:func:`~zerokl.services.trainer.checkpointing.serving_sources`: the bytes are held once, plus 16 MiB), and the
+(:func:`~zerokl.services.trainer.checkpointing.serving_sources`: the bytes are held once, plus the file being built), and the
 upload reads them there. The GLM-5 slice's record then writes none of its 22.7 GiB to the disk and reads none back
 (docs/perf.md, "The slice's job: the disk"). The trainer knows such a record by a directory name that does not
 exist (:func:`_reserved`): the child holds its files under that name, and writes them there only when a second
