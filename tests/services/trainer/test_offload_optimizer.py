@@ -125,6 +125,34 @@ def test_offload_refused_with_fp8() -> None:
         assert err.value.field == "offload_optimizer"
 
 
+def test_offload_refuses_cuda_graphs_and_leaves_them_off_when_unset() -> None:
+    """A captured step keeps its gradients (the model's bytes again) and activations on the device between steps: a
+    co-located trainer (the offloaded optimizer) must give that memory to the replica waking beside it. The GLM-5
+    slice's first co-located wake on an H100 ran out of memory with 68.8 GiB held by the trainer."""
+    with pytest.raises(InvalidOption) as err:
+        TrainConfig(offload_optimizer=True, cuda_graphs=True).check()
+    assert err.value.field == "cuda_graphs"
+    for graphs in (None, False):
+        TrainConfig(offload_optimizer=True, cuda_graphs=graphs).check()
+    TrainConfig(offload_optimizer=False, cuda_graphs=True).check()
+
+
+@pytest.mark.gpu
+def test_an_offloaded_trainer_on_cuda_captures_no_step() -> None:
+    """On CUDA, with the graphs unset (the trainer service's default), an offloaded trainer runs its steps eagerly:
+    after the steps that would have captured a graph, no graph holds device memory and nothing is left allocated
+    but the weights (and a few flags)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    t = Trainer(Model(TINY, seed=3, dtype=torch.bfloat16).cuda(),
+                TrainConfig(lr=1e-3, master_weights=False, offload_optimizer=True))
+    weights = torch.cuda.memory_allocated()
+    for _ in range(3):          # seen, then captured: the steps a graph would take
+        t.sft_step(_data(2))
+    assert t._graphs is None
+    assert torch.cuda.memory_allocated() - weights < 2**20       # a few 0-dim flags, no gradient nor activation
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,masters", KINDS, ids=KIND_IDS)
 def test_offloaded_steps_on_cuda_are_the_on_device_steps_bit_for_bit(dtype: torch.dtype, masters: bool | None,

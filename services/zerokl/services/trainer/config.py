@@ -66,7 +66,9 @@ class TrainConfig:
     # Batches are then padded to shape buckets (packed tokens, scored tokens and completion width,
     # each to at most 1/8 more: `bucket`) so that shapes recur: the forward's bits do not change
     # (every row is computed alone), the gradients are those of the padded batch. No effect on
-    # CPU or the distributed trainer (its steps hold collectives).
+    # CPU or the distributed trainer (its steps hold collectives). Unset is off with offload_optimizer, and on is
+    # refused there: a captured step keeps its gradients (the model's bytes again) and activations on the device
+    # between steps, the memory a co-located replica wakes into.
     cuda_graphs: bool | None = None
     # Keep the optimizer state (AdamW's moments, and the fp32 masters with master weights) in pinned host
     # memory between steps, for an inference replica sharing the device (co-location, `zerokl up --colocate`):
@@ -137,6 +139,10 @@ class TrainConfig:
         if self.dtype == "fp8" and self.offload_optimizer:
             raise bad("offload_optimizer", "must be false with dtype fp8 (the e4m3 values are quantized from the "
                                            "fp32 masters on the device)", self.offload_optimizer)
+        if self.offload_optimizer and self.cuda_graphs:
+            raise bad("cuda_graphs", "must be unset or false with offload_optimizer (a captured step keeps its "
+                                     "gradients and activations on the device between steps: the memory a "
+                                     "co-located replica wakes into)", self.cuda_graphs)
         if self.dtype == "fp8" and self.master_weights is False:
             raise bad("master_weights", "must be unset or true with dtype fp8 (the e4m3 values are quantized "
                                         "from fp32 masters)", self.master_weights)

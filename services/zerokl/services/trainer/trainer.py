@@ -206,8 +206,9 @@ class Trainer:
         self.optimizer = adamw(self._optimized, config.lr, config.betas, config.weight_decay, self.device)
         # CUDA graphs for the SFT / PPO steps (step_graphs.py); an FP8 model's e4m3 values and scales are
         # re-made in place after each optimizer step (refresh_fp8 copies into the same buffers), so a replay
-        # reads the new ones. The distributed trainer turns them off.
-        graphs = config.cuda_graphs is not False and self.device.type == "cuda"
+        # reads the new ones. The distributed trainer turns them off; so does an offloaded optimizer (co-location:
+        # a graph's gradients and activations would stay on the device between steps, TrainConfig.cuda_graphs).
+        graphs = config.cuda_graphs is not False and self.device.type == "cuda" and not self.offload
         self._graphs = StepGraphs(params) if graphs else None
         self.step = 0
         self.tokens_seen = 0
