@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import resource
+import subprocess
+from typing import Awaitable, Callable
 
 import grpc
 import pytest
@@ -38,6 +40,24 @@ LIMIT = MAX_CHUNK_BYTES + 1024      # a file's first chunk is stored, its second
 def _file_size_limit(pid: int, limit: int) -> None:
     hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (limit if limit != resource.RLIM_INFINITY else hard, hard))
+
+
+def run_then_read_back(main: Callable[[], Awaitable[str]], proc: subprocess.Popen, root: pathlib.Path,
+                       tmp_path: pathlib.Path, shared: dict[str, torch.Tensor]) -> None:
+    """Run a test's ``main`` (it returns the version it got recorded in the end) beside the store process ``proc``,
+    stop the store, and read that version back from the store's ``root``: the trainer's ``shared`` tensors bit for
+    bit."""
+    try:
+        name = asyncio.run(main())
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    store = VersionStore(LocalDirBackend(root))
+    store.fetch(name, tmp_path / "read")
+    loaded = Model.from_pretrained(tmp_path / "read").state_dict()
+    assert all(torch.equal(loaded[k], shared[k]) for k in shared)
 
 
 def test_a_store_with_no_room_fails_the_record_for_good_with_its_message(tmp_path: pathlib.Path) -> None:
@@ -72,14 +92,4 @@ def test_a_store_with_no_room_fails_the_record_for_good_with_its_message(tmp_pat
             recorded = await asyncio.wait_for(client.record_weights(name), 120)
             assert recorded.manifest is not None and recorded.manifest.version == name
             return name
-    try:
-        name = asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    store = VersionStore(LocalDirBackend(root))
-    store.fetch(name, tmp_path / "read")
-    loaded = Model.from_pretrained(tmp_path / "read").state_dict()
-    assert all(torch.equal(loaded[k], shared[k]) for k in shared)
+    run_then_read_back(main, proc, root, tmp_path, shared)

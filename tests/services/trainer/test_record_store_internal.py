@@ -27,11 +27,11 @@ import grpc
 import pytest
 import torch
 
-from zerokl.kernels.model import Model
 from zerokl.services.runtime.chunks import MAX_CHUNK_BYTES
 from zerokl.services.weightstore import LocalDirBackend, VersionStore
 from zerokl.services.weightstore.sync import open_shared
 
+from test_record_full_store import run_then_read_back
 from test_trainer_service import _status, trainer_server
 
 pytestmark = pytest.mark.timeout(180)
@@ -108,14 +108,4 @@ def test_an_internal_status_from_the_store_fails_the_record_for_good_with_its_me
             recorded = await asyncio.wait_for(client.record_weights(name), 120)
             assert recorded.manifest is not None and recorded.manifest.version == name
             return name
-    try:
-        name = asyncio.run(main())
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        if proc.stdout is not None:
-            proc.stdout.close()
-    store = VersionStore(LocalDirBackend(root))
-    store.fetch(name, tmp_path / "read")
-    loaded = Model.from_pretrained(tmp_path / "read").state_dict()
-    assert all(torch.equal(loaded[k], shared[k]) for k in shared)
+    run_then_read_back(main, proc, root, tmp_path, shared)
