@@ -1120,10 +1120,9 @@ class TrainerService:
         """Upload the files of ``record`` (on this host's disk, or in the record process's memory) as ``name``; a record
         process that dies meanwhile is replaced and asked again (the store resumes the open upload), after writing the
         files again from the export the trainer keeps when they were in its memory, :data:`_RECORD_ATTEMPTS` times at
-        most. A store
-        out for now (UNAVAILABLE) leaves the files for RecordWeights to upload again; any other failure is the
-        record's for good (a store with no room, a store's own INTERNAL: :class:`RecordFailed` with its message), and
-        its files go."""
+        most. A store out for now (UNAVAILABLE) leaves the files for RecordWeights to upload again; any other failure
+        is the record's for good (a store with no room, a store's own INTERNAL: :class:`RecordFailed` with its
+        message), and its files go."""
         assert record.directory is not None
         try:
             for attempt in itertools.count(1):

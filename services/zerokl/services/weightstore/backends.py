@@ -11,8 +11,9 @@ empty, ``.``/``..`` or hidden segments and no leading ``/``, so no key can
 escape the store's root or bucket prefix.
 
 A write the storage refuses for want of room (a full disk or quota, a file size limit: ENOSPC, EDQUOT,
-EFBIG; a MinIO whose drives are full, whether it answers HTTP 507 or 500) raises :class:`StorageFull` (RESOURCE_EXHAUSTED to a caller), naming
-where the data lives and the bytes being written, and leaves nothing behind that was not there before.
+EFBIG; a MinIO whose drives are full, whether it answers HTTP 507 or 500) raises :class:`StorageFull`
+(RESOURCE_EXHAUSTED to a caller), naming where the data lives and the bytes being written, and leaves nothing behind
+that was not there before.
 """
 from __future__ import annotations
 

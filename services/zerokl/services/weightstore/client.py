@@ -41,8 +41,7 @@ from zerokl.services.weightstore.store import (
 )
 from zerokl.v1 import blob_pb2, common_pb2, weights_pb2, weights_pb2_grpc
 
-__all__ = ["WeightStoreClient", "UploadBase", "ShardSource", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests",
-           "is_serving_file"]
+__all__ = ["WeightStoreClient", "UploadBase", "CHUNKS_IN_FLIGHT", "PARALLEL_SHARDS", "shard_digests", "is_serving_file"]
 
 log = logging.getLogger(__name__)
 

@@ -51,13 +51,6 @@ class ShardSource:
     def in_memory(self) -> bool:
         return self.data is not None
 
-    @property
-    def size(self) -> int:
-        if self.path is not None:
-            return self.path.stat().st_size
-        with memoryview(self.data) as view:
-            return view.nbytes
-
     @contextlib.contextmanager
     def view(self) -> Iterator[Any]:
         """The bytes, readable as a buffer for as long as the block runs: a file mapped once (read only; ``b""``
